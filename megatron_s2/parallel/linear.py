@@ -1,0 +1,84 @@
+"""Tensor- and sequence-parallel linear layers (local provider, device-agnostic).
+
+Activations are ``[batch, seq, hidden]``; under sequence parallelism the sequence dimension
+(1) is split over the tensor-parallel group outside of tensor-parallel regions.
+
+* :class:`ColumnParallelLinear` splits the output features; its input is all-gathered over
+  the sequence (SP) or copied (no SP) on entry.
+* :class:`RowParallelLinear` splits the input features; its partial outputs are
+  reduce-scattered over the sequence (SP) or all-reduced (no SP) on exit.
+* :class:`ReplicatedLinear` holds the full weight on every tensor-parallel rank. Under SP its
+  input is sequence-sharded, so its gradient is a partial sum; the parameter is flagged
+  ``sequence_parallel=True`` and the gradient finaliser all-reduces it over tp.
+
+Weights are stored ``[out, in]`` like ``torch.nn.Linear`` and carry a ShardSpec.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_s2.parallel import mappings
+from megatron_s2.parallel.groups import Group
+from megatron_s2.parallel.sharding import mark_param
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear"]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.to(weight.dtype) if x.dtype != weight.dtype else x, weight)
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, tp: Group | None = None,
+                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        sp = bool(sequence_parallel and tp is not None and tp.active)
+        mark_param(self.weight, (out_features, in_features), sequence_parallel=sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.weight)
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, tp: Group, sequence_parallel: bool = False,
+                 gather_output: bool = False, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if out_features % tp.size:
+            raise ValueError(f"{out_features} output features do not split over tp={tp.size}")
+        self.tp, self.sequence_parallel, self.gather_output = tp, sequence_parallel and tp.active, gather_output
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features, dtype=dtype))
+        mark_param(self.weight, (out_features, in_features), [(0, tp.rank, tp.size)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = mappings.all_gather_sequence(x, self.tp, dim=1)
+        else:
+            x = mappings.copy_to_group(x, self.tp)
+        y = _linear(x, self.weight)
+        if self.gather_output:
+            y = mappings.gather_from_group(y, self.tp, dim=-1)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, tp: Group, sequence_parallel: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if in_features % tp.size:
+            raise ValueError(f"{in_features} input features do not split over tp={tp.size}")
+        self.tp, self.sequence_parallel = tp, sequence_parallel and tp.active
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size, dtype=dtype))
+        mark_param(self.weight, (out_features, in_features), [(1, tp.rank, tp.size)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _linear(x, self.weight)
+        if self.sequence_parallel:
+            return mappings.reduce_scatter_sequence(y, self.tp, dim=1)
+        return mappings.reduce_from_group(y, self.tp)

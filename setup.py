@@ -1,0 +1,50 @@
+"""megatron_s2: Megatron-style parallel training of S2-class models (see README.md).
+
+The repository keeps ``launcher/``, ``kernels/`` and ``tools/`` at the top level; they are
+installed as the sub-packages ``megatron_s2.launcher``, ``megatron_s2.kernels`` and
+``megatron_s2.tools`` so that nothing but ``megatron_s2`` lands in site-packages.
+"""
+
+from setuptools import find_packages, setup
+
+# torch is pinned: a fresh CPU machine takes the local 2.13.0 wheel, while an open range
+# would pull a multi-GB CUDA build. GPU clusters use an NGC-style container that already
+# ships torch, Transformer Engine and NVIDIA apex (built from source), then
+# `pip install -e . --no-deps` or `pip install -e .[gpu]`. NVIDIA apex is detected at run
+# time; never depend on the unrelated PyPI project of the same name.
+install_requires = [
+    "torch==2.13.0",
+    "megatron-core==0.16.1",
+    "numpy>=1.24",
+    "PyYAML>=6.0",
+    "safetensors>=0.4",
+    "tensorboard>=2.14",
+    "tqdm>=4.60",
+]
+
+extras_require = {
+    "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
+    "mpi": ["mpi4py>=3.1"],
+    "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "mpi4py>=3.1", "matplotlib>=3.7"],
+}
+
+subpackages = {"launcher": "launcher", "kernels": "kernels", "tools": "tools"}
+packages = find_packages(include=["megatron_s2", "megatron_s2.*"])
+package_dir = {"megatron_s2": "megatron_s2"}
+for name, folder in subpackages.items():
+    found = find_packages(where=folder)
+    packages += [f"megatron_s2.{name}"] + [f"megatron_s2.{name}.{p}" for p in found]
+    package_dir[f"megatron_s2.{name}"] = folder
+
+setup(
+    name="megatron_s2",
+    version="0.1.0",
+    description="Megatron-style parallelism library and launcher for S2-class models",
+    python_requires=">=3.10",
+    packages=packages,
+    package_dir=package_dir,
+    install_requires=install_requires,
+    extras_require=extras_require,
+    include_package_data=True,
+    entry_points={"console_scripts": ["megatron-s2=megatron_s2.cli:main"]},
+)
