@@ -183,6 +183,9 @@ class ModelConfig:
     """RMSNorm epsilon (reference value)."""
     init_std: float = 0.006
     """Standard deviation of the normal initialisation of matrices."""
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    """Provider of the leaf modules: local (pure PyTorch, CPU and GPU) or Transformer Engine
+    (FP8 GEMMs on NVIDIA GPUs; must be importable)."""
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:

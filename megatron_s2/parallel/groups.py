@@ -50,6 +50,8 @@ class ParallelGroups:
     expert_dp: Group = field(default_factory=Group.single)  # replicas of the same experts
     tp_ep: Group = field(default_factory=Group.single)  # tp x ep: MoE token-dispatch domain
     embedding: Group = field(default_factory=Group.single)  # first+last pipeline stage
+    stage: Group = field(default_factory=Group.single)  # tp x cp x dp: every rank of this pipeline stage
+    engram_replica: Group = field(default_factory=Group.single)  # ranks holding the same Engram row partition
 
     @staticmethod
     def single() -> "ParallelGroups":

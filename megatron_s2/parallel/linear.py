@@ -46,20 +46,24 @@ class ReplicatedLinear(nn.Module):
 
 class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: Group, sequence_parallel: bool = False,
-                 gather_output: bool = False, dtype: torch.dtype = torch.float32):
+                 gather_output: bool = False, dtype: torch.dtype = torch.float32, region_entry: bool = True):
+        """``region_entry=False``: the caller already brought the input into the tensor-parallel
+        region (gathered over the sequence / wrapped in copy_to_group), so no entry mapping."""
         super().__init__()
         if out_features % tp.size:
             raise ValueError(f"{out_features} output features do not split over tp={tp.size}")
         self.tp, self.sequence_parallel, self.gather_output = tp, sequence_parallel and tp.active, gather_output
+        self.region_entry = region_entry
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features, dtype=dtype))
         mark_param(self.weight, (out_features, in_features), [(0, tp.rank, tp.size)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = mappings.all_gather_sequence(x, self.tp, dim=1)
-        else:
-            x = mappings.copy_to_group(x, self.tp)
+        if self.region_entry:
+            if self.sequence_parallel:
+                x = mappings.all_gather_sequence(x, self.tp, dim=1)
+            else:
+                x = mappings.copy_to_group(x, self.tp)
         y = _linear(x, self.weight)
         if self.gather_output:
             y = mappings.gather_from_group(y, self.tp, dim=-1)

@@ -25,6 +25,7 @@ __all__ = [
     "scatter_sequence",
     "gather_sequence",
     "all_reduce_sum",
+    "all_reduce_max",
 ]
 
 
@@ -175,3 +176,12 @@ def gather_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor
 def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Non-differentiable in-place-free all-reduce (statistics, losses for logging)."""
     return _all_reduce(x, group)
+
+
+def all_reduce_max(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Non-differentiable element-wise max over the group."""
+    if not group.active:
+        return x
+    x = x.contiguous().clone()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group.pg)
+    return x

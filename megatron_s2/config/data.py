@@ -1,0 +1,126 @@
+"""Data configuration: where training documents come from and how they become sequences.
+
+Two kinds of data feed the trainer (implementation in :mod:`megatron_s2.data`):
+
+* ``synthetic`` — verifiable tasks (addition, multiplication, sorting, copying, reversing,
+  balanced brackets) generated deterministically from a seed; no files, no download. The same
+  tasks serve RL later, so their difficulty knobs live here in :class:`TaskDifficulty`.
+* ``indexed`` — ``.bin``/``.idx`` pairs written by ``tools/preprocess_data.py``, optionally a
+  weighted blend of several prefixes.
+
+Documents are rendered as ``bos + prompt + sep + answer + eos`` (or ``bos + text + eos``),
+best-fit packed into rows of ``seq_length + 1`` tokens and shuffled per epoch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_s2.config.schema import ConfigError
+
+__all__ = ["TASK_NAMES", "TaskDifficulty", "DataConfig"]
+
+TASK_NAMES: tuple[str, ...] = ("addition", "multiplication", "sort", "copy", "reverse", "brackets")
+"""Names of the synthetic verifiable tasks; ``megatron_s2.data.tasks.TASK_REGISTRY`` builds each."""
+
+
+@dataclass(frozen=True)
+class TaskDifficulty:
+    """Difficulty knobs of the synthetic tasks (shared by pretraining, SFT and RL)."""
+
+    addition_max_digits: int = 6
+    """Each addition operand has 1..addition_max_digits decimal digits."""
+    multiplication_max_digits: int = 3
+    """Each multiplication operand has 1..multiplication_max_digits decimal digits."""
+    sort_max_length: int = 10
+    """Sorting prompts hold 1..sort_max_length symbols (all digits or all lowercase letters)."""
+    string_max_length: int = 12
+    """Copy / reverse prompts hold 1..string_max_length letters and digits."""
+    brackets_max_length: int = 16
+    """Balanced-bracket prompts hold 2..brackets_max_length brackets (an even number)."""
+
+    def __post_init__(self) -> None:
+        limits = {
+            "addition_max_digits": (1, 30),
+            "multiplication_max_digits": (1, 15),
+            "sort_max_length": (1, 200),
+            "string_max_length": (1, 200),
+            "brackets_max_length": (2, 200),
+        }
+        for name, (low, high) in limits.items():
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise ConfigError(f"{name}: must be in {low}..{high}, got {value}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training data of a phase: source, tokenizer, rendering and loss masking."""
+
+    kind: Literal["synthetic", "indexed"] = "synthetic"
+    """'synthetic': generated verifiable tasks; 'indexed': .bin/.idx files from
+    tools/preprocess_data.py listed in `paths`."""
+    tokenizer: Literal["char"] = "char"
+    """Tokenizer kind; 'char' is the project's own character-level tokenizer (vocab <= 128)."""
+
+    # ---- synthetic -----------------------------------------------------------------------
+    tasks: tuple[str, ...] = TASK_NAMES
+    """Synthetic tasks to mix (uniformly, per document); any of TASK_NAMES."""
+    difficulty: TaskDifficulty = field(default_factory=TaskDifficulty)
+    """Difficulty knobs of the synthetic tasks."""
+    num_documents: int = 20_000
+    """Documents generated for kind 'synthetic' (one epoch of data)."""
+    dataset_seed: int | None = None
+    """Seed of synthetic generation; None uses the run seed. Fix it to keep the data while
+    varying the run seed (shuffling always follows the run seed)."""
+
+    # ---- indexed -------------------------------------------------------------------------
+    paths: tuple[str, ...] = ()
+    """Path prefixes of indexed datasets (each names prefix.bin and prefix.idx)."""
+    weights: tuple[float, ...] = ()
+    """Blend weights, one per path; empty = proportional to each dataset's size."""
+
+    # ---- rendering -----------------------------------------------------------------------
+    loss_on: Literal["auto", "all", "answer"] = "auto"
+    """Which target tokens carry loss: 'all' (pretraining), 'answer' (SFT: answer + eos only,
+    prompt masked), 'auto' = 'answer' when the phase is 'sft', else 'all'."""
+
+    def __post_init__(self) -> None:
+        if not self.tasks and self.kind == "synthetic":
+            raise ConfigError(f"tasks: synthetic data needs at least one task; valid names: {', '.join(TASK_NAMES)}")
+        for name in self.tasks:
+            if name not in TASK_NAMES:
+                raise ConfigError(f"tasks: unknown task '{name}'; valid names: {', '.join(TASK_NAMES)}")
+        if len(set(self.tasks)) != len(self.tasks):
+            raise ConfigError(f"tasks: duplicate task names in {list(self.tasks)}; list each task once")
+        if self.num_documents < 1:
+            raise ConfigError(f"num_documents: must be >= 1, got {self.num_documents}")
+        if self.dataset_seed is not None and self.dataset_seed < 0:
+            raise ConfigError(f"dataset_seed: must be a non-negative integer or null, got {self.dataset_seed}")
+        if self.kind == "indexed":
+            if not self.paths:
+                raise ConfigError("paths: kind 'indexed' needs at least one dataset prefix "
+                                  "(write one with tools/preprocess_data.py --output-prefix PREFIX)")
+            if len(set(self.paths)) != len(self.paths):
+                raise ConfigError(f"paths: duplicate prefixes in {list(self.paths)}")
+        elif self.paths or self.weights:
+            raise ConfigError("paths: only kind 'indexed' reads files; set kind: indexed or drop paths/weights")
+        if self.weights:
+            if len(self.weights) != len(self.paths):
+                raise ConfigError(f"weights: {len(self.weights)} weights for {len(self.paths)} paths; "
+                                  "give one weight per path or none")
+            for weight in self.weights:
+                if not (math.isfinite(weight) and weight > 0):
+                    raise ConfigError(f"weights: every weight must be a positive finite number, got {weight}")
+
+    def loss_mode(self, phase: str) -> Literal["all", "answer"]:
+        """Resolve `loss_on` for a phase name ('auto' masks prompts only in 'sft')."""
+        if self.loss_on != "auto":
+            return self.loss_on
+        return "answer" if phase == "sft" else "all"
+
+    def generation_seed(self, run_seed: int) -> int:
+        """Seed of synthetic generation: `dataset_seed`, or the run seed when unset."""
+        return run_seed if self.dataset_seed is None else self.dataset_seed

@@ -1,0 +1,156 @@
+"""A recipe: one YAML file mapped 1:1 onto one dataclass per subsystem.
+
+Anatomy (every section optional; unknown keys are errors that name the key path)::
+
+    base: ../base/pretrain.yaml     # another recipe this one extends (relative to this file)
+    model: tiny                     # a file in recipes/models/ (name or path), or a mapping
+    phase:      {...}               # PhaseConfig
+    parallel:   {...}               # ParallelConfig
+    training:   {...}               # TrainingConfig
+    optimizer:  {...}               # OptimizerConfig
+    schedule:   {...}               # ScheduleConfig
+    data:       {...}               # DataConfig
+    checkpoint: {...}               # CheckpointConfig
+    logging:    {...}               # LoggingConfig
+    launcher:   {...}               # LauncherConfig
+
+Precedence, lowest to highest: dataclass defaults < base recipe (recursively) < the model
+file named by ``model:`` < keys written in the recipe itself (including ``model:`` given as
+a mapping, merged over the named file via ``model: {file: tiny, hidden_size: 96}``) <
+command-line overrides ``section.key=value``. The resolved recipe, written as
+``config.yaml`` in the run directory, is self-contained: it reproduces the run alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from megatron_s2.config.checkpoint import CheckpointConfig
+from megatron_s2.config.data import DataConfig
+from megatron_s2.config.launcher import LauncherConfig
+from megatron_s2.config.logging import LoggingConfig
+from megatron_s2.config.model import ModelConfig
+from megatron_s2.config.optimizer import OptimizerConfig, ScheduleConfig
+from megatron_s2.config.parallel import ParallelConfig
+from megatron_s2.config.phase import PhaseConfig
+from megatron_s2.config.schema import ConfigError, apply_override, from_mapping, to_mapping
+from megatron_s2.config.training import TrainingConfig
+
+__all__ = ["RecipeConfig", "load_recipe", "MODELS_DIR", "RECIPES_DIR"]
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+MODELS_DIR = RECIPES_DIR / "models"
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    model: ModelConfig
+    """The backbone (recipes/models/*.yaml)."""
+    phase: PhaseConfig = field(default_factory=PhaseConfig)
+    """What is trained and with which loss."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout sizes."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Steps, batch geometry, seed, run directory."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Muon / Sinkhorn / AdamW hyper-parameters (§4.2.2)."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Learning-rate schedule (§4.2.2)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training data."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint cadence and resume policy."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics, TensorBoard, progress bar."""
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    """Defaults for `megatron-s2 launch`."""
+
+    def to_mapping(self) -> dict:
+        return to_mapping(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_mapping(), sort_keys=False)
+
+    def replace(self, **sections) -> "RecipeConfig":
+        return dataclasses.replace(self, **sections)
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"recipe file '{path}' does not exist; check the path (recipes live in {RECIPES_DIR})")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"recipe file '{path}' is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe file '{path}' must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _model_file(ref: str, relative_to: Path) -> Path:
+    candidates = [relative_to / ref, MODELS_DIR / ref, MODELS_DIR / f"{ref}.yaml"]
+    for cand in candidates:
+        if cand.is_file():
+            return cand
+    names = sorted(p.stem for p in MODELS_DIR.glob("*.yaml"))
+    raise ConfigError(f"model: '{ref}' is neither a file nor a model in {MODELS_DIR} (available: {', '.join(names)})")
+
+
+def _resolve_model(node: Any, relative_to: Path) -> dict:
+    if isinstance(node, str):
+        return _read_yaml(_model_file(node, relative_to))
+    if isinstance(node, dict):
+        node = dict(node)
+        ref = node.pop("file", None)
+        base = _read_yaml(_model_file(ref, relative_to)) if ref else {}
+        return _merge(base, node)
+    raise ConfigError(f"model: expected a model name, a file path or a mapping, got {node!r}")
+
+
+def _resolve_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    path = path.resolve()
+    if path in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path))
+        raise ConfigError(f"base: recipes include each other in a cycle: {chain}")
+    data = _read_yaml(path)
+    base_ref = data.pop("base", None)
+    tree: dict = {}
+    if base_ref is not None:
+        if not isinstance(base_ref, str):
+            raise ConfigError(f"base: expected a recipe path in '{path}', got {base_ref!r}")
+        tree = _resolve_tree(path.parent / base_ref, (*seen, path))
+    if "model" in data:
+        model = _resolve_model(data.pop("model"), path.parent)
+        base_model = tree.get("model", {}) if isinstance(tree.get("model"), dict) else {}
+        tree["model"] = model if not base_model else _merge(base_model, model)
+    return _merge(tree, data)
+
+
+def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> RecipeConfig:
+    """Load, merge and validate a recipe; raise ConfigError naming the offending key."""
+    tree = _resolve_tree(Path(path))
+    for text in overrides:
+        if text.startswith("model.") and isinstance(tree.get("model"), str):
+            tree["model"] = _resolve_model(tree["model"], Path(path).parent)
+        apply_override(tree, text)
+    if "model" not in tree:
+        raise ConfigError("model: the recipe names no model; add `model: tiny` (or a path to a model file)")
+    if isinstance(tree["model"], str):
+        tree["model"] = _resolve_model(tree["model"], Path(path).resolve().parent)
+    return from_mapping(RecipeConfig, tree)

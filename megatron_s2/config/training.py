@@ -1,0 +1,43 @@
+"""Training-loop section of a recipe (``training:``): steps, batch geometry, seeds, run directory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_s2.config.schema import ConfigError
+
+__all__ = ["TrainingConfig"]
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    run_dir: str = "runs/default"
+    """Run directory (config.yaml, metrics.jsonl, checkpoints/); --run-dir overrides it."""
+    train_steps: int = 100
+    """Optimiser steps to run in total (a resumed run continues up to this step)."""
+    global_batch_size: int = 8
+    """Sequences per optimiser step, over all data-parallel replicas."""
+    micro_batch_size: int = 2
+    """Sequences per forward/backward pass on one replica."""
+    seq_length: int = 64
+    """Tokens per sequence."""
+    seed: int = 1234
+    """Seed for initialisation, data order and dropout-free sampling."""
+    deterministic: bool = True
+    """Deterministic algorithms on CPU (bit-identical resume)."""
+    eval_interval: int = 0
+    """Evaluate every N steps on held-out synthetic tasks; 0 disables."""
+    eval_samples: int = 64
+    """Held-out samples per evaluation."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_steps", "global_batch_size", "micro_batch_size", "seq_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"training.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(f"training.global_batch_size: {self.global_batch_size} is not a multiple of "
+                              f"micro_batch_size={self.micro_batch_size}")
+        if self.eval_interval < 0:
+            raise ConfigError("training.eval_interval: must be >= 0")
+        if not self.run_dir:
+            raise ConfigError("training.run_dir: must not be empty")

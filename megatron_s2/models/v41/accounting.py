@@ -1,0 +1,199 @@
+"""Parameter, KV-cache and FLOP accounting of the V4.1 backbone, from its config alone.
+
+Used by ``megatron-s2 account`` (sizing a model before booking a cluster), by the trainer
+for model TFLOP/s (sparse attention counted as sparse, not dense) and by memory planning.
+Every count is derived from :class:`ModelConfig` and the layer plan — the same objects the
+model is built from — and a test checks the parameter counts against instantiated models.
+
+KV formats (§2.4.4, §3.2.1): the main (compressed) KV is FP4 E2M1 with one E4M3 scale per 16
+channels when ``fp4_main_kv`` (else FP8 E4M3 with one E8M0 scale per 32); indexer keys are
+MXFP4 (E2M1 + one E8M0 scale per 32) when ``fp4_indexer`` (else FP8); SWA KV is FP8 with one
+scale per 32 when ``fp8_swa_kv`` (else BF16). Global KV (main KV + index K of every Full
+layer) stays in HBM and is the persistent cache; SWA KV is per-request state that is never
+persisted (recomputed by bounded replay, §3.2.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from megatron_s2.config.layer_plan import CSA2Mode, LayerSpec
+from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.engram.hashing import EngramHasher
+from megatron_s2.models.v41.engram.table import padded_rows
+
+__all__ = ["ParamCounts", "count_parameters", "kv_bytes", "decode_flops_per_token", "train_flops_per_token",
+           "account", "fp4_bytes", "fp8_bytes"]
+
+
+def fp4_bytes(channels: int, block: int) -> float:
+    """E2M1 payload (half a byte per value) + one 1-byte scale per block."""
+    return channels / 2 + channels / block
+
+
+def fp8_bytes(channels: int, block: int = 32) -> float:
+    return channels + channels / block
+
+
+@dataclass
+class ParamCounts:
+    embedding: int
+    head: int
+    attention: int
+    moe_routed: int
+    moe_other: int
+    mhc: int
+    norms: int
+    engram: int
+
+    @property
+    def backbone(self) -> int:
+        return self.embedding + self.head + self.attention + self.moe_routed + self.moe_other + self.mhc + self.norms
+
+    @property
+    def total(self) -> int:
+        return self.backbone + self.engram
+
+
+def _attention_params(c: ModelConfig, s: LayerSpec) -> int:
+    d, h, hd = c.hidden_size, c.num_attention_heads, c.head_dim
+    n = c.q_lora_rank * (d + 1) + c.q_lora_rank * h * hd + d * hd + hd
+    n += h if c.attn_sink else 0
+    n += c.o_lora_rank * h * hd + c.o_groups * c.o_lora_rank * d
+    if s.mode is CSA2Mode.FULL:
+        n += d * hd * (2 if s.compress_ratio > 1 else 1) + hd
+        n += d if s.uses_encoder_output else 0
+        n += hd * c.index_head_dim + c.index_head_dim
+    if s.runs_indexer:
+        n += c.q_lora_rank * c.index_num_heads * c.index_head_dim + d * c.index_num_heads
+    return n
+
+
+def _expert_params(c: ModelConfig) -> int:
+    return 3 * c.hidden_size * c.moe_ffn_hidden_size
+
+
+def engram_rows(c: ModelConfig, layer: int) -> int:
+    """Rows of the layer's concatenated table (all prime-sized tables, padded for partitioning)."""
+    return padded_rows(EngramHasher.from_config(c).num_rows(layer))
+
+
+def engram_module_params(c: ModelConfig, layer: int) -> int:
+    rows = engram_rows(c, layer)
+    n_in = c.engram_num_tables * c.engram_head_dim
+    return rows * c.engram_head_dim + n_in * c.hidden_size * (c.hc_mult + 1) + 2 * c.hc_mult * c.hidden_size
+
+
+def count_parameters(c: ModelConfig, layers: list[int] | None = None, *, pre_process: bool = True,
+                     post_process: bool = True) -> ParamCounts:
+    plan = c.plan
+    ids = range(c.num_layers) if layers is None else layers
+    d, n = c.hidden_size, c.hc_mult
+    attn = routed = other = mhc = norms = engram = 0
+    for i in ids:
+        s = plan[i]
+        attn += _attention_params(c, s)
+        routed += c.num_routed_experts * _expert_params(c)
+        other += c.num_routed_experts * d + c.num_shared_experts * _expert_params(c)
+        mhc += 2 * (c.mhc_mix_dim * n * d + c.mhc_mix_dim + 3)
+        norms += 2 * d
+        if s.has_engram:
+            engram += engram_module_params(c, i)
+    return ParamCounts(
+        embedding=c.vocab_size * d if pre_process else 0,
+        head=c.vocab_size * d if post_process else 0,
+        attention=attn, moe_routed=routed, moe_other=other, mhc=mhc,
+        norms=norms + (d if post_process else 0), engram=engram,
+    )
+
+
+def kv_bytes(c: ModelConfig) -> dict[str, float]:
+    """Per-token global KV bytes by component and per-request SWA state bytes."""
+    main_entry = fp4_bytes(c.head_dim, 16) if c.fp4_main_kv else fp8_bytes(c.head_dim)
+    index_entry = fp4_bytes(c.index_head_dim, 32) if c.fp4_indexer else fp8_bytes(c.index_head_dim)
+    swa_entry = fp8_bytes(c.head_dim) if c.fp8_swa_kv else 2 * c.head_dim
+    main = index = 0.0
+    for s in c.plan:
+        if s.mode is CSA2Mode.FULL:
+            main += main_entry / s.compress_ratio
+            index += index_entry / s.compress_ratio
+    return {
+        "main_kv_bytes_per_token": main,
+        "index_k_bytes_per_token": index,
+        "global_kv_bytes_per_token": main + index,
+        "swa_state_bytes_per_request": c.num_layers * c.window_size * swa_entry,
+        "main_kv_format": "fp4-e2m1+e4m3/16" if c.fp4_main_kv else "fp8-e4m3+e8m0/32",
+        "index_k_format": "mxfp4-e2m1+e8m0/32" if c.fp4_indexer else "fp8-e4m3+e8m0/32",
+        "swa_kv_format": "fp8-e4m3+e8m0/32" if c.fp8_swa_kv else "bf16",
+    }
+
+
+def _matmul_params(c: ModelConfig, counts: ParamCounts, active_experts: bool) -> int:
+    """Parameters that take part in a matrix product for one token (embedding rows and
+    Engram tables are lookups, not products)."""
+    experts = counts.moe_routed * c.moe_topk // c.num_routed_experts if active_experts else counts.moe_routed
+    engram_tables = sum(engram_rows(c, i) * c.engram_head_dim for i in c.engram_layers)
+    return counts.head + counts.attention + experts + counts.moe_other + counts.mhc + counts.engram - engram_tables
+
+
+def _attention_flops(c: ModelConfig, context: int) -> float:
+    """Attention + indexer FLOPs of one query at position ``context - 1``."""
+    flops = 0.0
+    h, hd = c.num_attention_heads, c.head_dim
+    for s in c.plan:
+        entries = min(c.window_size, context)
+        if s.is_csa2:
+            visible = context // s.compress_ratio
+            entries += min(c.index_topk, visible)
+            if s.runs_indexer:
+                scored = visible
+                if s.candidate_source is not None and not s.is_candidate_source:
+                    scored = min(visible, c.candidate_pool_size)
+                flops += 2 * scored * c.index_num_heads * (c.index_head_dim + 1)
+        flops += 4 * h * hd * entries
+    return flops
+
+
+def decode_flops_per_token(c: ModelConfig, context: int) -> float:
+    counts = count_parameters(c)
+    return 2 * _matmul_params(c, counts, True) + _attention_flops(c, context)
+
+
+def train_flops_per_token(c: ModelConfig, seq_length: int) -> float:
+    """Forward + backward FLOPs per trained token (3x forward), attention averaged over the
+    positions of a sequence of ``seq_length`` tokens."""
+    counts = count_parameters(c)
+    step = max(1, seq_length // 64)
+    samples = list(range(1, seq_length + 1, step))
+    attn = sum(_attention_flops(c, p) for p in samples) / len(samples)
+    return 3 * (2 * _matmul_params(c, counts, True) + attn)
+
+
+def account(c: ModelConfig) -> dict:
+    counts = count_parameters(c)
+    routed_inactive = counts.moe_routed - counts.moe_routed * c.moe_topk // c.num_routed_experts
+    decode = counts.backbone - routed_inactive
+    # Prefill under CED (§2.2): the encoder runs on every prompt token; the decoder only
+    # projects its global KV from H_{L/2} (Full layers' compressor + index-key projection).
+    enc_layers = [s.index for s in c.plan if s.is_encoder]
+    enc = count_parameters(c, enc_layers, post_process=False)
+    prefill = enc.backbone - (enc.moe_routed - enc.moe_routed * c.moe_topk // c.num_routed_experts)
+    for s in c.plan:
+        if not s.is_encoder and s.mode is CSA2Mode.FULL:
+            prefill += c.hidden_size * c.head_dim * (2 if s.compress_ratio > 1 else 1) + c.head_dim
+            prefill += c.hidden_size if s.uses_encoder_output else 0
+            prefill += c.head_dim * c.index_head_dim + c.index_head_dim
+    kv = kv_bytes(c)
+    return {
+        "model": c.name,
+        "backbone_params": counts.backbone,
+        "engram_params": counts.engram,
+        "activated_params_decode": decode,
+        "activated_params_prefill": prefill,
+        "global_kv_bytes_per_token": kv["global_kv_bytes_per_token"],
+        "persistent_kv_bytes_per_token": kv["global_kv_bytes_per_token"],
+        "swa_state_bytes_per_request": kv["swa_state_bytes_per_request"],
+        "decode_flops_4k": decode_flops_per_token(c, 4096),
+        "decode_flops_1m": decode_flops_per_token(c, 1 << 20),
+        "breakdown": {"params": asdict(counts), "kv": kv},
+    }

@@ -1,0 +1,66 @@
+"""CSA2 compressor (report §2.3): m consecutive tokens -> one main-KV entry.
+
+Unlike CSA in DeepSeek-V4, groups do not overlap and carry no absolute positional embedding:
+entry j pools tokens j*m .. j*m+m-1 with a per-channel softmax gate,
+
+    c_j = sum_t softmax_t(Z[t]) * C[t],    C = X W^KV,  Z = X W^Z   (Eq. 1 notation),
+
+followed by RMSNorm. With m = 1 the compressor is a plain projection (no gate). A trailing
+incomplete group produces no entry (it is not causally complete). Under the Causal
+Encoder-Decoder (§2.2, Eq. 1) a decoder Full layer feeds the last encoder layer's hidden
+state H_{L/2} here instead of its own, through its own input RMSNorm. RoPE and FP4 QAT are
+applied by the attention layer, after the index keys are derived from the RoPE-free latent.
+
+The projections are replicated over tensor-parallel ranks (one latent for all heads) and
+run on the locally held tokens; the caller gathers the small latent over the sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.norm import RMSNorm
+from megatron_s2.parallel.linear import ReplicatedLinear
+
+__all__ = ["Compressor", "pool_groups"]
+
+
+def pool_groups(kv: torch.Tensor, gate: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Softmax-gated pooling of complete groups: [b, s, c] -> [b, s // ratio, c] (float32)."""
+    b, s, c = kv.shape
+    n = s // ratio
+    kv = kv[:, : n * ratio].float().view(b, n, ratio, c)
+    gate = gate[:, : n * ratio].float().view(b, n, ratio, c)
+    return (kv * gate.softmax(dim=2)).sum(dim=2)
+
+
+class Compressor(nn.Module):
+    def __init__(self, config: ModelConfig, ratio: int, *, from_encoder_output: bool, tp_partial: bool,
+                 linears=None):
+        super().__init__()
+        linear = linears.replicated_linear if linears is not None else ReplicatedLinear
+        self.ratio = ratio
+        d, hd = config.hidden_size, config.head_dim
+        self.input_norm = RMSNorm(d, config.norm_eps, sequence_parallel=tp_partial) if from_encoder_output else None
+        self.linear_kv = linear(d, hd)
+        self.linear_gate = linear(d, hd) if ratio > 1 else None
+        self.norm = RMSNorm(hd, config.norm_eps, sequence_parallel=tp_partial)
+        for lin in (self.linear_kv, self.linear_gate):
+            if lin is not None:
+                lin.weight.sequence_parallel = tp_partial
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token projections (run on the locally held tokens): (C, Z)."""
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        x = x.float()
+        kv = self.linear_kv(x)
+        gate = self.linear_gate(x) if self.linear_gate is not None else None
+        return kv, gate
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """Complete groups of the full sequence -> normalised RoPE-free latents [b, s//m, hd]."""
+        latent = kv.float() if self.ratio == 1 else pool_groups(kv, gate, self.ratio)
+        return self.norm(latent)

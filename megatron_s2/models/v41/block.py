@@ -1,0 +1,57 @@
+"""One backbone block: [Engram] -> mHC(attention) -> mHC(MoE) (report §2.1, §2.4).
+
+The residual stream is n parallel copies X_l in R^{n x d} (mHC, §2.4.1). Each sublayer (the
+attention and the MoE) has a coefficient predictor H producing (A, B, C); the stream is
+updated as X <- B X + C F(A' X). With **Single-Pass mHC** (Eq. 6) the input mix A' is the
+one produced by the *previous* sublayer, so each sublayer's input no longer waits for its
+own coefficient reduction; with the multi-pass form (Eq. 2–5) A' = A of the current
+sublayer. An Engram module, where the plan places one (§2.4.2), writes its gated n-gram
+memory into the streams before the block. The last encoder layer publishes H_{L/2} — the
+collapsed stream the next block would read — for the CED decoder (§2.2, Eq. 1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_s2.config.layer_plan import LayerSpec, SharedStateKind
+from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.context import ForwardContext
+from megatron_s2.models.v41.mhc import collapse, expand
+from megatron_s2.models.v41.spec import BlockSubmodules, build_module
+from megatron_s2.parallel.groups import ParallelGroups
+
+__all__ = ["V41Block"]
+
+
+class V41Block(nn.Module):
+    def __init__(self, config: ModelConfig, spec: LayerSpec, groups: ParallelGroups, submodules: BlockSubmodules):
+        super().__init__()
+        self.config, self.spec = config, spec
+        self.layer_number = spec.index
+        sp = groups.sequence_parallel and groups.tp.active
+        self.engram = build_module(submodules.engram, config, spec.index, groups) if spec.has_engram else None
+        self.attn_hc = build_module(submodules.hyper_connection, config, groups)
+        self.attn_norm = submodules.norm(config.hidden_size, config.norm_eps, sequence_parallel=sp)
+        self.attention = build_module(submodules.attention, config, spec, groups, linears=submodules.linears)
+        self.mlp_hc = build_module(submodules.hyper_connection, config, groups)
+        self.mlp_norm = submodules.norm(config.hidden_size, config.norm_eps, sequence_parallel=sp)
+        self.mlp = build_module(submodules.mlp, config, spec.index, groups)
+        self.publishes_encoder_output = spec.index == config.num_encoder_layers - 1 and config.has_decoder
+
+    def forward(self, x: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [b, s, n, d] streams; pre: [b, s, n] input mix handed over by the previous
+        sublayer. Returns the new streams and the mix for the next block."""
+        if self.engram is not None:
+            x = self.engram(x, ctx)
+        single = self.config.mhc_single_pass
+        attn_pre, attn_post, attn_comb = self.attn_hc.coefficients(x)
+        h = self.attention(self.attn_norm(collapse(x, pre if single else attn_pre)), ctx)
+        x = expand(h, x, attn_post, attn_comb)
+        mlp_pre, mlp_post, mlp_comb = self.mlp_hc.coefficients(x)
+        h = self.mlp(self.mlp_norm(collapse(x, attn_pre if single else mlp_pre)), ctx)
+        x = expand(h, x, mlp_post, mlp_comb)
+        if self.publishes_encoder_output:
+            ctx.shared.publish(self.spec.index, SharedStateKind.ENCODER_OUTPUT, collapse(x, mlp_pre))
+        return x, mlp_pre

@@ -1,0 +1,68 @@
+"""Per-micro-batch forward context handed to every layer of the backbone.
+
+Layers read what they need from here instead of from module attributes or globals: token
+positions (global, so context-parallel chunks keep their true positions), document ids for
+sample-level attention masks (§4.2.2), the image mask that selects the image correction
+bias (§2.1.1), the shared-state registry (§3.1.2), the routing recorder/replayer, and the
+accumulator of auxiliary losses (MoE sequence balance loss, indexer alignment loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatron_s2.config.layer_plan import LayerPlan
+from megatron_s2.models.v41.shared_state import SharedStateRegistry
+
+if TYPE_CHECKING:
+    from megatron_s2.models.v41.moe.routing_replay import RoutingReplay
+
+__all__ = ["ForwardContext"]
+
+
+@dataclass
+class ForwardContext:
+    input_ids: torch.Tensor
+    """[b, s] token ids of this (chunk of the) sequence; Engram hashes them."""
+    positions: torch.Tensor
+    """[b, s] global positions of the tokens in the full sequence (int64)."""
+    shared: SharedStateRegistry
+    """Shared attention states of this micro-batch."""
+    doc_ids: torch.Tensor | None = None
+    """[b, s] document ids; attention and n-grams never cross a document boundary."""
+    image_mask: torch.Tensor | None = None
+    """[b, s] True for image-span tokens (image routing bias, no Engram contribution)."""
+    routing: "RoutingReplay | None" = None
+    """Records or replays MoE routing decisions (Rollout Routing Replay)."""
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Auxiliary losses added to the objective, summed over layers (already weighted)."""
+    aux_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Detached diagnostics (e.g. unweighted indexer KL) for logging."""
+    full_input_ids: torch.Tensor | None = None
+    """[b, S] token ids of the whole sequence when this rank holds a context-parallel chunk."""
+    full_doc_ids: torch.Tensor | None = None
+    """[b, S] document ids of the whole sequence under context parallelism."""
+
+    @classmethod
+    def create(cls, input_ids: torch.Tensor, plan: LayerPlan, *, positions: torch.Tensor | None = None,
+               doc_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
+               routing=None) -> "ForwardContext":
+        if positions is None:
+            positions = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+        return cls(input_ids=input_ids, positions=positions, shared=SharedStateRegistry(plan),
+                   doc_ids=doc_ids, image_mask=image_mask, routing=routing)
+
+    def add_aux_loss(self, name: str, value: torch.Tensor) -> None:
+        self.aux_losses[name] = self.aux_losses[name] + value if name in self.aux_losses else value
+
+    def add_metric(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach()
+        self.aux_metrics[name] = self.aux_metrics[name] + value if name in self.aux_metrics else value
+
+    def total_aux_loss(self) -> torch.Tensor | None:
+        if not self.aux_losses:
+            return None
+        return sum(self.aux_losses.values())

@@ -1,0 +1,100 @@
+"""The V4.1-Flash-style backbone (report §2): embedding -> n-stream mHC blocks -> head.
+
+The model holds any contiguous or interleaved subset of the layers, so a pipeline stage is
+the same class with ``layers=`` and ``pre_process`` / ``post_process`` flags (megatron-core
+convention). Layers are stored under their *global* index (``layers.<i>``), so parameter
+names — and therefore initialisation and checkpoints — do not depend on the parallel
+layout. The forward pass of one stage is ``embed`` (first stage) -> ``run_layers`` ->
+``head`` (last stage); ``forward`` chains them for the single-stage case.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.init import initialize_parameters
+from megatron_s2.models.v41.context import ForwardContext
+from megatron_s2.models.v41.mhc import collapse, expand_embedding, one_hot_pre
+from megatron_s2.models.v41.norm import RMSNorm
+from megatron_s2.models.v41.spec import LocalProvider, block_spec, build_module, get_provider
+from megatron_s2.parallel.groups import ParallelGroups
+from megatron_s2.parallel.vocab import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_cross_entropy
+
+__all__ = ["V41Model", "build_model"]
+
+
+class V41Model(nn.Module):
+    def __init__(self, config: ModelConfig, groups: ParallelGroups | None = None, *,
+                 layers: Iterable[int] | None = None, pre_process: bool = True, post_process: bool = True,
+                 provider: LocalProvider | None = None):
+        super().__init__()
+        self.config = config
+        self.groups = groups = groups or ParallelGroups.single()
+        self.plan = config.plan
+        self.pre_process, self.post_process = pre_process, post_process
+        sp = groups.sequence_parallel and groups.tp.active
+        d = config.hidden_size
+        if pre_process:
+            self.embedding = nn.ModuleDict(
+                {"word_embeddings": VocabParallelEmbedding(config.vocab_size, d, groups.tp, sequence_parallel=sp)})
+        spec = block_spec(provider or get_provider(config.transformer_impl))
+        ids = range(config.num_layers) if layers is None else list(layers)
+        self.layers = nn.ModuleDict({str(i): build_module(spec, config, self.plan[i], groups) for i in ids})
+        if post_process:
+            self.final_norm = RMSNorm(d, config.norm_eps, sequence_parallel=sp)
+            self.output_layer = VocabParallelHead(config.vocab_size, d, groups.tp, sequence_parallel=sp)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [int(k) for k in self.layers.keys()]
+
+    # ---- stage pieces --------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids -> (streams [b, s, n, d], initial one-hot input mix [b, s, n])."""
+        h = self.embedding["word_embeddings"](input_ids)
+        x = expand_embedding(h, self.config.hc_mult)
+        return x, one_hot_pre(x)
+
+    def run_layers(self, x: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext,
+                   layer_ids: Iterable[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        for i in (self.layer_ids if layer_ids is None else layer_ids):
+            x, pre = self.layers[str(i)](x, pre, ctx)
+        return x, pre
+
+    def head(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """Streams -> this rank's vocabulary shard of the logits (float32)."""
+        return self.output_layer(self.final_norm(collapse(x, pre)))
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy [b, s] (vocabulary-parallel)."""
+        return vocab_parallel_cross_entropy(logits, labels, self.groups.tp)
+
+    # ---- single-stage convenience -----------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits shard [b, s, V/tp], or the per-token loss [b, s] when ``labels`` is given."""
+        if ctx is None:
+            ctx = ForwardContext.create(input_ids, self.plan)
+        x, pre = self.embed(input_ids)
+        x, pre = self.run_layers(x, pre, ctx)
+        logits = self.head(x, pre)
+        return logits if labels is None else self.loss(logits, labels)
+
+    # ---- training hooks ---------------------------------------------------------------------
+    def update_expert_bias(self) -> None:
+        """Aux-loss-free balancing: one correction-bias update per optimiser step (§2.1.1)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "update_expert_bias"):
+                module.update_expert_bias(self.config.moe_bias_update_rate)
+
+    def init_weights(self, seed: int) -> "V41Model":
+        initialize_parameters(self, seed, self.config.init_std)
+        return self
+
+
+def build_model(config: ModelConfig, groups: ParallelGroups | None = None, *, seed: int = 0, **kwargs) -> V41Model:
+    return V41Model(config, groups, **kwargs).init_weights(seed)

@@ -1,0 +1,32 @@
+"""RMSNorm in float32 (precision map: norms always run in fp32)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_s2.models.init import constant_init
+from megatron_s2.parallel.sharding import mark_param
+
+__all__ = ["RMSNorm", "rms_norm"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        h = h * weight.float()
+    return h.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, sequence_parallel: bool = False):
+        """``sequence_parallel``: the input is split over tensor-parallel ranks, so the
+        weight's gradient is a partial sum that the gradient finaliser all-reduces."""
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        mark_param(self.weight, (dim,), init=constant_init(1.0), sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)

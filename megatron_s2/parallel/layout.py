@@ -1,0 +1,201 @@
+"""The parallel layout: sizes, rank grid, groups and stage placement — a pure object.
+
+``ParallelLayout.build`` validates a layout against a world size, a model and the batch
+geometry, with messages that say what to change (e.g. "ep=3 does not divide 384 routed
+experts"). It allocates nothing and starts no process, so the launcher runs the very same
+check at submit time. Process groups are created from it in one place
+(:mod:`megatron_s2.parallel.setup`).
+
+Rank order is megatron-core's default ``tp-cp-ep-dp-pp`` for the dense part and
+``etp-ep-edp-pp`` for experts (``parallel_state.RankGenerator``), so checkpoints and tools
+agree with megatron-core about which rank holds what. The engram-parallel group partitions
+Engram table rows (§3.1.3) over ranks that hold the same model shard (same tp and pp
+coordinate) along the data x context dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import product
+
+from megatron_s2.config.model import ModelConfig
+from megatron_s2.config.parallel import ParallelConfig
+from megatron_s2.config.schema import ConfigError
+
+__all__ = ["ParallelLayout", "rank_groups"]
+
+
+def rank_groups(sizes: dict[str, int], order: str, token: str) -> list[list[int]]:
+    """Groups of ranks varying along the dimensions in ``token`` ("tp", "dp-cp", ...), with
+    the first dimension of ``order`` fastest-varying (megatron-core's RankGenerator rule)."""
+    dims = order.split("-")
+    wanted = token.split("-")
+    for w in wanted:
+        if w not in dims:
+            raise ValueError(f"unknown dimension '{w}' in '{token}' (order {order})")
+    strides, stride = {}, 1
+    for d in dims:
+        strides[d], stride = stride, stride * sizes[d]
+    others = [d for d in dims if d not in wanted]
+    groups = []
+    for other in product(*[range(sizes[d]) for d in reversed(others)]):
+        base = sum(i * strides[d] for i, d in zip(other, reversed(others)))
+        ranks = []
+        for inner in product(*[range(sizes[d]) for d in reversed(wanted)]):
+            ranks.append(base + sum(i * strides[d] for i, d in zip(inner, reversed(wanted))))
+        groups.append(sorted(ranks))
+    return sorted(groups)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    world_size: int
+    tp: int
+    pp: int
+    vpp: int
+    cp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
+    engram: int
+    sequence_parallel: bool
+    distributed_optimizer: bool
+    stage_layers: tuple[tuple[int, ...], ...]  # layer ids of each (virtual) stage, model order
+
+    DENSE_ORDER = "tp-cp-dp-pp"
+    EXPERT_ORDER = "etp-ep-edp-pp"
+
+    # ---- construction and validation -----------------------------------------------------
+    @classmethod
+    def build(cls, parallel: ParallelConfig, model: ModelConfig, world_size: int, *,
+              seq_length: int | None = None, global_batch_size: int | None = None,
+              micro_batch_size: int | None = None) -> "ParallelLayout":
+        p = parallel
+        mp = p.tp * p.pp * p.cp
+        if p.dp:
+            if world_size != mp * p.dp:
+                raise ConfigError(f"parallel: world size {world_size} != tp*pp*cp*dp = "
+                                  f"{p.tp}*{p.pp}*{p.cp}*{p.dp} = {mp * p.dp}; change parallel.dp or the number of ranks")
+            dp = p.dp
+        else:
+            if world_size % mp:
+                raise ConfigError(f"parallel: world size {world_size} is not divisible by tp*pp*cp = {mp}; "
+                                  "launch a multiple of it or change the layout")
+            dp = world_size // mp
+        m = model
+        _divides(p.tp, m.num_attention_heads, f"{m.num_attention_heads} query heads not divisible by tp={p.tp}", "parallel.tp")
+        _divides(p.tp, m.index_num_heads, f"{m.index_num_heads} indexer heads not divisible by tp={p.tp}", "parallel.tp")
+        _divides(p.tp, m.o_groups, f"{m.o_groups} output-projection groups not divisible by tp={p.tp}", "parallel.tp")
+        _divides(p.tp, m.vocab_size, f"vocabulary of {m.vocab_size} not divisible by tp={p.tp}", "parallel.tp")
+        _divides(p.tp, m.moe_ffn_hidden_size, f"shared-expert width {m.moe_ffn_hidden_size} not divisible by tp={p.tp}", "parallel.tp")
+        _divides(p.ep, m.num_routed_experts, f"ep={p.ep} does not divide {m.num_routed_experts} routed experts", "parallel.ep")
+        _divides(p.etp, m.moe_ffn_hidden_size, f"expert width {m.moe_ffn_hidden_size} not divisible by etp={p.etp}", "parallel.etp")
+        dense = p.tp * p.cp * dp
+        if dense % (p.etp * p.ep):
+            raise ConfigError(f"parallel: etp*ep = {p.etp}*{p.ep} must divide tp*cp*dp = {dense} "
+                              "(experts are laid over the same ranks as the dense layers)")
+        edp = dense // (p.etp * p.ep)
+        if (dp * p.cp) % p.engram:
+            raise ConfigError(f"parallel.engram_parallel: {p.engram_parallel} must divide dp*cp = {dp * p.cp} "
+                              "(Engram rows are partitioned over replicas of the same model shard)")
+        if p.engram_parallel > 1 and not m.engram_layers:
+            raise ConfigError("parallel.engram_parallel: the model has no Engram layers; set it to 1")
+        stages = cls._split_layers(p, m)
+        if seq_length is not None:
+            if p.cp > 1 and seq_length % (2 * p.cp):
+                raise ConfigError(f"training.seq_length: {seq_length} is not divisible by 2*cp = {2 * p.cp} "
+                                  "(context parallelism splits each sequence into 2*cp chunks)")
+            sp_div = p.tp * 2 * p.cp if p.cp > 1 else p.tp
+            if p.sequence_parallel and seq_length % sp_div:
+                raise ConfigError(f"training.seq_length: {seq_length} is not divisible by {sp_div} "
+                                  "(sequence parallelism splits each context chunk over tp)")
+        if global_batch_size is not None and micro_batch_size is not None:
+            if global_batch_size % (micro_batch_size * dp):
+                raise ConfigError(f"training.global_batch_size: {global_batch_size} is not a multiple of "
+                                  f"micro_batch_size*dp = {micro_batch_size}*{dp}")
+            n_micro = global_batch_size // (micro_batch_size * dp)
+            if p.vpp > 1 and n_micro % p.pp:
+                raise ConfigError(f"training.global_batch_size: interleaved 1F1B needs the {n_micro} micro-batches "
+                                  f"per step to be a multiple of pp={p.pp}")
+        return cls(world_size, p.tp, p.pp, p.vpp, p.cp, dp, p.ep, p.etp, edp, p.engram, p.sequence_parallel,
+                   p.distributed_optimizer, stages)
+
+    @staticmethod
+    def _split_layers(p: ParallelConfig, m: ModelConfig) -> tuple[tuple[int, ...], ...]:
+        n_stages = p.pp * p.vpp
+        if p.pipeline_layers:
+            total = sum(p.pipeline_layers)
+            if total != m.num_layers:
+                raise ConfigError(f"parallel.pipeline_layers: {list(p.pipeline_layers)} sums to {total}, "
+                                  f"but the model has {m.num_layers} layers")
+            counts = list(p.pipeline_layers)
+        else:
+            if m.num_layers % n_stages:
+                raise ConfigError(f"parallel: {m.num_layers} layers do not split evenly over pp*vpp = {n_stages} "
+                                  "stages; list the layers per stage in parallel.pipeline_layers")
+            if m.num_layers < n_stages:
+                raise ConfigError(f"parallel: {m.num_layers} layers cannot fill pp*vpp = {n_stages} stages")
+            counts = [m.num_layers // n_stages] * n_stages
+        out, start = [], 0
+        for c in counts:
+            out.append(tuple(range(start, start + c)))
+            start += c
+        return tuple(out)
+
+    # ---- rank grid -----------------------------------------------------------------------
+    @cached_property
+    def _dense_sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
+
+    @cached_property
+    def _expert_sizes(self) -> dict[str, int]:
+        return {"etp": self.etp, "ep": self.ep, "edp": self.edp, "pp": self.pp}
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """Rank groups of one kind: tp, cp, dp, pp, dp-cp, tp-cp, tp-dp-cp (dense order);
+        etp, ep, edp, etp-ep (expert order); engram; embedding (first + last stage)."""
+        if kind == "engram":
+            return [g[i:i + self.engram] for g in self.groups("dp-cp") for i in range(0, len(g), self.engram)]
+        if kind == "embedding":
+            return sorted({tuple(sorted({g[0], g[-1]})) for g in self.groups("pp")})
+        dims = set(kind.split("-"))
+        if dims <= set(self._expert_sizes) and dims & {"etp", "ep", "edp"}:
+            return rank_groups(self._expert_sizes, self.EXPERT_ORDER, kind)
+        return rank_groups(self._dense_sizes, self.DENSE_ORDER, kind)
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        for g in self.groups(kind):
+            if rank in g:
+                return g
+        raise ValueError(f"rank {rank} is in no {kind} group")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index in each dimension."""
+        out = {}
+        for kind in ("tp", "cp", "dp", "pp", "etp", "ep", "edp", "engram"):
+            out[kind] = self.group_of(kind, rank).index(rank)
+        return out
+
+    # ---- stage placement -----------------------------------------------------------------
+    def stages_of_rank(self, pp_rank: int) -> list[int]:
+        """Virtual stage indices held by pipeline rank ``pp_rank`` (interleaved order)."""
+        return [v * self.pp + pp_rank for v in range(self.vpp)]
+
+    def stage_of_layer(self, layer: int) -> int:
+        for i, layers in enumerate(self.stage_layers):
+            if layer in layers:
+                return i
+        raise ValueError(f"layer {layer} is on no stage")
+
+    def describe(self) -> str:
+        cuts = ", ".join(f"{s[0]}-{s[-1]}" for s in self.stage_layers)
+        return (f"world={self.world_size} tp={self.tp}{'+sp' if self.sequence_parallel else ''} pp={self.pp} "
+                f"vpp={self.vpp} cp={self.cp} dp={self.dp} ep={self.ep} etp={self.etp} edp={self.edp} "
+                f"engram={self.engram}{' zero1' if self.distributed_optimizer else ''} stages=[{cuts}]")
+
+
+def _divides(k: int, n: int, message: str, field: str) -> None:
+    if n % k:
+        raise ConfigError(f"{field}: {message}")

@@ -1,0 +1,29 @@
+"""Build the model (or this rank's pipeline stages) for a recipe and a layout."""
+
+from __future__ import annotations
+
+from megatron_s2.config.recipe import RecipeConfig
+from megatron_s2.models.v41.model import V41Model
+from megatron_s2.parallel.groups import ParallelGroups
+from megatron_s2.parallel.layout import ParallelLayout
+
+__all__ = ["build_stage_model", "attach_token_map"]
+
+
+def attach_token_map(model, token_map: list[int] | None) -> None:
+    """Give every Engram module the tokenizer's compressed-token map (§2.4.2)."""
+    for module in model.modules():
+        if hasattr(module, "set_compressed_token_map"):
+            module.set_compressed_token_map(token_map)
+
+
+def build_stage_model(recipe: RecipeConfig, layout: ParallelLayout, groups: ParallelGroups, rank: int,
+                      token_map: list[int] | None = None):
+    if layout.pp == 1:
+        model = V41Model(recipe.model, groups).init_weights(recipe.training.seed)
+    else:
+        from megatron_s2.pipeline.stage import build_pipeline_model
+
+        model = build_pipeline_model(recipe.model, layout, groups, rank, seed=recipe.training.seed)
+    attach_token_map(model, token_map)
+    return model

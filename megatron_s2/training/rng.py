@@ -1,0 +1,42 @@
+"""Seeding and RNG state capture (bit-identical resume on CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+__all__ = ["seed_everything", "rng_state", "set_rng_state"]
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2 ** 32))
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def rng_state() -> dict:
+    """RNG states as tensors and plain values only (loadable with weights_only=True)."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python_version": py[0],
+        "python_state": torch.tensor(py[1], dtype=torch.int64),
+        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+        "numpy_pos": int(np_state[2]),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((state["python_version"], tuple(int(v) for v in state["python_state"].tolist()), None))
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

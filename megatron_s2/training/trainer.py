@@ -1,0 +1,189 @@
+"""The trainer: a recipe in, a trained checkpoint and metrics out.
+
+One optimiser step is: set the learning rate (§4.2.2 schedule) -> the data-parallel rank's
+micro-batches -> forward/backward through the schedule chosen for the layout -> gradient
+reduction -> clipping -> the hybrid Muon / Sinkhorn / AdamW step (§2.5) -> the MoE
+correction-bias update (once per step, after the optimiser, §2.1.1) -> metrics and, on
+cadence or preemption, a checkpoint. Nothing here assumes a single process: ranks, groups
+and stages come from the layout.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from megatron_s2.config.recipe import RecipeConfig
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.data import batch_fingerprint, build_data_iterator, build_tokenizer
+from megatron_s2.models.v41.accounting import train_flops_per_token
+from megatron_s2.optim import build_optimizer, describe_param_groups
+from megatron_s2.optim.lr_schedule import LRSchedule
+from megatron_s2.parallel.layout import ParallelLayout
+from megatron_s2.parallel.setup import build_groups
+from megatron_s2.training.checkpointing import CheckpointManager
+from megatron_s2.training.grad_finalize import clip_grads, finalize_model_grads
+from megatron_s2.training.metrics import MetricsLogger, device_peak_tflops
+from megatron_s2.training.model_builder import build_stage_model
+from megatron_s2.training.rng import rng_state, seed_everything, set_rng_state
+from megatron_s2.training.step import StepInputs, get_forward_backward_func
+
+__all__ = ["Trainer", "TrainResult"]
+
+
+@dataclass
+class TrainResult:
+    steps_run: int
+    final_step: int
+    final_loss: float | None
+    preempted: bool
+    losses: list[float]
+    fingerprints: list[str]
+
+
+class Trainer:
+    def __init__(self, recipe: RecipeConfig, run_dir: Path, *, rank: int = 0, world_size: int = 1, guard=None,
+                 log=print):
+        self.recipe, self.run_dir = recipe, Path(run_dir)
+        self.rank, self.world_size, self.guard = rank, world_size, guard
+        self.is_main = rank == 0
+        self.log = log if self.is_main else (lambda *a, **k: None)
+        t = recipe.training
+        seed_everything(t.seed, t.deterministic)
+        self.layout = ParallelLayout.build(recipe.parallel, recipe.model, world_size, seq_length=t.seq_length,
+                                           global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+        self.groups = build_groups(self.layout)
+        self.tokenizer = build_tokenizer(recipe.data)
+        if self.tokenizer.vocab_size > recipe.model.vocab_size:
+            raise ConfigError(f"model.vocab_size: {recipe.model.vocab_size} is smaller than the "
+                              f"{recipe.data.tokenizer} tokenizer's {self.tokenizer.vocab_size} tokens")
+        self.model = build_stage_model(recipe, self.layout, self.groups, rank,
+                                       self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
+        self._freeze(recipe.phase.freeze)
+        self.optimizer = build_optimizer(self.model, recipe.optimizer)
+        self.schedule = LRSchedule(recipe.schedule)
+        coords = self.layout.coords(rank)
+        self.dp_rank = coords["dp"]
+        self.data = build_data_iterator(recipe.data, seq_length=t.seq_length, global_batch_size=t.global_batch_size,
+                                        micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank,
+                                        dp_size=self.layout.dp, seed=t.seed, phase=recipe.phase.kind,
+                                        tokenizer=self.tokenizer)
+        self.num_micro_global = t.global_batch_size // t.micro_batch_size
+        self.forward_backward = get_forward_backward_func(self.layout)
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", rank, world_size,
+                                             keep_last=recipe.checkpoint.keep_last, log=self.log)
+        self.step = 0
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+    # ---- setup helpers --------------------------------------------------------------------------
+    def _freeze(self, patterns: tuple[str, ...]) -> None:
+        from fnmatch import fnmatch
+
+        for name, p in self.model.named_parameters():
+            if any(fnmatch(name, pat) for pat in patterns):
+                p.requires_grad_(False)
+
+    def write_run_files(self) -> None:
+        if not self.is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(self.recipe.to_yaml())
+        (self.run_dir / "tokenizer.json").write_text(self.tokenizer.to_json())
+
+    # ---- checkpoint -----------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "data": self.data.state_dict(), "rng": rng_state(), "step": self.step}
+
+    def save(self) -> Path:
+        meta = {"layout": self.layout.describe(), "config": self.recipe.to_mapping(), "model": self.recipe.model.name}
+        path = self.checkpoints.save(self.step, self.state(), meta)
+        self.log(f"checkpoint: saved step {self.step} to {path}")
+        return path
+
+    def restore(self) -> bool:
+        ck = self.recipe.checkpoint
+        path = self.checkpoints.latest_valid() if ck.resume else None
+        full = True
+        if path is None and ck.load:
+            source = CheckpointManager(Path(ck.load), self.rank, self.world_size, log=self.log)
+            path = Path(ck.load) if (Path(ck.load) / "COMMITTED").is_file() else source.latest_valid()
+            if path is None:
+                raise ConfigError(f"checkpoint.load: no valid checkpoint under '{ck.load}'")
+            full = ck.load_optimizer
+        if path is None:
+            return False
+        state, _ = self.checkpoints.load(path)
+        self.model.load_state_dict(state["model"])
+        if full:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.data.load_state_dict(state["data"])
+            set_rng_state(state["rng"])
+            self.step = int(state["step"])
+        self.log(f"checkpoint: {'resumed' if full else 'initialised'} from {path} (step {int(state['step'])})")
+        return True
+
+    # ---- loop ---------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        lr = self.schedule.apply(self.optimizer, self.step)
+        micro_batches = self.data.next_step()
+        fingerprint = batch_fingerprint(micro_batches)
+        inputs = StepInputs(micro_batches, self.groups, self.num_micro_global)
+        result = self.forward_backward(self.model, inputs)
+        finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb)
+        grad_norm = clip_grads(self.params, self.recipe.optimizer.clip_grad, self.groups)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.update_expert_bias()
+        self.step += 1
+        return {"loss": result.loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": result.tokens,
+                "step_time": time.perf_counter() - t0, "extra": result.metrics, "fingerprint": fingerprint}
+
+    def train(self) -> TrainResult:
+        t = self.recipe.training
+        self.write_run_files()
+        resumed = self.restore()
+        self.log(f"layout: {self.layout.describe()}")
+        if self.is_main:
+            self.log(describe_param_groups(self.model, self.recipe.optimizer))
+        if self.guard is not None:
+            self.guard.install()
+        flops = train_flops_per_token(self.recipe.model, t.seq_length)
+        metrics = MetricsLogger(self.run_dir, enabled=self.is_main, total_steps=t.train_steps,
+                                log_interval=self.recipe.logging.log_interval,
+                                tensorboard=self.recipe.logging.tensorboard,
+                                progress_bar=self.recipe.logging.progress_bar, flops_per_token=flops,
+                                world_size=self.world_size,
+                                peak_tflops=device_peak_tflops(self.recipe.logging.device_peak_tflops))
+        metrics.set_start(self.step)
+        start, losses, prints, preempted = self.step, [], [], False
+        if resumed and self.step >= t.train_steps:
+            self.log(f"run already complete at step {self.step}")
+        while self.step < t.train_steps:
+            out = self.train_step()
+            losses.append(out["loss"])
+            prints.append(out["fingerprint"])
+            metrics.log(self.step, out["loss"], out["lr"], out["grad_norm"], out["tokens"], out["step_time"], out["extra"])
+            interval = self.recipe.checkpoint.save_interval
+            if interval and self.step % interval == 0 and self.step < t.train_steps:
+                self.save()
+            if self.guard is not None and self.guard.should_stop():
+                self.log(f"preemption requested: saving step {self.step} and exiting")
+                self.save()
+                preempted = True
+                break
+        if not preempted and self.recipe.checkpoint.save_at_end and self.step > start:
+            self.save()
+        final_loss = losses[-1] if losses else None
+        if self.is_main:
+            self.log(metrics.summary())
+            if not preempted and self.step >= t.train_steps:
+                (self.run_dir / "FINISHED").write_text(json.dumps({"step": self.step, "loss": final_loss}) + "\n")
+        metrics.close()
+        return TrainResult(self.step - start, self.step, final_loss, preempted, losses, prints)
