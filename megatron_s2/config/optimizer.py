@@ -104,9 +104,10 @@ class OptimizerConfig:
     muon_update_rms: float = 0.18
     """RMS of every (per-head) Muon update matrix, so the AdamW learning rate carries over:
     the orthogonalised update is scaled by muon_update_rms * sqrt(max(rows, cols))."""
-    ns_steps: int = 5
-    """Quintic Newton-Schulz iterations per Muon update."""
-    ns_polish_steps: int = 0
+    ns_steps: int = 8
+    """Fast quintic Newton-Schulz iterations per Muon update (DeepSeek-V4's hybrid schedule:
+    8 fast steps, then ns_polish_steps stabilising ones)."""
+    ns_polish_steps: int = 2
     """Extra (2, -1.5, 0.5) Newton-Schulz steps after ns_steps that pin singular values at one,
     making the update RMS exactly muon_update_rms (2 suffice); 0 = plain Muon, whose update
     RMS is ~0.85 x muon_update_rms."""

@@ -48,6 +48,8 @@ def _gather_rows(x: torch.Tensor, sizes: Sequence[int], group: Group) -> torch.T
     if x.size(0) != sizes[group.rank]:
         raise ValueError(f"all_gather_rows: rank {group.rank} holds {x.size(0)} rows, sizes say {sizes[group.rank]}")
     width = max(sizes)
+    if width == 0:  # every rank has no rows: nothing to exchange (the same decision on all ranks)
+        return x
     padded = x.new_zeros((width,) + tuple(x.shape[1:]))
     padded[: x.size(0)] = x
     out = x.new_empty((group.size * width,) + tuple(x.shape[1:]))
@@ -60,6 +62,8 @@ def _reduce_scatter_rows(x: torch.Tensor, sizes: Sequence[int], group: Group) ->
     if x.size(0) != sum(sizes):
         raise ValueError(f"reduce_scatter_rows: {x.size(0)} rows do not match sizes {list(sizes)}")
     width = max(sizes)
+    if width == 0:
+        return x
     padded = x.new_zeros((group.size, width) + tuple(x.shape[1:]))
     for r, part in enumerate(torch.split(x, list(sizes), dim=0)):
         padded[r, : part.size(0)] = part
@@ -101,7 +105,8 @@ class _ReduceScatterRows(torch.autograd.Function):
         return _gather_rows(g.contiguous(), ctx.sizes, ctx.group), None, None
 
 
-def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group: Group) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
+               group: Group) -> torch.Tensor:
     """Send ``input_splits[r]`` consecutive rows of ``x`` to rank r; receive
     ``output_splits[r]`` rows from rank r, concatenated in rank order."""
     if not group.active:

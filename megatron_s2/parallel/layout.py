@@ -73,6 +73,14 @@ class ParallelLayout:
               seq_length: int | None = None, global_batch_size: int | None = None,
               micro_batch_size: int | None = None) -> "ParallelLayout":
         p = parallel
+        m = model
+        _divides(p.tp, m.num_attention_heads, f"{m.num_attention_heads} query heads not divisible by tp={p.tp}", "parallel.tp")
+        _divides(p.tp, m.index_num_heads, f"{m.index_num_heads} indexer heads not divisible by tp={p.tp}", "parallel.tp")
+        _divides(p.tp, m.o_groups, f"{m.o_groups} output-projection groups not divisible by tp={p.tp}", "parallel.tp")
+        _divides(p.tp, m.vocab_size, f"vocabulary of {m.vocab_size} not divisible by tp={p.tp}", "parallel.tp")
+        _divides(p.tp, m.moe_ffn_hidden_size, f"shared-expert width {m.moe_ffn_hidden_size} not divisible by tp={p.tp}", "parallel.tp")
+        _divides(p.ep, m.num_routed_experts, f"ep={p.ep} does not divide {m.num_routed_experts} routed experts", "parallel.ep")
+        _divides(p.etp, m.moe_ffn_hidden_size, f"expert width {m.moe_ffn_hidden_size} not divisible by etp={p.etp}", "parallel.etp")
         mp = p.tp * p.pp * p.cp
         if p.dp:
             if world_size != mp * p.dp:
@@ -84,20 +92,12 @@ class ParallelLayout:
                 raise ConfigError(f"parallel: world size {world_size} is not divisible by tp*pp*cp = {mp}; "
                                   "launch a multiple of it or change the layout")
             dp = world_size // mp
-        m = model
-        _divides(p.tp, m.num_attention_heads, f"{m.num_attention_heads} query heads not divisible by tp={p.tp}", "parallel.tp")
-        _divides(p.tp, m.index_num_heads, f"{m.index_num_heads} indexer heads not divisible by tp={p.tp}", "parallel.tp")
-        _divides(p.tp, m.o_groups, f"{m.o_groups} output-projection groups not divisible by tp={p.tp}", "parallel.tp")
-        _divides(p.tp, m.vocab_size, f"vocabulary of {m.vocab_size} not divisible by tp={p.tp}", "parallel.tp")
-        _divides(p.tp, m.moe_ffn_hidden_size, f"shared-expert width {m.moe_ffn_hidden_size} not divisible by tp={p.tp}", "parallel.tp")
-        _divides(p.ep, m.num_routed_experts, f"ep={p.ep} does not divide {m.num_routed_experts} routed experts", "parallel.ep")
-        _divides(p.etp, m.moe_ffn_hidden_size, f"expert width {m.moe_ffn_hidden_size} not divisible by etp={p.etp}", "parallel.etp")
         dense = p.tp * p.cp * dp
         if dense % (p.etp * p.ep):
             raise ConfigError(f"parallel: etp*ep = {p.etp}*{p.ep} must divide tp*cp*dp = {dense} "
                               "(experts are laid over the same ranks as the dense layers)")
         edp = dense // (p.etp * p.ep)
-        if (dp * p.cp) % p.engram:
+        if (dp * p.cp) % p.engram_parallel:
             raise ConfigError(f"parallel.engram_parallel: {p.engram_parallel} must divide dp*cp = {dp * p.cp} "
                               "(Engram rows are partitioned over replicas of the same model shard)")
         if p.engram_parallel > 1 and not m.engram_layers:
@@ -119,7 +119,7 @@ class ParallelLayout:
             if p.vpp > 1 and n_micro % p.pp:
                 raise ConfigError(f"training.global_batch_size: interleaved 1F1B needs the {n_micro} micro-batches "
                                   f"per step to be a multiple of pp={p.pp}")
-        return cls(world_size, p.tp, p.pp, p.vpp, p.cp, dp, p.ep, p.etp, edp, p.engram, p.sequence_parallel,
+        return cls(world_size, p.tp, p.pp, p.vpp, p.cp, dp, p.ep, p.etp, edp, p.engram_parallel, p.sequence_parallel,
                    p.distributed_optimizer, stages)
 
     @staticmethod

@@ -78,6 +78,13 @@ def init_from_full(param: torch.Tensor, name: str, seed: int, default: Callable[
     """Generate the full tensor deterministically from (seed, name) and copy this rank's slice."""
     spec = shard_spec(param)
     gen = torch.Generator(device="cpu").manual_seed(name_seed(seed, name))
+    shard_fn = getattr(param, "init_shard_fn", None)
+    if shard_fn is not None:  # row-partitioned giants (Engram tables): draw only this rank's rows
+        rows = spec.slices()[0]
+        local = torch.empty(spec.local_shape(), dtype=torch.float32)
+        shard_fn(local, rows.start, gen)
+        param.copy_(local.to(param.dtype))
+        return
     full = torch.empty(spec.full_shape, dtype=torch.float32)
     fn = getattr(param, "init_fn", None) or default
     fn(full, gen)

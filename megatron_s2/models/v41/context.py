@@ -45,6 +45,8 @@ class ForwardContext:
     """[b, S] token ids of the whole sequence when this rank holds a context-parallel chunk."""
     full_doc_ids: torch.Tensor | None = None
     """[b, S] document ids of the whole sequence under context parallelism."""
+    full_image_mask: torch.Tensor | None = None
+    """[b, S] image mask of the whole sequence under context parallelism."""
 
     @classmethod
     def create(cls, input_ids: torch.Tensor, plan: LayerPlan, *, positions: torch.Tensor | None = None,

@@ -1,0 +1,124 @@
+"""Routed and shared SwiGLU experts (report §4.2.1: 1 shared + routed experts, SwiGLU clamped at 10).
+
+Expert FFN, as in the public reference ``Expert``::
+
+    gate = x W1^T, up = x W3^T                  (upcast to at least float32)
+    up   = clamp(up, -limit, limit); gate = clamp(gate, max=limit)      (limit > 0)
+    out  = (silu(gate) * up * weight) W2^T      (weight = combine weight, applied before W2)
+
+:class:`GroupedExperts` holds this rank's routed experts as grouped 3-D parameters
+``w1, w3: [E_local, F_local, hidden]`` and ``w2: [E_local, hidden, F_local]``. Their
+ShardSpec is the full ``[num_experts, ...]`` tensor split ``(0, ep_rank, ep)`` (contiguous
+blocks of experts per expert-parallel rank) and then over the FFN width ``(1 | 2,
+etp_rank, etp)`` (expert tensor parallelism: W1/W3 column-split, W2 row-split), so names and
+full shapes do not depend on the layout. Each etp rank returns a *partial* output that the
+token dispatcher sums over the etp group. Gradient attribute: ``is_expert = True`` (the
+finaliser reduces them over the expert-data-parallel group, not dp).
+
+The compute is a loop of dense matmuls over the local experts on the expert-sorted token
+block (every expert runs, also with zero tokens, so every expert parameter gets a gradient);
+a grouped-GEMM kernel is a drop-in replacement of :meth:`GroupedExperts.forward`.
+
+:class:`SharedExpert` is the dense SwiGLU every token goes through, tensor-parallel over
+``groups.tp``: W1/W3 column-parallel, W2 row-parallel, one entry collective for both column
+projections (all-gather of the sequence under SP, copy otherwise) and one exit collective
+(reduce-scatter under SP, all-reduce otherwise).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.init import normal_init
+from megatron_s2.parallel import mappings
+from megatron_s2.parallel.groups import Group, ParallelGroups
+from megatron_s2.parallel.sharding import mark_param
+
+__all__ = ["swiglu", "GroupedExperts", "SharedExpert"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Clamped SwiGLU in at least float32; ``weight`` ([n, 1]) scales each row (combine weight)."""
+    dtype = torch.promote_types(gate.dtype, torch.float32)
+    gate, up = gate.to(dtype), up.to(dtype)
+    if limit > 0:
+        up = up.clamp(min=-limit, max=limit)
+        gate = gate.clamp(max=limit)
+    h = F.silu(gate) * up
+    return h if weight is None else h * weight.to(dtype)
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, config: ModelConfig, ep: Group, etp: Group):
+        super().__init__()
+        num_experts, ffn, hidden = config.num_routed_experts, config.moe_ffn_hidden_size, config.hidden_size
+        if num_experts % ep.size:
+            raise ValueError(f"ep={ep.size} does not divide num_routed_experts={num_experts}; change parallel.ep")
+        if ffn % etp.size:
+            raise ValueError(f"etp={etp.size} does not divide moe_ffn_hidden_size={ffn}; change parallel.etp")
+        self.num_local_experts = num_experts // ep.size
+        self.local_expert_offset = ep.rank * self.num_local_experts
+        self.swiglu_limit = config.swiglu_limit
+        dtype, init = _DTYPES[config.params_dtype], normal_init(config.init_std)
+        e, f = self.num_local_experts, ffn // etp.size
+        expert_split = (0, ep.rank, ep.size)
+        self.w1 = nn.Parameter(torch.empty(e, f, hidden, dtype=dtype))
+        self.w3 = nn.Parameter(torch.empty(e, f, hidden, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(e, hidden, f, dtype=dtype))
+        for param, full, width_dim in ((self.w1, (num_experts, ffn, hidden), 1),
+                                       (self.w3, (num_experts, ffn, hidden), 1),
+                                       (self.w2, (num_experts, hidden, ffn), 2)):
+            mark_param(param, full, [expert_split, (width_dim, etp.rank, etp.size)], init=init, is_expert=True)
+
+    def forward(self, tokens: torch.Tensor, probs: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        """``tokens``: [M, hidden] sorted by local expert, ``tokens_per_expert[e]`` rows each;
+        ``probs``: [M] combine weights. Returns [M, hidden] (a partial sum when etp > 1)."""
+        if len(tokens_per_expert) != self.num_local_experts or sum(tokens_per_expert) != tokens.size(0):
+            raise ValueError(f"expert token counts {tokens_per_expert} do not match {tokens.size(0)} rows "
+                             f"for {self.num_local_experts} local experts")
+        x = tokens.to(self.w1.dtype)
+        outputs = []
+        row_blocks, weight_blocks = torch.split(x, tokens_per_expert), torch.split(probs, tokens_per_expert)
+        for e, (rows, weight) in enumerate(zip(row_blocks, weight_blocks, strict=True)):
+            h = swiglu(F.linear(rows, self.w1[e]), F.linear(rows, self.w3[e]), self.swiglu_limit, weight.unsqueeze(-1))
+            outputs.append(F.linear(h.to(self.w2.dtype), self.w2[e]))
+        return torch.cat(outputs, dim=0).to(tokens.dtype)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, config: ModelConfig, groups: ParallelGroups):
+        super().__init__()
+        tp = groups.tp
+        ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
+        if ffn % tp.size:
+            raise ValueError(f"tp={tp.size} does not divide the shared expert width moe_ffn_hidden_size={ffn}")
+        self.tp, self.sequence_parallel = tp, groups.sequence_parallel and tp.active
+        self.swiglu_limit = config.swiglu_limit
+        dtype, init = _DTYPES[config.params_dtype], normal_init(config.init_std)
+        f = ffn // tp.size
+        self.w1 = nn.Parameter(torch.empty(f, hidden, dtype=dtype))
+        self.w3 = nn.Parameter(torch.empty(f, hidden, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(hidden, f, dtype=dtype))
+        mark_param(self.w1, (ffn, hidden), [(0, tp.rank, tp.size)], init=init)
+        mark_param(self.w3, (ffn, hidden), [(0, tp.rank, tp.size)], init=init)
+        mark_param(self.w2, (hidden, ffn), [(1, tp.rank, tp.size)], init=init)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[b, s, hidden] (sequence-sharded under SP) -> same shape and dtype."""
+        if self.sequence_parallel:
+            x = mappings.all_gather_sequence(hidden, self.tp, dim=1)
+        else:
+            x = mappings.copy_to_group(hidden, self.tp)
+        x = x.to(self.w1.dtype)
+        h = swiglu(F.linear(x, self.w1), F.linear(x, self.w3), self.swiglu_limit)
+        y = F.linear(h.to(self.w2.dtype), self.w2)
+        if self.sequence_parallel:
+            y = mappings.reduce_scatter_sequence(y, self.tp, dim=1)
+        else:
+            y = mappings.reduce_from_group(y, self.tp)
+        return y.to(hidden.dtype)

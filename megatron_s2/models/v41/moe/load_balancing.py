@@ -1,0 +1,120 @@
+"""Expert load balancing: multimodal auxiliary-loss-free biases and the sequence balance loss.
+
+**Auxiliary-loss-free balancing with modality-specific biases** (report §2.1.1, "Multimodal
+Auxiliary-loss-free Load Balancing for MoEs"; rate 0.001 in §4.2.2). Every router keeps one
+correction bias per expert for text tokens and one for image tokens. The bias only steers
+top-k selection; combine weights come from the unbiased scores. After each optimiser step the
+two biases are updated independently from the expert loads of their own modality::
+
+    b_m <- b_m + rate * sign(mean_i(load_m) - load_m)        (per modality m)
+
+A modality that had no tokens in the step keeps its bias. Loads are counted by the routers
+during the step and summed over every rank that holds the layer and routes different tokens
+(``groups.stage`` = tp x cp x dp: the MoE layer splits routed tokens over tp, so tp ranks
+route disjoint tokens too), so that every replica applies the identical update.
+:func:`update_expert_biases` does this for all routers of a model with one all-reduce.
+
+**Sequence-level balance loss** (§4.2.2: weight 0.0001 "to avoid extreme imbalance within
+single sequences"; the DeepSeek-V3 complementary loss). For every sequence (batch row) of
+T tokens, with N_r routed experts and K_r selected per token::
+
+    f_i = N_r / (K_r T) * sum_t 1[token t selects expert i]
+    P_i = 1 / T * sum_t s'_{i,t},   s'_{.,t} = s_{.,t} / sum_j s_{j,t}
+    L   = coeff * sum_i f_i P_i,    averaged over the rows of the micro-batch.
+
+A row is a packed sequence: document boundaries inside it are not respected (the loss is a
+regulariser; per row is what the report's "single sequences" means for packed training).
+Selections f_i use the biased top-k (what actually ran). When a row is split over ranks
+(tensor-parallel token split / sequence parallelism, context parallelism) the per-row sums
+are all-reduced so the value equals the single-rank one. Gradient convention: the tp sum
+has an identity backward (tp ranks form one replica; the router weight is flagged
+``sequence_parallel`` and its partial gradients are summed over tp by the finaliser); the cp
+sum has an all-reduce backward, because each cp rank adds the same loss and the finaliser
+*averages* gradients over dp x cp (each rank's loss is a mean over its own tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_s2.parallel import mappings
+from megatron_s2.parallel.groups import Group
+
+__all__ = ["expert_bias_update", "update_expert_biases", "sequence_balance_loss"]
+
+
+def expert_bias_update(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """``bias + rate * sign(mean(load) - load)`` along the last dim (shapes ``[..., num_experts]``).
+    A row of ``load`` without tokens has mean = load = 0, so sign(0) = 0 leaves its bias unchanged."""
+    load = load.to(torch.float64)
+    step = rate * torch.sign(load.mean(dim=-1, keepdim=True) - load)
+    return (bias.to(torch.float64) + step).to(bias.dtype)
+
+
+@torch.no_grad()
+def update_expert_biases(routers: Iterable, rate: float) -> torch.Tensor | None:
+    """Apply the aux-free update to every router (one collective for all of them) and reset
+    their load counters. Collective over the routers' statistics group: call it on every
+    rank of the pipeline stage, once per optimiser step. Returns the summed loads
+    ``[num_routers, num_modalities, num_experts]`` (for logging), or None without routers."""
+    routers = list(routers)
+    if not routers:
+        return None
+    groups = {r.stats_group.ranks for r in routers}
+    if len(groups) != 1:
+        raise ValueError(f"update_expert_biases: routers reduce over different groups {sorted(groups)}; "
+                         "update each pipeline stage's routers separately")
+    loads = torch.stack([r.tokens_per_expert for r in routers])
+    group = routers[0].stats_group
+    if group.active:
+        loads = loads.clone()
+        dist.all_reduce(loads, group=group.pg)
+    for router, load in zip(routers, loads, strict=True):
+        router.apply_bias_update(load, rate)
+    return loads
+
+
+class _AllReduceBoth(torch.autograd.Function):
+    """All-reduce forward and backward: every rank adds the same reduced value to its loss."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return mappings.all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return mappings.all_reduce_sum(g, ctx.group), None
+
+
+def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, coeff: float, *,
+                          row_split: Sequence[Group] = (), replica_split: Sequence[Group] = ()) -> torch.Tensor:
+    """DeepSeek-V3 sequence-wise balance loss, averaged over rows.
+
+    ``scores``: ``[b, t, N_r]`` unbiased router scores of this rank's tokens (differentiable);
+    ``indices``: ``[b, t, K_r]`` selected experts. ``row_split``: groups over which the rows'
+    tokens are split inside one replica (identity backward, e.g. tp); ``replica_split``: groups
+    whose ranks each add the loss as separate replicas (all-reduce backward, e.g. cp).
+    """
+    b, _, num_experts = scores.shape
+    topk = indices.size(-1)
+    with torch.no_grad():
+        counts = torch.zeros(b, num_experts, dtype=torch.float32, device=scores.device)
+        picks = indices.flatten(1)
+        counts.scatter_add_(1, picks, torch.ones(picks.shape, device=scores.device))
+        for group in (*row_split, *replica_split):
+            counts = mappings.all_reduce_sum(counts, group)
+        tokens = counts.sum(dim=-1, keepdim=True) / topk
+        f = counts * (num_experts / topk) / tokens.clamp(min=1)
+    normed = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    prob_sum = normed.sum(dim=1)
+    for group in row_split:
+        prob_sum = mappings.reduce_from_group(prob_sum, group)
+    for group in replica_split:
+        if group.active:
+            prob_sum = _AllReduceBoth.apply(prob_sum, group)
+    p = prob_sum / tokens.clamp(min=1)
+    return coeff * (f * p).sum() / max(b, 1)

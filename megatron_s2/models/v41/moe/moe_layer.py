@@ -1,0 +1,122 @@
+"""The MoE block of every V4.1-Flash layer (report §2.1, §2.1.1, §4.2.1, §4.2.2, §5.2.1).
+
+``forward`` reads route -> dispatch -> compute -> combine, plus the shared expert:
+
+* **route** — :class:`TopKRouter` (float32; modality-specific correction biases for
+  selection; routing record/replay through ``ctx.routing``), and the sequence-level balance
+  loss added with ``ctx.add_aux_loss("moe_seq_balance", ...)`` in training;
+* **dispatch / combine** — :class:`AllToAllTokenDispatcher` (dropless; all-to-all over ep,
+  all-gather / reduce-scatter over etp);
+* **compute** — :class:`GroupedExperts` (this rank's experts, width-split over etp);
+* **shared expert** — :class:`SharedExpert`, tensor-parallel over tp, on every token.
+
+**Tensor parallelism.** The routed path is not split over tp by width; instead each tp rank
+routes a disjoint 1/tp of the tokens (Megatron's tp x ep dispatch domain): without SP the
+replicated input is split along the sequence on entry (``scatter_to_group``, all-gather
+backward) and the routed output is all-gathered on exit (split backward); with SP the input
+is already the rank's sequence chunk and nothing changes. Consequently every rank of the
+stage routes different tokens: the ep/etp dispatch needs no deduplication, load counts are
+summed over ``groups.stage`` (tp x cp x dp), the router weight's gradient is a partial sum
+over tp (``sequence_parallel = True``), and the sequence balance loss sums its per-row
+statistics over tp (and cp). The sequence length each tp rank sees must divide by tp.
+
+``ctx.image_mask`` and routing records cover the tokens of ``ctx.input_ids`` (the whole tp
+group's sequence chunk): under tp the layer takes this rank's slice before routing and
+gathers the selected ids over tp before recording, so records are layout-independent.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.context import ForwardContext
+from megatron_s2.models.v41.moe.experts import GroupedExperts, SharedExpert
+from megatron_s2.models.v41.moe.load_balancing import sequence_balance_loss
+from megatron_s2.models.v41.moe.router import RoutingDecision, TopKRouter
+from megatron_s2.models.v41.moe.token_dispatcher import AllToAllTokenDispatcher
+from megatron_s2.parallel import mappings
+from megatron_s2.parallel.groups import ParallelGroups
+
+__all__ = ["MoELayer"]
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_number: int, groups: ParallelGroups):
+        super().__init__()
+        self.config, self.layer_number, self.groups = config, layer_number, groups
+        self.tp, self.sequence_parallel = groups.tp, groups.sequence_parallel and groups.tp.active
+        self.router = TopKRouter(config, groups)
+        self.token_dispatcher = AllToAllTokenDispatcher(config.num_routed_experts, groups.ep, groups.etp)
+        self.experts = GroupedExperts(config, groups.ep, groups.etp)
+        self.shared_expert = SharedExpert(config, groups) if config.num_shared_experts else None
+
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """[b, s, hidden] (sequence-sharded under SP, already normalised) -> same shape."""
+        tokens = self._enter_routed_region(hidden)
+        b, s, d = tokens.shape
+        decision = self._route(tokens, ctx)
+        dispatched = self.token_dispatcher.dispatch(tokens.reshape(b * s, d), decision.probs, decision.indices)
+        expert_output = self.experts(dispatched.tokens, dispatched.probs, dispatched.tokens_per_expert)
+        routed = self.token_dispatcher.combine(expert_output, dispatched.state).view(b, s, d)
+        output = self._leave_routed_region(routed)  # float32 accumulator, like the reference
+        if self.shared_expert is not None:
+            output = output + self.shared_expert(hidden)
+        return output.to(hidden.dtype)
+
+    def update_expert_bias(self, rate: float | None = None) -> torch.Tensor:
+        """Aux-loss-free bias update of this layer (collective over ``groups.stage``);
+        ``rate`` defaults to ``config.moe_bias_update_rate``."""
+        return self.router.update_expert_bias(self.config.moe_bias_update_rate if rate is None else rate)
+
+    # ---- route -----------------------------------------------------------------------------
+    def _route(self, tokens: torch.Tensor, ctx: ForwardContext) -> RoutingDecision:
+        b, s, d = tokens.shape
+        image_mask = self._local_chunk(ctx.image_mask, "ctx.image_mask")
+        if image_mask is not None and tuple(image_mask.shape) != (b, s):
+            raise ValueError(f"MoE layer {self.layer_number}: ctx.image_mask has shape {tuple(ctx.image_mask.shape)}, "
+                             "expected [batch, seq] of ctx.input_ids")
+        replayed = ctx.routing.stored_indices(self.layer_number) if ctx.routing is not None else None
+        replayed = self._local_chunk(replayed, "routing replay ids")
+        decision = self.router(
+            tokens.reshape(b * s, d),
+            None if image_mask is None else image_mask.reshape(-1).bool(),
+            None if replayed is None else replayed.reshape(-1, self.config.moe_topk),
+        )
+        if ctx.routing is not None:
+            with torch.no_grad():
+                ids = decision.indices.view(b, s, self.config.moe_topk)
+                ctx.routing.commit(self.layer_number, mappings.gather_from_group(ids, self.tp, dim=1))
+        if self.training and self.config.moe_seq_aux_loss_coeff > 0:
+            loss = sequence_balance_loss(
+                decision.scores.view(b, s, self.config.num_routed_experts),
+                decision.indices.view(b, s, self.config.moe_topk), self.config.moe_seq_aux_loss_coeff,
+                row_split=(self.tp,), replica_split=(self.groups.cp,))
+            ctx.add_aux_loss("moe_seq_balance", loss)
+        return decision
+
+    # ---- tensor-parallel token split -------------------------------------------------------
+    def _enter_routed_region(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.tp.active or self.sequence_parallel:
+            return hidden
+        if hidden.size(1) % self.tp.size:
+            raise ValueError(f"MoE layer {self.layer_number}: sequence length {hidden.size(1)} is not divisible by "
+                             f"tp={self.tp.size}; the routed experts split each sequence over the tensor-parallel "
+                             "ranks, so pad sequences to a multiple of tp")
+        return mappings.scatter_to_group(hidden, self.tp, dim=1)
+
+    def _leave_routed_region(self, routed: torch.Tensor) -> torch.Tensor:
+        if not self.tp.active or self.sequence_parallel:
+            return routed
+        return mappings.gather_from_group(routed, self.tp, dim=1)
+
+    def _local_chunk(self, t: torch.Tensor | None, what: str) -> torch.Tensor | None:
+        """This tp rank's sequence slice of a per-token tensor covering ``ctx.input_ids``."""
+        if t is None or not self.tp.active:
+            return t
+        if t.size(1) % self.tp.size:
+            raise ValueError(f"MoE layer {self.layer_number}: {what} covers {t.size(1)} positions, "
+                             f"not divisible by tp={self.tp.size}")
+        step = t.size(1) // self.tp.size
+        return t[:, self.tp.rank * step:(self.tp.rank + 1) * step]
