@@ -87,6 +87,8 @@ def default_param_group_rules(engram_lr_mult: float = 5.0) -> tuple[ParamGroupRu
         ParamGroupRule("*", "adamw", ndim="<=1"),
         ParamGroupRule("*.linear_q_up.weight", "muon_headwise", weight_decay=True),
         ParamGroupRule("*.indexer.linear_q.weight", "muon_headwise", weight_decay=True),
+        # The grouped output projection is o_groups independent matrices (one per group).
+        ParamGroupRule("*.attention.linear_out_a", "muon_headwise", weight_decay=True),
         ParamGroupRule("*", "muon", weight_decay=True, ndim=">=2"),
     )
 

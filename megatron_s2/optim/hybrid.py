@@ -117,7 +117,7 @@ def _check_same_params(kind: str, groups: list[dict], saved_groups: list[dict]) 
                              f"parameters: this run has {diff[0]!r} where the checkpoint has {diff[1]!r}")
 
 
-def _check_shards(assignment: ParamAssignment, row_groups: Mapping[str, Any]) -> None:
+def _check_shards(assignment: ParamAssignment, row_groups: Mapping[str, Any], matrix_shards: Mapping[str, Any]) -> None:
     """Reject shards on which the update would differ from the single-rank update."""
     if assignment.rule.kind == "adamw":
         return
@@ -127,6 +127,10 @@ def _check_shards(assignment: ParamAssignment, row_groups: Mapping[str, Any]) ->
     allowed = {0} if param.ndim == 3 else set()
     if assignment.rule.kind == "sinkhorn" and assignment.name in row_groups:
         allowed.add(param.ndim - 2)
+    if assignment.rule.kind == "muon_headwise" and assignment.head_split >= 1:
+        allowed.add(param.ndim - 2)  # whole heads per rank: each head's matrix is local
+    if assignment.name in matrix_shards:
+        allowed.add(matrix_shards[assignment.name][1] % param.ndim)
     if split_dims - allowed:
         hint = ("pass the group its rows are partitioned over in row_groups"
                 if assignment.rule.kind == "sinkhorn" else "gather it first or run without tensor parallelism")
@@ -150,6 +154,7 @@ def build_optimizer(
     cfg: OptimizerConfig,
     *,
     row_groups: Mapping[str, dist.ProcessGroup | None] | None = None,
+    matrix_shards: Mapping[str, tuple[Any, int]] | None = None,
 ) -> HybridOptimizer:
     """Assign ``model``'s trainable parameters by ``cfg.rules`` and build the hybrid optimiser.
 
@@ -158,6 +163,7 @@ def build_optimizer(
     first ``step``.
     """
     row_groups = dict(row_groups or {})
+    matrix_shards = dict(matrix_shards or {})
     assignments = assign_param_groups(model, cfg.rules)
     if not assignments:
         raise ConfigError("model has no trainable parameters to optimise")
@@ -166,7 +172,7 @@ def build_optimizer(
         raise ConfigError(f"row_groups names {sorted(unknown)}, which are not trainable Sinkhorn parameters")
     groups: dict[tuple[int, int], dict[str, Any]] = {}
     for assignment in assignments:
-        _check_shards(assignment, row_groups)
+        _check_shards(assignment, row_groups, matrix_shards)
         key = (assignment.rule_index, assignment.head_split)
         if key not in groups:
             groups[key] = _new_group(assignment, cfg)
@@ -179,7 +185,9 @@ def build_optimizer(
     if by_family["muon"]:
         optimizers["muon"] = Muon(by_family["muon"], momentum=cfg.momentum, nesterov=cfg.nesterov,
                                   update_rms=cfg.muon_update_rms, ns_steps=cfg.ns_steps, ns_dtype=cfg.ns_dtype,
-                                  ns_polish_steps=cfg.ns_polish_steps)
+                                  ns_polish_steps=cfg.ns_polish_steps,
+                                  matrix_shards={a.param: matrix_shards[a.name] for a in assignments
+                                                 if a.name in matrix_shards and a.rule.kind == "muon"})
     if by_family["sinkhorn"]:
         optimizers["sinkhorn"] = SinkhornMomentum(by_family["sinkhorn"], momentum=cfg.momentum, nesterov=cfg.nesterov,
                                                   lr_scale=cfg.sinkhorn_lr_scale, iters=cfg.sinkhorn_iters,

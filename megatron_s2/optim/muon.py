@@ -39,7 +39,7 @@ import torch
 from megatron_s2.optim.momentum import nesterov_momentum_
 from megatron_s2.optim.newton_schulz import MUON_QUINTIC_COEFFICIENTS, newton_schulz
 
-__all__ = ["NS_DTYPES", "as_matrix_batch", "muon_update", "Muon"]
+__all__ = ["NS_DTYPES", "as_matrix_batch", "muon_update", "orthogonalize", "Muon"]
 
 NS_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -80,10 +80,26 @@ def muon_update(
     ``W <- W * (1 - lr * wd) - lr * D``.
     """
     update = nesterov_momentum_(momentum_buffer, grad, momentum, nesterov)
+    return orthogonalize(update, ns_steps=ns_steps, update_rms=update_rms, head_split=head_split, ns_dtype=ns_dtype,
+                         ns_coefficients=ns_coefficients, ns_polish_steps=ns_polish_steps).to(momentum_buffer.dtype)
+
+
+@torch.no_grad()
+def orthogonalize(update: torch.Tensor, *, ns_steps: int = 5, update_rms: float = 0.18, head_split: int = 1,
+                  ns_dtype: torch.dtype = torch.float32,
+                  ns_coefficients: tuple[float, float, float] = MUON_QUINTIC_COEFFICIENTS,
+                  ns_polish_steps: int = 0) -> torch.Tensor:
+    """Newton-Schulz orthogonalisation + RMS matching of a momentum update (same shape)."""
     blocks = as_matrix_batch(update, head_split)
     orthogonal = newton_schulz(blocks, ns_steps, ns_coefficients, ns_polish_steps, compute_dtype=ns_dtype)
     scale = update_rms * math.sqrt(max(blocks.shape[-2], blocks.shape[-1]))
-    return (orthogonal * scale).reshape(grad.shape).to(momentum_buffer.dtype)
+    return (orthogonal * scale).reshape(update.shape)
+
+
+def _gather_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    torch.distributed.all_gather(parts, x.contiguous(), group=group.pg)
+    return torch.cat(parts, dim=dim)
 
 
 class Muon(torch.optim.Optimizer):
@@ -106,7 +122,14 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: str = "float32",
         ns_polish_steps: int = 0,
         head_split: int = 1,
+        matrix_shards: dict | None = None,
     ) -> None:
+        """``matrix_shards`` maps a parameter whose shard cuts its matrix (tensor / expert
+        tensor parallelism) to ``(group, dim)``: its momentum update is all-gathered over
+        ``group`` along ``dim``, orthogonalised whole on every rank of the group, and each rank
+        keeps its slice. This costs one all-gather of the matrix per step and a redundant
+        Newton-Schulz on each rank of the group; momentum stays sharded."""
+        self.matrix_shards = dict(matrix_shards or {})
         if (lr < 0 or weight_decay < 0 or not 0 <= momentum < 1 or update_rms <= 0 or ns_steps < 1
                 or ns_polish_steps < 0):
             raise ValueError(f"invalid Muon hyper-parameters: lr={lr}, weight_decay={weight_decay}, "
@@ -133,12 +156,16 @@ class Muon(torch.optim.Optimizer):
                 state = self.state[param]
                 if not state:
                     state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                update = muon_update(
-                    param.grad, state["momentum_buffer"], momentum=group["momentum"],
-                    nesterov=group["nesterov"], ns_steps=group["ns_steps"], update_rms=group["update_rms"],
-                    head_split=group["head_split"], ns_dtype=NS_DTYPES[group["ns_dtype"]],
-                    ns_polish_steps=group["ns_polish_steps"],
-                )
+                update = nesterov_momentum_(state["momentum_buffer"], param.grad, group["momentum"], group["nesterov"])
+                shard = self.matrix_shards.get(param)
+                if shard is not None:
+                    tp_group, dim = shard
+                    update = _gather_dim(update, tp_group, dim)
+                update = orthogonalize(update, ns_steps=group["ns_steps"], update_rms=group["update_rms"],
+                                       head_split=group["head_split"], ns_dtype=NS_DTYPES[group["ns_dtype"]],
+                                       ns_polish_steps=group["ns_polish_steps"])
+                if shard is not None:
+                    update = update.chunk(tp_group.size, dim=dim)[tp_group.rank]
                 if decay:
                     param.mul_(1.0 - lr * decay)
                 param.add_(update.to(param.dtype), alpha=-lr)

@@ -24,7 +24,9 @@ from megatron_s2.data import batch_fingerprint, build_data_iterator, build_token
 from megatron_s2.models.v41.accounting import train_flops_per_token
 from megatron_s2.optim import build_optimizer, describe_param_groups
 from megatron_s2.optim.lr_schedule import LRSchedule
+from megatron_s2.parallel.distributed_optimizer import DistributedOptimizer
 from megatron_s2.parallel.layout import ParallelLayout
+from megatron_s2.parallel.optimizer_shards import optimizer_shard_groups
 from megatron_s2.parallel.setup import build_groups
 from megatron_s2.training.checkpointing import CheckpointManager
 from megatron_s2.training.grad_finalize import clip_grads, finalize_model_grads
@@ -65,7 +67,11 @@ class Trainer:
         self.model = build_stage_model(recipe, self.layout, self.groups, rank,
                                        self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
         self._freeze(recipe.phase.freeze)
-        self.optimizer = build_optimizer(self.model, recipe.optimizer)
+        row_groups, matrix_shards = optimizer_shard_groups(self.model, self.groups, recipe.optimizer)
+        self.optimizer = build_optimizer(self.model, recipe.optimizer, row_groups=row_groups,
+                                         matrix_shards=matrix_shards)
+        if recipe.parallel.distributed_optimizer:
+            self.optimizer = DistributedOptimizer(self.optimizer, self.model, self.groups)
         self.schedule = LRSchedule(recipe.schedule)
         coords = self.layout.coords(rank)
         self.dp_rank = coords["dp"]
@@ -129,20 +135,30 @@ class Trainer:
         return True
 
     # ---- loop ---------------------------------------------------------------------------------
-    def train_step(self) -> dict:
-        t0 = time.perf_counter()
-        lr = self.schedule.apply(self.optimizer, self.step)
-        micro_batches = self.data.next_step()
-        fingerprint = batch_fingerprint(micro_batches)
+    def compute_gradients(self, micro_batches: list[dict]):
+        """Forward/backward over this rank's micro-batches and reduce the gradients."""
         inputs = StepInputs(micro_batches, self.groups, self.num_micro_global)
         result = self.forward_backward(self.model, inputs)
         finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb)
+        return result
+
+    def apply_gradients(self) -> float:
+        """Clip, optimiser step, then the once-per-step MoE correction-bias update."""
         grad_norm = clip_grads(self.params, self.recipe.optimizer.clip_grad, self.groups)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.update_expert_bias()
         self.step += 1
-        return {"loss": result.loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": result.tokens,
+        return float(grad_norm)
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        lr = self.schedule.apply(self.optimizer, self.step)
+        micro_batches = self.data.next_step()
+        fingerprint = batch_fingerprint(micro_batches)
+        result = self.compute_gradients(micro_batches)
+        grad_norm = self.apply_gradients()
+        return {"loss": result.loss, "lr": lr, "grad_norm": grad_norm, "tokens": result.tokens,
                 "step_time": time.perf_counter() - t0, "extra": result.metrics, "fingerprint": fingerprint}
 
     def train(self) -> TrainResult:

@@ -77,7 +77,8 @@ class CSA2Attention(nn.Module):
             mark_param(self.attn_sink, (h,), [(0, tp.rank, tp.size)], init=constant_init(0.0))
         group_in = h * hd // config.o_groups
         self.linear_out_a = nn.Parameter(torch.empty(self.local_groups * config.o_lora_rank, group_in))
-        mark_param(self.linear_out_a, (config.o_groups * config.o_lora_rank, group_in), [(0, tp.rank, tp.size)])
+        mark_param(self.linear_out_a, (config.o_groups * config.o_lora_rank, group_in), [(0, tp.rank, tp.size)],
+                   head_split=self.local_groups)
         self.linear_out_b = L.row_parallel_linear(config.o_groups * config.o_lora_rank, d, tp,
                                               sequence_parallel=self.sequence_parallel)
 

@@ -26,11 +26,11 @@ A row is a packed sequence: document boundaries inside it are not respected (the
 regulariser; per row is what the report's "single sequences" means for packed training).
 Selections f_i use the biased top-k (what actually ran). When a row is split over ranks
 (tensor-parallel token split / sequence parallelism, context parallelism) the per-row sums
-are all-reduced so the value equals the single-rank one. Gradient convention: the tp sum
-has an identity backward (tp ranks form one replica; the router weight is flagged
-``sequence_parallel`` and its partial gradients are summed over tp by the finaliser); the cp
-sum has an all-reduce backward, because each cp rank adds the same loss and the finaliser
-*averages* gradients over dp x cp (each rank's loss is a mean over its own tokens).
+are all-reduced so the value equals the single-rank one. The sums have an identity
+backward: every rank of the split adds the same loss value but backpropagates only its own
+tokens' share, and the gradient finaliser *sums* those shares (the router weight is flagged
+``sequence_parallel`` -> summed over tp; dense gradients summed over dp x cp, see
+``megatron_s2.training.grad_finalize``), which gives exactly the single-rank gradient.
 """
 
 from __future__ import annotations
@@ -77,27 +77,14 @@ def update_expert_biases(routers: Iterable, rate: float) -> torch.Tensor | None:
     return loads
 
 
-class _AllReduceBoth(torch.autograd.Function):
-    """All-reduce forward and backward: every rank adds the same reduced value to its loss."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return mappings.all_reduce_sum(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return mappings.all_reduce_sum(g, ctx.group), None
-
-
 def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, coeff: float, *,
-                          row_split: Sequence[Group] = (), replica_split: Sequence[Group] = ()) -> torch.Tensor:
+                          row_split: Sequence[Group] = ()) -> torch.Tensor:
     """DeepSeek-V3 sequence-wise balance loss, averaged over rows.
 
     ``scores``: ``[b, t, N_r]`` unbiased router scores of this rank's tokens (differentiable);
-    ``indices``: ``[b, t, K_r]`` selected experts. ``row_split``: groups over which the rows'
-    tokens are split inside one replica (identity backward, e.g. tp); ``replica_split``: groups
-    whose ranks each add the loss as separate replicas (all-reduce backward, e.g. cp).
+    ``indices``: ``[b, t, K_r]`` selected experts; ``row_split``: the groups over which each
+    row's tokens are split (tp for the routed-token split, cp), whose partial sums are
+    all-reduced with an identity backward.
     """
     b, _, num_experts = scores.shape
     topk = indices.size(-1)
@@ -105,7 +92,7 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, coeff: fl
         counts = torch.zeros(b, num_experts, dtype=torch.float32, device=scores.device)
         picks = indices.flatten(1)
         counts.scatter_add_(1, picks, torch.ones(picks.shape, device=scores.device))
-        for group in (*row_split, *replica_split):
+        for group in row_split:
             counts = mappings.all_reduce_sum(counts, group)
         tokens = counts.sum(dim=-1, keepdim=True) / topk
         f = counts * (num_experts / topk) / tokens.clamp(min=1)
@@ -113,8 +100,5 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, coeff: fl
     prob_sum = normed.sum(dim=1)
     for group in row_split:
         prob_sum = mappings.reduce_from_group(prob_sum, group)
-    for group in replica_split:
-        if group.active:
-            prob_sum = _AllReduceBoth.apply(prob_sum, group)
     p = prob_sum / tokens.clamp(min=1)
     return coeff * (f * p).sum() / max(b, 1)

@@ -65,11 +65,6 @@ class MoELayer(nn.Module):
             output = output + self.shared_expert(hidden)
         return output.to(hidden.dtype)
 
-    def update_expert_bias(self, rate: float | None = None) -> torch.Tensor:
-        """Aux-loss-free bias update of this layer (collective over ``groups.stage``);
-        ``rate`` defaults to ``config.moe_bias_update_rate``."""
-        return self.router.update_expert_bias(self.config.moe_bias_update_rate if rate is None else rate)
-
     # ---- route -----------------------------------------------------------------------------
     def _route(self, tokens: torch.Tensor, ctx: ForwardContext) -> RoutingDecision:
         b, s, d = tokens.shape
@@ -92,7 +87,7 @@ class MoELayer(nn.Module):
             loss = sequence_balance_loss(
                 decision.scores.view(b, s, self.config.num_routed_experts),
                 decision.indices.view(b, s, self.config.moe_topk), self.config.moe_seq_aux_loss_coeff,
-                row_split=(self.tp,), replica_split=(self.groups.cp,))
+                row_split=(self.tp, self.groups.cp))
             ctx.add_aux_loss("moe_seq_balance", loss)
         return decision
 
