@@ -85,11 +85,17 @@ class V41Model(nn.Module):
         return logits if labels is None else self.loss(logits, labels)
 
     # ---- training hooks ---------------------------------------------------------------------
+    def routers(self) -> list:
+        from megatron_s2.models.v41.moe.router import TopKRouter
+
+        return [m for m in self.modules() if isinstance(m, TopKRouter)]
+
     def update_expert_bias(self) -> None:
-        """Aux-loss-free balancing: one correction-bias update per optimiser step (§2.1.1)."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "update_expert_bias"):
-                module.update_expert_bias(self.config.moe_bias_update_rate)
+        """Aux-loss-free balancing: one correction-bias update per optimiser step (§2.1.1),
+        text and image biases from their own loads; one collective for all routers."""
+        from megatron_s2.models.v41.moe import update_expert_biases
+
+        update_expert_biases(self.routers(), self.config.moe_bias_update_rate)
 
     def init_weights(self, seed: int) -> "V41Model":
         initialize_parameters(self, seed, self.config.init_std)
