@@ -49,10 +49,15 @@ class SharedStateKind(str, enum.Enum):
     TOPK = "topk"                  # selected compressed positions: int [b, s, topk], -1 = none
     CANDIDATES = "candidates"      # candidate-pool positions: int [b, s, pool], -1 = none
     ENCODER_OUTPUT = "encoder_output"  # H_{L/2}: float [b, s, hidden], the CED decoder's KV input
+    # Representations a pipeline cut may carry instead of the states above, so that a shadow
+    # replica re-derives them on the consumer stage (§3.1.2 shadow indexers):
+    LATENT = "latent"              # RoPE-free compressed latent: float [b, n_c, head_dim]
+    CANDIDATE_QUERY = "candidate_query"  # candidate source's indexer inputs: float [b, s, q_lora + H_I/tp]
 
     @property
     def differentiable(self) -> bool:
-        return self in (SharedStateKind.MAIN_KV, SharedStateKind.INDEX_K, SharedStateKind.ENCODER_OUTPUT)
+        return self in (SharedStateKind.MAIN_KV, SharedStateKind.INDEX_K, SharedStateKind.ENCODER_OUTPUT,
+                        SharedStateKind.LATENT)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,13 @@ class ParallelConfig:
     pipeline_layers: tuple[int, ...] = ()
     """Layers per (virtual) pipeline stage, first to last; empty = even split (an uneven split
     must be written out, it is never guessed)."""
+    payload_index_k: Literal["send", "shadow"] = "send"
+    """How a pipeline cut carries a Full layer's main KV + index K to later stages: send both,
+    or send the RoPE-free latent and re-derive index K with a shadow of the owner's
+    projection (§3.1.2 shadow indexers)."""
+    payload_candidates: Literal["send", "shadow"] = "send"
+    """How a cut carries the hierarchical indexer's candidate pool: send the ids, or send the
+    candidate source's indexer inputs and re-select with a shadow of its query projection."""
     cp: int = 1
     """Context-parallel size: each sequence split into 2*cp load-balanced chunks."""
     ep: int = 1

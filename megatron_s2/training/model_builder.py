@@ -22,8 +22,11 @@ def build_stage_model(recipe: RecipeConfig, layout: ParallelLayout, groups: Para
     if layout.pp == 1:
         model = V41Model(recipe.model, groups).init_weights(recipe.training.seed)
     else:
+        from megatron_s2.pipeline.payload import PayloadModes
         from megatron_s2.pipeline.stage import build_pipeline_model
 
-        model = build_pipeline_model(recipe.model, layout, groups, rank, seed=recipe.training.seed)
+        modes = PayloadModes(recipe.parallel.payload_index_k, recipe.parallel.payload_candidates)
+        model = build_pipeline_model(recipe.model, layout, groups, rank, seed=recipe.training.seed, modes=modes)
     attach_token_map(model, token_map)
+    model.set_recompute(recipe.parallel.recompute)
     return model

@@ -38,8 +38,13 @@ class StepResult:
 
 
 def make_context(model, mb: dict[str, torch.Tensor], routing=None) -> ForwardContext:
-    return ForwardContext.create(mb["tokens"], model.plan, positions=mb.get("position_ids"),
-                                 doc_ids=mb.get("doc_ids"), image_mask=mb.get("image_mask"), routing=routing)
+    ctx = ForwardContext.create(mb["tokens"], model.plan, positions=mb.get("position_ids"),
+                                doc_ids=mb.get("doc_ids"), image_mask=mb.get("image_mask"), routing=routing)
+    if "full_tokens" in mb:  # context-parallel chunk of a longer sequence
+        ctx.full_input_ids = mb["full_tokens"]
+        ctx.full_doc_ids = mb.get("full_doc_ids")
+        ctx.full_image_mask = mb.get("full_image_mask")
+    return ctx
 
 
 def _reduce_metrics(sums: dict[str, torch.Tensor], count: int, groups: ParallelGroups, num_micro_global: int) -> dict[str, float]:

@@ -24,6 +24,7 @@ from megatron_s2.data import batch_fingerprint, build_data_iterator, build_token
 from megatron_s2.models.v41.accounting import train_flops_per_token
 from megatron_s2.optim import build_optimizer, describe_param_groups
 from megatron_s2.optim.lr_schedule import LRSchedule
+from megatron_s2.parallel.context_parallel import split_micro_batch
 from megatron_s2.parallel.distributed_optimizer import DistributedOptimizer
 from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.parallel.optimizer_shards import optimizer_shard_groups
@@ -137,6 +138,7 @@ class Trainer:
     # ---- loop ---------------------------------------------------------------------------------
     def compute_gradients(self, micro_batches: list[dict]):
         """Forward/backward over this rank's micro-batches and reduce the gradients."""
+        micro_batches = [split_micro_batch(mb, self.groups.cp) for mb in micro_batches]
         inputs = StepInputs(micro_batches, self.groups, self.num_micro_global)
         result = self.forward_backward(self.model, inputs)
         finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb)
@@ -147,6 +149,9 @@ class Trainer:
         grad_norm = clip_grads(self.params, self.recipe.optimizer.clip_grad, self.groups)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        pipeline = getattr(self.model, "pipeline", None)
+        if pipeline is not None:
+            pipeline.shadows.refresh()  # replicas follow their owners (§3.1.2)
         self.model.update_expert_bias()
         self.step += 1
         return float(grad_norm)

@@ -20,6 +20,7 @@ from megatron_s2.models.init import initialize_parameters
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.mhc import collapse, expand_embedding, one_hot_pre
 from megatron_s2.models.v41.norm import RMSNorm
+from megatron_s2.models.v41.recompute import run_block_recomputed
 from megatron_s2.models.v41.spec import LocalProvider, block_spec, build_module, get_provider
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.vocab import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_cross_entropy
@@ -36,6 +37,7 @@ class V41Model(nn.Module):
         self.groups = groups = groups or ParallelGroups.single()
         self.plan = config.plan
         self.pre_process, self.post_process = pre_process, post_process
+        self.recompute = "none"  # none | full | selective (set by the builder from parallel.recompute)
         sp = groups.sequence_parallel and groups.tp.active
         d = config.hidden_size
         if pre_process:
@@ -62,8 +64,19 @@ class V41Model(nn.Module):
     def run_layers(self, x: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext,
                    layer_ids: Iterable[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         for i in (self.layer_ids if layer_ids is None else layer_ids):
-            x, pre = self.layers[str(i)](x, pre, ctx)
+            block = self.layers[str(i)]
+            if self.recompute == "full" and self.training and torch.is_grad_enabled():
+                x, pre = run_block_recomputed(block, x, pre, ctx)
+            else:
+                x, pre = block(x, pre, ctx)
         return x, pre
+
+    def set_recompute(self, mode: str) -> None:
+        """Activation recomputation: none, full (whole blocks, shared-state aware) or
+        selective (attention core + routed experts)."""
+        self.recompute = mode
+        for block in self.layers.values():
+            block.attention.selective_recompute = mode == "selective"
 
     def head(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """Streams -> this rank's vocabulary shard of the logits (float32)."""

@@ -37,12 +37,15 @@ class SharedStateRegistry:
         self.plan = plan
         self._states: dict[tuple[int, SharedStateKind], torch.Tensor] = {}
         self._pending: dict[tuple[int, SharedStateKind], set[int]] = {}
+        self.requested: set[tuple[int, SharedStateKind]] = set()  # kept for a pipeline export
         self.peak_bytes = 0
 
     # ---- producer / consumer API -------------------------------------------------------
     def publish(self, producer: int, kind: SharedStateKind, value: torch.Tensor) -> None:
         key = (producer, kind)
         consumers = set(self.plan.consumers(producer, kind))
+        if key in self.requested:
+            consumers.add(-1)  # the pipeline export holds it until the stage's output is built
         if not consumers:
             return  # nobody downstream reads it: do not keep it alive
         self._states[key] = value
@@ -68,7 +71,7 @@ class SharedStateRegistry:
 
     # ---- pipeline payload support --------------------------------------------------------
     def export(self, keys: Iterable[tuple[int, SharedStateKind]]) -> dict[tuple[int, SharedStateKind], torch.Tensor]:
-        """The states a pipeline cut must carry (they stay registered for local consumers)."""
+        """The states a pipeline cut must carry (the registry is discarded after the export)."""
         out = {}
         for key in keys:
             if key not in self._states:
@@ -81,6 +84,8 @@ class SharedStateRegistry:
         layer ``below`` are still pending."""
         for (producer, kind), value in states.items():
             consumers = {c for c in self.plan.consumers(producer, kind) if c >= below}
+            if (producer, kind) in self.requested:
+                consumers.add(-1)
             if consumers:
                 self._states[(producer, kind)] = value
                 self._pending[(producer, kind)] = consumers

@@ -39,9 +39,11 @@ from megatron_s2.models.v41.attention.visibility import entry_doc_ids, window_in
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.quant import fake_quant_fp4_e4m3, fake_quant_fp8
+from megatron_s2.models.v41.recompute import selective_checkpoint
 from megatron_s2.models.v41.rope import apply_rope, rope_frequencies
 from megatron_s2.models.v41.spec import LinearSubmodules
 from megatron_s2.parallel import mappings
+from megatron_s2.parallel.context_parallel import gather_sequence_ordered, window_keys_with_halo
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.sharding import mark_param
 
@@ -54,7 +56,7 @@ class CSA2Attention(nn.Module):
         super().__init__()
         L = linears or LinearSubmodules()
         tp = groups.tp
-        self.config, self.spec, self.tp = config, spec, tp
+        self.config, self.spec, self.tp, self.cp = config, spec, tp, groups.cp
         self.sequence_parallel = groups.sequence_parallel and tp.active
         partial = tp.active
         d, h, hd = config.hidden_size, config.num_attention_heads, config.head_dim
@@ -89,6 +91,7 @@ class CSA2Attention(nn.Module):
             config.rope_head_dim, theta, yarn, config.rope_scaling_factor,
             config.rope_beta_fast, config.rope_beta_slow), persistent=False)
 
+        self.selective_recompute = False  # checkpoint the attention core (set by the model)
         self.compressor = self.index_key = self.indexer = None
         if spec.mode is CSA2Mode.FULL:
             self.compressor = Compressor(config, spec.compress_ratio, from_encoder_output=spec.uses_encoder_output,
@@ -103,8 +106,27 @@ class CSA2Attention(nn.Module):
         return x if self.sequence_parallel else mappings.copy_to_group(x, self.tp)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Per-token results of the local sequence shard -> the full sequence (SP only)."""
+        """Per-token results of the local sequence shard -> this rank's queries (SP only)."""
         return mappings.all_gather_sequence(t, self.tp, dim=1) if self.sequence_parallel else t
+
+    def _gather_full(self, t: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Per-token results -> the whole sequence in position order (SP, then CP)."""
+        return gather_sequence_ordered(self._gather(t), ctx.positions, self.cp)
+
+    def _full_doc_ids(self, ctx: ForwardContext) -> torch.Tensor | None:
+        return ctx.full_doc_ids if self.cp.active else ctx.doc_ids
+
+    def _window(self, kv: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Window keys (with the CP halo) and each query's window indices into them."""
+        pos, doc = ctx.positions, ctx.doc_ids
+        if not self.cp.active:
+            return kv, window_indices(pos, pos, self.window, doc, doc)
+        keys, k_pos = window_keys_with_halo(kv, pos, self.window, self.cp)
+        k_doc = None
+        if doc is not None:
+            full = ctx.full_doc_ids
+            k_doc = torch.where(k_pos >= 0, full.gather(1, k_pos.clamp_min(0)), -1)
+        return keys, window_indices(pos, k_pos, self.window, doc, k_doc)
 
     # ---- main-KV / top-k acquisition (§2.3.1) ----------------------------------------------
     def _main_kv(self, x_in: torch.Tensor, ctx: ForwardContext):
@@ -117,8 +139,8 @@ class CSA2Attention(nn.Module):
         if spec.uses_encoder_output:  # CED (§2.2, Eq. 1): main KV from H_{L/2}
             src = self._enter(ctx.shared.consume(spec.index, spec.encoder_source, K.ENCODER_OUTPUT))
         kv, gate = self.compressor.project(src)
-        kv = self._gather(kv)
-        gate = self._gather(gate) if gate is not None else None
+        kv = self._gather_full(kv, ctx)
+        gate = self._gather_full(gate, ctx) if gate is not None else None
         latent = self.compressor.pool(kv, gate)  # [b, n, hd], RoPE-free
         n = latent.size(1)
         entry_pos = (torch.arange(n, device=latent.device) * ratio).expand(latent.size(0), n)
@@ -128,6 +150,7 @@ class CSA2Attention(nn.Module):
             main_kv = fake_quant_fp4_e4m3(main_kv)
         ctx.shared.publish(spec.index, K.MAIN_KV, main_kv)
         ctx.shared.publish(spec.index, K.INDEX_K, index_k)
+        ctx.shared.publish(spec.index, K.LATENT, latent)  # kept only when a pipeline cut asks for it
         return main_kv, index_k
 
     def _topk(self, x_in, qr, index_k, n_entries, ctx: ForwardContext):
@@ -140,12 +163,13 @@ class CSA2Attention(nn.Module):
         candidates = None
         if spec.candidate_source is not None and not spec.is_candidate_source:
             candidates = ctx.shared.consume(spec.index, spec.candidate_source, K.CANDIDATES)
-        e_doc = entry_doc_ids(doc, ratio, n_entries)
+        e_doc = entry_doc_ids(self._full_doc_ids(ctx), ratio, n_entries)
         sel = self.indexer.select(q_idx, weights, index_k, pos, ratio, doc, e_doc, candidates=candidates,
                                   make_candidates=spec.is_candidate_source)
         ctx.shared.publish(spec.index, K.TOPK, sel.topk)
         if spec.is_candidate_source:
             ctx.shared.publish(spec.index, K.CANDIDATES, sel.candidates)
+            ctx.shared.publish(spec.index, K.CANDIDATE_QUERY, torch.cat([qr.detach().float(), weights.detach()], -1))
         self.last_scored_per_query = sel.scored_per_query
         return sel.topk, (q_idx, weights)
 
@@ -161,7 +185,7 @@ class CSA2Attention(nn.Module):
         kv = apply_rope(kv, pos, self.inv_freq)
         if self.config.fp8_swa_kv:
             kv = fake_quant_fp8(kv)
-        indices = window_indices(pos, pos, self.window, doc, doc)
+        kv, indices = self._window(kv, ctx)
         split, indexer_inputs = None, None
         if self.spec.is_csa2:
             main_kv, index_k = self._main_kv(x_in, ctx)
@@ -171,11 +195,17 @@ class CSA2Attention(nn.Module):
             indices = torch.cat([indices, torch.where(topk >= 0, topk + n_window, -1)], dim=-1)
             split = self.window
         want_mass = indexer_inputs is not None and self.training and self.config.indexer_loss_coeff > 0
-        o, mass = sparse_attention(q, kv, indices, self.attn_sink, self.scale, split=split if want_mass else None)
+        split = split if want_mass else None
+        if self.selective_recompute and self.training and torch.is_grad_enabled():
+            o, mass = selective_checkpoint(lambda q_, kv_: sparse_attention(q_, kv_, indices, self.attn_sink, self.scale,
+                                                                            split=split), q, kv)
+        else:
+            o, mass = sparse_attention(q, kv, indices, self.attn_sink, self.scale, split=split)
         if want_mass:
             q_idx, weights = indexer_inputs
             kl_sum, n = self.indexer.alignment_loss(q_idx, weights, index_k, topk, mass)
-            kl = kl_sum / n.clamp_min(1)
+            n = mappings.all_reduce_sum(n.float().reshape(1), self.cp)  # mean over the whole sequence
+            kl = kl_sum / n.clamp_min(1).squeeze()
             ctx.add_aux_loss("indexer_kl", self.config.indexer_loss_coeff * kl)
             ctx.add_metric("indexer_kl", kl)
         o = apply_rope(o, pos, self.inv_freq, inverse=True)

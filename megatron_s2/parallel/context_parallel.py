@@ -1,0 +1,85 @@
+"""Context parallelism: load-balanced sequence chunks and the gathers CSA2 needs (report §3.1.2).
+
+Each sequence is cut into ``2 * cp`` equal chunks and CP rank ``r`` holds chunks ``r`` and
+``2cp - 1 - r``, so causal attention work is balanced across ranks. Tokens keep their global
+positions, and every attention rule (causal window, compressed-entry visibility, documents)
+is written in positions, so a chunk computes exactly what the full sequence would:
+
+* compressed main KV and index K are small: the per-token compressor projections are
+  all-gathered over the CP group (reduce-scatter in backward) and pooled on every rank, so
+  compression groups straddling a chunk boundary are pooled exactly;
+* the sliding window needs only the ``n_win`` tokens before each local chunk: a halo of every
+  chunk's tail is all-gathered (reduce-scatter in backward);
+* per-query work (queries, indexer scores, top-k, candidate pools) stays local.
+
+The full token ids and document ids travel with the micro-batch (Engram hashes n-grams that
+cross chunk boundaries; documents decide visibility of gathered keys).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_s2.parallel import mappings
+from megatron_s2.parallel.groups import Group
+
+__all__ = ["local_chunk_positions", "split_micro_batch", "gather_sequence_ordered", "window_keys_with_halo"]
+
+
+def local_chunk_positions(seq: int, cp: Group) -> torch.Tensor:
+    """Global positions held by this CP rank (chunk r then chunk 2cp-1-r)."""
+    chunk = seq // (2 * cp.size)
+    a, b = cp.rank, 2 * cp.size - 1 - cp.rank
+    return torch.cat([torch.arange(a * chunk, (a + 1) * chunk), torch.arange(b * chunk, (b + 1) * chunk)])
+
+
+def split_micro_batch(mb: dict[str, torch.Tensor], cp: Group) -> dict[str, torch.Tensor]:
+    if not cp.active:
+        return mb
+    seq = mb["tokens"].size(1)
+    idx = local_chunk_positions(seq, cp).to(mb["tokens"].device)
+    out = {k: (v.index_select(1, idx) if torch.is_tensor(v) and v.dim() >= 2 and v.size(1) == seq else v)
+           for k, v in mb.items()}
+    out["position_ids"] = mb.get("position_ids", torch.arange(seq).expand_as(mb["tokens"])).index_select(1, idx)
+    out["full_tokens"] = mb["tokens"]
+    out["full_doc_ids"] = mb.get("doc_ids")
+    out["full_image_mask"] = mb.get("image_mask")
+    out["full_seq"] = seq
+    return out
+
+
+def gather_sequence_ordered(t: torch.Tensor, positions: torch.Tensor, cp: Group) -> torch.Tensor:
+    """All-gather per-token tensors [b, s_local, ...] over CP and put them in position order."""
+    if not cp.active:
+        return t
+    full = mappings.all_gather_sequence(t, cp, dim=1)
+    pos = mappings.gather_from_group(positions[:1].contiguous(), cp, dim=1)[0]
+    return full.index_select(1, torch.argsort(pos))
+
+
+def window_keys_with_halo(kv: torch.Tensor, positions: torch.Tensor, window: int, cp: Group):
+    """Window keys of the local chunks plus the ``window`` tokens before each chunk.
+
+    kv: [b, s_local, d] (two chunks). Returns (keys [b, 2(W + c), d], key positions [b, 2(W + c)]),
+    positions ascending.
+    """
+    b, s, d = kv.shape
+    c = s // 2
+    if c < window:
+        raise ValueError(f"context parallel chunks of {c} tokens are shorter than the window {window}; "
+                         "use fewer CP ranks or longer sequences")
+    tails = torch.stack([kv[:, c - window:c], kv[:, s - window:]], dim=1)  # [b, 2, W, d]
+    gathered = mappings.all_gather_sequence(tails, cp, dim=1)               # [b, 2cp, W, d]
+    n = 2 * cp.size
+
+    def tail_of(chunk: int) -> torch.Tensor:
+        if chunk < 0:
+            return kv.new_zeros(b, window, d)
+        rank = chunk if chunk < cp.size else n - 1 - chunk
+        return gathered[:, 2 * rank + (0 if chunk < cp.size else 1)]
+
+    ca, cb = cp.rank, n - 1 - cp.rank
+    keys = torch.cat([tail_of(ca - 1), kv[:, :c], tail_of(cb - 1), kv[:, c:]], dim=1)
+    w = torch.arange(window, device=kv.device)
+    pos = torch.cat([ca * c - window + w, positions[0, :c], cb * c - window + w, positions[0, c:]])
+    return keys, pos.unsqueeze(0).expand(b, -1)

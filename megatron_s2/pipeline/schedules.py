@@ -1,0 +1,163 @@
+"""1F1B and interleaved 1F1B pipeline schedules over payload-carrying stages.
+
+The order of work on each rank follows megatron-core's schedules (warm-up forwards, steady
+one-forward-one-backward, cool-down backwards; with ``v`` virtual stages per rank micro-batches
+advance in groups of ``p`` through the virtual stages). Each unit is a (virtual stage,
+micro-batch) pair; its forward imports the incoming payload, runs the stage's layers and
+exports the outgoing payload, keeping (float inputs, float outputs, auxiliary objective) for
+its backward. The last stage computes the token loss normalised by the global token count
+(layout-independent, see ``training.losses``); every stage backpropagates its own auxiliary
+losses (MoE balance, indexer alignment) together with the gradients received from below.
+
+Bubble fraction of 1F1B: (p-1)/(m+p-1); interleaved: (p-1)/(v*m+p-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_s2.parallel import mappings
+from megatron_s2.pipeline.p2p import BACKWARD, FORWARD
+from megatron_s2.training.losses import global_token_count, micro_batch_objective
+from megatron_s2.training.step import StepInputs, StepResult, make_context
+
+__all__ = ["get_pipeline_schedule", "schedule_order", "forward_backward_pipelined"]
+
+
+@dataclass
+class _Unit:
+    inputs: list[torch.Tensor]           # received float tensors (leaves) in payload order
+    input_grad_mask: list[bool]
+    outputs: list[torch.Tensor] | None   # exported tensors (None on the last stage)
+    objective: torch.Tensor | None       # loss + aux of the last stage, aux of the others
+
+
+def schedule_order(p: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """(F|B, virtual index, micro-batch) in execution order for pipeline rank ``rank``."""
+    total = m * v
+
+    def chunk_mb(k: int, backward: bool) -> tuple[int, int]:
+        group, within = divmod(k, p * v)
+        chunk = within // p
+        mb = group * p + within % p
+        return (v - 1 - chunk if backward else chunk), mb
+
+    if v == 1:
+        warmup = min(p - rank - 1, m)
+    else:
+        warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    order, f, b = [], 0, 0
+    for _ in range(warmup):
+        order.append(("F", *chunk_mb(f, False)))
+        f += 1
+    while f < total:
+        order.append(("F", *chunk_mb(f, False)))
+        f += 1
+        order.append(("B", *chunk_mb(b, True)))
+        b += 1
+    while b < total:
+        order.append(("B", *chunk_mb(b, True)))
+        b += 1
+    return order
+
+
+def forward_backward_pipelined(model, inputs: StepInputs) -> StepResult:
+    rt = model.pipeline
+    groups = inputs.groups
+    mbs = inputs.micro_batches
+    tokens = global_token_count(mbs, groups.dp_cp)
+    order = schedule_order(rt.p, rt.vpp, len(mbs), rt.pp_rank)
+    units: dict[tuple[int, int], _Unit] = {}
+    loss_sum = torch.zeros(())
+    metric_sums: dict[str, torch.Tensor] = {}
+    transport = rt.transport
+    for op, vi, k in order:
+        stage = rt.stages[vi]
+        mb = mbs[k]
+        if op == "F":
+            ctx = make_context(model, mb, inputs.routing)
+            rt.request_exports(stage, ctx)
+            inputs_f: list[torch.Tensor] = []
+            if rt.is_first(stage):
+                x, pre = model.embed(mb["tokens"])
+                spec = None
+            else:
+                spec = rt.spec_for(stage, mb)
+                received = transport.recv(spec, rt.pp_of_stage(stage - 1), k, vi, FORWARD)
+                for t, f in zip(received, spec.fields):
+                    if f.requires_grad:
+                        t.requires_grad_(True)
+                x, pre = received[0], received[1]
+                rt.import_states(stage, spec, received, ctx)
+                inputs_f = received
+            x, pre = model.run_layers(x, pre, ctx, layer_ids=rt.stage_layers[stage])
+            aux = ctx.total_aux_loss()
+            for name, value in list(ctx.aux_losses.items()) + [(f"{n}_raw", v) for n, v in ctx.aux_metrics.items()]:
+                metric_sums[name] = metric_sums.get(name, 0) + value.detach()
+            if rt.is_last(stage):
+                token_loss = model.loss(model.head(x, pre), mb["labels"])
+                objective, summed = micro_batch_objective(token_loss, mb["loss_mask"], tokens, aux,
+                                                          inputs.num_micro_global)
+                loss_sum = loss_sum + summed
+                units[(vi, k)] = _Unit(inputs_f, [f.requires_grad for f in spec.fields] if spec else [], None, objective)
+            else:
+                outputs = rt.export(stage, x, pre, ctx)
+                transport.send(outputs, rt.pp_of_stage(stage + 1), k, (vi + (1 if rt.pp_of_stage(stage) == rt.p - 1 else 0)),
+                               FORWARD)
+                aux_obj = aux / inputs.num_micro_global if aux is not None else None
+                units[(vi, k)] = _Unit(inputs_f, [f.requires_grad for f in spec.fields] if spec else [],
+                                       outputs, aux_obj)
+        else:
+            unit = units.pop((vi, k))
+            if rt.is_last(stage):
+                torch.autograd.backward(unit.objective)
+            else:
+                spec_next = rt.spec_for(stage + 1, mb)
+                next_vi = vi + (1 if rt.pp_of_stage(stage) == rt.p - 1 else 0)
+                grads = transport.recv(spec_next, rt.pp_of_stage(stage + 1), k, vi, BACKWARD)
+                outs, gs = [], []
+                float_outputs = [t for t, f in zip(unit.outputs, spec_next.fields) if f.requires_grad]
+                for t, g in zip(float_outputs, grads):
+                    if t.requires_grad:
+                        outs.append(t)
+                        gs.append(g)
+                if unit.objective is not None:
+                    outs.append(unit.objective)
+                    gs.append(torch.ones_like(unit.objective))
+                if outs:
+                    torch.autograd.backward(outs, gs)
+                del next_vi
+            if not rt.is_first(stage):
+                grads_in = [(t.grad if t.grad is not None else torch.zeros_like(t))
+                            for t, need in zip(unit.inputs, unit.input_grad_mask) if need]
+                prev_vi = vi - (1 if rt.pp_of_stage(stage) == 0 else 0)
+                transport.send(grads_in, rt.pp_of_stage(stage - 1), k, prev_vi, BACKWARD)
+    transport.flush()
+    rt.shadows.sync_grads()
+    loss = mappings.all_reduce_sum(loss_sum.reshape(1), groups.dp_cp)
+    loss = mappings.all_reduce_sum(loss, groups.pp)
+    metrics = {}
+    for name in sorted(_all_metric_names(metric_sums, groups)):
+        value = metric_sums.get(name, torch.zeros(()))
+        total = mappings.all_reduce_sum(mappings.all_reduce_sum(torch.as_tensor(value).float().reshape(1),
+                                                                groups.dp_cp), groups.pp)
+        metrics[name] = float(total) / max(inputs.num_micro_global, 1)
+    return StepResult(float(loss) / float(tokens), int(tokens), metrics)
+
+
+def _all_metric_names(local: dict, groups) -> list[str]:
+    """Metric names are produced by layers, which differ per stage: agree on the union."""
+    import torch.distributed as dist
+
+    names = sorted(local)
+    if not groups.pp.active:
+        return names
+    gathered: list = [None] * groups.pp.size
+    dist.all_gather_object(gathered, names, group=groups.pp.pg)
+    return sorted({n for part in gathered for n in part})
+
+
+def get_pipeline_schedule(layout):
+    return forward_backward_pipelined
