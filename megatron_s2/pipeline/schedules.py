@@ -33,6 +33,12 @@ class _Unit:
     outputs: list[torch.Tensor] | None   # exported tensors (None on the last stage)
     objective: torch.Tensor | None       # loss + aux of the last stage, aux of the others
 
+    def state_bytes(self) -> int:
+        """Shared-state tensors this in-flight micro-batch keeps alive at the stage boundary
+        (payload fields beyond the streams, received and sent)."""
+        held = list(self.inputs[2:]) + list((self.outputs or [])[2:])
+        return sum(t.numel() * t.element_size() for t in held)
+
 
 def schedule_order(p: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
     """(F|B, virtual index, micro-batch) in execution order for pipeline rank ``rank``."""
@@ -134,6 +140,9 @@ def forward_backward_pipelined(model, inputs: StepInputs) -> StepResult:
                             for t, need in zip(unit.inputs, unit.input_grad_mask) if need]
                 prev_vi = vi - (1 if rt.pp_of_stage(stage) == 0 else 0)
                 transport.send(grads_in, rt.pp_of_stage(stage - 1), k, prev_vi, BACKWARD)
+        live = sum(u.state_bytes() for u in units.values())
+        rt.peak_state_bytes = max(getattr(rt, "peak_state_bytes", 0), live)
+        rt.peak_in_flight = max(getattr(rt, "peak_in_flight", 0), len(units))
     transport.flush()
     rt.shadows.sync_grads()
     loss = mappings.all_reduce_sum(loss_sum.reshape(1), groups.dp_cp)

@@ -45,7 +45,8 @@ def run_layout(rank: int, world: int, overrides: list[str], out_dir: str) -> Non
     run_dir = Path(out_dir) / "run"
     recipe = load_recipe(RECIPE, [*BASE, *overrides, f"training.run_dir={run_dir}"])
     trainer = Trainer(recipe, run_dir, rank=rank, world_size=world, log=lambda *a, **k: None)
-    record: dict = {"losses": [], "grad_norms": []}
+    record: dict = {"losses": [], "grad_norms": [], "shadow_divergence": []}
+    pipeline = getattr(trainer.model, "pipeline", None)
     for step in range(STEPS):
         trainer.schedule.apply(trainer.optimizer, trainer.step)
         result = trainer.compute_gradients(trainer.data.next_step())
@@ -53,6 +54,18 @@ def run_layout(rank: int, world: int, overrides: list[str], out_dir: str) -> Non
             record["grads"] = _shards(trainer.model.named_parameters(), "grad")
         record["losses"].append(result.loss)
         record["grad_norms"].append(trainer.apply_gradients())
+        if pipeline is not None:
+            record["shadow_divergence"].append(pipeline.shadows.max_divergence())
+    if pipeline is not None:
+        record["shadows"] = sorted(f"{c.owner_layer}:{c.kind}" for c in pipeline.shadows.components)
+        record["replicas"] = sorted(f"{k[0]}:{k[1]}" for k in pipeline.shadows.replicas)
+        record["peak_state_bytes"] = pipeline.peak_state_bytes
+        record["peak_in_flight"] = pipeline.peak_in_flight
+    inner = getattr(trainer.optimizer, "inner", trainer.optimizer)
+    record["opt_state_names"] = sorted(
+        name for opt in inner.optimizers.values() for g in opt.param_groups
+        for name, p in zip(g["param_names"], g["params"]) if opt.state.get(p))
+    record["coords"] = trainer.layout.coords(rank)
     record["params"] = _shards(trainer.model.named_parameters(), "")
     record["buffers"] = {n: b.detach().clone() for n, b in trainer.model.named_buffers() if "bias" in n}
     record["opt_state_bytes"] = (trainer.optimizer.state_bytes() if hasattr(trainer.optimizer, "state_bytes") else None)

@@ -1,0 +1,96 @@
+"""Pipeline and context parallelism on 2 CPU ranks against the single-rank run
+(issue: parallel runtime II). Tolerances as in test_parity_2rank.py.
+
+Cuts of the tiny plan (0 swa | 1 full m=2 | 2 reuse | 3 reindex | 4 full m=1 dec, candidate
+source | 5 reuse | 6 reindex (candidates) | 7 reuse):
+* [4, 4]  between the encoder and the decoder: H_{L/2} crosses;
+* [3, 5]  inside the encoder's Full->Reuse->Reindex group: main KV + index K of layer 1 cross;
+* [5, 3]  inside the decoder's group: main KV, index K, top-k and the candidate pool cross,
+          also with shadow replicas (latent + candidate query instead);
+* pp2 x vpp2 (stages of 2 layers: cuts at 2, 4, 6, interleaved 1F1B), full and selective
+  recomputation; CP2 (packed documents in every row) and CP2 x EP2.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.parallel.parity import MHC_COEFFICIENTS, assemble, assert_close, load_records, run_layout
+from tests.parallel.spawn import run_distributed
+from tests.parallel.test_parity_2rank import GRAD_FLOOR, GRAD_RTOL, MHC_PARAM_RTOL, PARAM_RTOL
+
+SHADOW = ["parallel.payload_index_k=shadow", "parallel.payload_candidates=shadow"]
+LAYOUTS = {
+    "pp2_enc_dec": ["parallel.pp=2"],
+    "pp2_cut3": ["parallel.pp=2", "parallel.pipeline_layers=[3,5]"],
+    "pp2_cut5": ["parallel.pp=2", "parallel.pipeline_layers=[5,3]"],
+    "pp2_cut5_shadow": ["parallel.pp=2", "parallel.pipeline_layers=[5,3]", *SHADOW],
+    "pp2_vpp2": ["parallel.pp=2", "parallel.vpp=2"],
+    "pp2_recompute_full": ["parallel.pp=2", "parallel.pipeline_layers=[3,5]", "parallel.recompute=full"],
+    "pp2_recompute_selective": ["parallel.pp=2", "parallel.recompute=selective"],
+    "cp2": ["parallel.cp=2"],
+    "cp2_ep2": ["parallel.cp=2", "parallel.ep=2"],
+    # Same as pp2_cut5 with twice the micro-batches: shared-state memory must not grow.
+    "pp2_cut5_m8": ["parallel.pp=2", "parallel.pipeline_layers=[5,3]", "training.global_batch_size=16"],
+}
+COMPARED = [name for name in LAYOUTS if not name.endswith("_m8")]
+
+
+def _all_layouts(rank, world, root):
+    from pathlib import Path
+
+    for name, overrides in LAYOUTS.items():
+        out = Path(root) / name
+        out.mkdir(parents=True, exist_ok=True)
+        run_layout(rank, world, overrides, str(out))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline2")
+    ref_dir = root / "reference"
+    ref_dir.mkdir()
+    run_layout(0, 1, [], str(ref_dir))
+    run_distributed(2, _all_layouts, str(root))
+    return root, load_records(ref_dir, 1)[0]
+
+
+@pytest.mark.parametrize("layout", COMPARED)
+def test_layout_matches_single_rank(results, layout):
+    root, ref = results
+    records = load_records(root / layout, 2)
+    for rec in records:
+        assert rec["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+        assert rec["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+    assert_close(assemble(records, "grads"), assemble([ref], "grads"), f"{layout} gradients", GRAD_RTOL,
+                 floor=GRAD_FLOOR)
+    assert_close(assemble(records, "params"), assemble([ref], "params"), f"{layout} parameters after 3 steps",
+                 PARAM_RTOL, loose=(MHC_COEFFICIENTS, MHC_PARAM_RTOL))
+
+
+def test_every_parameter_has_exactly_one_optimizer_state(results):
+    root, ref = results
+    for layout in ("pp2_cut5_shadow", "pp2_vpp2", "pp2_cut3"):
+        records = load_records(root / layout, 2)
+        names = [n for rec in records for n in rec["opt_state_names"]]
+        assert sorted(names) == ref["opt_state_names"], layout  # shadows hold none; owners exactly one
+
+
+def test_shadows_follow_their_owners(results):
+    root, _ = results
+    records = load_records(root / "pp2_cut5_shadow", 2)
+    assert records[1]["replicas"] == ["4:candidate_query", "4:index_key"]
+    assert records[0]["replicas"] == []
+    for rec in records:
+        assert rec["shadows"] == ["4:candidate_query", "4:index_key"]
+        assert rec["shadow_divergence"] == [0.0, 0.0, 0.0]  # identical after every step
+
+
+def test_shared_state_memory_does_not_grow_with_micro_batches(results):
+    root, _ = results
+    m4 = load_records(root / "pp2_cut5", 2)
+    m8 = load_records(root / "pp2_cut5_m8", 2)
+    for a, b in zip(m4, m8):
+        assert a["peak_in_flight"] == b["peak_in_flight"] <= 2  # 1F1B keeps at most p units in flight
+        assert a["peak_state_bytes"] == b["peak_state_bytes"]
+    assert m4[0]["peak_state_bytes"] > 0  # the cut really carries shared state
