@@ -55,13 +55,15 @@ def run(args: argparse.Namespace) -> int:
     from megatron_s2.config.schema import ConfigError
     from megatron_s2.parallel.layout import ParallelLayout
 
-    needed = recipe.parallel.world_size()
-    if world == 1 and needed and needed > 1:
+    needed = recipe.parallel.world_size() or recipe.parallel.model_parallel_size()
+    # Validate the layout against the model first (an impossible layout is wrong whatever the
+    # number of ranks), then the number of ranks this process was started with.
+    ParallelLayout.build(recipe.parallel, recipe.model, world if world > 1 else needed,
+                         seq_length=recipe.training.seq_length, global_batch_size=recipe.training.global_batch_size,
+                         micro_batch_size=recipe.training.micro_batch_size)
+    if world == 1 and needed > 1:
         raise ConfigError(f"parallel: this layout needs {needed} ranks but the process runs alone; start it with "
                           f"`megatron-s2 launch {args.recipe} --local`")
-    ParallelLayout.build(recipe.parallel, recipe.model, world, seq_length=recipe.training.seq_length,
-                         global_batch_size=recipe.training.global_batch_size,
-                         micro_batch_size=recipe.training.micro_batch_size)
     from megatron_s2.training.trainer import Trainer
 
     guard, exit_preempted = _guard()

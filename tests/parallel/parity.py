@@ -17,7 +17,7 @@ from megatron_s2.config.recipe import load_recipe
 from megatron_s2.parallel.sharding import shard_spec
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pretrain_tiny.yaml"
-BASE = ["training.seq_length=32", "training.global_batch_size=8", "training.micro_batch_size=2",
+BASE = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=0", "training.seq_length=32", "training.global_batch_size=8", "training.micro_batch_size=2",
         "data.num_documents=500", "logging.progress_bar=false", "logging.tensorboard=false",
         "logging.log_interval=1000", "checkpoint.save_at_end=false", "checkpoint.resume=false",
         "schedule.warmup_steps=1", "schedule.lr=1e-3", "schedule.decay_start_step=100",

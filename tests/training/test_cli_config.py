@@ -19,10 +19,12 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pretrain_tiny.yaml"
     ("model.num_attention_heads=3", "o_groups: 3 attention heads are not divisible by o_groups=2"),
     ("parallel.tp=3", "parallel.tp: 4 query heads not divisible by tp=3"),
     ("training.global_batch_size=5", "training.global_batch_size: 5 is not a multiple of micro_batch_size=4"),
+    ("parallel.tp=2", "parallel: this layout needs 2 ranks but the process runs alone"),
     ("parallel.sequence_parallel=true", "parallel.sequence_parallel: needs tp > 1"),
 ])
 def test_config_errors_exit_2(override, message, capsys, tmp_path):
-    code = main(["train", str(RECIPE), override, "--run-dir", str(tmp_path)])
+    single = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=0"]
+    code = main(["train", str(RECIPE), *single, override, "--run-dir", str(tmp_path)])
     assert code == 2
     assert message in capsys.readouterr().err
 

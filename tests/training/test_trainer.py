@@ -13,7 +13,7 @@ from megatron_s2.training.checkpointing import CheckpointManager
 from megatron_s2.training.trainer import Trainer
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pretrain_tiny.yaml"
-FAST = ["training.seq_length=32", "training.global_batch_size=4", "training.micro_batch_size=2",
+FAST = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=0", "training.seq_length=32", "training.global_batch_size=4", "training.micro_batch_size=2",
         "data.num_documents=2000", "logging.progress_bar=false", "logging.log_interval=100",
         "schedule.warmup_steps=2", "schedule.decay_start_step=1000", "schedule.decay_end_step=2000"]
 

@@ -74,9 +74,11 @@ def get_provider(name: str) -> LocalProvider:
             raise BackendUnavailable(
                 "model.transformer_impl=transformer_engine, but Transformer Engine is not importable here. "
                 "Install it (NGC PyTorch containers ship it) or set model.transformer_impl=local.")
-        from megatron_s2.models.v41.te_provider import TransformerEngineProvider
-
-        return TransformerEngineProvider()
+        # The slot exists (LinearSubmodules / norm are the only leaf classes a provider swaps);
+        # TE-backed leaves have not been validated on a GPU yet, so they are not shipped.
+        raise BackendUnavailable(
+            "Transformer Engine is importable, but this build ships no validated TE provider yet; "
+            "set model.transformer_impl=local (pure PyTorch, runs on GPUs too).")
     raise BackendUnavailable(f"unknown transformer_impl '{name}' (choose local or transformer_engine)")
 
 
