@@ -57,7 +57,7 @@ class V41Model(nn.Module):
     # ---- stage pieces --------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids -> (streams [b, s, n, d], initial one-hot input mix [b, s, n])."""
-        h = self.embedding["word_embeddings"](input_ids)
+        h = self.embedding["word_embeddings"](input_ids).to(getattr(torch, self.config.compute_dtype))
         x = expand_embedding(h, self.config.hc_mult)
         return x, one_hot_pre(x)
 
@@ -112,7 +112,23 @@ class V41Model(nn.Module):
 
     def init_weights(self, seed: int) -> "V41Model":
         initialize_parameters(self, seed, self.config.init_std)
+        self.apply_precision_map()
         return self
+
+    # Parameters that stay float32 whatever params_dtype says (precision map: router, LM head,
+    # mHC coefficients, norms, sinks and other vectors).
+    FP32_PARAMS = ("*.router.weight", "output_layer.weight", "*_hc.*", "*norm*", "*attn_sink")
+
+    def apply_precision_map(self) -> None:
+        """Store matrices in ``params_dtype`` except the float32 islands (§ precision map)."""
+        from fnmatch import fnmatch
+
+        dtype = getattr(torch, self.config.params_dtype)
+        if dtype == torch.float32:
+            return
+        for name, p in self.named_parameters():
+            if p.dim() >= 2 and not any(fnmatch(name, pat) for pat in self.FP32_PARAMS):
+                p.data = p.data.to(dtype)
 
 
 def build_model(config: ModelConfig, groups: ParallelGroups | None = None, *, seed: int = 0, **kwargs) -> V41Model:
