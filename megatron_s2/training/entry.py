@@ -10,10 +10,13 @@ directory's ``config.yaml``, which reproduces that run on its own.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from megatron_s2.config.recipe import load_recipe
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.parallel.layout import ParallelLayout
 
 __all__ = ["register", "run", "main"]
 
@@ -27,51 +30,44 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _init_distributed(backend: str):
-    try:
-        from megatron_s2.launcher.bootstrap import init_distributed
-    except ModuleNotFoundError:
-        return 0, 1
-    info = init_distributed(backend)
-    return info.rank, info.world_size
-
-
-def _guard():
-    try:
-        from megatron_s2.launcher.preemption import PreemptionGuard
-    except ModuleNotFoundError:
-        return None, None
-    from megatron_s2.launcher.preemption import EXIT_PREEMPTED
-
-    return PreemptionGuard(), EXIT_PREEMPTED
-
-
 def run(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides)
-    if args.run_dir:
-        overrides.append(f"training.run_dir={args.run_dir}")
-    recipe = load_recipe(args.recipe, overrides)
-    rank, world = _init_distributed(recipe.parallel.backend)
-    from megatron_s2.config.schema import ConfigError
-    from megatron_s2.parallel.layout import ParallelLayout
+    from megatron_s2.launcher.bootstrap import init_distributed, shutdown_distributed
+    from megatron_s2.launcher.health import maybe_run_health_checks
+    from megatron_s2.launcher.preemption import EXIT_PREEMPTED, PreemptionGuard
 
-    needed = recipe.parallel.world_size() or recipe.parallel.model_parallel_size()
-    # Validate the layout against the model first (an impossible layout is wrong whatever the
-    # number of ranks), then the number of ranks this process was started with.
-    ParallelLayout.build(recipe.parallel, recipe.model, world if world > 1 else needed,
-                         seq_length=recipe.training.seq_length, global_batch_size=recipe.training.global_batch_size,
-                         micro_batch_size=recipe.training.micro_batch_size)
-    if world == 1 and needed > 1:
-        raise ConfigError(f"parallel: this layout needs {needed} ranks but the process runs alone; start it with "
-                          f"`megatron-s2 launch {args.recipe} --local`")
-    from megatron_s2.training.trainer import Trainer
+    recipe = load_recipe(args.recipe, list(args.overrides))
+    if args.run_dir:  # a path, not YAML: never parsed as an override value
+        recipe = recipe.replace(training=dataclasses.replace(recipe.training, run_dir=args.run_dir))
+    # Catch the preemption signal before anything slow happens (init, model build).
+    guard = PreemptionGuard.from_config(recipe.launcher).install()
+    info = init_distributed(recipe.parallel.backend)
+    rank, world = info.rank, info.world_size
+    try:
+        needed = recipe.parallel.world_size() or recipe.parallel.model_parallel_size()
+        # Validate the layout against the model first (an impossible layout is wrong whatever
+        # the number of ranks), then the number of ranks this process was started with.
+        ParallelLayout.build(recipe.parallel, recipe.model, world if world > 1 else needed,
+                             seq_length=recipe.training.seq_length,
+                             global_batch_size=recipe.training.global_batch_size,
+                             micro_batch_size=recipe.training.micro_batch_size)
+        if world == 1 and needed > 1:
+            raise ConfigError(f"parallel: this layout needs {needed} ranks but the process runs alone; start it "
+                              f"with `megatron-s2 launch {args.recipe} --local`")
+        run_dir = Path(recipe.training.run_dir)
+        report = maybe_run_health_checks(info, recipe.launcher)
+        if report is not None and rank == 0:
+            print(report.format(), flush=True)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "health.json").write_text(report.to_json())
+        if report is not None and not report.ok:
+            print(f"rank {rank}: health checks failed; not training on this allocation", file=sys.stderr)
+            return 1
+        from megatron_s2.training.trainer import Trainer
 
-    guard, exit_preempted = _guard()
-    trainer = Trainer(recipe, Path(recipe.training.run_dir), rank=rank, world_size=world, guard=guard)
-    result = trainer.train()
-    if result.preempted and exit_preempted is not None:
-        return exit_preempted
-    return 0
+        result = Trainer(recipe, run_dir, rank=rank, world_size=world, guard=guard).train()
+        return EXIT_PREEMPTED if result.preempted else 0
+    finally:
+        shutdown_distributed()
 
 
 def main(argv: list[str] | None = None) -> int:

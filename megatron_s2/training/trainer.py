@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from megatron_s2.config.recipe import RecipeConfig
+from megatron_s2.checkpoint import CheckpointError, CheckpointManager
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.data import batch_fingerprint, build_data_iterator, build_tokenizer
 from megatron_s2.models.v41.accounting import train_flops_per_token
@@ -29,7 +30,7 @@ from megatron_s2.parallel.distributed_optimizer import DistributedOptimizer
 from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.parallel.optimizer_shards import optimizer_shard_groups
 from megatron_s2.parallel.setup import build_groups
-from megatron_s2.training.checkpointing import CheckpointManager
+from megatron_s2.parallel.sharding import name_seed
 from megatron_s2.training.grad_finalize import clip_grads, finalize_model_grads
 from megatron_s2.training.metrics import MetricsLogger, device_peak_tflops
 from megatron_s2.training.model_builder import build_stage_model
@@ -83,7 +84,9 @@ class Trainer:
         self.num_micro_global = t.global_batch_size // t.micro_batch_size
         self.forward_backward = get_forward_backward_func(self.layout)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", rank, world_size,
-                                             keep_last=recipe.checkpoint.keep_last, log=self.log)
+                                             keep_last=recipe.checkpoint.keep_last,
+                                             async_save=recipe.checkpoint.async_save,
+                                             layout=self.layout.describe(), log=self.log)
         self.step = 0
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
@@ -99,18 +102,33 @@ class Trainer:
         if not self.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(self.recipe.to_yaml())
-        (self.run_dir / "tokenizer.json").write_text(self.tokenizer.to_json())
+        for name, text in (("config.yaml", self.recipe.to_yaml()), ("tokenizer.json", self.tokenizer.to_json())):
+            tmp = self.run_dir / f".{name}.tmp"
+            tmp.write_text(text)
+            tmp.replace(self.run_dir / name)
 
     # ---- checkpoint -----------------------------------------------------------------------------
     def state(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "data": self.data.state_dict(), "rng": rng_state(), "step": self.step}
+        """What a checkpoint holds: the model and optimiser (sharded tensors), the data
+        iterator's layout-independent state, this rank's RNG states and the step."""
+        return {"model": self.model, "optimizer": self.optimizer, "data": self.data.state_dict(),
+                "rng": rng_state(), "step": self.step}
 
     def save(self) -> Path:
+        if self.checkpoints.last_saved_step == self.step:  # preempted right after an interval save
+            self.checkpoints.wait()
+            return self.checkpoints.store.step_dir(self.step)
+        t, ck = self.recipe.training, self.recipe.checkpoint
+        # An asynchronous save must be committed before train() returns when no later save will
+        # wait for it: end of run, preemption, or no further save scheduled. (should_stop() is
+        # collective; every rank calls save() at the same point of the loop.)
+        next_save = (self.step // ck.save_interval + 1) * ck.save_interval if ck.save_interval else t.train_steps
+        blocking = (self.step >= t.train_steps or (self.guard is not None and self.guard.should_stop())
+                    or (next_save >= t.train_steps and not ck.save_at_end))
         meta = {"layout": self.layout.describe(), "config": self.recipe.to_mapping(), "model": self.recipe.model.name}
-        path = self.checkpoints.save(self.step, self.state(), meta)
-        self.log(f"checkpoint: saved step {self.step} to {path}")
+        path = self.checkpoints.save(self.step, self.state(), meta, blocking=blocking)
+        how = "saving in the background" if ck.async_save and not blocking else "saved"
+        self.log(f"checkpoint: {how} step {self.step} to {path}")
         return path
 
     def restore(self) -> bool:
@@ -118,21 +136,28 @@ class Trainer:
         path = self.checkpoints.latest_valid() if ck.resume else None
         full = True
         if path is None and ck.load:
-            source = CheckpointManager(Path(ck.load), self.rank, self.world_size, log=self.log)
-            path = Path(ck.load) if (Path(ck.load) / "COMMITTED").is_file() else source.latest_valid()
-            if path is None:
-                raise ConfigError(f"checkpoint.load: no valid checkpoint under '{ck.load}'")
+            try:
+                path = self.checkpoints.resolve(Path(ck.load))
+            except CheckpointError as exc:
+                raise ConfigError(f"checkpoint.load: {exc}") from None
             full = ck.load_optimizer
         if path is None:
             return False
-        state, _ = self.checkpoints.load(path)
-        self.model.load_state_dict(state["model"])
+        loaded = self.checkpoints.load(path, self.model, self.optimizer if full else None)
         if full:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.data.load_state_dict(state["data"])
-            set_rng_state(state["rng"])
-            self.step = int(state["step"])
-        self.log(f"checkpoint: {'resumed' if full else 'initialised'} from {path} (step {int(state['step'])})")
+            self.data.load_state_dict(loaded.data)
+            self.step = loaded.step
+            if loaded.rng is not None:
+                set_rng_state(loaded.rng)
+            else:
+                seed = name_seed(self.recipe.training.seed, f"rng:step={self.step}:rank={self.rank}")
+                seed_everything(seed, self.recipe.training.deterministic)
+                self.log(f"checkpoint: saved with layout '{loaded.manifest.layout}', running '{self.layout.describe()}': "
+                         f"per-rank RNG states not restored; reseeded from (seed, step {self.step}, rank)")
+            if loaded.fresh_optimizer_state:
+                self.log(f"checkpoint: {len(loaded.fresh_optimizer_state)} parameters have no stored optimizer "
+                         f"state and start from zero (e.g. {loaded.fresh_optimizer_state[0]})")
+        self.log(f"checkpoint: {'resumed' if full else 'initialised'} from {path} (step {loaded.step})")
         return True
 
     # ---- loop ---------------------------------------------------------------------------------
@@ -173,8 +198,6 @@ class Trainer:
         self.log(f"layout: {self.layout.describe()}")
         if self.is_main:
             self.log(describe_param_groups(self.model, self.recipe.optimizer))
-        if self.guard is not None:
-            self.guard.install()
         flops = train_flops_per_token(self.recipe.model, t.seq_length)
         metrics = MetricsLogger(self.run_dir, enabled=self.is_main, total_steps=t.train_steps,
                                 log_interval=self.recipe.logging.log_interval,

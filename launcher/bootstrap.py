@@ -1,0 +1,127 @@
+"""Start torch.distributed in a rank process, whoever launched it.
+
+``init_distributed()`` is the first thing a rank does: it discovers its rank, the world and
+rank 0's address (:mod:`megatron_s2.launcher.rendezvous`: torchrun, mpirun, srun, or a
+single process), picks the backend (NCCL with GPUs, gloo on CPU), binds the rank to its
+GPU by local rank, initialises the default process group and exports the torchrun-style
+variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``...) so that code which
+reads them (megatron-core, torch utilities) sees one consistent story. It never chooses an
+MPI plugin: with ``srun --mpi=pmix`` or ``mpirun`` the site's MPI is used as found.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_s2.launcher.rendezvous import Rendezvous, discover
+
+__all__ = ["DistInfo", "init_distributed", "shutdown_distributed", "resolve_backend"]
+
+_TIMEOUT_ENV = "MEGATRON_S2_DIST_TIMEOUT_S"
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    """"nccl" or "gloo" ("none" for an uninitialised single process)."""
+    source: str = "single"
+    """Where the rank came from: torchrun, mpi, slurm, single (or existing: already initialised)."""
+    master_addr: str = ""
+    master_port: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` -> ``nccl`` when this process sees a GPU, else ``gloo``."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend {backend!r} is not one of auto, nccl, gloo")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("backend nccl requested but no CUDA device is visible to this rank; "
+                           "use gloo (parallel.backend: gloo) or request GPUs")
+    return backend
+
+
+def _export(rdv: Rendezvous) -> None:
+    os.environ.update({
+        "RANK": str(rdv.rank), "WORLD_SIZE": str(rdv.world_size),
+        "LOCAL_RANK": str(rdv.local_rank), "LOCAL_WORLD_SIZE": str(rdv.local_world_size),
+        "MASTER_ADDR": rdv.master_addr, "MASTER_PORT": str(rdv.master_port),
+    })
+
+
+def _info(rdv: Rendezvous, backend: str) -> DistInfo:
+    return DistInfo(rdv.rank, rdv.world_size, rdv.local_rank, rdv.local_world_size, backend,
+                    rdv.source, rdv.master_addr, rdv.master_port)
+
+
+def init_distributed(backend: str = "auto", source: str = "auto") -> DistInfo:
+    """Initialise the default process group from the launch environment; idempotent.
+
+    ``backend``: auto, nccl or gloo. ``source``: auto (see
+    :mod:`~megatron_s2.launcher.rendezvous`) or one of torchrun, mpi, slurm, single.
+    A single process (no launcher) gets no process group and backend "none".
+    The timeout of collectives defaults to torch's, or ``$MEGATRON_S2_DIST_TIMEOUT_S``.
+    """
+    if dist.is_available() and dist.is_initialized():  # e.g. a test harness got there first
+        env = os.environ
+        return DistInfo(dist.get_rank(), dist.get_world_size(), int(env.get("LOCAL_RANK", 0)),
+                        int(env.get("LOCAL_WORLD_SIZE", dist.get_world_size())), dist.get_backend(),
+                        "existing", env.get("MASTER_ADDR", ""), int(env.get("MASTER_PORT", 0)))
+    rdv = discover(source=source)
+    if rdv.world_size == 1 and rdv.source == "single":
+        return _info(rdv, "none")
+    backend = resolve_backend(backend)
+    if backend == "nccl":
+        torch.cuda.set_device(_device_index(rdv))
+    _export(rdv)
+    kwargs = {}
+    if os.environ.get(_TIMEOUT_ENV):
+        kwargs["timeout"] = datetime.timedelta(seconds=float(os.environ[_TIMEOUT_ENV]))
+    if backend == "nccl":
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend=backend, init_method=f"tcp://{_host_for_url(rdv.master_addr)}:{rdv.master_port}",
+                            rank=rdv.rank, world_size=rdv.world_size, **kwargs)
+    return _info(rdv, backend)
+
+
+def shutdown_distributed() -> None:
+    """Leave together and tear the process group down before the interpreter exits.
+
+    Call it on every rank at the end of a run (also after a preemption save). Without it
+    gloo/NCCL threads may still be running while Python finalises, and a rank that finished
+    cleanly can die with SIGABRT ("terminate called without an active exception"), which
+    the launchers must report as a failure.
+    """
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def _device_index(rdv: Rendezvous) -> int:
+    """The GPU of this rank: its local rank, or 0 when the launcher gave each rank one GPU."""
+    count = torch.cuda.device_count()
+    if count == 1:
+        return 0
+    if rdv.local_rank >= count:
+        raise RuntimeError(f"rank {rdv.rank}: local rank {rdv.local_rank} but only {count} GPUs are visible; "
+                           "start at most one rank per GPU (launcher.nproc_per_node <= gpus_per_node)")
+    return rdv.local_rank
+
+
+def _host_for_url(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr

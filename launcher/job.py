@@ -1,0 +1,116 @@
+"""A launchable job: what to run on how many ranks, and where its files go.
+
+:class:`JobSpec` is the launcher's single description of one run, built once by the CLI
+(from a recipe and the pre-flight plan) or directly by tests with a stand-in command. The
+local launcher and the sbatch script generator both consume it.
+
+Job directory (= the run directory ``training.run_dir``)::
+
+    <run_dir>/launch/config.yaml       resolved recipe every rank is started with
+    <run_dir>/launch/plan.json         world size, layout, launch mode, submitted job ids
+    <run_dir>/slurm/job.sbatch         generated batch script (SLURM mode)
+    <run_dir>/slurm/job-<jobid>.out    batch shell output, all restarts appended
+    <run_dir>/logs/restart<N>/rank<r>.log   one log per rank and restart (node<n>.log under torchrun)
+    <run_dir>/config.yaml, metrics.jsonl, checkpoints/, FINISHED   written by the trainer
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_s2.config.launcher import LauncherConfig
+
+__all__ = ["JobSpec", "JobDir", "trainer_command", "rank_python", "FINISHED_MARKER"]
+
+FINISHED_MARKER = "FINISHED"
+"""File the trainer writes into the run directory when the run completed (JSON: step, loss)."""
+
+
+class JobDir:
+    """Paths inside one run directory (see the module docstring)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.root = Path(os.path.abspath(run_dir))
+
+    @property
+    def config(self) -> Path:
+        return self.root / "launch" / "config.yaml"
+
+    @property
+    def plan(self) -> Path:
+        return self.root / "launch" / "plan.json"
+
+    @property
+    def slurm_dir(self) -> Path:
+        return self.root / "slurm"
+
+    @property
+    def script(self) -> Path:
+        return self.slurm_dir / "job.sbatch"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def finished(self) -> Path:
+        return self.root / FINISHED_MARKER
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def restart_logs(self, restart: int) -> Path:
+        return self.logs / f"restart{restart}"
+
+    def next_restart(self) -> int:
+        """Index for a new local launch in this directory (one past the highest existing)."""
+        found = [int(m.group(1)) for p in self.logs.glob("restart*") if (m := re.fullmatch(r"restart(\d+)", p.name))]
+        return max(found, default=-1) + 1
+
+    def write_plan(self, plan: dict) -> None:
+        self.plan.parent.mkdir(parents=True, exist_ok=True)
+        self.plan.write_text(json.dumps(plan, indent=1, sort_keys=True) + "\n")
+
+    def read_plan(self) -> dict:
+        return json.loads(self.plan.read_text()) if self.plan.is_file() else {}
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    """Job name (SLURM --job-name; log prefix locally)."""
+    run_dir: Path
+    """Absolute run directory (see :class:`JobDir`)."""
+    command: tuple[str, ...]
+    """The program every rank runs (argv)."""
+    nodes: int
+    nproc_per_node: int
+    gpus_per_node: int
+    launcher: LauncherConfig
+    """Partition, time, env, container, restart policy, ..."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    @property
+    def dir(self) -> JobDir:
+        return JobDir(self.run_dir)
+
+
+def rank_python(config: LauncherConfig) -> str:
+    """Interpreter for rank processes: ``launcher.python``, else ``python`` inside a container
+    (the submitting machine's path means nothing there), else this interpreter."""
+    return config.python or ("python" if config.container_image else sys.executable)
+
+
+def trainer_command(config: LauncherConfig, run_dir: Path) -> tuple[str, ...]:
+    """argv of one trainer rank: ``python -m megatron_s2.cli train <launch config> --run-dir <dir>``."""
+    jobdir = JobDir(run_dir)
+    return (rank_python(config), "-m", "megatron_s2.cli", "train", str(jobdir.config), "--run-dir", str(jobdir.root))

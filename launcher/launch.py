@@ -1,0 +1,171 @@
+"""`megatron-s2 launch` end to end: resolve, pre-flight, write the job directory, run or submit.
+
+Everything that can be wrong with a request is found by :func:`prepare_runs` (recipes,
+layouts, rank geometry, paths, environment) before any process starts or any job is
+queued; :func:`launch_local` and :func:`launch_slurm` then only execute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_s2.config.launcher import LauncherConfig
+from megatron_s2.config.recipe import RecipeConfig, load_recipe
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.launcher.capacity import check_capacity
+from megatron_s2.launcher.environment import check_passthrough
+from megatron_s2.launcher.job import JobDir, JobSpec, trainer_command
+from megatron_s2.launcher.local import LocalRun
+from megatron_s2.launcher.pipeline import chain_from, is_pipeline_file, load_pipeline
+from megatron_s2.launcher.preflight import LaunchPlan, plan_launch
+from megatron_s2.launcher.sbatch_script import render_sbatch_script, srun_line
+from megatron_s2.launcher.slurm import SlurmError, cancel, sbatch_argv, submit
+
+__all__ = ["PreparedRun", "prepare_runs", "launch_local", "launch_slurm", "apply_launcher_flags"]
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    phase: str
+    """Phase name ("" for a single recipe)."""
+    recipe: RecipeConfig
+    """Resolved recipe, run directory and launcher flags applied."""
+    plan: LaunchPlan
+    job: JobSpec
+
+    @property
+    def finished(self) -> bool:
+        return self.job.dir.finished.exists()
+
+
+def apply_launcher_flags(config: LauncherConfig, flags: dict) -> LauncherConfig:
+    """Command-line values over the recipe's ``launcher:`` section. Scalars replace; list
+    flags (``--mount``, ``--srun-arg``, ``--sbatch-arg``, ``--env``) add to the recipe's."""
+    changes = {}
+    for name, value in flags.items():
+        current = getattr(config, name)
+        if isinstance(current, tuple):
+            value = current + tuple(v for v in value if v not in current)
+        elif isinstance(current, dict):
+            value = {**current, **value}
+        changes[name] = value
+    return dataclasses.replace(config, **changes)
+
+
+def _prepare(recipe: RecipeConfig, phase: str, job_name: str, run_dir: Path, local: bool) -> PreparedRun:
+    training = dataclasses.replace(recipe.training, run_dir=str(run_dir))
+    launcher = recipe.launcher
+    if not launcher.job_name:
+        launcher = dataclasses.replace(launcher, job_name=job_name)
+    recipe = recipe.replace(training=training, launcher=launcher)
+    plan = plan_launch(recipe, local=local)
+    check_passthrough(launcher)
+    job = JobSpec(name=launcher.job_name, run_dir=run_dir, command=trainer_command(launcher, run_dir),
+                  nodes=plan.nodes, nproc_per_node=plan.nproc_per_node, gpus_per_node=plan.gpus_per_node,
+                  launcher=launcher)
+    if not local:
+        render_sbatch_script(job)  # refuses run directories SLURM cannot name
+        check_capacity(job)
+    return PreparedRun(phase, recipe, plan, job)
+
+
+def prepare_runs(path: str, overrides: list[str], launcher_flags: dict, run_dir: str | None,
+                 local: bool) -> list[PreparedRun]:
+    """Resolve and pre-flight a recipe, or every phase of a pipeline file, in order."""
+    if not is_pipeline_file(path):
+        recipe = load_recipe(path, overrides)
+        recipe = recipe.replace(launcher=apply_launcher_flags(recipe.launcher, launcher_flags))
+        target = Path(os.path.abspath(run_dir or recipe.training.run_dir))
+        return [_prepare(recipe, "", Path(path).stem, target, local)]
+    pipeline = load_pipeline(path)
+    base = run_dir or pipeline.run_dir
+    if not base:
+        raise ConfigError("run_dir: a pipeline needs a parent run directory; add run_dir: to "
+                          f"{path} or pass --run-dir")
+    runs: list[PreparedRun] = []
+    for entry in pipeline.phases:
+        recipe = load_recipe(entry.recipe, [*entry.overrides, *overrides])
+        recipe = recipe.replace(launcher=apply_launcher_flags(recipe.launcher, launcher_flags))
+        if runs and entry.from_previous:
+            recipe = chain_from(recipe, runs[-1].job.run_dir)
+        target = Path(os.path.abspath(Path(base) / entry.name))
+        runs.append(_prepare(recipe, entry.name, f"{Path(path).stem}-{entry.name}", target, local))
+    return runs
+
+
+def _write_job_dir(run: PreparedRun, mode: str) -> JobDir:
+    jobdir = run.job.dir
+    jobdir.config.parent.mkdir(parents=True, exist_ok=True)
+    jobdir.config.write_text(run.recipe.to_yaml())
+    jobdir.write_plan({"mode": mode, "phase": run.phase, "world_size": run.plan.world_size,
+                       "nodes": run.plan.nodes, "nproc_per_node": run.plan.nproc_per_node,
+                       "gpus_per_node": run.plan.gpus_per_node, "layout": run.plan.layout.describe(),
+                       "command": list(run.job.command), "argv": sys.argv, "jobs": jobdir.read_plan().get("jobs", [])})
+    return jobdir
+
+
+def _say(message: str) -> None:
+    print(f"[launch] {message}", file=sys.stderr, flush=True)
+
+
+def launch_local(runs: list[PreparedRun], dry_run: bool = False) -> int:
+    """Run the phases one after the other on this machine; stop at the first that fails."""
+    for run in runs:
+        label = f"phase {run.phase}: " if run.phase else ""
+        if run.finished:
+            _say(f"{label}{run.job.dir.finished} exists: already finished, skipping")
+            continue
+        _say(f"{label}{run.plan.describe()}")
+        if dry_run:
+            print(shlex.join(run.job.command))
+            continue
+        _write_job_dir(run, "local")
+        code = LocalRun(run.job).run()
+        if code != 0:
+            return code
+    return 0
+
+
+def launch_slurm(runs: list[PreparedRun], dry_run: bool = False) -> int:
+    """Write and submit one batch job per phase, each depending on the previous one."""
+    submitted: list[str] = []
+    previous: str | None = None
+    for run in runs:
+        label = f"phase {run.phase}: " if run.phase else ""
+        if run.finished:
+            _say(f"{label}{run.job.dir.finished} exists: already finished, not submitting it")
+            continue
+        script = render_sbatch_script(run.job)
+        if dry_run:
+            print(script, end="")
+            _say(f"{label}{run.plan.describe()}")
+            _say(f"srun line: {srun_line(run.job)}")
+            _say(f"would run: {shlex.join(sbatch_argv(run.job.dir.script, previous))}")
+            previous = f"<job id of phase {run.phase}>"
+            continue
+        jobdir = _write_job_dir(run, "slurm")
+        jobdir.slurm_dir.mkdir(parents=True, exist_ok=True)
+        jobdir.script.write_text(script)
+        try:
+            job_id = submit(jobdir.script, previous)
+        except SlurmError as exc:
+            if submitted:
+                cancel(submitted)
+                _say(f"cancelled the phases already submitted ({', '.join(submitted)})")
+            print(f"megatron-s2 launch: {exc}", file=sys.stderr)
+            return 1
+        plan = jobdir.read_plan()
+        jobdir.write_plan({**plan, "jobs": plan.get("jobs", []) + [job_id]})
+        submitted.append(job_id)
+        previous = job_id
+        after = f" after job {submitted[-2]}" if len(submitted) > 1 else ""
+        _say(f"{label}submitted job {job_id}{after}: {run.plan.describe()}")
+        _say(f"{label}batch log {jobdir.slurm_dir}/job-{job_id}.out, rank logs {jobdir.logs}/restart<N>/")
+        print(job_id)
+    return 0
+

@@ -1,0 +1,99 @@
+"""Multi-phase pipelines: recipes chained so that each phase starts from the previous one.
+
+A pipeline file is a YAML file with a ``phases:`` list (recognised by that key)::
+
+    run_dir: runs/tiny-pretrain-sft      # phases run in <run_dir>/<name>; --run-dir overrides
+    phases:
+      - name: pretrain
+        recipe: tiny_pretrain.yaml       # relative to this file
+        overrides: [training.train_steps=200]
+      - name: sft
+        recipe: tiny_sft.yaml
+        # from_previous: true (default): start from pretrain's final checkpoint
+
+A phase with ``from_previous`` gets ``checkpoint.load=<previous run_dir>/checkpoints`` and
+``checkpoint.load_optimizer=false`` (weights only: a new phase starts a fresh optimiser and
+schedule). On SLURM each phase is a job depending on the previous one
+(``--dependency=afterok:<id>``); locally the phases run one after the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from megatron_s2.config.recipe import RecipeConfig
+from megatron_s2.config.schema import ConfigError, from_mapping
+from megatron_s2.launcher.job import JobDir
+
+__all__ = ["PhaseEntry", "PipelineConfig", "is_pipeline_file", "load_pipeline", "chain_from"]
+
+_PHASE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+@dataclass(frozen=True)
+class PhaseEntry:
+    name: str
+    """Phase name: its run directory under the pipeline's and its job name suffix."""
+    recipe: str
+    """Recipe file of the phase (relative to the pipeline file)."""
+    overrides: tuple[str, ...] = ()
+    """``section.key=value`` overrides for this phase only."""
+    from_previous: bool = True
+    """Start from the previous phase's final checkpoint (weights only)."""
+
+    def __post_init__(self) -> None:
+        if not _PHASE_NAME.fullmatch(self.name):
+            raise ConfigError(f"phases.name: {self.name!r} must be letters, digits, '.', '_' or '-' "
+                              "(it names a directory)")
+        if not self.recipe:
+            raise ConfigError(f"phases.recipe: phase {self.name!r} names no recipe")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    phases: tuple[PhaseEntry, ...]
+    """The phases, in order."""
+    run_dir: str = ""
+    """Parent of the phases' run directories (relative to the working directory, like
+    training.run_dir); --run-dir overrides it."""
+
+    def __post_init__(self) -> None:
+        if not self.phases:
+            raise ConfigError("phases: a pipeline needs at least one phase")
+        names = [p.name for p in self.phases]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ConfigError(f"phases.name: {', '.join(duplicates)} used twice; phase names must be unique")
+
+
+def is_pipeline_file(path: str | Path) -> bool:
+    """A YAML mapping with a ``phases`` key (recipes never have one)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and "phases" in data
+
+
+def load_pipeline(path: str | Path) -> PipelineConfig:
+    """Read a pipeline file; recipe paths come back resolved against the file's folder."""
+    path = Path(path)
+    pipeline = from_mapping(PipelineConfig, yaml.safe_load(path.read_text()))
+    phases = tuple(dataclasses.replace(p, recipe=str((path.parent / p.recipe).resolve())) for p in pipeline.phases)
+    return dataclasses.replace(pipeline, phases=phases)
+
+
+def chain_from(recipe: RecipeConfig, previous_run_dir: Path) -> RecipeConfig:
+    """``recipe`` starting from the final checkpoint of the phase run in ``previous_run_dir``.
+
+    Same effect as the overrides ``checkpoint.load=<previous>/checkpoints`` and
+    ``checkpoint.load_optimizer=false``, applied to the loaded recipe so that any path is safe.
+    """
+    checkpoint = dataclasses.replace(recipe.checkpoint, load=str(JobDir(previous_run_dir).checkpoints),
+                                     load_optimizer=False)
+    return recipe.replace(checkpoint=checkpoint)

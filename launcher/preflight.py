@@ -1,0 +1,79 @@
+"""Pre-flight: decide the rank geometry and validate it before anything is queued or started.
+
+An impossible layout found after hours in the queue is the most expensive kind of error.
+:func:`plan_launch` settles nodes x ranks per node x GPUs from the ``launcher:`` section,
+then builds the very :class:`~megatron_s2.parallel.layout.ParallelLayout` the trainer will
+build, with the batch geometry, so every divisibility rule is checked at submit time.
+Every error is a :class:`ConfigError` (exit code 2) naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_s2.config.recipe import RecipeConfig
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.parallel.layout import ParallelLayout
+
+__all__ = ["LaunchPlan", "plan_launch"]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    nodes: int
+    nproc_per_node: int
+    gpus_per_node: int
+    layout: ParallelLayout
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    def describe(self) -> str:
+        device = f"{self.gpus_per_node} GPUs" if self.gpus_per_node else "CPU"
+        return (f"{self.world_size} ranks = {self.nodes} node(s) x {self.nproc_per_node} ({device}); "
+                f"layout {self.layout.describe()}")
+
+
+def _ranks_per_node(recipe: RecipeConfig) -> int:
+    cfg, parallel = recipe.launcher, recipe.parallel
+    if cfg.nproc_per_node:
+        return cfg.nproc_per_node
+    if cfg.gpus_per_node:
+        return cfg.gpus_per_node
+    world = parallel.world_size()
+    if world is None:
+        raise ConfigError("launcher.nproc_per_node: CPU ranks need a count; pass --nproc-per-node N "
+                          "or set parallel.dp so the layout fixes the world size")
+    if world % cfg.nodes:
+        raise ConfigError(f"launcher.nodes: the layout's {world} ranks (tp*pp*cp*dp) do not split evenly over "
+                          f"{cfg.nodes} nodes; change --nodes or pass --nproc-per-node")
+    return world // cfg.nodes
+
+
+def plan_launch(recipe: RecipeConfig, *, local: bool, visible_gpus: int | None = None) -> LaunchPlan:
+    """Rank geometry for ``recipe`` and its validated layout.
+
+    ``local``: one machine (nodes must be 1, GPUs must exist here: ``visible_gpus``, default
+    ``torch.cuda.device_count()``).
+    """
+    cfg = recipe.launcher
+    if local and cfg.nodes != 1:
+        raise ConfigError(f"launcher.nodes: local mode runs on this machine only, got {cfg.nodes}; "
+                          "use --nodes 1 or launch with --slurm")
+    if local and cfg.gpus_per_node:
+        if visible_gpus is None:
+            import torch
+
+            visible_gpus = torch.cuda.device_count()
+        if cfg.gpus_per_node > visible_gpus:
+            raise ConfigError(f"launcher.gpus_per_node: {cfg.gpus_per_node} GPUs requested but this machine has "
+                              f"{visible_gpus}; lower --gpus-per-node (0 runs CPU ranks)")
+    nproc = _ranks_per_node(recipe)
+    if recipe.parallel.backend == "nccl" and not cfg.gpus_per_node:
+        raise ConfigError("parallel.backend: nccl needs GPUs; set --gpus-per-node or parallel.backend: auto")
+    training = recipe.training
+    layout = ParallelLayout.build(recipe.parallel, recipe.model, cfg.nodes * nproc,
+                                  seq_length=training.seq_length, global_batch_size=training.global_batch_size,
+                                  micro_batch_size=training.micro_batch_size)
+    return LaunchPlan(cfg.nodes, nproc, cfg.gpus_per_node, layout)

@@ -1,0 +1,194 @@
+"""The generated sbatch script: directives, environment, the training step and its lifecycle.
+
+Two quoting regimes, because two parsers read the script:
+
+- ``#SBATCH`` lines are read by sbatch, not bash. Its directive parser splits on whitespace,
+  groups quoted text, takes ``\\x`` as ``x`` and drops everything after an unquoted ``#``;
+  an escaped space still ends a word (SLURM 22.05). So an option holding whitespace,
+  quotes, backslashes or ``#`` is written inside double quotes with ``\\`` and ``"``
+  backslash-escaped (:func:`directive_word`). A newline cannot be represented there at all;
+  such values are refused in the config.
+- everything else is bash: every user value goes through :func:`shlex.quote`.
+
+The batch shell traps the preemption signal (``--signal=B:<sig>@<lead>``) and SIGTERM,
+forwards them to the srun step (srun relays them to every task; under torchrun the agent
+ignores the warning signal so only the workers act on it), waits for the step, then:
+the run is complete when ``<run_dir>/FINISHED`` exists (never requeue); a preempted run
+(signal received, or ranks exited with :data:`EXIT_PREEMPTED`) requeues itself with
+``scontrol requeue`` until ``SLURM_RESTART_COUNT`` reaches ``launcher.max_restarts``;
+anything else is a failure and its exit code is the job's.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.launcher.job import FINISHED_MARKER, JobSpec, rank_python
+from megatron_s2.launcher.preemption import EXIT_PREEMPTED
+from megatron_s2.launcher.rendezvous import SLURM_PORT_BASE, SLURM_PORT_SPAN
+
+__all__ = ["render_sbatch_script", "sbatch_directives", "srun_line", "directive_word"]
+
+_DIRECTIVE_SPECIAL = re.compile(r"""[\s\\"'#]""")
+_UNSAFE_PATH = re.compile(r"[\x00-\x1f\x7f%\\]")
+
+
+def directive_word(text: str) -> str:
+    """Quote ``text`` so sbatch's ``#SBATCH`` parser reads it back as exactly one argument."""
+    if not _DIRECTIVE_SPECIAL.search(text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _check_run_dir(job: JobSpec) -> None:
+    if _UNSAFE_PATH.search(str(job.run_dir)):
+        raise ConfigError(f"training.run_dir: {str(job.run_dir)!r} contains a control character, '%' or a "
+                          "backslash, which SLURM file names cannot carry; choose another run directory")
+
+
+def sbatch_directives(job: JobSpec) -> list[str]:
+    """sbatch options written as ``#SBATCH`` lines, unescaped (one option per item)."""
+    cfg = job.launcher
+    per_node = 1 if cfg.mode == "torchrun" else job.nproc_per_node
+    options = [f"--job-name={job.name}", f"--nodes={job.nodes}", f"--ntasks-per-node={per_node}"]
+    if job.gpus_per_node:
+        options.append(f"--gpus-per-node={job.gpus_per_node}")
+    for name in ("partition", "account", "time"):
+        if getattr(cfg, name):
+            options.append(f"--{name}={getattr(cfg, name)}")
+    options += [f"--signal=B:{cfg.signal}@{cfg.signal_lead_time}", "--requeue", "--open-mode=append",
+                f"--output={job.dir.slurm_dir}/job-%j.out"]
+    options += list(cfg.sbatch_args)
+    return options
+
+
+def _step_options(job: JobSpec, per_node: int, log_name: str) -> list[str]:
+    cfg = job.launcher
+    words = [f"--nodes={job.nodes}", f"--ntasks-per-node={per_node}", "--kill-on-bad-exit=1",
+             f'--output="$LOG_DIR"/{log_name}']
+    if cfg.mpi:
+        words.append(shlex.quote(f"--mpi={cfg.mpi}"))
+    if cfg.container_image:
+        words.append(shlex.quote(f"--container-image={cfg.container_image}"))
+    if cfg.container_mounts:
+        words.append(shlex.quote(f"--container-mounts={','.join(cfg.container_mounts)}"))
+    words += [shlex.quote(arg) for arg in cfg.srun_args]
+    return words
+
+
+def srun_line(job: JobSpec) -> str:
+    """The training step as written in the script (shell syntax, ``$LOG_DIR`` unexpanded)."""
+    cfg = job.launcher
+    command = " ".join(shlex.quote(word) for word in job.command)
+    if cfg.mode == "srun":
+        return " ".join(["srun", *_step_options(job, job.nproc_per_node, "rank%t.log"), command])
+    # One torchrun agent per node. The agent must survive the warning signal that srun relays to
+    # every process of the step (SIGUSR1's default action would kill it); the workers catch it.
+    ignore = f"trap '' {cfg.signal}; " if cfg.signal != "TERM" else ""
+    agent = [shlex.quote(rank_python(cfg)), "-m", "torch.distributed.run", f"--nnodes={job.nodes}",
+             f"--nproc-per-node={job.nproc_per_node}", "--rdzv-backend=c10d",
+             '--rdzv-endpoint="$HEAD_NODE:$RDZV_PORT"', '--rdzv-id="$SLURM_JOB_ID"', "--max-restarts=0",
+             "--no-python", command]
+    return " ".join(["srun", *_step_options(job, 1, "node%n.log"), "bash", "-c",
+                     shlex.quote(ignore + 'exec "$@"'), "torchrun-agent", *agent])
+
+
+def _environment_block(job: JobSpec) -> list[str]:
+    cfg = job.launcher
+    lines = []
+    if cfg.env:
+        lines.append("# Defaults from the recipe (launcher.env); a value set in the submitting shell wins.")
+        lines += [f'[ -n "${{{name}+set}}" ] || export {name}={shlex.quote(value)}' for name, value in cfg.env.items()]
+    if cfg.env_override:
+        lines.append("# Set on the command line (--env NAME=VALUE).")
+        lines += [f"export {name}={shlex.quote(value)}" for name, value in cfg.env_override.items()]
+    if cfg.env_passthrough:
+        lines.append(f"# Taken from the submitting shell (--env NAME): {' '.join(cfg.env_passthrough)}")
+    lines.append('export PYTHONUNBUFFERED="${PYTHONUNBUFFERED:-1}"')
+    lines.append('export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"')
+    return lines
+
+
+def _rendezvous_block(job: JobSpec) -> list[str]:
+    if job.launcher.mode != "torchrun":
+        return ["# Ranks find rank 0 themselves (megatron_s2.launcher.bootstrap: SLURM variables).", ""]
+    return [
+        "# torchrun rendezvous on the first node (its NodeAddr when the name does not resolve).",
+        'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'getent hosts "$HEAD_NODE" >/dev/null || '
+        'HEAD_NODE=$(scontrol show node "$HEAD_NODE" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')',
+        f"RDZV_PORT=$(( {SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN} ))", "",
+    ]
+
+
+def render_sbatch_script(job: JobSpec) -> str:
+    """The complete batch script for ``job`` (submit with ``sbatch``; re-submittable as is)."""
+    _check_run_dir(job)
+    cfg = job.launcher
+    q = shlex.quote
+    head = ["#!/bin/bash"] + [f"#SBATCH {directive_word(option)}" for option in sbatch_directives(job)]
+    body = f"""\
+#
+# Generated by `megatron-s2 launch`: {job.world_size} ranks ({job.nodes} nodes x {job.nproc_per_node}), {cfg.mode} mode.
+# Resubmit as is with: sbatch {q(str(job.dir.script))}
+# SIG{cfg.signal} arrives {cfg.signal_lead_time} s before the time limit and is forwarded to every rank, which
+# saves a checkpoint and exits {EXIT_PREEMPTED}; the job then requeues itself (at most {cfg.max_restarts} times)
+# and resumes from the newest checkpoint. $RUN_DIR/{FINISHED_MARKER} stops any further requeue.
+set -uo pipefail
+
+RUN_DIR={q(str(job.run_dir))}
+MAX_RESTARTS={cfg.max_restarts}
+EXIT_PREEMPTED={EXIT_PREEMPTED}
+RESTART=${{SLURM_RESTART_COUNT:-0}}
+LOG_DIR="$RUN_DIR/logs/restart$RESTART"
+mkdir -p "$LOG_DIR" || exit 1
+log() {{ echo "[launch $(date +%H:%M:%S)] $*"; }}
+log "job $SLURM_JOB_ID restart $RESTART on $SLURM_JOB_NODELIST; rank logs in $LOG_DIR"
+
+if [ -e "$RUN_DIR/{FINISHED_MARKER}" ]; then
+    log "$RUN_DIR/{FINISHED_MARKER} exists: the run is complete, not starting it again"
+    exit 0
+fi
+
+{chr(10).join(_environment_block(job))}
+
+{chr(10).join(_rendezvous_block(job))}
+STEP_PID=
+PREEMPTED=
+forward() {{
+    PREEMPTED=$1
+    log "received SIG$1: forwarding it to the training step"
+    [ -z "$STEP_PID" ] || kill -s "$1" "$STEP_PID" 2>/dev/null || true
+}}
+trap 'forward {cfg.signal}' {cfg.signal}
+{"" if cfg.signal == "TERM" else "trap 'forward TERM' TERM"}
+
+{srun_line(job)} &
+STEP_PID=$!
+[ -z "$PREEMPTED" ] || kill -s "$PREEMPTED" "$STEP_PID" 2>/dev/null
+while :; do
+    wait "$STEP_PID"
+    rc=$?
+    kill -0 "$STEP_PID" 2>/dev/null || break  # wait was interrupted by a trapped signal
+done
+log "training step exited with code $rc"
+
+if [ -e "$RUN_DIR/{FINISHED_MARKER}" ]; then
+    log "run complete"
+    exit 0
+fi
+if [ -n "$PREEMPTED" ] || [ "$rc" = "$EXIT_PREEMPTED" ]; then
+    if [ "$RESTART" -ge "$MAX_RESTARTS" ]; then
+        log "preempted, but the restart limit ($MAX_RESTARTS) is reached: not requeueing"
+        exit "$EXIT_PREEMPTED"
+    fi
+    log "requeueing: restart $((RESTART + 1)) of at most $MAX_RESTARTS"
+    scontrol requeue "$SLURM_JOB_ID" && exit "$EXIT_PREEMPTED"
+    log "scontrol requeue failed"
+    exit 1
+fi
+exit "$rc"
+"""
+    return "\n".join(head) + "\n" + body

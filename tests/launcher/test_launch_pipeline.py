@@ -1,0 +1,96 @@
+"""Multi-phase pipelines: format, chaining of checkpoints, dependent SLURM jobs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import pytest
+import yaml
+from launcher_helpers import PAYLOADS, RECIPES
+
+from megatron_s2.cli import main
+from megatron_s2.config.recipe import load_recipe
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.launcher.launch import launch_slurm, prepare_runs
+
+pytestmark = pytest.mark.usefixtures("no_cluster")
+
+RECIPE = RECIPES / "tiny_4rank.yaml"
+PHASE = PAYLOADS / "phase.py"
+
+
+def write_pipeline(tmp_path, phases, **top) -> str:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump({**top, "phases": phases}))
+    return str(path)
+
+
+def two_phases(tmp_path) -> str:
+    return write_pipeline(tmp_path, [
+        {"name": "pretrain", "recipe": str(RECIPE), "overrides": ["training.train_steps=4"]},
+        {"name": "sft", "recipe": str(RECIPE), "overrides": ["phase.kind=sft"]},
+    ], run_dir=str(tmp_path / "runs"))
+
+
+def test_phases_chain_checkpoints_and_run_dirs(tmp_path):
+    runs = prepare_runs(two_phases(tmp_path), ["training.seed=7"], {}, None, local=False)
+    pretrain, sft = runs
+    assert pretrain.job.run_dir == tmp_path / "runs" / "pretrain" and sft.job.run_dir == tmp_path / "runs" / "sft"
+    assert pretrain.recipe.checkpoint.load == "" and pretrain.recipe.training.train_steps == 4
+    assert sft.recipe.checkpoint.load == str(tmp_path / "runs" / "pretrain" / "checkpoints")
+    assert sft.recipe.checkpoint.load_optimizer is False
+    assert sft.recipe.phase.kind == "sft"
+    assert sft.recipe.training.train_steps == load_recipe(RECIPE).training.train_steps
+    assert {r.recipe.training.seed for r in runs} == {7}, "command-line overrides apply to every phase"
+    assert [r.job.name for r in runs] == ["pipeline-pretrain", "pipeline-sft"]
+
+
+@pytest.mark.parametrize("phases, top, message", [
+    ([], {"run_dir": "x"}, "at least one phase"),
+    ([{"name": "a", "recipe": str(RECIPE)}, {"name": "a", "recipe": str(RECIPE)}], {"run_dir": "x"}, "used twice"),
+    ([{"name": "../up", "recipe": str(RECIPE)}], {"run_dir": "x"}, "phases.name"),
+    ([{"name": "a", "recipe": str(RECIPE), "depends": "b"}], {"run_dir": "x"}, "unknown key 'phases[0].depends'"),
+    ([{"name": "a", "recipe": str(RECIPE)}], {}, "needs a parent run directory"),
+])
+def test_pipeline_errors_name_the_field(tmp_path, phases, top, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
+        prepare_runs(write_pipeline(tmp_path, phases, **top), [], {}, None, local=False)
+
+
+def test_dry_run_shows_each_phase_and_its_dependency(tmp_path, capsys):
+    code = main(["launch", two_phases(tmp_path), "--slurm", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.count("#!/bin/bash\n") == 2
+    assert "'--dependency=afterok:<job id of phase pretrain>' --kill-on-invalid-dep=yes" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def stand_in(run, *args: str):
+    job = dataclasses.replace(run.job, command=(sys.executable, str(PHASE), str(run.job.run_dir), *args),
+                              nproc_per_node=1)
+    return dataclasses.replace(run, job=job)
+
+
+def test_dependent_jobs_on_slurm(slurm, tmp_path, capsys):
+    runs = [stand_in(r) for r in prepare_runs(two_phases(tmp_path), [], {}, None, local=False)]
+    assert launch_slurm(runs) == 0
+    first, second = capsys.readouterr().out.split()
+    assert slurm.job(second)["Dependency"] == f"afterok:{first}(unfulfilled)"
+    assert slurm.wait_done(second, timeout=120)["JobState"] == "COMPLETED"
+    seen = json.loads((runs[1].job.run_dir / "seen.json").read_text())
+    assert seen["previous_finished"], "phase 2 started before phase 1 finished"
+    assert seen["load"] == str(runs[0].job.run_dir / "checkpoints") and seen["load_optimizer"] is False
+    assert json.loads(runs[1].job.dir.plan.read_text())["jobs"] == [second]
+
+
+def test_failed_phase_cancels_the_next(slurm, tmp_path, capsys):
+    prepared = prepare_runs(two_phases(tmp_path), [], {}, None, local=False)
+    runs = [stand_in(prepared[0], "--fail"), stand_in(prepared[1])]
+    assert launch_slurm(runs) == 0
+    first, second = capsys.readouterr().out.split()
+    assert slurm.wait_done(first, timeout=60)["JobState"] == "FAILED"
+    assert slurm.wait_done(second, timeout=60)["JobState"] == "CANCELLED"
+    assert not (runs[1].job.run_dir / "seen.json").exists()

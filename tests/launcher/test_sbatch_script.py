@@ -1,0 +1,144 @@
+"""The generated batch script: structure (dry run parsed back) and behaviour (run with stub srun)."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+
+import pytest
+from launcher_helpers import RECIPES, RESUMABLE, payload_job, run_script_with_stubs, sbatch_options
+
+from megatron_s2.cli import main
+from megatron_s2.launcher.preemption import EXIT_PREEMPTED
+from megatron_s2.launcher.sbatch_script import render_sbatch_script
+
+pytestmark = pytest.mark.usefixtures("no_cluster")
+
+RECIPE = str(RECIPES / "tiny_4rank.yaml")
+
+
+def dry_run(capsys, tmp_path, *flags: str) -> tuple[str, str]:
+    code = main(["launch", RECIPE, "--slurm", "--dry-run", "--run-dir", str(tmp_path / "run"), *flags])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out, err
+
+
+def srun_argv(script: str) -> list[str]:
+    lines = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert len(lines) == 1, lines
+    argv = shlex.split(lines[0])
+    assert argv[-1] == "&"
+    return argv[:-1]
+
+
+def test_dry_run_script_structure(capsys, tmp_path):
+    script, err = dry_run(capsys, tmp_path, "--nodes", "2", "--nproc-per-node", "2", "--partition", "batch",
+                          "--time", "01:00:00", "--account", "proj")
+    run_dir = tmp_path / "run"
+    assert script.startswith("#!/bin/bash\n")
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    options = sbatch_options(script)
+    assert options == ["--job-name=tiny_4rank", "--nodes=2", "--ntasks-per-node=2", "--partition=batch",
+                       "--account=proj", "--time=01:00:00", "--signal=B:USR1@120", "--requeue",
+                       "--open-mode=append", f"--output={run_dir}/slurm/job-%j.out"]
+    argv = srun_argv(script)
+    assert argv[:5] == ["srun", "--nodes=2", "--ntasks-per-node=2", "--kill-on-bad-exit=1",
+                        "--output=$LOG_DIR/rank%t.log"]
+    assert not any(a.startswith(("--mpi", "--container")) for a in argv), "nothing forced on the site"
+    assert argv[5:] == [sys.executable, "-m", "megatron_s2.cli", "train", f"{run_dir}/launch/config.yaml",
+                        "--run-dir", str(run_dir)]
+    assert "srun line: srun --nodes=2" in err and "would run: sbatch --parsable" in err
+    assert not run_dir.exists(), "a dry run writes nothing"
+
+
+def test_optional_site_flags_only_when_asked(capsys, tmp_path):
+    script, _ = dry_run(capsys, tmp_path, "--mpi", "pmix", "--container-image", "nvcr.io/nvidia/pytorch:25.01",
+                        "--mount", "/lustre:/lustre", "--mount", "/scratch:/scratch:ro", "--srun-arg=--cpu-bind=none",
+                        "--sbatch-arg=--exclusive", "--gpus-per-node", "4")
+    argv = srun_argv(script)
+    assert "--mpi=pmix" in argv
+    assert "--container-image=nvcr.io/nvidia/pytorch:25.01" in argv
+    assert "--container-mounts=/lustre:/lustre,/scratch:/scratch:ro" in argv
+    assert "--cpu-bind=none" in argv
+    assert argv[argv.index("--cpu-bind=none") + 1] == "python", "inside a container ranks use its python"
+    options = sbatch_options(script)
+    assert "--gpus-per-node=4" in options and "--exclusive" in options and "--ntasks-per-node=4" in options
+
+
+def test_torchrun_mode_runs_one_agent_per_node(capsys, tmp_path):
+    script, _ = dry_run(capsys, tmp_path, "--mode", "torchrun", "--nodes", "2", "--nproc-per-node", "2")
+    assert "--ntasks-per-node=1" in sbatch_options(script)
+    argv = srun_argv(script)
+    assert "--output=$LOG_DIR/node%n.log" in argv
+    bash = argv.index("bash")
+    assert argv[bash + 1:bash + 3] == ["-c", "trap '' USR1; exec \"$@\""], "the agent must survive SIGUSR1"
+    agent = argv[bash + 4:]
+    assert agent[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert {"--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", "--max-restarts=0", "--no-python",
+            "--rdzv-endpoint=$HEAD_NODE:$RDZV_PORT"} <= set(agent)
+    assert 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
+
+
+def test_preflight_rejects_impossible_layout_before_anything(capsys, tmp_path):
+    code = main(["launch", RECIPE, "--slurm", "--nodes", "3", "--run-dir", str(tmp_path / "run")])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert "launcher.nodes" in err and "--nodes" in err
+    code = main(["launch", RECIPE, "parallel.dp=0", "--slurm", "--nproc-per-node", "3",
+                 "--run-dir", str(tmp_path / "run")])
+    _, err = capsys.readouterr()
+    assert code == 2 and "parallel" in err and "tp*pp*cp" in err
+    code = main(["launch", RECIPE, "--slurm", "--time", "00:01:00", "--signal-lead-time", "300"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "launcher.signal_lead_time" in err
+    assert not (tmp_path / "run").exists()
+
+
+# ---- behaviour: the script run by bash with recording stand-ins for srun and scontrol ------
+@pytest.fixture
+def stub_job(tmp_path):
+    def make(**launcher):
+        job = payload_job(tmp_path / "run", RESUMABLE, **launcher)
+        job.dir.slurm_dir.mkdir(parents=True, exist_ok=True)
+        job.dir.script.write_text(render_sbatch_script(job))
+        return job
+    return make
+
+
+def test_env_defaults_lose_to_the_shell_overrides_win_passthrough_unwritten(stub_job, tmp_path, monkeypatch):
+    job = stub_job(env={"NCCL_DEBUG": "WARN", "NCCL_IB_TIMEOUT": "22"}, env_override={"FORCED": "from-flag"},
+                   env_passthrough=("SECRET_TOKEN",))
+    shell = {"NCCL_DEBUG": "INFO", "FORCED": "from-shell", "SECRET_TOKEN": "s3cr3t-value"}
+    result = run_script_with_stubs(job.dir.script, tmp_path / "stubs", env=shell)
+    env = result.srun["env"]
+    assert env["NCCL_DEBUG"] == "INFO", "the submitting shell overrides a recipe default"
+    assert env["NCCL_IB_TIMEOUT"] == "22", "a recipe default applies when the shell has none"
+    assert env["FORCED"] == "from-flag", "--env NAME=VALUE is set whatever the shell says"
+    assert env["SECRET_TOKEN"] == "s3cr3t-value", "--env NAME reaches the ranks"
+    assert "s3cr3t-value" not in job.dir.script.read_text(), "--env NAME is never written into the script"
+
+
+@pytest.mark.parametrize("restart, srun_rc, requeued, code", [
+    (0, EXIT_PREEMPTED, True, EXIT_PREEMPTED),   # preempted ranks: requeue
+    (2, EXIT_PREEMPTED, True, EXIT_PREEMPTED),
+    (3, EXIT_PREEMPTED, False, EXIT_PREEMPTED),  # restart limit (max_restarts=3) reached
+    (0, 1, False, 1),                            # a crash is a failure, not a preemption
+    (0, 0, False, 0),
+])
+def test_requeue_decision(stub_job, tmp_path, restart, srun_rc, requeued, code):
+    job = stub_job(max_restarts=3)
+    result = run_script_with_stubs(job.dir.script, tmp_path / "stubs", srun_rc=srun_rc, restart=restart)
+    assert result.srun is not None
+    assert result.returncode == code, result.output
+    assert (["requeue 4242"] if requeued else []) == [c for c in result.scontrol if c.startswith("requeue")]
+    assert (job.dir.logs / f"restart{restart}").is_dir()
+
+
+def test_finished_marker_stops_start_and_requeue(stub_job, tmp_path):
+    job = stub_job()
+    job.dir.finished.write_text('{"step": 6, "loss": 1.0}')
+    result = run_script_with_stubs(job.dir.script, tmp_path / "stubs", srun_rc=EXIT_PREEMPTED, restart=1)
+    assert result.returncode == 0 and result.srun is None and result.scontrol == []
+    assert "FINISHED exists" in result.output
