@@ -92,7 +92,9 @@ class PayloadSpec:
         """``local_seq``: queries held by this rank (CP chunk); ``stream_seq``: tokens of the
         streams on this rank (local_seq / tp under sequence parallelism)."""
         f32 = torch.float32
-        fields = [PayloadField("x", (batch, stream_seq, cfg.hc_mult, cfg.hidden_size), f32, True),
+        act = getattr(torch, cfg.compute_dtype)  # streams and H_{L/2} travel in the activation dtype
+        ids = torch.int32  # indices travel as int32 (entry counts stay far below 2^31)
+        fields = [PayloadField("x", (batch, stream_seq, cfg.hc_mult, cfg.hidden_size), act, True),
                   PayloadField("pre", (batch, stream_seq, cfg.hc_mult), f32, True)]
         keys = payload_keys(plan, cut, modes)
         for producer, kind in keys:
@@ -104,14 +106,14 @@ class PayloadSpec:
             elif kind is K.INDEX_K:
                 fields.append(PayloadField(name, (batch, entries, cfg.index_head_dim), f32, True))
             elif kind is K.TOPK:
-                fields.append(PayloadField(name, (batch, local_seq, cfg.index_topk), torch.int64, False))
+                fields.append(PayloadField(name, (batch, local_seq, cfg.index_topk), ids, False))
             elif kind is K.CANDIDATES:
-                fields.append(PayloadField(name, (batch, local_seq, cfg.candidate_pool_size), torch.int64, False))
+                fields.append(PayloadField(name, (batch, local_seq, cfg.candidate_pool_size), ids, False))
             elif kind is K.CANDIDATE_QUERY:
                 width = cfg.q_lora_rank + cfg.index_num_heads // tp_size
                 fields.append(PayloadField(name, (batch, local_seq, width), f32, False))
             elif kind is K.ENCODER_OUTPUT:
-                fields.append(PayloadField(name, (batch, stream_seq, cfg.hidden_size), f32, True))
+                fields.append(PayloadField(name, (batch, stream_seq, cfg.hidden_size), act, True))
             else:  # pragma: no cover - every kind is listed above
                 raise ValueError(f"no payload layout for {kind}")
         return cls(cut, keys, fields)

@@ -109,7 +109,7 @@ def forward_backward_pipelined(model, inputs: StepInputs) -> StepResult:
                 loss_sum = loss_sum + summed
                 units[(vi, k)] = _Unit(inputs_f, [f.requires_grad for f in spec.fields] if spec else [], None, objective)
             else:
-                outputs = rt.export(stage, x, pre, ctx)
+                outputs = rt.export(stage, x, pre, ctx, mb)
                 transport.send(outputs, rt.pp_of_stage(stage + 1), k, (vi + (1 if rt.pp_of_stage(stage) == rt.p - 1 else 0)),
                                FORWARD)
                 aux_obj = aux / inputs.num_micro_global if aux is not None else None
@@ -147,25 +147,26 @@ def forward_backward_pipelined(model, inputs: StepInputs) -> StepResult:
     rt.shadows.sync_grads()
     loss = mappings.all_reduce_sum(loss_sum.reshape(1), groups.dp_cp)
     loss = mappings.all_reduce_sum(loss, groups.pp)
-    metrics = {}
-    for name in sorted(_all_metric_names(metric_sums, groups)):
-        value = metric_sums.get(name, torch.zeros(()))
-        total = mappings.all_reduce_sum(mappings.all_reduce_sum(torch.as_tensor(value).float().reshape(1),
-                                                                groups.dp_cp), groups.pp)
-        metrics[name] = float(total) / max(inputs.num_micro_global, 1)
+    names = _metric_names(rt, metric_sums, groups)
+    values = torch.stack([torch.as_tensor(metric_sums.get(n, 0.0)).float().reshape(()) for n in names]) \
+        if names else torch.zeros(0)
+    totals = mappings.all_reduce_sum(mappings.all_reduce_sum(values, groups.dp_cp), groups.pp)
+    metrics = {n: float(v) / max(inputs.num_micro_global, 1) for n, v in zip(names, totals)}
     return StepResult(float(loss) / float(tokens), int(tokens), metrics)
 
 
-def _all_metric_names(local: dict, groups) -> list[str]:
-    """Metric names are produced by layers, which differ per stage: agree on the union."""
-    import torch.distributed as dist
+def _metric_names(rt, local: dict, groups) -> list[str]:
+    """Metric names are produced by layers, which differ per stage: agree on the union once."""
+    if getattr(rt, "metric_names", None) is None:
+        names = sorted(local)
+        if groups.pp.active:
+            import torch.distributed as dist
 
-    names = sorted(local)
-    if not groups.pp.active:
-        return names
-    gathered: list = [None] * groups.pp.size
-    dist.all_gather_object(gathered, names, group=groups.pp.pg)
-    return sorted({n for part in gathered for n in part})
+            gathered: list = [None] * groups.pp.size
+            dist.all_gather_object(gathered, names, group=groups.pp.pg)
+            names = sorted({n for part in gathered for n in part})
+        rt.metric_names = names
+    return rt.metric_names
 
 
 def get_pipeline_schedule(layout):

@@ -80,11 +80,21 @@ class PipelineRuntime:
                                  local_seq=local, full_seq=full, stream_seq=stream, tp_size=self.groups.tp.size)
 
     # ---- payload export / import -------------------------------------------------------------
-    def export(self, stage: int, x, pre, ctx) -> list[torch.Tensor]:
-        cut = self.stage_layers[stage + 1][0]
-        keys = payload_keys(self.plan, cut, self.modes)
-        states = ctx.shared.export(keys)
-        return [x, pre, *[states[k] for k in keys]]
+    def export(self, stage: int, x, pre, ctx, mb: dict) -> list[torch.Tensor]:
+        """The outgoing payload, checked field by field against what the next stage expects
+        (a dtype or shape mismatch would otherwise be silently reinterpreted by the transport)."""
+        spec = self.spec_for(stage + 1, mb)
+        states = ctx.shared.export(spec.keys)
+        tensors = [x, pre, *[states[k] for k in spec.keys]]
+        out = []
+        for t, f in zip(tensors, spec.fields):
+            if not f.requires_grad and t.dtype != f.dtype:
+                t = t.to(f.dtype)  # index fields are sent compactly
+            if t.dtype != f.dtype or tuple(t.shape) != f.shape:
+                raise RuntimeError(f"pipeline payload field '{f.name}' at the cut before layer {spec.cut}: "
+                                   f"expected {f.dtype} {f.shape}, produced {t.dtype} {tuple(t.shape)}")
+            out.append(t)
+        return out
 
     def request_exports(self, stage: int, ctx) -> None:
         if not self.is_last(stage):
@@ -92,7 +102,7 @@ class PipelineRuntime:
 
     def import_states(self, stage: int, spec: PayloadSpec, tensors: list[torch.Tensor], ctx) -> None:
         first = self.stage_layers[stage][0]
-        received = dict(zip(spec.keys, tensors[2:]))
+        received = {key: (t.long() if t.dtype == torch.int32 else t) for key, t in zip(spec.keys, tensors[2:])}
         crossing = set(self.plan.crossing(first))
         out: dict = {}
         order = {K.LATENT: 0, K.INDEX_K: 1, K.CANDIDATE_QUERY: 2}

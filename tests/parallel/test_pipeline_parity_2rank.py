@@ -32,8 +32,12 @@ LAYOUTS = {
     "cp2_ep2": ["parallel.cp=2", "parallel.ep=2"],
     # Same as pp2_cut5 with twice the micro-batches: shared-state memory must not grow.
     "pp2_cut5_m8": ["parallel.pp=2", "parallel.pipeline_layers=[5,3]", "training.global_batch_size=16"],
+    # bfloat16 parameters/activations: streams cross the cut in bf16 (checked against a bf16
+    # single-rank run below).
+    "pp2_bf16": ["parallel.pp=2", "model.params_dtype=bfloat16", "model.compute_dtype=bfloat16"],
 }
-COMPARED = [name for name in LAYOUTS if not name.endswith("_m8")]
+COMPARED = [name for name in LAYOUTS if not name.endswith(("_m8", "_bf16"))]
+BF16 = ["model.params_dtype=bfloat16", "model.compute_dtype=bfloat16"]
 
 
 def _all_layouts(rank, world, root):
@@ -51,8 +55,17 @@ def results(tmp_path_factory):
     ref_dir = root / "reference"
     ref_dir.mkdir()
     run_layout(0, 1, [], str(ref_dir))
+    (root / "reference_bf16").mkdir()
+    run_layout(0, 1, BF16, str(root / "reference_bf16"))
     run_distributed(2, _all_layouts, str(root))
     return root, load_records(ref_dir, 1)[0]
+
+
+def test_bf16_streams_cross_the_cut(results):
+    root, _ = results
+    ref = load_records(root / "reference_bf16", 1)[0]
+    for rec in load_records(root / "pp2_bf16", 2):
+        assert rec["losses"] == pytest.approx(ref["losses"], rel=1e-5)
 
 
 @pytest.mark.parametrize("layout", COMPARED)
