@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_s2.models.v41.precision import wide
+
 __all__ = ["sparse_attention", "sparse_attention_reference"]
 
 
@@ -37,15 +39,15 @@ def sparse_attention_reference(q: torch.Tensor, kv: torch.Tensor, indices: torch
         flat = idx.clamp_min(0).reshape(b, -1)
         keys = torch.gather(kv, 1, flat.unsqueeze(-1).expand(-1, -1, kv.size(-1)))
         keys = keys.view(b, idx.size(1), idx.size(2), kv.size(-1)).to(q.dtype)
-        scores = torch.einsum("bshd,bskd->bshk", q[:, start:start + chunk].float(), keys.float()) * scale
+        scores = torch.einsum("bshd,bskd->bshk", wide(q[:, start:start + chunk]), wide(keys)) * scale
         scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
         if sink is not None:
-            logits = torch.cat([scores, sink.float().view(1, 1, h, 1).expand(b, idx.size(1), h, 1)], dim=-1)
+            logits = torch.cat([scores, wide(sink).to(scores.dtype).view(1, 1, h, 1).expand(b, idx.size(1), h, 1)], dim=-1)
             probs = torch.softmax(logits, dim=-1)[..., :-1]
         else:
             probs = torch.softmax(scores, dim=-1)
             probs = torch.nan_to_num(probs, nan=0.0)
-        outs.append(torch.einsum("bshk,bskd->bshd", probs, keys.float()).to(q.dtype))
+        outs.append(torch.einsum("bshk,bskd->bshd", probs, wide(keys).to(probs.dtype)).to(q.dtype))
         if split is not None:
             masses.append(probs[..., split:].detach().sum(dim=2))
     out = torch.cat(outs, dim=1)

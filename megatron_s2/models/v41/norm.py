@@ -6,16 +6,17 @@ import torch
 from torch import nn
 
 from megatron_s2.models.init import constant_init
+from megatron_s2.models.v41.precision import wide
 from megatron_s2.parallel.sharding import mark_param
 
 __all__ = ["RMSNorm", "rms_norm"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    h = x.float()
+    h = wide(x)
     h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
     if weight is not None:
-        h = h * weight.float()
+        h = h * wide(weight)
     return h.to(x.dtype)
 
 

@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from megatron_s2.models.v41.precision import wide
+
 __all__ = ["rope_frequencies", "apply_rope"]
 
 
@@ -43,7 +45,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     cos, sin = angles.cos(), angles.sin()
     if inverse:
         sin = -sin
-    head, tail = x[..., :-rd], x[..., -rd:].float()
+    head, tail = x[..., :-rd], wide(x[..., -rd:])
     even, odd = tail[..., 0::2], tail[..., 1::2]
     rot = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
     return torch.cat((head, rot.to(x.dtype)), dim=-1)

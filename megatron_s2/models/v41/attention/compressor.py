@@ -22,6 +22,7 @@ from torch import nn
 
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.v41.norm import RMSNorm
+from megatron_s2.models.v41.precision import wide
 from megatron_s2.parallel.linear import ReplicatedLinear
 
 __all__ = ["Compressor", "pool_groups"]
@@ -31,8 +32,8 @@ def pool_groups(kv: torch.Tensor, gate: torch.Tensor, ratio: int) -> torch.Tenso
     """Softmax-gated pooling of complete groups: [b, s, c] -> [b, s // ratio, c] (float32)."""
     b, s, c = kv.shape
     n = s // ratio
-    kv = kv[:, : n * ratio].float().view(b, n, ratio, c)
-    gate = gate[:, : n * ratio].float().view(b, n, ratio, c)
+    kv = wide(kv[:, : n * ratio]).view(b, n, ratio, c)
+    gate = wide(gate[:, : n * ratio]).view(b, n, ratio, c)
     return (kv * gate.softmax(dim=2)).sum(dim=2)
 
 
@@ -55,12 +56,12 @@ class Compressor(nn.Module):
         """Per-token projections (run on the locally held tokens): (C, Z)."""
         if self.input_norm is not None:
             x = self.input_norm(x)
-        x = x.float()
+        x = wide(x)
         kv = self.linear_kv(x)
         gate = self.linear_gate(x) if self.linear_gate is not None else None
         return kv, gate
 
     def pool(self, kv: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """Complete groups of the full sequence -> normalised RoPE-free latents [b, s//m, hd]."""
-        latent = kv.float() if self.ratio == 1 else pool_groups(kv, gate, self.ratio)
+        latent = wide(kv) if self.ratio == 1 else pool_groups(kv, gate, self.ratio)
         return self.norm(latent)

@@ -38,6 +38,7 @@ from megatron_s2.models.v41.attention.indexer import IndexKeyProjection, Indexer
 from megatron_s2.models.v41.attention.visibility import entry_doc_ids, window_indices
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.norm import RMSNorm
+from megatron_s2.models.v41.precision import wide
 from megatron_s2.models.v41.quant import fake_quant_fp4_e4m3, fake_quant_fp8
 from megatron_s2.models.v41.recompute import selective_checkpoint
 from megatron_s2.models.v41.rope import apply_rope, rope_frequencies
@@ -178,10 +179,10 @@ class CSA2Attention(nn.Module):
         """x: [b, s_local, d] (normalised block input; sequence shard under SP)."""
         x_in = self._enter(x)
         pos, doc = ctx.positions, ctx.doc_ids
-        qr = self._gather(self.q_norm(self.linear_q_down(x_in.float())))
+        qr = self._gather(self.q_norm(self.linear_q_down(wide(x_in))))
         q = self.linear_q_up(qr).unflatten(-1, (self.local_heads, self.head_dim))
         q = apply_rope(q, pos, self.inv_freq)
-        kv = self._gather(self.kv_norm(self.linear_kv(x_in.float())))
+        kv = self._gather(self.kv_norm(self.linear_kv(wide(x_in))))
         kv = apply_rope(kv, pos, self.inv_freq)
         if self.config.fp8_swa_kv:
             kv = fake_quant_fp8(kv)

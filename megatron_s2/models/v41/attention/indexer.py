@@ -31,6 +31,7 @@ from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.v41.attention.candidates import select_candidate_blocks
 from megatron_s2.models.v41.attention.visibility import compressed_visible
 from megatron_s2.models.v41.norm import RMSNorm
+from megatron_s2.models.v41.precision import wide
 from megatron_s2.models.v41.quant import fake_quant_mxfp4
 from megatron_s2.models.v41.rope import apply_rope
 from megatron_s2.parallel import mappings
@@ -53,7 +54,7 @@ class IndexKeyProjection(nn.Module):
         self.fp4 = config.fp4_indexer
 
     def forward(self, latent: torch.Tensor, entry_pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        k = self.norm(self.linear(latent.float()))
+        k = self.norm(self.linear(wide(latent)))
         k = apply_rope(k, entry_pos, inv_freq)
         return fake_quant_mxfp4(k) if self.fp4 else k
 
@@ -88,10 +89,10 @@ class Indexer(nn.Module):
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         """[b, s, H_I] per-head weights from the (detached) hidden state of local tokens."""
-        return self.linear_weights(x.float()) * self.scale
+        return self.linear_weights(wide(x)) * self.scale
 
     def queries(self, qr: torch.Tensor, q_pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        q = self.linear_q(qr.float()).unflatten(-1, (self.local_heads, self.head_dim))
+        q = self.linear_q(wide(qr)).unflatten(-1, (self.local_heads, self.head_dim))
         q = apply_rope(q, q_pos, inv_freq)
         return fake_quant_mxfp4(q) if self.fp4 else q
 
@@ -134,7 +135,7 @@ class Indexer(nn.Module):
             else:
                 ids = candidates[:, sl]
                 keys = torch.gather(index_k, 1, ids.clamp_min(0).reshape(b, -1, 1).expand(-1, -1, index_k.size(-1)))
-                keys = keys.view(b, ids.size(1), ids.size(2), -1)
+                keys = keys.view(b, ids.size(1), ids.size(2), index_k.size(-1))
                 scores = self._score(q[:, sl], keys, w[:, sl])
                 scores = mappings.all_reduce_sum(scores, self.tp)
                 scores = scores.masked_fill(ids < 0, float("-inf"))
@@ -159,7 +160,7 @@ class Indexer(nn.Module):
         b, s, k = topk.shape
         valid = topk >= 0
         keys = torch.gather(index_k, 1, topk.clamp_min(0).reshape(b, -1, 1).expand(-1, -1, index_k.size(-1)))
-        keys = keys.view(b, s, k, -1)
+        keys = keys.view(b, s, k, index_k.size(-1))
         scores = mappings.reduce_from_group(self._score(q, keys, w), self.tp)
         mass = mappings.all_reduce_sum(target_mass, self.tp).masked_fill(~valid, 0.0)
         p = mass / mass.sum(-1, keepdim=True).clamp_min(1e-20)
