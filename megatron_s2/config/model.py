@@ -12,7 +12,7 @@ derived and validated in :mod:`megatron_s2.config.layer_plan`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from megatron_s2.config.schema import ConfigError

@@ -121,7 +121,6 @@ def forward_backward_pipelined(model, inputs: StepInputs) -> StepResult:
                 torch.autograd.backward(unit.objective)
             else:
                 spec_next = rt.spec_for(stage + 1, mb)
-                next_vi = vi + (1 if rt.pp_of_stage(stage) == rt.p - 1 else 0)
                 grads = transport.recv(spec_next, rt.pp_of_stage(stage + 1), k, vi, BACKWARD)
                 outs, gs = [], []
                 float_outputs = [t for t, f in zip(unit.outputs, spec_next.fields) if f.requires_grad]
@@ -134,7 +133,6 @@ def forward_backward_pipelined(model, inputs: StepInputs) -> StepResult:
                     gs.append(torch.ones_like(unit.objective))
                 if outs:
                     torch.autograd.backward(outs, gs)
-                del next_vi
             if not rt.is_first(stage):
                 grads_in = [(t.grad if t.grad is not None else torch.zeros_like(t))
                             for t, need in zip(unit.inputs, unit.input_grad_mask) if need]

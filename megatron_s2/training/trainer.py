@@ -15,9 +15,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import yaml
-
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.checkpoint import CheckpointError, CheckpointManager
 from megatron_s2.config.schema import ConfigError
@@ -133,7 +130,7 @@ class Trainer:
 
     def restore(self) -> bool:
         ck = self.recipe.checkpoint
-        path = self.checkpoints.latest_valid() if ck.resume else None
+        path = self.checkpoints.resume_path() if ck.resume else None
         full = True
         if path is None and ck.load:
             try:

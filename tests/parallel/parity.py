@@ -68,7 +68,9 @@ def run_layout(rank: int, world: int, overrides: list[str], out_dir: str) -> Non
     record["coords"] = trainer.layout.coords(rank)
     record["params"] = _shards(trainer.model.named_parameters(), "")
     record["buffers"] = {n: b.detach().clone() for n, b in trainer.model.named_buffers() if "bias" in n}
-    record["opt_state_bytes"] = (trainer.optimizer.state_bytes() if hasattr(trainer.optimizer, "state_bytes") else None)
+    inner_opt = getattr(trainer.optimizer, "inner", trainer.optimizer)
+    record["opt_state_bytes"] = sum(v.numel() * v.element_size() for opt in inner_opt.optimizers.values()
+                                    for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
     torch.save(record, Path(out_dir) / f"rank{rank}.pt")
 
 

@@ -178,7 +178,7 @@ class CSA2Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [b, s_local, d] (normalised block input; sequence shard under SP)."""
         x_in = self._enter(x)
-        pos, doc = ctx.positions, ctx.doc_ids
+        pos = ctx.positions
         qr = self._gather(self.q_norm(self.linear_q_down(wide(x_in))))
         q = self.linear_q_up(qr).unflatten(-1, (self.local_heads, self.head_dim))
         q = apply_rope(q, pos, self.inv_freq)

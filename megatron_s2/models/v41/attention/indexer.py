@@ -37,7 +37,6 @@ from megatron_s2.models.v41.rope import apply_rope
 from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import Group
 from megatron_s2.parallel.linear import ColumnParallelLinear, ReplicatedLinear
-from megatron_s2.parallel.sharding import mark_param
 
 __all__ = ["IndexKeyProjection", "Indexer", "IndexerSelection"]
 
