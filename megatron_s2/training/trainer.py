@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.checkpoint import CheckpointError, CheckpointManager
+from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.data import batch_fingerprint, build_data_iterator, build_tokenizer
 from megatron_s2.models.v41.accounting import train_flops_per_token

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parallel.parity import MHC_COEFFICIENTS, assemble, assert_close, load_records, run_layout
-from tests.parallel.spawn import run_distributed
-from tests.parallel.test_parity_2rank import GRAD_FLOOR, GRAD_RTOL, MHC_PARAM_RTOL, PARAM_RTOL
+from tests.parallel.parity import TOLERANCES, check_against_reference, load_records, run_layouts
 
 LAYOUTS = {
     "ep4": ["parallel.ep=4"],
@@ -18,36 +16,12 @@ LAYOUTS = {
 }
 
 
-def _all_layouts(rank, world, root):
-    from pathlib import Path
-
-    for name, overrides in LAYOUTS.items():
-        out = Path(root) / name
-        out.mkdir(parents=True, exist_ok=True)
-        run_layout(rank, world, overrides, str(out))
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parity4")
-    ref_dir = root / "reference"
-    ref_dir.mkdir()
-    run_layout(0, 1, [], str(ref_dir))
-    run_distributed(4, _all_layouts, str(root))
-    return root, load_records(ref_dir, 1)[0]
+    return run_layouts(tmp_path_factory.mktemp("parity4"), 4, LAYOUTS)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_rank(results, layout):
     root, ref = results
-    records = load_records(root / layout, 4)
-    for rec in records:
-        assert rec["losses"] == pytest.approx(ref["losses"], rel=1e-6)
-        assert rec["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
-    assert_close(assemble(records, "grads"), assemble([ref], "grads"), f"{layout} gradients", GRAD_RTOL,
-                 floor=GRAD_FLOOR)
-    assert_close(assemble(records, "params"), assemble([ref], "params"), f"{layout} parameters after 3 steps",
-                 PARAM_RTOL, loose=(MHC_COEFFICIENTS, MHC_PARAM_RTOL))
-    for name, value in ref["buffers"].items():
-        for rec in records:
-            assert (rec["buffers"][name] - value).abs().max() <= 1e-6, f"{layout}: buffer {name}"
+    check_against_reference(load_records(root / layout, 4), ref, layout, **TOLERANCES)

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parallel.parity import MHC_COEFFICIENTS, assemble, assert_close, load_records, run_layout
-from tests.parallel.spawn import run_distributed
-from tests.parallel.test_parity_2rank import GRAD_FLOOR, GRAD_RTOL, MHC_PARAM_RTOL, PARAM_RTOL
+from tests.parallel.parity import TOLERANCES, check_against_reference, load_records, run_layouts
 
 SHADOW = ["parallel.payload_index_k=shadow", "parallel.payload_candidates=shadow"]
 LAYOUTS = {
@@ -40,25 +38,9 @@ COMPARED = [name for name in LAYOUTS if not name.endswith(("_m8", "_bf16"))]
 BF16 = ["model.params_dtype=bfloat16", "model.compute_dtype=bfloat16"]
 
 
-def _all_layouts(rank, world, root):
-    from pathlib import Path
-
-    for name, overrides in LAYOUTS.items():
-        out = Path(root) / name
-        out.mkdir(parents=True, exist_ok=True)
-        run_layout(rank, world, overrides, str(out))
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipeline2")
-    ref_dir = root / "reference"
-    ref_dir.mkdir()
-    run_layout(0, 1, [], str(ref_dir))
-    (root / "reference_bf16").mkdir()
-    run_layout(0, 1, BF16, str(root / "reference_bf16"))
-    run_distributed(2, _all_layouts, str(root))
-    return root, load_records(ref_dir, 1)[0]
+    return run_layouts(tmp_path_factory.mktemp("pipeline2"), 2, LAYOUTS, references={"reference_bf16": BF16})
 
 
 def test_bf16_streams_cross_the_cut(results):
@@ -71,14 +53,7 @@ def test_bf16_streams_cross_the_cut(results):
 @pytest.mark.parametrize("layout", COMPARED)
 def test_layout_matches_single_rank(results, layout):
     root, ref = results
-    records = load_records(root / layout, 2)
-    for rec in records:
-        assert rec["losses"] == pytest.approx(ref["losses"], rel=1e-6)
-        assert rec["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
-    assert_close(assemble(records, "grads"), assemble([ref], "grads"), f"{layout} gradients", GRAD_RTOL,
-                 floor=GRAD_FLOOR)
-    assert_close(assemble(records, "params"), assemble([ref], "params"), f"{layout} parameters after 3 steps",
-                 PARAM_RTOL, loose=(MHC_COEFFICIENTS, MHC_PARAM_RTOL))
+    check_against_reference(load_records(root / layout, 2), ref, layout, **TOLERANCES)
 
 
 def test_every_parameter_has_exactly_one_optimizer_state(results):

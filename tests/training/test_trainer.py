@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_s2.checkpoint import CheckpointStore, verify_checkpoint
 from megatron_s2.config.recipe import load_recipe
-from megatron_s2.training.checkpointing import CheckpointManager
 from megatron_s2.training.trainer import Trainer
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pretrain_tiny.yaml"
@@ -65,16 +65,16 @@ def test_uncommitted_latest_falls_back(tmp_path):
     assert (root / "latest").read_text().strip() == "step_00000002"
     (root / "step_00000002" / "COMMITTED").unlink()  # as if the process died before the commit
     messages = []
-    mgr = CheckpointManager(root, log=messages.append)
-    assert mgr.latest_valid() == root / "step_00000001"
+    store = CheckpointStore(root, log=messages.append)
+    assert store.latest_valid() == root / "step_00000001"
     assert any("latest' points at step_00000002, which is not valid" in m for m in messages)
     # A flipped byte is detected and named.
-    shard = root / "step_00000001" / "rank_00000.pt"
+    shard = root / "step_00000001" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(Exception, match="rank_00000.pt: checksum mismatch"):
-        mgr.verify(root / "step_00000001")
+    with pytest.raises(Exception, match="__0_0.distcp: checksum mismatch"):
+        verify_checkpoint(root / "step_00000001")
 
 
 def test_sft_phase_masks_prompt_tokens(tmp_path):

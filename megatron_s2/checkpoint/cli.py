@@ -1,0 +1,172 @@
+"""`megatron-s2 checkpoint inspect|verify|reshard|export|import`.
+
+``inspect <dir> [--verify] [--no-config]``
+    Print a checkpoint's step, format version, layout, optimiser/RNG/data state, tensor
+    counts, files with their sha256, and the resolved config. ``<dir>`` is one step directory
+    or a run's ``checkpoints/`` directory (every step is listed, then the one ``latest``
+    resolves to is described). ``--verify`` also checks every file's checksum.
+``verify <dir>``
+    Check every file of the step directory (or of every committed step of a ``checkpoints/``
+    directory, and that ``latest`` resolves to a valid one). Exits 1 naming the first bad file.
+``reshard <in> <out> [parallel.KEY=VALUE ...] [--world-size N]``
+    Rewrite a checkpoint for another layout into the checkpoints directory ``<out>``
+    (single process, full tensors in host memory; see :mod:`megatron_s2.checkpoint.offline`).
+``export`` / ``import``
+    Hugging Face conversion (:mod:`megatron_s2.checkpoint.hf`).
+
+Exit codes: 0 success, 1 invalid or corrupted checkpoint, 2 usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from megatron_s2.checkpoint.format import COMMIT, CheckpointError
+from megatron_s2.checkpoint.store import CheckpointStore, is_step_dir
+
+__all__ = ["register"]
+
+_HF = "megatron_s2.checkpoint.hf"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("checkpoint", help="inspect, verify, reshard and convert checkpoints",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cmds = p.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
+
+    q = cmds.add_parser("inspect", help="print what a checkpoint holds")
+    q.add_argument("path", help="a step directory or a checkpoints/ directory")
+    q.add_argument("--verify", action="store_true", help="also check every file's checksum")
+    q.add_argument("--no-config", action="store_true", help="do not print the resolved config")
+    q.set_defaults(func=_inspect)
+
+    q = cmds.add_parser("verify", help="check every file's checksum; exit 1 naming the first bad file")
+    q.add_argument("path", help="a step directory or a checkpoints/ directory")
+    q.set_defaults(func=_verify)
+
+    q = cmds.add_parser("reshard", help="rewrite a checkpoint for another parallel layout")
+    q.add_argument("source", help="a step directory, a checkpoints/ directory or a run directory")
+    q.add_argument("dest", help="checkpoints directory to write into (a step_* directory and latest)")
+    q.add_argument("overrides", nargs="*", help="layout overrides, e.g. parallel.tp=1 parallel.pp=4")
+    q.add_argument("--world-size", type=int, default=None, help="ranks of the target layout (default: as saved)")
+    q.set_defaults(func=_reshard)
+
+    _add_hf(cmds, "export", "our checkpoint -> Hugging Face safetensors", "add_export_arguments",
+            "export_checkpoint")
+    _add_hf(cmds, "import", "Hugging Face safetensors -> our checkpoint", "add_import_arguments",
+            "import_checkpoint")
+
+
+# ---- inspect / verify --------------------------------------------------------------------------
+def _target(path: str) -> tuple[Path, bool] | None:
+    """(path, is a single step directory), or None after printing why ``path`` is neither."""
+    p = Path(path)
+    if not p.is_dir():
+        print(f"megatron-s2 checkpoint: {p}: no such directory", file=sys.stderr)
+        return None
+    if is_step_dir(p):
+        return p, True
+    if (p / "checkpoints").is_dir() and not CheckpointStore(p).step_dirs():
+        p = p / "checkpoints"
+    if not CheckpointStore(p).step_dirs() and not (p / "latest").exists():
+        print(f"megatron-s2 checkpoint: {p}: neither a checkpoint step directory nor a checkpoints/ directory",
+              file=sys.stderr)
+        return None
+    return p, False
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from megatron_s2.checkpoint.describe import (
+        describe_root,
+        describe_step,
+        verify_lines,
+    )
+
+    target = _target(args.path)
+    if target is None:
+        return 2
+    path, single = target
+    if not single:
+        lines, path = describe_root(path)
+        print("\n".join(lines))
+        if path is None:
+            return 1
+        print()
+    lines, manifest = describe_step(path, config=not args.no_config)
+    print("\n".join(lines))
+    ok = manifest is not None
+    if args.verify and ok:
+        lines, ok = verify_lines(path)
+        print("\n".join(lines))
+    return 0 if ok else 1
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from megatron_s2.checkpoint.describe import verify_lines
+
+    target = _target(args.path)
+    if target is None:
+        return 2
+    path, single = target
+    if single:
+        lines, ok = verify_lines(path)
+        print("\n".join(lines))
+        return 0 if ok else 1
+    store = CheckpointStore(path, log=lambda m: print(f"note: {m}"))
+    ok = True
+    for step_dir in store.step_dirs():
+        if not (step_dir / COMMIT).is_file():
+            print(f"skip   {step_dir}: not committed (an interrupted save; never loaded)")
+            continue
+        lines, good = verify_lines(step_dir)
+        print("\n".join(lines))
+        ok = ok and good
+    chosen = store.latest_valid()
+    if chosen is None:
+        print(f"FAILED {path}: no valid checkpoint to resume from")
+        return 1
+    print(f"resume: {chosen.name}")
+    return 0 if ok else 1
+
+
+# ---- reshard -----------------------------------------------------------------------------------
+def _reshard(args: argparse.Namespace) -> int:
+    from megatron_s2.checkpoint.offline import reshard
+
+    try:
+        out = reshard(args.source, args.dest, list(args.overrides), world_size=args.world_size)
+    except CheckpointError as exc:
+        print(f"megatron-s2 checkpoint reshard: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+# ---- Hugging Face conversion (another package; loaded when present) ----------------------------
+def _add_hf(cmds, name: str, help_text: str, add_args: str, entry: str) -> None:
+    q = cmds.add_parser(name, help=help_text)
+    try:
+        module = importlib.import_module(f"{_HF}.cli")
+        getattr(module, add_args)(q)
+    except Exception as exc:  # conversion package absent or broken: keep the rest of the CLI usable
+        q.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        q.set_defaults(func=lambda _args, _why=exc: _hf_missing(name, _why))
+        return
+    q.set_defaults(func=lambda a: _call_hf(entry, a))
+
+
+def _call_hf(entry: str, args: argparse.Namespace) -> int:
+    try:
+        module = importlib.import_module(_HF)
+    except ImportError as exc:
+        return _hf_missing(entry.split("_")[0], exc)
+    return int(getattr(module, entry)(args) or 0)
+
+
+def _hf_missing(name: str, why: Exception) -> int:
+    print(f"megatron-s2 checkpoint {name}: Hugging Face conversion is not available in this build "
+          f"({_HF}: {type(why).__name__}: {why})", file=sys.stderr)
+    return 2

@@ -1,0 +1,251 @@
+"""The trainer's checkpoint manager: sharded save (sync or async) and load at any layout.
+
+::
+
+    ckpt = CheckpointManager(run_dir / "checkpoints", rank, world_size, keep_last=3,
+                             async_save=False, layout=layout.describe())
+    ckpt.save(step, {"model": model, "optimizer": opt, "data": it.state_dict(), "rng": rng_state()},
+              {"layout": ..., "config": recipe.to_mapping(), "model": "tiny"})
+    path = ckpt.latest_valid()                 # collective; falls back past broken checkpoints
+    loaded = ckpt.load(path, model, opt)       # collective; any layout the model was built for
+    loaded.step, loaded.data, loaded.rng       # rng is None unless the layout is unchanged
+
+Every rank constructs the manager at the same point (it creates the checkpoint process
+group) and calls ``save`` / ``load`` / ``latest_valid`` together.
+
+Loading checks, before any tensor is read, that every model tensor of this rank is stored
+with the same global shape, that the union of all ranks' requests covers every stored model
+(and, when loading it, optimiser) tensor — a layout that would silently drop state is an
+error — and that the checkpoint holds optimiser state when asked for it.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from megatron_s2.checkpoint.async_save import BackgroundWriter
+from megatron_s2.checkpoint.collectives import (
+    agree_on_error,
+    barrier,
+    checkpoint_group,
+    gather_objects,
+    group_rank,
+)
+from megatron_s2.checkpoint.dcp_io import (
+    GlobalShard,
+    load_shards,
+    read_index,
+    save_shards,
+)
+from megatron_s2.checkpoint.format import (
+    DCP_METADATA,
+    MANIFEST,
+    MODEL_PREFIX,
+    OPTIM_PREFIX,
+    CheckpointError,
+    Manifest,
+    sha256_file,
+)
+from megatron_s2.checkpoint.sharded_state import (
+    model_shards,
+    optimizer_shards,
+    optimizer_targets,
+    rng_from_tensors,
+    rng_shards,
+    rng_targets,
+)
+from megatron_s2.checkpoint.store import CheckpointStore, is_step_dir, verify_checkpoint
+
+__all__ = ["CheckpointManager", "LoadedCheckpoint"]
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    manifest: Manifest
+    rng: dict | None = None
+    """This rank's RNG state; None when the layout changed (or none was stored)."""
+    fresh_optimizer_state: list[str] = field(default_factory=list)
+    """Parameters of this rank that had no stored optimiser state."""
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    @property
+    def data(self) -> dict | None:
+        return self.manifest.data
+
+
+class CheckpointManager:
+    def __init__(self, root: Path, rank: int = 0, world_size: int = 1, *, keep_last: int = 3,
+                 async_save: bool = False, layout: str = "", log=print):
+        self.rank, self.world_size, self.layout, self.log = rank, world_size, layout, log
+        self.store = CheckpointStore(Path(root), keep_last, log)
+        self.group = checkpoint_group(world_size)
+        self.writer = BackgroundWriter() if async_save else None
+        self.last_saved_step: int | None = None
+
+    @property
+    def root(self) -> Path:
+        return self.store.root
+
+    # ---- save ------------------------------------------------------------------------------
+    def save(self, step: int, state: dict, metadata: dict, *, blocking: bool = True) -> Path:
+        """Save ``state`` (model, optimizer, data, rng) as step ``step``; returns the step
+        directory. With ``async_save`` and ``blocking=False`` the write continues in the
+        background after a snapshot and the directory appears when it is committed."""
+        self.wait()
+        self.last_saved_step = step
+        background = self.writer is not None and not blocking
+        shards = model_shards(state["model"], snapshot=background)
+        if state.get("optimizer") is not None:
+            shards.update(optimizer_shards(state["optimizer"], snapshot=background))
+        if state.get("rng") is not None:
+            shards.update(rng_shards(state["rng"], self.rank))
+        manifest = Manifest(step=step, world_size=self.world_size, layout=metadata.get("layout", self.layout),
+                            config=metadata.get("config", {}), data=state.get("data"),
+                            has_optimizer=state.get("optimizer") is not None,
+                            rng_ranks=self.world_size if state.get("rng") is not None else 0,
+                            info={"model": metadata.get("model", ""), "torch": torch.__version__,
+                                  "host": platform.node(), "writers": self.world_size})
+        if background:
+            self.writer.submit(lambda: self._write(step, shards, manifest), f"step {step}")
+        else:
+            self._write(step, shards, manifest)
+        return self.store.step_dir(step)
+
+    def _write(self, step: int, shards: dict[str, GlobalShard], manifest: Manifest) -> None:
+        error = None
+        if self.rank == 0:
+            try:
+                self.store.prepare(step)
+            except OSError as exc:
+                error = f"{self.store.tmp_dir(step)}: cannot be created ({exc})"
+        _raise(agree_on_error(error, self.group))
+        tmp = self.store.tmp_dir(step)
+        save_shards(shards, tmp, self.group, group_rank(self.group))
+        mine = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+                for p in tmp.glob(f"__{group_rank(self.group)}_*.distcp")}
+        reports = gather_objects(mine, self.group)
+        error = None
+        if self.rank == 0:
+            try:
+                for report in reports:
+                    manifest.files.update(report)
+                meta = tmp / DCP_METADATA
+                manifest.files[DCP_METADATA] = {"sha256": sha256_file(meta), "bytes": meta.stat().st_size}
+                self.store.commit(step, manifest, self.rank)
+            except (OSError, CheckpointError) as exc:
+                error = f"checkpoint step {step}: commit failed: {exc}"
+        _raise(agree_on_error(error, self.group))
+
+    def wait(self) -> None:
+        """Block until an asynchronous save is committed (re-raising its failure)."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    # ---- discovery ---------------------------------------------------------------------------
+    def latest_valid(self) -> Path | None:
+        self.wait()
+        return self.store.latest_valid(self.group)
+
+    def resume_path(self) -> Path | None:
+        """Where ``train`` resumes: the valid checkpoint ``latest`` names, else the newest
+        valid one (saying so); None when nothing was ever committed. Committed checkpoints
+        that are all invalid are an error — starting over silently would discard the run."""
+        found = self.latest_valid()
+        if found is None and self.store.committed():
+            raise CheckpointError(f"{self.root}: holds committed checkpoints but none is valid (see the messages "
+                                  "above); repair or remove them, or start over with checkpoint.resume=false")
+        return found
+
+    def resolve(self, path: Path) -> Path:
+        """A step directory as given, or the newest valid checkpoint of a ``checkpoints/`` (or
+        run) directory; CheckpointError when there is none. Collective."""
+        self.wait()
+        path = Path(path)
+        if is_step_dir(path):
+            return path
+        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        found = CheckpointStore(root, log=self.log).latest_valid(self.group)
+        if found is None:
+            raise CheckpointError(f"{path}: holds no valid checkpoint (a committed step_* directory)")
+        return found
+
+    # ---- load --------------------------------------------------------------------------------
+    def load(self, path: Path, model, optimizer=None) -> LoadedCheckpoint:
+        """Fill ``model`` (and ``optimizer``'s state) from the checkpoint at ``path``, whatever
+        layout wrote it. Refuses uncommitted, corrupted or incompatible checkpoints."""
+        self.wait()
+        path = Path(path)
+        manifest = verify_checkpoint(path, self.group)
+        error, index, targets, opt = None, None, {}, None
+        try:
+            index = read_index(path)
+            targets = model_shards(model)
+            error = _check_model(targets, index, path)
+            if optimizer is not None and not manifest.has_optimizer:
+                error = error or (f"{path / MANIFEST}: holds no optimizer state; load the model only "
+                                  "(checkpoint.load_optimizer=false)")
+            if optimizer is not None and error is None:
+                opt = optimizer_targets(optimizer, index)
+        except CheckpointError as exc:
+            error = str(exc)
+        _raise(agree_on_error(error, self.group))
+        requested = set(targets) | (set(opt.shards) if opt else set())
+        _raise(self._uncovered(index, requested, optimizer is not None, path))  # same result on every rank
+        same_layout = (manifest.layout == self.layout and manifest.world_size == self.world_size
+                       and manifest.rng_ranks == self.world_size)
+        rng = rng_targets(index, self.rank) if same_layout else {}
+        load_shards({**targets, **(opt.shards if opt else {}), **rng}, path, self.group)
+        if opt:
+            opt.apply()
+        barrier(self.group)
+        return LoadedCheckpoint(path, manifest, rng_from_tensors(rng) if rng else None,
+                                opt.fresh if opt else [])
+
+    def _uncovered(self, index, requested: set[str], with_optimizer: bool, path: Path) -> str | None:
+        """Stored tensors no rank asked for (a layout that would silently drop state): one
+        bit per stored key, OR-reduced over ranks, so the cost does not grow with the world."""
+        prefixes = (MODEL_PREFIX, OPTIM_PREFIX) if with_optimizer else (MODEL_PREFIX,)
+        keys = sorted(k for k in index.state_dict_metadata if k.startswith(prefixes))
+        asked = torch.tensor([k in requested for k in keys], dtype=torch.uint8)
+        if self.group is not None and keys:
+            dist.all_reduce(asked, op=dist.ReduceOp.MAX, group=self.group)
+        missed = [k for k, bit in zip(keys, asked.tolist()) if not bit]
+        model = [k for k in missed if k.startswith(MODEL_PREFIX)]
+        if model:
+            return (f"{path}: {len(model)} stored tensors have no place in this model/layout "
+                    f"(e.g. {', '.join(model[:3])}); the checkpoint is for a different model")
+        if missed:
+            return (f"{path}: {len(missed)} stored optimizer state tensors belong to no parameter this run updates "
+                    f"(e.g. {', '.join(missed[:3])}): frozen parameters or changed optimiser rules; "
+                    "load without optimizer state (checkpoint.load_optimizer=false)")
+        return None
+
+
+def _check_model(targets: dict[str, GlobalShard], index, path: Path) -> str | None:
+    stored = index.state_dict_metadata
+    for fqn, shard in targets.items():
+        md = stored.get(fqn)
+        if md is None:
+            return (f"{path}: has no tensor '{fqn[len(MODEL_PREFIX):]}', which this model has; "
+                    "the checkpoint is for a different model")
+        if not isinstance(md, TensorStorageMetadata):
+            return f"{path}: '{fqn}' is stored as a pickled object, not a tensor; refused"
+        if tuple(md.size) != tuple(shard.global_shape):
+            return (f"{path}: '{fqn[len(MODEL_PREFIX):]}' is stored with global shape {tuple(md.size)}, "
+                    f"this model's is {tuple(shard.global_shape)}")
+    return None
+
+
+def _raise(error: str | None) -> None:
+    if error:
+        raise CheckpointError(error)
