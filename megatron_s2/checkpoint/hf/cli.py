@@ -1,0 +1,165 @@
+"""Entry points of ``megatron-s2 checkpoint export`` / ``checkpoint import``.
+
+The checkpoint command (``megatron_s2/checkpoint/cli.py``) wires two sub-commands with::
+
+    p = sub.add_parser("export", ...); add_export_arguments(p); p.set_defaults(func=export_checkpoint)
+    p = sub.add_parser("import", ...); add_import_arguments(p); p.set_defaults(func=import_checkpoint)
+
+and ``python -m megatron_s2.checkpoint.hf export|import ...`` runs the same code standalone.
+
+``export <ckpt_dir> <hf_dir>``: gathers the full model state of a committed checkpoint saved
+with any layout, writes the Hugging Face directory and verifies it (import back, tensors and
+logits). ``import <hf_dir> <ckpt_dir> [section.key=value ...]``: reads a Hugging Face
+directory (ours or the released one), builds the recipe (``--recipe`` or defaults, model from
+``config.json``, overrides such as ``parallel.tp=2``), writes a committed checkpoint for that
+layout and verifies it (logits against the exporter's stored logits when present, and the
+written shards read back). Exit code 0 on success, 1 when verification fails, 2 on a
+configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from megatron_s2.config.schema import ConfigError
+
+__all__ = ["add_export_arguments", "add_import_arguments", "export_checkpoint", "import_checkpoint", "main",
+           "parse_size"]
+
+_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MiB', '1048576' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ConfigError(f"--max-shard-size: cannot read '{text}' (e.g. 5GB, 500MiB or a byte count)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-verify", action="store_true", help="skip the built-in round-trip verification")
+    p.add_argument("--verify-max-params", type=int, default=None,
+                   help="largest model whose logits are checked (default 3e8 parameters)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt_dir", help="a committed step directory, a checkpoints/ directory or a run directory")
+    p.add_argument("hf_dir", help="new directory for the Hugging Face checkpoint")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="cast floating weights (mHC, sinks and router biases stay float32); default: keep")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    p.add_argument("--show-mapping", action="store_true", help="print the name mapping table first")
+    _common(p)
+
+
+def add_import_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("hf_dir", help="Hugging Face checkpoint directory (config.json + safetensors)")
+    p.add_argument("ckpt_dir", help="checkpoints directory to write (a step_00000000 directory inside it)")
+    p.add_argument("overrides", nargs="*", help="recipe overrides, e.g. parallel.tp=2 parallel.pp=2")
+    p.add_argument("--recipe", default=None, help="recipe whose non-model sections the checkpoint records")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks of the target layout (default: tp*pp*cp*max(dp,1) from the overrides)")
+    _common(p)
+
+
+def _max_params(args) -> int:
+    from megatron_s2.checkpoint.hf.verify import DEFAULT_VERIFY_MAX_PARAMS
+
+    return args.verify_max_params if args.verify_max_params is not None else DEFAULT_VERIFY_MAX_PARAMS
+
+
+def _print_report(title: str, report) -> None:
+    print(f"{title}: {'passed' if report.passed else 'FAILED'}")
+    for line in report.lines():
+        print(f"  {line}")
+
+
+def export_checkpoint(args: argparse.Namespace) -> int:
+    from megatron_s2.checkpoint.hf.checkpoint_io import read_full_state
+    from megatron_s2.checkpoint.hf.convert import export_model_state, load_hf_checkpoint
+    from megatron_s2.checkpoint.hf.v41_bridge import V41_REGISTRY
+    from megatron_s2.checkpoint.hf.verify import (VERIFICATION_FILE, VerificationReport, check_reference_logits,
+                                                  compare_states, reference_logits)
+
+    if args.show_mapping:
+        print(V41_REGISTRY.describe())
+    loaded = read_full_state(args.ckpt_dir)
+    cfg = loaded.recipe.model
+    print(f"read {loaded.path} (step {loaded.step}, {loaded.world_size} ranks: {loaded.layout}), "
+          f"{len(loaded.state)} tensors of model '{cfg.name}'")
+    extra, why = {}, "--no-verify"
+    if not args.no_verify:
+        data, why = reference_logits(cfg, loaded.state, lossless=args.dtype is None, max_params=_max_params(args))
+        if data is not None:
+            extra[VERIFICATION_FILE] = data
+    result = export_model_state(loaded.state, cfg, args.hf_dir, dtype=args.dtype,
+                                max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress,
+                                extra_files=extra)
+    print(f"wrote {result.tensors} tensors in {len(result.files)} files ({result.dtype}) to {result.directory}")
+    if result.elided:
+        print(f"  {len(result.elided)} tensors equal to their reference-format substitute were not written "
+              f"(e.g. {result.elided[0]})")
+    if args.no_verify:
+        return 0
+    import torch
+
+    cfg2, state2, _ = load_hf_checkpoint(result.directory, progress=False)
+    report = VerificationReport()
+    if cfg2 != cfg:
+        report.tensor_mismatches.append("config.json does not reproduce the model config")
+    compare_states(loaded.state, state2, getattr(torch, args.dtype) if args.dtype else None, report)
+    report.logits, report.logits_skipped = check_reference_logits(cfg2, state2, result.directory,
+                                                                  max_params=_max_params(args))
+    report.logits_skipped = report.logits_skipped or why
+    _print_report("verification (export -> import)", report)
+    return 0 if report.passed else 1
+
+
+def import_checkpoint(args: argparse.Namespace) -> int:
+    from megatron_s2.checkpoint.hf.checkpoint_io import read_back_as_layout, recipe_with_model, write_full_state
+    from megatron_s2.checkpoint.hf.convert import load_hf_checkpoint
+    from megatron_s2.checkpoint.hf.verify import VerificationReport, check_reference_logits, compare_states
+    from megatron_s2.config.recipe import load_recipe
+
+    cfg, state, imported = load_hf_checkpoint(args.hf_dir, progress=not args.no_progress)
+    print(f"read {args.hf_dir}: model '{cfg.name}', {cfg.num_layers} layers")
+    for line in imported.lines():
+        print(f"  {line}")
+    base = load_recipe(args.recipe) if args.recipe else None
+    recipe = recipe_with_model(cfg, list(args.overrides), base)
+    par = recipe.parallel
+    world = args.world_size or par.model_parallel_size() * max(par.dp, 1)
+    report = VerificationReport()
+    if not args.no_verify:
+        report.logits, report.logits_skipped = check_reference_logits(cfg, state, args.hf_dir,
+                                                                      max_params=_max_params(args))
+    path = write_full_state(state, recipe, args.ckpt_dir, world_size=world, source=str(Path(args.hf_dir).resolve()))
+    print(f"wrote {path} for {world} ranks; train from it with: checkpoint.load={path} checkpoint.load_optimizer=false")
+    if args.no_verify:
+        return 0
+    compare_states(state, read_back_as_layout(path, recipe, world), None, report)
+    _print_report(f"verification (import -> checkpoint -> read as {world} ranks)", report)
+    return 0 if report.passed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_s2.checkpoint.hf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("export", help="our checkpoint -> Hugging Face safetensors")
+    add_export_arguments(p)
+    p.set_defaults(func=export_checkpoint)
+    p = sub.add_parser("import", help="Hugging Face safetensors -> our checkpoint")
+    add_import_arguments(p)
+    p.set_defaults(func=import_checkpoint)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"checkpoint {args.command}: configuration error: {exc}", file=sys.stderr)
+        return ConfigError.exit_code

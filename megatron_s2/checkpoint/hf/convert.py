@@ -1,0 +1,137 @@
+"""Full (unsharded) model state <-> Hugging Face checkpoint directory.
+
+:func:`export_model_state` writes ``config.json`` (:mod:`.hf_config`), sharded safetensors and
+``model.safetensors.index.json`` (:mod:`.safetensors_io`) through the mapping table
+(:mod:`.v41_bridge`); the directory is assembled under a temporary name and renamed into
+place, so a crash never leaves a half-written checkpoint under the requested name.
+:func:`import_model_state` reads such a directory — ours or the released one (FP8/FP4
+weights are dequantised) — into our full state for the config it describes, checking every
+name and shape against a skeleton of the model built from that config.
+
+Both take and return the *full* state (``state_dict`` of the single-rank model). Gathering
+from, and scattering to, a parallel layout is :mod:`.gather` / :mod:`.checkpoint_io`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from megatron_s2.checkpoint.hf.context import ConversionContext
+from megatron_s2.checkpoint.hf.hf_config import config_from_hf, config_to_hf
+from megatron_s2.checkpoint.hf.registry import ConversionError, ImportReport, MappingRegistry, TensorSource
+from megatron_s2.checkpoint.hf.safetensors_io import SafetensorsReader, write_sharded
+from megatron_s2.checkpoint.hf.skeleton import skeleton_state
+from megatron_s2.checkpoint.hf.v41_bridge import V41_REGISTRY
+from megatron_s2.config.model import ModelConfig
+
+__all__ = ["CONFIG_FILE", "DEFAULT_MAX_SHARD_BYTES", "ExportResult", "export_model_state", "import_model_state",
+           "load_hf_checkpoint", "check_state"]
+
+CONFIG_FILE = "config.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ExportResult:
+    directory: Path
+    files: list[Path]
+    tensors: int
+    elided: list[str] = field(default_factory=list)
+    dtype: str = "float32"
+
+
+def check_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Refuse a state whose names or shapes differ from the model ``cfg`` describes."""
+    expected = skeleton_state(cfg)
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or extra:
+        raise ConversionError(f"the state does not match model '{cfg.name}': missing {missing[:5]}, "
+                              f"unexpected {extra[:5]}")
+    for name, info in expected.items():
+        if tuple(state[name].shape) != info.full_shape:
+            raise ConversionError(f"{name}: shape {tuple(state[name].shape)}, the config expects {info.full_shape} "
+                                  "(a shard, not the full tensor?)")
+
+
+def _target_dtype(view: torch.Tensor, keep_fp32: bool, dtype: torch.dtype | None) -> torch.dtype:
+    if dtype is None or not view.is_floating_point() or (keep_fp32 and view.dtype == torch.float32):
+        return view.dtype
+    return dtype
+
+
+def export_model_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, *,
+                       dtype: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                       progress: bool = True, registry: MappingRegistry = V41_REGISTRY,
+                       extra_files: dict[str, bytes] | None = None) -> ExportResult:
+    """Write ``full_state`` of model ``cfg`` as a Hugging Face checkpoint in ``out_dir``.
+
+    ``dtype``: None keeps each tensor's dtype (lossless); "bfloat16"/"float16"/"float32" casts
+    floating tensors except those the reference keeps in float32 (mHC, sinks, router biases).
+    ``out_dir`` must not exist or be empty.
+    """
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out}: exists and is not empty; export into a new directory")
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"dtype: choose one of {sorted(_DTYPES)} or None, got {dtype!r}")
+    target = _DTYPES.get(dtype) if dtype else None
+    check_state(full_state, cfg)
+    ctx = ConversionContext(cfg)
+    views, elided = registry.export_views(full_state, ctx)
+    dtypes = {name: _target_dtype(v, m.keep_fp32, target) for name, (v, m) in views.items()}
+    plan = [(name, v.numel() * torch.empty((), dtype=dtypes[name]).element_size()) for name, (v, _) in views.items()]
+
+    def produce(names: list[str]) -> dict[str, torch.Tensor]:
+        return {n: views[n][0].to(dtypes[n]).contiguous() for n in names}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        with tqdm(total=len(plan), desc="export", unit="tensor", disable=not progress) as bar:
+            files = write_sharded(tmp, plan, produce, max_shard_bytes=max_shard_bytes,
+                                  metadata={"producer": "megatron_s2"}, progress=bar)
+        counts: dict[str, int] = {}
+        for d in dtypes.values():
+            counts[str(d).replace("torch.", "")] = counts.get(str(d).replace("torch.", ""), 0) + 1
+        main_dtype = max(counts, key=counts.get)
+        (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, main_dtype), indent=2) + "\n")
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(out, [out / f.name for f in files], len(plan), elided, main_dtype)
+
+
+def load_hf_checkpoint(hf_dir: str | Path, *, progress: bool = True, registry: MappingRegistry = V41_REGISTRY
+                       ) -> tuple[ModelConfig, dict[str, torch.Tensor], ImportReport]:
+    """(config, full state, report) of a Hugging Face checkpoint directory."""
+    directory = Path(hf_dir)
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{directory}: no {CONFIG_FILE}; the architecture cannot be determined")
+    cfg = config_from_hf(json.loads(config_path.read_text()))
+    reader = SafetensorsReader(directory)
+    expected = skeleton_state(cfg)
+    with tqdm(total=len(expected), desc="import", unit="tensor", disable=not progress) as bar:
+        state, report = registry.import_state(TensorSource(reader), expected, ConversionContext(cfg), progress=bar)
+    return cfg, state, report
+
+
+def import_model_state(hf_dir: str | Path, *, progress: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(config, full state) of a Hugging Face checkpoint directory."""
+    cfg, state, _ = load_hf_checkpoint(hf_dir, progress=progress)
+    return cfg, state

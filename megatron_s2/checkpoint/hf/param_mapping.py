@@ -1,0 +1,168 @@
+"""Declarative parameter mappings between our names and the Hugging Face checkpoint's.
+
+Megatron-Bridge's model (``models/conversion/param_mapping.py``): each row of a model's table
+is one mapping object naming a parameter on both sides with wildcard placeholders, and the
+object knows how to move tensors across — nothing else in the conversion loops over names.
+Placeholders: ``{layer}`` (global layer index, on both sides) and ``{expert}`` (routed expert
+index, Hugging Face side only: our experts are grouped 3-D tensors).
+
+* :class:`DirectMapping` — one tensor, renamed.
+* :class:`GroupedExpertMapping` — our ``[E, ...]`` grouped expert tensor <-> ``E`` per-expert
+  tensors (split on export, stacked on import).
+* :class:`PaddedRowsMapping` — our Engram table padded to a layout-independent row multiple
+  <-> the reference's unpadded ``[rows, dim]`` table.
+
+Tensor/expert/etc. parallel splits are *not* rules here: the gather before export and the
+scatter after import go through each tensor's ShardSpec (:mod:`.gather`), which the model
+code defines where it creates the parameter.
+
+A mapping may carry an :class:`ImportFallback`: how to obtain the tensor from another
+Hugging Face tensor when its own name is absent (e.g. the reference checkpoint has no
+``bias_vl`` without vision; image tokens then route with ``bias``). With
+``elide_if_derivable`` the exporter omits the tensor when it equals what the fallback would
+produce, so a checkpoint imported from the reference exports back to the reference's exact
+name set.
+
+``confirmed`` records whether the Hugging Face name was checked against the official
+reference implementation (``inference/model.py``); unconfirmed rows carry a note.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from megatron_s2.checkpoint.hf.context import ConversionContext
+
+__all__ = ["Bindings", "ImportFallback", "ParamMapping", "DirectMapping", "GroupedExpertMapping",
+           "PaddedRowsMapping", "compile_pattern"]
+
+Bindings = dict[str, int]
+_PLACEHOLDER = re.compile(r"\{(layer|expert)\}")
+
+
+def compile_pattern(pattern: str) -> re.Pattern:
+    """``layers.{layer}.attn.wq_a.weight`` -> a full-match regex with named integer groups."""
+    parts, pos = [], 0
+    for m in _PLACEHOLDER.finditer(pattern):
+        parts.append(re.escape(pattern[pos:m.start()]))
+        parts.append(f"(?P<{m.group(1)}>\\d+)")
+        pos = m.end()
+    parts.append(re.escape(pattern[pos:]))
+    return re.compile("".join(parts))
+
+
+@dataclass(frozen=True)
+class ImportFallback:
+    """Where to take a tensor from when its Hugging Face name is absent."""
+
+    hf: str
+    """Pattern of the Hugging Face tensor to use instead (same placeholders)."""
+    applicable: Callable[["ConversionContext", Bindings], str | None]
+    """None when the substitution is exact for these bindings, else the reason it is not."""
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class ParamMapping:
+    megatron: str
+    """Our name pattern (``model.state_dict()`` keys of the single-rank model)."""
+    hf: str
+    """Hugging Face name pattern (official reference naming)."""
+    confirmed: bool = True
+    """The Hugging Face name was checked against the official reference implementation."""
+    note: str = ""
+    keep_fp32: bool = False
+    """Stays float32 when exporting with a lower ``dtype`` (float32 in the reference too)."""
+    fallback: ImportFallback | None = None
+    elide_if_derivable: bool = False
+    """Export omits the tensor when the fallback reproduces it exactly."""
+    _regex: re.Pattern = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_regex", compile_pattern(self.megatron))
+
+    # ---- names -----------------------------------------------------------------------------
+    def match(self, name: str) -> Bindings | None:
+        m = self._regex.fullmatch(name)
+        return {k: int(v) for k, v in m.groupdict().items()} if m else None
+
+    def megatron_name(self, bindings: Bindings) -> str:
+        return self.megatron.format(**bindings)
+
+    def hf_names(self, bindings: Bindings, ctx: "ConversionContext") -> list[str]:
+        return [self.hf.format(**bindings)]
+
+    # ---- tensors ---------------------------------------------------------------------------
+    def to_hf(self, tensor: torch.Tensor, bindings: Bindings, ctx: "ConversionContext") -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def from_hf(self, tensors: dict[str, torch.Tensor], bindings: Bindings, ctx: "ConversionContext",
+                full_shape: tuple[int, ...]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class DirectMapping(ParamMapping):
+    """One tensor, renamed, values unchanged."""
+
+    def to_hf(self, tensor, bindings, ctx):
+        return {self.hf.format(**bindings): tensor}
+
+    def from_hf(self, tensors, bindings, ctx, full_shape):
+        (tensor,) = tensors.values()
+        return tensor
+
+
+@dataclass(frozen=True)
+class GroupedExpertMapping(ParamMapping):
+    """Our grouped ``[num_experts, ...]`` tensor <-> one Hugging Face tensor per expert."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if "{expert}" not in self.hf or "{expert}" in self.megatron:
+            raise ValueError(f"GroupedExpertMapping '{self.megatron}': the expert index belongs in the "
+                             "Hugging Face pattern only")
+
+    def hf_names(self, bindings, ctx):
+        return [self.hf.format(**bindings, expert=e) for e in range(ctx.cfg.num_routed_experts)]
+
+    def to_hf(self, tensor, bindings, ctx):
+        if tensor.size(0) != ctx.cfg.num_routed_experts:
+            raise ValueError(f"{self.megatron_name(bindings)}: {tensor.size(0)} experts, the config has "
+                             f"{ctx.cfg.num_routed_experts}")
+        return {self.hf.format(**bindings, expert=e): tensor[e] for e in range(tensor.size(0))}
+
+    def from_hf(self, tensors, bindings, ctx, full_shape):
+        return torch.stack([tensors[n] for n in self.hf_names(bindings, ctx)], dim=0)
+
+
+@dataclass(frozen=True)
+class PaddedRowsMapping(ParamMapping):
+    """Our Engram table ``[padded rows, dim]`` <-> the reference's ``[rows, dim]``.
+
+    Padding rows are never addressed and stay zero; export refuses a table whose padding is
+    not zero (something wrote to it outside the model), import pads with zeros.
+    """
+
+    def to_hf(self, tensor, bindings, ctx):
+        rows = ctx.engram_rows(bindings["layer"])
+        if tensor[rows:].any():
+            raise ValueError(f"{self.megatron_name(bindings)}: padding rows {rows}..{tensor.size(0) - 1} are not zero; "
+                             "they are never addressed by the model, so the table was modified outside it")
+        return {self.hf.format(**bindings): tensor[:rows]}
+
+    def from_hf(self, tensors, bindings, ctx, full_shape):
+        (tensor,) = tensors.values()
+        rows = ctx.engram_rows(bindings["layer"])
+        if tensor.size(0) != rows:
+            raise ValueError(f"{self.hf.format(**bindings)}: {tensor.size(0)} rows, the config's Engram hashing "
+                             f"addresses {rows}")
+        out = tensor.new_zeros((full_shape[0], *tensor.shape[1:]))
+        out[:rows] = tensor
+        return out

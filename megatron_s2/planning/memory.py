@@ -1,0 +1,160 @@
+"""Per-rank memory plan of a recipe: model state, activations, pipeline buffers, Engram.
+
+``estimate_memory(recipe, world_size)`` evaluates every pipeline stage on the layout the
+runtime would build (:meth:`ParallelLayout.build` with the recipe's batch geometry) and
+reports the most loaded one:
+
+* parameters, gradients, optimiser state — counted on the rank's model skeleton
+  (:mod:`.model_state`; exact, ZeRO-1 ownership and frozen parameters included);
+* saved activations — the sum over the micro-batches the rank holds at the peak of its
+  1F1B / interleaved schedule (:mod:`.schedule` replays ``schedule_order``) of each virtual
+  stage's per-layer estimate (:mod:`.activations`), the LM head on the last stage;
+* pipeline payload buffers — the shared states received with the hidden state
+  (``PayloadSpec``: CSA2 main KV, index K, top-k, candidates, H_{L/2}) and the full payload
+  sent to the next stage, kept by every in-flight micro-batch until its backward;
+* transients — the largest short-lived working set (logits gradient, attention scores);
+* Engram — table partition, its gradient and its optimiser state (also inside the above).
+
+Recomputation (``parallel.recompute``) changes what a layer keeps (:func:`layer_activations`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_s2.config.recipe import RecipeConfig
+from megatron_s2.checkpoint.hf.skeleton import group_table, pp_rank_of
+from megatron_s2.parallel.layout import ParallelLayout
+from megatron_s2.planning.activations import (RankShape, encoder_boundary_activations, head_activations,
+                                              layer_activations, transient_bytes)
+from megatron_s2.planning.model_state import ModelStateBytes, model_state_bytes
+from megatron_s2.planning.schedule import peak_inflight
+
+__all__ = ["RankMemory", "MemoryPlan", "estimate_memory", "rank_memory", "default_world_size", "build_layout",
+           "representative_ranks"]
+
+GiB = 1024 ** 3
+
+
+@dataclass
+class RankMemory:
+    rank: int
+    pp_rank: int
+    layers: list[int]
+    state: ModelStateBytes
+    saved_activations: float
+    activation_parts: dict[str, float]
+    payload_buffers: float
+    transient: float
+    inflight: int
+    micro_batches: int
+
+    @property
+    def activations(self) -> float:
+        return self.saved_activations + self.payload_buffers + self.transient
+
+    @property
+    def total(self) -> float:
+        return self.state.total + self.activations
+
+
+@dataclass
+class MemoryPlan:
+    layout: ParallelLayout
+    ranks: list[RankMemory] = field(default_factory=list)
+
+    @property
+    def peak(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total)
+
+
+def default_world_size(recipe: RecipeConfig) -> int:
+    par = recipe.parallel
+    return par.world_size() or par.model_parallel_size()
+
+
+def build_layout(recipe: RecipeConfig, world_size: int) -> ParallelLayout:
+    t = recipe.training
+    return ParallelLayout.build(recipe.parallel, recipe.model, world_size, seq_length=t.seq_length,
+                                global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+
+
+def representative_ranks(layout: ParallelLayout) -> list[int]:
+    """One rank per pipeline stage (tp/cp/dp/ep coordinate 0): stages differ, ranks within a
+    stage hold equal shares (even splits; ZeRO-1 imbalance is taken as the max below)."""
+    return list(group_table(layout)["pp"][0])
+
+
+def _modes(recipe: RecipeConfig):
+    from megatron_s2.pipeline.payload import PayloadModes
+
+    return PayloadModes(recipe.parallel.payload_index_k, recipe.parallel.payload_candidates)
+
+
+def _payload_bytes(recipe: RecipeConfig, layout: ParallelLayout, stage: int, shape: RankShape) -> float:
+    """Inbound shared states (beyond the streams) + the whole outbound payload of ``stage``."""
+    from megatron_s2.pipeline.payload import PayloadSpec
+
+    cfg = recipe.model
+    local = int(shape.tokens // shape.batch)
+    stream = int(shape.stream_tokens // shape.batch)
+    total = 0.0
+    if stage > 0:
+        spec = PayloadSpec.build(cfg, cfg.plan, layout.stage_layers[stage][0], _modes(recipe), batch=shape.batch,
+                                 local_seq=local, full_seq=shape.seq, stream_seq=stream, tp_size=shape.tp)
+        total += spec.state_bytes()
+    if stage < len(layout.stage_layers) - 1:
+        spec = PayloadSpec.build(cfg, cfg.plan, layout.stage_layers[stage + 1][0], _modes(recipe), batch=shape.batch,
+                                 local_seq=local, full_seq=shape.seq, stream_seq=stream, tp_size=shape.tp)
+        total += spec.nbytes
+    return total
+
+
+def rank_memory(recipe: RecipeConfig, layout: ParallelLayout, rank: int, *, worst_zero1: bool = False) -> RankMemory:
+    """Memory of ``rank`` (``worst_zero1``: with the optimiser state of its most loaded
+    ZeRO-1 peer, so that one rank per stage bounds the whole stage)."""
+    cfg, t = recipe.model, recipe.training
+    pp_rank = pp_rank_of(layout, rank)
+    shape = RankShape(t.micro_batch_size, t.seq_length, layout.tp, layout.cp, layout.ep, layout.etp,
+                      layout.sequence_parallel)
+    m = t.global_batch_size // (t.micro_batch_size * layout.dp)
+    stages = layout.stages_of_rank(pp_rank)
+    last = len(layout.stage_layers) - 1
+    unit_saved, unit_payload, parts = {}, {}, {}
+    for vi, stage in enumerate(stages):
+        saved = 0.0
+        for layer in layout.stage_layers[stage]:
+            acts = layer_activations(cfg, cfg.plan[layer], shape, recipe.parallel.recompute)
+            saved += acts.total
+            for k, v in acts.parts.items():
+                parts[k] = parts.get(k, 0.0) + v
+        if stage < last and layout.stage_layers[stage][-1] == cfg.num_encoder_layers - 1 and cfg.has_decoder:
+            boundary = encoder_boundary_activations(cfg, shape)
+            saved += boundary
+            parts["H_(L/2) at the cut"] = parts.get("H_(L/2) at the cut", 0.0) + boundary
+        if stage == last:
+            head = head_activations(cfg, shape)
+            saved += head
+            parts["lm head + logits"] = parts.get("lm head + logits", 0.0) + head
+        unit_saved[vi] = saved
+        unit_payload[vi] = _payload_bytes(recipe, layout, stage, shape) if layout.pp > 1 else 0.0
+    peak_saved, inflight = peak_inflight(layout.pp, layout.vpp, m, pp_rank, unit_saved)
+    peak_payload, _ = peak_inflight(layout.pp, layout.vpp, m, pp_rank, unit_payload)
+    # component split of the saved peak: in proportion to one micro-batch of every virtual stage
+    one_each = sum(unit_saved.values()) or 1.0
+    parts = {k: v * peak_saved / one_each for k, v in parts.items()}
+    state = model_state_bytes(cfg, layout, rank, recipe.optimizer, freeze=recipe.phase.freeze,
+                              payload_modes=_modes(recipe), zero1_worst=worst_zero1)
+    layers = [layer for s in stages for layer in layout.stage_layers[s]]
+    return RankMemory(rank, pp_rank, layers, state, peak_saved, parts, peak_payload,
+                      transient_bytes(cfg, shape, last in stages), inflight, m)
+
+
+def estimate_memory(recipe: RecipeConfig, world_size: int | None = None) -> MemoryPlan:
+    """Memory of one rank per pipeline stage; ``plan.peak`` is the most loaded."""
+    world = world_size or default_world_size(recipe)
+    layout = build_layout(recipe, world)
+    plan = MemoryPlan(layout)
+    for rank in representative_ranks(layout):
+        plan.ranks.append(rank_memory(recipe, layout, rank, worst_zero1=True))
+    return plan

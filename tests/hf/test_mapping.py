@@ -1,0 +1,114 @@
+"""The mapping table against the official reference's naming (no checkpoint files involved).
+
+The oracle below restates, independently of the table, which tensors the DeepSeek-V4.1-Flash
+reference ``inference/model.py`` creates for a config and with which shapes (``Block``,
+``Attention``, ``Compressor``, ``Indexer``, ``MoE``/``Gate``/``Expert``, ``Engram``,
+``ParallelHead``). Every name the table produces for the flagship, small and tiny models must
+be one of them with the same shape, and the reverse — except the one documented extension
+(``attn.compressor.input_norm``) and ``ffn.gate.bias_vl`` (vision checkpoints only).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_s2.checkpoint.hf.context import ConversionContext
+from megatron_s2.checkpoint.hf.registry import ConversionError
+from megatron_s2.checkpoint.hf.skeleton import skeleton_state
+from megatron_s2.checkpoint.hf.v41_bridge import V41_REGISTRY
+from megatron_s2.config.layer_plan import CSA2Mode
+from tests.hf.conftest import load_model
+
+EXTENSIONS = ("attn.compressor.input_norm.weight", "ffn.gate.bias_vl")
+
+
+def reference_tensors(cfg) -> dict[str, tuple[int, ...]]:
+    """Names and (logical, dequantised) shapes of the reference model's backbone tensors."""
+    from megatron_s2.models.v41.engram.hashing import EngramHasher
+
+    d, h, hd, qr = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
+    mix, f = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.moe_ffn_hidden_size
+    out = {"embed.weight": (cfg.vocab_size, d), "norm.weight": (d,), "head.weight": (cfg.vocab_size, d)}
+    hasher = EngramHasher.from_config(cfg) if cfg.engram_layers else None
+    for s in cfg.plan:
+        p = f"layers.{s.index}."
+        out.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,)})
+        for site in ("attn", "ffn"):
+            out.update({p + f"hc_{site}_fn": (mix, cfg.hc_mult * d), p + f"hc_{site}_base": (mix,),
+                        p + f"hc_{site}_scale": (3,)})
+        a = p + "attn."
+        out.update({a + "attn_sink": (h,), a + "wq_a.weight": (qr, d), a + "q_norm.weight": (qr,),
+                    a + "wq_b.weight": (h * hd, qr), a + "wkv.weight": (hd, d), a + "kv_norm.weight": (hd,),
+                    a + "wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups),
+                    a + "wo_b.weight": (d, cfg.o_groups * cfg.o_lora_rank)})
+        if s.mode is CSA2Mode.FULL:  # kv source: Compressor, and the indexer owns its keys
+            out.update({a + "compressor.wkv.weight": (hd, d), a + "compressor.norm.weight": (hd,),
+                        a + "indexer.wk.weight": (cfg.index_head_dim, hd), a + "indexer.k_norm.weight": (cfg.index_head_dim,)})
+            if s.compress_ratio > 1:
+                out[a + "compressor.wgate.weight"] = (hd, d)
+        if s.runs_indexer:  # index source
+            out.update({a + "indexer.wq_b.weight": (cfg.index_num_heads * cfg.index_head_dim, qr),
+                        a + "indexer.weights_proj.weight": (cfg.index_num_heads, d)})
+        g = p + "ffn."
+        out.update({g + "gate.weight": (cfg.num_routed_experts, d), g + "gate.bias": (cfg.num_routed_experts,)})
+        for e in range(cfg.num_routed_experts):
+            out.update({g + f"experts.{e}.w1.weight": (f, d), g + f"experts.{e}.w3.weight": (f, d),
+                        g + f"experts.{e}.w2.weight": (d, f)})
+        out.update({g + "shared_experts.w1.weight": (f, d), g + "shared_experts.w3.weight": (f, d),
+                    g + "shared_experts.w2.weight": (d, f)})
+        if s.has_engram:
+            n_cols = (cfg.engram_max_ngram - 1) * cfg.engram_num_heads
+            out.update({p + "engram.embed.weight": (hasher.num_rows(s.index), cfg.engram_head_dim),
+                        p + "engram.wkv.weight": (d * (cfg.hc_mult + 1), n_cols * cfg.engram_head_dim),
+                        p + "engram.q_weight": (cfg.hc_mult, d), p + "engram.k_weight": (cfg.hc_mult, d)})
+    return out
+
+
+def table_tensors(cfg) -> dict[str, tuple[int, ...]]:
+    """Hugging Face names and shapes the mapping table produces for the model's state."""
+    ctx = ConversionContext(cfg)
+    out = {}
+    for name, info in skeleton_state(cfg).items():
+        mapping, bindings = V41_REGISTRY.resolve(name)
+        names = mapping.hf_names(bindings, ctx)
+        shape = info.full_shape
+        if len(names) > 1:  # grouped experts: one per expert
+            shape = shape[1:]
+        elif type(mapping).__name__ == "PaddedRowsMapping":
+            shape = (ctx.engram_rows(bindings["layer"]), *shape[1:])
+        for n in names:
+            assert n not in out, f"{n} produced twice"
+            out[n] = tuple(shape)
+    return out
+
+
+@pytest.mark.parametrize("model", ["tiny", "small", "flagship"])
+def test_names_and_shapes_match_the_reference(model):
+    cfg = load_model(model)
+    ours, ref = table_tensors(cfg), reference_tensors(cfg)
+    extensions = {n for n in ours if n.endswith(EXTENSIONS)}
+    assert set(ours) - extensions == set(ref), (sorted(set(ours) - extensions - set(ref))[:5],
+                                                sorted(set(ref) - set(ours))[:5])
+    for name, shape in ref.items():
+        assert ours[name] == shape, f"{name}: ours {ours[name]}, reference {shape}"
+    # the CED extension exists exactly on decoder Full layers
+    ced = {n for n in extensions if "input_norm" in n}
+    assert ced == {f"layers.{s.index}.attn.compressor.input_norm.weight" for s in cfg.plan if s.uses_encoder_output}
+
+
+def test_every_row_is_used_and_unconfirmed_rows_are_documented():
+    used = set()
+    for model in ("tiny", "small", "flagship"):
+        for name in skeleton_state(load_model(model)):
+            used.add(V41_REGISTRY.resolve(name)[0].megatron)
+    assert used == {m.megatron for m in V41_REGISTRY.mappings}
+    for m in V41_REGISTRY.mappings:
+        if not m.confirmed:
+            assert m.note, f"{m.megatron}: unconfirmed rows must say why"
+    assert [m.hf for m in V41_REGISTRY.mappings if not m.confirmed] == ["layers.{layer}.attn.compressor.input_norm.weight"]
+    assert "NO" in V41_REGISTRY.describe()
+
+
+def test_unmapped_names_are_errors():
+    with pytest.raises(ConversionError, match="no mapping for 'layers.0.attention.new_thing'"):
+        V41_REGISTRY.resolve("layers.0.attention.new_thing")

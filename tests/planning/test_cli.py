@@ -1,0 +1,38 @@
+"""`megatron-s2 plan memory|layouts|schedule` end to end (in-process)."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+from megatron_s2.cli import main
+from tests.planning.helpers import BASE, RECIPE
+
+
+def test_plan_memory(capsys):
+    assert main(["plan", "memory", str(RECIPE), *BASE, "parallel.pp=2", "parallel.tp=2", "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "tp=2" in out and "pp=2" in out and "most loaded: pipeline stage 0" in out
+    for line in ("parameters", "gradients", "optimizer state", "saved activations", "attention core (gathered keys)",
+                 "pipeline payload buffers", "engram shard"):
+        assert line in out
+    assert main(["plan", "memory", str(RECIPE), *BASE, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data[0]["parameters"] == data[0]["gradients"] > 0
+
+
+def test_plan_layouts(capsys):
+    assert main(["plan", "layouts", str(RECIPE), *BASE, "training.global_batch_size=16", "--gpus", "4",
+                 "--gpu-mem", "1", "--top", "3", "--show-rejected"]) == 0
+    out = capsys.readouterr().out
+    assert "valid layouts for 4 GPUs" in out and "rejected" in out
+    assert len([line for line in out.splitlines() if line[:1].isdigit() and "yes" in line]) == 3
+
+
+def test_plan_schedule(tmp_path, capsys):
+    out_file = tmp_path / "schedule.svg"
+    assert main(["plan", "schedule", str(RECIPE), *BASE, "parallel.pp=2", "parallel.vpp=2", "--out", str(out_file)]) == 0
+    assert "16 forward and 16 backward" in capsys.readouterr().out  # 4 micro-batches x 2 virtual x 2 ranks
+    root = ET.parse(out_file).getroot()
+    assert len([g for g in root.iter("{http://www.w3.org/2000/svg}g")]) == 32
+    assert main(["plan", "memory", str(RECIPE), *BASE, "parallel.tp=3"]) == 2  # configuration error, exit 2
