@@ -235,18 +235,20 @@ class _Reader(FileSystemReader):
 
 def save_shards(state: dict[str, GlobalShard], directory: Path, group, rank: int) -> None:
     """Collective over ``group`` (or single-process when None): write ``state`` into ``directory``."""
+    group, no_dist = _dcp_group(group)
     try:
         dcp.save(state, storage_writer=_Writer(directory, rank), planner=_SavePlanner(), process_group=group,
-                 no_dist=not _distributed(group))
+                 no_dist=no_dist)
     except CheckpointException as exc:  # DCP's per-rank failures (a BaseException): surface the first
         raise CheckpointError(_first_failure(exc, directory)) from None
 
 
 def load_shards(state: dict[str, GlobalShard], directory: Path, group) -> None:
     """Collective over ``group``: fill every shard of ``state`` from the checkpoint in ``directory``."""
+    group, no_dist = _dcp_group(group)
     try:
         dcp.load(state, storage_reader=_Reader(directory), planner=_LoadPlanner(), process_group=group,
-                 no_dist=not _distributed(group))
+                 no_dist=no_dist)
     except CheckpointException as exc:  # DCP's per-rank failures (a BaseException): surface the first
         raise CheckpointError(_first_failure(exc, directory)) from None
 
@@ -259,6 +261,21 @@ def read_index(directory: Path):
 def _distributed(group) -> bool:
     """``group=None`` is a single process even inside a distributed job (offline tools)."""
     return group is not None and dist.get_world_size(group) > 1
+
+
+_LOCAL_GROUP = None
+
+
+def _dcp_group(group):
+    """(group, no_dist) for DCP. Inside a distributed job, a single-process read or write
+    (offline tools, conversions) must not touch the default group, or it waits for ranks that
+    never join: it gets a process-local group instead."""
+    global _LOCAL_GROUP
+    if group is None and dist.is_available() and dist.is_initialized():
+        if _LOCAL_GROUP is None:
+            _LOCAL_GROUP = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        return _LOCAL_GROUP, False
+    return group, not _distributed(group)
 
 
 def _first_failure(exc: Exception, directory: Path) -> str:
