@@ -12,8 +12,6 @@ from megatron_s2.config.model import LayerGroupSpec, ModelConfig
 from megatron_s2.models.init import initialize_parameters
 from megatron_s2.models.v41.mhc import (
     HyperConnection,
-    HyperHead,
-    SinglePassMixer,
     _sinkhorn,
     collapse,
     expand,
@@ -177,23 +175,23 @@ def test_single_pass_starts_as_a_residual_stack_and_shifts_pre():
             return layer(y)
         return f
 
-    mixer = SinglePassMixer(single_pass=True)
     x = expand_embedding(emb, cfg.hc_mult)
+    pre = one_hot_pre(x)
     states = [x]
     for hc, layer in zip(hcs, sublayers):
-        x = mixer(hc, x, run(layer))
+        x, pre = hc(x, run(layer), pre)  # Single-Pass: collapse with the previous sublayer's A
         states.append(x)
     # Eq. 6: sublayer 0 collapses with the one-hot pre, sublayer l with the pre of sublayer l-1.
     torch.testing.assert_close(seen[0], collapse(states[0], one_hot_pre(states[0])))
     torch.testing.assert_close(seen[0], emb)
     for i in (1, 2):
         torch.testing.assert_close(seen[i], collapse(states[i], hcs[i - 1].coefficients(states[i - 1])[0]))
-    torch.testing.assert_close(mixer.final_collapse(x), collapse(x, hcs[-1].coefficients(states[-2])[0]))
+    torch.testing.assert_close(collapse(x, pre), collapse(x, hcs[-1].coefficients(states[-2])[0]))
     # At initialisation the network is (close to) a pre-norm residual stack.
     ref = emb
     for layer in sublayers:
         ref = ref + layer(ref)
-    torch.testing.assert_close(mixer.final_collapse(x), ref, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(collapse(x, pre), ref, atol=0.05, rtol=0.02)
 
 
 def test_classic_mhc_uses_its_own_pre():
@@ -205,14 +203,6 @@ def test_classic_mhc_uses_its_own_pre():
     pre_ref, post, comb = hc.coefficients(x)
     torch.testing.assert_close(seen[0], collapse(x, pre_ref))
     torch.testing.assert_close(out, expand(seen[0], x, post, comb))
-    head = HyperHead(cfg)
-    initialize_parameters(head, 0, cfg.init_std)
-    assert head(out).shape == (2, 3, 16)
-
-
-def test_final_collapse_before_any_sublayer_is_an_error():
-    with pytest.raises(RuntimeError, match="final_collapse"):
-        SinglePassMixer().final_collapse(torch.zeros(1, 1, 4, 16))
 
 
 def test_sequence_parallel_flags():

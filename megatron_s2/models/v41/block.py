@@ -18,7 +18,7 @@ from torch import nn
 from megatron_s2.config.layer_plan import LayerSpec, SharedStateKind
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.v41.context import ForwardContext
-from megatron_s2.models.v41.mhc import collapse, expand
+from megatron_s2.models.v41.mhc import collapse
 from megatron_s2.models.v41.spec import BlockSubmodules, build_module
 from megatron_s2.parallel.groups import ParallelGroups
 
@@ -46,12 +46,10 @@ class V41Block(nn.Module):
         if self.engram is not None:
             x = self.engram(x, ctx)
         single = self.config.mhc_single_pass
-        attn_pre, attn_post, attn_comb = self.attn_hc.coefficients(x)
-        h = self.attention(self.attn_norm(collapse(x, pre if single else attn_pre)), ctx)
-        x = expand(h, x, attn_post, attn_comb)
-        mlp_pre, mlp_post, mlp_comb = self.mlp_hc.coefficients(x)
-        h = self.mlp(self.mlp_norm(collapse(x, attn_pre if single else mlp_pre)), ctx)
-        x = expand(h, x, mlp_post, mlp_comb)
+        # Each sublayer returns its own A; under Single-Pass mHC (Eq. 6) the NEXT sublayer
+        # collapses with it, otherwise (Eq. 2) every sublayer uses its own.
+        x, attn_pre = self.attn_hc(x, lambda h: self.attention(self.attn_norm(h), ctx), pre if single else None)
+        x, mlp_pre = self.mlp_hc(x, lambda h: self.mlp(self.mlp_norm(h), ctx), attn_pre if single else None)
         if self.publishes_encoder_output:
             ctx.shared.publish(self.spec.index, SharedStateKind.ENCODER_OUTPUT, collapse(x, mlp_pre))
         return x, mlp_pre

@@ -57,8 +57,6 @@ from megatron_s2.parallel.sharding import mark_param
 
 __all__ = [
     "HyperConnection",
-    "HyperHead",
-    "SinglePassMixer",
     "collapse",
     "expand",
     "expand_embedding",
@@ -223,54 +221,3 @@ class HyperConnection(nn.Module):
         pre, post, comb = self.coefficients(x)
         f = sublayer(collapse(x, pre if pre_in is None else pre_in))
         return expand(f, x, post, comb), pre
-
-
-class SinglePassMixer:
-    """Carries the input mixing across the sublayers of one forward pass (Eq. 6).
-
-    The model creates one per forward (pipeline stages receive ``pre`` with the hidden state);
-    it never lives on a module, so recomputation and concurrent micro-batches are safe.
-    """
-
-    def __init__(self, single_pass: bool = True, pre: torch.Tensor | None = None):
-        self.single_pass, self.pre = single_pass, pre
-
-    def __call__(self, hc: HyperConnection, x: torch.Tensor,
-                 sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        pre_in = None
-        if self.single_pass:
-            pre_in = self.pre if self.pre is not None else one_hot_pre(x)
-        x, self.pre = hc(x, sublayer, pre_in)
-        return x
-
-    def final_collapse(self, x: torch.Tensor) -> torch.Tensor:
-        """The model's output collapse: the last sublayer's ``pre`` (Single-Pass mHC)."""
-        if self.pre is None:
-            raise RuntimeError("final_collapse before any sublayer: no input mixing to apply")
-        return collapse(x, self.pre)
-
-
-class HyperHead(nn.Module):
-    """Learned output collapse of classic (multi-pass) mHC, as in DeepSeek-V4's ``hc_head``:
-    ``pre = sigmoid(scale * (X fn^T) * rms(X)^-1 + base) + eps``, ``y = sum_i pre_i X_i``.
-    Only used when ``mhc_single_pass`` is off; Single-Pass mHC reuses the last ``pre``."""
-
-    def __init__(self, config: ModelConfig, groups: ParallelGroups | None = None):
-        super().__init__()
-        groups = groups or ParallelGroups.single()
-        n, d = config.hc_mult, config.hidden_size
-        self.n, self.eps, self.norm_eps = n, config.hc_eps, config.norm_eps
-        sp = bool(groups.sequence_parallel and groups.tp.active)
-        self.fn = nn.Parameter(torch.empty(n, n * d, dtype=torch.float32))
-        self.base = nn.Parameter(torch.empty(n, dtype=torch.float32))
-        self.scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
-        mark_param(self.fn, (n, n * d), init=normal_init(config.init_std), sequence_parallel=sp)
-        mark_param(self.base, (n,), init=constant_init(_logit(min(1.0 / n, 1.0 - 1e-3))), sequence_parallel=sp)
-        mark_param(self.scale, (1,), init=constant_init(SCALE_INIT), sequence_parallel=sp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf, fn = _wide(x, self.fn)
-        xf = xf.flatten(-2)
-        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.norm_eps)
-        pre = torch.sigmoid((xf @ fn.t()) * r * self.scale + self.base) + self.eps
-        return collapse(x, pre)
