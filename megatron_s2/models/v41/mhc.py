@@ -12,7 +12,7 @@ and the streams are updated as ``X'_j = post_j F + sum_i comb[i, j] X_i`` ("expa
 Single-Pass mHC (Eq. 6) shifts the input mixing by one sublayer: sublayer l collapses its
 input with the ``pre`` predicted by sublayer l-1, so the coefficients of X_l no longer gate
 the computation on X_l. The first sublayer of the model uses a one-hot ``pre`` on stream 0,
-and the model's final collapse uses the last sublayer's ``pre`` (:class:`SinglePassMixer`).
+and the model's final collapse uses the last sublayer's ``pre`` (wired in ``block.py`` / ``model.py``).
 
 Predictor semantics follow the public DeepSeek-V4.1-Flash inference code (so released
 weights import unchanged): the normalisation weight is folded into ``fn``, one RMS statistic
