@@ -25,10 +25,6 @@ class TrainingConfig:
     """Seed for initialisation, data order and dropout-free sampling."""
     deterministic: bool = True
     """Deterministic algorithms on CPU (bit-identical resume)."""
-    eval_interval: int = 0
-    """Evaluate every N steps on held-out synthetic tasks; 0 disables."""
-    eval_samples: int = 64
-    """Held-out samples per evaluation."""
 
     def __post_init__(self) -> None:
         for name in ("train_steps", "global_batch_size", "micro_batch_size", "seq_length"):
@@ -37,7 +33,5 @@ class TrainingConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(f"training.global_batch_size: {self.global_batch_size} is not a multiple of "
                               f"micro_batch_size={self.micro_batch_size}")
-        if self.eval_interval < 0:
-            raise ConfigError("training.eval_interval: must be >= 0")
         if not self.run_dir:
             raise ConfigError("training.run_dir: must not be empty")
