@@ -194,8 +194,10 @@ class Trainer:
         resumed = self.restore()
         self.log(f"layout: {self.layout.describe()}")
         if self.is_main:
-            where = "" if self.world_size == 1 else f" (rank 0's shard: layers {self.model.layer_ids[0]}-{self.model.layer_ids[-1]})"
-            self.log(f"parameter groups{where}:\n" + describe_param_groups(self.model, self.recipe.optimizer))
+            if self.world_size > 1:
+                self.log(f"rank 0 holds layers {self.model.layer_ids[0]}-{self.model.layer_ids[-1]} "
+                         "(its shard of the model is listed below)")
+            self.log(describe_param_groups(self.model, self.recipe.optimizer))
         flops = train_flops_per_token(self.recipe.model, t.seq_length)
         metrics = MetricsLogger(self.run_dir, enabled=self.is_main, total_steps=t.train_steps,
                                 log_interval=self.recipe.logging.log_interval,
