@@ -77,6 +77,25 @@ class ShadowSet:
                   else Indexer(self.cfg, self.groups.tp))
         return [torch.zeros_like(p) for p in module.parameters()]
 
+    def _flat(self, c: ShadowComponent, of_grads: bool = False):
+        """(this rank's tensors of ``c`` or None, their flat copy — zeros where it holds none)."""
+        params = self._params(c)
+        if params is None:
+            tensors = self._template(c)
+        elif of_grads:
+            tensors = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        else:
+            tensors = [p.detach() for p in params]
+        return params, torch.cat([t.reshape(-1) for t in tensors])
+
+    @staticmethod
+    def _unflatten(flat: torch.Tensor, params: list[torch.Tensor]):
+        offset = 0
+        for p in params:
+            n = p.numel()
+            yield p, flat[offset:offset + n].view_as(p)
+            offset += n
+
     @torch.no_grad()
     def sync_grads(self) -> None:
         """Sum replica gradients into the owner's gradient (before clipping and the step)."""
@@ -84,17 +103,11 @@ class ShadowSet:
         for c in self.components:
             if not c.grads or len(c.holders) < 2:
                 continue
-            params = self._params(c)
-            grads = ([p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                     if params is not None else self._template(c))
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            params, flat = self._flat(c, of_grads=True)
             dist.all_reduce(flat, group=pp.pg)
             if self.pp_rank == c.owner_pp:
-                offset = 0
-                for p in params:
-                    n = p.numel()
-                    p.grad = flat[offset:offset + n].view_as(p).clone()
-                    offset += n
+                for p, g in self._unflatten(flat, params):
+                    p.grad = g.clone()
             elif params is not None:
                 for p in params:
                     p.grad = None
@@ -106,16 +119,11 @@ class ShadowSet:
         for c in self.components:
             if len(c.holders) < 2:
                 continue
-            params = self._params(c)
-            buffers = params if params is not None else self._template(c)
-            flat = torch.cat([p.detach().reshape(-1) for p in buffers])
+            params, flat = self._flat(c)
             dist.broadcast(flat, src=pp.ranks[c.owner_pp], group=pp.pg)
             if params is not None and self.pp_rank != c.owner_pp:
-                offset = 0
-                for p in params:
-                    n = p.numel()
-                    p.copy_(flat[offset:offset + n].view_as(p))
-                    offset += n
+                for p, value in self._unflatten(flat, params):
+                    p.copy_(value)
 
     def max_divergence(self) -> float:
         """Largest |replica - owner| seen by this rank (replicas compare against a broadcast copy)."""
@@ -124,9 +132,7 @@ class ShadowSet:
         for c in self.components:
             if len(c.holders) < 2:
                 continue
-            params = self._params(c)
-            buffers = params if params is not None else self._template(c)
-            flat = torch.cat([p.detach().reshape(-1) for p in buffers]).clone()
+            params, flat = self._flat(c)
             owner = flat.clone()
             dist.broadcast(owner, src=pp.ranks[c.owner_pp], group=pp.pg)
             if params is not None:

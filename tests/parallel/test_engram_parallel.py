@@ -19,7 +19,6 @@ row partitions (or summing over tp), other gradients equal after summing over ra
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -35,6 +34,7 @@ from megatron_s2.models.v41.mhc import HyperConnection
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.parallel.setup import build_groups
+from tests.parallel.spawn import free_port
 
 WORLD = 2
 SEED = 1234
@@ -147,16 +147,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def parallel_results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("engram_parallel")
-    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(out_dir)), nprocs=WORLD, join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

@@ -21,7 +21,6 @@ Tolerance (fp32): max |parallel - reference| <= 1e-5 * max |reference| per tenso
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from datetime import timedelta
 
@@ -40,6 +39,7 @@ from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.parallel.setup import build_groups
 from megatron_s2.parallel.sharding import shard_spec, slice_of
 from megatron_s2.training.grad_finalize import finalize_model_grads
+from tests.parallel.spawn import free_port
 
 WORLD = 4
 RTOL = 1e-5
@@ -169,18 +169,13 @@ def _worker(rank, port, out_dir):
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("moe_parallel")
     error = None
     try:
-        mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(free_port(), str(out_dir)), nprocs=WORLD, join=True)
     except Exception as exc:  # the per-rank files say more
         error = exc
     per_rank = {r: torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD) if (out_dir / f"rank{r}.pt").exists()}

@@ -48,7 +48,6 @@ __all__ = ["GATE_CLAMP", "Engram", "engram_gate"]
 GATE_CLAMP = 1.0e-6
 """Floor of |dot| under the signed square root of the gate (reference value)."""
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def engram_gate(h: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,7 +72,7 @@ class Engram(nn.Module):
         self.n, self.hidden_size, self.eps = config.hc_mult, config.hidden_size, config.norm_eps
         self.sequence_parallel = bool(groups.sequence_parallel and groups.tp.active)
         self.hasher = EngramHasher.from_config(config, compressed_token_map)
-        dtype = _DTYPES[config.params_dtype]
+        dtype = getattr(torch, config.params_dtype)
         self.table = EngramTable(self.hasher.num_rows(layer_number), config.engram_head_dim, groups.engram,
                                  fp8=config.engram_fp8_tables, init_std=config.init_std, dtype=dtype,
                                  sequence_parallel=self.sequence_parallel)

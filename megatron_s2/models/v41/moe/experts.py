@@ -39,7 +39,6 @@ from megatron_s2.parallel.sharding import mark_param
 
 __all__ = ["swiglu", "GroupedExperts", "SharedExpert"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,7 +63,7 @@ class GroupedExperts(nn.Module):
         self.num_local_experts = num_experts // ep.size
         self.local_expert_offset = ep.rank * self.num_local_experts
         self.swiglu_limit = config.swiglu_limit
-        dtype, init = _DTYPES[config.params_dtype], normal_init(config.init_std)
+        dtype, init = getattr(torch, config.params_dtype), normal_init(config.init_std)
         e, f = self.num_local_experts, ffn // etp.size
         expert_split = (0, ep.rank, ep.size)
         self.w1 = nn.Parameter(torch.empty(e, f, hidden, dtype=dtype))
@@ -99,7 +98,7 @@ class SharedExpert(nn.Module):
             raise ValueError(f"tp={tp.size} does not divide the shared expert width moe_ffn_hidden_size={ffn}")
         self.tp, self.sequence_parallel = tp, groups.sequence_parallel and tp.active
         self.swiglu_limit = config.swiglu_limit
-        dtype, init = _DTYPES[config.params_dtype], normal_init(config.init_std)
+        dtype, init = getattr(torch, config.params_dtype), normal_init(config.init_std)
         f = ffn // tp.size
         self.w1 = nn.Parameter(torch.empty(f, hidden, dtype=dtype))
         self.w3 = nn.Parameter(torch.empty(f, hidden, dtype=dtype))
