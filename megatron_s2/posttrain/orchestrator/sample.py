@@ -65,6 +65,15 @@ class RolloutSample:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"sample {self.sample_id}: {name} has {len(getattr(self, name))} entries "
                                  f"for {n} tokens")
+        prev = 0
+        for start, end in self.spans:
+            if not prev <= start <= end <= n:
+                raise ValueError(f"sample {self.sample_id}: span ({start}, {end}) is out of order or outside "
+                                 f"{n} tokens")
+            prev = end
+        if self.process_weights and len(self.process_weights) != len(self.spans):
+            raise ValueError(f"sample {self.sample_id}: {len(self.process_weights)} process weights for "
+                             f"{len(self.spans)} spans")
         for i, (m, v, lp) in enumerate(zip(self.policy_mask, self.versions, self.logprobs)):
             if m and (v < 0 or not math.isfinite(lp) or lp > 0):
                 raise ValueError(f"sample {self.sample_id}: policy token {i} needs a version >= 0 and a finite "
