@@ -164,8 +164,7 @@ def test_samples_carry_per_token_versions_and_concatenated_routing():
 def test_uninformative_groups_are_filtered_and_replaced():
     cfg = RolloutConfig(group_size=4, max_in_flight=16, batch_groups=3, max_staleness=-1)
     pipe = AdvantagePipeline(AdvantageConfig())
-    keep = lambda samples: pipe.informative(GroupRollouts([s.reward for s in samples],  # noqa: E731
-                                                          [s.num_generated for s in samples]))
+    keep = lambda samples: pipe.informative(GroupRollouts.from_samples(samples))  # noqa: E731
     orch, engine = make(cfg, group_filter=keep)
     batches, orch, _ = train_steps(orch, engine, 5)
     assert orch.ledger["filtered"] > 0
@@ -256,3 +255,22 @@ def _paused_state(orch, engine):
     engine.pause()
     orch.paused = True
     return orch.state_dict()
+
+
+def test_effort_levels_expand_groups_into_subgroups():
+    from megatron_s2.posttrain.config import EffortConfig
+
+    effort = EffortConfig(levels=(50, 100), samples_per_level=2, k0=0.2, l_norm=10.0)
+    cfg = RolloutConfig(group_size=4, max_in_flight=8, batch_groups=2, max_staleness=-1)
+    orch, engine = make(cfg, effort_levels=effort.levels, samples_per_level=effort.samples_per_level)
+    batches, _, engine = train_steps(orch, engine, 2)
+    pipe = AdvantagePipeline(AdvantageConfig(estimator="group_mean", dynamic_sampling=False), effort)
+    for g in (g for b in batches for g in b):
+        assert sorted(s.effort for s in g.accepted) == [50, 50, 100, 100]
+        for s in g.accepted:
+            assert s.tokens[0] == s.effort % 50  # PromptList renders the effort into the prompt
+        res = pipe.compute([GroupRollouts.from_samples(g.accepted)])[0]
+        for b in (50, 100):  # each (prompt, effort) subgroup is mean-centred on its own (report Eq. 8)
+            idx = [i for i, s in enumerate(g.accepted) if s.effort == b]
+            assert float(res.advantages[idx].sum()) == pytest.approx(0.0, abs=1e-12)
+    assert {r.effort for r in engine.submitted} == {50, 100}

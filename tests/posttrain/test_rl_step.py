@@ -27,7 +27,7 @@ SINGLE = Group.single()
 def rollout_batch():
     cfg = RolloutConfig(group_size=2, max_in_flight=8, batch_groups=2, max_staleness=-1)
     pipe = AdvantagePipeline(AdvantageConfig(estimator="group_mean"))
-    informative = lambda ss: pipe.informative(GroupRollouts([s.reward for s in ss], [s.num_generated for s in ss]))  # noqa: E731
+    informative = lambda ss: pipe.informative(GroupRollouts.from_samples(ss))  # noqa: E731
     engine = SimulatedEngine(length=lambda r: 3 + r.seed % 6)
     orch = Orchestrator(cfg, {"default": PromptList(20)}, engine, seed=1, group_filter=informative)
     for _ in range(2):  # one update: samples may span versions 0 and 1
@@ -38,8 +38,7 @@ def rollout_batch():
         groups = orch.begin_training()
         orch.finish_update(orch.version + 1)
         orch.resume()
-    adv = pipe.compute([GroupRollouts([s.reward for s in g.accepted], [s.num_generated for s in g.accepted])
-                        for g in groups])
+    adv = pipe.compute([GroupRollouts.from_samples(g.accepted) for g in groups])
     samples = [dataclasses.replace(s, routing=None) for g in groups for s in g.accepted]  # simulated routing
     advantages = [float(a) for res in adv for a in res.advantages]
     return samples, advantages, orch.version - 1  # the learner trains at the version before the update

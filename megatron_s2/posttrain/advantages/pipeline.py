@@ -48,6 +48,19 @@ class GroupRollouts:
     efforts: Sequence[int] | None = None
     """Effort level b of each response (report Eq. 8 subgroups), or None without effort conditioning."""
 
+    @classmethod
+    def from_samples(cls, samples: Sequence) -> "GroupRollouts":
+        """From rollout samples (anything with ``reward``, ``num_generated``, ``logprob_sum`` and
+        ``effort``, e.g. :class:`~megatron_s2.posttrain.orchestrator.RolloutSample`). The length
+        is the number of generated tokens (all of them count as reasoning tokens here)."""
+        efforts = [s.effort for s in samples]
+        if any(e is None for e in efforts):
+            if any(e is not None for e in efforts):
+                raise ValueError("a group mixes samples with and without effort levels")
+            efforts = None
+        return cls([float(s.reward) for s in samples], [int(s.num_generated) for s in samples],
+                   [float(s.logprob_sum) for s in samples], efforts)
+
     def __post_init__(self) -> None:
         n = len(self.rewards)
         for name in ("lengths", "logprob_sums", "efforts"):
