@@ -37,7 +37,9 @@ class Normalisers:
 
 def global_normalisers(micro_batches: Sequence[PosttrainBatch], dp: Group) -> Normalisers:
     """Loss tokens and samples over every micro-batch of every data-parallel rank."""
-    local = torch.zeros(2, dtype=torch.float64)
+    if not micro_batches:
+        raise ValueError("global_normalisers: no micro-batches")
+    local = torch.zeros(2, dtype=torch.float64, device=micro_batches[0].loss_mask.device)
     for mb in micro_batches:
         local[0] += mb.loss_mask.sum()
         local[1] += (mb.sequence_ids[:, 0] >= 0).sum()

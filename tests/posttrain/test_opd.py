@@ -94,17 +94,17 @@ def test_full_vocab_opd_moves_tiny_student_toward_teacher(models):
     Held-out improvement needs a teacher with structure to generalise — the end-to-end OPD run."""
     _, _, teacher_b = models
     student = build_model(tiny_config(), seed=0)  # a fresh student: the fixture's stays untouched
-    tokens = torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
     cfg = LossConfig(terms=(LossTermConfig("full_vocab_kl"),), masks=())
     objective = PosttrainObjective(cfg)
     sharp = lambda t: 5.0 * teacher_b(t)  # noqa: E731
     pool = TeacherPool({"b": sharp}, {"x": "b"})
-    teacher_logits = pool.logits(tokens, ["x"] * 4)
+    teacher_logits = pool.logits(tokens, ["x"] * 2)
     opt = torch.optim.AdamW(student.parameters(), lr=3e-3, weight_decay=0.0)
-    mask = torch.ones(4, 12, dtype=torch.bool)
-    weights = aggregation_weights(mask, "token_mean", global_tokens=48.0)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    weights = aggregation_weights(mask, "token_mean", global_tokens=24.0)
     losses = []
-    for _ in range(6):
+    for _ in range(4):
         logits = student(tokens)
         lp = token_log_probs(logits, tokens, SINGLE)  # not used by the term; LossInputs carries it
         res = objective(LossInputs(lp, mask, weights, logits=logits, teacher_logits=teacher_logits))

@@ -13,7 +13,6 @@ from megatron_s2.posttrain.advantages import AdvantagePipeline, GroupRollouts
 from megatron_s2.posttrain.config import AdvantageConfig, DatasetSlotConfig, RolloutConfig, ShortSampleDiscardConfig
 from megatron_s2.posttrain.losses import staleness_mask
 from megatron_s2.posttrain.orchestrator import Orchestrator
-from megatron_s2.posttrain.routing import RoutingRecord
 from tests.posttrain.sim_engine import PromptList, SimulatedEngine
 
 SEED = 5

@@ -47,11 +47,11 @@ def opd_advantages(teacher_logprobs: torch.Tensor, proximal_logprobs: torch.Tens
 
 
 def domain_token_weights(domains: Sequence[str], weights: dict[str, float], shape: tuple[int, int],
-                         dtype: torch.dtype = torch.float64) -> torch.Tensor:
+                         dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> torch.Tensor:
     """[b, s] tensor holding lambda_d of each row's domain (Eq. 36); domains missing from
     ``weights`` weigh 1.0."""
     b, s = shape
     if len(domains) != b:
         raise ValueError(f"{len(domains)} domains for a micro-batch of {b} rows")
-    lam = torch.tensor([float(weights.get(d, 1.0)) for d in domains], dtype=dtype)
+    lam = torch.tensor([float(weights.get(d, 1.0)) for d in domains], dtype=dtype, device=device)
     return lam.view(b, 1).expand(b, s)

@@ -38,6 +38,7 @@ The loop (co-located time sharing, §5.2.1)::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -229,6 +230,9 @@ class Orchestrator:
             if self.scorer is None:
                 raise ValueError(f"sample {sample.sample_id} carries no reward and the orchestrator has no scorer")
             sample.reward = float(self.scorer(sample))
+        if not math.isfinite(sample.reward):
+            raise ValueError(f"sample {sample.sample_id} of prompt {group.prompt_uid} has reward {sample.reward}; "
+                             "the verifier must return a finite number")
         group.accepted.append(sample)
         if group.complete:
             self._close(group)
