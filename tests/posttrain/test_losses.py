@@ -189,6 +189,9 @@ def test_token_and_sequence_mean_and_layout_independence():
                                    sequence_tokens=torch.tensor([4.0])) * loss[:1, sl]).sum()
               for sl in (slice(0, 2), slice(2, 5))]
     assert sum(halves).item() == pytest.approx(2.5)
+    padding_only = aggregation_weights(torch.zeros(1, 3, dtype=torch.bool), "sequence_mean",
+                                       sequence_ids=torch.full((1, 3), -1), global_sequences=3.0)
+    assert padding_only.abs().sum() == 0
     lam = torch.full_like(loss, 0.5)
     assert (aggregation_weights(mask, "token_mean", global_tokens=7.0, sample_weights=lam) * loss).sum().item() == \
         pytest.approx(tok.item() / 2)

@@ -50,7 +50,7 @@ def aggregation_weights(loss_mask: torch.Tensor, mode: Aggregation, *, global_to
         ids = sequence_ids.long()
         valid = (ids >= 0) & loss_mask.bool()
         if sequence_tokens is None:
-            size = int(ids.max()) + 1 if ids.numel() and int(ids.max()) >= 0 else 0
+            size = max(int(ids.max()) + 1, 1) if ids.numel() else 1
             sequence_tokens = torch.bincount(ids[valid], minlength=size).to(torch.float64)
         counts = sequence_tokens.to(torch.float64)[ids.clamp_min(0)]
         w = torch.where(valid, 1.0 / (counts.clamp_min(1.0) * float(global_sequences)), torch.zeros_like(mask))
