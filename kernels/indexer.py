@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_s2.kernels.dispatch import use_triton
+from megatron_s2.kernels.sparse_attention import chunk_rows
 from megatron_s2.models.v41.precision import wide
 
 __all__ = ["indexer_scores", "indexer_scores_reference", "indexer_gathered_scores",
@@ -111,7 +112,7 @@ class _GatheredScores(torch.autograd.Function):
 def indexer_gathered_scores_reference(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
                                       chunk: int = 1024) -> torch.Tensor:
     """q [b,s,h,d], k [b,n,d], w [b,s,h], ids [b,s,k] (-1 = none) -> [b,s,k] (0 where none)."""
-    return _GatheredScores.apply(q, k, w, ids, chunk)
+    return _GatheredScores.apply(q, k, w, ids, chunk_rows(chunk, ids.size(-1) * k.size(-1)))
 
 
 def indexer_gathered_scores(q, k, w, ids, chunk: int = 1024):

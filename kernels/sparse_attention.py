@@ -34,7 +34,16 @@ import torch
 from megatron_s2.kernels.dispatch import use_triton
 from megatron_s2.models.v41.precision import wide
 
-__all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_eager"]
+__all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_eager", "chunk_rows"]
+
+CHUNK_ELEMENTS = 1 << 21
+"""Transient budget of the memory-bounded reference: at most this many gathered elements
+(``rows x k x d``, 8 MiB in float32) per query chunk."""
+
+
+def chunk_rows(chunk: int, per_row: int, budget: int = CHUNK_ELEMENTS) -> int:
+    """Query rows per chunk: ``chunk`` at most, fewer when one row gathers ``per_row`` elements."""
+    return max(1, min(chunk, budget // max(per_row, 1)))
 
 
 def _gather(kv: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -133,6 +142,7 @@ def sparse_attention_reference(q: torch.Tensor, kv: torch.Tensor, indices: torch
     indexer is trained to match it.
     Returns (output [b, s, h, d] in q's dtype, mass or None).
     """
+    chunk = chunk_rows(chunk, indices.size(-1) * kv.size(-1))
     return _SparseAttention.apply(q, kv, sink, indices, scale, split, chunk)
 
 

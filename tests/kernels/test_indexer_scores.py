@@ -49,3 +49,40 @@ def test_masked_scores_follow_compressed_visibility():
     vis = compressed_visible(pos, 2, 5, doc, e_doc)
     ref = indexer_scores_reference(q, key, w).masked_fill(~vis, float("-inf"))
     assert torch.equal(out, ref)
+
+
+# ---- Triton kernels (CPU: TRITON_INTERPRET=1) --------------------------------------------------------
+def test_triton_full_scan_with_fused_visibility(device):
+    from tests.kernels.conftest import require_triton
+
+    require_triton()
+    from megatron_s2.kernels.triton.indexer import indexer_scores_triton
+
+    q, key, w, _ = (t.to(device) for t in case(torch.float32, s=9, n=37, d=16))
+    pos = torch.arange(9, device=device).expand(2, 9)
+    doc = torch.tensor([[0] * 4 + [1] * 5, [0] * 9], device=device)
+    e_doc = torch.cat([doc[:, ::2], torch.full((2, 32), 1, device=device)], 1)[:, :37]
+    visible = torch.div(pos + 1, 2, rounding_mode="floor")
+    torch.testing.assert_close(indexer_scores_triton(q, key, w), indexer_scores_reference(q, key, w),
+                               atol=1e-5, rtol=1e-5)
+    ref = indexer_scores_reference(q, key, w).masked_fill(~compressed_visible(pos, 2, 37, doc, e_doc), float("-inf"))
+    torch.testing.assert_close(indexer_scores_triton(q, key, w, visible, doc, e_doc), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_gathered_scores_forward_backward(device):
+    from tests.kernels.conftest import require_triton
+
+    require_triton()
+    from megatron_s2.kernels.triton.indexer import indexer_gathered_scores_triton
+
+    q, key, w, ids = (t.to(device) for t in case(torch.float32, d=16, k=40))
+    a = [t.clone().requires_grad_() for t in (q, key, w)]
+    r = [t.clone().requires_grad_() for t in (q, key, w)]
+    out = indexer_gathered_scores_triton(*a, ids)
+    ref = _eager_gathered(*r, ids)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(device)
+    (out * g).sum().backward()
+    (ref * g).sum().backward()
+    for x, y in zip(a, r):
+        torch.testing.assert_close(x.grad, y.grad, atol=1e-5, rtol=1e-5)

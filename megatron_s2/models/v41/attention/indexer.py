@@ -29,6 +29,7 @@ from torch import nn
 
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.kernels.indexer import indexer_gathered_scores, indexer_scores
+from megatron_s2.kernels.sparse_attention import CHUNK_ELEMENTS, chunk_rows
 from megatron_s2.models.v41.attention.candidates import select_candidate_blocks
 from megatron_s2.models.v41.attention.visibility import compressed_visible
 from megatron_s2.models.v41.norm import RMSNorm
@@ -119,6 +120,8 @@ class Indexer(nn.Module):
         b, s = q.shape[:2]
         n = index_k.size(1)
         k_eff = min(self.topk, n)
+        if candidates is None:  # bound the [chunk, heads, entries] logits of the full scan
+            chunk = chunk_rows(chunk, self.local_heads * n, budget=CHUNK_ELEMENTS * 2)
         tops, cands = [], []
         for start in range(0, s, chunk):
             sl = slice(start, start + chunk)
