@@ -236,7 +236,8 @@ def run_one(impl: str, seq: int, args) -> dict:
            "--layer", str(args.layer), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
            "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype] + \
         (["--no-qat"] if args.no_qat else [])
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False)
+    env = dict(os.environ, **({"MALLOC_MMAP_THRESHOLD_": "65536"} if args.fixed_mmap_threshold else {}))
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False, env=env)
     if res.returncode:
         raise SystemExit(f"{impl} at {seq} failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -257,6 +258,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--impls", nargs="+", choices=IMPLS, help="default: csa2 csa2-eager dense (+ csa2-ref on CUDA)")
+    p.add_argument("--fixed-mmap-threshold", action="store_true",
+                   help="CPU: run the workers with MALLOC_MMAP_THRESHOLD_=65536 (no glibc heap reuse, so the RSS peak "
+                        "is the allocation peak rather than allocation + fragmentation; slower)")
     p.add_argument("--json", help="also write the raw results here")
     p.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     p.add_argument("--seq", type=int, help=argparse.SUPPRESS)
@@ -306,7 +310,8 @@ def main(argv=None) -> int:
     print(f"{args.dtype}, batch 1, {where}, torch {torch.__version__}, load average "
           f"{os.getloadavg()[0]:.1f} at the end; time = median of "
           f"{args.repeats} fwd+bwd after {args.warmup} warm-up; peak = rise during one fwd+bwd "
-          f"({first['dense']['memory_method']}, fresh process per cell)")
+          f"({first['dense']['memory_method']}, fresh process per cell"
+          f"{', MALLOC_MMAP_THRESHOLD_=65536' if args.fixed_mmap_threshold else ''})")
     print("ratios to dense: time (median wall) [fastest] {CPU time} | peak memory")
     head = f"{'seq':>6} | {'dense ms':>9} {'dense MiB':>9} | " + " | ".join(f"{i:^36}" for i in others)
     print(head)

@@ -34,7 +34,7 @@ from megatron_s2.models.v41.attention.candidates import select_candidate_blocks
 from megatron_s2.models.v41.attention.visibility import compressed_visible
 from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.precision import wide
-from megatron_s2.models.v41.quant import fake_quant_mxfp4
+from megatron_s2.kernels import fake_quant_mxfp4
 from megatron_s2.models.v41.rope import apply_rope
 from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import Group
