@@ -25,7 +25,8 @@ install_requires = [
 extras_require = {
     "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
     "mpi": ["mpi4py>=3.1"],
-    "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "mpi4py>=3.1", "matplotlib>=3.7"],
+    # triton: the kernel tests run the Triton kernels on CPU under TRITON_INTERPRET=1.
+    "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "mpi4py>=3.1", "matplotlib>=3.7", "triton==3.9.0"],
 }
 
 subpackages = {"launcher": "launcher", "kernels": "kernels", "tools": "tools"}

@@ -12,6 +12,10 @@ Activations are ``[batch, seq, hidden]``; under sequence parallelism the sequenc
   ``sequence_parallel=True`` and the gradient finaliser all-reduces it over tp.
 
 Weights are stored ``[out, in]`` like ``torch.nn.Linear`` and carry a ShardSpec.
+
+The local matrix product is the method ``gemm(x)``; GEMM backends (native FP8,
+:mod:`megatron_s2.parallel.fp8_linear`; Transformer Engine, :mod:`megatron_s2.parallel.te_linear`)
+are subclasses that override only it, so sharding and communication stay here.
 """
 
 from __future__ import annotations
@@ -31,7 +35,13 @@ def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(weight.dtype) if x.dtype != weight.dtype else x, weight)
 
 
-class ReplicatedLinear(nn.Module):
+class _LocalGemm(nn.Module):
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """The local product ``x W^T`` (overridden by the FP8 / TE subclasses)."""
+        return _linear(x, self.weight)
+
+
+class ReplicatedLinear(_LocalGemm):
     def __init__(self, in_features: int, out_features: int, tp: Group | None = None,
                  sequence_parallel: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -41,10 +51,10 @@ class ReplicatedLinear(nn.Module):
         mark_param(self.weight, (out_features, in_features), sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight)
+        return self.gemm(x)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_LocalGemm):
     def __init__(self, in_features: int, out_features: int, tp: Group, sequence_parallel: bool = False,
                  gather_output: bool = False, dtype: torch.dtype = torch.float32, region_entry: bool = True):
         """``region_entry=False``: the caller already brought the input into the tensor-parallel
@@ -64,13 +74,13 @@ class ColumnParallelLinear(nn.Module):
                 x = mappings.all_gather_sequence(x, self.tp, dim=1)
             else:
                 x = mappings.copy_to_group(x, self.tp)
-        y = _linear(x, self.weight)
+        y = self.gemm(x)
         if self.gather_output:
             y = mappings.gather_from_group(y, self.tp, dim=-1)
         return y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_LocalGemm):
     def __init__(self, in_features: int, out_features: int, tp: Group, sequence_parallel: bool = False,
                  dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -82,7 +92,7 @@ class RowParallelLinear(nn.Module):
         mark_param(self.weight, (out_features, in_features), [(1, tp.rank, tp.size)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _linear(x, self.weight)
+        y = self.gemm(x)
         if self.sequence_parallel:
             return mappings.reduce_scatter_sequence(y, self.tp, dim=1)
         return mappings.reduce_from_group(y, self.tp)

@@ -37,7 +37,9 @@ class V41Block(nn.Module):
         self.attention = build_module(submodules.attention, config, spec, groups, linears=submodules.linears)
         self.mlp_hc = build_module(submodules.hyper_connection, config, groups)
         self.mlp_norm = submodules.norm(config.hidden_size, config.norm_eps, sequence_parallel=sp)
-        self.mlp = build_module(submodules.mlp, config, spec.index, groups)
+        experts = {k: v for k, v in (("experts", submodules.experts), ("shared_expert", submodules.shared_expert))
+                   if v is not None}
+        self.mlp = build_module(submodules.mlp, config, spec.index, groups, **experts)
         self.publishes_encoder_output = spec.index == config.num_encoder_layers - 1 and config.has_decoder
 
     def forward(self, x: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,11 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_s2.config.model import ModelConfig
+from megatron_s2.kernels.indexer import indexer_gathered_scores, indexer_scores
+from megatron_s2.kernels.sparse_attention import CHUNK_ELEMENTS, chunk_rows
 from megatron_s2.models.v41.attention.candidates import select_candidate_blocks
 from megatron_s2.models.v41.attention.visibility import compressed_visible
 from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.precision import wide
-from megatron_s2.models.v41.quant import fake_quant_mxfp4
+from megatron_s2.kernels import fake_quant_mxfp4
 from megatron_s2.models.v41.rope import apply_rope
 from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import Group
@@ -103,9 +105,8 @@ class Indexer(nn.Module):
     def _score(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """q [b,s,h,d], k [b,s,n,d] or [b,n,d], w [b,s,h] -> [b,s,n] (local heads only)."""
         if k.dim() == 3:
-            logits = torch.einsum("bshd,bnd->bshn", q, k)
-        else:
-            logits = torch.einsum("bshd,bsnd->bshn", q, k)
+            return indexer_scores(q, k, w)
+        logits = torch.einsum("bshd,bsnd->bshn", q, k)
         return (F.relu(logits) * w.unsqueeze(-1)).sum(dim=2)
 
     @torch.no_grad()
@@ -119,6 +120,8 @@ class Indexer(nn.Module):
         b, s = q.shape[:2]
         n = index_k.size(1)
         k_eff = min(self.topk, n)
+        if candidates is None:  # bound the [chunk, heads, entries] logits of the full scan
+            chunk = chunk_rows(chunk, self.local_heads * n, budget=CHUNK_ELEMENTS * 2)
         tops, cands = [], []
         for start in range(0, s, chunk):
             sl = slice(start, start + chunk)
@@ -156,11 +159,9 @@ class Indexer(nn.Module):
         target_mass: [b, s, k] attention mass (summed over the local heads, detached) on the
         selected entries. Returns (sum of per-query KL, number of queries with a selection).
         """
-        b, s, k = topk.shape
         valid = topk >= 0
-        keys = torch.gather(index_k, 1, topk.clamp_min(0).reshape(b, -1, 1).expand(-1, -1, index_k.size(-1)))
-        keys = keys.view(b, s, k, index_k.size(-1))
-        scores = mappings.reduce_from_group(self._score(q, keys, w), self.tp)
+        # Gathered per chunk and recomputed in backward: no [b, s, k, d] gather kept alive.
+        scores = mappings.reduce_from_group(indexer_gathered_scores(q, index_k, w, topk), self.tp)
         mass = mappings.all_reduce_sum(target_mass, self.tp).masked_fill(~valid, 0.0)
         p = mass / mass.sum(-1, keepdim=True).clamp_min(1e-20)
         log_q = torch.log_softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)

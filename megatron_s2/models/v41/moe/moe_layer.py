@@ -43,14 +43,16 @@ __all__ = ["MoELayer"]
 
 
 class MoELayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_number: int, groups: ParallelGroups):
+    def __init__(self, config: ModelConfig, layer_number: int, groups: ParallelGroups,
+                 experts: type = GroupedExperts, shared_expert: type = SharedExpert):
+        """``experts`` / ``shared_expert``: the classes the provider picked (spec.py)."""
         super().__init__()
         self.config, self.layer_number, self.groups = config, layer_number, groups
         self.tp, self.sequence_parallel = groups.tp, groups.sequence_parallel and groups.tp.active
         self.router = TopKRouter(config, groups)
         self.token_dispatcher = AllToAllTokenDispatcher(config.num_routed_experts, groups.ep, groups.etp)
-        self.experts = GroupedExperts(config, groups.ep, groups.etp)
-        self.shared_expert = SharedExpert(config, groups) if config.num_shared_experts else None
+        self.experts = experts(config, groups.ep, groups.etp)
+        self.shared_expert = shared_expert(config, groups) if config.num_shared_experts else None
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """[b, s, hidden] (sequence-sharded under SP, already normalised) -> same shape."""
