@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 from megatron_s2.config.schema import ConfigError
 
-__all__ = ["TrainingConfig"]
+__all__ = ["TrainingConfig", "SEED_LIMIT"]
+
+SEED_LIMIT = 2 ** 63
+"""Seeds are non-negative 63-bit integers (what torch, numpy and the shuffles all accept)."""
 
 
 @dataclass(frozen=True)
@@ -33,5 +36,7 @@ class TrainingConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(f"training.global_batch_size: {self.global_batch_size} is not a multiple of "
                               f"micro_batch_size={self.micro_batch_size}")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ConfigError(f"training.seed: must be >= 0 and < 2**63, got {self.seed}; pick e.g. 1234")
         if not self.run_dir:
             raise ConfigError("training.run_dir: must not be empty")
