@@ -102,6 +102,9 @@ class PreemptionGuard:
         for sig in self.signals:
             if sig not in self._previous:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
+        # The local launcher starts ranks with these signals blocked, so that one sent during
+        # interpreter start-up waits (pending) for this handler instead of killing the rank.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
         return self
 
     def uninstall(self) -> None:
