@@ -170,7 +170,9 @@ def _call_hf(entry: str, args: argparse.Namespace) -> int:
         module = importlib.import_module(_HF)
     except ImportError as exc:
         return _hf_missing(entry.split("_")[0], exc)
-    return int(getattr(module, entry)(args) or 0)
+    from megatron_s2.checkpoint.hf.cli import run_refusing
+
+    return run_refusing(getattr(module, entry), args, f"checkpoint {entry.split('_')[0]}")
 
 
 def _hf_missing(name: str, why: Exception) -> int:
