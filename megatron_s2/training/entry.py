@@ -5,6 +5,11 @@ Runs one phase of a recipe in this process. Multi-rank runs are started by
 point discovers it through the launcher's bootstrap. A run directory that already holds a
 checkpoint is resumed from its newest valid checkpoint. ``<recipe>`` may also be a run
 directory's ``config.yaml``, which reproduces that run on its own.
+
+Rank 0 holds the run directory's lock (``run.lock``, :mod:`.run_lock`) for the whole run, so
+a second run on the same directory is refused naming this one. Preemption signals and Ctrl-C
+are caught from the first line of ``megatron_s2.cli.main`` on: the run saves at the end of the
+step and exits 75 (:mod:`megatron_s2.launcher.preemption`).
 """
 
 from __future__ import annotations
