@@ -43,9 +43,11 @@ def batch_log(job, job_id: str) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def test_signal_to_the_job_step_requeues(slurm, tmp_path):
+@pytest.mark.parametrize("mode", ["srun", "torchrun"])
+def test_signal_to_the_job_step_requeues(slurm, tmp_path, mode):
     steps = 40
-    job = payload_job(tmp_path / "run", RESUMABLE, "--steps", str(steps), "--step-time", "0.15", max_restarts=2)
+    job = payload_job(tmp_path / "run", RESUMABLE, "--steps", str(steps), "--step-time", "0.15", max_restarts=2,
+                      mode=mode)
     job_id = submit_job(job)
     slurm.wait(job_id, lambda info: bool(events(job)), timeout=120)
     time.sleep(0.5)
