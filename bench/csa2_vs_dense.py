@@ -264,7 +264,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="also write the raw results here")
     p.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     p.add_argument("--seq", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--smoke", action="store_true",
+                   help="one short sequence, one pass (the test suite's check that the bench runs)")
     args = p.parse_args(argv)
+    if args.smoke and not args.worker:
+        args.min_seq = args.max_seq = 256
+        args.repeats, args.warmup = 1, 0
 
     if args.worker:
         print(json.dumps(worker(args.worker, args.seq, args)))

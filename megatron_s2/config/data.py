@@ -97,8 +97,9 @@ class DataConfig:
             raise ConfigError(f"tasks: duplicate task names in {list(self.tasks)}; list each task once")
         if self.num_documents < 1:
             raise ConfigError(f"num_documents: must be >= 1, got {self.num_documents}")
-        if self.dataset_seed is not None and self.dataset_seed < 0:
-            raise ConfigError(f"dataset_seed: must be a non-negative integer or null, got {self.dataset_seed}")
+        if self.dataset_seed is not None and not 0 <= self.dataset_seed < 2 ** 63:
+            raise ConfigError(f"dataset_seed: must be a non-negative integer below 2**63 or null, "
+                              f"got {self.dataset_seed}")
         if self.kind == "indexed":
             if not self.paths:
                 raise ConfigError("paths: kind 'indexed' needs at least one dataset prefix "

@@ -14,7 +14,8 @@ directory (ours or the released one), builds the recipe (``--recipe`` or default
 ``config.json``, overrides such as ``parallel.tp=2``), writes a committed checkpoint for that
 layout and verifies it (logits against the exporter's stored logits when present, and the
 written shards read back). Exit code 0 on success, 1 when verification fails, 2 on a
-configuration error.
+configuration error or a refusal (missing or unreadable input, existing target), printed as
+one line naming the file.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 from megatron_s2.config.schema import ConfigError
 
 __all__ = ["add_export_arguments", "add_import_arguments", "export_checkpoint", "import_checkpoint", "main",
-           "parse_size"]
+           "parse_size", "refusals", "run_refusing"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
 
@@ -54,6 +55,8 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    help="cast floating weights (mHC, sinks and router biases stay float32); default: keep")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     p.add_argument("--show-mapping", action="store_true", help="print the name mapping table first")
+    p.add_argument("--private", action="store_true",
+                   help="owner-only files (0600) and directory (0700); default: the umask's modes")
     _common(p)
 
 
@@ -99,7 +102,7 @@ def export_checkpoint(args: argparse.Namespace) -> int:
             extra[VERIFICATION_FILE] = data
     result = export_model_state(loaded.state, cfg, args.hf_dir, dtype=args.dtype,
                                 max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress,
-                                extra_files=extra)
+                                extra_files=extra, private=args.private)
     print(f"wrote {result.tensors} tensors in {len(result.files)} files ({result.dtype}) to {result.directory}")
     if result.elided:
         print(f"  {len(result.elided)} tensors equal to their reference-format substitute were not written "
@@ -159,7 +162,28 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=import_checkpoint)
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        return run_refusing(args.func, args, f"checkpoint {args.command}")
     except ConfigError as exc:
         print(f"checkpoint {args.command}: configuration error: {exc}", file=sys.stderr)
         return ConfigError.exit_code
+
+
+def refusals() -> tuple[type[BaseException], ...]:
+    """What export/import refuse with (exit 2, one line): unusable input, an existing or
+    impossible target. A verification that fails after writing is exit 1."""
+    from megatron_s2.checkpoint.format import CheckpointError
+    from megatron_s2.checkpoint.hf.gather import ShardError
+    from megatron_s2.checkpoint.hf.registry import ConversionError
+    from megatron_s2.checkpoint.hf.safetensors_io import UnsafeCheckpointError
+
+    return (CheckpointError, ConversionError, ShardError, UnsafeCheckpointError, FileExistsError,
+            FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def run_refusing(func, args: argparse.Namespace, command: str) -> int:
+    """``func(args)``, with every refusal printed as one line and exit code 2."""
+    try:
+        return int(func(args) or 0)
+    except refusals() as exc:
+        print(f"megatron-s2 {command}: {exc}", file=sys.stderr)
+        return 2

@@ -14,6 +14,7 @@ from, and scattering to, a parallel layout is :mod:`.gather` / :mod:`.checkpoint
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -72,12 +73,13 @@ def _target_dtype(view: torch.Tensor, keep_fp32: bool, dtype: torch.dtype | None
 def export_model_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, *,
                        dtype: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                        progress: bool = True, registry: MappingRegistry = V41_REGISTRY,
-                       extra_files: dict[str, bytes] | None = None) -> ExportResult:
+                       extra_files: dict[str, bytes] | None = None, private: bool = False) -> ExportResult:
     """Write ``full_state`` of model ``cfg`` as a Hugging Face checkpoint in ``out_dir``.
 
     ``dtype``: None keeps each tensor's dtype (lossless); "bfloat16"/"float16"/"float32" casts
     floating tensors except those the reference keeps in float32 (mHC, sinks, router biases).
-    ``out_dir`` must not exist or be empty.
+    ``out_dir`` must not exist or be empty. Files and the directory get the usual modes of this
+    process's umask (e.g. 0644 / 0755), or owner-only 0600 / 0700 with ``private``.
     """
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -94,8 +96,14 @@ def export_model_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig, ou
     def produce(names: list[str]) -> dict[str, torch.Tensor]:
         return {n: views[n][0].to(dtypes[n]).contiguous() for n in names}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise
+        raise ConversionError(f"{out}: cannot be created ({exc.strerror}: {exc.filename}); choose another "
+                              "output directory") from None
     try:
         with tqdm(total=len(plan), desc="export", unit="tensor", disable=not progress) as bar:
             files = write_sharded(tmp, plan, produce, max_shard_bytes=max_shard_bytes,
@@ -107,6 +115,7 @@ def export_model_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig, ou
         (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, main_dtype), indent=2) + "\n")
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
+        _set_modes(tmp, private)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
@@ -116,6 +125,20 @@ def export_model_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig, ou
     return ExportResult(out, [out / f.name for f in files], len(plan), elided, main_dtype)
 
 
+def _set_modes(directory: Path, private: bool) -> None:
+    """``mkdtemp`` (0700) and safetensors (0600) create owner-only files; a release directory
+    is meant to be shared: apply the umask's modes (owner-only only when asked)."""
+    if private:
+        dir_mode, file_mode = 0o700, 0o600
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        dir_mode, file_mode = 0o777 & ~umask, 0o666 & ~umask
+    for path in directory.iterdir():
+        path.chmod(file_mode)
+    directory.chmod(dir_mode)
+
+
 def load_hf_checkpoint(hf_dir: str | Path, *, progress: bool = True, registry: MappingRegistry = V41_REGISTRY
                        ) -> tuple[ModelConfig, dict[str, torch.Tensor], ImportReport]:
     """(config, full state, report) of a Hugging Face checkpoint directory."""
@@ -123,7 +146,11 @@ def load_hf_checkpoint(hf_dir: str | Path, *, progress: bool = True, registry: M
     config_path = directory / CONFIG_FILE
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory}: no {CONFIG_FILE}; the architecture cannot be determined")
-    cfg = config_from_hf(json.loads(config_path.read_text()))
+    try:
+        data = json.loads(config_path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConversionError(f"{config_path}: not valid JSON ({exc})") from None
+    cfg = config_from_hf(data)
     reader = SafetensorsReader(directory)
     expected = skeleton_state(cfg)
     with tqdm(total=len(expected), desc="import", unit="tensor", disable=not progress) as bar:

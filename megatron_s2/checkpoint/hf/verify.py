@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save as save_bytes
 
-from megatron_s2.checkpoint.hf.safetensors_io import SIDECAR_PREFIX, check_safetensors_file
+from megatron_s2.checkpoint.hf.safetensors_io import SIDECAR_PREFIX, check_safetensors_file, open_safetensors
 from megatron_s2.checkpoint.hf.skeleton import skeleton_state
 from megatron_s2.config.model import ModelConfig
 
@@ -130,7 +129,7 @@ def check_reference_logits(cfg: ModelConfig, state: dict[str, torch.Tensor], hf_
     if n > max_params:
         return None, f"{n:,} parameters exceed the verification limit of {max_params:,}"
     check_safetensors_file(path)
-    with safe_open(str(path), framework="pt") as f:
+    with open_safetensors(path) as f:
         lossless = (f.metadata() or {}).get("lossless") == "true"
         stored = {k: f.get_tensor(k) for k in ("input_ids", "logits")}
     got = model_logits(cfg, state, stored["input_ids"])
