@@ -132,6 +132,9 @@ class RequestHandle:
     def put(self, out: RequestOutput) -> None:
         self._queue.put(out)
 
+    def empty(self) -> bool:
+        return self._queue.empty()
+
     def get(self, timeout: float | None = None) -> RequestOutput:
         """The next output (blocks; ``queue.Empty`` after ``timeout`` seconds)."""
         return self._queue.get(timeout=timeout)
