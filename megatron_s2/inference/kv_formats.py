@@ -60,7 +60,7 @@ class VectorFormat:
     def bytes_per_vector(self) -> int:
         total = 0
         for shape, dtype in self.part_shapes():
-            total += shape[0] * torch.empty((), dtype=dtype).element_size()
+            total += shape[0] * dtype.itemsize
         return total
 
     def allocate(self, leading: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -42,6 +42,7 @@ class KVCacheStep:
         self.device = positions.device
         self.lengths = valid.sum(1)
         self.start = positions[:, 0]
+        self._start_host, self._length_host = self.start.tolist(), self.lengths.tolist()  # one sync
         self.slots = torch.tensor([s.swa_slot for s in seqs], dtype=torch.long, device=self.device)
 
     # ---- sliding window ------------------------------------------------------------------------
@@ -77,7 +78,7 @@ class KVCacheStep:
         geo = self.global_kv.layers[layer]
         groups_kv, groups_gate, entry_ids, owners = [], [], [], []
         for r, seq in enumerate(self.seqs):
-            start, length = int(self.start[r]), int(self.lengths[r])
+            start, length = self._start_host[r], self._length_host[r]
             done = seq.kv_tokens.get(layer, 0)
             if done >= start + length:
                 continue  # replayed tokens: their global KV is cached already

@@ -113,22 +113,18 @@ class ModelRunner:
         lengths = [len(r.tokens) - o for r, o in zip(rows, offsets)]
         s = max(lengths)
         s += -s % self.tp.size
-        b = len(rows)
-        ids = torch.zeros(b, s, dtype=torch.long)
-        for i, (r, o) in enumerate(zip(rows, offsets)):
-            ids[i, :lengths[i]] = torch.tensor(r.tokens[o:], dtype=torch.long)
-        start = torch.tensor([r.start + o for r, o in zip(rows, offsets)], dtype=torch.long)
-        pos = start.unsqueeze(1) + torch.arange(s)
-        valid = torch.arange(s).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+        dev = self.device
+        ids = torch.tensor([r.tokens[o:] + [0] * (s - n) for r, o, n in zip(rows, offsets, lengths)],
+                           dtype=torch.long, device=dev)
+        start = torch.tensor([r.start + o for r, o in zip(rows, offsets)], dtype=torch.long, device=dev)
+        pos = start.unsqueeze(1) + torch.arange(s, device=dev)
+        valid = torch.arange(s, device=dev).unsqueeze(0) < torch.tensor(lengths, device=dev).unsqueeze(1)
         prefix = None
         if self.history:
-            prefix = torch.full((b, self.history), -1, dtype=torch.long)
-            for i, (r, o) in enumerate(zip(rows, offsets)):
-                before = (r.history + r.tokens[:o])[-self.history:]
-                if before:
-                    prefix[i, self.history - len(before):] = torch.tensor(before, dtype=torch.long)
-            prefix = prefix.to(self.device)
-        return ids.to(self.device), pos.to(self.device), valid.to(self.device), prefix
+            h = self.history
+            before = [(r.history + r.tokens[:o])[-h:] for r, o in zip(rows, offsets)]
+            prefix = torch.tensor([[-1] * (h - len(x)) + x for x in before], dtype=torch.long, device=dev)
+        return ids, pos, valid, prefix
 
     def _context(self, rows, ids, pos, valid, prefix, record_routing, record_topk) -> ForwardContext:
         registry = _RecordingRegistry(self.plan) if record_topk else SharedStateRegistry(self.plan)

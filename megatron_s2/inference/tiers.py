@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import hashlib
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-
-import torch
 
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.inference.kv_store import GlobalKVStore, SWAStore
@@ -43,7 +42,7 @@ def prefix_hashes(tokens: list[int], page_tokens: int, pages: int) -> list[bytes
     """Chained digests of the first ``pages`` complete pages of ``tokens``."""
     out, parent = [], b""
     for i in range(pages):
-        chunk = torch.tensor(tokens[i * page_tokens:(i + 1) * page_tokens], dtype=torch.int64).numpy().tobytes()
+        chunk = array("q", tokens[i * page_tokens:(i + 1) * page_tokens]).tobytes()
         parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
         out.append(parent)
     return out
