@@ -244,3 +244,33 @@ def test_background_driver_pause_resume_and_threads(model):
     for h, ref in zip(handles, reference):
         assert by_id[h.request_id].token_ids == ref.token_ids
     assert engine.policy_version == 3
+
+
+def test_preemption_under_page_pressure_recomputes_and_keeps_the_tokens(model):
+    """11 usable pages of 8 tokens for 3 requests growing to ~30 tokens each: the newest request
+    is preempted (its cache dropped) and later re-runs its prompt and generated tokens."""
+    prompts = [list(range(5, 5 + n)) for n in (20, 18, 22)]
+    engine = InferenceEngine(model, engine_config(num_pages=12, max_model_len=40))
+    preempted = []
+    real = engine._preempt
+    engine._preempt = lambda req: (preempted.append(req.request_id), real(req))
+    results = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    assert preempted
+    for prompt, r in zip(prompts, results):
+        assert r.token_ids == full_logits(model, prompt + r.token_ids)[len(prompt) - 1:-1].argmax(-1).tolist()
+    assert engine.global_kv.pool.num_free == 11
+
+
+def test_update_weights_from_a_checkpoint_directory(model, other_model, tiny_cfg, tmp_path):
+    from megatron_s2.checkpoint.hf.checkpoint_io import write_full_state
+    from megatron_s2.config.recipe import load_recipe
+    from tests.parallel.parity import RECIPE
+
+    recipe = load_recipe(RECIPE, ["parallel.tp=1", "parallel.pp=1"])
+    write_full_state(other_model.state_dict(), recipe, tmp_path / "checkpoints", step=3)
+    engine = InferenceEngine(build_model(tiny_cfg, seed=0).eval(), engine_config())
+    assert engine.update_weights(tmp_path) == 1
+    for (name, a), b in zip(engine.model.state_dict().items(), other_model.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ConfigError, match="does not exist"):
+        engine.update_weights(tmp_path / "missing")

@@ -6,7 +6,8 @@ the layout-independent initialisation, runs chunked prefill + decode through the
 (packed formats on) and the engine's seeded sampling, and writes its results; the parent
 compares them with the same runs on one rank: logits at every position within 1e-5 of the
 largest logit, routing and indexer top-k identical, sampled tokens identical, log-probs within
-1e-5 relative.
+1e-5 relative — also after each rank swapped in new weights from a checkpoint directory
+(full tensors on disk, sliced by every rank's ShardSpec).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def config(quant: bool = True):
     return quantised(load_model_recipe("tiny"), quant)
 
 
-def run_all(groups: ParallelGroups) -> dict:
+def run_all(groups: ParallelGroups, checkpoint: str) -> dict:
     """Chunked prefill + decode with packed KV (every position's logits and every top-k), then
     seeded sampling through the engine with float KV (tokens, log-probs, routing records).
 
@@ -52,7 +53,21 @@ def run_all(groups: ParallelGroups) -> dict:
     done = engine.generate([s[:n] for s, n in zip(seqs, PROMPT_LENS)], params)
     out.update(tokens=[d.token_ids for d in done], logprobs=[d.logprobs for d in done],
                routing=[d.routed_experts for d in done])
+    engine.update_weights(checkpoint)  # full tensors on disk, each rank takes its slices
+    done = engine.generate([s[:n] for s, n in zip(seqs, PROMPT_LENS)], SamplingParams(max_tokens=6, temperature=0))
+    out.update(swapped=[d.token_ids for d in done], swapped_logprobs=[d.logprobs for d in done],
+               versions=[d.versions for d in done])
     return out
+
+
+def write_checkpoint(root) -> str:
+    from megatron_s2.checkpoint.hf.checkpoint_io import write_full_state
+    from megatron_s2.config.recipe import load_recipe
+    from tests.parallel.parity import RECIPE
+
+    recipe = load_recipe(RECIPE, ["parallel.tp=1", "parallel.pp=1"])  # model: tiny (float KV)
+    assert recipe.model == config(quant=False)
+    write_full_state(V41Model(recipe.model).init_weights(SEED + 1).state_dict(), recipe, f"{root}/checkpoints", step=1)
 
 
 def _worker(rank, world, out_dir):
@@ -62,16 +77,17 @@ def _worker(rank, world, out_dir):
     torch.set_num_threads(1)
     for name, sizes in LAYOUTS.items():
         layout = ParallelLayout.build(ParallelConfig(**sizes), config(), world)
-        result = run_all(build_groups(layout))
+        result = run_all(build_groups(layout), out_dir)
         torch.save(result, f"{out_dir}/{name}_rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("parallel_decode")
+    write_checkpoint(out)
     run_distributed(2, _worker, str(out))
     torch.set_num_threads(1)
-    ref = run_all(ParallelGroups.single())
+    ref = run_all(ParallelGroups.single(), str(out))
     return ref, {name: [torch.load(out / f"{name}_rank{r}.pt") for r in range(2)] for name in LAYOUTS}
 
 
@@ -89,4 +105,8 @@ def test_parallel_decode_equals_single_rank(results, layout):
             assert err <= 1e-5, f"{layout}: max |parallel - single| / max |single| = {err:.2e}"
         assert got["tokens"] == ref["tokens"]
         for a, b in zip(ref["logprobs"], got["logprobs"]):
+            assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5 * max(abs(x) for x in a)
+        # weights swapped in from a checkpoint: every rank sliced its shard of the full tensors
+        assert got["swapped"] == ref["swapped"] and got["versions"] == ref["versions"] == [[1] * 6] * 2
+        for a, b in zip(ref["swapped_logprobs"], got["swapped_logprobs"]):
             assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5 * max(abs(x) for x in a)
