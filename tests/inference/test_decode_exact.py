@@ -15,7 +15,7 @@ import torch
 from megatron_s2.config.model import LayerGroupSpec
 from megatron_s2.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
 from megatron_s2.inference.runner import ForwardRow, ModelRunner
-from megatron_s2.models.v41.attention.selection import topk_lowest_index_on_ties
+from megatron_s2.models.v41.attention.selection import topk_newest_on_ties
 from megatron_s2.models.v41.model import build_model
 from tests.inference.conftest import quantised
 
@@ -92,12 +92,16 @@ def test_decode_selects_the_same_entries_as_the_full_forward(tiny_cfg):
             assert set(mine[t][mine[t] >= 0].tolist()) == set(theirs[t][theirs[t] >= 0].tolist()), (layer, t)
 
 
-def test_tie_break_keeps_the_older_entry_whatever_follows():
+def test_tie_break_keeps_the_newer_entry_whatever_follows():
     scores = torch.tensor([[0.5, 0.0, 0.0, 0.7, 0.0, 0.0]])
-    values, idx = topk_lowest_index_on_ties(scores, 3)
-    assert idx.tolist() == [[3, 0, 1]] and torch.equal(values, scores[:, [3, 0, 1]])
-    longer = torch.cat([scores, torch.full((1, 5), float("-inf"))], dim=1)
-    assert torch.equal(topk_lowest_index_on_ties(longer, 3)[1], idx)
+    values, idx = topk_newest_on_ties(scores, 3)
+    assert idx.tolist() == [[3, 0, 5]] and torch.equal(values, scores[:, [3, 0, 5]])
+    assert topk_newest_on_ties(scores, 5)[1].tolist() == [[3, 0, 5, 4, 2]]
+    longer = torch.cat([scores, torch.full((1, 5), float("-inf"))], dim=1)  # invisible entries follow
+    assert torch.equal(topk_newest_on_ties(longer, 3)[1], idx)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 50, generator=g)  # no ties: the same set and order as torch.topk
-    assert torch.equal(topk_lowest_index_on_ties(x, 7)[1], x.topk(7).indices)
+    assert torch.equal(topk_newest_on_ties(x, 7)[1], x.topk(7).indices)
+    t = (torch.randn(3, 5, 40, generator=g) * 2).round().to(torch.bfloat16)  # many ties: a stable sort
+    ref = torch.sort(t.float().flip(-1), dim=-1, descending=True, stable=True).indices[..., :9]
+    assert torch.equal(topk_newest_on_ties(t, 9)[1], 39 - ref)

@@ -8,7 +8,7 @@ score only their query's pool, so their per-query cost no longer grows with the 
 
 The block holding the query's newest visible entry is always kept (it is only partly filled
 and could otherwise lose to an older full block — reference semantics); among blocks with
-equal maxima the older one is kept. Unreachable picks and not-yet-visible positions are -1.
+equal maxima the newer one is kept. Unreachable picks and not-yet-visible positions are -1.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_s2.models.v41.attention.selection import topk_lowest_index_on_ties
+from megatron_s2.models.v41.attention.selection import topk_newest_on_ties
 
 __all__ = ["select_candidate_blocks"]
 
@@ -36,7 +36,7 @@ def select_candidate_blocks(scores: torch.Tensor, q_pos: torch.Tensor, ratio: in
     pin = pin & has_visible.unsqueeze(-1) & torch.isfinite(blocks)
     blocks = blocks.masked_fill(pin, float("inf"))
     kb = min(top_blocks, num_blocks)
-    values, indices = topk_lowest_index_on_ties(blocks, kb)  # equal maxima: the older block
+    values, indices = topk_newest_on_ties(blocks, kb)  # equal maxima: the newer block
     keep = values > float("-inf")
     starts = indices * block_size
     ids = starts.unsqueeze(-1) + torch.arange(block_size, device=scores.device)  # [b, s, kb, bs]

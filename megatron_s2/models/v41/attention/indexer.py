@@ -9,7 +9,7 @@
   hidden state, scaled by d_I^-1/2 * H_I^-1/2 (reference semantics).
 * Only causally complete entries of the query's document are visible; the top-k visible
   entries are selected (fewer when fewer are visible, -1 fills the rest). Equal scores go
-  to the older entry (:mod:`.selection`), so the selection does not depend on how many
+  to the newer entry (:mod:`.selection`), so the selection does not depend on how many
   entries exist past the query's visible range (whole sequence vs incremental decode).
 * **Training.** Top-k selection is not differentiable. The indexer learns by aligning its
   score distribution over the selected entries with the main attention's probability mass
@@ -31,7 +31,7 @@ from torch import nn
 
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.v41.attention.candidates import select_candidate_blocks
-from megatron_s2.models.v41.attention.selection import topk_lowest_index_on_ties
+from megatron_s2.models.v41.attention.selection import topk_newest_on_ties
 from megatron_s2.models.v41.attention.visibility import compressed_visible
 from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.precision import wide
@@ -144,7 +144,7 @@ class Indexer(nn.Module):
                 scores = mappings.all_reduce_sum(scores, self.tp)
                 scores = scores.masked_fill(ids < 0, float("-inf"))
             kk = min(k_eff, scores.size(-1))
-            values, indices = topk_lowest_index_on_ties(scores, kk)
+            values, indices = topk_newest_on_ties(scores, kk)
             picked = torch.gather(ids, 2, indices)
             picked = torch.where(torch.isfinite(values), picked, -1)
             if kk < k_eff:
