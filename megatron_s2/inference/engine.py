@@ -18,6 +18,23 @@ weights that produced it.
 **Threads.** ``add_request`` / ``submit`` / ``abort`` may be called from any thread: they
 enqueue commands that the next step applies. ``step`` runs on one thread at a time — the
 caller's, or the background driver started by :meth:`start` (for a server).
+
+API for a server (all thread-safe)::
+
+    engine = InferenceEngine(model, EngineConfig(...), eos_token_ids=[eos], detokenize=tok.decode)
+    engine.start()                                   # background driver thread
+    handle = engine.submit(token_ids, SamplingParams(max_tokens=..., temperature=..., top_p=...,
+                           top_k=..., seed=..., stop=(...), stop_token_ids=(...), logprobs=N,
+                           record_routing=True), request_id="cmpl-1")
+        # raises QueueFull (-> 429/503), PromptTooLong / ValueError / ConfigError (-> 400)
+    for out in handle: ...                           # RequestOutput deltas: token_ids, logprobs,
+                                                     # top_logprobs, versions, routed_experts,
+                                                     # finished, finish_reason, stop_reason
+    handle.result()                                  # CompletedRequest (everything, accumulated)
+    engine.add_request(ids, params, on_output=cb)    # or a callback, called on the driver thread
+    engine.abort(request_id)                         # client gone: state freed at the next step
+    engine.pause(); engine.update_weights(src); engine.resume()   # policy_version += 1
+    engine.config.max_model_len, engine.policy_version, engine.stats(); engine.stop()
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ class ForwardRow:
     history: list[int]
     """Tokens before ``start`` (at least the last max_ngram - 1 of them, or all)."""
     logits: str = "last"
-    """Logits to return: "last" (of the chunk's last token), "all" or "none"."""
+    """Logits to return: "last" (of the chunk's last token), "all" or "none". With decoder
+    bounded replay, "all" covers only the tokens the decoder ran on (from ``decoder_from``)."""
     decoder_from: int = 0
     """Decoder layers run only on positions >= this (decoder bounded replay)."""
 
