@@ -143,7 +143,11 @@ class ModelRunner:
                 if not attn.spec.uses_encoder_output:
                     raise RuntimeError(f"decoder bounded replay: layer {i}'s compressor does not read the encoder "
                                        "output, so its global KV needs the decoder over every prompt token")
-                kv, gate = attn.compressor.project(attn.compressor_input(None, ctx))
+                src = attn.compressor_input(None, ctx)
+                if src is None:
+                    raise RuntimeError(f"decoder bounded replay: layer {i}'s compressor reads its own attention input, "
+                                       "so its global KV needs the decoder over every prompt token")
+                kv, gate = attn.compressor.project(src)
                 ctx.kv_cache.compress(attn, kv, gate)
         views = [(ctx, list(range(len(rows))), [0] * len(rows), x, pre)]
         keep = [r for r, (row, o) in enumerate(zip(rows, split)) if o < len(row.tokens)]
