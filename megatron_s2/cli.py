@@ -26,6 +26,7 @@ _SUBCOMMANDS = (
     "megatron_s2.tools.account",       # account
     "megatron_s2.checkpoint.cli",      # checkpoint
     "megatron_s2.tools.plan",          # plan
+    "megatron_s2.inference.cli",       # generate
 )
 
 

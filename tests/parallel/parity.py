@@ -94,12 +94,16 @@ def load_records(out_dir: Path, world: int) -> list[dict]:
 # near-zero elements, so fp32 reduction-order noise (~1e-6) becomes ~1e-3 after three steps in
 # ANY two runs that sum in a different order. Their parameters get a looser bound after steps.
 MHC_COEFFICIENTS = ("_hc.fn", "_hc.base", "_hc.scale")
+ENGRAM_GATES = ("engram.q_weight", "engram.k_weight")
+"""Engram gate weights: their gradient is a cancellation-heavy sum over tokens, so its
+reduction-order noise relative to its largest value is the model's largest."""
 
 # Tolerance policy of every parity test (fp32; see tests/parallel/test_parity_2rank.py's docstring
 # for the measured worst cases): gradients after the first backward within 2e-5 of the tensor's
 # largest magnitude (floored at 1e-4 of the model's largest gradient); parameters after three
-# optimiser steps within 5e-5, mHC coefficient predictors within 2e-2.
-TOLERANCES = dict(grad_rtol=2e-5, grad_floor=1e-4, param_rtol=5e-5, mhc_param_rtol=2e-2)
+# optimiser steps within 5e-5, mHC coefficient predictors within 2e-2; the Engram gate weights'
+# gradients within 3e-5.
+TOLERANCES = dict(grad_rtol=2e-5, grad_floor=1e-4, param_rtol=5e-5, mhc_param_rtol=2e-2, engram_gate_grad_rtol=3e-5)
 
 
 def assert_close(full: dict, ref: dict, what: str, rtol: float, *, floor: float = 0.0,
@@ -143,7 +147,7 @@ def run_layouts(root: Path, world: int, layouts: dict[str, list[str]], reference
 
 
 def check_against_reference(records: list[dict], ref: dict, layout: str, *, grad_rtol: float, grad_floor: float,
-                            param_rtol: float, mhc_param_rtol: float) -> None:
+                            param_rtol: float, mhc_param_rtol: float, engram_gate_grad_rtol: float) -> None:
     """Losses, grad norms, gradients, parameters after three steps, router biases, shadows."""
     import pytest
 
@@ -155,6 +159,6 @@ def check_against_reference(records: list[dict], ref: dict, layout: str, *, grad
             assert (value - ref["buffers"][name]).abs().max() <= 1e-6, f"{layout}: buffer {name}"
     assert set().union(*(rec["buffers"] for rec in records)) == set(ref["buffers"]), f"{layout}: buffers missing"
     assert_close(assemble(records, "grads"), assemble([ref], "grads"), f"{layout} gradients", grad_rtol,
-                 floor=grad_floor)
+                 floor=grad_floor, loose=(ENGRAM_GATES, engram_gate_grad_rtol))
     assert_close(assemble(records, "params"), assemble([ref], "params"), f"{layout} parameters after 3 steps",
                  param_rtol, loose=(MHC_COEFFICIENTS, mhc_param_rtol))

@@ -8,7 +8,9 @@
   with q^I projected from the compressed query (q_lora) and per-head weights w from the
   hidden state, scaled by d_I^-1/2 * H_I^-1/2 (reference semantics).
 * Only causally complete entries of the query's document are visible; the top-k visible
-  entries are selected (fewer when fewer are visible, -1 fills the rest).
+  entries are selected (fewer when fewer are visible, -1 fills the rest). Equal scores go
+  to the newer entry (:mod:`.selection`), so the selection does not depend on how many
+  entries exist past the query's visible range (whole sequence vs incremental decode).
 * **Training.** Top-k selection is not differentiable. The indexer learns by aligning its
   score distribution over the selected entries with the main attention's probability mass
   on them (KL, summed over heads and renormalised; the DeepSeek-V3.2 sparse-stage
@@ -31,6 +33,7 @@ from megatron_s2.config.model import ModelConfig
 from megatron_s2.kernels.indexer import indexer_gathered_scores, indexer_scores
 from megatron_s2.kernels.sparse_attention import CHUNK_ELEMENTS, chunk_rows
 from megatron_s2.models.v41.attention.candidates import select_candidate_blocks
+from megatron_s2.models.v41.attention.selection import topk_newest_on_ties
 from megatron_s2.models.v41.attention.visibility import compressed_visible
 from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.precision import wide
@@ -54,10 +57,12 @@ class IndexKeyProjection(nn.Module):
         self.norm = RMSNorm(config.index_head_dim, config.norm_eps, sequence_parallel=tp_partial)
         self.fp4 = config.fp4_indexer
 
-    def forward(self, latent: torch.Tensor, entry_pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    def forward(self, latent: torch.Tensor, entry_pos: torch.Tensor, inv_freq: torch.Tensor,
+                quantise: bool = True) -> torch.Tensor:
+        """``quantise=False`` skips the MXFP4 QAT (a KV cache packs the raw keys itself)."""
         k = self.norm(self.linear(wide(latent)))
         k = apply_rope(k, entry_pos, inv_freq)
-        return fake_quant_mxfp4(k) if self.fp4 else k
+        return fake_quant_mxfp4(k) if self.fp4 and quantise else k
 
 
 @dataclass
@@ -142,9 +147,9 @@ class Indexer(nn.Module):
                 scores = mappings.all_reduce_sum(scores, self.tp)
                 scores = scores.masked_fill(ids < 0, float("-inf"))
             kk = min(k_eff, scores.size(-1))
-            top = scores.topk(kk, dim=-1)
-            picked = torch.gather(ids, 2, top.indices)
-            picked = torch.where(torch.isfinite(top.values), picked, -1)
+            values, indices = topk_newest_on_ties(scores, kk)
+            picked = torch.gather(ids, 2, indices)
+            picked = torch.where(torch.isfinite(values), picked, -1)
             if kk < k_eff:
                 picked = F.pad(picked, (0, k_eff - kk), value=-1)
             tops.append(picked)
