@@ -2,6 +2,7 @@
 
     python bench/kernels.py --device cuda            # flagship-like shapes, TFLOP/s and GB/s
     TRITON_INTERPRET=1 python bench/kernels.py --device cpu --tiny    # smoke run on CPU
+    python bench/kernels.py --smoke                  # the same (sets TRITON_INTERPRET=1 itself)
 
 For every kernel: max |triton - reference| (and bit-equality for the quantisers), median time
 of the Triton kernel and of the reference, achieved TFLOP/s (GEMM-like kernels) or GB/s
@@ -78,11 +79,15 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU interpreter smoke run)")
+    p.add_argument("--smoke", action="store_true", help="--device cpu --tiny under the Triton interpreter")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--peak-gbs", type=float, default=4800.0)
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.smoke:  # must precede the first import of triton
+        args.device = "cpu"
+        os.environ["TRITON_INTERPRET"] = "1"
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         raise SystemExit("--device cpu needs TRITON_INTERPRET=1 (Triton runs on CPU tensors only under the interpreter)")
     if args.device == "cpu":

@@ -26,6 +26,9 @@ EXPECTED = {
                            "(c) Payload bytes per micro-batch per cut", "(d) Shared-state memory"],
     "comm_volume.py": ["tp2", "measured"],
     "csa2_vs_dense.py": ["CSA2 layer", "CSA2/dense"],
+    "kernels.py": ["sparse_attention", "speedup"],
+    "decode.py": ["decode", "MLA"],
+    "bounded_replay.py": ["KL", "FLOPs"],
 }
 
 
