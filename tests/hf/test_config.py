@@ -48,7 +48,7 @@ def test_edited_config_is_refused():
 @pytest.mark.parametrize("edit, message", [
     ({"gate_temp": 2.0}, "gate_temp=2.0 is not supported"),
     ({"engram_num_embeddings": [1000, 1000]}, "lookups would address different rows"),
-    ({"candidate_source_layer_id": 1}, "searches the candidate pool of layer 1"),
+    ({"candidate_source_layer_id": 1}, r"layer 4 \(full, m=1\) is a Full layer inside the decoder"),
     ({"candidate_source_layer_id": 6, "num_encoder_layers": 4}, "candidate_source_layer_id=6, but with 4 encoder"),
     ({"compress_ratios": [0, 2, 2]}, "compress_ratios lists 3 layers"),
 ])

@@ -55,8 +55,6 @@ def hand_mhc_forward(model, ids, ctx, single_pass: bool):
             y = sublayer(norm(torch.einsum("bsn,bsnd->bsd", mix, x)), ctx)  # Eq. 5, F
             x = torch.einsum("bsij,bsid->bsjd", b, x) + c.unsqueeze(-1) * y.unsqueeze(-2)  # Eq. 3
             prev_a = a
-        if i == cfg.plan.last_encoder_layer:  # H_{L/2} for the CED decoder (Eq. 1)
-            ctx.shared.publish(i, K.ENCODER_OUTPUT, torch.einsum("bsn,bsnd->bsd", prev_a, x))
         streams[i] = x
     # the model's output collapse uses the last sublayer's A in both modes (no HyperHead)
     logits = model.output_layer(model.final_norm(torch.einsum("bsn,bsnd->bsd", prev_a, x)))

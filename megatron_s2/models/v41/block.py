@@ -6,8 +6,9 @@ updated as X <- B X + C F(A' X). With **Single-Pass mHC** (Eq. 6) the input mix 
 one produced by the *previous* sublayer, so each sublayer's input no longer waits for its
 own coefficient reduction; with the multi-pass form (Eq. 2–5) A' = A of the current
 sublayer. An Engram module, where the plan places one (§2.4.2), writes its gated n-gram
-memory into the streams before the block. The last encoder layer publishes H_{L/2} — the
-collapsed stream the next block would read — for the CED decoder (§2.2, Eq. 1).
+memory into the streams before the block. Nothing is handed to the CED decoder besides the
+streams: the first decoder block's normalised attention input *is* H_{L/2} (§2.2, Eq. 1), and
+its attention compresses exactly that (see :mod:`.attention.csa2`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron_s2.config.layer_plan import LayerSpec, SharedStateKind
+from megatron_s2.config.layer_plan import LayerSpec
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.v41.context import ForwardContext
-from megatron_s2.models.v41.mhc import collapse
 from megatron_s2.models.v41.spec import BlockSubmodules, build_module
 from megatron_s2.parallel.groups import ParallelGroups
 
@@ -38,7 +38,6 @@ class V41Block(nn.Module):
         self.mlp_hc = build_module(submodules.hyper_connection, config, groups)
         self.mlp_norm = submodules.norm(config.hidden_size, config.norm_eps, sequence_parallel=sp)
         self.mlp = build_module(submodules.mlp, config, spec.index, groups)
-        self.publishes_encoder_output = spec.index == config.num_encoder_layers - 1 and config.has_decoder
 
     def forward(self, x: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [b, s, n, d] streams; pre: [b, s, n] input mix handed over by the previous
@@ -50,6 +49,4 @@ class V41Block(nn.Module):
         # collapses with it, otherwise (Eq. 2) every sublayer uses its own.
         x, attn_pre = self.attn_hc(x, lambda h: self.attention(self.attn_norm(h), ctx), pre if single else None)
         x, mlp_pre = self.mlp_hc(x, lambda h: self.mlp(self.mlp_norm(h), ctx), attn_pre if single else None)
-        if self.publishes_encoder_output:
-            ctx.shared.publish(self.spec.index, SharedStateKind.ENCODER_OUTPUT, collapse(x, mlp_pre))
         return x, mlp_pre

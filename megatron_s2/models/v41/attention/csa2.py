@@ -8,7 +8,7 @@ statically assigned mode (§2.3.1; plan in :mod:`megatron_s2.config.layer_plan`)
 =========  ===================================  ===========================  ===============
 mode       main KV                              index K                      top-k
 =========  ===================================  ===========================  ===============
-Full       own compressor (decoder: from H_L/2)  projected from own main KV   own indexer
+Full       own compressor (decoder: H_L/2)      projected from own main KV   own indexer
 Reindex    reused from the latest Full layer     reused with it               own indexer
 Reuse      reused from the latest Full layer     not needed                   reused
 =========  ===================================  ===========================  ===============
@@ -95,8 +95,7 @@ class CSA2Attention(nn.Module):
         self.selective_recompute = False  # checkpoint the attention core (set by the model)
         self.compressor = self.index_key = self.indexer = None
         if spec.mode is CSA2Mode.FULL:
-            self.compressor = Compressor(config, spec.compress_ratio, from_encoder_output=spec.uses_encoder_output,
-                                         tp_partial=partial, linears=L)
+            self.compressor = Compressor(config, spec.compress_ratio, tp_partial=partial, linears=L)
             self.index_key = IndexKeyProjection(config, tp_partial=partial, linears=L)
         if spec.runs_indexer:
             self.indexer = Indexer(config, tp, linears=L)
@@ -130,16 +129,22 @@ class CSA2Attention(nn.Module):
         return keys, window_indices(pos, k_pos, self.window, doc, k_doc)
 
     # ---- main-KV / top-k acquisition (§2.3.1) ----------------------------------------------
+    def compressor_input(self, x_in: torch.Tensor) -> torch.Tensor:
+        """What a Full layer's compressor reads: its own normalised attention input.
+
+        The single definition used by training and decode alike. For the CED decoder's Full
+        layer (the first decoder layer, §2.2 Eq. 1) this is attn_norm(H_{L/2}): under Single-Pass
+        mHC its input is the encoder's final streams collapsed with the encoder's last mix, so
+        no separate encoder-output path (or extra norm) exists — as in the released model."""
+        return x_in
+
     def _main_kv(self, x_in: torch.Tensor, ctx: ForwardContext):
         spec, ratio = self.spec, self.spec.compress_ratio
         if spec.mode is not CSA2Mode.FULL:
             main_kv = ctx.shared.consume(spec.index, spec.kv_source, K.MAIN_KV)
             index_k = ctx.shared.consume(spec.index, spec.kv_source, K.INDEX_K) if spec.runs_indexer else None
             return main_kv, index_k
-        src = x_in
-        if spec.uses_encoder_output:  # CED (§2.2, Eq. 1): main KV from H_{L/2}
-            src = self._enter(ctx.shared.consume(spec.index, spec.encoder_source, K.ENCODER_OUTPUT))
-        kv, gate = self.compressor.project(src)
+        kv, gate = self.compressor.project(self.compressor_input(x_in))
         kv = self._gather_full(kv, ctx)
         gate = self._gather_full(gate, ctx) if gate is not None else None
         latent = self.compressor.pool(kv, gate)  # [b, n, hd], RoPE-free
