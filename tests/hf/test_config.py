@@ -34,7 +34,9 @@ def test_architecture_from_text_config_alone(model):
     assert {k: getattr(derived, k) for k in same} == {k: getattr(cfg, k) for k in same}
     inverse = {v: k for k, v in MODELARGS_ALIASES.items()}
     flat = {inverse.get(k, k): v for k, v in text.items() if k != "rope_scaling"}
-    flat.update(rope_factor=text["rope_scaling"]["factor"], original_seq_len=0, beta_fast=32, beta_slow=1)
+    rope = text["rope_scaling"]
+    flat.update(rope_factor=rope["factor"], original_seq_len=rope["original_max_position_embeddings"], beta_fast=32,
+                beta_slow=1)
     assert config_from_hf(flat) == derived
 
 
