@@ -19,6 +19,7 @@ from megatron_s2.checkpoint import CheckpointError, CheckpointManager
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.data import batch_fingerprint, build_data_iterator, build_tokenizer
+from megatron_s2.data.tokenizer_checks import check_checkpoint_tokenizer, check_tokenizer_fits, record_run_tokenizer
 from megatron_s2.models.v41.accounting import train_flops_per_token
 from megatron_s2.optim import build_optimizer, describe_param_groups
 from megatron_s2.optim.lr_schedule import LRSchedule
@@ -60,9 +61,7 @@ class Trainer:
                                            global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
         self.groups = build_groups(self.layout)
         self.tokenizer = build_tokenizer(recipe.data)
-        if self.tokenizer.vocab_size > recipe.model.vocab_size:
-            raise ConfigError(f"model.vocab_size: {recipe.model.vocab_size} is smaller than the "
-                              f"{recipe.data.tokenizer} tokenizer's {self.tokenizer.vocab_size} tokens")
+        check_tokenizer_fits(self.tokenizer, recipe.model, recipe.data.tokenizer)
         self.model = build_stage_model(recipe, self.layout, self.groups, rank,
                                        self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
         self._freeze(recipe.phase.freeze)
@@ -71,13 +70,13 @@ class Trainer:
                                          matrix_shards=matrix_shards)
         if recipe.parallel.distributed_optimizer:
             self.optimizer = DistributedOptimizer(self.optimizer, self.model, self.groups)
-        self.schedule = LRSchedule(recipe.schedule)
+        self.schedule = LRSchedule(recipe.schedule, tokens_per_step=t.global_batch_size * t.seq_length)
         coords = self.layout.coords(rank)
         self.dp_rank = coords["dp"]
         self.data = build_data_iterator(recipe.data, seq_length=t.seq_length, global_batch_size=t.global_batch_size,
                                         micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank,
                                         dp_size=self.layout.dp, seed=t.seed, phase=recipe.phase.kind,
-                                        tokenizer=self.tokenizer)
+                                        tokenizer=self.tokenizer, log=self.log)
         self.num_micro_global = t.global_batch_size // t.micro_batch_size
         self.forward_backward = get_forward_backward_func(self.layout)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", rank, world_size,
@@ -99,10 +98,10 @@ class Trainer:
         if not self.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for name, text in (("config.yaml", self.recipe.to_yaml()), ("tokenizer.json", self.tokenizer.to_json())):
-            tmp = self.run_dir / f".{name}.tmp"
-            tmp.write_text(text)
-            tmp.replace(self.run_dir / name)
+        tmp = self.run_dir / ".config.yaml.tmp"
+        tmp.write_text(self.recipe.to_yaml())
+        tmp.replace(self.run_dir / "config.yaml")
+        record_run_tokenizer(self.tokenizer, self.run_dir)  # checkpoints carry their tokenizer
 
     # ---- checkpoint -----------------------------------------------------------------------------
     def state(self) -> dict:
@@ -138,6 +137,7 @@ class Trainer:
             except CheckpointError as exc:
                 raise ConfigError(f"checkpoint.load: {exc}") from None
             full = ck.load_optimizer
+            check_checkpoint_tokenizer(path, self.tokenizer, self.log)
         if path is None:
             return False
         loaded = self.checkpoints.load(path, self.model, self.optimizer if full else None)
