@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_s2.config.layer_plan import SharedStateKind as K
 from megatron_s2.models.v41.moe.routing_replay import RoutingMode, RoutingReplay
 
 
