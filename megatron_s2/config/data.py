@@ -92,8 +92,9 @@ class DataConfig:
 
     # ---- rendering -----------------------------------------------------------------------
     loss_on: Literal["auto", "all", "answer"] = "auto"
-    """Which target tokens carry loss: 'all' (pretraining), 'answer' (SFT: answer + eos only,
-    prompt masked), 'auto' = 'answer' when the phase is 'sft', else 'all'."""
+    """Which target tokens carry loss: 'all' (pretraining), 'answer' (SFT: the tokens of
+    loss_roles — the answer and its eos for prompt/answer data — everything else masked),
+    'auto' = 'answer' when the phase is 'sft', else 'all'."""
     loss_roles: tuple[str, ...] = ("assistant",)
     """Chat roles whose tokens are targets under loss_on 'answer' (of system, user, assistant,
     tool); an assistant's generation prompt is never a target."""

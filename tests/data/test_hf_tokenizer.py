@@ -166,3 +166,17 @@ def test_train_tokenizer_on_local_text(tmp_path):
     assert tok.vocab_size == 300 and tok.decode(tok.encode("the cat sat")) == "the cat sat"
     assert len(tok.encode("the cat sat on the mat")) < len("the cat sat on the mat") / 2  # merges learnt
     assert main(["--output", str(tmp_path / "bad"), "--vocab-size", "100", "--input", str(corpus)]) == 1
+
+
+def test_batched_prompt_answer_rendering_equals_the_chat_template(bpe):
+    """Synthetic data with a Hugging Face tokenizer renders every pair through the template
+    once (placeholders + one batch encode); it must equal the per-pair rendering."""
+    from megatron_s2.data.documents import render_prompt_answer, render_prompt_answers
+
+    pairs = [("12+30", "42"), ("copy:AbC d", "AbC d"), ("balanced:(()", "no"), ("sort:cba", "abc"), ("x", "")]
+    batched = render_prompt_answers(bpe, pairs)
+    for pair, (ids, prompt_length) in zip(pairs, batched):
+        want_ids, want_length = render_prompt_answer(bpe, *pair)
+        assert ids.tolist() == want_ids.tolist() and prompt_length == want_length
+        assert bpe.decode(ids[prompt_length:]) == pair[1]  # targets: the answer (and eos)
+        assert ids[prompt_length - 1] == bpe.special_ids["assistant"]
