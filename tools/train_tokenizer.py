@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"train_tokenizer: error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", 1)
     command = "python tools/train_tokenizer.py " + " ".join(shlex.quote(a) for a in argv)
-    (Path(out) / "README.md").write_text(describe(out, sources) + f"\nReproduce with:\n\n    {command}\n")
+    (Path(out) / "README.md").write_text(describe(sources) + f"\nReproduce with:\n\n    {command}\n")
     from megatron_s2.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(out, field="--output")

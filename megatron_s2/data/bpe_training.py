@@ -23,7 +23,7 @@ from typing import Iterable, Iterator, Sequence
 from megatron_s2.data.chat_format import CHAT_TEMPLATE, SPECIAL_TOKEN_NAMES, SPECIAL_TOKENS, reasoning_effort_line
 from megatron_s2.data.errors import DataError
 
-__all__ = ["MIN_VOCAB_SIZE", "train_bpe", "iter_texts", "synthetic_texts", "format_texts"]
+__all__ = ["MIN_VOCAB_SIZE", "train_bpe", "iter_texts", "synthetic_texts", "format_texts", "describe"]
 
 MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 """Special tokens plus the 256 byte symbols of the byte-level alphabet."""
@@ -105,7 +105,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike,
     return out
 
 
-def describe(out_dir: str | os.PathLike, sources: Sequence[str]) -> str:
+def describe(sources: Sequence[str]) -> str:
     """A short README for a trained tokenizer directory (what it is, how to reproduce it)."""
     return ("# Byte-level BPE tokenizer (megatron_s2)\n\n"
             f"Trained by `tools/train_tokenizer.py` on: {', '.join(sources)}.\n"

@@ -31,16 +31,12 @@ from megatron_s2.data.chat_format import SPECIAL_TOKEN_NAMES
 from megatron_s2.data.errors import DataError
 from megatron_s2.data.token_map import compressed_token_map, extend_token_map
 
-__all__ = ["HFTokenizer", "TOKENIZER_FILES", "is_hf_tokenizer_dir"]
+__all__ = ["HFTokenizer", "TOKENIZER_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 """The files that define a tokenizer (copied beside checkpoints and exports)."""
 _OPTIONAL_FILES = ("special_tokens_map.json",)
 _REPLACEMENT_CHAR = "\ufffd"
-
-
-def is_hf_tokenizer_dir(path: str | os.PathLike) -> bool:
-    return (Path(path) / "tokenizer.json").is_file()
 
 
 def _compile_template(source: str, where: str):

@@ -5,7 +5,7 @@ Hugging Face tokenizer directory (``tokenizer.json`` + ``tokenizer_config.json``
 template; :class:`~megatron_s2.data.hf_tokenizer.HFTokenizer`), e.g. the byte-level BPE shipped in
 ``recipes/tokenizers/tiny-bpe`` (``tools/train_tokenizer.py`` trains more). Relative directory
 paths are tried against the working directory, then the project root. :func:`load_tokenizer`
-also reads the copy a run directory or a checkpoint carries (:func:`save_tokenizer`).
+also reads the copy a run directory or a checkpoint carries (``Tokenizer.save``).
 
 The character tokenizer's ids are fixed and deterministic:
 
@@ -45,8 +45,8 @@ from megatron_s2.config.data import DataConfig
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.data.errors import DataError
 
-__all__ = ["Tokenizer", "CharTokenizer", "build_tokenizer", "load_tokenizer", "save_tokenizer",
-           "resolve_tokenizer_path", "SPECIAL_TOKENS", "DEFAULT_ALPHABET", "CHAR_TOKENIZER_FILE"]
+__all__ = ["Tokenizer", "CharTokenizer", "build_tokenizer", "load_tokenizer", "SPECIAL_TOKENS", "DEFAULT_ALPHABET",
+           "CHAR_TOKENIZER_FILE"]
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<sep>", "<unk>")
 DEFAULT_ALPHABET: str = string.digits + string.ascii_lowercase + string.ascii_uppercase + string.punctuation + " \n\t"
@@ -291,19 +291,14 @@ class CharTokenizer:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
 
 
-def resolve_tokenizer_path(name: str) -> Path:
-    """A tokenizer directory named in a recipe (working directory, then the project root)."""
-    from megatron_s2.data.records import resolve_local_path
-
-    return resolve_local_path(name)
-
-
 def load_tokenizer(name: str | os.PathLike, *, field: str = "data.tokenizer") -> Tokenizer:
     """``"char"``, a Hugging Face tokenizer directory, or a directory holding a saved
     :data:`CHAR_TOKENIZER_FILE`; anything else is a ConfigError naming ``field`` and the path."""
     if str(name) == "char":
         return CharTokenizer()
-    path = resolve_tokenizer_path(str(name))
+    from megatron_s2.data.records import resolve_local_path
+
+    path = resolve_local_path(name)
     if (path / CHAR_TOKENIZER_FILE).is_file():
         try:
             return CharTokenizer.from_json((path / CHAR_TOKENIZER_FILE).read_text())
@@ -312,12 +307,6 @@ def load_tokenizer(name: str | os.PathLike, *, field: str = "data.tokenizer") ->
     from megatron_s2.data.hf_tokenizer import HFTokenizer
 
     return HFTokenizer(path, field=field)
-
-
-def save_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> None:
-    """Write the files that define ``tokenizer`` into ``directory`` (load them back with
-    :func:`load_tokenizer`)."""
-    tokenizer.save(directory)
 
 
 def build_tokenizer(cfg: DataConfig) -> Tokenizer:
