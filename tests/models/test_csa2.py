@@ -610,3 +610,26 @@ def test_csa2_layer_gradients_match_dense_float64(tiny_cfg, make_attention, make
             assert p.grad is None, name
             continue
         torch.testing.assert_close(p.grad.double(), P(p).grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_ced_decoder_compresses_attn_norm_of_the_encoder_output(tiny_cfg, make_model):
+    """CED as released (§2.2, Eq. 1): the decoder's Full layer (layer 4, the first decoder
+    layer) compresses attn_norm(H_{L/2}), H_{L/2} = the encoder's final streams collapsed with
+    the encoder's last mix (Single-Pass mHC) — through its own attn_norm, no other norm."""
+    from megatron_s2.models.v41.mhc import collapse
+
+    model = make_model(tiny_cfg, seed=3).eval()
+    enc, dec = tiny_cfg.plan.last_encoder_layer, tiny_cfg.num_encoder_layers
+    assert tiny_cfg.plan[dec].uses_encoder_output and not tiny_cfg.plan[dec].has_engram
+    seen = {}
+    model.layers[str(enc)].register_forward_hook(lambda m, a, out: seen.__setitem__("encoder", out))
+    compressor = model.layers[str(dec)].attention.compressor
+    original = compressor.project  # a method, not a module call: wrap it to see its input
+    compressor.project = lambda x: (seen.__setitem__("input", x), original(x))[1]
+    ids = torch.randint(0, tiny_cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids)
+        x, pre = seen["encoder"]
+        expected = model.layers[str(dec)].attn_norm(collapse(x, pre))
+    assert torch.equal(seen["input"], expected)
+    assert not any("input_norm" in name for name, _ in model.named_parameters())
