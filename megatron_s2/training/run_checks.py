@@ -111,9 +111,18 @@ def check_tokenizer(recipe: RecipeConfig):
 
 
 def check_data(recipe: RecipeConfig, tokenizer) -> None:
-    """Every dataset of ``data.paths`` opens (index checked) and matches the tokenizer."""
+    """Every dataset of ``data.paths`` is there: indexed prefixes open (index checked) and were
+    written with this tokenizer's vocabulary; chat files exist and are readable."""
     from megatron_s2.data.indexed_dataset import IndexedDataset
+    from megatron_s2.data.records import resolve_local_path
 
+    if recipe.data.kind == "chat":
+        for name in recipe.data.paths:
+            path = resolve_local_path(name)
+            if not path.is_file() or not os.access(path, os.R_OK):
+                raise ConfigError(f"data.paths: {name} is not a readable file; give the .jsonl or .parquet "
+                                  "conversations to train on")
+        return
     for prefix in recipe.data.paths:
         try:
             dataset = IndexedDataset(prefix)

@@ -3,11 +3,17 @@ tiny CPU recipe; the pipeline files chain them."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from megatron_s2.config.recipe import load_recipe
+from megatron_s2.config.recipe import RECIPES_DIR, load_recipe
+from megatron_s2.data.jsonl import preprocess_jsonl
+from megatron_s2.data.tokenizer import load_tokenizer
 from megatron_s2.launcher.launch import prepare_runs
 from megatron_s2.planning.memory import estimate_memory
 
@@ -16,9 +22,29 @@ H200_BYTES = 141e9
 TOKENS_PER_STEP = 1536 * 65536  # §4.2.2: 100.6M tokens per step
 
 
+@pytest.fixture
+def flagship_inputs(tmp_path, monkeypatch):
+    """What `launch --slurm` checks on the submit host, as small stand-ins in a working
+    directory: the tokenizer folder and the data files the flagship recipes name (relative
+    paths). The shipped tiny BPE stands in for the release tokenizer (its pad id is the
+    release's Engram pad id, 2)."""
+    tok_dir = tmp_path / "checkpoints" / "DeepSeek-V4.1-Flash"
+    shutil.copytree(RECIPES_DIR / "tokenizers" / "tiny-bpe", tok_dir)
+    text = tmp_path / "docs.jsonl"
+    text.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(4)))
+    tokenizer = load_tokenizer(tok_dir)
+    for prefix in ("data/pretrain/text", "data/pretrain/multimodal_text"):
+        preprocess_jsonl([text], tmp_path / prefix, tokenizer)
+    (tmp_path / "data" / "sft").mkdir(parents=True)
+    chats = [json.loads(line) for line in (RECIPES_DIR / "data" / "tiny_chat.jsonl").read_text().splitlines()[:8]]
+    pq.write_table(pa.Table.from_pylist(chats), tmp_path / "data" / "sft" / "conversations.parquet")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
 @pytest.mark.parametrize("name, nodes", [("flagship_pretrain_64k", 512), ("flagship_extend_1m", 512),
                                          ("flagship_sft", 128)])
-def test_flagship_phase_fits_its_cluster(name, nodes):
+def test_flagship_phase_fits_its_cluster(name, nodes, flagship_inputs):
     recipe = load_recipe(V41 / f"{name}.yaml")
     assert recipe.model.name == "flagship" and recipe.launcher.nodes == nodes and recipe.launcher.gpus_per_node == 8
     assert f"{nodes} nodes x 8 H200" in (V41 / f"{name}.yaml").read_text()  # the header states the cluster
@@ -48,7 +74,7 @@ def test_pretraining_follows_the_report_schedule():
     assert b.lr_at(0) == a.lr_at(pre.training.train_steps)  # the extension continues the curve
 
 
-def test_pipelines_chain_every_phase():
+def test_pipelines_chain_every_phase(flagship_inputs):
     flagship = prepare_runs(str(V41 / "flagship_pipeline.yaml"), [], {}, None, local=False)
     assert [r.phase for r in flagship] == ["pretrain_64k", "extend_1m", "sft"]
     tiny = prepare_runs(str(V41 / "tiny_pipeline.yaml"), [], {}, None, local=True)
