@@ -1,0 +1,15 @@
+"""``megatron-s2 serve``: an OpenAI-compatible HTTP server over the inference engine.
+
+FastAPI + uvicorn in front of :class:`~megatron_s2.inference.InferenceEngine`: ``/v1/models``,
+``/v1/completions``, ``/v1/chat/completions`` (streaming, ``n``, log-probs, token-in /
+token-out) and vLLM's ``/inference/v1/generate`` token endpoint that RL clients (the
+``verifiers`` training client via ``renderers``) call. Module map: ``config`` (ServeConfig),
+``backend`` (driver thread, asyncio delivery, disconnects), ``fields`` / ``sampling`` /
+``chat`` (request parsing), ``text`` (detokenisation, log-prob records), ``openai_api``,
+``token_api``, ``app`` (routes, errors), ``server`` (sockets, uvicorn), ``cli``.
+"""
+
+from megatron_s2.serve.config import ServeConfig
+from megatron_s2.serve.server import ServerThread, bind_socket, build_state, serve_forever
+
+__all__ = ["ServeConfig", "ServerThread", "bind_socket", "build_state", "serve_forever"]
