@@ -40,7 +40,13 @@ class ClientDisconnected(Exception):
 
 
 class EngineBackend:
-    """Drives an :class:`InferenceEngine` on a background thread for an asyncio server."""
+    """Drives an :class:`InferenceEngine` on a background thread for an asyncio server.
+
+    ``engine.pause()`` / ``update_weights`` / ``resume()`` may be called from any thread (a
+    trainer in the same process): while paused the driver still applies new requests and
+    aborts (a paused step does nothing else), so a client that leaves frees its request even
+    then.
+    """
 
     def __init__(self, engine: InferenceEngine, *, idle_wait_s: float = 0.05):
         self.engine = engine
@@ -127,15 +133,18 @@ class EngineBackend:
         engine = self.engine
         while not self._stop:
             self._work.clear()
-            if engine.paused or not engine.has_work():
+            if not engine.has_work():
                 self._work.wait(self.idle_wait_s)
                 continue
+            paused = engine.paused
             try:
-                engine.step()
+                engine.step()  # while paused (a weight update) a step only applies new requests and aborts
             except BaseException as exc:  # noqa: BLE001 - the thread must report, not vanish
                 log.exception("inference engine step failed; the server answers 503 from now on")
                 self._fail_all(f"{type(exc).__name__}: {exc}")
                 return
+            if paused:
+                self._work.wait(self.idle_wait_s)
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:

@@ -162,7 +162,7 @@ async def completions(state: ServerState, request):
             async for tag, out in gen.events():
                 text = texts[tag]
                 offset = len(text.sent)
-                delta = text.push(out.token_ids) + (text.finish() if out.finished else "")
+                delta = text.push(out.token_ids, last=out.finished)
                 generated += len(out.token_ids)
                 if not (delta or out.finished or opts.token_ids or opts.logprobs is not None):
                     continue
@@ -248,7 +248,7 @@ async def chat_completions(state: ServerState, request):
                 yield sse(head)
             async for tag, out in gen.events():
                 text = texts[tag]
-                delta = text.push(out.token_ids) + (text.finish() if out.finished else "")
+                delta = text.push(out.token_ids, last=out.finished)
                 generated += len(out.token_ids)
                 if not (delta or out.finished or opts.token_ids or opts.logprobs is not None):
                     continue

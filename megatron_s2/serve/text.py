@@ -36,9 +36,12 @@ class TextStream:
         self.sent = ""
         self._hold = max((len(s) for s in self.stop), default=1) - 1
 
-    def push(self, new_ids: Iterable[int]) -> str:
-        """Add tokens; the text that can be sent now."""
+    def push(self, new_ids: Iterable[int], last: bool = False) -> str:
+        """Add tokens; the text that can be sent now (everything left, cut before a stop
+        string, when ``last``)."""
         self.ids += list(new_ids)
+        if last:
+            return self.finish()
         text = _decode(self.tokenizer, self.ids)
         end = len(text) - self._hold
         while end > len(self.sent) and text[end - 1] == _PENDING:
