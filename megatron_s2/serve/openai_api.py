@@ -62,12 +62,13 @@ class _Options:
 
 
 def _submit(gen: Generation, state: ServerState, f: Fields, prompts: list[list[int]], opts: _Options,
-            prompt_field: str, max_tokens_keys=("max_tokens",)) -> None:
+            prompt_field: str, max_tokens_keys=("max_tokens",), default_max_tokens: int | None = None) -> None:
     for p, prompt in enumerate(prompts):
         for j in range(opts.n):
             params = build_sampling(f, prompt_len=len(prompt), max_model_len=state.max_model_len,
                                     vocab_size=state.vocab_size, logprobs=opts.logprobs or 0, strict_total=True,
-                                    prompt_field=prompt_field, seed_offset=j, max_tokens_keys=max_tokens_keys)
+                                    prompt_field=prompt_field, seed_offset=j, max_tokens_keys=max_tokens_keys,
+                                    default_max_tokens=default_max_tokens)
             gen.add(p * opts.n + j, prompt, params)
 
 
@@ -125,7 +126,7 @@ async def completions(state: ServerState, request):
     stop = f.strings("stop")
     rid, created = new_id("cmpl"), int(time.time())
     gen = Generation(state.backend, rid, request, state.config.disconnect_poll_s)
-    _submit(gen, state, f, prompts, opts, "prompt")
+    _submit(gen, state, f, prompts, opts, "prompt", default_max_tokens=16)  # OpenAI's default for completions
     tags = list(range(len(prompts) * opts.n))
     base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     tok = state.tokenizer

@@ -4,7 +4,8 @@ The OpenAI endpoints and the token endpoint's ``sampling_params`` share the vLLM
 (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stop_token_ids``,
 ``ignore_eos``, ``logprobs``, ``n``). Context length, as vLLM: a prompt of ``max_model_len``
 tokens or more is refused with "This model's maximum context length is N tokens ..."; without
-``max_tokens`` a request may generate up to the end of the context; on the OpenAI endpoints a
+``max_tokens`` a legacy completion generates 16 tokens (OpenAI's default) and a chat or token
+request up to the end of the context; on the OpenAI endpoints a
 ``max_tokens`` that does not fit after the prompt is refused, while the token endpoint stops
 such a request at the context end (finish reason "length"). With ``n > 1`` and a ``seed``,
 choice ``j`` samples with ``seed + j`` (vLLM's child requests do the same), so the choices
@@ -45,13 +46,15 @@ def refuse_unsupported_sampling(f: Fields) -> None:
 
 def build_sampling(f: Fields, *, prompt_len: int, max_model_len: int, vocab_size: int, logprobs: int,
                    strict_total: bool, prompt_field: str, seed_offset: int = 0, record_routing: bool = False,
-                   max_tokens_keys: tuple[str, ...] = ("max_tokens",)) -> SamplingParams:
-    """The engine's sampling parameters of one choice."""
+                   max_tokens_keys: tuple[str, ...] = ("max_tokens",),
+                   default_max_tokens: int | None = None) -> SamplingParams:
+    """The engine's sampling parameters of one choice; without ``max_tokens`` it generates
+    ``default_max_tokens`` (None = to the end of the context)."""
     room = check_prompt_length(prompt_len, max_model_len, prompt_field)
     key = next((k for k in max_tokens_keys if f.has(k)), max_tokens_keys[0])
     max_tokens = f.int(key, None, minimum=1)
     if max_tokens is None:
-        max_tokens = room
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     elif max_tokens > room:
         if strict_total:
             raise BadRequest(f"{f.name(key)}: This model's maximum context length is {max_model_len} tokens. However, "

@@ -29,12 +29,28 @@ def _decode(tokenizer, ids: Iterable[int], keep_special: bool = False) -> str:
 class TextStream:
     """The growing text of one choice."""
 
+    _WINDOW = 32
+    """Tokens decoded again at each step at most (plus the ones since the last fold)."""
+
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.ids: list[int] = []
         self.sent = ""
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self._folded, self._folded_text = 0, ""  # leading tokens whose text is final
+
+    def _text(self) -> str:
+        """The text of all ids, decoding only the tokens after the folded prefix; the prefix
+        grows when an older piece decodes to whole characters consistent with the rest."""
+        tail = _decode(self.tokenizer, self.ids[self._folded:])
+        cut = len(self.ids) - self._WINDOW
+        if cut - self._folded >= self._WINDOW:
+            piece = _decode(self.tokenizer, self.ids[self._folded:cut])
+            if piece and not piece.endswith(_PENDING) and tail.startswith(piece):
+                self._folded, self._folded_text = cut, self._folded_text + piece
+                tail = tail[len(piece):]
+        return self._folded_text + tail
 
     def push(self, new_ids: Iterable[int], last: bool = False) -> str:
         """Add tokens; the text that can be sent now (everything left, cut before a stop
@@ -42,7 +58,7 @@ class TextStream:
         self.ids += list(new_ids)
         if last:
             return self.finish()
-        text = _decode(self.tokenizer, self.ids)
+        text = self._text()
         end = len(text) - self._hold
         while end > len(self.sent) and text[end - 1] == _PENDING:
             end -= 1
