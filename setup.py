@@ -20,6 +20,13 @@ install_requires = [
     "safetensors>=0.4",
     "tensorboard>=2.14",
     "tqdm>=4.60",
+    # Tokenizers and chat data (issue 11): local Hugging Face tokenizer directories, Jinja chat
+    # templates, jsonl/parquet records. Pinned: the Engram compressed token map is derived with
+    # the tokenizers normalisers, and transformers is the version verifiers/renderers resolve to.
+    "tokenizers==0.23.3",
+    "transformers==5.24.0",
+    "datasets==5.2.0",
+    "Jinja2>=3.1",
 ]
 
 extras_require = {

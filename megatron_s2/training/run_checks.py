@@ -98,16 +98,15 @@ def check_run_dir(run_dir: str | Path) -> None:
 
 
 def check_tokenizer(recipe: RecipeConfig):
-    """The tokenizer the run will use; its vocabulary must fit the model's."""
+    """The tokenizer the run will use; it must fit the model (vocabulary, Engram pad id)."""
     from megatron_s2.data.tokenizer import build_tokenizer
+    from megatron_s2.data.tokenizer_checks import check_tokenizer_fits
 
     try:
         tokenizer = build_tokenizer(recipe.data)
     except DataError as exc:
         raise ConfigError(f"data.{exc}") from None
-    if tokenizer.vocab_size > recipe.model.vocab_size:
-        raise ConfigError(f"model.vocab_size: {recipe.model.vocab_size} is smaller than the "
-                          f"{recipe.data.tokenizer} tokenizer's {tokenizer.vocab_size} tokens")
+    check_tokenizer_fits(tokenizer, recipe.model, f"data.tokenizer={recipe.data.tokenizer}")
     return tokenizer
 
 

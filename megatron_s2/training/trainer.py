@@ -19,6 +19,7 @@ from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.data import batch_fingerprint, build_data_iterator
 from megatron_s2.data.errors import DataError
+from megatron_s2.data.tokenizer_checks import check_checkpoint_tokenizer, record_run_tokenizer
 from megatron_s2.models.v41.accounting import train_flops_per_token
 from megatron_s2.optim import build_optimizer, describe_param_groups
 from megatron_s2.optim.lr_schedule import LRSchedule
@@ -73,13 +74,13 @@ class Trainer:
                                          matrix_shards=matrix_shards)
         if recipe.parallel.distributed_optimizer:
             self.optimizer = DistributedOptimizer(self.optimizer, self.model, self.groups)
-        self.schedule = LRSchedule(recipe.schedule)
+        self.schedule = LRSchedule(recipe.schedule, tokens_per_step=t.global_batch_size * t.seq_length)
         coords = self.layout.coords(rank)
         self.dp_rank = coords["dp"]
         self.data = build_data_iterator(recipe.data, seq_length=t.seq_length, global_batch_size=t.global_batch_size,
                                         micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank,
                                         dp_size=self.layout.dp, seed=t.seed, phase=recipe.phase.kind,
-                                        tokenizer=self.tokenizer)
+                                        tokenizer=self.tokenizer, log=self.log)
         self.num_micro_global = t.global_batch_size // t.micro_batch_size
         self.forward_backward = get_forward_backward_func(self.layout)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", rank, world_size,
@@ -102,10 +103,10 @@ class Trainer:
         if not self.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for name, text in (("config.yaml", self.recipe.to_yaml()), ("tokenizer.json", self.tokenizer.to_json())):
-            tmp = self.run_dir / f".{name}.tmp"
-            tmp.write_text(text)
-            tmp.replace(self.run_dir / name)
+        tmp = self.run_dir / ".config.yaml.tmp"
+        tmp.write_text(self.recipe.to_yaml())
+        tmp.replace(self.run_dir / "config.yaml")
+        record_run_tokenizer(self.tokenizer, self.run_dir)  # checkpoints carry their tokenizer
 
     # ---- checkpoint -----------------------------------------------------------------------------
     def state(self) -> dict:
@@ -144,6 +145,7 @@ class Trainer:
             except CheckpointError as exc:
                 raise ConfigError(f"checkpoint.load: {exc}") from None
             full, key = ck.load_optimizer, "checkpoint.load"
+            check_checkpoint_tokenizer(path, self.tokenizer, self.log)
         if path is None:
             return False
         try:  # a refusal leaves the run directory as it was: nothing has been written yet

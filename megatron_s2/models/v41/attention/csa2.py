@@ -8,7 +8,7 @@ statically assigned mode (§2.3.1; plan in :mod:`megatron_s2.config.layer_plan`)
 =========  ===================================  ===========================  ===============
 mode       main KV                              index K                      top-k
 =========  ===================================  ===========================  ===============
-Full       own compressor (decoder: from H_L/2)  projected from own main KV   own indexer
+Full       own compressor (decoder: H_L/2)      projected from own main KV   own indexer
 Reindex    reused from the latest Full layer     reused with it               own indexer
 Reuse      reused from the latest Full layer     not needed                   reused
 =========  ===================================  ===========================  ===============
@@ -95,8 +95,7 @@ class CSA2Attention(nn.Module):
         self.selective_recompute = False  # checkpoint the attention core (set by the model)
         self.compressor = self.index_key = self.indexer = None
         if spec.mode is CSA2Mode.FULL:
-            self.compressor = Compressor(config, spec.compress_ratio, from_encoder_output=spec.uses_encoder_output,
-                                         tp_partial=partial, linears=L)
+            self.compressor = Compressor(config, spec.compress_ratio, tp_partial=partial, linears=L)
             self.index_key = IndexKeyProjection(config, tp_partial=partial, linears=L)
         if spec.runs_indexer:
             self.indexer = Indexer(config, tp, linears=L)
@@ -147,14 +146,6 @@ class CSA2Attention(nn.Module):
         kv = apply_rope(kv, positions, self.inv_freq)
         return fake_quant_fp8(kv) if self.config.fp8_swa_kv and quantise else kv
 
-    def compressor_input(self, x_in: torch.Tensor | None, ctx: ForwardContext) -> torch.Tensor:
-        """What this Full layer's compressor reads, per token: its own attention input, or
-        under CED (§2.2, Eq. 1) the last encoder layer's output H_{L/2}. The one place that
-        decides it, for training and decode alike."""
-        if self.spec.uses_encoder_output:
-            return self._enter(ctx.shared.consume(self.spec.index, self.spec.encoder_source, K.ENCODER_OUTPUT))
-        return x_in
-
     def compressed_entries(self, latent: torch.Tensor, entry_pos: torch.Tensor,
                            quantise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE-free latents [b, n, hd] of entries at token positions ``entry_pos`` [b, n]
@@ -184,13 +175,22 @@ class CSA2Attention(nn.Module):
         return self.linear_out_b(o)
 
     # ---- main-KV / top-k acquisition (§2.3.1) ----------------------------------------------
+    def compressor_input(self, x_in: torch.Tensor) -> torch.Tensor:
+        """What a Full layer's compressor reads: its own normalised attention input.
+
+        The single definition used by training and decode alike. For the CED decoder's Full
+        layer (the first decoder layer, §2.2 Eq. 1) this is attn_norm(H_{L/2}): under Single-Pass
+        mHC its input is the encoder's final streams collapsed with the encoder's last mix, so
+        no separate encoder-output path (or extra norm) exists — as in the released model."""
+        return x_in
+
     def _main_kv(self, x_in: torch.Tensor, ctx: ForwardContext):
         spec, ratio = self.spec, self.spec.compress_ratio
         if spec.mode is not CSA2Mode.FULL:
             main_kv = ctx.shared.consume(spec.index, spec.kv_source, K.MAIN_KV)
             index_k = ctx.shared.consume(spec.index, spec.kv_source, K.INDEX_K) if spec.runs_indexer else None
             return main_kv, index_k
-        kv, gate = self.compressor.project(self.compressor_input(x_in, ctx))
+        kv, gate = self.compressor.project(self.compressor_input(x_in))
         if ctx.kv_cache is not None:  # decode: carry the partial block, append complete ones
             main_kv, index_k = ctx.kv_cache.compress(self, kv, gate)
         else:
