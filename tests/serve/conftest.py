@@ -1,7 +1,11 @@
 """Shared fixtures of the server tests: one checkpoint the session trains itself (a few steps
-of the tiny recipe on one rank), loaded once, and servers started in-process on free ports."""
+of the tiny V4.1 pre-training recipe with the shipped byte-level BPE tokenizer, whose V4-style
+chat template the chat endpoint and verifiers' renderer use), loaded once, and servers started
+in-process on free ports."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,11 +13,10 @@ import torch
 from megatron_s2.cli import main
 from megatron_s2.inference.config import EngineConfig
 from megatron_s2.serve import ServeConfig, ServerThread, build_state
-from tests.parallel.parity import RECIPE
-
-TRAIN = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=0", "training.train_steps=3", "training.seq_length=32",
-         "training.global_batch_size=4", "training.micro_batch_size=2", "data.num_documents=200",
-         "checkpoint.save_interval=3", "logging.progress_bar=false", "logging.tensorboard=false"]
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "v41" / "tiny_pretrain.yaml"
+TRAIN = ["training.train_steps=3", "training.seq_length=32", "training.global_batch_size=4",
+         "training.micro_batch_size=2", "data.num_documents=200", "checkpoint.save_interval=3",
+         "logging.progress_bar=false", "logging.tensorboard=false"]
 
 
 @pytest.fixture(autouse=True)

@@ -64,13 +64,13 @@ def test_greedy_completion_is_the_models_greedy_continuation(client, loaded):
 
 
 def test_streaming_sends_the_same_completion_as_events(client, server):
-    kw = dict(model="tiny", prompt=[1, 40, 41, 42], max_tokens=10, temperature=0.8, seed=5, extra_body=RTI)
+    kw = dict(model="tiny", prompt=[0, 40, 41, 42], max_tokens=10, temperature=0.8, seed=5, extra_body=RTI)
     plain = client.completions.create(**kw).choices[0]
     chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]]
     assert text == plain.text and ids == plain.model_extra["token_ids"]
-    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == [1, 40, 41, 42]
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == [0, 40, 41, 42]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids)
     # the wire format: "data: {json}" events separated by a blank line, ending with [DONE]
@@ -105,7 +105,7 @@ def test_concurrent_clients_get_what_they_get_alone(client):
 
 def test_token_in_token_out_with_the_models_log_probs(client, loaded):
     model, _, _ = loaded
-    prompt = [1, 20, 21, 22, 23, 24]
+    prompt = [0, 20, 21, 22, 23, 24]
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, seed=3, logprobs=2,
                                   extra_body={**RTI, "return_tokens_as_token_ids": True})
     c = r.choices[0]
@@ -137,7 +137,7 @@ def test_stop_strings_are_cut_from_the_text(client):
     (dict(n=0), 400, "n: must be >= 1"),
     (dict(prompt=[5] * 300), 400, "maximum context length is 256"),
     (dict(prompt=[5] * 200, max_tokens=100), 400, "max_tokens: This model's maximum context length"),
-    (dict(prompt=[1, 100000]), 400, "prompt: token id 100000 is outside the vocabulary"),
+    (dict(prompt=[0, 100000]), 400, "prompt: token id 100000 is outside the vocabulary"),
     (dict(presence_penalty=0.5), 400, "presence_penalty"),
     (dict(extra_body={"echo": True}), 400, "echo"),
     (dict(model="gpt-4"), 404, "model"),
@@ -164,3 +164,81 @@ def test_malformed_bodies_are_400(server, body, words):
     assert error["type"] == "BadRequestError" and error["code"] == 400
     if words:
         assert error["message"].startswith(words)
+
+
+# ---- chat ---------------------------------------------------------------------------------------
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+
+
+def test_chat_renders_with_the_tokenizers_chat_template(client, loaded):
+    model, tok, _ = loaded
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0, extra_body=RTI)
+    prompt = tok.apply_chat_template(CHAT, add_generation_prompt=True)
+    assert r.model_extra["prompt_token_ids"] == prompt
+    (c,) = r.choices
+    ids = c.model_extra["token_ids"]
+    assert ids == greedy(model, prompt, 8, tok.eos_id)
+    assert c.message.role == "assistant" and c.message.content == tok.decode(ids)
+    effort = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, extra_body={
+        **RTI, "chat_template_kwargs": {"reasoning_effort": 40}})
+    assert effort.model_extra["prompt_token_ids"] == tok.apply_chat_template(CHAT, add_generation_prompt=True,
+                                                                            reasoning_effort=40)
+
+
+def test_chat_streaming_with_n_and_log_probs(client):
+    kw = dict(model="tiny", messages=CHAT, max_tokens=6, temperature=1.0, seed=9, n=2, logprobs=True, top_logprobs=2)
+    plain = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    for choice in plain.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        streamed = [e for c in mine if c.logprobs for e in c.logprobs.content]
+        assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in choice.logprobs.content]
+        assert all(len(e.top_logprobs) == 2 for e in streamed)
+        assert mine[-1].finish_reason == choice.finish_reason
+    assert plain.choices[0].message.content != plain.choices[1].message.content or \
+        [e.token for e in plain.choices[0].logprobs.content] != [e.token for e in plain.choices[1].logprobs.content]
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(messages=[{"role": "robot", "content": "x"}]), "messages[0].role: must be one of"),
+    (dict(messages=[]), "messages: must be a non-empty list"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages[0].content[0]: only text parts"),
+    (dict(messages=CHAT, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools:"),
+    (dict(messages=CHAT, top_logprobs=2), "top_logprobs: needs logprobs: true"),
+    (dict(messages=CHAT, extra_body={"chat_template_kwargs": {"reasoning_effort": 500}}),
+     "chat_template_kwargs.reasoning_effort: must be <= 100"),
+    (dict(messages=CHAT, extra_body={"chat_template_kwargs": {"enable_thinking": True}}),
+     "chat_template_kwargs.enable_thinking: unknown field"),
+])
+def test_bad_chat_requests_name_the_field(client, kw, words):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", max_tokens=2, **kw)
+    assert err.value.response.json()["error"]["message"].startswith(words), err.value.message
+
+
+class TextOnlyTokenizer:
+    """The run's tokenizer seen through the text protocol only (a tokenizer without a chat
+    template, as a third-party tokenizer object can be)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        if name in ("apply_chat_template", "chat_segments", "has_chat_template"):
+            raise AttributeError(name)
+        return getattr(self._tokenizer, name)
+
+
+def test_a_tokenizer_without_a_chat_template_answers_400(loaded):
+    model, tok, description = loaded
+    srv = start_server((model, TextOnlyTokenizer(tok), description))
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="this model has no chat template"):
+            client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2)
+        assert client.completions.create(model="tiny", prompt="still fine", max_tokens=2).choices[0].text is not None
+    finally:
+        srv.stop()

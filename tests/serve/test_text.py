@@ -5,6 +5,7 @@ at the end, and decoding only a window of recent tokens gives the same text as d
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +40,17 @@ def test_a_stop_string_is_cut_and_never_streamed():
             sent += piece
             assert stop not in sent and len(sent) <= text.index(stop)
     assert "".join(stream(tok, ids, stop=("zzz",))) == text  # held-back text comes out at the end
+
+
+def test_multi_byte_characters_are_held_until_complete():
+    """Byte-level BPE splits characters outside ASCII over several tokens: a streamed piece
+    never ends in half a character, and the pieces join to the text."""
+    from megatron_s2.data.hf_tokenizer import HFTokenizer
+
+    root = Path(__file__).resolve().parents[2]
+    tok = HFTokenizer(root / "recipes" / "tokenizers" / "tiny-bpe")
+    text = "naïve café — 東京で寿司 🍣🍣 ok"
+    ids = tok.encode(text)
+    assert len(ids) > len(text) // 2 and tok.decode(ids) == text
+    pieces = stream(tok, ids)
+    assert "".join(pieces) == text and not any("\ufffd" in piece for piece in pieces)

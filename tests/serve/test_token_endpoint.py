@@ -17,7 +17,7 @@ from megatron_s2.models.v41.moe.routing_replay import RoutingMode, RoutingReplay
 from megatron_s2.serve import ServeConfig
 from tests.serve.conftest import start_server
 
-PROMPT = [1, 30, 31, 32, 33, 34, 35, 36]
+PROMPT = [0, 30, 31, 32, 33, 34, 35, 36]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_response_shape_log_probs_and_routed_experts(server, loaded):
     model, _, _ = loaded
     body = {"model": "tiny", "token_ids": PROMPT,
             "sampling_params": {"max_tokens": 7, "temperature": 1.0, "seed": 4, "logprobs": 1,
-                                "skip_special_tokens": False, "stop_token_ids": [2]}}
+                                "skip_special_tokens": False, "stop_token_ids": [3]}}
     out = post(server, body)
     assert set(out) == {"request_id", "prompt_token_ids", "choices", "usage", "prompt_logprobs", "kv_transfer_params"}
     assert out["prompt_token_ids"] == PROMPT
