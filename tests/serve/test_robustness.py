@@ -150,9 +150,15 @@ def test_bad_command_line_input_exits_2_with_one_line(run_dir, capsys):
         taken.close()
 
 
-def test_console_script_serves_until_interrupted(run_dir):
+def test_console_script_serves_a_converted_checkpoint_until_interrupted(run_dir, tmp_path):
+    """A researcher's path: export to Hugging Face format, serve the export, chat with it; the
+    served model id is the export directory, from which renderers loads the tokenizer."""
+    from renderers.base import load_tokenizer
+
+    export = tmp_path / "hf"
+    assert main(["checkpoint", "export", str(run_dir), str(export), "--no-progress", "--no-verify"]) == 0
     exe = Path(sys.executable).with_name("megatron-s2")
-    proc = subprocess.Popen([str(exe), "serve", str(run_dir), "--port", "0", "--log-level", "warning",
+    proc = subprocess.Popen([str(exe), "serve", str(export), "--port", "0", "--log-level", "warning",
                              "--device", "cpu"], stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -165,9 +171,14 @@ def test_console_script_serves_until_interrupted(run_dir):
             if "listening on " in line:
                 url = line.split("listening on ")[1].split()[0]
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-        assert client.models.list().data[0].id == str(run_dir)
-        r = client.completions.create(model=str(run_dir), prompt="Hi", max_tokens=3, temperature=0)
-        assert r.choices[0].finish_reason in ("stop", "length")
+        model = client.models.list().data[0].id
+        assert model == str(export)
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                           extra_body={"return_token_ids": True})
+        prompt = r.model_extra["prompt_token_ids"]
+        assert load_tokenizer(model).apply_chat_template([{"role": "user", "content": "Hi"}],
+                                                         add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False) == prompt
     finally:
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=60)[1]
