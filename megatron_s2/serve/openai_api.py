@@ -78,9 +78,18 @@ def _usage(prompts: list[list[int]], completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _reason(out) -> tuple[str | None, str | int | None]:
-    reason = getattr(out, "finish_reason", None)
-    return (reason.value if reason is not None else None), getattr(out, "stop_reason", None)
+def _reasons(state: ServerState, f: Fields):
+    """``(finish_reason, stop_reason)`` of an output, as vLLM reports them: ``stop_reason`` is
+    the stop string or requested stop token that ended the choice, None for end-of-sequence."""
+    requested = set(f.token_ids("stop_token_ids", state.vocab_size))
+
+    def reasons(out) -> tuple[str | None, str | int | None]:
+        reason, why = getattr(out, "finish_reason", None), getattr(out, "stop_reason", None)
+        if isinstance(why, int) and why == state.eos_token_id and why not in requested:
+            why = None
+        return (reason.value if reason is not None else None), why
+
+    return reasons
 
 
 async def _collect(gen: Generation, tags: list[int], prompts: list[list[int]], n: int) -> dict[int, CompletedRequest]:
@@ -120,6 +129,7 @@ async def completions(state: ServerState, request):
     f = Fields(parse_json_object(await request.body()))
     state.check_model(f)
     opts = _Options(f, state, chat=False)
+    reasons_of = _reasons(state, f)
     f.refuse_unless_default("echo", False, "the prompt is not echoed; it is in prompt_token_ids with return_token_ids")
     f.refuse_unless_default("suffix", "", "insertion is not implemented")
     prompts = _completion_prompts(f, state)
@@ -146,7 +156,7 @@ async def completions(state: ServerState, request):
             r = done[tag]
             text = TextStream(tok, stop)
             text.push(r.token_ids)
-            reason, why = _reason(r)
+            reason, why = reasons_of(r)
             choice = {"index": tag, "text": text.final_text(), "logprobs": logprobs_of(r.token_ids, r.logprobs,
                                                                                       r.top_logprobs, 0),
                       "finish_reason": reason, "stop_reason": why}
@@ -167,7 +177,7 @@ async def completions(state: ServerState, request):
                 generated += len(out.token_ids)
                 if not (delta or out.finished or opts.token_ids or opts.logprobs is not None):
                     continue
-                reason, why = _reason(out)
+                reason, why = reasons_of(out)
                 choice = {"index": tag, "text": delta, "finish_reason": reason, "stop_reason": why,
                           "logprobs": logprobs_of(out.token_ids, out.logprobs, out.top_logprobs, offset)}
                 if opts.token_ids:
@@ -195,6 +205,7 @@ async def chat_completions(state: ServerState, request):
     f = Fields(parse_json_object(await request.body()))
     state.check_model(f)
     opts = _Options(f, state, chat=True)
+    reasons_of = _reasons(state, f)
     if f.has("tools") and f.raw("tools") != []:
         f.fail("tools", "tool calls are not parsed by this server; render tools client-side (renderers) and call "
                         "/inference/v1/generate")
@@ -223,7 +234,7 @@ async def chat_completions(state: ServerState, request):
             r = done[tag]
             text = TextStream(tok, stop)
             text.push(r.token_ids)
-            reason, why = _reason(r)
+            reason, why = reasons_of(r)
             choice = {"index": tag, "message": {"role": "assistant", "content": text.final_text()},
                       "logprobs": logprobs_of(r), "finish_reason": reason, "stop_reason": why}
             if opts.token_ids:
@@ -253,7 +264,7 @@ async def chat_completions(state: ServerState, request):
                 generated += len(out.token_ids)
                 if not (delta or out.finished or opts.token_ids or opts.logprobs is not None):
                     continue
-                reason, why = _reason(out)
+                reason, why = reasons_of(out)
                 choice = {"index": tag, "delta": {"content": delta} if delta else {}, "logprobs": logprobs_of(out),
                           "finish_reason": reason, "stop_reason": why}
                 if opts.token_ids:

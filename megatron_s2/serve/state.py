@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,8 +24,6 @@ def new_id(prefix: str) -> str:
 
 def sse(payload: dict) -> str:
     """One server-sent event as OpenAI and vLLM emit them: ``data: <json>`` and a blank line."""
-    import json
-
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 

@@ -60,7 +60,7 @@ def test_greedy_completion_is_the_models_greedy_continuation(client, loaded):
     assert ids == greedy(model, prompt, 8, tok.eos_id)
     assert c.text == tok.decode(ids) and c.model_extra["policy_versions"] == [0] * len(ids)
     assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(ids)
-    assert c.finish_reason == ("stop" if ids[-1] == tok.eos_id else "length")
+    assert c.finish_reason == ("stop" if ids[-1] == tok.eos_id else "length") and c.model_extra["stop_reason"] is None
 
 
 def test_streaming_sends_the_same_completion_as_events(client, server):
@@ -129,6 +129,11 @@ def test_stop_strings_are_cut_from_the_text(client):
     assert (r.text, r.finish_reason, r.model_extra["stop_reason"]) == (cut, "stop", stop)
     streamed = "".join(c.choices[0].text for c in client.completions.create(**base, stop=[stop], stream=True))
     assert streamed == cut
+    # a stop token id ends the choice after that token; stop_reason names it (None for <eos>, as vLLM)
+    ids = client.completions.create(**base).choices[0].model_extra["token_ids"]
+    r = client.completions.create(**{**base, "extra_body": {**RTI, "stop_token_ids": [ids[3]]}}).choices[0]
+    assert r.model_extra["token_ids"] == ids[:ids.index(ids[3]) + 1]
+    assert (r.finish_reason, r.model_extra["stop_reason"]) == ("stop", ids[3])
 
 
 @pytest.mark.parametrize("kw, status, words", [
