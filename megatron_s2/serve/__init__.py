@@ -10,6 +10,14 @@ token-out) and vLLM's ``/inference/v1/generate`` token endpoint that RL clients 
 """
 
 from megatron_s2.serve.config import ServeConfig
-from megatron_s2.serve.server import ServerThread, bind_socket, build_state, serve_forever
 
 __all__ = ["ServeConfig", "ServerThread", "bind_socket", "build_state", "serve_forever"]
+
+
+def __getattr__(name: str):
+    """The server pieces import the engine: loaded on first use, not with the CLI parser."""
+    if name in __all__:
+        from megatron_s2.serve import server
+
+        return getattr(server, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
