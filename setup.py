@@ -32,8 +32,13 @@ install_requires = [
 extras_require = {
     "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
     "mpi": ["mpi4py>=3.1"],
+    # serve: `megatron-s2 serve`, the OpenAI-compatible server (versions the tests ran with).
+    "serve": ["fastapi==0.165.0", "uvicorn==0.54.0"],
     # triton: the kernel tests run the Triton kernels on CPU under TRITON_INTERPRET=1.
-    "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "mpi4py>=3.1", "matplotlib>=3.7", "triton==3.9.0"],
+    # openai / verifiers: the server tests use the real clients (verifiers pulls renderers,
+    # transformers and openai); nothing is downloaded at test time.
+    "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "mpi4py>=3.1", "matplotlib>=3.7", "triton==3.9.0",
+            "fastapi==0.165.0", "uvicorn==0.54.0", "openai==2.54.0", "verifiers==0.4.0"],
 }
 
 subpackages = {"launcher": "launcher", "kernels": "kernels", "tools": "tools"}
