@@ -243,8 +243,7 @@ def report(out_dir: Path, layouts: list[str], base: list[str], detail: bool) -> 
         steps = recs[0]["steps"]
         recipe = load_recipe(RECIPE, [*base, *LAYOUTS[name][1]])
         t = recipe.training
-        layout = ParallelLayout.build(recipe.parallel, recipe.model, world, seq_length=t.seq_length,
-                                      global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+        layout = ParallelLayout.from_recipe(recipe, world)
         terms = analytic_volume(recipe.model, layout, Geometry(t.micro_batch_size, t.seq_length, t.global_batch_size),
                                 sinkhorn_iters=recipe.optimizer.sinkhorn_iters,
                                 grad_bucket_mb=recipe.parallel.grad_bucket_mb, rules=recipe.optimizer.rules)

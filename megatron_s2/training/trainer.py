@@ -56,8 +56,7 @@ class Trainer:
         self.log = log if self.is_main else (lambda *a, **k: None)
         t = recipe.training
         seed_everything(t.seed, t.deterministic)
-        self.layout = ParallelLayout.build(recipe.parallel, recipe.model, world_size, seq_length=t.seq_length,
-                                           global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+        self.layout = ParallelLayout.from_recipe(recipe, world_size)
         self.groups = build_groups(self.layout)
         self.tokenizer = build_tokenizer(recipe.data)
         if self.tokenizer.vocab_size > recipe.model.vocab_size:
