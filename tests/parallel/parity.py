@@ -95,11 +95,23 @@ def load_records(out_dir: Path, world: int) -> list[dict]:
 # ANY two runs that sum in a different order. Their parameters get a looser bound after steps.
 MHC_COEFFICIENTS = ("_hc.fn", "_hc.base", "_hc.scale")
 
+# Engram gate weights and table rows: their first-step gradients sit at ~1e-4 of the model's
+# largest gradient (on grad_floor), so fp32 reduction-order noise carried through the rest of
+# the backward is a sizeable fraction of them. Measured with tests/parallel/noise_envelope.py
+# (the single-rank run with every MoE output multiplied by 1 + 1e-7 N(0,1), the size of the
+# differences a layout's reduction order makes; 10 noise seeds): layer 5's q_weight / k_weight
+# gradients move by up to 3.7e-5 and its table gradient by 2.1e-5 of their scale, every other
+# tensor but the mHC predictors by < 6e-6. ETP2 x EP2 measures 2.447e-5 on q_weight (the same digits
+# on every run): inside the noise envelope, not a wrong gradient. These
+# three get 1e-4 (2.7x the envelope); everything else keeps 2e-5.
+ENGRAM_GATE_AND_TABLE = ("engram.q_weight", "engram.k_weight", "engram.table")
+
 # Tolerance policy of every parity test (fp32; see tests/parallel/test_parity_2rank.py's docstring
 # for the measured worst cases): gradients after the first backward within 2e-5 of the tensor's
-# largest magnitude (floored at 1e-4 of the model's largest gradient); parameters after three
-# optimiser steps within 5e-5, mHC coefficient predictors within 2e-2.
-TOLERANCES = dict(grad_rtol=2e-5, grad_floor=1e-4, param_rtol=5e-5, mhc_param_rtol=2e-2)
+# largest magnitude (floored at 1e-4 of the model's largest gradient), Engram gate weights and
+# tables 1e-4 (ENGRAM_GATE_AND_TABLE); parameters after three optimiser steps within 5e-5, mHC
+# coefficient predictors within 2e-2.
+TOLERANCES = dict(grad_rtol=2e-5, grad_floor=1e-4, engram_grad_rtol=1e-4, param_rtol=5e-5, mhc_param_rtol=2e-2)
 
 
 def assert_close(full: dict, ref: dict, what: str, rtol: float, *, floor: float = 0.0,
@@ -143,7 +155,7 @@ def run_layouts(root: Path, world: int, layouts: dict[str, list[str]], reference
 
 
 def check_against_reference(records: list[dict], ref: dict, layout: str, *, grad_rtol: float, grad_floor: float,
-                            param_rtol: float, mhc_param_rtol: float) -> None:
+                            engram_grad_rtol: float, param_rtol: float, mhc_param_rtol: float) -> None:
     """Losses, grad norms, gradients, parameters after three steps, router biases, shadows."""
     import pytest
 
@@ -155,6 +167,6 @@ def check_against_reference(records: list[dict], ref: dict, layout: str, *, grad
             assert (value - ref["buffers"][name]).abs().max() <= 1e-6, f"{layout}: buffer {name}"
     assert set().union(*(rec["buffers"] for rec in records)) == set(ref["buffers"]), f"{layout}: buffers missing"
     assert_close(assemble(records, "grads"), assemble([ref], "grads"), f"{layout} gradients", grad_rtol,
-                 floor=grad_floor)
+                 floor=grad_floor, loose=(ENGRAM_GATE_AND_TABLE, engram_grad_rtol))
     assert_close(assemble(records, "params"), assemble([ref], "params"), f"{layout} parameters after 3 steps",
                  param_rtol, loose=(MHC_COEFFICIENTS, mhc_param_rtol))
