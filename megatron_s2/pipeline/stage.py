@@ -75,7 +75,7 @@ class PipelineRuntime:
         """Payload entering ``stage`` for micro-batch ``mb`` (shapes from this rank's slice)."""
         b, local = mb["tokens"].shape
         full = mb.get("full_seq", local)
-        stream = local // self.groups.tp.size if self.groups.sequence_parallel and self.groups.tp.active else local
+        stream = self.groups.sequence.stream_length(local)
         return PayloadSpec.build(self.cfg, self.plan, self.stage_layers[stage][0], self.modes, batch=b,
                                  local_seq=local, full_seq=full, stream_seq=stream, tp_size=self.groups.tp.size)
 

@@ -1,15 +1,14 @@
 """Gradient reduction after the backward pass (megatron-core's ``finalize_model_grads``).
 
-Which group a gradient is reduced over follows from attributes the modules set on their
-parameters, never from names:
+Which group a gradient is reduced over is read from the parameter's
+:class:`~megatron_s2.parallel.placement.ParamPlacement` (set by the model's parallel plan),
+never from names:
 
-* ``sequence_parallel``: replicated over tp but fed different tokens (or only the local
-  heads' share) -> partial sum, all-reduced over tp first;
-* ``is_expert``: a routed expert held by one expert-parallel rank -> summed over its
-  expert-data-parallel replicas;
-* ``engram_table``: an Engram row partition -> summed over the ranks holding the same
-  partition (``engram_replica``); the lookup already returned every requester's gradient;
-* anything else: summed over data x context parallel replicas.
+* ``tp_partial``: replicated over tp but fed different tokens (or only the local heads'
+  share) -> partial sum, all-reduced over tp first;
+* ``replicas``: the identical copies whose gradients are summed — data x context replicas
+  (dense parameters), expert-data replicas (routed experts), or the ranks holding the same
+  Engram row partition (the lookup already returned every requester's gradient).
 
 Each rank's loss is already normalised by the *global* token count (see losses.py), so every
 reduction is a plain SUM. Gradients of the same reduction group are flattened into buckets of
@@ -24,16 +23,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_s2.parallel.groups import Group, ParallelGroups
+from megatron_s2.parallel.placement import placement_of
 
 __all__ = ["finalize_model_grads", "reduction_group"]
 
 
 def reduction_group(param: torch.nn.Parameter, groups: ParallelGroups) -> tuple[str, Group]:
-    if getattr(param, "engram_table", False):
-        return "engram_replica", groups.engram_replica
-    if getattr(param, "is_expert", False):
-        return "expert_dp", groups.expert_dp
-    return "dp_cp", groups.dp_cp
+    """(name, group) of the replicas whose gradients of ``param`` are summed."""
+    field = placement_of(param).replicas.value
+    return field, getattr(groups, field)
 
 
 def _bucketed_all_reduce(grads: list[torch.Tensor], group: Group, bucket_bytes: int) -> None:
@@ -66,7 +64,7 @@ def finalize_model_grads(params: list[torch.nn.Parameter], groups: ParallelGroup
     bucket_bytes = int(bucket_mb * 2 ** 20)
     with_grad = [p for p in params if p.grad is not None]
     if groups.tp.active:
-        partial = [p.grad for p in with_grad if getattr(p, "sequence_parallel", False)]
+        partial = [p.grad for p in with_grad if placement_of(p).tp_partial]
         _bucketed_all_reduce(partial, groups.tp, bucket_bytes)
     by_group: dict[str, tuple[Group, list[torch.Tensor]]] = defaultdict(lambda: (None, []))
     for p in with_grad:
@@ -80,14 +78,12 @@ def finalize_model_grads(params: list[torch.nn.Parameter], groups: ParallelGroup
 
 
 def replication(param: torch.nn.Parameter, groups: ParallelGroups) -> int:
-    """How many ranks hold an identical copy of this rank's shard of ``param``."""
-    if getattr(param, "engram_table", False):
-        return groups.engram_replica.size * groups.tp.size
-    if getattr(param, "is_expert", False):
-        return groups.expert_dp.size
-    spec = getattr(param, "shard_spec", None)
-    tp_sharded = spec is not None and spec.is_sharded
-    return groups.stage.size // (groups.tp.size if tp_sharded else 1)
+    """How many ranks of the stage hold an identical copy of this rank's shard of ``param``:
+    the stage's ranks over the number of distinct shards."""
+    shards = 1
+    for _, _, count in placement_of(param).shard.splits:
+        shards *= count
+    return groups.stage.size // shards
 
 
 @torch.no_grad()

@@ -12,7 +12,8 @@ state H_{L/2} here instead of its own, through its own input RMSNorm. RoPE and F
 applied by the attention layer, after the index keys are derived from the RoPE-free latent.
 
 The projections are replicated over tensor-parallel ranks (one latent for all heads) and
-run on the locally held tokens; the caller gathers the small latent over the sequence.
+run on the locally held tokens; the caller gathers the small latent over the sequence. They
+are placed by the attention layer's section of the parallel plan (``compressor.*``).
 """
 
 from __future__ import annotations
@@ -38,19 +39,15 @@ def pool_groups(kv: torch.Tensor, gate: torch.Tensor, ratio: int) -> torch.Tenso
 
 
 class Compressor(nn.Module):
-    def __init__(self, config: ModelConfig, ratio: int, *, from_encoder_output: bool, tp_partial: bool,
-                 linears=None):
+    def __init__(self, config: ModelConfig, ratio: int, *, from_encoder_output: bool, linears=None):
         super().__init__()
         linear = linears.replicated_linear if linears is not None else ReplicatedLinear
         self.ratio = ratio
         d, hd = config.hidden_size, config.head_dim
-        self.input_norm = RMSNorm(d, config.norm_eps, sequence_parallel=tp_partial) if from_encoder_output else None
+        self.input_norm = RMSNorm(d, config.norm_eps) if from_encoder_output else None
         self.linear_kv = linear(d, hd)
         self.linear_gate = linear(d, hd) if ratio > 1 else None
-        self.norm = RMSNorm(hd, config.norm_eps, sequence_parallel=tp_partial)
-        for lin in (self.linear_kv, self.linear_gate):
-            if lin is not None:
-                lin.weight.sequence_parallel = tp_partial
+        self.norm = RMSNorm(hd, config.norm_eps)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token projections (run on the locally held tokens): (C, Z)."""

@@ -14,7 +14,7 @@ a distributed gather:
 
 The table's gradient is then complete for the tokens of the engram group; replicas of the same
 partition (``ParallelGroups.engram_replica``) still have to be all-reduced, which the gradient
-finaliser does for parameters flagged ``engram_table``. The report prefetches rows for the
+finaliser does for parameters placed ``engram_rows`` (replicas: the Engram replica group). The report prefetches rows for the
 whole local batch and defers the gradient return until after the backbone backward; this
 module performs both inline per micro-batch (same numbers, no overlap).
 
@@ -46,7 +46,8 @@ from torch import nn
 
 from megatron_s2.models.v41.quant import fake_quant_fp8
 from megatron_s2.parallel.groups import Group
-from megatron_s2.parallel.sharding import mark_param, name_seed
+from megatron_s2.parallel.placement import mark_param
+from megatron_s2.parallel.sharding import name_seed
 
 __all__ = [
     "ENGRAM_ROW_ALIGN",
@@ -156,7 +157,7 @@ class EngramTable(nn.Module):
     """
 
     def __init__(self, num_rows: int, width: int, group: Group | None = None, *, fp8: bool = False,
-                 init_std: float = 0.006, dtype: torch.dtype = torch.float32, sequence_parallel: bool = False):
+                 init_std: float = 0.006, dtype: torch.dtype = torch.float32):
         super().__init__()
         group = group or Group.single()
         full = padded_rows(num_rows)
@@ -167,9 +168,7 @@ class EngramTable(nn.Module):
         self.rows_per_rank = full // group.size
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, width, dtype=dtype))
         init_full, init_shard = table_init(num_rows, init_std)
-        mark_param(self.weight, (full, width), [(0, group.rank, group.size)], init=init_full,
-                   init_shard_fn=init_shard, engram_table=True, engram_rows=num_rows,
-                   sequence_parallel=sequence_parallel)
+        mark_param(self.weight, (full, width), [(0, group.rank, group.size)], init=init_full, init_shard=init_shard)
 
     @property
     def first_row(self) -> int:
