@@ -88,9 +88,9 @@ class OurStage(nn.Module):
     Output: the outgoing payload fields + running auxiliary loss, or on the last stage the
     micro-batch objective (token loss / global tokens + auxiliary losses / micro-batches)."""
 
-    def __init__(self, model, stage: int, num_micro_global: int):
+    def __init__(self, model, runtime, stage: int, num_micro_global: int):
         super().__init__()
-        self.model, self.rt, self.stage, self.num_micro_global = model, model.pipeline, stage, num_micro_global
+        self.model, self.rt, self.stage, self.num_micro_global = model, runtime, stage, num_micro_global
         self.global_tokens: torch.Tensor | None = None
 
     def forward(self, *payload, labels, loss_mask, doc_ids, position_ids, tokens=None):
@@ -119,7 +119,7 @@ class OurStage(nn.Module):
         if rt.is_last(stage):
             token_loss = model.loss(model.head(x, pre), labels)
             return ((token_loss * loss_mask).sum() / self.global_tokens + aux).reshape(())
-        return (*rt.export(stage, x, pre, ctx), aux)
+        return (*rt.export(stage, x, pre, ctx, mb), aux)
 
 
 def _meta(spec) -> tuple[torch.Tensor, ...]:
@@ -156,11 +156,11 @@ class TorchSchedule:
     def __init__(self, trainer, micro_batches: list[dict]):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        rt = trainer.model.pipeline
+        rt = trainer.pipeline
         if rt.vpp != 1:
             raise ValueError("Schedule1F1B runs one stage per rank (vpp = 1)")
         stage = rt.stages[0]
-        self.module = OurStage(trainer.model, stage, trainer.num_micro_global)
+        self.module = OurStage(trainer.model, rt, stage, trainer.num_micro_global)
         self.module.global_tokens = sum(mb["loss_mask"].sum() for mb in micro_batches).float()
         mb0 = micro_batches[0]
         inputs = ((torch.empty(mb0["tokens"].shape, dtype=mb0["tokens"].dtype, device="meta"),) if rt.is_first(stage)
@@ -203,7 +203,7 @@ def _run_task(rank: int, world: int, task: dict, base: list[str], out_dir: str) 
     run_dir = Path(out_dir) / task["name"] / "run"
     recipe = load_recipe(RECIPE, [*base, *task["overrides"], f"training.run_dir={run_dir}"])
     trainer = Trainer(recipe, run_dir, rank=rank, world_size=world, log=lambda *a, **k: None)
-    rt = trainer.model.pipeline
+    rt = trainer.pipeline
     transport = rt.transport
     micro_batches = trainer.data.next_step()
     inputs = StepInputs(micro_batches, trainer.groups, trainer.num_micro_global)

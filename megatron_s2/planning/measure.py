@@ -153,8 +153,7 @@ def _optimizer_state_tensors(optimizer):
                     yield value
 
 
-def _replica_params(model) -> list[torch.nn.Parameter]:
-    pipeline = getattr(model, "pipeline", None)
+def _replica_params(pipeline) -> list[torch.nn.Parameter]:
     if pipeline is None:
         return []
     return [p for replica in pipeline.shadows.replicas.values() for p in replica.parameters()]
@@ -166,7 +165,7 @@ def measure_step(trainer, *, track_allocations: bool = False) -> MeasuredStep:
 
     trainer.schedule.apply(trainer.optimizer, trainer.step)
     micro_batches = trainer.data.next_step()
-    params = list(trainer.model.parameters()) + _replica_params(trainer.model)
+    params = list(trainer.model.parameters()) + _replica_params(trainer.pipeline)
     allocations = AllocationTracker() if track_allocations else contextlib.nullcontext()
     with SavedTensorTracker(params) as saved, allocations:
         result = trainer.compute_gradients(micro_batches)

@@ -30,9 +30,10 @@ from megatron_s2.parallel.setup import build_groups
 from megatron_s2.parallel.sharding import name_seed
 from megatron_s2.training.grad_finalize import clip_grads, finalize_model_grads
 from megatron_s2.training.metrics import MetricsLogger, device_peak_tflops
+from megatron_s2.pipeline.schedules import get_forward_backward_func
 from megatron_s2.training.model_builder import build_stage_model
 from megatron_s2.training.rng import rng_state, seed_everything, set_rng_state
-from megatron_s2.training.step import StepInputs, get_forward_backward_func
+from megatron_s2.training.step import StepInputs
 
 __all__ = ["Trainer", "TrainResult"]
 
@@ -62,8 +63,8 @@ class Trainer:
         if self.tokenizer.vocab_size > recipe.model.vocab_size:
             raise ConfigError(f"model.vocab_size: {recipe.model.vocab_size} is smaller than the "
                               f"{recipe.data.tokenizer} tokenizer's {self.tokenizer.vocab_size} tokens")
-        self.model = build_stage_model(recipe, self.layout, self.groups, rank,
-                                       self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
+        self.model, self.pipeline = build_stage_model(recipe, self.layout, self.groups, rank,
+                                                      self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
         self._freeze(recipe.phase.freeze)
         row_groups, matrix_shards = optimizer_shard_groups(self.model, self.groups, recipe.optimizer)
         self.optimizer = build_optimizer(self.model, recipe.optimizer, row_groups=row_groups,
@@ -78,7 +79,7 @@ class Trainer:
                                         dp_size=self.layout.dp, seed=t.seed, phase=recipe.phase.kind,
                                         tokenizer=self.tokenizer)
         self.num_micro_global = t.global_batch_size // t.micro_batch_size
-        self.forward_backward = get_forward_backward_func(self.layout)
+        self.forward_backward = get_forward_backward_func(self.layout, self.pipeline)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", rank, world_size,
                                              keep_last=recipe.checkpoint.keep_last,
                                              async_save=recipe.checkpoint.async_save,
@@ -170,9 +171,8 @@ class Trainer:
         grad_norm = clip_grads(self.params, self.recipe.optimizer.clip_grad, self.groups)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        pipeline = getattr(self.model, "pipeline", None)
-        if pipeline is not None:
-            pipeline.shadows.refresh()  # replicas follow their owners (§3.1.2)
+        if self.pipeline is not None:
+            self.pipeline.shadows.refresh()  # replicas follow their owners (§3.1.2)
         self.model.update_expert_bias()
         self.step += 1
         return float(grad_norm)

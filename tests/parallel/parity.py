@@ -46,7 +46,7 @@ def run_layout(rank: int, world: int, overrides: list[str], out_dir: str) -> Non
     recipe = load_recipe(RECIPE, [*BASE, *overrides, f"training.run_dir={run_dir}"])
     trainer = Trainer(recipe, run_dir, rank=rank, world_size=world, log=lambda *a, **k: None)
     record: dict = {"losses": [], "grad_norms": [], "shadow_divergence": []}
-    pipeline = getattr(trainer.model, "pipeline", None)
+    pipeline = trainer.pipeline
     for step in range(STEPS):
         trainer.schedule.apply(trainer.optimizer, trainer.step)
         result = trainer.compute_gradients(trainer.data.next_step())
