@@ -66,6 +66,24 @@ def test_single_rank_matches_measurement(tmp_path):
     assert abs(err) <= ACTIVATION_RTOL
 
 
+def test_selective_recompute_drops_what_the_plan_says(tmp_path):
+    """``parallel.recompute: selective`` is documented (config docstring, ``plan memory``) to
+    recompute the attention core and the routed experts. Measured saved activations must match
+    the plan, and so must the saving against no recomputation: when only the attention core was
+    checkpointed, the plan was 14 % below the measurement and the saving 53 % of the planned one."""
+    measured, planned = {}, {}
+    for mode in ("none", "selective"):
+        overrides = ["training.global_batch_size=2", f"parallel.recompute={mode}"]
+        r = recipe(*overrides)
+        planned[mode] = rank_memory(r, ParallelLayout.from_recipe(r, 1), 0)
+        measured[mode] = measure_step(trainer(0, 1, overrides, tmp_path / mode))
+        _check(f"recompute={mode}", 0, planned[mode], measured[mode])
+    saved = measured["none"].saved_activation_peak - measured["selective"].saved_activation_peak
+    plan_saved = planned["none"].saved_activations - planned["selective"].saved_activations
+    print(f"selective recomputation saves {saved / 2**20:.2f} MiB, planned {plan_saved / 2**20:.2f} MiB")
+    assert abs(saved / plan_saved - 1) <= ACTIVATION_RTOL
+
+
 def _worker(rank, world, root):
     from pathlib import Path
 
