@@ -54,6 +54,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "dp2_zero1": (2, ["parallel.distributed_optimizer=true"]),
     "engram2": (2, ["parallel.engram_parallel=2"]),
     "ep4": (4, ["parallel.ep=4"]),
+    "ep4_zero1": (4, ["parallel.ep=4", "parallel.distributed_optimizer=true"]),
     "etp2_ep2": (4, ["parallel.etp=2", "parallel.ep=2"]),
     "tp2_ep2_dp2": (4, ["parallel.tp=2", "parallel.ep=2"]),
 }
@@ -219,6 +220,16 @@ def run_layouts(rank: int, world: int, layouts: list[str], base: list[str], step
 
 # ---- report ----------------------------------------------------------------------------------------
 GROUP_ORDER = ("tp", "ep", "etp", "engram", "dp_cp", "expert_dp", "engram_replica", "stage", "world")
+REPLICA_GROUPS = ("dp_cp", "expert_dp", "engram_replica")
+
+
+def _ring_wire(term, g: int) -> float:
+    """Ring-algorithm bytes a rank sends for an analytic term (payload convention of comm_model)."""
+    if g < 2:
+        return 0.0
+    if "all-reduce" in term.what or "scalars" in term.what:
+        return 2 * (g - 1) / g * term.bytes
+    return (g - 1) / g * term.bytes
 
 
 def _kib(n: float) -> str:
@@ -237,6 +248,7 @@ def report(out_dir: Path, layouts: list[str], base: list[str], detail: bool) -> 
     from tests.parallel.parity import RECIPE
 
     rows, mem_rows = [], []
+    replica_wire: dict[str, tuple[float, float]] = {}  # layout -> (measured, analytic) wire of the replica groups
     for name in layouts:
         world = LAYOUTS[name][0]
         recs = [json.loads((out_dir / name / f"rank{r}.json").read_text()) for r in range(world)]
@@ -260,6 +272,8 @@ def report(out_dir: Path, layouts: list[str], base: list[str], detail: bool) -> 
             analytic[term.group][0] += term.calls
             analytic[term.group][1] += term.bytes
         sizes = group_sizes(layout)
+        an_wire = sum(_ring_wire(term, sizes[term.group]) for term in terms if term.group in REPLICA_GROUPS)
+        replica_wire[name] = (sum(measured.get(k, [0, 0.0, 0.0])[2] for k in REPLICA_GROUPS), an_wire)
         kinds = [k for k in GROUP_ORDER if k in measured or k in analytic]
         kinds += sorted(set(measured) - set(kinds))
         print(f"\n{name}: {recs[0]['describe']}  ({steps} steps, {sum(r['step_time'] for r in recs) / world:.2f} s/step)")
@@ -290,6 +304,14 @@ def report(out_dir: Path, layouts: list[str], base: list[str], detail: bool) -> 
     _table(("layout", "group", "ranks", "calls", "calls(an)", "measured", "analytic", "meas/an", "wire"), rows)
     print("\nPer-rank memory after a step (KiB): parameters, gradients (after reduction), optimiser state")
     _table(("layout", "what", "mean", "min rank", "max rank", "estimate", "max/est"), mem_rows)
+    pairs = [(n, f"{n}_zero1") for n in layouts if f"{n}_zero1" in layouts]
+    if pairs:
+        print("\nZeRO-1 against plain data parallelism: wire bytes per rank per step of the replica groups "
+              f"({', '.join(REPLICA_GROUPS)}), KiB (ZeRO-1 before: all-reduce + broadcast, ratio ~1.5)")
+        _table(("layouts", "plain DP", "ZeRO-1", "ratio", "ratio(an)"),
+               [(f"{a} / {b}", _kib(replica_wire[a][0]), _kib(replica_wire[b][0]),
+                 _ratio(replica_wire[b][0], replica_wire[a][0]), _ratio(replica_wire[b][1], replica_wire[a][1]))
+                for a, b in pairs])
 
 
 def _table(header, rows) -> None:

@@ -70,7 +70,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, recipe.optimizer, row_groups=row_groups,
                                          matrix_shards=matrix_shards)
         if recipe.parallel.distributed_optimizer:
-            self.optimizer = DistributedOptimizer(self.optimizer, self.model, self.groups)
+            self.optimizer = DistributedOptimizer(self.optimizer, self.model, self.groups,
+                                                  bucket_mb=recipe.parallel.grad_bucket_mb)
+        self.zero1 = self.optimizer if isinstance(self.optimizer, DistributedOptimizer) else None
         self.schedule = LRSchedule(recipe.schedule)
         coords = self.layout.coords(rank)
         self.dp_rank = coords["dp"]
@@ -163,12 +165,12 @@ class Trainer:
         micro_batches = [split_micro_batch(mb, self.groups.cp) for mb in micro_batches]
         inputs = StepInputs(micro_batches, self.groups, self.num_micro_global)
         result = self.forward_backward(self.model, inputs)
-        finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb)
+        finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb, zero1=self.zero1)
         return result
 
     def apply_gradients(self) -> float:
         """Clip, optimiser step, then the once-per-step MoE correction-bias update."""
-        grad_norm = clip_grads(self.params, self.recipe.optimizer.clip_grad, self.groups)
+        grad_norm = clip_grads(self.params, self.recipe.optimizer.clip_grad, self.groups, zero1=self.zero1 is not None)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.pipeline is not None:
