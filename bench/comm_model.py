@@ -68,10 +68,12 @@ follow this table's order, exact when a group fits one bucket); plus scalars (to
 loss, 3 metrics). **expert_dp** and **engram_replica**: the same for expert weights and for
 Engram table partitions, over the ranks holding identical copies.
 
-**engram** (engram parallel, g ranks), every micro-batch and Engram layer: ``U`` unique row
-ids requested (upper bound ``U <= tokens x tables``, no duplicates assumed): counts ``8 g``,
-ids ``8 U``, rows ``U w f`` forward and row gradients ``U w f`` backward (``w`` = Engram head
-dim); plus Sinkhorn column statistics of the partitioned tables ``16 + 5 w f`` per table.
+**engram** (engram parallel, g ranks), once per step for all Engram layers (prefetch,
+§3.1.3): ``U`` unique row ids of the step's local batch (upper bound ``U <= m x tokens x
+tables x layers``, no duplicates assumed): counts ``8 g x layers``, ids ``8 U``, rows ``U w f``
+before the first micro-batch and row gradients ``U w f`` after the last backward (``w`` =
+Engram head dim); plus Sinkhorn column statistics of the partitioned tables ``16 + 5 w f``
+per table.
 
 **stage** (tp x cp x dp): the per-step router load counts, ``L x modalities x E x 8``.
 **world**: the gradient-norm all-reduce (4 bytes).
@@ -303,10 +305,11 @@ def analytic_volume(c: ModelConfig, layout: ParallelLayout, geo: Geometry, *, si
     if layout.engram > 1:
         g, w = layout.engram, c.engram_head_dim
         tokens = T // t if sp else T
-        ids = tokens * c.engram_num_tables  # upper bound on unique ids
-        for layer in c.engram_layers:
-            add("engram", f"layer {layer}: counts + ids + rows (fwd) + row grads (bwd), U<=tokens*tables",
-                g * I64 + ids * I64 + 2 * ids * w * F32, 4)
+        layers = len(c.engram_layers)
+        ids = m * tokens * c.engram_num_tables * layers  # upper bound on the step's unique ids
+        add("engram", "prefetch: counts + ids + rows of the step, U <= m*tokens*tables*layers",
+            g * layers * I64 + ids * I64 + ids * w * F32, 3, per_micro=False)
+        add("engram", "row gradients returned to the owners after the backward", ids * w * F32, 1, per_micro=False)
         add("engram", "Sinkhorn statistics (Engram tables)", len(c.engram_layers) * (16 + (sinkhorn_iters // 2) * w * F32),
             len(c.engram_layers) * (3 + sinkhorn_iters // 2), per_micro=False)
     # ---- replicas: gradients (+ ZeRO-1 parameter broadcast) ------------------------------------------

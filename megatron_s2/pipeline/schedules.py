@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from megatron_s2.models.v41.engram import EngramPrefetch
 from megatron_s2.parallel import mappings
 from megatron_s2.pipeline.p2p import BACKWARD, FORWARD
 from megatron_s2.training.losses import global_token_count, micro_batch_objective
@@ -50,13 +51,19 @@ def get_forward_backward_func(layout, pipeline: "PipelineRuntime | None" = None)
     return functools.partial(forward_backward_pipelined, runtime=pipeline)
 
 
+def _prefetch_engram(model, inputs: StepInputs) -> EngramPrefetch | None:
+    """Rows of every Engram layer on this rank for the step's whole local batch (§3.1.3)."""
+    return EngramPrefetch.for_step(model, inputs.micro_batches, lambda mb: make_context(model, mb))
+
+
 def forward_backward_no_pipelining(model, inputs: StepInputs) -> StepResult:
     groups = inputs.groups
     tokens = global_token_count(inputs.micro_batches, groups.dp_cp)
     loss_sum = torch.zeros(())
     metric_sums: dict[str, torch.Tensor] = {}
+    engram_rows = _prefetch_engram(model, inputs)
     for mb in inputs.micro_batches:
-        ctx = make_context(model, mb, inputs.routing)
+        ctx = make_context(model, mb, inputs.routing, engram_rows)
         token_loss = model(mb["tokens"], ctx, labels=mb["labels"])
         objective, summed = micro_batch_objective(token_loss, mb["loss_mask"], tokens, ctx.total_aux_loss(),
                                                   inputs.num_micro_global)
@@ -64,6 +71,8 @@ def forward_backward_no_pipelining(model, inputs: StepInputs) -> StepResult:
         loss_sum = loss_sum + summed
         for name, value in list(ctx.aux_losses.items()) + [(f"{k}_raw", v) for k, v in ctx.aux_metrics.items()]:
             metric_sums[name] = metric_sums.get(name, 0) + value.detach()
+    if engram_rows is not None:
+        engram_rows.return_grads()
     loss = mappings.all_reduce_sum(loss_sum.reshape(1), groups.dp_cp)
     return StepResult(float(loss) / float(tokens), int(tokens), reduce_metrics(metric_sums, groups, inputs.num_micro_global))
 
@@ -121,11 +130,12 @@ def forward_backward_pipelined(model, inputs: StepInputs, *, runtime: "PipelineR
     loss_sum = torch.zeros(())
     metric_sums: dict[str, torch.Tensor] = {}
     transport = rt.transport
+    engram_rows = _prefetch_engram(model, inputs)
     for op, vi, k in order:
         stage = rt.stages[vi]
         mb = mbs[k]
         if op == "F":
-            ctx = make_context(model, mb, inputs.routing)
+            ctx = make_context(model, mb, inputs.routing, engram_rows)
             rt.request_exports(stage, ctx)
             inputs_f: list[torch.Tensor] = []
             if rt.is_first(stage):
@@ -183,6 +193,8 @@ def forward_backward_pipelined(model, inputs: StepInputs, *, runtime: "PipelineR
         live = sum(u.state_bytes() for u in units.values())
         rt.peak_state_bytes = max(rt.peak_state_bytes, live)
         rt.peak_in_flight = max(rt.peak_in_flight, len(units))
+    if engram_rows is not None:
+        engram_rows.return_grads()
     transport.flush()
     rt.shadows.sync_grads()
     loss = mappings.all_reduce_sum(loss_sum.reshape(1), groups.dp_cp)

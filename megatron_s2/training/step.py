@@ -35,9 +35,10 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)  # aux losses/diagnostics, global means
 
 
-def make_context(model, mb: dict[str, torch.Tensor], routing=None) -> ForwardContext:
+def make_context(model, mb: dict[str, torch.Tensor], routing=None, engram_rows=None) -> ForwardContext:
     ctx = ForwardContext.create(mb["tokens"], model.plan, positions=mb.get("position_ids"),
                                 doc_ids=mb.get("doc_ids"), image_mask=mb.get("image_mask"), routing=routing)
+    ctx.engram_rows = engram_rows
     if "full_tokens" in mb:  # context-parallel chunk of a longer sequence
         ctx.full_input_ids = mb["full_tokens"]
         ctx.full_doc_ids = mb.get("full_doc_ids")

@@ -18,6 +18,7 @@ from megatron_s2.config.layer_plan import LayerPlan
 from megatron_s2.models.v41.shared_state import SharedStateRegistry
 
 if TYPE_CHECKING:
+    from megatron_s2.models.v41.engram.prefetch import EngramPrefetch
     from megatron_s2.models.v41.moe.routing_replay import RoutingReplay
 
 __all__ = ["ForwardContext"]
@@ -47,6 +48,8 @@ class ForwardContext:
     """[b, S] document ids of the whole sequence under context parallelism."""
     full_image_mask: torch.Tensor | None = None
     """[b, S] image mask of the whole sequence under context parallelism."""
+    engram_rows: "EngramPrefetch | None" = None
+    """Engram rows prefetched for the whole step (§3.1.3); None: each Engram looks its rows up."""
 
     @classmethod
     def create(cls, input_ids: torch.Tensor, plan: LayerPlan, *, positions: torch.Tensor | None = None,

@@ -113,7 +113,11 @@ class Engram(nn.Module):
         if ids.shape[:2] != x.shape[:2]:
             raise ValueError(f"Engram: streams {tuple(x.shape)} do not match the {tuple(ids.shape[:2])} "
                              "tokens of the forward context")
-        rows = self.table(ids)  # [b, s, T, head_dim]
+        prefetched = ctx.engram_rows
+        if prefetched is not None and prefetched.holds(self.layer_number):
+            rows = prefetched.lookup(self.layer_number, ids)  # rows of the step's batch (§3.1.3)
+        else:
+            rows = self.table(ids)  # [b, s, T, head_dim]
         kv = self.linear_kv(rows.flatten(-2))
         nd = self.n * self.hidden_size
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32

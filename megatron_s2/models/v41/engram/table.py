@@ -14,9 +14,10 @@ a distributed gather:
 
 The table's gradient is then complete for the tokens of the engram group; replicas of the same
 partition (``ParallelGroups.engram_replica``) still have to be all-reduced, which the gradient
-finaliser does for parameters placed ``engram_rows`` (replicas: the Engram replica group). The report prefetches rows for the
-whole local batch and defers the gradient return until after the backbone backward; this
-module performs both inline per micro-batch (same numbers, no overlap).
+finaliser does for parameters placed ``engram_rows`` (replicas: the Engram replica group).
+This per-call lookup serves inference and modules used on their own; training prefetches the
+rows of the whole local batch and returns their gradients after the backbone backward, as the
+report does (:mod:`.prefetch`).
 
 **Row padding.** The concatenated table of a layer has ``sum(primes)`` rows. Rows are padded
 to a multiple of :data:`ENGRAM_ROW_ALIGN` (256), a constant, so that the parameter's full shape
@@ -175,7 +176,10 @@ class EngramTable(nn.Module):
         return self.group.rank * self.rows_per_rank
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = distributed_lookup(ids, self.weight, self.group)
+        return self.quantize(distributed_lookup(ids, self.weight, self.group))
+
+    def quantize(self, rows: torch.Tensor) -> torch.Tensor:
+        """Fetched rows as the model reads them (FP8 fake-quantised when ``fp8``)."""
         return fake_quant_rows(rows) if self.fp8 else rows
 
     def extra_repr(self) -> str:
