@@ -197,14 +197,13 @@ def forward_backward_pipelined(model, inputs: StepInputs, *, runtime: "PipelineR
         engram_rows.return_grads()
     transport.flush()
     rt.shadows.sync_grads()
-    loss = mappings.all_reduce_sum(loss_sum.reshape(1), groups.dp_cp)
-    loss = mappings.all_reduce_sum(loss, groups.pp)
+    # the step's tail: loss and every metric in one tensor, one all-reduce per group
     names = _metric_names(rt, metric_sums, groups)
-    values = torch.stack([torch.as_tensor(metric_sums.get(n, 0.0)).float().reshape(()) for n in names]) \
-        if names else torch.zeros(0)
-    totals = mappings.all_reduce_sum(mappings.all_reduce_sum(values, groups.dp_cp), groups.pp)
-    metrics = {n: float(v) / max(inputs.num_micro_global, 1) for n, v in zip(names, totals)}
-    return StepResult(float(loss) / float(tokens), int(tokens), metrics)
+    local = torch.stack([loss_sum.float().reshape(()),
+                         *[torch.as_tensor(metric_sums.get(n, 0.0)).float().reshape(()) for n in names]])
+    totals = mappings.all_reduce_sum(mappings.all_reduce_sum(local, groups.dp_cp), groups.pp)
+    metrics = {n: float(v) / max(inputs.num_micro_global, 1) for n, v in zip(names, totals[1:])}
+    return StepResult(float(totals[0]) / float(tokens), int(tokens), metrics)
 
 
 def _metric_names(rt, local: dict, groups) -> list[str]:
