@@ -1,15 +1,17 @@
 """Bytes moved per step per process group, measured vs analytic; per-rank parameter + optimiser memory.
 
-    python bench/comm_volume.py                       # all 9 layouts, tiny model, ~1.5 min on 2 cores
+    python bench/comm_volume.py                       # all 10 layouts, tiny model, ~1.5 min on 2 cores
     python bench/comm_volume.py --layouts tp2 ep2 --detail   # per-collective breakdown
     python bench/comm_volume.py --override model.hidden_size=128 --override training.seq_length=64
 
 Runs the real :class:`~megatron_s2.training.trainer.Trainer` (recipe ``recipes/pretrain_tiny.yaml``
 with the parity-test overrides of ``tests/parallel/parity.py``: seq 32, global batch 8,
 micro-batch 2) on spawned gloo processes, one spawn per world size, for ``--steps`` optimiser
-steps under each layout of issue 4: TP2, TP2+SP, EP2, EP4, ETP2xEP2, DP2, DP2+ZeRO-1,
-engram-parallel 2, TP2xEP2xDP2 (a layout on fewer ranks than the world leaves dp to fill it:
-EP2 on 2 ranks is EP2 over DP2).
+steps under each layout of issue 4: TP2, TP2+SP, EP2, EP4, EP4+ZeRO-1, ETP2xEP2, DP2,
+DP2+ZeRO-1, engram-parallel 2, TP2xEP2xDP2 (a layout on fewer ranks than the world leaves dp to
+fill it: EP2 on 2 ranks is EP2 over DP2). The last table sets each ZeRO-1 layout's wire bytes on
+the replica groups beside the same layout without it (issue 10: reduce-scatter + all-gather must
+cost what plain data parallelism's all-reduce costs).
 
 **Measured**: every ``torch.distributed`` collective the step issues (all_reduce, all_gather,
 all_gather_into_tensor / all_gather_single, reduce_scatter, reduce_scatter_tensor /
