@@ -28,9 +28,9 @@ from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.parallel.optimizer_shards import optimizer_shard_groups
 from megatron_s2.parallel.setup import build_groups
 from megatron_s2.parallel.sharding import name_seed
+from megatron_s2.pipeline.schedules import get_forward_backward_func
 from megatron_s2.training.grad_finalize import clip_grads, finalize_model_grads
 from megatron_s2.training.metrics import MetricsLogger, device_peak_tflops
-from megatron_s2.pipeline.schedules import get_forward_backward_func
 from megatron_s2.training.model_builder import build_stage_model
 from megatron_s2.training.rng import rng_state, seed_everything, set_rng_state
 from megatron_s2.training.step import StepInputs

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from megatron_s2.models.v41.accounting import count_parameters
-from megatron_s2.planning.measure import measure_step
 from megatron_s2.parallel.layout import ParallelLayout
+from megatron_s2.planning.measure import measure_step
 from megatron_s2.planning.memory import estimate_memory, rank_memory
 from tests.parallel.spawn import run_distributed
 from tests.planning.helpers import recipe, trainer

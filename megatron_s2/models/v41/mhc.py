@@ -52,8 +52,8 @@ from torch import nn
 
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.init import constant_init, normal_init
-from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.models.v41.parallel_plan import apply_plan
+from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.placement import mark_param
 
 __all__ = [

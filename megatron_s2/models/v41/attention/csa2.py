@@ -40,12 +40,12 @@ from megatron_s2.models.v41.attention.indexer import IndexKeyProjection, Indexer
 from megatron_s2.models.v41.attention.visibility import entry_doc_ids, window_indices
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.norm import RMSNorm
+from megatron_s2.models.v41.parallel_plan import apply_plan
 from megatron_s2.models.v41.precision import wide
 from megatron_s2.models.v41.quant import fake_quant_fp4_e4m3, fake_quant_fp8
 from megatron_s2.models.v41.recompute import selective_checkpoint
 from megatron_s2.models.v41.rope import apply_rope, rope_frequencies
 from megatron_s2.models.v41.spec import LinearSubmodules
-from megatron_s2.models.v41.parallel_plan import apply_plan
 from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.placement import mark_param

@@ -31,11 +31,11 @@ from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.v41.attention.candidates import select_candidate_blocks
 from megatron_s2.models.v41.attention.visibility import compressed_visible
 from megatron_s2.models.v41.norm import RMSNorm
+from megatron_s2.models.v41.parallel_plan import apply_plan
 from megatron_s2.models.v41.precision import wide
 from megatron_s2.models.v41.quant import fake_quant_mxfp4
 from megatron_s2.models.v41.rope import apply_rope
 from megatron_s2.parallel import mappings
-from megatron_s2.models.v41.parallel_plan import apply_plan
 from megatron_s2.parallel.groups import Group, ParallelGroups
 from megatron_s2.parallel.linear import ColumnParallelLinear, ReplicatedLinear
 

@@ -37,9 +37,9 @@ from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.init import constant_init
 from megatron_s2.models.v41.engram.hashing import EngramHasher
 from megatron_s2.models.v41.engram.table import EngramTable
+from megatron_s2.models.v41.parallel_plan import apply_plan
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.linear import ReplicatedLinear
-from megatron_s2.models.v41.parallel_plan import apply_plan
 from megatron_s2.parallel.placement import mark_param
 
 if TYPE_CHECKING:
