@@ -28,10 +28,9 @@ Formulas (per rank, per step)
 
 * without SP — one all-reduce of ``T d f`` at each region boundary: embedding exit,
   attention entry (backward) and exit (``linear_out_b``), shared-expert entry (backward) and
-  exit, LM-head entry (backward), the CED decoder's copy of H_{L/2} (backward); the routed
-  MoE region splits tokens over tp: all-gather ``T d f`` on exit (forward) and on entry
-  (backward of the split);
-  ``2 + 4L + n_dec_full`` all-reduces and ``2L`` all-gathers of ``T d f``;
+  exit, LM-head entry (backward); the routed MoE region splits tokens over tp: all-gather
+  ``T d f`` on exit (forward) and on entry (backward of the split);
+  ``2 + 4L`` all-reduces and ``2L`` all-gathers of ``T d f``;
 * with SP — the same boundaries become all-gather (forward) / reduce-scatter (backward) pairs
   of ``T d f`` (embedding, attention exit, shared-expert entry and exit, head: ``2 + 3L``
   boundaries; the routed region is already split), plus the per-token latents gathered over the sequence inside attention:
@@ -176,8 +175,6 @@ def param_table(c: ModelConfig, rules: tuple[ParamGroupRule, ...] | None = None)
                      (f"{a}.index_key.norm.weight", ihd, 1, None, "always")]
             if s.compress_ratio > 1:
                 rows.append((f"{a}.compressor.linear_gate.weight", d * hd, 2, None, "always"))
-            if s.uses_encoder_output:
-                rows.append((f"{a}.compressor.input_norm.weight", d, 1, None, "always"))
         if s.runs_indexer:
             rows += [(f"{a}.indexer.linear_q.weight", q * hi * ihd, 2, "tp", None),
                      (f"{a}.indexer.linear_weights.weight", d * hi, 2, None, "always")]
@@ -253,7 +250,6 @@ def analytic_volume(c: ModelConfig, layout: ParallelLayout, geo: Geometry, *, si
     # ---- tensor / sequence parallel ------------------------------------------------------------
     if t > 1:
         act = T * d * F32
-        n_enc_copy = sum(1 for spec in plan if spec.uses_encoder_output)
         if sp:
             boundaries = 2 + L + (2 * L if c.num_shared_experts else 0)  # embedding, head, attn exit, shared expert in/out
             add("tp", "SP boundaries: all-gather + reduce-scatter of T*d (fwd+bwd)", 2 * boundaries * act,
@@ -266,7 +262,7 @@ def analytic_volume(c: ModelConfig, layout: ParallelLayout, geo: Geometry, *, si
                                      if spec.mode is CSA2Mode.FULL) + len(indexers))
             add("tp", "SP attention latents gathered over the sequence (fwd+bwd)", 2 * T * widths * F32, calls)
         else:
-            boundaries = 2 + 2 * L + (2 * L if c.num_shared_experts else 0) + n_enc_copy
+            boundaries = 2 + 2 * L + (2 * L if c.num_shared_experts else 0)
             add("tp", "region boundaries: all-reduce of T*d", boundaries * act, boundaries)
             add("tp", "routed MoE token split: all-gather of T*d (fwd exit, bwd entry)", 2 * L * act, 2 * L)
         for spec in indexers:

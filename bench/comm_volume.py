@@ -3,6 +3,7 @@
     python bench/comm_volume.py                       # all 10 layouts, tiny model, ~1.5 min on 2 cores
     python bench/comm_volume.py --layouts tp2 ep2 --detail   # per-collective breakdown
     python bench/comm_volume.py --override model.hidden_size=128 --override training.seq_length=64
+    python bench/comm_volume.py --smoke                      # two layouts, one step (test suite)
 
 Runs the real :class:`~megatron_s2.training.trainer.Trainer` (recipe ``recipes/pretrain_tiny.yaml``
 with the parity-test overrides of ``tests/parallel/parity.py``: seq 32, global batch 8,
@@ -341,7 +342,11 @@ def main(argv=None) -> int:
                     help="recipe override a.b=c on top of the parity-test geometry (repeatable), "
                          "e.g. model.hidden_size=128 training.seq_length=64 training.global_batch_size=16")
     ap.add_argument("--detail", action="store_true", help="per-collective measured and per-term analytic breakdown")
+    ap.add_argument("--smoke", action="store_true",
+                    help="two 2-rank layouts, one step, with --detail (the test suite's check that the bench runs)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.layouts, args.steps, args.detail = ["tp2", "ep2"], 1, True
     base = [*BASE, *args.override]
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="comm_volume_") as tmp:

@@ -1,31 +1,40 @@
-"""CSA2 attention layer vs dense causal attention on CPU: forward+backward time and peak memory.
+"""CSA2 attention layer vs dense causal attention: forward+backward time and peak memory.
 
     python bench/csa2_vs_dense.py [--max-seq 16384] [--repeats 3] [--warmup 1] [--threads N]
+                                  [--device cpu|cuda] [--impls csa2 csa2-eager dense ...]
 
-* **CSA2**: one Full layer of ``--model`` (default ``recipes/models/small.yaml``, layer 1: an
+Implementations (``--impls``; each is run in a fresh subprocess per length):
+
+* **csa2**: one Full layer of ``--model`` (default ``recipes/models/small.yaml``, layer 1: an
   encoder Full layer, m = 2) exactly as the model builds it — its own query and sliding-window
   KV, the compressor, index keys, the indexer's full scan and top-k, sparse attention over
   window ∪ top-k with the sink, grouped low-rank output — in training mode, so the backward
   includes the indexer's alignment loss. The recipe's QAT switches apply (``--no-qat`` turns
-  FP8/FP4 fake quantisation off). Reference PyTorch kernels, no fused kernel.
+  FP8/FP4 fake quantisation off). Kernels through the dispatch functions of
+  :mod:`megatron_s2.kernels`: on CPU the memory-bounded PyTorch references (per-chunk recompute
+  in backward), on CUDA the Triton kernels.
+* **csa2-ref** (CUDA only): the same layer with ``MEGATRON_S2_KERNELS=reference``.
+* **csa2-eager**: the same layer with the sparse attention and the alignment-loss scores under
+  plain autograd (``sparse_attention_eager``: every chunk's ``[b, chunk, k, d]`` gather kept for
+  backward) — the reference before the memory-bounded one.
 * **dense**: q/k/v/o projections of the same width (hidden, heads x head_dim) and
   ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``.
 
-Both run in float32, batch 1, on the CPU threads given.
+All run in float32 (``--dtype bfloat16`` on GPU for the training precision), batch 1.
 
 * **Time**: median wall time of ``--repeats`` forward+backward passes after ``--warmup``
-  passes. The ratio of the fastest passes and the ratio of median process CPU time (all
+  passes. On CPU the ratio of the fastest passes and the ratio of median process CPU time (all
   threads) are printed too: on a shared machine a gap between the three flags interference
   from other processes, and the CPU-time ratio is the least sensitive to it.
-* **Peak memory**: the rise of the process's peak resident set (``VmHWM`` in
+* **Peak memory**: on CPU the rise of the process's peak resident set (``VmHWM`` in
   /proc/self/status, reset through /proc/self/clear_refs) over the resident set just before
   one forward+backward, measured after the warm-up with freed heap memory returned to the OS
-  (``malloc_trim``), in a fresh subprocess per (layer, length). It counts activations, saved
-  tensors, gradients and kernel workspaces of that pass; parameters and inputs exist before
-  it. Where clear_refs is not writable a 1 ms RSS sampler is used instead (the header says
-  which).
+  (``malloc_trim``). It counts activations, saved tensors, gradients and kernel workspaces of
+  that pass; parameters and inputs exist before it. Where clear_refs is not writable a 1 ms
+  RSS sampler is used instead (the header says which). On CUDA: ``max_memory_allocated`` minus
+  the allocation before the pass.
 
-This is not part of the test suite; it prints one table with the CSA2/dense ratios side by side.
+This is not part of the test suite; it prints one table with the ratios to dense side by side.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+IMPLS = ("csa2", "csa2-ref", "csa2-eager", "dense")
 
 
 # ---- worker: one (implementation, length) in its own process ---------------------------------------
@@ -100,6 +110,26 @@ class PeakMeter:
         self.rise_mib = max(self.peak - self.base, 0) / 1024
 
 
+class CudaPeakMeter:
+    """Peak CUDA allocation during a block over the allocation before it."""
+
+    method = "cuda max_memory_allocated"
+
+    def __enter__(self):
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.base = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.cuda.synchronize()
+        self.rise_mib = (torch.cuda.max_memory_allocated() - self.base) / 2 ** 20
+
+
 def build(impl: str, args):
     import torch
     import torch.nn.functional as F
@@ -113,18 +143,29 @@ def build(impl: str, args):
     from megatron_s2.models.v41.context import ForwardContext
     from megatron_s2.parallel.groups import ParallelGroups
 
+    dtype = getattr(torch, args.dtype)
     cfg = from_mapping(ModelConfig, yaml.safe_load(Path(args.model).read_text()))
     if args.no_qat:
         cfg = cfg.replace(fp4_main_kv=False, fp8_swa_kv=False, fp4_indexer=False)
     d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
 
-    if impl == "csa2":
+    if impl.startswith("csa2"):
+        if impl == "csa2-ref":
+            os.environ["MEGATRON_S2_KERNELS"] = "reference"
+        if impl == "csa2-eager":
+            import megatron_s2.models.v41.attention.csa2 as csa2_module
+            import megatron_s2.models.v41.attention.indexer as indexer_module
+            from megatron_s2.kernels.indexer import _eager_gathered
+            from megatron_s2.kernels.sparse_attention import sparse_attention_eager
+
+            csa2_module.sparse_attention = sparse_attention_eager
+            indexer_module.indexer_gathered_scores = _eager_gathered
         spec = cfg.plan[args.layer]
-        if spec.mode.value != "full" or spec.uses_encoder_output:
-            raise SystemExit(f"--layer {args.layer} is {spec.mode.value}; pick an encoder Full layer")
+        if spec.mode.value != "full":
+            raise SystemExit(f"--layer {args.layer} is {spec.mode.value}; pick a Full layer")
         layer = CSA2Attention(cfg, spec, ParallelGroups.single())
         initialize_parameters(layer, 0, cfg.init_std)
-        layer.train()
+        layer.to(device=args.device, dtype=dtype).train()
 
         def step(x, ids):
             ctx = ForwardContext.create(ids, cfg.plan)
@@ -146,7 +187,7 @@ def build(impl: str, args):
                 return self.o(o.transpose(1, 2).reshape(b, s, h * hd))
 
         torch.manual_seed(0)
-        layer = DenseCausalAttention()
+        layer = DenseCausalAttention().to(device=args.device, dtype=dtype)
 
         def step(x, ids):
             return layer(x).square().mean()
@@ -158,20 +199,24 @@ def worker(impl: str, seq: int, args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
+    cuda = args.device.startswith("cuda")
     cfg, layer, step = build(impl, args)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, seq, cfg.hidden_size, generator=g).requires_grad_()
-    ids = torch.zeros(1, seq, dtype=torch.long)
+    x = torch.randn(1, seq, cfg.hidden_size, generator=g).to(args.device, getattr(torch, args.dtype)).requires_grad_()
+    ids = torch.zeros(1, seq, dtype=torch.long, device=args.device)
 
     def once():
         for p in layer.parameters():
             p.grad = None
         x.grad = None
         step(x, ids).backward()
+        if cuda:
+            torch.cuda.synchronize()
 
     for _ in range(args.warmup):
         once()
-    with PeakMeter() as meter:
+    meter = CudaPeakMeter() if cuda else PeakMeter()
+    with meter:
         once()
     times, cpu = [], []
     for _ in range(args.repeats):
@@ -189,8 +234,10 @@ def worker(impl: str, seq: int, args) -> dict:
 def run_one(impl: str, seq: int, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", impl, "--seq", str(seq), "--model", args.model,
            "--layer", str(args.layer), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-           "--threads", str(args.threads)] + (["--no-qat"] if args.no_qat else [])
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False)
+           "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype] + \
+        (["--no-qat"] if args.no_qat else [])
+    env = dict(os.environ, **({"MALLOC_MMAP_THRESHOLD_": "65536"} if args.fixed_mmap_threshold else {}))
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False, env=env)
     if res.returncode:
         raise SystemExit(f"{impl} at {seq} failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -208,10 +255,21 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=str(REPO / "recipes" / "models" / "small.yaml"))
     p.add_argument("--layer", type=int, default=1, help="an encoder Full layer of --model")
     p.add_argument("--no-qat", action="store_true", help="turn FP8/FP4 fake quantisation off in CSA2")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--impls", nargs="+", choices=IMPLS, help="default: csa2 csa2-eager dense (+ csa2-ref on CUDA)")
+    p.add_argument("--fixed-mmap-threshold", action="store_true",
+                   help="CPU: run the workers with MALLOC_MMAP_THRESHOLD_=65536 (no glibc heap reuse, so the RSS peak "
+                        "is the allocation peak rather than allocation + fragmentation; slower)")
     p.add_argument("--json", help="also write the raw results here")
-    p.add_argument("--worker", choices=["csa2", "dense"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     p.add_argument("--seq", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--smoke", action="store_true",
+                   help="one short sequence, one pass (the test suite's check that the bench runs)")
     args = p.parse_args(argv)
+    if args.smoke and not args.worker:
+        args.min_seq = args.max_seq = 256
+        args.repeats, args.warmup = 1, 0
 
     if args.worker:
         print(json.dumps(worker(args.worker, args.seq, args)))
@@ -222,13 +280,20 @@ def main(argv=None) -> int:
     while s <= args.max_seq:
         seqs.append(s)
         s *= 2
+    cuda = args.device.startswith("cuda")
+    impls = args.impls or (["csa2", "csa2-ref", "csa2-eager", "dense"] if cuda else ["csa2", "csa2-eager", "dense"])
+    if "dense" not in impls:
+        impls = list(impls) + ["dense"]
+    if "csa2-ref" in impls and not cuda:
+        raise SystemExit("--impls csa2-ref is the CUDA reference run; on CPU csa2 already is the reference")
+    others = [i for i in impls if i != "dense"]
     rows, raw = [], []
     t_start = time.time()
     for seq in seqs:
-        c, d = run_one("csa2", seq, args), run_one("dense", seq, args)
-        raw += [c, d]
-        rows.append((seq, c, d))
-        print(f"  measured {seq:>6}: csa2 {c['median_s'] * 1e3:9.1f} ms, dense {d['median_s'] * 1e3:9.1f} ms",
+        cell = {impl: run_one(impl, seq, args) for impl in impls}
+        raw += list(cell.values())
+        rows.append((seq, cell))
+        print(f"  measured {seq:>6}: " + ", ".join(f"{i} {r['median_s'] * 1e3:.1f} ms" for i, r in cell.items()),
               file=sys.stderr, flush=True)
 
     import yaml
@@ -238,28 +303,38 @@ def main(argv=None) -> int:
 
     cfg = from_mapping(ModelConfig, yaml.safe_load(Path(args.model).read_text()))
     spec = cfg.plan[args.layer]
+    first = rows[0][1]
     qat = "off" if args.no_qat else (f"fp8_swa_kv={cfg.fp8_swa_kv} fp4_main_kv={cfg.fp4_main_kv} "
                                       f"fp4_indexer={cfg.fp4_indexer}")
     print(f"CSA2 layer {args.layer} of {Path(args.model).name} (Full, m={spec.compress_ratio}, window "
           f"{cfg.window_size}, top-k {cfg.index_topk}, {cfg.index_num_heads} indexer heads, QAT {qat}; "
-          f"{rows[0][1]['params']:,} params) vs dense SDPA causal attention "
+          f"{first[others[0]]['params']:,} params) vs dense SDPA causal attention "
           f"(hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}; "
-          f"{rows[0][2]['params']:,} params)")
-    print(f"float32, batch 1, CPU, {rows[0][1]['threads']} threads, torch {torch.__version__}, load average "
+          f"{first['dense']['params']:,} params)")
+    where = f"{args.device}" if cuda else f"CPU, {first['dense']['threads']} threads"
+    print(f"{args.dtype}, batch 1, {where}, torch {torch.__version__}, load average "
           f"{os.getloadavg()[0]:.1f} at the end; time = median of "
-          f"{args.repeats} fwd+bwd after {args.warmup} warm-up; peak = rise of peak RSS during one fwd+bwd "
-          f"({rows[0][1]['memory_method']}, fresh process per cell)")
-    head = (f"{'seq':>6} | {'CSA2 ms':>9} {'dense ms':>9} {'time CSA2/dense':>15} {'(fastest)':>9} "
-            f"{'(CPU time)':>10} | {'CSA2 MiB':>9} {'dense MiB':>9} {'mem CSA2/dense':>14}")
+          f"{args.repeats} fwd+bwd after {args.warmup} warm-up; peak = rise during one fwd+bwd "
+          f"({first['dense']['memory_method']}, fresh process per cell"
+          f"{', MALLOC_MMAP_THRESHOLD_=65536' if args.fixed_mmap_threshold else ''})")
+    print("ratios to dense: time (median wall) [fastest] {CPU time} | peak memory")
+    head = f"{'seq':>6} | {'dense ms':>9} {'dense MiB':>9} | " + " | ".join(f"{i:^36}" for i in others)
     print(head)
+    print(f"{'':>6} | {'':>9} {'':>9} | " + " | ".join(f"{'ms':>8} {'time':>5} {'[min]':>6} {'{cpu}':>6} {'mem':>6}"
+                                                        for _ in others))
     print("-" * len(head))
-    for seq, c, d in rows:
-        tr = c["median_s"] / d["median_s"]
-        tmin = min(c["times_s"]) / min(d["times_s"])
-        tcpu = c["median_cpu_s"] / d["median_cpu_s"]
-        mr = c["peak_mib"] / d["peak_mib"] if d["peak_mib"] > 0 else float("nan")
-        print(f"{seq:>6} | {c['median_s'] * 1e3:9.1f} {d['median_s'] * 1e3:9.1f} {tr:15.2f} {tmin:9.2f} {tcpu:10.2f} | "
-              f"{c['peak_mib']:9.1f} {d['peak_mib']:9.1f} {mr:14.2f}")
+    for seq, cell in rows:
+        d = cell["dense"]
+        parts = []
+        for i in others:
+            c = cell[i]
+            mr = c["peak_mib"] / d["peak_mib"] if d["peak_mib"] > 0 else float("nan")
+            parts.append(f"{c['median_s'] * 1e3:8.1f} {c['median_s'] / d['median_s']:5.2f} "
+                         f"{min(c['times_s']) / min(d['times_s']):6.2f} "
+                         f"{c['median_cpu_s'] / max(d['median_cpu_s'], 1e-9):6.2f} {mr:6.2f}")
+        print(f"{seq:>6} | {d['median_s'] * 1e3:9.1f} {d['peak_mib']:9.1f} | " + " | ".join(parts))
+    print("absolute peak MiB: " + "; ".join(f"{seq}: " + ", ".join(f"{i} {c['peak_mib']:.1f}" for i, c in cell.items())
+                                           for seq, cell in rows))
     print(f"(total wall time {time.time() - t_start:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=2))

@@ -3,6 +3,7 @@
     python bench/pipeline_bubble.py                  # everything, tiny model, ~4 min on 2 cores
     python bench/pipeline_bubble.py --parts a b      # only the bubble and the torch comparison
     python bench/pipeline_bubble.py --m2 2 4 8 16 --m4 4 8 16 --repeats 5 --override training.seq_length=64
+    python bench/pipeline_bubble.py --smoke          # every part once, smallest sizes (test suite)
 
 The tiny recipe with the parity-test geometry (``tests/parallel/parity.py``: seq 32,
 micro-batch 2) runs through the real :class:`~megatron_s2.training.trainer.Trainer` on spawned
@@ -450,8 +451,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed repetitions per configuration")
     ap.add_argument("--flagship-seq", type=int, default=65536)
     ap.add_argument("--flagship-tp", type=int, default=1, help="tensor parallel (with SP) for the flagship payload table")
+    ap.add_argument("--cuts", nargs="+", type=int, default=None, help="cuts measured in part (c) (default: all)")
     ap.add_argument("--override", action="append", default=[], help="recipe override a.b=c (repeatable)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="every part once at its smallest size (the test suite's check that the bench runs)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.m2, args.m4, args.state_m, args.repeats, args.cuts = [2], [0], [2], 1, [4]
+        args.flagship_seq = 4096
     base = [*BASE, *args.override]
     recipe = load_recipe(RECIPE, base)
     args.mbs, args.seq = recipe.training.micro_batch_size, recipe.training.seq_length
@@ -472,7 +479,7 @@ def main(argv=None) -> int:
                     tasks[p].append(t)
                     bubble.append(t)
     if "c" in args.parts:
-        for cut in range(1, n_layers):
+        for cut in args.cuts or range(1, n_layers):
             for mode in ("send", "shadow"):
                 t = {"name": f"payload_cut{cut}_{mode}", "kind": "payload", "cut": cut, "mode": mode,
                      "overrides": ["parallel.pp=2", f"parallel.pipeline_layers=[{cut},{n_layers - cut}]", gbs(2),

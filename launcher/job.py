@@ -11,7 +11,9 @@ Job directory (= the run directory ``training.run_dir``)::
     <run_dir>/slurm/job.sbatch         generated batch script (SLURM mode)
     <run_dir>/slurm/job-<jobid>.out    batch shell output, all restarts appended
     <run_dir>/logs/restart<N>/rank<r>.log   one log per rank and restart (node<n>.log under torchrun)
-    <run_dir>/config.yaml, metrics.jsonl, checkpoints/, FINISHED   written by the trainer
+    <run_dir>/config.yaml, metrics.jsonl, checkpoints/   written by the trainer
+    <run_dir>/FINISHED, PREEMPTED      how the last attempt ended (megatron_s2.training.markers)
+    <run_dir>/run.lock                 held while a run uses the directory
 """
 
 from __future__ import annotations
@@ -24,11 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_s2.config.launcher import LauncherConfig
+from megatron_s2.training.markers import FINISHED_MARKER, PREEMPTED_MARKER, is_finished
 
-__all__ = ["JobSpec", "JobDir", "trainer_command", "rank_python", "FINISHED_MARKER"]
+__all__ = ["JobSpec", "JobDir", "trainer_command", "rank_python", "FINISHED_MARKER", "PREEMPTED_MARKER"]
 
-FINISHED_MARKER = "FINISHED"
-"""File the trainer writes into the run directory when the run completed (JSON: step, loss)."""
 
 
 class JobDir:
@@ -60,6 +61,10 @@ class JobDir:
     @property
     def finished(self) -> Path:
         return self.root / FINISHED_MARKER
+
+    @property
+    def preempted(self) -> Path:
+        return self.root / PREEMPTED_MARKER
 
     @property
     def checkpoints(self) -> Path:
@@ -94,6 +99,14 @@ class JobSpec:
     gpus_per_node: int
     launcher: LauncherConfig
     """Partition, time, env, container, restart policy, ..."""
+    train_steps: int | None = None
+    """The recipe's ``training.train_steps``: a FINISHED marker of an earlier, shorter target
+    does not count as finished (None: any FINISHED marker does)."""
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run directory's FINISHED marker covers this job's target."""
+        return is_finished(self.run_dir, self.train_steps or 0)
 
     @property
     def world_size(self) -> int:

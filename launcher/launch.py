@@ -25,6 +25,8 @@ from megatron_s2.launcher.pipeline import chain_from, is_pipeline_file, load_pip
 from megatron_s2.launcher.preflight import LaunchPlan, plan_launch
 from megatron_s2.launcher.sbatch_script import render_sbatch_script, srun_line
 from megatron_s2.launcher.slurm import SlurmError, cancel, sbatch_argv, submit
+from megatron_s2.training.markers import extension_hint, finished_step
+from megatron_s2.training.run_lock import LOCK_TOKEN_ENV, RunLock
 
 __all__ = ["PreparedRun", "prepare_runs", "launch_local", "launch_slurm", "apply_launcher_flags"]
 
@@ -40,7 +42,13 @@ class PreparedRun:
 
     @property
     def finished(self) -> bool:
-        return self.job.dir.finished.exists()
+        """Finished up to this recipe's ``training.train_steps`` (a larger target extends it)."""
+        return self.job.finished
+
+    def finished_message(self) -> str:
+        step = finished_step(self.job.run_dir)
+        return (f"{self.job.dir.finished} says the run finished at step {step} (training.train_steps="
+                f"{self.recipe.training.train_steps}); {extension_hint(step)}")
 
 
 def apply_launcher_flags(config: LauncherConfig, flags: dict) -> LauncherConfig:
@@ -67,7 +75,7 @@ def _prepare(recipe: RecipeConfig, phase: str, job_name: str, run_dir: Path, loc
     check_passthrough(launcher)
     job = JobSpec(name=launcher.job_name, run_dir=run_dir, command=trainer_command(launcher, run_dir),
                   nodes=plan.nodes, nproc_per_node=plan.nproc_per_node, gpus_per_node=plan.gpus_per_node,
-                  launcher=launcher)
+                  launcher=launcher, train_steps=recipe.training.train_steps)
     if not local:
         render_sbatch_script(job)  # refuses run directories SLURM cannot name
         check_capacity(job)
@@ -118,14 +126,17 @@ def launch_local(runs: list[PreparedRun], dry_run: bool = False) -> int:
     for run in runs:
         label = f"phase {run.phase}: " if run.phase else ""
         if run.finished:
-            _say(f"{label}{run.job.dir.finished} exists: already finished, skipping")
+            _say(f"{label}skipping: {run.finished_message()}")
             continue
         _say(f"{label}{run.plan.describe()}")
         if dry_run:
             print(shlex.join(run.job.command))
             continue
-        _write_job_dir(run, "local")
-        code = LocalRun(run.job).run()
+        # The launcher holds the run directory for its ranks (they inherit it by token), so a
+        # second launch is refused before it rewrites anything here.
+        with RunLock(run.job.run_dir, log=_say).acquire("megatron-s2 launch --local") as lock:
+            _write_job_dir(run, "local")
+            code = LocalRun(run.job, env={LOCK_TOKEN_ENV: lock.token}).run()
         if code != 0:
             return code
     return 0
@@ -138,9 +149,11 @@ def launch_slurm(runs: list[PreparedRun], dry_run: bool = False) -> int:
     for run in runs:
         label = f"phase {run.phase}: " if run.phase else ""
         if run.finished:
-            _say(f"{label}{run.job.dir.finished} exists: already finished, not submitting it")
+            _say(f"{label}not submitting: {run.finished_message()}")
             continue
         script = render_sbatch_script(run.job)
+        if not dry_run:
+            RunLock.refuse_if_held(run.job.run_dir)  # a run going on there now (the job would fail)
         if dry_run:
             print(script, end="")
             _say(f"{label}{run.plan.describe()}")

@@ -12,7 +12,9 @@ rank 0's output is also echoed to the console. The launcher then watches the ran
 - SIGTERM / SIGUSR1 sent to the launcher are forwarded to every rank (their
   :class:`~megatron_s2.launcher.preemption.PreemptionGuard` saves and exits 75); Ctrl-C is
   forwarded as SIGTERM, a second Ctrl-C kills the ranks;
-- ranks are started with ``PR_SET_PDEATHSIG``, so they die if the launcher is killed.
+- ranks are started with ``PR_SET_PDEATHSIG``, so they die if the launcher is killed, and with
+  the preemption signals blocked until their guard handles them (no window at start-up in
+  which a forwarded signal kills a rank).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from typing import TextIO
 
 from megatron_s2.launcher.environment import rank_environment
 from megatron_s2.launcher.job import JobSpec
-from megatron_s2.launcher.preemption import EXIT_PREEMPTED
+from megatron_s2.config.launcher import PREEMPTION_SIGNALS
+from megatron_s2.launcher.preemption import EXIT_PREEMPTED, signal_number
 
 __all__ = ["LocalRun", "describe_exit", "free_port"]
 
@@ -66,9 +69,15 @@ def _tail(path: Path, lines: int = _TAIL_LINES) -> list[str]:
         return []
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+_HELD_SIGNALS = {signal_number(name) for name in PREEMPTION_SIGNALS}
+
+
+def _rank_preexec() -> None:  # runs in the child between fork and exec
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    # Preemption signals stay pending (not fatal) until the rank's PreemptionGuard takes them:
+    # the mask survives exec, and the guard unblocks what it handles.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
 
 
 @dataclass
@@ -83,7 +92,7 @@ class _Rank:
 class LocalRun:
     """Run ``job`` on this machine; :meth:`run` returns the job's exit code."""
 
-    def __init__(self, job: JobSpec, *, console: TextIO | None = None) -> None:
+    def __init__(self, job: JobSpec, *, console: TextIO | None = None, env: dict[str, str] | None = None) -> None:
         if job.nodes != 1:
             raise ValueError("local mode runs on one machine: nodes must be 1")
         self.job = job
@@ -93,6 +102,7 @@ class LocalRun:
         self._ranks: list[_Rank] = []
         self._pending: list[int] = []
         self._interrupts = 0
+        self._extra_env = dict(env or {})
 
     # ---- start ---------------------------------------------------------------------------
     def _start_rank(self, rank: int, base_env: dict[str, str], port: int) -> _Rank:
@@ -104,7 +114,7 @@ class LocalRun:
         with open(log, "ab") as sink:
             process = subprocess.Popen(self.job.command, env=env, stdin=subprocess.DEVNULL,
                                        stdout=subprocess.PIPE if echo else sink, stderr=subprocess.STDOUT,
-                                       start_new_session=True, preexec_fn=_die_with_parent)
+                                       start_new_session=True, preexec_fn=_rank_preexec)
         return _Rank(rank, process, log)
 
     def _echo(self, entry: _Rank) -> None:
@@ -137,7 +147,7 @@ class LocalRun:
     # ---- run -----------------------------------------------------------------------------
     def run(self) -> int:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        base_env = rank_environment(self.job.launcher, os.environ, self.job.nproc_per_node)
+        base_env = {**rank_environment(self.job.launcher, os.environ, self.job.nproc_per_node), **self._extra_env}
         port = free_port()
         handlers = {}
         if threading.current_thread() is threading.main_thread():

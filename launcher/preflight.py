@@ -3,7 +3,9 @@
 An impossible layout found after hours in the queue is the most expensive kind of error.
 :func:`plan_launch` settles nodes x ranks per node x GPUs from the ``launcher:`` section,
 then builds the very :class:`~megatron_s2.parallel.layout.ParallelLayout` the trainer will
-build, with the batch geometry, so every divisibility rule is checked at submit time.
+build, with the batch geometry, so every divisibility rule is checked at submit time, then
+:func:`~megatron_s2.training.run_checks.check_run_inputs`, the trainer's own start-up checks
+(run directory, tokenizer against vocabulary, data files, memory on this host in local mode).
 Every error is a :class:`ConfigError` (exit code 2) naming the field and the fix.
 """
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.parallel.layout import ParallelLayout
+from megatron_s2.training.run_checks import HostMemory, check_run_inputs
 
 __all__ = ["LaunchPlan", "plan_launch"]
 
@@ -73,4 +76,8 @@ def plan_launch(recipe: RecipeConfig, *, local: bool, visible_gpus: int | None =
     if recipe.parallel.backend == "nccl" and not cfg.gpus_per_node:
         raise ConfigError("parallel.backend: nccl needs GPUs; set --gpus-per-node or parallel.backend: auto")
     layout = ParallelLayout.from_recipe(recipe, cfg.nodes * nproc)
+    # Every other check the trainer makes at start-up, from the same function (memory only
+    # where the ranks will run: this machine in local mode; compute nodes are unknown here).
+    host = HostMemory.detect(nproc, gpus=bool(cfg.gpus_per_node)) if local else None
+    check_run_inputs(recipe, cfg.nodes * nproc, host)
     return LaunchPlan(cfg.nodes, nproc, cfg.gpus_per_node, layout)

@@ -13,10 +13,15 @@ Two quoting regimes, because two parsers read the script:
 The batch shell traps the preemption signal (``--signal=B:<sig>@<lead>``) and SIGTERM,
 forwards them to the srun step (srun relays them to every task; under torchrun the agent
 ignores the warning signal so only the workers act on it), waits for the step, then:
-the run is complete when ``<run_dir>/FINISHED`` exists (never requeue); a preempted run
-(signal received, or ranks exited with :data:`EXIT_PREEMPTED`) requeues itself with
-``scontrol requeue`` until ``SLURM_RESTART_COUNT`` reaches ``launcher.max_restarts``;
-anything else is a failure and its exit code is the job's.
+the run is complete when ``<run_dir>/FINISHED`` records ``training.train_steps`` (never
+requeue); a preempted run requeues itself with ``scontrol requeue`` until
+``SLURM_RESTART_COUNT`` reaches ``launcher.max_restarts``. Preempted means: rank 0 wrote
+``<run_dir>/PREEMPTED`` after saving (the signal may have gone to the ranks only, e.g.
+``scancel --signal=USR1`` without ``--batch``, and srun's exit code is then a kill signal),
+or the batch shell received the signal, or srun exited :data:`EXIT_PREEMPTED`. A step that
+exits 0 without either marker did not run to the end (e.g. it failed to launch): it is
+requeued within the same limit, then a failure (exit 1). Anything else is a failure and its
+exit code is the job's.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import re
 import shlex
 
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.launcher.job import FINISHED_MARKER, JobSpec, rank_python
+from megatron_s2.launcher.job import FINISHED_MARKER, PREEMPTED_MARKER, JobSpec, rank_python
 from megatron_s2.launcher.preemption import EXIT_PREEMPTED
 from megatron_s2.launcher.rendezvous import SLURM_PORT_BASE, SLURM_PORT_SPAN
 
@@ -139,6 +144,7 @@ def render_sbatch_script(job: JobSpec) -> str:
 set -uo pipefail
 
 RUN_DIR={q(str(job.run_dir))}
+TRAIN_STEPS={job.train_steps or ""}
 MAX_RESTARTS={cfg.max_restarts}
 EXIT_PREEMPTED={EXIT_PREEMPTED}
 RESTART=${{SLURM_RESTART_COUNT:-0}}
@@ -147,10 +153,29 @@ mkdir -p "$LOG_DIR" || exit 1
 log() {{ echo "[launch $(date +%H:%M:%S)] $*"; }}
 log "job $SLURM_JOB_ID restart $RESTART on $SLURM_JOB_NODELIST; rank logs in $LOG_DIR"
 
-if [ -e "$RUN_DIR/{FINISHED_MARKER}" ]; then
-    log "$RUN_DIR/{FINISHED_MARKER} exists: the run is complete, not starting it again"
+# The run is complete when FINISHED records a step >= TRAIN_STEPS (a raised target extends it).
+finished() {{
+    [ -e "$RUN_DIR/{FINISHED_MARKER}" ] || return 1
+    [ -n "$TRAIN_STEPS" ] || return 0
+    done_step=$(grep -o '"step": *[0-9]*' "$RUN_DIR/{FINISHED_MARKER}" | grep -o '[0-9]*$' | head -n 1)
+    [ -z "$done_step" ] || [ "$done_step" -ge "$TRAIN_STEPS" ]
+}}
+requeue() {{  # $1: why; returns 1 at the restart limit
+    if [ "$RESTART" -ge "$MAX_RESTARTS" ]; then
+        log "$1, but the restart limit ($MAX_RESTARTS) is reached: not requeueing"
+        return 1
+    fi
+    log "$1: requeueing: restart $((RESTART + 1)) of at most $MAX_RESTARTS"
+    scontrol requeue "$SLURM_JOB_ID" && exit "$EXIT_PREEMPTED"
+    log "scontrol requeue failed"
+    exit 1
+}}
+
+if finished; then
+    log "$RUN_DIR/{FINISHED_MARKER} exists: the run is complete, not starting it again (raise training.train_steps to extend it)"
     exit 0
 fi
+rm -f "$RUN_DIR/{PREEMPTED_MARKER}"  # rank 0 writes it when this attempt saves on preemption
 
 {chr(10).join(_environment_block(job))}
 
@@ -175,19 +200,21 @@ while :; do
 done
 log "training step exited with code $rc"
 
-if [ -e "$RUN_DIR/{FINISHED_MARKER}" ]; then
+if finished; then
     log "run complete"
     exit 0
 fi
+# A saved preemption requeues whatever srun reports: with --kill-on-bad-exit (or torchrun) the
+# ranks' exit 75 may reach us as a signal or 1; rank 0's PREEMPTED marker is the authority.
+if [ -e "$RUN_DIR/{PREEMPTED_MARKER}" ]; then
+    requeue "preempted: rank 0 saved and wrote $RUN_DIR/{PREEMPTED_MARKER} $(cat "$RUN_DIR/{PREEMPTED_MARKER}")" || exit "$EXIT_PREEMPTED"
+fi
 if [ -n "$PREEMPTED" ] || [ "$rc" = "$EXIT_PREEMPTED" ]; then
-    if [ "$RESTART" -ge "$MAX_RESTARTS" ]; then
-        log "preempted, but the restart limit ($MAX_RESTARTS) is reached: not requeueing"
-        exit "$EXIT_PREEMPTED"
-    fi
-    log "requeueing: restart $((RESTART + 1)) of at most $MAX_RESTARTS"
-    scontrol requeue "$SLURM_JOB_ID" && exit "$EXIT_PREEMPTED"
-    log "scontrol requeue failed"
-    exit 1
+    requeue "preempted (SIG${{PREEMPTED:-?}}, step exit $rc)" || exit "$EXIT_PREEMPTED"
+fi
+if [ "$rc" = 0 ]; then
+    # Seen when a requeued step failed to start inside SLURM: nothing was trained.
+    requeue "the training step exited 0 without FINISHED or PREEMPTED in $RUN_DIR" || exit 1
 fi
 exit "$rc"
 """

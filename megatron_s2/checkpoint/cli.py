@@ -5,9 +5,11 @@
     counts, files with their sha256, and the resolved config. ``<dir>`` is one step directory
     or a run's ``checkpoints/`` directory (every step is listed, then the one ``latest``
     resolves to is described). ``--verify`` also checks every file's checksum.
-``verify <dir>``
+``verify <dir> [--checksums-only]``
     Check every file of the step directory (or of every committed step of a ``checkpoints/``
-    directory, and that ``latest`` resolves to a valid one). Exits 1 naming the first bad file.
+    directory, and that ``latest`` resolves to a valid one) and that every floating tensor is
+    finite. Exits 1 naming the first bad file or tensor. Leftovers of interrupted saves or
+    deletions (``.step_*`` directories) are listed as garbage, not failures.
 ``reshard <in> <out> [parallel.KEY=VALUE ...] [--world-size N]``
     Rewrite a checkpoint for another layout into the checkpoints directory ``<out>``
     (single process, full tensors in host memory; see :mod:`megatron_s2.checkpoint.offline`).
@@ -43,8 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--no-config", action="store_true", help="do not print the resolved config")
     q.set_defaults(func=_inspect)
 
-    q = cmds.add_parser("verify", help="check every file's checksum; exit 1 naming the first bad file")
+    q = cmds.add_parser("verify", help="check every file's checksum and every tensor's values; exit 1 naming "
+                                       "the first bad file or tensor")
     q.add_argument("path", help="a step directory or a checkpoints/ directory")
+    q.add_argument("--checksums-only", action="store_true", help="skip reading tensors for NaN/inf")
     q.set_defaults(func=_verify)
 
     q = cmds.add_parser("reshard", help="rewrite a checkpoint for another parallel layout")
@@ -111,8 +115,9 @@ def _verify(args: argparse.Namespace) -> int:
     if target is None:
         return 2
     path, single = target
+    values = not args.checksums_only
     if single:
-        lines, ok = verify_lines(path)
+        lines, ok = verify_lines(path, values)
         print("\n".join(lines))
         return 0 if ok else 1
     store = CheckpointStore(path, log=lambda m: print(f"note: {m}"))
@@ -121,9 +126,11 @@ def _verify(args: argparse.Namespace) -> int:
         if not (step_dir / COMMIT).is_file():
             print(f"skip   {step_dir}: not committed (an interrupted save; never loaded)")
             continue
-        lines, good = verify_lines(step_dir)
+        lines, good = verify_lines(step_dir, values)
         print("\n".join(lines))
         ok = ok and good
+    for debris in store.garbage():
+        print(f"garbage {debris}: left by an interrupted save or deletion; never loaded, removed by the next save")
     chosen = store.latest_valid()
     if chosen is None:
         print(f"FAILED {path}: no valid checkpoint to resume from")
@@ -163,7 +170,9 @@ def _call_hf(entry: str, args: argparse.Namespace) -> int:
         module = importlib.import_module(_HF)
     except ImportError as exc:
         return _hf_missing(entry.split("_")[0], exc)
-    return int(getattr(module, entry)(args) or 0)
+    from megatron_s2.checkpoint.hf.cli import run_refusing
+
+    return run_refusing(getattr(module, entry), args, f"checkpoint {entry.split('_')[0]}")
 
 
 def _hf_missing(name: str, why: Exception) -> int:

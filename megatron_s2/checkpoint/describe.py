@@ -1,7 +1,8 @@
 """Human-readable reports of checkpoints (``megatron-s2 checkpoint inspect`` / ``verify``).
 
 Everything printed comes from the manifest and DCP's index, both read safely; nothing is
-loaded into a model. A ``checkpoints/`` directory is summarised step by step (committed or
+loaded into a model. ``verify`` also reads every floating tensor (through the same safe
+reader, a batch at a time) and refuses NaN or infinities. A ``checkpoints/`` directory is summarised step by step (committed or
 not, which one ``latest`` names), then the checkpoint ``latest`` resolves to is described.
 """
 
@@ -110,8 +111,9 @@ def describe_root(root: Path) -> tuple[list[str], Path | None]:
     return lines, chosen
 
 
-def verify_lines(step_dir: Path) -> tuple[list[str], bool]:
-    """Check every file of a step directory, in name order; stop at the first bad one."""
+def verify_lines(step_dir: Path, values: bool = True) -> tuple[list[str], bool]:
+    """Check every file of a step directory, in name order; stop at the first bad one. With
+    ``values``, also read every floating tensor and refuse NaN or infinities."""
     step_dir = Path(step_dir)
     try:
         manifest = read_manifest(step_dir)
@@ -122,4 +124,46 @@ def verify_lines(step_dir: Path) -> tuple[list[str], bool]:
         if error:
             return [f"FAILED {error}"], False
     total = sum(int(e.get("bytes", 0)) for e in manifest.files.values())
-    return [f"OK     {step_dir} ({len(manifest.files)} files, {human_bytes(total)}, all checksums match)"], True
+    what = "all checksums match"
+    if values:
+        try:
+            bad, count = first_non_finite_tensor(step_dir)
+        except CheckpointError as exc:
+            return [f"FAILED {exc}"], False
+        if bad:
+            return [f"FAILED {step_dir}: tensor '{bad}' holds NaN or infinite values"], False
+        what += f", {count} floating tensors finite"
+    return [f"OK     {step_dir} ({len(manifest.files)} files, {human_bytes(total)}, {what})"], True
+
+
+def first_non_finite_tensor(step_dir: Path, batch_bytes: int = 256 << 20) -> tuple[str | None, int]:
+    """(first stored floating tensor holding a NaN or infinity, or None; tensors checked), read
+    whole through the safe DCP reader in batches of about ``batch_bytes``."""
+    import torch
+
+    from megatron_s2.checkpoint.dcp_io import GlobalShard, load_shards
+
+    index = read_index(step_dir)
+    keys = sorted(k for k, md in index.state_dict_metadata.items()
+                  if isinstance(md, TensorStorageMetadata) and md.properties.dtype.is_floating_point)
+    batch: dict[str, GlobalShard] = {}
+    size = 0
+
+    def flush() -> str | None:
+        load_shards(batch, step_dir, None)
+        found = next((k for k, s in batch.items() if not bool(torch.isfinite(s.local).all())), None)
+        batch.clear()
+        return found
+
+    for key in keys:
+        md = index.state_dict_metadata[key]
+        shape = tuple(md.size)
+        batch[key] = GlobalShard(torch.empty(shape, dtype=md.properties.dtype), shape, (0,) * len(shape))
+        size += batch[key].local.numel() * batch[key].local.element_size()
+        if size >= batch_bytes:
+            if bad := flush():
+                return bad, len(keys)
+            size = 0
+    if batch and (bad := flush()):
+        return bad, len(keys)
+    return None, len(keys)

@@ -7,7 +7,8 @@ Points, in save order:
 
 * ``mid_shard`` — inside the write of a tensor shard file, after half of a buffer hit the disk;
 * ``before_commit`` — every shard and the manifest written, the commit marker not yet;
-* ``before_latest`` — the step directory committed and in place, ``latest`` not yet moved.
+* ``before_latest`` — the step directory committed and in place, ``latest`` not yet moved;
+* ``mid_rotation`` — ``keep_last`` retention deleting an old checkpoint, one file removed.
 
 The variable is read at every call, so a test sets it in the environment of the job it kills.
 """
@@ -20,7 +21,7 @@ import signal
 __all__ = ["FAULT_ENV", "FAULT_POINTS", "crash_point", "fault_armed"]
 
 FAULT_ENV = "MEGATRON_S2_CKPT_FAULT"
-FAULT_POINTS = ("mid_shard", "before_commit", "before_latest")
+FAULT_POINTS = ("mid_shard", "before_commit", "before_latest", "mid_rotation")
 
 
 def fault_armed(point: str, rank: int) -> bool:

@@ -21,7 +21,9 @@ error — and that the checkpoint holds optimiser state when asked for it.
 
 from __future__ import annotations
 
+import errno
 import platform
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +63,7 @@ from megatron_s2.checkpoint.sharded_state import (
     rng_targets,
 )
 from megatron_s2.checkpoint.store import CheckpointStore, is_step_dir, verify_checkpoint
+from megatron_s2.training.finite import first_non_finite
 
 __all__ = ["CheckpointManager", "LoadedCheckpoint"]
 
@@ -91,6 +94,7 @@ class CheckpointManager:
         self.group = checkpoint_group(world_size)
         self.writer = BackgroundWriter() if async_save else None
         self.last_saved_step: int | None = None
+        self._needed = 0
 
     @property
     def root(self) -> Path:
@@ -102,13 +106,14 @@ class CheckpointManager:
         directory. With ``async_save`` and ``blocking=False`` the write continues in the
         background after a snapshot and the directory appears when it is committed."""
         self.wait()
-        self.last_saved_step = step
         background = self.writer is not None and not blocking
         shards = model_shards(state["model"], snapshot=background)
         if state.get("optimizer") is not None:
             shards.update(optimizer_shards(state["optimizer"], snapshot=background))
         if state.get("rng") is not None:
             shards.update(rng_shards(state["rng"], self.rank))
+        self._check_writable(step, shards)
+        self.last_saved_step = step
         manifest = Manifest(step=step, world_size=self.world_size, layout=metadata.get("layout", self.layout),
                             config=metadata.get("config", {}), data=state.get("data"),
                             has_optimizer=state.get("optimizer") is not None,
@@ -121,6 +126,23 @@ class CheckpointManager:
             self._write(step, shards, manifest)
         return self.store.step_dir(step)
 
+    def _check_writable(self, step: int, shards: dict[str, GlobalShard]) -> None:
+        """Collective, before anything is written: no tensor is NaN or infinite (a checkpoint
+        is never committed non-finite, so the newest one is always the last good state), and
+        the file system has room for all ranks' shards (a full disk is named, not discovered
+        as a truncated shard)."""
+        bad = first_non_finite((fqn, shard.local) for fqn, shard in shards.items())
+        error = f"checkpoint step {step} not written: '{bad}' holds NaN or infinite values" if bad else None
+        reports = gather_objects((error, sum(_nbytes(s.local) for s in shards.values())), self.group)
+        error = next((e for e, _ in reports if e), None)
+        if error is None and self.rank == 0:
+            self._needed = sum(n for _, n in reports)
+            free = _free_bytes(self.root)
+            if free is not None and free < self._needed:
+                error = (f"checkpoint step {step} not written: disk full ({self._needed / 2**20:.1f} MiB needed, "
+                         f"{free / 2**20:.1f} MiB free under {self.root}); free space or move the run directory")
+        _raise(agree_on_error(error, self.group))
+
     def _write(self, step: int, shards: dict[str, GlobalShard], manifest: Manifest) -> None:
         error = None
         if self.rank == 0:
@@ -130,7 +152,10 @@ class CheckpointManager:
                 error = f"{self.store.tmp_dir(step)}: cannot be created ({exc})"
         _raise(agree_on_error(error, self.group))
         tmp = self.store.tmp_dir(step)
-        save_shards(shards, tmp, self.group, group_rank(self.group))
+        try:
+            save_shards(shards, tmp, self.group, group_rank(self.group))
+        except (CheckpointError, OSError) as exc:
+            raise CheckpointError(self._explain_write_failure(step, exc)) from None
         mine = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                 for p in tmp.glob(f"__{group_rank(self.group)}_*.distcp")}
         reports = gather_objects(mine, self.group)
@@ -143,8 +168,19 @@ class CheckpointManager:
                 manifest.files[DCP_METADATA] = {"sha256": sha256_file(meta), "bytes": meta.stat().st_size}
                 self.store.commit(step, manifest, self.rank)
             except (OSError, CheckpointError) as exc:
-                error = f"checkpoint step {step}: commit failed: {exc}"
+                error = f"checkpoint step {step}: commit failed: {self._explain_write_failure(step, exc)}"
         _raise(agree_on_error(error, self.group))
+
+    def _explain_write_failure(self, step: int, exc: Exception) -> str:
+        """The failure of a save in one line; a full disk (which DCP reports as a bad zip
+        position or a short write) is called by its name. The partial directory stays
+        uncommitted (never loaded) and is removed by the next save."""
+        free = _free_bytes(self.root)
+        if getattr(exc, "errno", None) == errno.ENOSPC or (free is not None and free < (1 << 20)):
+            where = f" ({free / 2**20:.1f} MiB left under {self.root})" if free is not None else ""
+            return (f"checkpoint step {step} not written: disk full{where}; free space and resume: the newest "
+                    "committed checkpoint is intact")
+        return str(exc)
 
     def wait(self) -> None:
         """Block until an asynchronous save is committed (re-raising its failure)."""
@@ -244,6 +280,21 @@ def _check_model(targets: dict[str, GlobalShard], index, path: Path) -> str | No
             return (f"{path}: '{fqn[len(MODEL_PREFIX):]}' is stored with global shape {tuple(md.size)}, "
                     f"this model's is {tuple(shard.global_shape)}")
     return None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes of the file system holding ``path`` (or its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 def _raise(error: str | None) -> None:

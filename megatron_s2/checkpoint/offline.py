@@ -89,6 +89,11 @@ def read_full_tensors(step_dir: Path, prefixes: tuple[str, ...] = (MODEL_PREFIX,
 def write_full_tensors(tensors: dict[str, torch.Tensor], manifest: Manifest, root: Path) -> Path:
     """Write ``tensors`` (key -> full tensor) as committed step ``manifest.step`` under ``root``
     (the commit protocol of :mod:`.store`; existing checkpoints there are kept)."""
+    from megatron_s2.training.finite import first_non_finite
+
+    bad = first_non_finite(tensors.items())
+    if bad:  # never committed non-finite, whoever writes (import, reshard)
+        raise CheckpointError(f"checkpoint step {manifest.step} not written: '{bad}' holds NaN or infinite values")
     store = CheckpointStore(Path(root), keep_last=sys.maxsize)
     tmp = store.prepare(manifest.step)
     shards = {fqn: GlobalShard(t.detach().cpu(), tuple(t.shape), (0,) * t.dim()) for fqn, t in tensors.items()}

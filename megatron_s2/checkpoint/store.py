@@ -6,6 +6,7 @@ Layout::
         step_00000010/          committed checkpoints (see :mod:`.format`)
         step_00000020/
         .step_00000030.tmp/     a save in progress (or the debris of a crashed one): never loaded
+        .step_00000005.deleting/  a checkpoint being deleted by retention (or its debris)
         latest                  the name of the newest committed step, replaced by atomic rename
 
 Protocol of one save (every step is durable before the next begins):
@@ -17,7 +18,10 @@ Protocol of one save (every step is durable before the next begins):
    directory is a checkpoint; it is renamed to ``step_N`` and the parent fsync'd;
 4. ``latest`` is rewritten through a temporary file and ``os.replace`` (fsync);
 5. retention deletes the oldest committed steps beyond ``keep_last`` — never the one just
-   written, which is the newest valid checkpoint.
+   written, which is the newest valid checkpoint (and, since a checkpoint holding a NaN or
+   infinity is never committed, the newest finite one). Each is first renamed out of the
+   step namespace (``.step_N.deleting``), then emptied: a crash mid-deletion leaves garbage,
+   never a committed-looking partial directory.
 
 A checkpoint is *valid* when ``COMMITTED`` exists, matches the manifest, and every file the
 manifest lists has its recorded size and sha256. :meth:`CheckpointStore.latest_valid` takes the
@@ -192,15 +196,43 @@ class CheckpointStore:
         shutil.rmtree(old, ignore_errors=True)
         crash_point("before_latest", rank)
         write_durable(self.root / LATEST, (final.name + "\n").encode())
-        self.apply_retention(final)
+        self.apply_retention(final, rank)
         return final
 
-    def apply_retention(self, newest: Path) -> None:
+    def apply_retention(self, newest: Path, rank: int = 0) -> None:
         committed = self.committed()
         keep = set(committed[-self.keep_last:]) | {newest}
         for path in committed:
             if path not in keep:
-                shutil.rmtree(path, ignore_errors=True)
+                self.retire(path, rank)
         for debris in self.root.glob(".step_*"):  # crashed saves; no other save is in flight
             if debris.is_dir():
                 shutil.rmtree(debris, ignore_errors=True)
+
+    def retire(self, path: Path, rank: int = 0) -> None:
+        """Delete a committed checkpoint in an order no crash can turn into a half-deleted
+        checkpoint: first an atomic rename out of the step namespace (``.step_N.deleting``,
+        made durable), then its files. Leftovers of a crash are garbage that ``latest_valid``
+        never sees and the next save removes."""
+        doomed = self.root / f".{path.name}.deleting"
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(path, doomed)
+        fsync_dir(self.root)
+        _remove_tree(doomed, rank)
+
+    def garbage(self) -> list[Path]:
+        """Leftovers of interrupted saves and deletions (``.step_*`` directories)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.glob(".step_*") if p.is_dir())
+
+
+def _remove_tree(path: Path, rank: int) -> None:
+    for i, child in enumerate(sorted(path.iterdir())):
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
+        if i == 0:
+            crash_point("mid_rotation", rank)
+    path.rmdir()

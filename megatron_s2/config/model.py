@@ -12,9 +12,10 @@ derived and validated in :mod:`megatron_s2.config.layer_plan`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from megatron_s2.config.fp8 import FP8Config
 from megatron_s2.config.schema import ConfigError
 
 __all__ = ["LayerGroupSpec", "ModelConfig"]
@@ -186,6 +187,8 @@ class ModelConfig:
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """Provider of the leaf modules: local (pure PyTorch, CPU and GPU) or Transformer Engine
     (FP8 GEMMs on NVIDIA GPUs; must be importable)."""
+    fp8: FP8Config = field(default_factory=FP8Config)
+    """FP8 GEMMs: recipe and targets (:mod:`megatron_s2.config.fp8`); off by default."""
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:
@@ -237,6 +240,7 @@ class ModelConfig:
             need(0 <= self.engram_pad_id < self.vocab_size, "engram_pad_id", f"must be a token id below vocab_size={self.vocab_size}")
         need(self.norm_eps > 0, "norm_eps", "must be positive")
         need(self.init_std > 0, "init_std", "must be positive")
+        self.fp8.check_backend(self.transformer_impl)
         # The layer plan validates mode/ratio/producer relations; build it now so that an
         # impossible plan fails at construction, never later.
         from megatron_s2.config.layer_plan import LayerPlan

@@ -46,6 +46,8 @@ __all__ = ["RecipeConfig", "load_recipe", "MODELS_DIR", "RECIPES_DIR"]
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 MODELS_DIR = RECIPES_DIR / "models"
+FLOAT32_MAX = 3.4028234663852886e38
+"""Largest finite float32 (``torch.finfo(torch.float32).max``; config code does not import torch)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,15 @@ class RecipeConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     """Defaults for `megatron-s2 launch`."""
 
+    def __post_init__(self) -> None:
+        # The optimisers apply lr x lr_mult in the parameters' floating-point type: a product
+        # beyond float32's range overflows inside the first step instead of here.
+        worst = max(self.optimizer.rules, key=lambda rule: rule.lr_mult)
+        if self.schedule.lr * worst.lr_mult > FLOAT32_MAX:
+            raise ConfigError(f"schedule.lr: {self.schedule.lr:g} x lr_mult {worst.lr_mult:g} (optimizer rule "
+                              f"'{worst.pattern}') exceeds the float32 range ({FLOAT32_MAX:.3g}) the optimizers "
+                              "compute in; use a learning rate such as 1e-4")
+
     def to_mapping(self) -> dict:
         return to_mapping(self)
 
@@ -85,7 +96,12 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"recipe file '{path}' does not exist; check the path (recipes live in {RECIPES_DIR})")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"recipe file '{path}' is not UTF-8 text (byte {exc.start}: {exc.reason}); "
+                          "save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"recipe file '{path}' cannot be read ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"recipe file '{path}' is not valid YAML: {exc}") from None
     if not isinstance(data, dict):

@@ -13,6 +13,11 @@ Activations are ``[batch, seq, hidden]``; under sequence parallelism the sequenc
 
 The entry / exit collectives are those of :class:`~megatron_s2.parallel.sequence.SequenceSharding`.
 Weights are stored ``[out, in]`` like ``torch.nn.Linear`` and record their shard (``mark_param``).
+
+The local matrix product is the method ``gemm(x)``; GEMM backends (native FP8,
+:mod:`megatron_s2.parallel.fp8_linear`; Transformer Engine, :mod:`megatron_s2.parallel.te_linear`)
+are subclasses that override only it, so sharding, communication and the parameters'
+placement stay here.
 """
 
 from __future__ import annotations
@@ -33,7 +38,13 @@ def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(weight.dtype) if x.dtype != weight.dtype else x, weight)
 
 
-class ReplicatedLinear(nn.Module):
+class _LocalGemm(nn.Module):
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """The local product ``x W^T`` (overridden by the FP8 / TE subclasses)."""
+        return _linear(x, self.weight)
+
+
+class ReplicatedLinear(_LocalGemm):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -41,10 +52,10 @@ class ReplicatedLinear(nn.Module):
         mark_param(self.weight, (out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight)
+        return self.gemm(x)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_LocalGemm):
     def __init__(self, in_features: int, out_features: int, tp: Group, sequence_parallel: bool = False,
                  gather_output: bool = False, dtype: torch.dtype = torch.float32, region_entry: bool = True):
         """``region_entry=False``: the caller already brought the input into the tensor-parallel
@@ -61,13 +72,13 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.region_entry:
             x = self.seq.enter_tp_region(x)
-        y = _linear(x, self.weight)
+        y = self.gemm(x)
         if self.gather_output:
             y = mappings.gather_from_group(y, self.tp, dim=-1)
         return y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_LocalGemm):
     def __init__(self, in_features: int, out_features: int, tp: Group, sequence_parallel: bool = False,
                  dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -79,4 +90,4 @@ class RowParallelLinear(nn.Module):
         mark_param(self.weight, (out_features, in_features), [(1, tp.rank, tp.size)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.seq.exit_tp_region(_linear(x, self.weight))
+        return self.seq.exit_tp_region(self.gemm(x))

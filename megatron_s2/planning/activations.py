@@ -22,8 +22,8 @@ int64 indices ``2 k``, the softmax over entries + sink ``h_local (k + 1)``, its 
 and the grouped output ``g_local o_lora``; the KV array the keys are gathered from (window
 KV of the local tokens plus the CP halo, plus every compressed entry of the sequence).
 Full layers add the compressor (softmax-gated pooling keeps ``C`` and ``softmax(Z)``: ``2
-head_dim`` per token when m > 1), its norm and the index-key projection per entry; the CED
-decoder Full layer adds its input norm. Indexer layers (training with
+head_dim`` per token when m > 1), its norm and the index-key projection per entry (the CED
+decoder Full layer compresses its own normalised input, already counted). Indexer layers (training with
 ``indexer_loss_coeff > 0``) add the KL alignment: rotated indexer queries, the gathered index
 keys ``top-k index_head_dim`` and scores over the selected entries.
 
@@ -44,7 +44,7 @@ from megatron_s2.config.layer_plan import CSA2Mode, LayerSpec
 from megatron_s2.config.model import ModelConfig
 
 __all__ = ["RankShape", "LayerActivations", "layer_activations", "head_activations", "transient_bytes",
-           "encoder_boundary_activations", "FLOAT_BYTES"]
+           "FLOAT_BYTES"]
 
 FLOAT_BYTES = 4
 INT64 = 2.0   # int64 index in float32 elements
@@ -128,8 +128,6 @@ def layer_activations(c: ModelConfig, spec: LayerSpec, r: RankShape, recompute: 
         full_tokens = r.batch * r.seq
         entries = _entries(c, spec, r)
         comp = (2 * hd * full_tokens if m > 1 else 0.0) + entries * (2 * hd + 1)
-        if spec.uses_encoder_output:
-            comp += Tsp * (2 * d + 1) + Tsp * d
         comp += entries * (hd + 2 * ihd + 1 + 2 * rd)
         out.add("compressor + index keys", comp)
     if spec.runs_indexer and r.training and c.indexer_loss_coeff > 0:
@@ -149,13 +147,6 @@ def layer_activations(c: ModelConfig, spec: LayerSpec, r: RankShape, recompute: 
         nt, ehd = c.engram_num_tables, c.engram_head_dim
         out.add("engram", Tsp * (INT64 * nt + 4 * nt * ehd + 3 * nt + 2 * n * d + (n + 1) * d + 8 * n + BOOL * n))
     return out
-
-
-def encoder_boundary_activations(c: ModelConfig, r: RankShape) -> float:
-    """The last encoder layer publishes H_(L/2) = collapse(X, pre) for the CED decoder, which
-    saves its output streams; on one stage the next block's mHC saves the same storage (counted
-    there), across a pipeline cut the next stage saves its received copy instead (bytes)."""
-    return FLOAT_BYTES * r.stream_tokens * (c.hc_mult * c.hidden_size + c.hc_mult)
 
 
 def head_activations(c: ModelConfig, r: RankShape) -> float:

@@ -10,7 +10,7 @@ reports the most loaded one:
   1F1B / interleaved schedule (:mod:`.schedule` replays ``schedule_order``) of each virtual
   stage's per-layer estimate (:mod:`.activations`), the LM head on the last stage;
 * pipeline payload buffers — the shared states received with the hidden state
-  (``PayloadSpec``: CSA2 main KV, index K, top-k, candidates, H_{L/2}) and the full payload
+  (``PayloadSpec``: CSA2 main KV, index K, top-k, candidates) and the full payload
   sent to the next stage, kept by every in-flight micro-batch until its backward;
 * transients — the largest short-lived working set (logits gradient, attention scores);
 * Engram — table partition, its gradient and its optimiser state (also inside the above).
@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.checkpoint.hf.skeleton import group_table, pp_rank_of
 from megatron_s2.parallel.layout import ParallelLayout
-from megatron_s2.planning.activations import (RankShape, encoder_boundary_activations, head_activations,
-                                              layer_activations, transient_bytes)
+from megatron_s2.planning.activations import RankShape, head_activations, layer_activations, transient_bytes
 from megatron_s2.planning.model_state import ModelStateBytes, model_state_bytes
 from megatron_s2.planning.schedule import peak_inflight
 
@@ -122,10 +121,6 @@ def rank_memory(recipe: RecipeConfig, layout: ParallelLayout, rank: int, *, wors
             saved += acts.total
             for k, v in acts.parts.items():
                 parts[k] = parts.get(k, 0.0) + v
-        if stage < last and layout.stage_layers[stage][-1] == cfg.num_encoder_layers - 1 and cfg.has_decoder:
-            boundary = encoder_boundary_activations(cfg, shape)
-            saved += boundary
-            parts["H_(L/2) at the cut"] = parts.get("H_(L/2) at the cut", 0.0) + boundary
         if stage == last:
             head = head_activations(cfg, shape)
             saved += head

@@ -5,6 +5,11 @@ Runs one phase of a recipe in this process. Multi-rank runs are started by
 point discovers it through the launcher's bootstrap. A run directory that already holds a
 checkpoint is resumed from its newest valid checkpoint. ``<recipe>`` may also be a run
 directory's ``config.yaml``, which reproduces that run on its own.
+
+Rank 0 holds the run directory's lock (``run.lock``, :mod:`.run_lock`) for the whole run, so
+a second run on the same directory is refused naming this one. Preemption signals and Ctrl-C
+are caught from the first line of ``megatron_s2.cli.main`` on: the run saves at the end of the
+step and exits 75 (:mod:`megatron_s2.launcher.preemption`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 from megatron_s2.config.recipe import load_recipe
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.parallel.layout import ParallelLayout
+from megatron_s2.training.run_lock import hold_run_dir
 
 __all__ = ["register", "run", "main"]
 
@@ -51,19 +57,21 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"parallel: this layout needs {needed} ranks but the process runs alone; start it "
                               f"with `megatron-s2 launch {args.recipe} --local`")
         run_dir = Path(recipe.training.run_dir)
-        report = maybe_run_health_checks(info, recipe.launcher)
-        if report is not None and rank == 0:
-            print(report.format(), flush=True)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "health.json").write_text(report.to_json())
-        if report is not None and not report.ok:
-            print(f"rank {rank}: health checks failed; not training on this allocation", file=sys.stderr)
-            return 1
-        from megatron_s2.training.trainer import Trainer
+        # One run per run directory (run.lock), taken before anything is written there.
+        with hold_run_dir(run_dir, rank, world, log=print if rank == 0 else (lambda *a: None)):
+            report = maybe_run_health_checks(info, recipe.launcher)
+            if report is not None and rank == 0:
+                print(report.format(), flush=True)
+                (run_dir / "health.json").write_text(report.to_json())
+            if report is not None and not report.ok:
+                print(f"rank {rank}: health checks failed; not training on this allocation", file=sys.stderr)
+                return 1
+            from megatron_s2.training.trainer import Trainer
 
-        result = Trainer(recipe, run_dir, rank=rank, world_size=world, guard=guard).train()
-        return EXIT_PREEMPTED if result.preempted else 0
+            result = Trainer(recipe, run_dir, rank=rank, world_size=world, guard=guard).train()
+            return EXIT_PREEMPTED if result.preempted else 0
     finally:
+        guard.uninstall()
         shutdown_distributed()
 
 

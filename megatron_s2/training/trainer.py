@@ -10,7 +10,6 @@ and stages come from the layout.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,9 @@ from pathlib import Path
 from megatron_s2.checkpoint import CheckpointError, CheckpointManager
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.data import batch_fingerprint, build_data_iterator, build_tokenizer
+from megatron_s2.data import batch_fingerprint, build_data_iterator
+from megatron_s2.data.errors import DataError
+from megatron_s2.data.tokenizer_checks import check_checkpoint_tokenizer, record_run_tokenizer
 from megatron_s2.models.v41.accounting import train_flops_per_token
 from megatron_s2.optim import build_optimizer, describe_param_groups
 from megatron_s2.optim.lr_schedule import LRSchedule
@@ -29,9 +30,13 @@ from megatron_s2.parallel.optimizer_shards import optimizer_shard_groups
 from megatron_s2.parallel.setup import build_groups
 from megatron_s2.parallel.sharding import name_seed
 from megatron_s2.pipeline.schedules import get_forward_backward_func
+from megatron_s2.training.finite import NonFiniteGuard
 from megatron_s2.training.grad_finalize import clip_grads, finalize_model_grads
+from megatron_s2.training.markers import (FINISHED_MARKER, clear_preempted, extension_hint, finished_step,
+                                          write_finished, write_preempted)
 from megatron_s2.training.metrics import MetricsLogger, device_peak_tflops
 from megatron_s2.training.model_builder import build_stage_model
+from megatron_s2.training.run_checks import HostMemory, check_run_inputs
 from megatron_s2.training.rng import rng_state, seed_everything, set_rng_state
 from megatron_s2.training.step import StepInputs
 
@@ -59,10 +64,8 @@ class Trainer:
         seed_everything(t.seed, t.deterministic)
         self.layout = ParallelLayout.from_recipe(recipe, world_size)
         self.groups = build_groups(self.layout)
-        self.tokenizer = build_tokenizer(recipe.data)
-        if self.tokenizer.vocab_size > recipe.model.vocab_size:
-            raise ConfigError(f"model.vocab_size: {recipe.model.vocab_size} is smaller than the "
-                              f"{recipe.data.tokenizer} tokenizer's {self.tokenizer.vocab_size} tokens")
+        # The checks `megatron-s2 launch` also runs (run dir, tokenizer, data files, memory).
+        self.tokenizer = check_run_inputs(recipe, world_size, HostMemory.for_this_rank(), self.run_dir)
         self.model, self.pipeline = build_stage_model(recipe, self.layout, self.groups, rank,
                                                       self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
         self._freeze(recipe.phase.freeze)
@@ -73,13 +76,13 @@ class Trainer:
             self.optimizer = DistributedOptimizer(self.optimizer, self.model, self.groups,
                                                   bucket_mb=recipe.parallel.grad_bucket_mb)
         self.zero1 = self.optimizer if isinstance(self.optimizer, DistributedOptimizer) else None
-        self.schedule = LRSchedule(recipe.schedule)
+        self.schedule = LRSchedule(recipe.schedule, tokens_per_step=t.global_batch_size * t.seq_length)
         coords = self.layout.coords(rank)
         self.dp_rank = coords["dp"]
         self.data = build_data_iterator(recipe.data, seq_length=t.seq_length, global_batch_size=t.global_batch_size,
                                         micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank,
                                         dp_size=self.layout.dp, seed=t.seed, phase=recipe.phase.kind,
-                                        tokenizer=self.tokenizer)
+                                        tokenizer=self.tokenizer, log=self.log)
         self.num_micro_global = t.global_batch_size // t.micro_batch_size
         self.forward_backward = get_forward_backward_func(self.layout, self.pipeline)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", rank, world_size,
@@ -88,6 +91,7 @@ class Trainer:
                                              layout=self.layout.describe(), log=self.log)
         self.step = 0
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.non_finite = NonFiniteGuard(t.non_finite, t.non_finite_max_skips, self.log)
 
     # ---- setup helpers --------------------------------------------------------------------------
     def _freeze(self, patterns: tuple[str, ...]) -> None:
@@ -101,10 +105,10 @@ class Trainer:
         if not self.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for name, text in (("config.yaml", self.recipe.to_yaml()), ("tokenizer.json", self.tokenizer.to_json())):
-            tmp = self.run_dir / f".{name}.tmp"
-            tmp.write_text(text)
-            tmp.replace(self.run_dir / name)
+        tmp = self.run_dir / ".config.yaml.tmp"
+        tmp.write_text(self.recipe.to_yaml())
+        tmp.replace(self.run_dir / "config.yaml")
+        record_run_tokenizer(self.tokenizer, self.run_dir)  # checkpoints carry their tokenizer
 
     # ---- checkpoint -----------------------------------------------------------------------------
     def state(self) -> dict:
@@ -132,19 +136,28 @@ class Trainer:
 
     def restore(self) -> bool:
         ck = self.recipe.checkpoint
-        path = self.checkpoints.resume_path() if ck.resume else None
-        full = True
+        try:
+            path = self.checkpoints.resume_path() if ck.resume else None
+        except CheckpointError as exc:
+            raise ConfigError(f"checkpoint: {exc}") from None
+        full, key = True, "checkpoint"
         if path is None and ck.load:
             try:
                 path = self.checkpoints.resolve(Path(ck.load))
             except CheckpointError as exc:
                 raise ConfigError(f"checkpoint.load: {exc}") from None
-            full = ck.load_optimizer
+            full, key = ck.load_optimizer, "checkpoint.load"
+            check_checkpoint_tokenizer(path, self.tokenizer, self.log)
         if path is None:
             return False
-        loaded = self.checkpoints.load(path, self.model, self.optimizer if full else None)
+        try:  # a refusal leaves the run directory as it was: nothing has been written yet
+            loaded = self.checkpoints.load(path, self.model, self.optimizer if full else None)
+            if full:
+                self.data.load_state_dict(loaded.data)
+        except (CheckpointError, DataError) as exc:
+            raise ConfigError(f"{key}: cannot {'resume' if full else 'initialise'} from {path}: {exc}; run it with "
+                              "the recipe it was saved with (its config.yaml), or use a new --run-dir") from None
         if full:
-            self.data.load_state_dict(loaded.data)
             self.step = loaded.step
             if loaded.rng is not None:
                 set_rng_state(loaded.rng)
@@ -168,9 +181,17 @@ class Trainer:
         finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb, zero1=self.zero1)
         return result
 
-    def apply_gradients(self) -> float:
-        """Clip, optimiser step, then the once-per-step MoE correction-bias update."""
+    def apply_gradients(self, loss: float | None = None) -> float:
+        """Clip, optimiser step, then the once-per-step MoE correction-bias update. A
+        non-finite loss or gradient norm stops the run or skips the update
+        (``training.non_finite``, :mod:`.finite`)."""
         grad_norm = clip_grads(self.params, self.recipe.optimizer.clip_grad, self.groups, zero1=self.zero1 is not None)
+        if not self.non_finite.admit(self.step + 1, loss, float(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            for router in self.model.routers():  # this step's loads must not move the biases
+                router.tokens_per_expert.zero_()
+            self.step += 1
+            return float(grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.pipeline is not None:
@@ -185,14 +206,20 @@ class Trainer:
         micro_batches = self.data.next_step()
         fingerprint = batch_fingerprint(micro_batches)
         result = self.compute_gradients(micro_batches)
-        grad_norm = self.apply_gradients()
+        grad_norm = self.apply_gradients(result.loss)
         return {"loss": result.loss, "lr": lr, "grad_norm": grad_norm, "tokens": result.tokens,
                 "step_time": time.perf_counter() - t0, "extra": result.metrics, "fingerprint": fingerprint}
 
     def train(self) -> TrainResult:
         t = self.recipe.training
+        resumed = self.restore()  # a refused resume raises before anything is written
         self.write_run_files()
-        resumed = self.restore()
+        if self.is_main:
+            clear_preempted(self.run_dir)  # this attempt decides afresh how it ends
+            done = finished_step(self.run_dir)
+            if done is not None and self.step < t.train_steps:
+                (self.run_dir / FINISHED_MARKER).unlink()
+                self.log(f"extending the finished run: step {self.step} -> {t.train_steps} (training.train_steps)")
         self.log(f"layout: {self.layout.describe()}")
         if self.is_main:
             if self.world_size > 1:
@@ -209,8 +236,12 @@ class Trainer:
         metrics.set_start(self.step)
         start, losses, prints, preempted = self.step, [], [], False
         if resumed and self.step >= t.train_steps:
-            self.log(f"run already complete at step {self.step}")
-        while self.step < t.train_steps:
+            self.log(f"run already complete at step {self.step}; {extension_hint(self.step)}")
+        elif self.guard is not None and self.guard.should_stop():  # signalled during start-up
+            self.log(f"preemption requested before the first step: exiting at step {self.step} "
+                     "(the newest checkpoint is current)")
+            preempted = True
+        while self.step < t.train_steps and not preempted:
             out = self.train_step()
             losses.append(out["loss"])
             prints.append(out["fingerprint"])
@@ -228,7 +259,10 @@ class Trainer:
         final_loss = losses[-1] if losses else None
         if self.is_main:
             self.log(metrics.summary())
-            if not preempted and self.step >= t.train_steps:
-                (self.run_dir / "FINISHED").write_text(json.dumps({"step": self.step, "loss": final_loss}) + "\n")
+            if preempted:  # after the save committed on every rank, before any rank exits
+                received = self.guard.received if self.guard is not None else None
+                write_preempted(self.run_dir, self.step, received.name if received else "unknown")
+            elif self.step >= t.train_steps:
+                write_finished(self.run_dir, self.step, final_loss)
         metrics.close()
         return TrainResult(self.step - start, self.step, final_loss, preempted, losses, prints)

@@ -46,6 +46,10 @@ _SRUN_STUB = """#!/usr/bin/env python3
 import json, os, sys
 with open(os.path.join(os.environ["STUB_DIR"], "srun.json"), "w") as fh:
     json.dump({"argv": sys.argv[1:], "env": dict(os.environ)}, fh)
+if os.environ.get("STUB_SRUN_WRITES"):  # a file the ranks would write (e.g. PREEMPTED)
+    path, _, text = os.environ["STUB_SRUN_WRITES"].partition("=")
+    with open(path, "w") as fh:
+        fh.write(text)
 sys.exit(int(os.environ.get("STUB_SRUN_RC", "0")))
 """
 _SCONTROL_STUB = """#!/usr/bin/env python3
@@ -68,9 +72,11 @@ class StubbedRun:
 
 
 def run_script_with_stubs(script: Path, stub_dir: Path, *, srun_rc: int = 0, restart: int | None = None,
-                          env: dict[str, str] | None = None) -> StubbedRun:
+                          env: dict[str, str] | None = None, srun_writes: tuple[Path, str] | None = None
+                          ) -> StubbedRun:
     """Run a generated batch script with bash, outside SLURM, with srun and scontrol replaced by
-    recorders: shows exactly what the script would start and whether it requeues."""
+    recorders: shows exactly what the script would start and whether it requeues.
+    ``srun_writes``: (path, text) the stub srun writes, as the ranks would."""
     stub_dir.mkdir(parents=True, exist_ok=True)
     for name, text in (("srun", _SRUN_STUB), ("scontrol", _SCONTROL_STUB)):
         (stub_dir / name).write_text(text)
@@ -79,6 +85,8 @@ def run_script_with_stubs(script: Path, stub_dir: Path, *, srun_rc: int = 0, res
                "STUB_SRUN_RC": str(srun_rc), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost"}
     if restart is not None:
         run_env["SLURM_RESTART_COUNT"] = str(restart)
+    if srun_writes is not None:
+        run_env["STUB_SRUN_WRITES"] = f"{srun_writes[0]}={srun_writes[1]}"
     result = subprocess.run(["bash", str(script)], env=run_env, capture_output=True, text=True, timeout=60)
     srun_file, scontrol_file = stub_dir / "srun.json", stub_dir / "scontrol.log"
     srun = json.loads(srun_file.read_text()) if srun_file.exists() else None

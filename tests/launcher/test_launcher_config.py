@@ -106,4 +106,5 @@ def test_guard_sets_a_flag_and_restores_handlers():
         os.kill(os.getpid(), signal.SIGTERM)
         assert guard.received == signal.SIGUSR1, "the first signal is kept"
     assert signal.getsignal(signal.SIGUSR1) == before
-    assert PreemptionGuard.from_config(LauncherConfig(signal="USR2")).signals == (signal.SIGUSR2, signal.SIGTERM)
+    assert PreemptionGuard.from_config(LauncherConfig(signal="USR2")).signals == (signal.SIGUSR2, signal.SIGTERM,
+                                                                                    signal.SIGINT)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import subprocess
 import sys
@@ -120,20 +121,38 @@ def test_env_defaults_lose_to_the_shell_overrides_win_passthrough_unwritten(stub
     assert "s3cr3t-value" not in job.dir.script.read_text(), "--env NAME is never written into the script"
 
 
-@pytest.mark.parametrize("restart, srun_rc, requeued, code", [
-    (0, EXIT_PREEMPTED, True, EXIT_PREEMPTED),   # preempted ranks: requeue
-    (2, EXIT_PREEMPTED, True, EXIT_PREEMPTED),
-    (3, EXIT_PREEMPTED, False, EXIT_PREEMPTED),  # restart limit (max_restarts=3) reached
-    (0, 1, False, 1),                            # a crash is a failure, not a preemption
-    (0, 0, False, 0),
+@pytest.mark.parametrize("restart, srun_rc, marker, requeued, code", [
+    (0, EXIT_PREEMPTED, "", True, EXIT_PREEMPTED),   # preempted ranks: requeue
+    (2, EXIT_PREEMPTED, "", True, EXIT_PREEMPTED),
+    (3, EXIT_PREEMPTED, "", False, EXIT_PREEMPTED),  # restart limit (max_restarts=3) reached
+    (0, 1, "", False, 1),                            # a crash is a failure, not a preemption
+    # srun --kill-on-bad-exit killed the slower ranks (143) / torchrun reported 1 after a saved preemption
+    (0, 143, "PREEMPTED", True, EXIT_PREEMPTED),
+    (1, 1, "PREEMPTED", True, EXIT_PREEMPTED),
+    (3, 143, "PREEMPTED", False, EXIT_PREEMPTED),
+    (0, 0, "FINISHED", False, 0),                    # the run completed
+    (0, 0, "", True, EXIT_PREEMPTED),                # exit 0 but nothing says how: try again ...
+    (3, 0, "", False, 1),                            # ... within the limit, then a failure
 ])
-def test_requeue_decision(stub_job, tmp_path, restart, srun_rc, requeued, code):
+def test_requeue_decision(stub_job, tmp_path, restart, srun_rc, marker, requeued, code):
     job = stub_job(max_restarts=3)
-    result = run_script_with_stubs(job.dir.script, tmp_path / "stubs", srun_rc=srun_rc, restart=restart)
+    writes = None
+    if marker:
+        writes = (job.run_dir / marker, '{"step": 6, "loss": 1.0}' if marker == "FINISHED" else '{"step": 3}')
+    result = run_script_with_stubs(job.dir.script, tmp_path / "stubs", srun_rc=srun_rc, restart=restart,
+                                   srun_writes=writes)
     assert result.srun is not None
     assert result.returncode == code, result.output
     assert (["requeue 4242"] if requeued else []) == [c for c in result.scontrol if c.startswith("requeue")]
     assert (job.dir.logs / f"restart{restart}").is_dir()
+
+
+def test_stale_preempted_marker_is_cleared_before_the_step(stub_job, tmp_path):
+    job = stub_job(max_restarts=3)
+    (job.run_dir / "PREEMPTED").write_text('{"step": 1}')  # from the previous attempt
+    result = run_script_with_stubs(job.dir.script, tmp_path / "stubs", srun_rc=1, restart=1)
+    assert result.returncode == 1 and not [c for c in result.scontrol if c.startswith("requeue")], result.output
+    assert not (job.run_dir / "PREEMPTED").exists()
 
 
 def test_finished_marker_stops_start_and_requeue(stub_job, tmp_path):
@@ -141,4 +160,16 @@ def test_finished_marker_stops_start_and_requeue(stub_job, tmp_path):
     job.dir.finished.write_text('{"step": 6, "loss": 1.0}')
     result = run_script_with_stubs(job.dir.script, tmp_path / "stubs", srun_rc=EXIT_PREEMPTED, restart=1)
     assert result.returncode == 0 and result.srun is None and result.scontrol == []
-    assert "FINISHED exists" in result.output
+    assert "FINISHED exists" in result.output and "raise training.train_steps" in result.output
+
+
+def test_finished_at_a_lower_target_is_extended(tmp_path):
+    """FINISHED at step 6 of a job now targeting 10 steps: the script starts the step."""
+    job = dataclasses.replace(payload_job(tmp_path / "run", RESUMABLE), train_steps=10)
+    job.dir.slurm_dir.mkdir(parents=True, exist_ok=True)
+    job.dir.script.write_text(render_sbatch_script(job))
+    job.dir.finished.write_text('{"step": 6, "loss": 1.0}')
+    result = run_script_with_stubs(job.dir.script, tmp_path / "stubs", srun_rc=0, restart=0,
+                                   srun_writes=(job.dir.finished, '{"step": 10, "loss": 0.5}'))
+    assert result.srun is not None and result.returncode == 0, result.output
+    assert "run complete" in result.output

@@ -95,15 +95,18 @@ def load_records(out_dir: Path, world: int) -> list[dict]:
 # ANY two runs that sum in a different order. Their parameters get a looser bound after steps.
 MHC_COEFFICIENTS = ("_hc.fn", "_hc.base", "_hc.scale")
 
-# Engram gate weights and table rows: their first-step gradients sit at ~1e-4 of the model's
-# largest gradient (on grad_floor), so fp32 reduction-order noise carried through the rest of
-# the backward is a sizeable fraction of them. Measured with tests/parallel/noise_envelope.py
-# (the single-rank run with every MoE output multiplied by 1 + 1e-7 N(0,1), the size of the
-# differences a layout's reduction order makes; 10 noise seeds): layer 5's q_weight / k_weight
-# gradients move by up to 3.7e-5 and its table gradient by 2.1e-5 of their scale, every other
-# tensor but the mHC predictors by < 6e-6. ETP2 x EP2 measures 2.447e-5 on q_weight (the same digits
-# on every run): inside the noise envelope, not a wrong gradient. These
-# three get 1e-4 (2.7x the envelope); everything else keeps 2e-5.
+# Engram gate weights and table rows: their first-step gradients are cancellation-heavy sums
+# over tokens that sit at ~1e-4 of the model's largest gradient (on grad_floor), so fp32
+# reduction-order noise carried through the rest of the backward is a sizeable fraction of
+# them. One class, sized from the measured reduction-order noise envelope
+# (tests/parallel/noise_envelope.py: the single-rank run with every MoE output multiplied by
+# 1 + 1e-7 N(0,1), the size of the differences a layout's reduction order makes), measured
+# after the indexer's defined top-k tie-break (newer entry wins), 40 noise seeds: layer 5's
+# q_weight / k_weight gradients move by up to 4.6e-5 and its table gradient by 2.3e-5 of their
+# scale; every other tensor by <= 1.5e-5 (mHC predictors; the rest < 6e-6). Both exceed the
+# default 2e-5 (and the gates a 3e-5 bound), so a correct layout can land there: these three
+# get 1e-4 (2.2x the envelope). Measured parity worst cases: q_weight 2.0e-5 (tp2, tp2_sp,
+# tp2_ep2_dp2, tp2_pp2_shadow), 1.9e-5 (etp2_ep2); table 4.9e-6. Everything else keeps 2e-5.
 ENGRAM_GATE_AND_TABLE = ("engram.q_weight", "engram.k_weight", "engram.table")
 
 # Tolerance policy of every parity test (fp32; see tests/parallel/test_parity_2rank.py's docstring

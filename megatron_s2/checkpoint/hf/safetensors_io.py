@@ -16,16 +16,18 @@ is untrusted input.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-__all__ = ["INDEX_FILE", "SIDECAR_PREFIX", "UnsafeCheckpointError", "SafetensorsReader", "write_sharded", "check_safetensors_file"]
+__all__ = ["INDEX_FILE", "SIDECAR_PREFIX", "UnsafeCheckpointError", "CorruptSafetensorsError", "SafetensorsReader",
+           "write_sharded", "check_safetensors_file", "open_safetensors"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SIDECAR_PREFIX = "megatron_s2_"
@@ -36,6 +38,25 @@ _MAX_HEADER = 100 * 1024 * 1024
 
 class UnsafeCheckpointError(ValueError):
     """A checkpoint that is not (only) safetensors, or a file that is not what its name says."""
+
+
+class CorruptSafetensorsError(UnsafeCheckpointError):
+    """A safetensors file the library cannot read (truncated, corrupt); the message names it."""
+
+
+@contextlib.contextmanager
+def open_safetensors(path: Path):
+    """``safe_open`` whose failures (the library's own errors name no file) name ``path``."""
+    why = "the file is truncated or corrupt"
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CorruptSafetensorsError(f"{path}: cannot be read as safetensors ({exc}); {why}") from None
+    with handle as f:
+        try:
+            yield f
+        except (SafetensorError, OSError) as exc:
+            raise CorruptSafetensorsError(f"{path}: cannot be read as safetensors ({exc}); {why}") from None
 
 
 def _sniff(head: bytes) -> str:
@@ -77,7 +98,12 @@ class SafetensorsReader:
                                         "— convert them to safetensors with a trusted tool first")
         index_path = self.dir / INDEX_FILE
         if index_path.is_file():
-            index = json.loads(index_path.read_text())
+            try:
+                index = json.loads(index_path.read_text())
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise UnsafeCheckpointError(f"{index_path}: not valid JSON ({exc})") from None
+            if not isinstance(index, dict):
+                raise UnsafeCheckpointError(f"{index_path}: expected a JSON object with a 'weight_map'")
             weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict):
                 raise UnsafeCheckpointError(f"{index_path}: no 'weight_map'")
@@ -95,7 +121,7 @@ class SafetensorsReader:
         self._where: dict[str, Path] = {}
         self.metadata: dict[str, str] = {}
         for path in files:
-            with safe_open(str(path), framework="pt") as f:
+            with open_safetensors(path) as f:
                 self.metadata.update(f.metadata() or {})
                 for key in f.keys():
                     if key in self._where:
@@ -112,12 +138,12 @@ class SafetensorsReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(f"{self.dir}: no tensor '{name}'")
-        with safe_open(str(self._where[name]), framework="pt") as f:
+        with open_safetensors(self._where[name]) as f:
             return f.get_tensor(name)
 
     def info(self, name: str) -> tuple[tuple[int, ...], str]:
         """(shape, safetensors dtype string) without reading the data."""
-        with safe_open(str(self._where[name]), framework="pt") as f:
+        with open_safetensors(self._where[name]) as f:
             sl = f.get_slice(name)
             return tuple(sl.get_shape()), sl.get_dtype()
 

@@ -3,14 +3,16 @@
 Layers read what they need from here instead of from module attributes or globals: token
 positions (global, so context-parallel chunks keep their true positions), document ids for
 sample-level attention masks (§4.2.2), the image mask that selects the image correction
-bias (§2.1.1), the shared-state registry (§3.1.2), the routing recorder/replayer, and the
-accumulator of auxiliary losses (MoE sequence balance loss, indexer alignment loss).
+bias (§2.1.1), the shared-state registry (§3.1.2), the routing recorder/replayer, the
+accumulator of auxiliary losses (MoE sequence balance loss, indexer alignment loss), and — for
+incremental decode only — the per-request cached state the attention layers extend and the
+tokens preceding this chunk (Engram's n-gram history).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -21,7 +23,22 @@ if TYPE_CHECKING:
     from megatron_s2.models.v41.engram.prefetch import EngramPrefetch
     from megatron_s2.models.v41.moe.routing_replay import RoutingReplay
 
-__all__ = ["ForwardContext"]
+__all__ = ["AttentionCache", "ForwardContext"]
+
+
+class AttentionCache(Protocol):
+    """Cached attention state of the requests in an incremental-decode step (implemented by
+    :class:`megatron_s2.inference.kv_step.KVCacheStep`). The attention forward calls it at the
+    two places where keys come from earlier tokens; everything else is the training path."""
+
+    def window(self, attn, kv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's SWA KV [b, s, hd]; return (keys, each query's window indices)."""
+        ...
+
+    def compress(self, attn, kv: torch.Tensor, gate: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool this step's compressor projections with the carried partial block, append the
+        completed entries; return every cached (main KV, index K) entry of each request."""
+        ...
 
 
 @dataclass
@@ -50,6 +67,11 @@ class ForwardContext:
     """[b, S] image mask of the whole sequence under context parallelism."""
     engram_rows: "EngramPrefetch | None" = None
     """Engram rows prefetched for the whole step (§3.1.3); None: each Engram looks its rows up."""
+    kv_cache: AttentionCache | None = None
+    """Incremental decode: the requests' cached attention state (None = whole-sequence forward)."""
+    prefix_ids: torch.Tensor | None = None
+    """Incremental decode: [b, h] the tokens right before ``input_ids`` (-1 = before the
+    sequence start), so Engram hashes n-grams across the chunk boundary."""
 
     @classmethod
     def create(cls, input_ids: torch.Tensor, plan: LayerPlan, *, positions: torch.Tensor | None = None,

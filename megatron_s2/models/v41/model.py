@@ -46,7 +46,7 @@ class V41Model(nn.Module):
         if pre_process:
             self.embedding = nn.ModuleDict(
                 {"word_embeddings": VocabParallelEmbedding(config.vocab_size, d, groups.tp, sequence_parallel=sp)})
-        spec = block_spec(provider or get_provider(config.transformer_impl))
+        spec = block_spec(provider or get_provider(config.transformer_impl, config.fp8))
         ids = range(config.num_layers) if layers is None else list(layers)
         self.layers = nn.ModuleDict({str(i): build_module(spec, config, self.plan[i], groups) for i in ids})
         if post_process:

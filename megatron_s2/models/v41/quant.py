@@ -46,9 +46,11 @@ def ceil_pow2(v: torch.Tensor) -> torch.Tensor:
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Detached float32 blocks: the gradient is straight-through, so autograd keeps none of the
+    quantiser's intermediates alive."""
     if x.shape[-1] % block:
         raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the quantisation block {block}")
-    return x.float().unflatten(-1, (-1, block))
+    return x.detach().float().unflatten(-1, (-1, block))
 
 
 def _ste(x: torch.Tensor, deq: torch.Tensor) -> torch.Tensor:

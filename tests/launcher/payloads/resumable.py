@@ -4,8 +4,8 @@
 
 Every step sleeps ``--step-time`` seconds, all-reduces a value so the ranks stay in lock
 step, and updates a deterministic "loss". After each step it asks the PreemptionGuard
-whether to stop; then rank 0 "checkpoints" (step, loss) to RUN_DIR/checkpoints/state.json
-and every rank exits with EXIT_PREEMPTED. A restart resumes from that file. A completed
+whether to stop; then rank 0 "checkpoints" (step, loss) to RUN_DIR/checkpoints/state.json,
+writes RUN_DIR/PREEMPTED like the trainer, and every rank exits with EXIT_PREEMPTED. A restart resumes from that file. A completed
 run writes RUN_DIR/FINISHED like the real trainer. Rank 0 appends one JSON line per start
 to RUN_DIR/events.jsonl. ``--die-rank`` makes that rank SIGKILL itself at a step.
 """
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_s2.launcher.bootstrap import init_distributed, shutdown_distributed
 from megatron_s2.launcher.preemption import EXIT_PREEMPTED, PreemptionGuard
+from megatron_s2.training.markers import write_preempted
 
 
 def main() -> int:
@@ -65,6 +66,8 @@ def main() -> int:
                 tmp = state_file.with_suffix(".tmp")
                 tmp.write_text(json.dumps({"step": step, "loss": loss}))
                 tmp.replace(state_file)
+                # the trainer's protocol: announce the saved preemption before any rank exits
+                write_preempted(args.run_dir, step, guard.received.name if guard.received else "unknown")
             shutdown_distributed()
             return EXIT_PREEMPTED
     if info.rank == 0:

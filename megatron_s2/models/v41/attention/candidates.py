@@ -7,14 +7,16 @@ keeps the ``top_blocks`` best blocks per query, and publishes the positions they
 score only their query's pool, so their per-query cost no longer grows with the context.
 
 The block holding the query's newest visible entry is always kept (it is only partly filled
-and could otherwise lose to an older full block — reference semantics). Unreachable picks
-and not-yet-visible positions are -1.
+and could otherwise lose to an older full block — reference semantics); among blocks with
+equal maxima the newer one is kept. Unreachable picks and not-yet-visible positions are -1.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from megatron_s2.models.v41.attention.selection import topk_newest_on_ties
 
 __all__ = ["select_candidate_blocks"]
 
@@ -34,9 +36,9 @@ def select_candidate_blocks(scores: torch.Tensor, q_pos: torch.Tensor, ratio: in
     pin = pin & has_visible.unsqueeze(-1) & torch.isfinite(blocks)
     blocks = blocks.masked_fill(pin, float("inf"))
     kb = min(top_blocks, num_blocks)
-    top = blocks.topk(kb, dim=-1)
-    keep = top.values > float("-inf")
-    starts = top.indices * block_size
+    values, indices = topk_newest_on_ties(blocks, kb)  # equal maxima: the newer block
+    keep = values > float("-inf")
+    starts = indices * block_size
     ids = starts.unsqueeze(-1) + torch.arange(block_size, device=scores.device)  # [b, s, kb, bs]
     ids = torch.where(keep.unsqueeze(-1), ids, -1).flatten(-2)
     # Drop positions past the end or not visible to this query.

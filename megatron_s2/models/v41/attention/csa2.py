@@ -8,7 +8,7 @@ statically assigned mode (§2.3.1; plan in :mod:`megatron_s2.config.layer_plan`)
 =========  ===================================  ===========================  ===============
 mode       main KV                              index K                      top-k
 =========  ===================================  ===========================  ===============
-Full       own compressor (decoder: from H_L/2)  projected from own main KV   own indexer
+Full       own compressor (decoder: H_L/2)      projected from own main KV   own indexer
 Reindex    reused from the latest Full layer     reused with it               own indexer
 Reuse      reused from the latest Full layer     not needed                   reused
 =========  ===================================  ===========================  ===============
@@ -42,7 +42,7 @@ from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.parallel_plan import apply_plan
 from megatron_s2.models.v41.precision import wide
-from megatron_s2.models.v41.quant import fake_quant_fp4_e4m3, fake_quant_fp8
+from megatron_s2.kernels import fake_quant_fp4_e4m3, fake_quant_fp8
 from megatron_s2.models.v41.recompute import selective_checkpoint
 from megatron_s2.models.v41.rope import apply_rope, rope_frequencies
 from megatron_s2.models.v41.spec import LinearSubmodules
@@ -94,8 +94,7 @@ class CSA2Attention(nn.Module):
         self.selective_recompute = False  # checkpoint the attention core (set by the model)
         self.compressor = self.index_key = self.indexer = None
         if spec.mode is CSA2Mode.FULL:
-            self.compressor = Compressor(config, spec.compress_ratio, from_encoder_output=spec.uses_encoder_output,
-                                         linears=L)
+            self.compressor = Compressor(config, spec.compress_ratio, linears=L)
             self.index_key = IndexKeyProjection(config, tp, linears=L)
         if spec.runs_indexer:
             self.indexer = Indexer(config, tp, linears=L)
@@ -107,29 +106,81 @@ class CSA2Attention(nn.Module):
         keys, k_pos, k_doc = self.seq.window_keys(kv, ctx.positions, self.window, ctx.doc_ids, ctx.full_doc_ids)
         return keys, window_indices(ctx.positions, k_pos, self.window, ctx.doc_ids, k_doc)
 
+    # ---- pieces shared by the training forward and incremental decode ---------------------
+    # The forward below is the only attention code path. Incremental decode
+    # (:mod:`megatron_s2.inference`) runs the same forward with ``ctx.kv_cache`` set: the two
+    # places where keys come from *earlier* tokens (the sliding window and the compressed
+    # main KV) then read and extend the request's cached state instead of the sequence.
+    def query(self, x_in: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(compressed query qr [b, s, q_lora] — also the indexer's input, RoPE'd heads [b, s, h, hd])."""
+        qr = self.seq.gather_chunk(self.q_norm(self.linear_q_down(wide(x_in))))
+        q = self.linear_q_up(qr).unflatten(-1, (self.local_heads, self.head_dim))
+        return qr, apply_rope(q, positions, self.inv_freq)
+
+    def window_kv(self, x_in: torch.Tensor, positions: torch.Tensor, quantise: bool = True) -> torch.Tensor:
+        """The layer-local SWA KV latent of each token [b, s, hd]: RoPE'd, then FP8 QAT
+        (§2.4.4) unless ``quantise`` is False (a KV cache packs the raw values itself)."""
+        kv = self.seq.gather_chunk(self.kv_norm(self.linear_kv(wide(x_in))))
+        kv = apply_rope(kv, positions, self.inv_freq)
+        return fake_quant_fp8(kv) if self.config.fp8_swa_kv and quantise else kv
+
+    def compressed_entries(self, latent: torch.Tensor, entry_pos: torch.Tensor,
+                           quantise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE-free latents [b, n, hd] of entries at token positions ``entry_pos`` [b, n]
+        (entry j sits at j*m) -> (main KV: RoPE'd, FP4 QAT after RoPE (§2.4.4); index K with
+        MXFP4 QAT). ``quantise=False``: the raw values, for a KV cache that packs them."""
+        index_k = self.index_key(latent.detach(), entry_pos, self.inv_freq, quantise=quantise)
+        main_kv = apply_rope(latent, entry_pos, self.inv_freq)
+        if self.config.fp4_main_kv and quantise:
+            main_kv = fake_quant_fp4_e4m3(main_kv)
+        return main_kv, index_k
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+               split: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Window + top-k in one softmax with the sink (§2.3)."""
+        if self.selective_recompute and self.training and torch.is_grad_enabled():
+            return selective_checkpoint(lambda q_, kv_: sparse_attention(q_, kv_, indices, self.attn_sink, self.scale,
+                                                                         split=split), q, kv)
+        return sparse_attention(q, kv, indices, self.attn_sink, self.scale, split=split)
+
+    def project_out(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Remove the query RoPE, then the grouped low-rank output projection."""
+        o = apply_rope(o, positions, self.inv_freq, inverse=True)
+        b, s = o.shape[:2]
+        o = o.reshape(b, s, self.local_groups, -1)
+        wo_a = self.linear_out_a.view(self.local_groups, self.config.o_lora_rank, -1)
+        o = torch.einsum("bsgd,grd->bsgr", o, wo_a.to(o.dtype)).flatten(2)
+        return self.linear_out_b(o)
+
     # ---- main-KV / top-k acquisition (§2.3.1) ----------------------------------------------
+    def compressor_input(self, x_in: torch.Tensor) -> torch.Tensor:
+        """What a Full layer's compressor reads: its own normalised attention input.
+
+        The single definition used by training and decode alike. For the CED decoder's Full
+        layer (the first decoder layer, §2.2 Eq. 1) this is attn_norm(H_{L/2}): under Single-Pass
+        mHC its input is the encoder's final streams collapsed with the encoder's last mix, so
+        no separate encoder-output path (or extra norm) exists — as in the released model."""
+        return x_in
+
     def _main_kv(self, x_in: torch.Tensor, ctx: ForwardContext):
         spec, ratio = self.spec, self.spec.compress_ratio
         if spec.mode is not CSA2Mode.FULL:
             main_kv = ctx.shared.consume(spec.index, spec.kv_source, K.MAIN_KV)
             index_k = ctx.shared.consume(spec.index, spec.kv_source, K.INDEX_K) if spec.runs_indexer else None
             return main_kv, index_k
-        src = x_in
-        if spec.uses_encoder_output:  # CED (§2.2, Eq. 1): main KV from H_{L/2}
-            src = self.seq.enter_local(ctx.shared.consume(spec.index, spec.encoder_source, K.ENCODER_OUTPUT))
-        kv, gate = self.compressor.project(src)
-        kv = self.seq.gather_full(kv, ctx.positions)
-        gate = self.seq.gather_full(gate, ctx.positions) if gate is not None else None
-        latent = self.compressor.pool(kv, gate)  # [b, n, hd], RoPE-free
-        n = latent.size(1)
-        entry_pos = (torch.arange(n, device=latent.device) * ratio).expand(latent.size(0), n)
-        index_k = self.index_key(latent.detach(), entry_pos, self.inv_freq)
-        main_kv = apply_rope(latent, entry_pos, self.inv_freq)
-        if self.config.fp4_main_kv:  # FP4 QAT after RoPE (§2.4.4)
-            main_kv = fake_quant_fp4_e4m3(main_kv)
+        kv, gate = self.compressor.project(self.compressor_input(x_in))
+        if ctx.kv_cache is not None:  # decode: carry the partial block, append complete ones
+            main_kv, index_k = ctx.kv_cache.compress(self, kv, gate)
+        else:
+            kv = self.seq.gather_full(kv, ctx.positions)
+            gate = self.seq.gather_full(gate, ctx.positions) if gate is not None else None
+            latent = self.compressor.pool(kv, gate)  # [b, n, hd], RoPE-free
+            n = latent.size(1)
+            entry_pos = (torch.arange(n, device=latent.device) * ratio).expand(latent.size(0), n)
+            main_kv, index_k = self.compressed_entries(latent, entry_pos)
+            ctx.shared.publish(spec.index, K.LATENT, latent)  # kept only when a pipeline cut asks for it
         ctx.shared.publish(spec.index, K.MAIN_KV, main_kv)
         ctx.shared.publish(spec.index, K.INDEX_K, index_k)
-        ctx.shared.publish(spec.index, K.LATENT, latent)  # kept only when a pipeline cut asks for it
         return main_kv, index_k
 
     def _topk(self, x_in, qr, index_k, n_entries, ctx: ForwardContext):
@@ -157,14 +208,12 @@ class CSA2Attention(nn.Module):
         """x: [b, s_local, d] (normalised block input; sequence shard under SP)."""
         x_in = self.seq.enter_local(x)
         pos = ctx.positions
-        qr = self.seq.gather_chunk(self.q_norm(self.linear_q_down(wide(x_in))))
-        q = self.linear_q_up(qr).unflatten(-1, (self.local_heads, self.head_dim))
-        q = apply_rope(q, pos, self.inv_freq)
-        kv = self.seq.gather_chunk(self.kv_norm(self.linear_kv(wide(x_in))))
-        kv = apply_rope(kv, pos, self.inv_freq)
-        if self.config.fp8_swa_kv:
-            kv = fake_quant_fp8(kv)
-        kv, indices = self._window(kv, ctx)
+        qr, q = self.query(x_in, pos)
+        kv = self.window_kv(x_in, pos, quantise=ctx.kv_cache is None)  # a cache packs raw values
+        if ctx.kv_cache is not None:  # decode: the request's cached window + these tokens
+            kv, indices = ctx.kv_cache.window(self, kv, pos)
+        else:
+            kv, indices = self._window(kv, ctx)
         split, indexer_inputs = None, None
         if self.spec.is_csa2:
             main_kv, index_k = self._main_kv(x_in, ctx)
@@ -174,12 +223,7 @@ class CSA2Attention(nn.Module):
             indices = torch.cat([indices, torch.where(topk >= 0, topk + n_window, -1)], dim=-1)
             split = self.window
         want_mass = indexer_inputs is not None and self.training and self.config.indexer_loss_coeff > 0
-        split = split if want_mass else None
-        if self.selective_recompute and self.training and torch.is_grad_enabled():
-            o, mass = selective_checkpoint(lambda q_, kv_: sparse_attention(q_, kv_, indices, self.attn_sink, self.scale,
-                                                                            split=split), q, kv)
-        else:
-            o, mass = sparse_attention(q, kv, indices, self.attn_sink, self.scale, split=split)
+        o, mass = self.attend(q, kv, indices, split if want_mass else None)
         if want_mass:
             q_idx, weights = indexer_inputs
             kl_sum, n = self.indexer.alignment_loss(q_idx, weights, index_k, topk, mass)
@@ -187,9 +231,4 @@ class CSA2Attention(nn.Module):
             kl = kl_sum / n.clamp_min(1).squeeze()
             ctx.add_aux_loss("indexer_kl", self.config.indexer_loss_coeff * kl)
             ctx.add_metric("indexer_kl", kl)
-        o = apply_rope(o, pos, self.inv_freq, inverse=True)
-        b, s = o.shape[:2]
-        o = o.reshape(b, s, self.local_groups, -1)
-        wo_a = self.linear_out_a.view(self.local_groups, self.config.o_lora_rank, -1)
-        o = torch.einsum("bsgd,grd->bsgr", o, wo_a.to(o.dtype)).flatten(2)
-        return self.linear_out_b(o)
+        return self.project_out(o, pos)

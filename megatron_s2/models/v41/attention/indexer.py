@@ -8,7 +8,9 @@
   with q^I projected from the compressed query (q_lora) and per-head weights w from the
   hidden state, scaled by d_I^-1/2 * H_I^-1/2 (reference semantics).
 * Only causally complete entries of the query's document are visible; the top-k visible
-  entries are selected (fewer when fewer are visible, -1 fills the rest).
+  entries are selected (fewer when fewer are visible, -1 fills the rest). Equal scores go
+  to the newer entry (:mod:`.selection`), so the selection does not depend on how many
+  entries exist past the query's visible range (whole sequence vs incremental decode).
 * **Training.** Top-k selection is not differentiable. The indexer learns by aligning its
   score distribution over the selected entries with the main attention's probability mass
   on them (KL, summed over heads and renormalised; the DeepSeek-V3.2 sparse-stage
@@ -28,12 +30,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_s2.config.model import ModelConfig
+from megatron_s2.kernels.indexer import indexer_gathered_scores, indexer_scores
+from megatron_s2.kernels.sparse_attention import CHUNK_ELEMENTS, chunk_rows
 from megatron_s2.models.v41.attention.candidates import select_candidate_blocks
+from megatron_s2.models.v41.attention.selection import topk_newest_on_ties
 from megatron_s2.models.v41.attention.visibility import compressed_visible
 from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.parallel_plan import apply_plan
 from megatron_s2.models.v41.precision import wide
-from megatron_s2.models.v41.quant import fake_quant_mxfp4
+from megatron_s2.kernels import fake_quant_mxfp4
 from megatron_s2.models.v41.rope import apply_rope
 from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import Group, ParallelGroups
@@ -55,10 +60,12 @@ class IndexKeyProjection(nn.Module):
         self.fp4 = config.fp4_indexer
         apply_plan(self, ParallelGroups(tp=tp or Group()), config)
 
-    def forward(self, latent: torch.Tensor, entry_pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    def forward(self, latent: torch.Tensor, entry_pos: torch.Tensor, inv_freq: torch.Tensor,
+                quantise: bool = True) -> torch.Tensor:
+        """``quantise=False`` skips the MXFP4 QAT (a KV cache packs the raw keys itself)."""
         k = self.norm(self.linear(wide(latent)))
         k = apply_rope(k, entry_pos, inv_freq)
-        return fake_quant_mxfp4(k) if self.fp4 else k
+        return fake_quant_mxfp4(k) if self.fp4 and quantise else k
 
 
 @dataclass
@@ -107,9 +114,8 @@ class Indexer(nn.Module):
     def _score(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """q [b,s,h,d], k [b,s,n,d] or [b,n,d], w [b,s,h] -> [b,s,n] (local heads only)."""
         if k.dim() == 3:
-            logits = torch.einsum("bshd,bnd->bshn", q, k)
-        else:
-            logits = torch.einsum("bshd,bsnd->bshn", q, k)
+            return indexer_scores(q, k, w)
+        logits = torch.einsum("bshd,bsnd->bshn", q, k)
         return (F.relu(logits) * w.unsqueeze(-1)).sum(dim=2)
 
     @torch.no_grad()
@@ -123,6 +129,8 @@ class Indexer(nn.Module):
         b, s = q.shape[:2]
         n = index_k.size(1)
         k_eff = min(self.topk, n)
+        if candidates is None:  # bound the [chunk, heads, entries] logits of the full scan
+            chunk = chunk_rows(chunk, self.local_heads * n, budget=CHUNK_ELEMENTS * 2)
         tops, cands = [], []
         for start in range(0, s, chunk):
             sl = slice(start, start + chunk)
@@ -143,9 +151,9 @@ class Indexer(nn.Module):
                 scores = mappings.all_reduce_sum(scores, self.tp)
                 scores = scores.masked_fill(ids < 0, float("-inf"))
             kk = min(k_eff, scores.size(-1))
-            top = scores.topk(kk, dim=-1)
-            picked = torch.gather(ids, 2, top.indices)
-            picked = torch.where(torch.isfinite(top.values), picked, -1)
+            values, indices = topk_newest_on_ties(scores, kk)
+            picked = torch.gather(ids, 2, indices)
+            picked = torch.where(torch.isfinite(values), picked, -1)
             if kk < k_eff:
                 picked = F.pad(picked, (0, k_eff - kk), value=-1)
             tops.append(picked)
@@ -160,11 +168,9 @@ class Indexer(nn.Module):
         target_mass: [b, s, k] attention mass (summed over the local heads, detached) on the
         selected entries. Returns (sum of per-query KL, number of queries with a selection).
         """
-        b, s, k = topk.shape
         valid = topk >= 0
-        keys = torch.gather(index_k, 1, topk.clamp_min(0).reshape(b, -1, 1).expand(-1, -1, index_k.size(-1)))
-        keys = keys.view(b, s, k, index_k.size(-1))
-        scores = mappings.reduce_from_group(self._score(q, keys, w), self.tp)
+        # Gathered per chunk and recomputed in backward: no [b, s, k, d] gather kept alive.
+        scores = mappings.reduce_from_group(indexer_gathered_scores(q, index_k, w, topk), self.tp)
         mass = mappings.all_reduce_sum(target_mass, self.tp).masked_fill(~valid, 0.0)
         p = mass / mass.sum(-1, keepdim=True).clamp_min(1e-20)
         log_q = torch.log_softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)

@@ -102,10 +102,23 @@ class Engram(nn.Module):
                                  "ctx.image_mask: N-grams must stop at image tokens of earlier chunks")
             ids = self.hasher(ctx.full_input_ids, self.layer_number, ctx.full_doc_ids, full_dead)
             ids = ids.gather(1, ctx.positions.unsqueeze(-1).expand(-1, -1, ids.size(-1)))
+        elif ctx.prefix_ids is not None:  # incremental decode: n-grams reach into the history
+            ids = self._hash_with_prefix(ctx)
         else:
             ids = self.hasher(ctx.input_ids, self.layer_number, ctx.doc_ids, ctx.image_mask)
         mask = ctx.image_mask
         return self.seq.stream_slice(ids), None if mask is None else self.seq.stream_slice(mask)
+
+    def _hash_with_prefix(self, ctx: ForwardContext) -> torch.Tensor:
+        """Hash ``prefix_ids ++ input_ids`` and keep the chunk's columns. History slots of -1
+        are dead tokens, which block an n-gram exactly like the sequence start does."""
+        prefix, h = ctx.prefix_ids, ctx.prefix_ids.size(1)
+        if ctx.doc_ids is not None:
+            raise ValueError("Engram: prefix_ids (incremental decode) and doc_ids cannot be combined")
+        tokens = torch.cat([prefix.clamp_min(0).to(ctx.input_ids.dtype), ctx.input_ids], dim=1)
+        dead = torch.zeros_like(ctx.input_ids, dtype=torch.bool) if ctx.image_mask is None else ctx.image_mask.bool()
+        dead = torch.cat([prefix < 0, dead], dim=1)
+        return self.hasher(tokens, self.layer_number, None, dead)[:, h:]
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_s2.models.v41.quant import fake_quant_fp8
+from megatron_s2.kernels import fake_quant_fp8
 from megatron_s2.parallel.groups import Group
 from megatron_s2.parallel.placement import mark_param
 from megatron_s2.parallel.sharding import name_seed

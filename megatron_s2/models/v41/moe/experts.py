@@ -84,9 +84,14 @@ class GroupedExperts(nn.Module):
         outputs = []
         row_blocks, weight_blocks = torch.split(x, tokens_per_expert), torch.split(probs, tokens_per_expert)
         for e, (rows, weight) in enumerate(zip(row_blocks, weight_blocks, strict=True)):
-            h = swiglu(F.linear(rows, self.w1[e]), F.linear(rows, self.w3[e]), self.swiglu_limit, weight.unsqueeze(-1))
-            outputs.append(F.linear(h.to(self.w2.dtype), self.w2[e]))
+            h = swiglu(self.gemm(rows, self.w1[e]), self.gemm(rows, self.w3[e]), self.swiglu_limit,
+                       weight.unsqueeze(-1))
+            outputs.append(self.gemm(h.to(self.w2.dtype), self.w2[e]))
         return torch.cat(outputs, dim=0).to(tokens.dtype)
+
+    def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """One expert's product ``x W^T`` (overridden by the FP8 subclass)."""
+        return F.linear(x, weight)
 
 
 class SharedExpert(nn.Module):
@@ -110,6 +115,10 @@ class SharedExpert(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[b, s, hidden] (sequence-sharded under SP) -> same shape and dtype."""
         x = self.seq.enter_tp_region(hidden).to(self.w1.dtype)
-        h = swiglu(F.linear(x, self.w1), F.linear(x, self.w3), self.swiglu_limit)
-        y = F.linear(h.to(self.w2.dtype), self.w2)
+        h = swiglu(self.gemm(x, self.w1), self.gemm(x, self.w3), self.swiglu_limit)
+        y = self.gemm(h.to(self.w2.dtype), self.w2)
         return self.seq.exit_tp_region(y).to(hidden.dtype)
+
+    def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The local product ``x W^T`` (overridden by the FP8 subclass)."""
+        return F.linear(x, weight)

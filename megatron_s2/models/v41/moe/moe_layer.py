@@ -54,14 +54,16 @@ __all__ = ["MoELayer"]
 class MoELayer(nn.Module):
     PLAN_SECTION = "moe"
 
-    def __init__(self, config: ModelConfig, layer_number: int, groups: ParallelGroups):
+    def __init__(self, config: ModelConfig, layer_number: int, groups: ParallelGroups,
+                 experts: type = GroupedExperts, shared_expert: type = SharedExpert):
+        """``experts`` / ``shared_expert``: the classes the provider picked (spec.py)."""
         super().__init__()
         self.config, self.layer_number, self.groups = config, layer_number, groups
         self.tp, self.seq = groups.tp, groups.sequence
         self.router = TopKRouter(config, groups)
         self.token_dispatcher = AllToAllTokenDispatcher(config.num_routed_experts, groups.ep, groups.etp)
-        self.experts = GroupedExperts(config, groups.ep, groups.etp)
-        self.shared_expert = SharedExpert(config, groups) if config.num_shared_experts else None
+        self.experts = experts(config, groups.ep, groups.etp)
+        self.shared_expert = shared_expert(config, groups) if config.num_shared_experts else None
         self.selective_recompute = False  # checkpoint the routed experts' compute (set by the model)
         apply_plan(self, groups, config)
 

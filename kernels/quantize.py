@@ -1,0 +1,85 @@
+"""Dispatch of the FP4 / MXFP4 / FP8 quantisers (report §2.4.4): the Triton kernels of
+:mod:`megatron_s2.kernels.triton.quant` on CUDA tensors, the PyTorch references elsewhere.
+
+* ``fake_quant_*`` — quantise-dequantise with the straight-through gradient, the training
+  (QAT) view; the reference is :mod:`megatron_s2.models.v41.quant`.
+* ``pack_*`` / ``unpack_*`` — the packed storage formats of the KV cache; the reference is
+  :mod:`megatron_s2.kernels.quant_formats`.
+
+The Triton results are bit-identical to the references (tests/kernels/test_triton_quant.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_s2.kernels import quant_formats as formats
+from megatron_s2.kernels.dispatch import use_triton
+from megatron_s2.models.v41 import quant as reference
+
+__all__ = ["fake_quant_fp4_e4m3", "fake_quant_mxfp4", "fake_quant_fp8", "pack_fp4_e4m3", "unpack_fp4_e4m3",
+           "pack_mxfp4", "unpack_mxfp4", "pack_fp8", "unpack_fp8"]
+
+
+def _fake(x: torch.Tensor, fmt: str, block: int, ref) -> torch.Tensor:
+    if not use_triton(x):
+        return ref(x, block)
+    from megatron_s2.kernels.triton.quant import quantize_triton
+
+    deq, _, _ = quantize_triton(x.detach(), fmt, block)
+    return x + (deq - x).detach()  # the reference's straight-through step, same arithmetic
+
+
+def fake_quant_fp4_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    return _fake(x, "fp4_e4m3", block, reference.fake_quant_fp4_e4m3)
+
+
+def fake_quant_mxfp4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    return _fake(x, "mxfp4", block, reference.fake_quant_mxfp4)
+
+
+def fake_quant_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    return _fake(x, "fp8", block, reference.fake_quant_fp8)
+
+
+def _pack(x: torch.Tensor, fmt: str, block: int, ref):
+    if not use_triton(x):
+        return ref(x, block)
+    from megatron_s2.kernels.triton.quant import quantize_triton
+
+    if x.shape[-1] % 2:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the quantisation block {block}")
+    _, codes, scales = quantize_triton(x.detach(), fmt, block, dequantized=False, packed=True)
+    return codes, scales
+
+
+def _unpack(codes: torch.Tensor, scales: torch.Tensor, fmt: str, block: int, ref) -> torch.Tensor:
+    if not use_triton(codes, scales):
+        return ref(codes, scales, block)
+    from megatron_s2.kernels.triton.quant import dequantize_triton
+
+    return dequantize_triton(codes, scales, fmt, block)
+
+
+def pack_fp4_e4m3(x, block: int = 16):
+    return _pack(x, "fp4_e4m3", block, formats.pack_fp4_e4m3)
+
+
+def unpack_fp4_e4m3(codes, scales, block: int = 16):
+    return _unpack(codes, scales, "fp4_e4m3", block, formats.unpack_fp4_e4m3)
+
+
+def pack_mxfp4(x, block: int = 32):
+    return _pack(x, "mxfp4", block, formats.pack_mxfp4)
+
+
+def unpack_mxfp4(codes, exponents, block: int = 32):
+    return _unpack(codes, exponents, "mxfp4", block, formats.unpack_mxfp4)
+
+
+def pack_fp8(x, block: int = 32):
+    return _pack(x, "fp8", block, formats.pack_fp8)
+
+
+def unpack_fp8(values, exponents, block: int = 32):
+    return _unpack(values, exponents, "fp8", block, formats.unpack_fp8)

@@ -1,0 +1,94 @@
+"""``megatron-s2 generate <checkpoint> --prompt TEXT``: talk to a checkpoint from the terminal.
+
+``<checkpoint>`` is a run directory, its ``checkpoints/`` directory, a step directory or a
+Hugging Face export (:mod:`megatron_s2.inference.weights`); the tokenizer is the run's
+``tokenizer.json`` (next to ``config.json`` for an export). The completion is streamed to
+stdout as it is generated; ``--temperature 0`` decodes greedily. Bad input exits with code 2
+and one line naming the argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from megatron_s2.config.schema import ConfigError
+
+__all__ = ["register", "load_model", "generate_command"]
+
+
+def load_model(path: str, device: str | None = None):
+    """(model in eval mode on ``device``, tokenizer, description) of a checkpoint, one rank."""
+    from megatron_s2.inference.weights import load_tokenizer, read_checkpoint
+    from megatron_s2.models.v41.model import V41Model
+    from megatron_s2.training.model_builder import attach_token_map
+
+    loaded = read_checkpoint(path)
+    tokenizer = load_tokenizer(loaded.directory)
+    cfg = loaded.model_config
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ConfigError(f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size={cfg.vocab_size}")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with torch.device(dev):
+        model = V41Model(cfg)
+    missing, unexpected = model.load_state_dict(loaded.state, strict=False)
+    if missing or unexpected:
+        raise ConfigError(f"checkpoint: {loaded.description} does not match model '{cfg.name}' "
+                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    attach_token_map(model, tokenizer.compressed_token_map(num_ids=cfg.vocab_size))
+    return model.eval(), tokenizer, loaded.description
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    from megatron_s2.inference import EngineConfig, InferenceEngine, PromptTooLong, SamplingParams
+
+    if not args.prompt:
+        raise ConfigError("--prompt: give the text to continue, e.g. --prompt 'Once upon a time'")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+    model, tokenizer, description = load_model(args.checkpoint, args.device)
+    prompt = ([tokenizer.bos_id] if args.bos else []) + tokenizer.encode(args.prompt)
+    engine = InferenceEngine(model, EngineConfig(max_num_seqs=1, max_model_len=args.max_model_len,
+                                                 prefill_chunk=256, max_prefill_tokens=256),
+                             eos_token_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+    try:
+        handle = engine.submit(prompt, params)
+    except PromptTooLong as exc:
+        raise ConfigError(f"--prompt: {exc} (raise --max-model-len)") from None
+    print(f"[{description}]", file=sys.stderr)
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    ids, shown, last = [], "", None
+    while engine.has_work():
+        engine.step()
+        while not handle.empty():
+            last = handle.get()
+            ids += last.token_ids
+        text = tokenizer.decode(ids)
+        if text.startswith(shown):  # print what is new (a partly decoded character waits)
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    sys.stdout.write("\n")
+    reason = last.finish_reason.value if last is not None and last.finish_reason else "?"
+    print(f"[{len(ids)} tokens, finish reason: {reason}]", file=sys.stderr)
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="generate text from a checkpoint (streams to the terminal)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="run, checkpoints, step or Hugging Face export directory")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus probability (default 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: fixed engine seed)")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + generated tokens (default 2048)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--no-bos", dest="bos", action="store_false", help="do not start the prompt with <bos>")
+    p.set_defaults(func=generate_command)

@@ -1,0 +1,92 @@
+"""Configuration of the inference engine (one dataclass, validated at construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_s2.config.model import ModelConfig
+from megatron_s2.config.schema import ConfigError
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacity, scheduling and KV-tier settings of :class:`~megatron_s2.inference.engine.InferenceEngine`."""
+
+    max_num_seqs: int = 16
+    """Requests decoded concurrently (one SWA slot each); later ones wait in the queue."""
+    max_waiting: int = 256
+    """Requests the queue holds beyond the running ones; ``add_request`` then raises QueueFull."""
+    max_model_len: int = 4096
+    """Prompt + generated tokens of one request (longer prompts are refused; generation stops
+    with finish reason "length" at this length)."""
+    prefill_chunk: int = 256
+    """Prompt tokens of one request processed per step (chunked prefill)."""
+    max_prefill_tokens: int = 1024
+    """Prompt tokens processed per step over all requests (decodes are always scheduled)."""
+    page_tokens: int = 16
+    """Tokens per global-KV page; a multiple of every compression ratio (prefix-cache granularity)."""
+    num_pages: int = 0
+    """Global-KV pages (page 0 is reserved); 0 = enough for max_num_seqs requests of max_model_len
+    tokens, plus as many again when prefix caching is on."""
+    prefix_caching: bool = False
+    """Persistent global-KV prefix cache (§3.2.1): full pages are indexed by a hash of the token
+    prefix they end, kept after their request finishes, evicted least-recently-used."""
+    swa_pool_slots: int = 0
+    """Short-TTL SWA pool (§3.2.1): SWA snapshots at the end of the prompt and of the output,
+    so a regeneration or next turn resumes exactly; 0 = off (needs prefix_caching)."""
+    swa_pool_ttl_s: float = 300.0
+    """Seconds an SWA snapshot stays usable."""
+    encoder_bounded_replay: bool = True
+    """Encoder SWA Bounded Replay (§3.2.2): on a global-KV hit without an SWA snapshot, replay the
+    last window_size tokens of the cached prefix (SWA only) instead of re-running the prompt."""
+    decoder_bounded_replay: bool = False
+    """Decoder SWA Bounded Replay (§3.2.2): prefill runs the decoder only over the last window_size
+    prompt tokens (its global KV still comes from H_{L/2} for every token)."""
+    seed: int = 0
+    """Seeds the generator of every request that brings no seed of its own."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_model_len", "prefill_chunk", "max_prefill_tokens", "page_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting < 1:
+            raise ConfigError(f"max_waiting: must be >= 1 (requests pass through the queue), got {self.max_waiting}")
+        if self.num_pages < 0:
+            raise ConfigError(f"num_pages: must be >= 0 (0 = derived), got {self.num_pages}")
+        if self.max_prefill_tokens < self.prefill_chunk:
+            raise ConfigError(f"max_prefill_tokens: {self.max_prefill_tokens} is below prefill_chunk="
+                              f"{self.prefill_chunk}; raise it or lower prefill_chunk")
+        if self.swa_pool_slots < 0:
+            raise ConfigError(f"swa_pool_slots: must be >= 0, got {self.swa_pool_slots}")
+        if self.swa_pool_slots and not self.prefix_caching:
+            raise ConfigError("swa_pool_slots: the SWA pool resumes from cached global KV; set prefix_caching: true")
+        if self.swa_pool_ttl_s <= 0:
+            raise ConfigError(f"swa_pool_ttl_s: must be positive, got {self.swa_pool_ttl_s}")
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Errors for settings the model cannot honour."""
+        ratios = sorted({s.compress_ratio for s in model.plan if s.computes_main_kv})
+        bad = [m for m in ratios if self.page_tokens % m]
+        if bad:
+            raise ConfigError(f"page_tokens: {self.page_tokens} is not a multiple of the compression ratio(s) {bad}; "
+                              f"choose a multiple of {ratios[-1] if ratios else 1}")
+        if self.decoder_bounded_replay:
+            if not model.has_decoder:
+                raise ConfigError("decoder_bounded_replay: the model has no CED decoder (num_encoder_layers = num_layers)")
+            for s in model.plan:
+                if s.computes_main_kv and not s.is_encoder and not s.uses_encoder_output:
+                    raise ConfigError(f"decoder_bounded_replay: decoder layer {s.index} compresses its own hidden "
+                                      "state, so its global KV needs the decoder over every prompt token; set "
+                                      "decoder_bounded_replay: false")
+
+    def pages_for(self, model: ModelConfig) -> int:
+        per_request = -(-self.max_model_len // self.page_tokens)
+        if self.num_pages:
+            if self.num_pages < 1 + per_request:
+                raise ConfigError(f"num_pages: {self.num_pages} pages cannot hold one request of max_model_len="
+                                  f"{self.max_model_len} tokens ({per_request} pages of {self.page_tokens} + the "
+                                  "reserved page); raise num_pages or lower max_model_len")
+            return self.num_pages
+        return 1 + per_request * self.max_num_seqs * (2 if self.prefix_caching else 1)

@@ -1,0 +1,403 @@
+"""The inference engine: continuous batching over the KV-cached training model (report §3.2, §5.2.3).
+
+Every :meth:`InferenceEngine.step` is one token boundary. It admits queued requests (up to
+``max_num_seqs``), schedules one token for every decoding request and prompt chunks for the
+prefilling ones (``prefill_chunk`` per request, ``max_prefill_tokens`` per step), runs the
+decodes and the chunks as two forwards of the same model, samples one token for every request
+whose known tokens are all processed, and finishes requests that hit a stop condition —
+freeing their cache state at once (§5.2.3 "sample-grained garbage collection"). Requests join
+and leave between any two steps.
+
+**Token-level interruption** (§5.2.3): :meth:`pause` returns once the step in flight (if any)
+has finished; no step runs until :meth:`resume`. In between, :meth:`update_weights` replaces
+the weights in place (from a model in this process, e.g. the trainer's, a state dict, or a
+checkpoint directory) and increments the policy version; every request keeps its cache and
+continues at resume without re-prefill. Each generated token carries the version of the
+weights that produced it.
+
+**Threads.** ``add_request`` / ``submit`` / ``abort`` may be called from any thread: they
+enqueue commands that the next step applies. ``step`` runs on one thread at a time — the
+caller's, or the background driver started by :meth:`start` (for a server).
+
+API for a server (all thread-safe)::
+
+    engine = InferenceEngine(model, EngineConfig(...), eos_token_ids=[eos], detokenize=tok.decode)
+    engine.start()                                   # background driver thread
+    handle = engine.submit(token_ids, SamplingParams(max_tokens=..., temperature=..., top_p=...,
+                           top_k=..., seed=..., stop=(...), stop_token_ids=(...), logprobs=N,
+                           record_routing=True), request_id="cmpl-1")
+        # raises QueueFull (-> 429/503), PromptTooLong / ValueError / ConfigError (-> 400)
+    for out in handle: ...                           # RequestOutput deltas: token_ids, logprobs,
+                                                     # top_logprobs, versions, routed_experts,
+                                                     # finished, finish_reason, stop_reason
+    handle.result()                                  # CompletedRequest (everything, accumulated)
+    engine.add_request(ids, params, on_output=cb)    # or a callback, called on the driver thread
+    engine.abort(request_id)                         # client gone: state freed at the next step
+    engine.pause(); engine.update_weights(src); engine.resume()   # policy_version += 1
+    engine.config.max_model_len, engine.policy_version, engine.stats(); engine.stop()
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.inference.config import EngineConfig
+from megatron_s2.inference.kv_store import GlobalKVStore, OutOfPages, SequenceKV, SWAStore
+from megatron_s2.inference.request import (
+    CompletedRequest,
+    FinishReason,
+    PromptTooLong,
+    QueueFull,
+    Request,
+    RequestHandle,
+    RequestOutput,
+)
+from megatron_s2.inference.runner import ForwardRow, ModelRunner
+from megatron_s2.inference.sampling import SamplingParams, sample_next
+from megatron_s2.inference.tiers import KVTiers
+
+__all__ = ["InferenceEngine"]
+
+
+class InferenceEngine:
+    def __init__(self, model, config: EngineConfig | None = None, *, eos_token_ids: Iterable[int] = (),
+                 detokenize: Callable[[list[int]], str] | None = None, policy_version: int = 0):
+        """``model``: a :class:`V41Model` holding every layer (no pipeline stages), in eval mode;
+        its parallel groups (tp / ep) are the training ones. ``eos_token_ids`` end generation
+        unless ``ignore_eos``; ``detokenize`` is needed for stop strings."""
+        self.config = config = config or EngineConfig()
+        cfg = model.config
+        config.check_model(cfg)
+        if set(model.layer_ids) != set(range(cfg.num_layers)):  # a pipeline stage holds a subset
+            raise ConfigError("inference needs every layer on each rank: use a layout with pp: 1")
+        if model.groups.sequence.sp or model.groups.cp.active:
+            raise ConfigError("inference runs without sequence or context parallelism: set sequence_parallel: false, cp: 1")
+        self.model = model.eval()
+        self.model_config = cfg
+        self.device = next(model.parameters()).device
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.detokenize = detokenize
+        self.policy_version = policy_version
+        self.global_kv = GlobalKVStore(cfg, config.pages_for(cfg), config.page_tokens, self.device)
+        self.swa = SWAStore(cfg, config.max_num_seqs + config.swa_pool_slots, self.device)
+        self.runner = ModelRunner(model, self.global_kv, self.swa)
+        self.tiers = KVTiers(config, cfg, self.global_kv, self.swa)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._accepted = 0                      # queued (inbox + waiting), bounded by max_waiting
+        self._count_lock = threading.Lock()
+        self._lock = threading.RLock()          # held for a whole step, a weight update, a pause
+        self._wake = threading.Condition()
+        self._paused = False
+        self._driver: threading.Thread | None = None
+        self._stop_driver = False
+
+    # ---- requests (any thread) -------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None,
+                    on_output: Callable[[RequestOutput], None] | None = None) -> str:
+        """Queue a request; returns its id. Raises :class:`PromptTooLong`, :class:`QueueFull`,
+        ``ValueError`` for token ids outside the vocabulary."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("prompt_token_ids: the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt_token_ids: ids must lie in 0..{vocab - 1}")
+        if len(prompt) >= self.config.max_model_len:
+            raise PromptTooLong(f"prompt_token_ids: {len(prompt)} tokens leave no room to generate within "
+                                f"max_model_len={self.config.max_model_len}")
+        with self._count_lock:
+            if self._accepted >= self.config.max_waiting:
+                raise QueueFull(f"the request queue is full ({self.config.max_waiting} waiting); retry later")
+            self._accepted += 1
+        arrival = next(self._ids)
+        rid = request_id or f"req-{arrival}"
+        seed = params.seed if params.seed is not None else hash((self.config.seed, arrival)) & ((1 << 63) - 1)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        self._inbox.put(("add", Request(rid, prompt, params, gen, arrival, on_output)))
+        self._notify()
+        return rid
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
+               request_id: str | None = None) -> RequestHandle:
+        """``add_request`` with a thread-safe handle streaming the outputs."""
+        handle = RequestHandle("", prompt_token_ids)
+        handle.request_id = self.add_request(prompt_token_ids, params, request_id=request_id, on_output=handle.put)
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (e.g. its client disconnected); its state is freed at the next step and
+        it gets a final output with finish reason "abort"."""
+        self._inbox.put(("abort", request_id))
+        self._notify()
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or not self._inbox.empty())
+
+    # ---- interruption and weights ----------------------------------------------------------------
+    def pause(self) -> None:
+        """Halt every in-flight request at a token boundary (returns when the running step is done)."""
+        with self._lock:
+            self._paused = True
+
+    def resume(self) -> None:
+        """Continue every request from its cached state (no re-prefill)."""
+        with self._lock:
+            self._paused = False
+        self._notify()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def update_weights(self, source: nn.Module | Mapping[str, torch.Tensor] | str | Path,
+                       version: int | None = None) -> int:
+        """Replace the weights in place and bump the policy version (or set it to ``version``).
+        ``source``: a model with the same layout (the trainer's), its ``state_dict``, or a
+        checkpoint (run / checkpoints / step directory, or a Hugging Face export). Runs at a
+        token boundary; usually between ``pause()`` and ``resume()``. Returns the new version."""
+        from megatron_s2.inference.weights import load_weights_into
+
+        with self._lock:
+            load_weights_into(self.model, source)
+            self.policy_version = self.policy_version + 1 if version is None else int(version)
+            return self.policy_version
+
+    # ---- background driver ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run steps on a daemon thread whenever there is work (for a server)."""
+        if self._driver is not None:
+            return
+        self._stop_driver = False
+        self._driver = threading.Thread(target=self._drive, name="megatron-s2-engine", daemon=True)
+        self._driver.start()
+
+    def stop(self) -> None:
+        if self._driver is None:
+            return
+        self._stop_driver = True
+        self._notify()
+        self._driver.join()
+        self._driver = None
+
+    def _drive(self) -> None:
+        while not self._stop_driver:
+            with self._wake:
+                if self._paused or not self.has_work():
+                    self._wake.wait(timeout=0.1)
+                    continue
+            self.step()
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    # ---- blocking convenience -------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[CompletedRequest]:
+        """Run ``prompts`` to completion on this thread (no driver running)."""
+        if self._driver is not None:
+            raise RuntimeError("generate() steps the engine itself; stop() the background driver first")
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        handles = [self.submit(p, sp) for p, sp in zip(prompts, plist)]
+        while self.has_work():
+            self.step()
+        return [h.result(timeout=0) for h in handles]
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One token boundary: apply queued commands, admit, forward, sample, finish."""
+        with self._lock:
+            outputs: list[RequestOutput] = []
+            self._apply_commands(outputs)
+            if self._paused:
+                return self._deliver(outputs)
+            self._admit()
+            plan = self._schedule()
+            version = self.policy_version
+            for rows, reqs in self._forwards(plan):
+                record_routing = any(r.params.record_routing for r in reqs)
+                record_topk = any(r.params.record_indexer_topk for r in reqs)
+                results = self.runner.forward(rows, record_routing=record_routing, record_topk=record_topk)
+                for req, row, res in zip(reqs, rows, results):
+                    self._advance(req, row, res, version)
+            for req in list(self.running):
+                if req.pending is not None:
+                    if req.pending.finished:
+                        self._finish(req)
+                    outputs.append(req.pending)
+                    req.pending = None
+            return self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        for out in outputs:
+            req = self.requests.get(out.request_id)
+            callback = req.on_output if req is not None else None
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+            if callback is not None:
+                callback(out)
+        return outputs
+
+    def _apply_commands(self, outputs: list[RequestOutput]) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                if payload.request_id in self.requests:
+                    self._uncount()
+                    out = RequestOutput(payload.request_id, finished=True, finish_reason=FinishReason.ABORT)
+                    if payload.on_output is not None:
+                        payload.on_output(out)  # duplicate id: refused
+                    continue
+                self.requests[payload.request_id] = payload
+                self.waiting.append(payload)
+            elif kind == "abort":
+                req = self.requests.get(payload)
+                if req is None:
+                    continue
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                    self._uncount()
+                else:
+                    self._release(req, snapshot=False)
+                    self.running.remove(req)
+                outputs.append(RequestOutput(req.request_id, finished=True, finish_reason=FinishReason.ABORT))
+
+    def _uncount(self) -> None:
+        with self._count_lock:
+            self._accepted -= 1
+
+    # ---- admission and scheduling -----------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs and self.swa.free:
+            req = self.waiting.popleft()
+            self._uncount()
+            req.kv = SequenceKV(self.swa.allocate())
+            self.tiers.admit(req)  # prefix-cache / SWA-pool reuse and the bounded-replay starts
+            self.running.append(req)
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        """(request, tokens to process) for this step; preempts the newest requests when the
+        page pool cannot hold this step's tokens."""
+        while True:
+            plan, budget = [], self.config.max_prefill_tokens
+            for req in self.running:
+                todo = len(req.tokens) - req.num_computed
+                if todo == 1:
+                    plan.append((req, 1))
+                elif budget > 0:
+                    n = min(todo, self.config.prefill_chunk, budget)
+                    n = self.tiers.limit_chunk(req, n)
+                    plan.append((req, n))
+                    budget -= n
+            need = sum(self._new_pages(req, n) for req, n in plan)
+            if need <= self.global_kv.pool.num_free or len(self.running) <= 1:
+                return plan
+            if not self.tiers.reclaim():  # drop SWA snapshots before preempting requests
+                self._preempt(self.running[-1])
+
+    def _new_pages(self, req: Request, n: int) -> int:
+        return max(0, -(-(req.num_computed + n) // self.config.page_tokens) - len(req.kv.pages))
+
+    def _preempt(self, req: Request) -> None:
+        """Out of pages: drop the newest request's cache; it re-runs its tokens when readmitted."""
+        self._release(req, snapshot=False)
+        self.running.remove(req)
+        req.num_computed, req.kv = 0, None
+        self.waiting.appendleft(req)
+        with self._count_lock:
+            self._accepted += 1
+
+    def _forwards(self, plan: list[tuple[Request, int]]):
+        """Decodes (one token) and prompt chunks as two forwards."""
+        for group in ([p for p in plan if p[1] == 1], [p for p in plan if p[1] > 1]):
+            if not group:
+                continue
+            rows, reqs = [], []
+            for req, n in group:
+                start = req.num_computed
+                wants = "last" if start + n == len(req.tokens) else "none"
+                history = req.tokens[max(0, start - self.runner.history):start]
+                rows.append(ForwardRow(req.kv, req.tokens[start:start + n], start, history, logits=wants,
+                                       decoder_from=req.decoder_from))
+                reqs.append(req)
+            yield rows, reqs
+
+    # ---- after the forward ---------------------------------------------------------------------
+    def _advance(self, req: Request, row: ForwardRow, res, version: int) -> None:
+        start, n = row.start, len(row.tokens)
+        req.num_computed = start + n
+        out = req.output()
+        if res.routing is not None and req.params.record_routing:
+            out.routed_experts = res.routing
+            out.fed_positions = range(start, start + n)
+        if res.topk and req.params.record_indexer_topk:
+            out.indexer_topk = res.topk
+            out.fed_positions = range(start, start + n)
+        self.tiers.after_forward(req)
+        if res.logits is None:
+            return
+        tok = sample_next(res.logits, req.params, req.generator)
+        req.tokens.append(tok.token_id)
+        req.num_generated += 1
+        out.token_ids.append(tok.token_id)
+        out.logprobs.append(tok.logprob)
+        out.top_logprobs.append(tok.top_logprobs)
+        out.versions.append(version)
+        reason, why = self._stop_reason(req, tok.token_id)
+        if reason is not None:
+            out.finished, out.finish_reason, out.stop_reason = True, reason, why
+
+    def _stop_reason(self, req: Request, token: int) -> tuple[FinishReason | None, str | int | None]:
+        p = req.params
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            return FinishReason.STOP, token
+        if p.stop and self.detokenize is not None:
+            text = self.detokenize(req.output_ids)
+            for s in p.stop:
+                if s in text:
+                    return FinishReason.STOP, s
+        if req.num_generated >= p.max_tokens or len(req.tokens) >= self.config.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _finish(self, req: Request) -> None:
+        self._release(req)
+        self.running.remove(req)
+
+    def _release(self, req: Request, snapshot: bool = True) -> None:
+        """Free the request's cache state now (after offering it to the KV tiers)."""
+        if req.kv is None:
+            return
+        if snapshot:
+            self.tiers.on_finish(req)
+        for page in req.kv.pages:
+            self.global_kv.pool.release(page)
+        self.swa.release(req.kv.swa_slot)
+        req.kv = None
+
+    # ---- observability ----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {"running": len(self.running), "waiting": len(self.waiting), "policy_version": self.policy_version,
+                "free_pages": self.global_kv.pool.num_free, "free_swa_slots": len(self.swa.free),
+                "kv_bytes_per_token": self.global_kv.bytes_per_token(), "swa_bytes_per_request": self.swa.bytes_per_slot()}
+
+
+__all__ += ["OutOfPages"]

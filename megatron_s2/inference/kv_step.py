@@ -1,0 +1,131 @@
+"""One incremental forward's view of the cache: the ``ctx.kv_cache`` of the attention layers.
+
+The attention forward (:class:`~megatron_s2.models.v41.attention.csa2.CSA2Attention`) is the
+training code path; with ``ctx.kv_cache`` set, the only two places where keys come from
+earlier tokens call this object instead of looking at the sequence:
+
+* :meth:`KVCacheStep.window` — the request's cached ring (positions start-W .. start-1)
+  followed by this chunk's SWA KV, and each query's window indices into them (the very
+  :func:`window_indices` rule of training, with positions below the bounded-replay start
+  ``swa_from`` missing, §3.2.2); then the newest W vectors of the chunk go into the ring.
+* :meth:`KVCacheStep.compress` — this chunk's compressor projections joined to the carried
+  partial block; every block of m that completes is pooled, RoPE'd and projected to index
+  keys by the layer's own pieces (entry j at position j*m), stored packed, and the partial
+  rest carried; then every entry of every request is read back (dequantised), which is what
+  Full, Reindex and Reuse layers attend to or score in this step. Tokens below the request's
+  ``kv_tokens`` (bounded replay of a cached prefix) regenerate SWA KV only: their global KV
+  is reused, never recomputed or overwritten (§3.2.2).
+
+Rows are requests, padded on the right to a common length: padded tokens continue the
+positions past the real ones, so no real query can see them (keys are causal) and they are
+never stored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_s2.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
+from megatron_s2.models.v41.attention.visibility import window_indices
+
+__all__ = ["KVCacheStep"]
+
+_MISSING = 1 << 40  # shifts positions of missing window keys out of reach (keeps them ascending)
+
+
+class KVCacheStep:
+    def __init__(self, global_kv: GlobalKVStore, swa: SWAStore, seqs: list[SequenceKV],
+                 positions: torch.Tensor, valid: torch.Tensor):
+        """``positions`` / ``valid``: ``[B, S]`` positions of the row's tokens and which are real."""
+        self.global_kv, self.swa, self.seqs = global_kv, swa, seqs
+        self.positions, self.valid = positions, valid
+        self.device = positions.device
+        self.lengths = valid.sum(1)
+        self.start = positions[:, 0]
+        self._start_host, self._length_host = self.start.tolist(), self.lengths.tolist()  # one sync
+        self.slots = torch.tensor([s.swa_slot for s in seqs], dtype=torch.long, device=self.device)
+
+    # ---- sliding window ------------------------------------------------------------------------
+    def window(self, attn, kv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        layer, w = attn.spec.index, self.swa.window
+        b, s, hd = kv.shape
+        ar = torch.arange(w, device=self.device)
+        ring = self.swa.read(layer, self.slots)                          # [B, W, hd] ring order
+        order = (self.start.unsqueeze(1) + ar) % w                      # position start-W+j at (start+j) % W
+        cached = ring.gather(1, order.unsqueeze(-1).expand(-1, -1, hd))
+        cached_pos = self.start.unsqueeze(1) - w + ar
+        group = 0 if attn.spec.is_encoder else 1
+        swa_from = torch.tensor([seq.swa_from[group] for seq in self.seqs], device=self.device)
+        cached_pos = torch.where(cached_pos < swa_from.unsqueeze(1), cached_pos - _MISSING, cached_pos)
+        keys = torch.cat([cached.to(kv.dtype), self._stored(kv)], dim=1)
+        indices = window_indices(positions, torch.cat([cached_pos, positions], dim=1), w)
+        # the newest W real tokens of the chunk go into the ring
+        end = self.start + self.lengths
+        write = self.valid & (positions >= (end - w).unsqueeze(1))
+        rows, cols = write.nonzero(as_tuple=True)
+        if rows.numel():
+            self.swa.write(layer, self.slots[rows], positions[rows, cols] % w, kv[rows, cols])
+        return keys, indices
+
+    def _stored(self, kv: torch.Tensor) -> torch.Tensor:
+        """The values the cache will hand back for these vectors (packing round trip)."""
+        fmt = self.swa.format
+        return fmt.unpack(fmt.pack(kv)).to(kv.dtype)
+
+    # ---- compressed main KV ----------------------------------------------------------------------
+    def compress(self, attn, kv: torch.Tensor, gate: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        layer, m = attn.spec.index, attn.spec.compress_ratio
+        geo = self.global_kv.layers[layer]
+        groups_kv, groups_gate, entry_ids, owners = [], [], [], []
+        for r, seq in enumerate(self.seqs):
+            start, length = self._start_host[r], self._length_host[r]
+            done = seq.kv_tokens.get(layer, 0)
+            if done >= start + length:
+                continue  # replayed tokens: their global KV is cached already
+            if done < start:
+                raise RuntimeError(f"layer {layer}: request's compressor stopped at token {done}, "
+                                   f"but this chunk starts at {start}")
+            new_kv = kv[r, done - start:length]
+            new_gate = gate[r, done - start:length] if gate is not None else None
+            held_kv, held_gate = seq.partial.get(layer, (None, None))
+            if held_kv is not None:
+                new_kv = torch.cat([held_kv, new_kv])
+                new_gate = torch.cat([held_gate, new_gate]) if gate is not None else None
+            complete = new_kv.size(0) // m
+            first_entry = done // m
+            if complete:
+                groups_kv.append(new_kv[:complete * m])
+                if gate is not None:
+                    groups_gate.append(new_gate[:complete * m])
+                entry_ids.append(torch.arange(first_entry, first_entry + complete, device=self.device))
+                owners.append(torch.full((complete,), r, device=self.device))
+            rest = complete * m
+            seq.partial[layer] = ((new_kv[rest:].clone(), new_gate[rest:].clone() if gate is not None else None)
+                                  if rest < new_kv.size(0) else (None, None))
+            seq.kv_tokens[layer] = start + length
+        if groups_kv:
+            self._append(attn, geo, torch.cat(groups_kv), torch.cat(groups_gate) if groups_gate else None,
+                         torch.cat(entry_ids), torch.cat(owners))
+        return self._read_all(layer)
+
+    def _append(self, attn, geo, kv: torch.Tensor, gate: torch.Tensor | None, entry_ids: torch.Tensor,
+                owners: torch.Tensor) -> None:
+        """Pool complete blocks of all requests at once ([1, G*m] -> [1, G]) and store them."""
+        latent = attn.compressor.pool(kv.unsqueeze(0), None if gate is None else gate.unsqueeze(0))
+        main, index = attn.compressed_entries(latent, (entry_ids * geo.ratio).unsqueeze(0), quantise=False)
+        table = self._page_table([len(seq.pages) for seq in self.seqs])
+        page_of = table[owners, entry_ids // geo.entries_per_page]
+        self.global_kv.write(geo.layer, page_of, entry_ids % geo.entries_per_page, main[0], index[0])
+
+    def _page_table(self, counts: list[int]) -> torch.Tensor:
+        """``[B, max(counts)]`` the first ``counts[r]`` pages of each request, padded with page 0."""
+        table = torch.zeros(len(self.seqs), max(1, max(counts)), dtype=torch.long, device=self.device)
+        for r, (seq, n) in enumerate(zip(self.seqs, counts)):
+            if n:
+                table[r, :n] = torch.tensor(seq.pages[:n], dtype=torch.long, device=self.device)
+        return table
+
+    def _read_all(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        geo = self.global_kv.layers[layer]
+        counts = [-(-(seq.kv_tokens.get(layer, 0) // geo.ratio) // geo.entries_per_page) for seq in self.seqs]
+        return self.global_kv.read(layer, self._page_table(counts))

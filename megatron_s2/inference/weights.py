@@ -1,0 +1,127 @@
+"""Weights for inference: from a model in this process, a state dict, or a checkpoint.
+
+A checkpoint path may be a run directory, its ``checkpoints/`` directory, one committed step
+directory (the sharded format of :mod:`megatron_s2.checkpoint`, any saving layout), or a
+Hugging Face export (``config.json`` + safetensors, :mod:`megatron_s2.checkpoint.hf`). Full
+tensors are read once and every rank copies the slice its parameters hold (their
+``ShardSpec``), so any tp / ep layout loads any checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from megatron_s2.config.model import ModelConfig
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.parallel.sharding import shard_spec, slice_of
+
+__all__ = ["LoadedCheckpoint", "read_checkpoint", "load_weights_into", "load_tokenizer"]
+
+
+@dataclass
+class LoadedCheckpoint:
+    model_config: ModelConfig
+    state: dict[str, torch.Tensor]
+    """Full (unsharded) tensors by parameter / buffer name."""
+    directory: Path
+    """Where the tokenizer is looked for (the run directory, or the export directory)."""
+    description: str
+
+
+def _run_dir_of(step_dir: Path) -> Path:
+    """The run directory above a step directory (``<run>/checkpoints/step_N``)."""
+    parent = step_dir.parent
+    return parent.parent if parent.name == "checkpoints" else parent
+
+
+def read_checkpoint(path: str | Path) -> LoadedCheckpoint:
+    """Full model state and config of any checkpoint kind (module docstring)."""
+    from megatron_s2.checkpoint.format import CheckpointError
+
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"checkpoint: {path} does not exist; give a run, checkpoints, step or Hugging Face directory")
+    if (path / "config.json").is_file():
+        from megatron_s2.checkpoint.hf.convert import import_model_state
+
+        try:
+            cfg, state = import_model_state(path)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(f"checkpoint: {path} is not a readable Hugging Face export ({exc})") from None
+        return LoadedCheckpoint(cfg, state, path, f"Hugging Face export {path}")
+    from megatron_s2.checkpoint.hf.checkpoint_io import read_full_state
+
+    try:
+        full = read_full_state(path)
+    except CheckpointError as exc:
+        raise ConfigError(f"checkpoint: {exc}") from None
+    return LoadedCheckpoint(full.recipe.model, full.state, _run_dir_of(full.path),
+                            f"{full.path} (step {full.step}, saved by {full.world_size} rank(s): {full.layout})")
+
+
+@torch.no_grad()
+def load_weights_into(model: nn.Module, source: nn.Module | Mapping[str, torch.Tensor] | str | Path) -> None:
+    """Copy weights into ``model`` in place (its parameters keep their storage and sharding).
+
+    A module or state dict must have this model's names and *local* shapes (same layout); a
+    checkpoint path holds full tensors, sliced here for this rank."""
+    if isinstance(source, (str, Path)):
+        loaded = read_checkpoint(source)
+        _check_same_model(model.config, loaded.model_config, loaded.description)
+        params = dict(model.named_parameters())
+        local = {}
+        for name, t in model.state_dict().items():
+            if name not in loaded.state:
+                raise ConfigError(f"checkpoint: {loaded.description} has no tensor '{name}'")
+            full = loaded.state[name]
+            local[name] = slice_of(full, shard_spec(params[name])) if name in params else full
+        source = local
+    elif isinstance(source, nn.Module):
+        source = source.state_dict()
+    own = model.state_dict()
+    missing = sorted(set(own) - set(source))
+    if missing:
+        raise ValueError(f"update_weights: the new weights lack {missing[:3]} (and {max(0, len(missing) - 3)} more)")
+    for name, target in own.items():
+        value = source[name]
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"update_weights: '{name}' has shape {tuple(value.shape)}, this rank holds "
+                             f"{tuple(target.shape)} (a different parallel layout?)")
+        target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+
+def _check_same_model(mine: ModelConfig, theirs: ModelConfig, where: str) -> None:
+    a, b = mine.replace(name=""), theirs.replace(name="")
+    if a != b:
+        diff = [k for k in a.__dataclass_fields__ if getattr(a, k) != getattr(b, k)]
+        raise ConfigError(f"checkpoint: {where} is a different model (fields {diff[:4]} differ)")
+
+
+def load_tokenizer(directory: Path):
+    """The tokenizer a checkpoint was trained with, behind the ``Tokenizer`` protocol: the run's
+    ``tokenizer/`` folder (what the trainer records), the files beside an export's weights
+    (Hugging Face ``tokenizer.json`` + ``tokenizer_config.json``, or ``char_tokenizer.json``),
+    or a run of an older layout that kept the character tokenizer in ``tokenizer.json``."""
+    from megatron_s2.data.errors import DataError
+    from megatron_s2.data.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer
+    from megatron_s2.data.tokenizer import load_tokenizer as load
+    from megatron_s2.data.tokenizer_checks import RUN_TOKENIZER_DIR
+
+    d = Path(directory)
+    if (d / RUN_TOKENIZER_DIR).is_dir():
+        return load(d / RUN_TOKENIZER_DIR, field=f"tokenizer {d / RUN_TOKENIZER_DIR}")
+    if (d / CHAR_TOKENIZER_FILE).is_file() or (d / "tokenizer_config.json").is_file():
+        return load(d, field=f"tokenizer {d}")
+    file = d / "tokenizer.json"
+    if not file.is_file():
+        raise ConfigError(f"tokenizer: no tokenizer files in {d} (tokenizer/, tokenizer.json + tokenizer_config.json "
+                          f"or {CHAR_TOKENIZER_FILE}); copy the training run's tokenizer there")
+    try:
+        return CharTokenizer.from_json(file.read_text())
+    except (DataError, ValueError) as exc:
+        raise ConfigError(f"tokenizer: {file}: {exc}") from None

@@ -1,0 +1,51 @@
+"""Session-aware outcome credit with process weights (walkthrough Ch. 7, Eq. 30).
+
+An agentic session earns one outcome reward; its group-relative advantage A_i (computed over
+the group of sessions of the same task, exactly as for single responses) is assigned to every
+*trainable* policy-generated segment of the session. A deterministic process annotator may
+attach a weight w_{i,k} in [-1, 1] to segment k, which applies **only to positive**
+advantages (**Eq. 30**)::
+
+    A_{i,k} = w_{i,k} * A_i   if A_i > 0
+    A_{i,k} = A_i             otherwise
+
+so a failed session keeps its full negative signal on every segment, and a malformed or
+repeated step inside a successful session earns nothing or is pushed down. Non-trainable
+tokens (system, user, tool observations) get advantage zero.
+
+Worked example 22: six sessions with R = (1,0,0,1,0,0) have leave-one-out advantages +0.8 and
+-0.4; worked example 21/23: with weights (1, 0, -0.5, 1) a success at +0.60 gives
+(0.60, 0, -0.30, 0.60) and a failure at -0.60 gives -0.60 on every segment.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["segment_advantages", "token_advantages"]
+
+
+def segment_advantages(advantage: float, process_weights: Sequence[float]) -> list[float]:
+    """Eq. 30 for the trainable segments of one session."""
+    out = []
+    for k, w in enumerate(process_weights):
+        if not -1.0 <= float(w) <= 1.0:
+            raise ValueError(f"process weight of segment {k} must lie in [-1, 1], got {w}")
+        out.append(float(w) * advantage if advantage > 0 else float(advantage))
+    return out
+
+
+def token_advantages(advantage: float, spans: Sequence[tuple[int, int]], process_weights: Sequence[float],
+                     num_tokens: int) -> torch.Tensor:
+    """Per-token advantages [num_tokens] of one session: segment k's value on tokens
+    ``spans[k] = (start, end)``, zero elsewhere (non-policy tokens)."""
+    if len(spans) != len(process_weights):
+        raise ValueError(f"{len(spans)} trainable spans but {len(process_weights)} process weights")
+    adv = torch.zeros(num_tokens, dtype=torch.float64)
+    for (start, end), value in zip(spans, segment_advantages(advantage, process_weights)):
+        if not 0 <= start <= end <= num_tokens:
+            raise ValueError(f"span ({start}, {end}) lies outside a session of {num_tokens} tokens")
+        adv[start:end] = value
+    return adv

@@ -1,0 +1,156 @@
+"""The ``opd:`` section: on-policy distillation as rollout source x advantage x loss.
+
+Two modes (the rollout source is the student in both — on-policy):
+
+* ``sampled_token`` (walkthrough Ch. 8, Eq. 31-36): the advantage of each sampled token is
+  sg[log pi_T - log pi_prox] (Eq. 33), the loss is the shared truncated-importance-weighted
+  policy-gradient term (Eq. 34-36), teachers are chosen per domain with weights lambda_d.
+* ``full_vocab`` (report §5.2.4): reverse KL over the full vocabulary against one of several
+  teachers sharing the tokenizer (possibly of another architecture/size), chosen per sample.
+
+Example::
+
+    opd:
+      mode: sampled_token
+      teachers:
+        - {name: reasoning, domains: [math, science], checkpoint: runs/rl_reasoning/checkpoints}
+        - {name: agentic, domains: [swe], endpoint: http://teacher:8000/v1}
+      domain_weights: {math: 1.0, science: 1.0, swe: 0.5}
+      proximal: snapshot
+      rollout: {group_size: 1, max_in_flight: 64, batch_groups: 64}
+      loss: {terms: [{kind: policy_gradient}]}
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.posttrain.config.checks import positive
+from megatron_s2.posttrain.config.loss import LossConfig
+from megatron_s2.posttrain.config.rl import check_staleness_pairing
+from megatron_s2.posttrain.config.rollout import RolloutConfig
+
+__all__ = ["TeacherConfig", "SftWarmupConfig", "OPDConfig"]
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    """One teacher; it shares the student's tokenizer but may differ in architecture and size."""
+
+    name: str
+    """Teacher name (metrics, logs)."""
+    domains: tuple[str, ...] = ()
+    """Domains (rollout dataset domains) this teacher supervises; each domain has exactly one teacher."""
+    checkpoint: str = ""
+    """In-process teacher: checkpoint directory (switching teachers per sample costs no reload)."""
+    model: str = ""
+    """In-process teacher: model recipe (name in recipes/models or path) if it differs from the student's."""
+    endpoint: str = ""
+    """Remote teacher: OpenAI-compatible base URL returning prompt log-probabilities (sampled_token mode only)."""
+    temperature: float = 1.0
+    """Temperature of the teacher's distribution."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("name: every teacher needs a name")
+        if not self.domains:
+            raise ConfigError(f"domains: teacher '{self.name}' supervises no domain; list at least one")
+        if bool(self.checkpoint) == bool(self.endpoint):
+            raise ConfigError(f"checkpoint: teacher '{self.name}' needs exactly one of checkpoint (in-process) "
+                              "or endpoint (OpenAI-compatible URL)")
+        if self.model and not self.checkpoint:
+            raise ConfigError(f"model: teacher '{self.name}' names a model recipe but no checkpoint to load into it")
+        positive("temperature", self.temperature)
+
+
+@dataclass(frozen=True)
+class SftWarmupConfig:
+    """Lightweight SFT warm-up on teacher trajectories before OPD (walkthrough Ch. 8, Nemotron-style)."""
+
+    steps: int = 0
+    """Optimiser steps of SFT on teacher-generated trajectories before OPD starts; 0 = none."""
+    data: str = ""
+    """Teacher trajectories (token ids with loss masks) used by the warm-up; required when steps > 0."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ConfigError(f"steps: must be >= 0, got {self.steps}")
+        if self.steps > 0 and not self.data:
+            raise ConfigError("data: the SFT warm-up (steps > 0) needs teacher trajectories; set the path")
+
+
+@dataclass(frozen=True)
+class OPDConfig:
+    """On-policy distillation (walkthrough Ch. 8; report §5.2.4)."""
+
+    mode: Literal["sampled_token", "full_vocab"] = "sampled_token"
+    """'sampled_token': Eq. 33 advantage on the student's sampled tokens; 'full_vocab': reverse KL over the vocabulary."""
+    teachers: tuple[TeacherConfig, ...] = ()
+    """Teachers, each with the domains it supervises."""
+    domain_weights: dict[str, float] = field(default_factory=dict)
+    """lambda_d per domain (Eq. 36 loss weight); domains not listed weigh 1.0."""
+    proximal: Literal["snapshot", "behaviour"] = "snapshot"
+    """pi_prox of Eq. 33: 'snapshot' = the student's weights frozen at the start of each rollout
+    batch (a no-grad forward); 'behaviour' = the rollout log-probabilities themselves."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Student rollouts (on-policy, asynchronous like RL); the OPD advantage is per token, so
+    group_size may be 1."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The shared loss (full_vocab mode: terms [{kind: full_vocab_kl}])."""
+    sft_warmup: SftWarmupConfig = field(default_factory=SftWarmupConfig)
+    """Optional SFT warm-up on teacher trajectories."""
+
+    def __post_init__(self) -> None:
+        if not self.teachers:
+            raise ConfigError("opd.teachers: at least one teacher is needed")
+        names = [t.name for t in self.teachers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"opd.teachers: duplicate teacher names {names}")
+        owner: dict[str, str] = {}
+        for t in self.teachers:
+            for d in t.domains:
+                if d in owner:
+                    raise ConfigError(f"opd.teachers: domain '{d}' is supervised by both '{owner[d]}' and "
+                                      f"'{t.name}'; each query is assigned one teacher (walkthrough Ch. 8)")
+                owner[d] = t.name
+        for d, w in self.domain_weights.items():
+            if d not in owner:
+                raise ConfigError(f"opd.domain_weights: domain '{d}' has no teacher; known domains: "
+                                  f"{', '.join(sorted(owner))}")
+            if not (math.isfinite(w) and w >= 0):
+                raise ConfigError(f"opd.domain_weights.{d}: must be a finite number >= 0, got {w}")
+        if self.rollout.source != "policy":
+            raise ConfigError("opd.rollout.source: OPD is on-policy; the student generates ('policy')")
+        for slot in self.rollout.datasets:
+            if (slot.domain or slot.name) not in owner:
+                raise ConfigError(f"opd.rollout.datasets.{slot.name}: its domain '{slot.domain or slot.name}' has "
+                                  f"no teacher; add it to a teacher's domains or set the dataset's domain")
+        if self.mode == "full_vocab":
+            if not self.loss.has_term("full_vocab_kl"):
+                raise ConfigError("opd.loss.terms: full_vocab mode needs a 'full_vocab_kl' term (report §5.2.4); "
+                                  "set loss.terms: [{kind: full_vocab_kl}]")
+            if self.loss.has_term("policy_gradient"):
+                raise ConfigError("opd.loss.terms: full_vocab mode distils the whole distribution; drop the "
+                                  "'policy_gradient' term (it belongs to mode: sampled_token)")
+            remote = [t.name for t in self.teachers if t.endpoint]
+            if remote:
+                raise ConfigError(f"opd.teachers: full_vocab mode needs every teacher's full distribution; "
+                                  f"{remote} are endpoints (give them a checkpoint or use mode: sampled_token)")
+        else:
+            if not self.loss.has_term("policy_gradient"):
+                raise ConfigError("opd.loss.terms: sampled_token mode needs a 'policy_gradient' term (Eq. 36)")
+            if self.loss.has_term("full_vocab_kl"):
+                raise ConfigError("opd.loss.terms: 'full_vocab_kl' belongs to mode: full_vocab")
+        check_staleness_pairing("opd", self.rollout, self.loss)
+
+    def teacher_for(self, domain: str) -> TeacherConfig:
+        for t in self.teachers:
+            if domain in t.domains:
+                return t
+        raise KeyError(f"no teacher supervises domain '{domain}'")
+
+    def weight_of(self, domain: str) -> float:
+        return float(self.domain_weights.get(domain, 1.0))

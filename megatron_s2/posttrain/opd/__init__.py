@@ -1,0 +1,6 @@
+"""On-policy distillation: sampled-token (walkthrough Eq. 31-36) and full-vocabulary (report §5.2.4)."""
+
+from megatron_s2.posttrain.opd.full_vocab import TeacherPool
+from megatron_s2.posttrain.opd.sampled_token import domain_token_weights, opd_advantages
+
+__all__ = ["TeacherPool", "domain_token_weights", "opd_advantages"]

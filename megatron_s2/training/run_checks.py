@@ -1,0 +1,160 @@
+"""Every check a run makes before it allocates anything, in one function for trainer and launcher.
+
+:func:`check_run_inputs` is called by the trainer at start-up (every rank, before the model is
+built) and by ``megatron-s2 launch`` before any rank starts or any job is queued, so that a run
+refused by the trainer is refused at submit time with the same message:
+
+1. the run directory: not a file, writable (or creatable);
+2. the tokenizer against the model's vocabulary;
+3. the data files (``data.paths``): present, readable indexes, written with this vocabulary;
+4. memory: the per-rank plan of ``megatron-s2 plan memory`` (:mod:`megatron_s2.planning.memory`)
+   against what this host offers — host memory shared by its CPU ranks, or one GPU per rank.
+   Skipped where the host is unknown (``launch --slurm`` submits from a login node) or when
+   ``training.memory_check`` is false. The plan leaves out the framework's own overhead, so
+   it only refuses runs that cannot fit, such as a sequence length typed with extra zeros.
+
+Every refusal is a :class:`ConfigError` naming the field and the fix (exit code 2).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_s2.config.recipe import RecipeConfig
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.data.errors import DataError
+
+__all__ = ["HostMemory", "check_run_inputs", "check_run_dir", "check_data", "check_memory"]
+
+GiB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Memory one rank of this host may use, and how it was found."""
+
+    bytes_per_rank: float
+    source: str
+    """e.g. "22.3 GiB of host memory available, shared by 4 CPU ranks"."""
+
+    @classmethod
+    def detect(cls, ranks_on_host: int, gpus: bool) -> "HostMemory | None":
+        """GPU ranks: the memory of one device. CPU ranks: ``MemAvailable`` (Linux) shared by
+        the host's ranks. None when it cannot be known here."""
+        if gpus:
+            import torch
+
+            if not torch.cuda.is_available():
+                return None
+            device = torch.cuda.current_device()
+            total = torch.cuda.get_device_properties(device).total_memory
+            return cls(total, f"{total / GiB:.1f} GiB on GPU {device}")
+        available = _mem_available()
+        if available is None:
+            return None
+        ranks = max(1, ranks_on_host)
+        share = f", shared by {ranks} CPU ranks" if ranks > 1 else ""
+        return cls(available / ranks, f"{available / GiB:.1f} GiB of host memory available{share}")
+
+    @classmethod
+    def for_this_rank(cls) -> "HostMemory | None":
+        """Inside a rank: NCCL ranks own a GPU each; gloo ranks share the host with the
+        ``LOCAL_WORLD_SIZE`` ranks the launcher started here."""
+        import torch.distributed as dist
+
+        gpus = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+        return cls.detect(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), gpus)
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_run_dir(run_dir: str | Path) -> None:
+    """The run directory can hold the run: an existing writable directory, or creatable."""
+    path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"training.run_dir: {path} exists and is not a directory; choose another --run-dir")
+    probe = path
+    while not probe.exists():  # the nearest existing ancestor must accept the new directory
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"training.run_dir: {path} cannot be created ({probe} is not a directory); "
+                          "choose another --run-dir")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "is not writable" if probe == path else f"cannot be created ({probe} is not writable)"
+        raise ConfigError(f"training.run_dir: {path} {what}; choose another --run-dir or fix its permissions")
+
+
+def check_tokenizer(recipe: RecipeConfig):
+    """The tokenizer the run will use; it must fit the model (vocabulary, Engram pad id)."""
+    from megatron_s2.data.tokenizer import build_tokenizer
+    from megatron_s2.data.tokenizer_checks import check_tokenizer_fits
+
+    try:
+        tokenizer = build_tokenizer(recipe.data)
+    except DataError as exc:
+        raise ConfigError(f"data.{exc}") from None
+    check_tokenizer_fits(tokenizer, recipe.model, f"data.tokenizer={recipe.data.tokenizer}")
+    return tokenizer
+
+
+def check_data(recipe: RecipeConfig, tokenizer) -> None:
+    """Every dataset of ``data.paths`` opens (index checked) and matches the tokenizer."""
+    from megatron_s2.data.indexed_dataset import IndexedDataset
+
+    for prefix in recipe.data.paths:
+        try:
+            dataset = IndexedDataset(prefix)
+        except DataError as exc:
+            raise ConfigError(f"data.paths: {exc}") from None
+        if dataset.vocab_size != tokenizer.vocab_size:
+            raise ConfigError(f"data.paths: {prefix}.idx was written with a {dataset.vocab_size}-token vocabulary "
+                              f"but the '{recipe.data.tokenizer}' tokenizer has {tokenizer.vocab_size}; "
+                              "re-run tools/preprocess_data.py")
+
+
+def check_memory(recipe: RecipeConfig, world_size: int, host: HostMemory | None) -> None:
+    """Refuse a run whose per-rank memory plan exceeds what this host offers each rank."""
+    if host is None or not recipe.training.memory_check:
+        return
+    from megatron_s2.planning.memory import estimate_memory
+
+    peak = estimate_memory(recipe, world_size).peak
+    if peak.total <= host.bytes_per_rank:
+        return
+    t = recipe.training
+    state, acts = peak.state.total / GiB, peak.activations / GiB
+    if acts >= state:
+        field = "training.seq_length"
+        fix = (f"lower training.seq_length ({t.seq_length}) or training.micro_batch_size ({t.micro_batch_size}), "
+               "split it over more ranks (parallel.tp/cp/pp) or recompute (parallel.recompute)")
+    else:
+        field = "parallel"
+        fix = "shard the model over more ranks (parallel.tp/pp/ep, distributed_optimizer) or use a smaller model"
+    raise ConfigError(f"{field}: a rank needs about {peak.total / GiB:.1f} GiB ({state:.1f} GiB model and optimiser "
+                      f"state, {acts:.1f} GiB activations; `megatron-s2 plan memory`) but this host has "
+                      f"{host.source} ({host.bytes_per_rank / GiB:.1f} GiB per rank); {fix}, or set "
+                      "training.memory_check=false if the plan is wrong for this machine")
+
+
+def check_run_inputs(recipe: RecipeConfig, world_size: int, host: HostMemory | None,
+                     run_dir: str | Path | None = None):
+    """All start-up checks of a run (module docstring); returns the run's tokenizer.
+    ``run_dir``: where the run writes (default ``training.run_dir``)."""
+    check_run_dir(run_dir if run_dir is not None else recipe.training.run_dir)
+    tokenizer = check_tokenizer(recipe)
+    check_data(recipe, tokenizer)
+    check_memory(recipe, world_size, host)
+    return tokenizer

@@ -1,0 +1,65 @@
+"""Every benchmark in bench/ runs in a smoke configuration (seconds, no timing asserted).
+
+A refactor that breaks a benchmark fails here instead of when someone tries to reproduce the
+README's figures (reproduced break: ``bench/pipeline_bubble.py`` crashed on main after
+``PipelineRuntime.export()`` gained an argument). Each script is run as a user would, with
+``--smoke``: the smallest configuration that still goes through every part and prints every
+table.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench"
+
+# script -> lines its smoke run must print (table headers of every part)
+EXPECTED = {
+    "pipeline_bubble.py": ["(a) Idle fraction per rank", "(b) Step time, ours vs torch.distributed.pipelining",
+                           "(c) Payload bytes per micro-batch per cut", "(d) Shared-state memory"],
+    "comm_volume.py": ["tp2", "measured"],
+    "csa2_vs_dense.py": ["CSA2 layer", "CSA2/dense"],
+    "kernels.py": ["sparse_attention", "speedup"],
+    "decode.py": ["decode", "MLA"],
+    "bounded_replay.py": ["KL", "FLOPs"],
+}
+
+
+def _scripts() -> list[str]:
+    """bench/*.py files that are programs (have a ``__main__`` block); the rest are libraries."""
+    found = []
+    for path in sorted(BENCH.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        if any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in tree.body):
+            found.append(path.name)
+    return found
+
+
+def test_every_benchmark_has_a_smoke_run():
+    assert _scripts() == sorted(EXPECTED), "add the new bench script to EXPECTED (and give it --smoke)"
+
+
+@pytest.mark.parametrize("script", sorted(EXPECTED))
+def test_benchmark_smoke_run(script):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(BENCH / script), "--smoke"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    for line in EXPECTED[script]:
+        assert line in result.stdout, (line, result.stdout[-3000:])
+
+
+def test_benchmark_library_imports():
+    """bench/ modules without a program (comm_model.py) at least import and evaluate."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import comm_model  # noqa: F401
+    finally:
+        sys.path.remove(str(BENCH))

@@ -1,0 +1,130 @@
+"""The rl: and opd: sections: YAML round trip, composition from registries, errors naming the field."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from megatron_s2.config.schema import ConfigError, from_mapping, to_mapping
+from megatron_s2.posttrain.advantages import AdvantagePipeline
+from megatron_s2.posttrain.config import OPDConfig, RLConfig
+from megatron_s2.posttrain.losses import PosttrainObjective
+
+RL_YAML = """
+rollout:
+  group_size: 8
+  max_in_flight: 32
+  batch_groups: 4
+  max_staleness: 2
+  staleness_action: mask
+  datasets:
+    - {name: addition, weight: 2.0, max_in_flight: 16}
+    - {name: brackets, max_in_flight: 8}
+  discard_short: {warmup_samples: 64, min_tokens: 3}
+advantage:
+  estimator: leave_one_out
+  transforms: [gepo, length_regularization]
+  gepo: {thresholds: batch_quantile, low_quantile: 0.2, high_quantile: 0.8}
+loss:
+  terms: [{kind: policy_gradient}, {kind: reference_kl, coef: 0.01, kl_estimator: k3}]
+  masks: [bkl, staleness]
+  aggregation: sequence_mean
+"""
+
+OPD_YAML = """
+mode: sampled_token
+teachers:
+  - {name: reasoning, domains: [math, science], checkpoint: runs/rl_reasoning/checkpoints}
+  - {name: agentic, domains: [swe], endpoint: "http://teacher:8000/v1"}
+domain_weights: {math: 1.0, swe: 0.5}
+rollout:
+  group_size: 1
+  datasets: [{name: gsm, domain: math}, {name: swe}]
+"""
+
+
+def load(cls, text: str, section: str):
+    return from_mapping(cls, yaml.safe_load(text), section)
+
+
+def test_rl_round_trip_and_builds_pipeline_and_objective():
+    cfg = load(RLConfig, RL_YAML, "rl")
+    assert cfg.rollout.datasets[0].weight == 2.0 and cfg.loss.aggregation == "sequence_mean"
+    again = from_mapping(RLConfig, yaml.safe_load(yaml.safe_dump(to_mapping(cfg))), "rl")
+    assert again == cfg
+    AdvantagePipeline(cfg.advantage, cfg.effort)
+    PosttrainObjective(cfg.loss, cfg.rollout.max_staleness)
+
+
+def test_opd_round_trip_and_teacher_lookup():
+    cfg = load(OPDConfig, OPD_YAML, "opd")
+    assert cfg.teacher_for("science").name == "reasoning" and cfg.weight_of("swe") == 0.5
+    assert cfg.weight_of("science") == 1.0
+    assert from_mapping(OPDConfig, yaml.safe_load(yaml.safe_dump(to_mapping(cfg))), "opd") == cfg
+
+
+@pytest.mark.parametrize("patch,match", [
+    ({"advantage": {"estimator": "rloo"}}, r"rl\.advantage\.estimator: 'rloo' is not registered"),
+    ({"advantage": {"transforms": ["length_regularization", "gepo"]}}, r"rl\.advantage\.transforms: .*Eq\. 28"),
+    ({"advantage": {"transforms": ["entropy_bonus"]}}, r"rl\.advantage\.transforms: 'entropy_bonus'"),
+    ({"loss": {"eps_low": math.nan}}, r"rl\.loss\.eps_low: must be a finite number"),
+    ({"loss": {"eps_high": math.inf}}, r"rl\.loss\.eps_high: must be a finite number"),
+    ({"loss": {"masks": ["kl"]}}, r"rl\.loss\.masks: 'kl' is not a registered token mask"),
+    ({"loss": {"terms": [{"kind": "ppo_clip"}]}}, r"rl\.loss\.terms\[0\]\.kind: 'ppo_clip'"),
+    ({"loss": {"terms": [{"kind": "reference_kl"}]}}, r"rl\.loss\.terms: RL needs a 'policy_gradient'"),
+    ({"loss": {"aggregation": "fixed"}}, r"rl\.loss\.aggregation_constant"),
+    ({"loss": {"masks": ["staleness"]}}, r"rl\.rollout\.staleness_action: .*set staleness_action: mask"),
+    ({"rollout": {"staleness_action": "mask"}}, r"rl\.loss\.masks: .*add 'staleness'"),
+    ({"rollout": {"max_in_flight": 4}}, r"rl\.rollout\.max_in_flight: 4 is below group_size=8"),
+    ({"rollout": {"discard_short": {"warmup_samples": 10}}}, r"rl\.rollout\.discard_short\.min_tokens"),
+    ({"rollout": {"datasets": [{"name": "a", "max_in_flight": 4}]}}, r"datasets\.a\.max_in_flight: 4 is below"),
+    ({"rollout": {"top_p": 0.0}}, r"rl\.rollout\.top_p"),
+    ({"effort": {"levels": [50, 100], "samples_per_level": 2}}, r"rl\.rollout\.group_size: .*set group_size: 4"),
+    ({"effort": {"levels": [0, 100]}}, r"rl\.effort\.levels: effort level 0 is outside 1\.\.100"),
+    ({"effort": {"k0": math.nan}}, r"rl\.effort\.k0: must be a finite number"),
+    ({"advantage": {"gepo": {"h_low": 5.0, "h_high": 1.0}}}, r"rl\.advantage\.gepo\.h_low"),
+    ({"advantage": {"gepo": {"low_positive_scale": 1.5}}}, r"rl\.advantage\.gepo\.low_positive_scale"),
+    ({"advantage": {"length_regularization": {"gamma": 0}}}, r"length_regularization\.gamma: must be > 0"),
+    ({"advantage": {"gepo": {"h_lo": 1.0}}}, r"unknown key 'rl\.advantage\.gepo\.h_lo'; did you mean 'h_low'"),
+])
+def test_rl_errors_name_the_field_and_fix(patch, match):
+    with pytest.raises(ConfigError, match=match):
+        from_mapping(RLConfig, patch, "rl")
+
+
+def test_effort_group_size_consistency_accepts_matching_size():
+    cfg = from_mapping(RLConfig, {"effort": {"levels": [50, 75, 100], "samples_per_level": 2},
+                                  "rollout": {"group_size": 6}}, "rl")
+    assert cfg.effort.group_size == 6
+
+
+@pytest.mark.parametrize("patch,match", [
+    ({"teachers": []}, r"opd\.teachers: at least one teacher"),
+    ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c", "endpoint": "u"}]},
+     r"opd\.teachers\[0\]\.checkpoint: teacher 'a' needs exactly one"),
+    ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c"}, {"name": "b", "domains": ["x"], "checkpoint": "d"}]},
+     r"domain 'x' is supervised by both 'a' and 'b'"),
+    ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c"}], "domain_weights": {"y": 1.0}},
+     r"opd\.domain_weights: domain 'y' has no teacher"),
+    ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c"}], "domain_weights": {"x": math.nan}},
+     r"opd\.domain_weights\.x: must be a finite number"),
+    ({"teachers": [{"name": "a", "domains": ["x"], "endpoint": "u"}], "mode": "full_vocab",
+      "loss": {"terms": [{"kind": "full_vocab_kl"}]}}, r"full_vocab mode needs every teacher's full distribution"),
+    ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c"}], "mode": "full_vocab"},
+     r"opd\.loss\.terms: full_vocab mode needs a 'full_vocab_kl' term"),
+    ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c"}], "rollout": {"datasets": [{"name": "y"}]}},
+     r"opd\.rollout\.datasets\.y: its domain 'y' has no teacher"),
+    ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c"}], "sft_warmup": {"steps": 5}},
+     r"opd\.sft_warmup\.data"),
+])
+def test_opd_errors_name_the_field_and_fix(patch, match):
+    with pytest.raises(ConfigError, match=match):
+        from_mapping(OPDConfig, patch, "opd")
+
+
+def test_full_vocab_mode_with_explicit_terms():
+    cfg = from_mapping(OPDConfig, {"mode": "full_vocab", "teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c"}],
+                                   "loss": {"terms": [{"kind": "full_vocab_kl"}], "masks": []}}, "opd")
+    assert cfg.loss.has_term("full_vocab_kl") and not cfg.loss.has_term("policy_gradient")

@@ -1,0 +1,164 @@
+"""Careless input to `megatron-s2 train`: exit code 2 and one line naming the field or file.
+
+Each case was seen to exit 1 with a traceback (or to be accepted and train on nonsense) before
+the checks existed; the test runs the real CLI in this process, so an uncaught exception fails
+it, and asserts the single line of the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import types
+import typing
+from pathlib import Path
+
+import pytest
+
+from megatron_s2.cli import main
+from megatron_s2.config.recipe import RecipeConfig, load_recipe
+from megatron_s2.config.schema import ConfigError, from_mapping
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pretrain_tiny.yaml"
+SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=0", "training.train_steps=1", "training.seq_length=32",
+          "training.global_batch_size=4", "training.micro_batch_size=2", "data.num_documents=200",
+          "logging.progress_bar=false", "logging.tensorboard=false"]
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err, err
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("override, words", [
+    ("schedule.lr=.inf", ["schedule.lr", "finite"]),
+    ("optimizer.clip_grad=.nan", ["optimizer.clip_grad", "finite"]),
+    ("launcher.terminate_grace_s=.nan", ["launcher.terminate_grace_s", "finite"]),
+    ("optimizer.adamw_betas=[0.9, .nan]", ["optimizer.adamw_betas[1]", "finite"]),
+    ("schedule.lr=nan", ["schedule.lr", "finite"]),
+    ("schedule.lr=1e308", ["schedule.lr", "float32"]),
+    ("training.seed=-1", ["training.seed", ">= 0"]),
+    ("training.seed=99999999999999999999", ["training.seed"]),
+])
+def test_bad_numbers_exit_2_before_training(override, words, capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    code = main(["train", str(RECIPE), *SINGLE, override, "--run-dir", str(run_dir)])
+    line = _one_line_error(capsys)
+    assert code == 2, line
+    for word in words:
+        assert word in line
+    assert not run_dir.exists(), "a refused run leaves no run directory behind"
+
+
+def _float_fields(cls, prefix: str = "") -> typing.Iterator[tuple[str, object]]:
+    """(key path, float type) of every float-typed field reachable from dataclass ``cls``."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        path = f"{prefix}{f.name}"
+        optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and float in typing.get_args(tp)
+        if tp is float or optional:
+            yield path, tp
+        elif dataclasses.is_dataclass(tp):
+            yield from _float_fields(tp, path + ".")
+
+
+def test_every_float_field_of_every_config_refuses_non_finite():
+    """The schema layer refuses nan/inf for every float field, not a hand-kept list."""
+    base = load_recipe(RECIPE).to_mapping()
+    fields = list(_float_fields(RecipeConfig))
+    assert len(fields) > 25  # model, optimizer, schedule, parallel, launcher, logging ...
+    for path, _ in fields:
+        for bad in (math.nan, math.inf, -math.inf, "nan", "inf"):
+            tree = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+            node = tree
+            keys = path.split(".")
+            for key in keys[:-1]:
+                node[key] = dict(node[key])
+                node = node[key]
+            node[keys[-1]] = bad
+            with pytest.raises(ConfigError, match=re.escape(path) + ": .*finite"):
+                from_mapping(RecipeConfig, tree)
+
+
+def test_run_dir_that_is_a_file(capsys, tmp_path):
+    target = tmp_path / "a_file"
+    target.write_text("not a directory")
+    code = main(["train", str(RECIPE), *SINGLE, "--run-dir", str(target)])
+    line = _one_line_error(capsys)
+    assert code == 2 and "training.run_dir" in line and "not a directory" in line
+    assert target.read_text() == "not a directory"
+
+
+def test_non_utf8_recipe(capsys, tmp_path):
+    recipe = tmp_path / "latin1.yaml"
+    recipe.write_bytes("model: tiny\n# caf\xe9 au lait\n".encode("latin-1"))
+    code = main(["train", str(recipe), *SINGLE, "--run-dir", str(tmp_path / "run")])
+    line = _one_line_error(capsys)
+    assert code == 2 and str(recipe) in line and "UTF-8" in line
+
+
+def test_missing_data_path(capsys, tmp_path):
+    code = main(["train", str(RECIPE), *SINGLE, "data.kind=indexed", f"data.paths=[{tmp_path}/nothing]",
+                 "--run-dir", str(tmp_path / "run")])
+    line = _one_line_error(capsys)
+    assert code == 2 and "data.paths" in line and "nothing" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_absurd_seq_length_is_refused_before_allocating(capsys, tmp_path):
+    # 10^8 tokens per sequence: the ranks would be OOM-killed (exit 137) building activations.
+    code = main(["train", str(RECIPE), *SINGLE, "training.seq_length=100000000", "--run-dir", str(tmp_path / "run")])
+    line = _one_line_error(capsys)
+    assert code == 2 and "training.seq_length" in line and "GiB" in line
+
+
+def _in_private_mount_namespace() -> bool:
+    return (shutil.which("unshare") is not None and
+            subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0)
+
+
+needs_mount_ns = pytest.mark.skipif(not _in_private_mount_namespace(),
+                                    reason="needs `unshare -m` (mount namespaces) to build a read-only or full fs")
+
+
+def _train_in_namespace(setup: str, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`megatron-s2 train` in a private mount namespace after the shell commands ``setup``."""
+    argv = [sys.executable, "-m", "megatron_s2.cli", "train", str(RECIPE), *SINGLE, *overrides,
+            "--run-dir", str(run_dir)]
+    script = f"set -e; {setup}; exec \"$@\""
+    return subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", *argv], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@needs_mount_ns
+def test_read_only_run_dir(tmp_path):
+    run_dir = tmp_path / "ro"
+    run_dir.mkdir()
+    result = _train_in_namespace(f"mount --bind {run_dir} {run_dir}; mount -o remount,bind,ro {run_dir}", run_dir)
+    err = result.stderr
+    assert "Traceback" not in err, err
+    assert result.returncode == 2, err
+    assert "training.run_dir" in err and "not writable" in err
+    assert list(run_dir.iterdir()) == []
+
+
+@needs_mount_ns
+@pytest.mark.slow
+def test_disk_full_says_so(tmp_path):
+    """A run directory on a 1 MiB file system: the first checkpoint does not fit."""
+    run_dir = tmp_path / "full"
+    run_dir.mkdir()
+    result = _train_in_namespace(f"mount -t tmpfs -o size=1m tmpfs {run_dir}", run_dir)
+    err = result.stderr
+    assert "Traceback" not in err, err
+    assert result.returncode == 1, err
+    assert "disk full" in err.lower() or "no space left" in err.lower(), err
