@@ -6,7 +6,7 @@ different slices, comes out of every layout:
 
 * model: ``model.state_dict(keep_vars=True)`` — the rank's own parameters and persistent
   buffers under their global names. Pipeline shadow replicas are not submodules of the model
-  (they live in ``model.pipeline.shadows``) and never appear; buffers and parameters without
+  (they live in the pipeline runtime's ``shadows``) and never appear; buffers and parameters without
   a ShardSpec are whole tensors replicated on every rank that holds them.
 * optimiser: the state of every parameter this rank *updates*: all of its parameters without
   ZeRO-1, only the parameters it owns with it (``DistributedOptimizer.owned``), so a state

@@ -30,7 +30,9 @@ keys ``top-k index_head_dim`` and scores over the selected entries.
 MoE, per token routed on this rank (``T / tp``): router input, logits and scores, top-k ids
 and weights; the permutation indices of the dispatcher; per routed slot (``top-k`` per token)
 the expert input ``d`` and seven ``F / etp``-wide SwiGLU intermediates; the shared expert
-``6 F / tp`` per query. Engram: hash ids, fetched rows (three copies through lookup and FP8
+``6 F / tp`` per query. Under ``recompute: selective`` the attention core and the routed
+experts' SwiGLU are recomputed in backward: only their checkpoint inputs stay (the KV array;
+the routed rows and their combine weights). Engram: hash ids, fetched rows (three copies through lookup and FP8
 fake quantisation), the projected key/value ``(n + 1) d``, the streams and gated products.
 """
 
@@ -118,7 +120,8 @@ def layer_activations(c: ModelConfig, spec: LayerSpec, r: RankShape, recompute: 
     core = T * (INT64 * k + k * hd + BOOL * k + hl * (k + 1))
     halo = r.batch * c.window_size if r.cp > 1 else 0.0
     kv_array = hd * (T + halo + _entries(c, spec, r))
-    out.add("attention core (gathered keys)", 0.0 if recompute == "selective" else core + kv_array)
+    # selective recomputation keeps only the checkpointed core's inputs (queries counted above, the KV array)
+    out.add("attention core (gathered keys)", kv_array if recompute == "selective" else core + kv_array)
     # ---- CSA2 Full: compressor + index keys --------------------------------------------
     if spec.mode is CSA2Mode.FULL:
         m = spec.compress_ratio
@@ -135,7 +138,8 @@ def layer_activations(c: ModelConfig, spec: LayerSpec, r: RankShape, recompute: 
     e, ke, f = c.num_routed_experts, c.moe_topk, c.moe_ffn_hidden_size
     out.add("moe router + dispatch", Tm * (d + 2 * e + 3 * ke + 1) + Tm * (2 * INT64 * ke + 1))
     slots = Tm * ke * r.etp
-    out.add("moe routed experts", 0.0 if recompute == "selective" else slots * (d + 7 * f / r.etp + 1))
+    # selective: only the checkpointed experts' inputs (routed rows and their combine weights) stay
+    out.add("moe routed experts", slots * (d + 1) if recompute == "selective" else slots * (d + 7 * f / r.etp + 1))
     if c.num_shared_experts:
         out.add("moe shared expert", T * 6 * f / r.tp)
     # ---- Engram -------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Per-rank memory plan of a recipe: model state, activations, pipeline buffers, Engram.
 
 ``estimate_memory(recipe, world_size)`` evaluates every pipeline stage on the layout the
-runtime would build (:meth:`ParallelLayout.build` with the recipe's batch geometry) and
+runtime would build (:meth:`ParallelLayout.from_recipe`) and
 reports the most loaded one:
 
 * parameters, gradients, optimiser state — counted on the rank's model skeleton
@@ -29,7 +29,7 @@ from megatron_s2.planning.activations import RankShape, head_activations, layer_
 from megatron_s2.planning.model_state import ModelStateBytes, model_state_bytes
 from megatron_s2.planning.schedule import peak_inflight
 
-__all__ = ["RankMemory", "MemoryPlan", "estimate_memory", "rank_memory", "default_world_size", "build_layout",
+__all__ = ["RankMemory", "MemoryPlan", "estimate_memory", "rank_memory", "default_world_size",
            "representative_ranks"]
 
 GiB = 1024 ** 3
@@ -70,12 +70,6 @@ class MemoryPlan:
 def default_world_size(recipe: RecipeConfig) -> int:
     par = recipe.parallel
     return par.world_size() or par.model_parallel_size()
-
-
-def build_layout(recipe: RecipeConfig, world_size: int) -> ParallelLayout:
-    t = recipe.training
-    return ParallelLayout.build(recipe.parallel, recipe.model, world_size, seq_length=t.seq_length,
-                                global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
 
 
 def representative_ranks(layout: ParallelLayout) -> list[int]:
@@ -148,7 +142,7 @@ def rank_memory(recipe: RecipeConfig, layout: ParallelLayout, rank: int, *, wors
 def estimate_memory(recipe: RecipeConfig, world_size: int | None = None) -> MemoryPlan:
     """Memory of one rank per pipeline stage; ``plan.peak`` is the most loaded."""
     world = world_size or default_world_size(recipe)
-    layout = build_layout(recipe, world)
+    layout = ParallelLayout.from_recipe(recipe, world)
     plan = MemoryPlan(layout)
     for rank in representative_ranks(layout):
         plan.ranks.append(rank_memory(recipe, layout, rank, worst_zero1=True))

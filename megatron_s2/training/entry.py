@@ -52,10 +52,7 @@ def run(args: argparse.Namespace) -> int:
         needed = recipe.parallel.world_size() or recipe.parallel.model_parallel_size()
         # Validate the layout against the model first (an impossible layout is wrong whatever
         # the number of ranks), then the number of ranks this process was started with.
-        ParallelLayout.build(recipe.parallel, recipe.model, world if world > 1 else needed,
-                             seq_length=recipe.training.seq_length,
-                             global_batch_size=recipe.training.global_batch_size,
-                             micro_batch_size=recipe.training.micro_batch_size)
+        ParallelLayout.from_recipe(recipe, world if world > 1 else needed)
         if world == 1 and needed > 1:
             raise ConfigError(f"parallel: this layout needs {needed} ranks but the process runs alone; start it "
                               f"with `megatron-s2 launch {args.recipe} --local`")

@@ -29,6 +29,7 @@ from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.parallel.optimizer_shards import optimizer_shard_groups
 from megatron_s2.parallel.setup import build_groups
 from megatron_s2.parallel.sharding import name_seed
+from megatron_s2.pipeline.schedules import get_forward_backward_func
 from megatron_s2.training.finite import NonFiniteGuard
 from megatron_s2.training.grad_finalize import clip_grads, finalize_model_grads
 from megatron_s2.training.markers import (FINISHED_MARKER, clear_preempted, extension_hint, finished_step,
@@ -37,7 +38,7 @@ from megatron_s2.training.metrics import MetricsLogger, device_peak_tflops
 from megatron_s2.training.model_builder import build_stage_model
 from megatron_s2.training.run_checks import HostMemory, check_run_inputs
 from megatron_s2.training.rng import rng_state, seed_everything, set_rng_state
-from megatron_s2.training.step import StepInputs, get_forward_backward_func
+from megatron_s2.training.step import StepInputs
 
 __all__ = ["Trainer", "TrainResult"]
 
@@ -61,19 +62,20 @@ class Trainer:
         self.log = log if self.is_main else (lambda *a, **k: None)
         t = recipe.training
         seed_everything(t.seed, t.deterministic)
-        self.layout = ParallelLayout.build(recipe.parallel, recipe.model, world_size, seq_length=t.seq_length,
-                                           global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+        self.layout = ParallelLayout.from_recipe(recipe, world_size)
         self.groups = build_groups(self.layout)
         # The checks `megatron-s2 launch` also runs (run dir, tokenizer, data files, memory).
         self.tokenizer = check_run_inputs(recipe, world_size, HostMemory.for_this_rank(), self.run_dir)
-        self.model = build_stage_model(recipe, self.layout, self.groups, rank,
-                                       self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
+        self.model, self.pipeline = build_stage_model(recipe, self.layout, self.groups, rank,
+                                                      self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
         self._freeze(recipe.phase.freeze)
         row_groups, matrix_shards = optimizer_shard_groups(self.model, self.groups, recipe.optimizer)
         self.optimizer = build_optimizer(self.model, recipe.optimizer, row_groups=row_groups,
                                          matrix_shards=matrix_shards)
         if recipe.parallel.distributed_optimizer:
-            self.optimizer = DistributedOptimizer(self.optimizer, self.model, self.groups)
+            self.optimizer = DistributedOptimizer(self.optimizer, self.model, self.groups,
+                                                  bucket_mb=recipe.parallel.grad_bucket_mb)
+        self.zero1 = self.optimizer if isinstance(self.optimizer, DistributedOptimizer) else None
         self.schedule = LRSchedule(recipe.schedule, tokens_per_step=t.global_batch_size * t.seq_length)
         coords = self.layout.coords(rank)
         self.dp_rank = coords["dp"]
@@ -82,7 +84,7 @@ class Trainer:
                                         dp_size=self.layout.dp, seed=t.seed, phase=recipe.phase.kind,
                                         tokenizer=self.tokenizer, log=self.log)
         self.num_micro_global = t.global_batch_size // t.micro_batch_size
-        self.forward_backward = get_forward_backward_func(self.layout)
+        self.forward_backward = get_forward_backward_func(self.layout, self.pipeline)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", rank, world_size,
                                              keep_last=recipe.checkpoint.keep_last,
                                              async_save=recipe.checkpoint.async_save,
@@ -176,14 +178,14 @@ class Trainer:
         micro_batches = [split_micro_batch(mb, self.groups.cp) for mb in micro_batches]
         inputs = StepInputs(micro_batches, self.groups, self.num_micro_global)
         result = self.forward_backward(self.model, inputs)
-        finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb)
+        finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb, zero1=self.zero1)
         return result
 
     def apply_gradients(self, loss: float | None = None) -> float:
         """Clip, optimiser step, then the once-per-step MoE correction-bias update. A
         non-finite loss or gradient norm stops the run or skips the update
         (``training.non_finite``, :mod:`.finite`)."""
-        grad_norm = clip_grads(self.params, self.recipe.optimizer.clip_grad, self.groups)
+        grad_norm = clip_grads(self.params, self.recipe.optimizer.clip_grad, self.groups, zero1=self.zero1 is not None)
         if not self.non_finite.admit(self.step + 1, loss, float(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             for router in self.model.routers():  # this step's loads must not move the biases
@@ -192,9 +194,8 @@ class Trainer:
             return float(grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        pipeline = getattr(self.model, "pipeline", None)
-        if pipeline is not None:
-            pipeline.shadows.refresh()  # replicas follow their owners (§3.1.2)
+        if self.pipeline is not None:
+            self.pipeline.shadows.refresh()  # replicas follow their owners (§3.1.2)
         self.model.update_expert_bias()
         self.step += 1
         return float(grad_norm)

@@ -20,6 +20,7 @@ from megatron_s2.config.layer_plan import LayerSpec
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.mhc import collapse
+from megatron_s2.models.v41.parallel_plan import apply_plan
 from megatron_s2.models.v41.spec import BlockSubmodules, build_module
 from megatron_s2.parallel.groups import ParallelGroups
 
@@ -27,20 +28,22 @@ __all__ = ["V41Block"]
 
 
 class V41Block(nn.Module):
+    PLAN_SECTION = "block"
+
     def __init__(self, config: ModelConfig, spec: LayerSpec, groups: ParallelGroups, submodules: BlockSubmodules):
         super().__init__()
         self.config, self.spec = config, spec
         self.layer_number = spec.index
-        sp = groups.sequence_parallel and groups.tp.active
         self.engram = build_module(submodules.engram, config, spec.index, groups) if spec.has_engram else None
         self.attn_hc = build_module(submodules.hyper_connection, config, groups)
-        self.attn_norm = submodules.norm(config.hidden_size, config.norm_eps, sequence_parallel=sp)
+        self.attn_norm = submodules.norm(config.hidden_size, config.norm_eps)
         self.attention = build_module(submodules.attention, config, spec, groups, linears=submodules.linears)
         self.mlp_hc = build_module(submodules.hyper_connection, config, groups)
-        self.mlp_norm = submodules.norm(config.hidden_size, config.norm_eps, sequence_parallel=sp)
+        self.mlp_norm = submodules.norm(config.hidden_size, config.norm_eps)
         experts = {k: v for k, v in (("experts", submodules.experts), ("shared_expert", submodules.shared_expert))
                    if v is not None}
         self.mlp = build_module(submodules.mlp, config, spec.index, groups, **experts)
+        apply_plan(self, groups, config)
 
     def forward(self, x: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [b, s, n, d] streams; pre: [b, s, n] input mix handed over by the previous

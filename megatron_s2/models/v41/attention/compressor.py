@@ -13,7 +13,8 @@ FP4 QAT are applied by the attention layer, after the index keys are derived fro
 RoPE-free latent.
 
 The projections are replicated over tensor-parallel ranks (one latent for all heads) and
-run on the locally held tokens; the caller gathers the small latent over the sequence.
+run on the locally held tokens; the caller gathers the small latent over the sequence. They
+are placed by the attention layer's section of the parallel plan (``compressor.*``).
 """
 
 from __future__ import annotations
@@ -39,17 +40,14 @@ def pool_groups(kv: torch.Tensor, gate: torch.Tensor, ratio: int) -> torch.Tenso
 
 
 class Compressor(nn.Module):
-    def __init__(self, config: ModelConfig, ratio: int, *, tp_partial: bool, linears=None):
+    def __init__(self, config: ModelConfig, ratio: int, *, linears=None):
         super().__init__()
         linear = linears.replicated_linear if linears is not None else ReplicatedLinear
         self.ratio = ratio
         d, hd = config.hidden_size, config.head_dim
         self.linear_kv = linear(d, hd)
         self.linear_gate = linear(d, hd) if ratio > 1 else None
-        self.norm = RMSNorm(hd, config.norm_eps, sequence_parallel=tp_partial)
-        for lin in (self.linear_kv, self.linear_gate):
-            if lin is not None:
-                lin.weight.sequence_parallel = tp_partial
+        self.norm = RMSNorm(hd, config.norm_eps)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token projections (run on the locally held tokens): (C, Z)."""

@@ -12,8 +12,9 @@ ShardSpec is the full ``[num_experts, ...]`` tensor split ``(0, ep_rank, ep)`` (
 blocks of experts per expert-parallel rank) and then over the FFN width ``(1 | 2,
 etp_rank, etp)`` (expert tensor parallelism: W1/W3 column-split, W2 row-split), so names and
 full shapes do not depend on the layout. Each etp rank returns a *partial* output that the
-token dispatcher sums over the etp group. Gradient attribute: ``is_expert = True`` (the
-finaliser reduces them over the expert-data-parallel group, not dp).
+token dispatcher sums over the etp group. Their placement (style ``experts`` in the parallel
+plan) has the expert-data-parallel group as replicas: the finaliser reduces their gradients
+over it, not over dp.
 
 The compute is a loop of dense matmuls over the local experts on the expert-sorted token
 block (every expert runs, also with zero tokens, so every expert parameter gets a gradient);
@@ -33,9 +34,8 @@ from torch import nn
 
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.init import normal_init
-from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import Group, ParallelGroups
-from megatron_s2.parallel.sharding import mark_param
+from megatron_s2.parallel.placement import mark_param
 
 __all__ = ["swiglu", "GroupedExperts", "SharedExpert"]
 
@@ -72,7 +72,7 @@ class GroupedExperts(nn.Module):
         for param, full, width_dim in ((self.w1, (num_experts, ffn, hidden), 1),
                                        (self.w3, (num_experts, ffn, hidden), 1),
                                        (self.w2, (num_experts, hidden, ffn), 2)):
-            mark_param(param, full, [expert_split, (width_dim, etp.rank, etp.size)], init=init, is_expert=True)
+            mark_param(param, full, [expert_split, (width_dim, etp.rank, etp.size)], init=init)
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         """``tokens``: [M, hidden] sorted by local expert, ``tokens_per_expert[e]`` rows each;
@@ -101,7 +101,7 @@ class SharedExpert(nn.Module):
         ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
         if ffn % tp.size:
             raise ValueError(f"tp={tp.size} does not divide the shared expert width moe_ffn_hidden_size={ffn}")
-        self.tp, self.sequence_parallel = tp, groups.sequence_parallel and tp.active
+        self.tp, self.seq = tp, groups.sequence
         self.swiglu_limit = config.swiglu_limit
         dtype, init = getattr(torch, config.params_dtype), normal_init(config.init_std)
         f = ffn // tp.size
@@ -114,18 +114,10 @@ class SharedExpert(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[b, s, hidden] (sequence-sharded under SP) -> same shape and dtype."""
-        if self.sequence_parallel:
-            x = mappings.all_gather_sequence(hidden, self.tp, dim=1)
-        else:
-            x = mappings.copy_to_group(hidden, self.tp)
-        x = x.to(self.w1.dtype)
+        x = self.seq.enter_tp_region(hidden).to(self.w1.dtype)
         h = swiglu(self.gemm(x, self.w1), self.gemm(x, self.w3), self.swiglu_limit)
         y = self.gemm(h.to(self.w2.dtype), self.w2)
-        if self.sequence_parallel:
-            y = mappings.reduce_scatter_sequence(y, self.tp, dim=1)
-        else:
-            y = mappings.reduce_from_group(y, self.tp)
-        return y.to(hidden.dtype)
+        return self.seq.exit_tp_region(y).to(hidden.dtype)
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The local product ``x W^T`` (overridden by the FP8 subclass)."""
