@@ -76,7 +76,7 @@ def forward_backward_pipelined(model, inputs: StepInputs) -> StepResult:
     tokens = global_token_count(mbs, groups.dp_cp)
     order = schedule_order(rt.p, rt.vpp, len(mbs), rt.pp_rank)
     units: dict[tuple[int, int], _Unit] = {}
-    loss_sum = torch.zeros(())
+    loss_sum = torch.zeros((), device=tokens.device)
     metric_sums: dict[str, torch.Tensor] = {}
     transport = rt.transport
     for op, vi, k in order:
@@ -146,8 +146,8 @@ def forward_backward_pipelined(model, inputs: StepInputs) -> StepResult:
     loss = mappings.all_reduce_sum(loss_sum.reshape(1), groups.dp_cp)
     loss = mappings.all_reduce_sum(loss, groups.pp)
     names = _metric_names(rt, metric_sums, groups)
-    values = torch.stack([torch.as_tensor(metric_sums.get(n, 0.0)).float().reshape(()) for n in names]) \
-        if names else torch.zeros(0)
+    values = torch.stack([torch.as_tensor(metric_sums.get(n, 0.0), device=tokens.device).float().reshape(())
+                          for n in names]) if names else torch.zeros(0, device=tokens.device)
     totals = mappings.all_reduce_sum(mappings.all_reduce_sum(values, groups.dp_cp), groups.pp)
     metrics = {n: float(v) / max(inputs.num_micro_global, 1) for n, v in zip(names, totals)}
     return StepResult(float(loss) / float(tokens), int(tokens), metrics)

@@ -58,7 +58,7 @@ def _reduce_metrics(sums: dict[str, torch.Tensor], count: int, groups: ParallelG
 def forward_backward_no_pipelining(model, inputs: StepInputs) -> StepResult:
     groups = inputs.groups
     tokens = global_token_count(inputs.micro_batches, groups.dp_cp)
-    loss_sum = torch.zeros(())
+    loss_sum = torch.zeros((), device=tokens.device)
     metric_sums: dict[str, torch.Tensor] = {}
     for mb in inputs.micro_batches:
         ctx = make_context(model, mb, inputs.routing)

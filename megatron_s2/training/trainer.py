@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from megatron_s2.checkpoint import CheckpointError, CheckpointManager
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.config.schema import ConfigError
@@ -28,6 +30,7 @@ from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.parallel.optimizer_shards import optimizer_shard_groups
 from megatron_s2.parallel.setup import build_groups
 from megatron_s2.parallel.sharding import name_seed
+from megatron_s2.runtime.device import build_on, check_device_backend, process_device, to_device
 from megatron_s2.training.finite import NonFiniteGuard
 from megatron_s2.training.grad_finalize import clip_grads, finalize_model_grads
 from megatron_s2.training.markers import (FINISHED_MARKER, clear_preempted, extension_hint, finished_step,
@@ -53,8 +56,12 @@ class TrainResult:
 
 class Trainer:
     def __init__(self, recipe: RecipeConfig, run_dir: Path, *, rank: int = 0, world_size: int = 1, guard=None,
-                 log=print):
+                 log=print, device=None):
+        """``device``: where this rank computes; default :func:`~megatron_s2.runtime.device.process_device`
+        (the process group's device, else ``parallel.backend`` and the GPUs this process sees)."""
         self.recipe, self.run_dir = recipe, Path(run_dir)
+        self.device = torch.device(device) if device is not None else process_device(recipe.parallel.backend)
+        check_device_backend(self.device)
         self.rank, self.world_size, self.guard = rank, world_size, guard
         self.is_main = rank == 0
         self.log = log if self.is_main else (lambda *a, **k: None)
@@ -65,8 +72,10 @@ class Trainer:
         self.groups = build_groups(self.layout)
         # The checks `megatron-s2 launch` also runs (run dir, tokenizer, data files, memory).
         self.tokenizer = check_run_inputs(recipe, world_size, HostMemory.for_this_rank(), self.run_dir)
-        self.model = build_stage_model(recipe, self.layout, self.groups, rank,
-                                       self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
+        with build_on(self.device):  # parameters, buffers and what modules build at construction
+            self.model = build_stage_model(recipe, self.layout, self.groups, rank,
+                                           self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
+        self.model.to(self.device)  # host-computed buffers (RoPE frequencies) follow
         self._freeze(recipe.phase.freeze)
         row_groups, matrix_shards = optimizer_shard_groups(self.model, self.groups, recipe.optimizer)
         self.optimizer = build_optimizer(self.model, recipe.optimizer, row_groups=row_groups,
@@ -171,7 +180,7 @@ class Trainer:
     # ---- loop ---------------------------------------------------------------------------------
     def compute_gradients(self, micro_batches: list[dict]):
         """Forward/backward over this rank's micro-batches and reduce the gradients."""
-        micro_batches = [split_micro_batch(mb, self.groups.cp) for mb in micro_batches]
+        micro_batches = [split_micro_batch(to_device(mb, self.device), self.groups.cp) for mb in micro_batches]
         inputs = StepInputs(micro_batches, self.groups, self.num_micro_global)
         result = self.forward_backward(self.model, inputs)
         finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb)

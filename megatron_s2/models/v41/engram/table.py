@@ -80,13 +80,13 @@ def table_init(num_rows: int, std: float, block_rows: int = INIT_BLOCK_ROWS
     """
 
     def init_shard(local: torch.Tensor, first_row: int, gen: torch.Generator) -> None:
-        base = int(torch.randint(0, 2 ** 62, (1,), generator=gen))
+        base = int(torch.randint(0, 2 ** 62, (1,), generator=gen, device="cpu"))
         local.zero_()
         lo, hi = first_row, min(first_row + local.size(0), num_rows)
         for block in range(lo // block_rows, -(-hi // block_rows) if hi > lo else 0):
             b_lo, b_hi = block * block_rows, min((block + 1) * block_rows, num_rows)
             g = torch.Generator(device="cpu").manual_seed(name_seed(base, f"rows{block}"))
-            rows = torch.randn(b_hi - b_lo, local.size(1), generator=g) * std
+            rows = torch.randn(b_hi - b_lo, local.size(1), generator=g, device="cpu") * std
             s_lo, s_hi = max(lo, b_lo), min(hi, b_hi)
             local[s_lo - first_row:s_hi - first_row] = rows[s_lo - b_lo:s_hi - b_lo].to(local.dtype)
 
