@@ -22,6 +22,7 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.data import batch_fingerprint, build_data_iterator
 from megatron_s2.data.errors import DataError
 from megatron_s2.models.v41.accounting import train_flops_per_token
+from megatron_s2.models.v41.precision import describe_precision
 from megatron_s2.optim import build_optimizer, describe_param_groups
 from megatron_s2.optim.lr_schedule import LRSchedule
 from megatron_s2.parallel.context_parallel import split_micro_batch
@@ -232,6 +233,8 @@ class Trainer:
                 self.log(f"rank 0 holds layers {self.model.layer_ids[0]}-{self.model.layer_ids[-1]} "
                          "(its shard of the model is listed below)")
             self.log(describe_param_groups(self.model, self.recipe.optimizer))
+            self.log(f"device: {self.device}; " + describe_precision(self.recipe.model.params_dtype,
+                                                                     self.recipe.model.compute_dtype))
         flops = train_flops_per_token(self.recipe.model, t.seq_length)
         metrics = MetricsLogger(self.run_dir, enabled=self.is_main, total_steps=t.train_steps,
                                 log_interval=self.recipe.logging.log_interval,
