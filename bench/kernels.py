@@ -72,6 +72,22 @@ def cases(args):
         moved = x.numel() * x.element_size() + x.numel() // (2 if fmt != "fp8" else 1)
         yield (f"pack_{fmt}", None, moved, lambda fmt=fmt: quantize_triton(x, fmt, dequantized=False, packed=True)[1],
                lambda pack=pack: pack(x)[0])
+    # Engram: rows of 8K tokens x 24 hashed n-grams (3 orders x 8 heads, 256 channels) from a
+    # 1M-row table, FP8 fake-quantised (forward), and the row-gradient sum (backward).
+    from megatron_s2.kernels.engram import engram_rows_reference
+    from megatron_s2.kernels.triton.engram import gather_quant_rows, scatter_row_grads
+
+    rows, width, tokens = (251, 32, 8 * 6) if args.tiny else (1 << 20, 256, 8192 * 24)
+    table = torch.randn(rows, width, generator=g).to(dev, dt)
+    ids = torch.randint(0, rows, (tokens,), generator=g).to(dev)
+    e = table.element_size()
+    yield ("engram_gather_fp8", None, 2 * tokens * width * e + tokens * 8,
+           lambda: gather_quant_rows(ids, table, 32), lambda: engram_rows_reference(ids, table, True))
+    grad = torch.randn(tokens, width, generator=g).to(dev, dt)
+    uniq = int(torch.unique(ids).numel())
+    yield ("engram_row_grads", None, (tokens + rows + uniq) * width * e + tokens * 8,
+           lambda: scatter_row_grads(ids, grad, rows),
+           lambda: torch.zeros(rows, width, dtype=torch.float32, device=dev).index_add_(0, ids, grad.float()).to(dt))
 
 
 def main(argv=None) -> int:

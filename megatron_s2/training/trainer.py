@@ -241,7 +241,8 @@ class Trainer:
                                 tensorboard=self.recipe.logging.tensorboard,
                                 progress_bar=self.recipe.logging.progress_bar, flops_per_token=flops,
                                 world_size=self.world_size,
-                                peak_tflops=device_peak_tflops(self.recipe.logging.device_peak_tflops))
+                                peak_tflops=device_peak_tflops(self.recipe.logging.device_peak_tflops)
+                                if self.device.type == "cuda" else (self.recipe.logging.device_peak_tflops or None))
         metrics.set_start(self.step)
         start, losses, prints, preempted = self.step, [], [], False
         if resumed and self.step >= t.train_steps:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_s2.kernels import fake_quant_fp8
+from megatron_s2.kernels import engram_rows, fake_quant_fp8
 from megatron_s2.parallel.groups import Group
 from megatron_s2.parallel.sharding import mark_param, name_seed
 
@@ -176,6 +176,8 @@ class EngramTable(nn.Module):
         return self.group.rank * self.rows_per_rank
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.group.active:  # one fused gather (+ FP8) kernel on GPUs: kernels/engram.py
+            return engram_rows(ids, self.weight, self.fp8)
         rows = distributed_lookup(ids, self.weight, self.group)
         return fake_quant_rows(rows) if self.fp8 else rows
 
