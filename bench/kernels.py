@@ -108,28 +108,17 @@ def main(argv=None) -> int:
         raise SystemExit("--device cpu needs TRITON_INTERPRET=1 (Triton runs on CPU tensors only under the interpreter)")
     if args.device == "cpu":
         args.tiny, args.dtype, args.repeats = True, "float32", 1
-    import torch
-
     rows = []
     for name, flops, moved, fast, ref in cases(args):
-        out, expected = fast(), ref()
-        if out.dtype == torch.uint8 or expected.dtype == torch.uint8:
-            err = float((out.view(torch.uint8) != expected.view(torch.uint8)).sum())
-        else:
-            err = float((out.float() - expected.float()).abs().max())
-        t_fast = _time(fast, torch.device(args.device), args.repeats)
-        t_ref = _time(ref, torch.device(args.device), args.repeats)
-        row = {"kernel": name, "max_abs_err_or_mismatches": err, "triton_ms": t_fast * 1e3, "reference_ms": t_ref * 1e3,
-               "speedup": t_ref / t_fast}
-        if flops:
-            row["tflops"] = flops / t_fast / 1e12
-            row["roofline_fraction"] = row["tflops"] / args.peak_tflops
-        if moved:
-            row["gbs"] = moved / t_fast / 1e9
-            row["roofline_fraction"] = row["gbs"] / args.peak_gbs
-        rows.append(row)
+        try:
+            rows.append(_measure(name, flops, moved, fast, ref, args))
+        except Exception as exc:  # one kernel failing (compile, memory) must not hide the others
+            rows.append({"kernel": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
     print(f"{'kernel':<22} {'err':>10} {'triton ms':>10} {'ref ms':>10} {'speedup':>8} {'TFLOP/s|GB/s':>13} {'roofline':>9}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['kernel']:<22} ERROR {r['error']}")
+            continue
         rate = r.get("tflops", r.get("gbs", float("nan")))
         print(f"{r['kernel']:<22} {r['max_abs_err_or_mismatches']:10.3g} {r['triton_ms']:10.3f} {r['reference_ms']:10.3f} "
               f"{r['speedup']:8.2f} {rate:13.3f} {r.get('roofline_fraction', float('nan')):9.3f}")
@@ -137,7 +126,28 @@ def main(argv=None) -> int:
         print(json.dumps(r))
     if args.json:
         Path(args.json).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return 0
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _measure(name, flops, moved, fast, ref, args) -> dict:
+    import torch
+
+    out, expected = fast(), ref()
+    if out.dtype == torch.uint8 or expected.dtype == torch.uint8:
+        err = float((out.view(torch.uint8) != expected.view(torch.uint8)).sum())
+    else:
+        err = float((out.float() - expected.float()).abs().max())
+    t_fast = _time(fast, torch.device(args.device), args.repeats)
+    t_ref = _time(ref, torch.device(args.device), args.repeats)
+    row = {"kernel": name, "max_abs_err_or_mismatches": err, "triton_ms": t_fast * 1e3, "reference_ms": t_ref * 1e3,
+           "speedup": t_ref / t_fast}
+    if flops:
+        row["tflops"] = flops / t_fast / 1e12
+        row["roofline_fraction"] = row["tflops"] / args.peak_tflops
+    if moved:
+        row["gbs"] = moved / t_fast / 1e9
+        row["roofline_fraction"] = row["gbs"] / args.peak_gbs
+    return row
 
 
 if __name__ == "__main__":
