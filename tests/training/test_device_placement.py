@@ -110,21 +110,30 @@ def test_train_step_checkpoint_and_resume_name_their_device(tmp_path):
     assert audit.offenders == [], "factories without device= while resuming:\n" + audit.report()
 
 
+LAYOUTS = {
+    "pp2": ["parallel.pp=2"],                                   # p2p buffers, payloads, shadows
+    "cp2": ["parallel.cp=2"],                                   # chunking, halos, gathered compression
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "ep2": ["parallel.ep=2"],                                   # token all-to-all
+    "dp2_zero1_engram2": ["parallel.distributed_optimizer=true", "parallel.engram_parallel=2"],
+}
+
+
 def _parallel_worker(rank: int, world: int, out_dir: str) -> None:
     found = {}
-    for name, layout in (("pp2", ["parallel.pp=2"]), ("cp2", ["parallel.cp=2"])):
+    for name, layout in LAYOUTS.items():
         _, _, audit = _train(Path(out_dir) / name, 1, *layout, "checkpoint.save_interval=1", rank=rank, world=world)
         found[name] = [str(c) for c in audit.offenders]
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(found))
 
 
 @pytest.mark.slow
-def test_pipeline_and_context_parallel_steps_name_their_device(tmp_path):
-    """Pipeline p2p buffers and payloads, CP chunking, grad reduction and the sharded save."""
+def test_parallel_steps_name_their_device(tmp_path):
+    """Every parallel runtime on two ranks: one step and a sharded save each."""
     run_distributed(2, _parallel_worker, str(tmp_path))
     for rank in range(2):
         found = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert found == {"pp2": [], "cp2": []}, found
+        assert found == {name: [] for name in LAYOUTS}, found
 
 
 def test_inference_engine_names_its_device():
