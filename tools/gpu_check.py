@@ -40,10 +40,13 @@ def run_part(name: str, args) -> int:
     t0 = time.perf_counter()
     try:
         parts.bootstrap_imports()
-        if ctx.smoke:
-            import torch
+        import torch
 
+        if ctx.smoke:
             torch.set_num_threads(1)
+        # Parity checks compare float32 against float32: no TF32 (containers may enable it by default).
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
         result = parts.PARTS[name](ctx)
         result["status"] = "ok" if all(c["ok"] for c in result["checks"]) else "failed"
     except Exception as exc:  # reported in the JSON; the other parts still run

@@ -15,6 +15,7 @@ full forward; ``megatron-s2 generate`` on the main run's checkpoint).
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -162,7 +163,7 @@ def part_kernel_parity(ctx: Context) -> dict:
     err = _max_rel(indexer_scores_triton(qi, ki, wi), indexer_scores_reference(qi, ki, wi))
     checks.append(check("indexer scores fp32 vs reference", err <= 1e-5, err, 1e-5))
     # Quantisers: packed bytes, unpacked values and fake quantisation, bit for bit.
-    x = torch.randn(64, 128, generator=g) * torch.logspace(-8, 3, 64).unsqueeze(1)
+    x = torch.randn(64, 128, generator=g) * torch.logspace(-8, 2, 64).unsqueeze(1)  # E4M3 scales stay finite
     mismatches = {}
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dev, dtype)
@@ -275,9 +276,6 @@ def _train_losses(model: str, device: str, run_dir: Path, extra: list[str], step
 
 
 def part_train_parity(ctx: Context) -> dict:
-    import torch
-
-    torch.backends.cuda.matmul.allow_tf32 = False
     checks, figures = [], {}
     batch = ["training.global_batch_size=4", "training.micro_batch_size=2"]
     # (model, overrides, steps compared, optimizer step on the CPU side)
@@ -388,10 +386,14 @@ def part_layer_mfu(ctx: Context) -> dict:
         try:
             fig = _time_layer(ctx, dev, seq, peak, fp8)
         except Exception as exc:  # e.g. a kernel that does not compile at this shape: the other mode still runs
-            figures[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            checks.append(check(f"{label}: forward + backward of the layer", False, figures[label]["error"]))
+            fig = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        finally:
+            gc.collect()  # the model of this mode is gone before the next one is built
             if ctx.cuda:
                 torch.cuda.empty_cache()
+        if "error" in fig:
+            figures[label] = fig
+            checks.append(check(f"{label}: forward + backward of the layer", False, fig["error"]))
             continue
         figures[label] = fig
         checks.append(check(f"{label}: finite loss and a positive rate", math.isfinite(fig["loss"]) and fig["model_tflops"] > 0,
@@ -453,9 +455,6 @@ def _time_layer(ctx: Context, dev, seq: int, peak, fp8: bool) -> dict:
     if ctx.cuda:
         fig["peak_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30
         torch.cuda.reset_peak_memory_stats(dev)
-    del model
-    if ctx.cuda:
-        torch.cuda.empty_cache()
     return fig
 
 
