@@ -12,7 +12,10 @@ Activations are ``[batch, seq, hidden]``; under sequence parallelism the sequenc
   model's parallel plan, not by the layer.
 
 The entry / exit collectives are those of :class:`~megatron_s2.parallel.sequence.SequenceSharding`.
-Weights are stored ``[out, in]`` like ``torch.nn.Linear`` and record their shard (``mark_param``).
+Weights are stored ``[out, in]`` like ``torch.nn.Linear`` and record their shard (``mark_param``). The
+product runs in ``gemm_dtype`` (the model's ``compute_dtype``, set by
+:func:`~megatron_s2.models.v41.precision.set_gemm_dtype`): a float32 master weight is cast to
+bfloat16 at use on GPUs; ``None`` multiplies in the weight's dtype.
 
 The local matrix product is the method ``gemm(x)``; GEMM backends (native FP8,
 :mod:`megatron_s2.parallel.fp8_linear`; Transformer Engine, :mod:`megatron_s2.parallel.te_linear`)
@@ -34,14 +37,19 @@ from megatron_s2.parallel.sequence import SequenceSharding
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear"]
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x.to(weight.dtype) if x.dtype != weight.dtype else x, weight)
+def _linear(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x W^T`` in ``dtype`` (default: the weight's); ``.to`` is a no-op when the dtype matches."""
+    dtype = dtype or weight.dtype
+    return F.linear(x.to(dtype), weight.to(dtype))
 
 
 class _LocalGemm(nn.Module):
+    gemm_dtype: torch.dtype | None = None
+    """Dtype of the product (module docstring); None = the weight's dtype."""
+
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """The local product ``x W^T`` (overridden by the FP8 / TE subclasses)."""
-        return _linear(x, self.weight)
+        return _linear(x, self.weight, self.gemm_dtype)
 
 
 class ReplicatedLinear(_LocalGemm):

@@ -32,11 +32,11 @@ def init_from_full(param: torch.Tensor, name: str, seed: int, default: Callable[
     shard_fn = getattr(param, "init_shard_fn", None)
     if shard_fn is not None:  # row-partitioned giants (Engram tables): draw only this rank's rows
         rows = spec.slices()[0]
-        local = torch.empty(spec.local_shape(), dtype=torch.float32)
+        local = torch.empty(spec.local_shape(), dtype=torch.float32, device="cpu")  # drawn on the host
         shard_fn(local, rows.start, gen)
         param.copy_(local.to(param.dtype))
         return
-    full = torch.empty(spec.full_shape, dtype=torch.float32)
+    full = torch.empty(spec.full_shape, dtype=torch.float32, device="cpu")  # same values on every device
     fn = getattr(param, "init_fn", None) or default
     fn(full, gen)
     param.copy_(slice_of(full, spec).to(param.dtype))

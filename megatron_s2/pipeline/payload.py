@@ -57,7 +57,7 @@ class PayloadField:
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
 
 def payload_keys(plan: LayerPlan, cut: int, modes: PayloadModes) -> list[StateKey]:

@@ -59,7 +59,7 @@ def _prefetch_engram(model, inputs: StepInputs) -> EngramPrefetch | None:
 def forward_backward_no_pipelining(model, inputs: StepInputs) -> StepResult:
     groups = inputs.groups
     tokens = global_token_count(inputs.micro_batches, groups.dp_cp)
-    loss_sum = torch.zeros(())
+    loss_sum = torch.zeros((), device=tokens.device)
     metric_sums: dict[str, torch.Tensor] = {}
     engram_rows = _prefetch_engram(model, inputs)
     for mb in inputs.micro_batches:
@@ -127,7 +127,7 @@ def forward_backward_pipelined(model, inputs: StepInputs, *, runtime: "PipelineR
     tokens = global_token_count(mbs, groups.dp_cp)
     order = schedule_order(rt.p, rt.vpp, len(mbs), rt.pp_rank)
     units: dict[tuple[int, int], _Unit] = {}
-    loss_sum = torch.zeros(())
+    loss_sum = torch.zeros((), device=tokens.device)
     metric_sums: dict[str, torch.Tensor] = {}
     transport = rt.transport
     engram_rows = _prefetch_engram(model, inputs)
@@ -200,7 +200,7 @@ def forward_backward_pipelined(model, inputs: StepInputs, *, runtime: "PipelineR
     # the step's tail: loss and every metric in one tensor, one all-reduce per group
     names = _metric_names(rt, metric_sums, groups)
     local = torch.stack([loss_sum.float().reshape(()),
-                         *[torch.as_tensor(metric_sums.get(n, 0.0)).float().reshape(()) for n in names]])
+                         *[torch.as_tensor(metric_sums.get(n, 0.0), device=loss_sum.device).float().reshape(()) for n in names]])
     totals = mappings.all_reduce_sum(mappings.all_reduce_sum(local, groups.dp_cp), groups.pp)
     metrics = {n: float(v) / max(inputs.num_micro_global, 1) for n, v in zip(names, totals[1:])}
     return StepResult(float(totals[0]) / float(tokens), int(tokens), metrics)

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             from megatron_s2.training.trainer import Trainer
 
-            result = Trainer(recipe, run_dir, rank=rank, world_size=world, guard=guard).train()
+            result = Trainer(recipe, run_dir, rank=rank, world_size=world, guard=guard, device=info.device).train()
             return EXIT_PREEMPTED if result.preempted else 0
     finally:
         guard.uninstall()

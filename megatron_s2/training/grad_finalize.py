@@ -104,7 +104,7 @@ def clip_grads(params: list[torch.nn.Parameter], max_norm: float, groups: Parall
     once however many ranks replicate it), then clip to ``max_norm`` (0 = measure only).
     ``zero1``: gradients were reduce-scattered, only owners hold them."""
     grads = [(p.grad, replication(p, groups, zero1)) for p in params if p.grad is not None]
-    total_sq = torch.zeros((), dtype=torch.float32)
+    total_sq = torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)
     for g, r in grads:
         total_sq += torch.linalg.vector_norm(g, dtype=torch.float32).square() / r
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from megatron_s2.checkpoint import CheckpointError, CheckpointManager
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.config.schema import ConfigError
@@ -21,6 +23,7 @@ from megatron_s2.data import batch_fingerprint, build_data_iterator
 from megatron_s2.data.errors import DataError
 from megatron_s2.data.tokenizer_checks import check_checkpoint_tokenizer, record_run_tokenizer
 from megatron_s2.models.v41.accounting import train_flops_per_token
+from megatron_s2.models.v41.precision import describe_precision
 from megatron_s2.optim import build_optimizer, describe_param_groups
 from megatron_s2.optim.lr_schedule import LRSchedule
 from megatron_s2.parallel.context_parallel import split_micro_batch
@@ -30,6 +33,7 @@ from megatron_s2.parallel.optimizer_shards import optimizer_shard_groups
 from megatron_s2.parallel.setup import build_groups
 from megatron_s2.parallel.sharding import name_seed
 from megatron_s2.pipeline.schedules import get_forward_backward_func
+from megatron_s2.runtime.device import build_on, check_device_backend, process_device, to_device
 from megatron_s2.training.finite import NonFiniteGuard
 from megatron_s2.training.grad_finalize import clip_grads, finalize_model_grads
 from megatron_s2.training.markers import (FINISHED_MARKER, clear_preempted, extension_hint, finished_step,
@@ -55,8 +59,12 @@ class TrainResult:
 
 class Trainer:
     def __init__(self, recipe: RecipeConfig, run_dir: Path, *, rank: int = 0, world_size: int = 1, guard=None,
-                 log=print):
+                 log=print, device=None):
+        """``device``: where this rank computes; default :func:`~megatron_s2.runtime.device.process_device`
+        (the process group's device, else ``parallel.backend`` and the GPUs this process sees)."""
         self.recipe, self.run_dir = recipe, Path(run_dir)
+        self.device = torch.device(device) if device is not None else process_device(recipe.parallel.backend)
+        check_device_backend(self.device)
         self.rank, self.world_size, self.guard = rank, world_size, guard
         self.is_main = rank == 0
         self.log = log if self.is_main else (lambda *a, **k: None)
@@ -66,8 +74,11 @@ class Trainer:
         self.groups = build_groups(self.layout)
         # The checks `megatron-s2 launch` also runs (run dir, tokenizer, data files, memory).
         self.tokenizer = check_run_inputs(recipe, world_size, HostMemory.for_this_rank(), self.run_dir)
-        self.model, self.pipeline = build_stage_model(recipe, self.layout, self.groups, rank,
-                                                      self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
+        with build_on(self.device):  # parameters, buffers and what modules build at construction
+            self.model, self.pipeline = build_stage_model(
+                recipe, self.layout, self.groups, rank,
+                self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
+        self.model.to(self.device)  # host-computed buffers (RoPE frequencies) follow
         self._freeze(recipe.phase.freeze)
         row_groups, matrix_shards = optimizer_shard_groups(self.model, self.groups, recipe.optimizer)
         self.optimizer = build_optimizer(self.model, recipe.optimizer, row_groups=row_groups,
@@ -175,7 +186,7 @@ class Trainer:
     # ---- loop ---------------------------------------------------------------------------------
     def compute_gradients(self, micro_batches: list[dict]):
         """Forward/backward over this rank's micro-batches and reduce the gradients."""
-        micro_batches = [split_micro_batch(mb, self.groups.cp) for mb in micro_batches]
+        micro_batches = [split_micro_batch(to_device(mb, self.device), self.groups.cp) for mb in micro_batches]
         inputs = StepInputs(micro_batches, self.groups, self.num_micro_global)
         result = self.forward_backward(self.model, inputs)
         finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb, zero1=self.zero1)
@@ -226,13 +237,16 @@ class Trainer:
                 self.log(f"rank 0 holds layers {self.model.layer_ids[0]}-{self.model.layer_ids[-1]} "
                          "(its shard of the model is listed below)")
             self.log(describe_param_groups(self.model, self.recipe.optimizer))
+            self.log(f"device: {self.device}; " + describe_precision(self.recipe.model.params_dtype,
+                                                                     self.recipe.model.compute_dtype))
         flops = train_flops_per_token(self.recipe.model, t.seq_length)
         metrics = MetricsLogger(self.run_dir, enabled=self.is_main, total_steps=t.train_steps,
                                 log_interval=self.recipe.logging.log_interval,
                                 tensorboard=self.recipe.logging.tensorboard,
                                 progress_bar=self.recipe.logging.progress_bar, flops_per_token=flops,
                                 world_size=self.world_size,
-                                peak_tflops=device_peak_tflops(self.recipe.logging.device_peak_tflops))
+                                peak_tflops=device_peak_tflops(self.recipe.logging.device_peak_tflops)
+                                if self.device.type == "cuda" else (self.recipe.logging.device_peak_tflops or None))
         metrics.set_start(self.step)
         start, losses, prints, preempted = self.step, [], [], False
         if resumed and self.step >= t.train_steps:

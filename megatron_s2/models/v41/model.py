@@ -19,6 +19,7 @@ from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.init import initialize_parameters
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.mhc import collapse, expand_embedding, one_hot_pre
+from megatron_s2.models.v41.precision import set_gemm_dtype
 from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.parallel_plan import SELECTIVE_RECOMPUTE, apply_plan
 from megatron_s2.models.v41.recompute import run_block_recomputed
@@ -53,6 +54,7 @@ class V41Model(nn.Module):
             self.final_norm = RMSNorm(d, config.norm_eps)
             self.output_layer = VocabParallelHead(config.vocab_size, d, groups.tp, sequence_parallel=sp)
         apply_plan(self, groups, config)
+        set_gemm_dtype(self, getattr(torch, config.compute_dtype))  # precision map (models/v41/precision.py)
 
     @property
     def layer_ids(self) -> list[int]:
@@ -125,7 +127,8 @@ class V41Model(nn.Module):
     FP32_PARAMS = ("*.router.weight", "output_layer.weight", "*_hc.*", "*norm*", "*attn_sink")
 
     def apply_precision_map(self) -> None:
-        """Store matrices in ``params_dtype`` except the float32 islands (§ precision map)."""
+        """Store matrices in ``params_dtype`` except the float32 islands (the precision map and
+        the master-weight decision: :mod:`megatron_s2.models.v41.precision`)."""
         from fnmatch import fnmatch
 
         dtype = getattr(torch, self.config.params_dtype)

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_s2.kernels import fake_quant_fp8
+from megatron_s2.kernels import engram_rows, fake_quant_fp8
 from megatron_s2.parallel.groups import Group
 from megatron_s2.parallel.placement import mark_param
 from megatron_s2.parallel.sharding import name_seed
@@ -82,13 +82,13 @@ def table_init(num_rows: int, std: float, block_rows: int = INIT_BLOCK_ROWS
     """
 
     def init_shard(local: torch.Tensor, first_row: int, gen: torch.Generator) -> None:
-        base = int(torch.randint(0, 2 ** 62, (1,), generator=gen))
+        base = int(torch.randint(0, 2 ** 62, (1,), generator=gen, device="cpu"))
         local.zero_()
         lo, hi = first_row, min(first_row + local.size(0), num_rows)
         for block in range(lo // block_rows, -(-hi // block_rows) if hi > lo else 0):
             b_lo, b_hi = block * block_rows, min((block + 1) * block_rows, num_rows)
             g = torch.Generator(device="cpu").manual_seed(name_seed(base, f"rows{block}"))
-            rows = torch.randn(b_hi - b_lo, local.size(1), generator=g) * std
+            rows = torch.randn(b_hi - b_lo, local.size(1), generator=g, device="cpu") * std
             s_lo, s_hi = max(lo, b_lo), min(hi, b_hi)
             local[s_lo - first_row:s_hi - first_row] = rows[s_lo - b_lo:s_hi - b_lo].to(local.dtype)
 
@@ -176,6 +176,8 @@ class EngramTable(nn.Module):
         return self.group.rank * self.rows_per_rank
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.group.active:  # one fused gather (+ FP8) kernel on GPUs: kernels/engram.py
+            return engram_rows(ids, self.weight, self.fp8)
         return self.quantize(distributed_lookup(ids, self.weight, self.group))
 
     def quantize(self, rows: torch.Tensor) -> torch.Tensor:

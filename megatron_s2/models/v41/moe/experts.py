@@ -53,6 +53,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Ten
 
 
 class GroupedExperts(nn.Module):
+    gemm_dtype: torch.dtype | None = None
+    """Dtype of the expert GEMMs (the model's compute_dtype); None = the weights' dtype."""
+
     def __init__(self, config: ModelConfig, ep: Group, etp: Group):
         super().__init__()
         num_experts, ffn, hidden = config.num_routed_experts, config.moe_ffn_hidden_size, config.hidden_size
@@ -80,21 +83,24 @@ class GroupedExperts(nn.Module):
         if len(tokens_per_expert) != self.num_local_experts or sum(tokens_per_expert) != tokens.size(0):
             raise ValueError(f"expert token counts {tokens_per_expert} do not match {tokens.size(0)} rows "
                              f"for {self.num_local_experts} local experts")
-        x = tokens.to(self.w1.dtype)
+        x = tokens.to(self.gemm_dtype or self.w1.dtype)
         outputs = []
         row_blocks, weight_blocks = torch.split(x, tokens_per_expert), torch.split(probs, tokens_per_expert)
         for e, (rows, weight) in enumerate(zip(row_blocks, weight_blocks, strict=True)):
             h = swiglu(self.gemm(rows, self.w1[e]), self.gemm(rows, self.w3[e]), self.swiglu_limit,
                        weight.unsqueeze(-1))
-            outputs.append(self.gemm(h.to(self.w2.dtype), self.w2[e]))
+            outputs.append(self.gemm(h.to(x.dtype), self.w2[e]))
         return torch.cat(outputs, dim=0).to(tokens.dtype)
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """One expert's product ``x W^T`` (overridden by the FP8 subclass)."""
-        return F.linear(x, weight)
+        """One expert's product ``x W^T`` in ``x``'s dtype (overridden by the FP8 subclass)."""
+        return F.linear(x, weight.to(x.dtype))
 
 
 class SharedExpert(nn.Module):
+    gemm_dtype: torch.dtype | None = None
+    """Dtype of the expert GEMMs (the model's compute_dtype); None = the weights' dtype."""
+
     def __init__(self, config: ModelConfig, groups: ParallelGroups):
         super().__init__()
         tp = groups.tp
@@ -114,11 +120,11 @@ class SharedExpert(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[b, s, hidden] (sequence-sharded under SP) -> same shape and dtype."""
-        x = self.seq.enter_tp_region(hidden).to(self.w1.dtype)
+        x = self.seq.enter_tp_region(hidden).to(self.gemm_dtype or self.w1.dtype)
         h = swiglu(self.gemm(x, self.w1), self.gemm(x, self.w3), self.swiglu_limit)
-        y = self.gemm(h.to(self.w2.dtype), self.w2)
+        y = self.gemm(h.to(x.dtype), self.w2)
         return self.seq.exit_tp_region(y).to(hidden.dtype)
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The local product ``x W^T`` (overridden by the FP8 subclass)."""
-        return F.linear(x, weight)
+        """The local product ``x W^T`` in ``x``'s dtype (overridden by the FP8 subclass)."""
+        return F.linear(x, weight.to(x.dtype))
