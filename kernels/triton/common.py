@@ -14,6 +14,19 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _check_interpreter_switch() -> None:
+    """Triton decorates its standard library (``tl.zeros``, ``tl.max`` ...) once, when
+    ``triton.language`` is first imported; a ``TRITON_INTERPRET=1`` set later makes our kernels
+    interpreted but leaves those compiled, and every kernel then fails with "Cannot call
+    @triton.jit'd outside of the scope of a kernel". Say so at import instead."""
+    if interpreting() and type(tl.zeros).__name__ == "JITFunction":
+        raise RuntimeError("TRITON_INTERPRET=1 was set after triton.language had been imported (megatron-core and "
+                           "transformers import it); set it in the environment before Python starts")
+
+
+_check_interpreter_switch()
+
+
 def dot_dtype(dtype: torch.dtype):
     """Operand dtype of ``tl.dot``: the input's 16-bit type on a GPU (tensor cores, float32
     accumulation); float32 under the CPU interpreter, whose ``tl.dot`` on bfloat16 operands

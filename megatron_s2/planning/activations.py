@@ -17,10 +17,11 @@ Per token of the streams (``T_sp``: local tokens, / tp under sequence parallelis
 Attention, per local query (``T``), with ``k = window + top-k`` (CSA2) or ``window`` (SWA):
 the low-rank query path (``q_lora`` after the norm, ``2 q_lora + 1`` in it), RoPE cos/sin of
 the query, the window KV and the output (``3 rope_dim``), the rotated queries and the
-de-rotated output (``2 h_local head_dim``), the **gathered keys** ``k head_dim`` and their
-int64 indices ``2 k``, the softmax over entries + sink ``h_local (k + 1)``, its mask ``k/4``
+de-rotated output (``2 h_local head_dim``), the int64 indices of the listed entries ``2 k``
 and the grouped output ``g_local o_lora``; the KV array the keys are gathered from (window
-KV of the local tokens plus the CP halo, plus every compressed entry of the sequence).
+KV of the local tokens plus the CP halo, plus every compressed entry of the sequence). The
+sparse attention core saves only its inputs and recomputes the gathered keys and the softmax
+per chunk in backward (:mod:`megatron_s2.kernels.sparse_attention`).
 Full layers add the compressor (softmax-gated pooling keeps ``C`` and ``softmax(Z)``: ``2
 head_dim`` per token when m > 1), its norm and the index-key projection per entry (the CED
 decoder Full layer compresses its own normalised input, already counted). Indexer layers (training with
@@ -117,7 +118,7 @@ def layer_activations(c: ModelConfig, spec: LayerSpec, r: RankShape, recompute: 
     # ---- attention (every layer: own query, own window KV) ------------------------------
     k = c.window_size + (topk if spec.is_csa2 else 0)
     out.add("attention", Tsp * (d + 2 * q + 1 + 2 * hd + 1) + T * (q + 3 * rd + 2 * hl * hd + gl * c.o_lora_rank))
-    core = T * (INT64 * k + k * hd + BOOL * k + hl * (k + 1))
+    core = T * INT64 * k  # kernels/sparse_attention.py saves q, the KV array and the indices; recomputes the rest
     halo = r.batch * c.window_size if r.cp > 1 else 0.0
     kv_array = hd * (T + halo + _entries(c, spec, r))
     # selective recomputation keeps only the checkpointed core's inputs (queries counted above, the KV array)

@@ -1,14 +1,8 @@
-"""Triton kernels run on CPU tensors under the interpreter: ``TRITON_INTERPRET=1`` must be set
-before a kernel module is imported (``@triton.jit`` reads it at decoration time), so it is set
-here, at collection, unless a GPU is visible."""
-
-import os
+"""Triton kernels run on CPU tensors under the interpreter; ``TRITON_INTERPRET=1`` is set by the
+suite's root ``tests/conftest.py`` (it must precede the first import of ``triton.language``)."""
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ def test_launch_slurm_checks_data_paths_at_submit(tmp_path, capsys):
 def test_launch_checks_tokenizer_against_vocabulary(tmp_path, capsys):
     code = main(["launch", RECIPE, "model.vocab_size=64", "--slurm", "--dry-run", "--run-dir", str(tmp_path / "r")])
     err = capsys.readouterr().err
-    assert code == 2 and "model.vocab_size: 64 is smaller than the char tokenizer's 102 tokens" in err
+    assert code == 2 and "model.vocab_size: 64 is smaller than the 102 ids of the tokenizer data.tokenizer=char" in err
 
 
 def test_launch_refuses_a_run_dir_that_is_a_file(tmp_path, capsys):

@@ -39,6 +39,10 @@ def flagship_inputs(tmp_path, monkeypatch):
     chats = [json.loads(line) for line in (RECIPES_DIR / "data" / "tiny_chat.jsonl").read_text().splitlines()[:8]]
     pq.write_table(pa.Table.from_pylist(chats), tmp_path / "data" / "sft" / "conversations.parquet")
     monkeypatch.chdir(tmp_path)
+    # The recipes name their clusters' partition; whatever SLURM this machine (or an earlier
+    # launcher test's local cluster) knows is not that cluster, so sinfo is pointed at no
+    # configuration and the capacity query says "cannot tell" (tests/launcher checks it for real).
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-cluster" / "slurm.conf"))
     return tmp_path
 
 

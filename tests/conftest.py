@@ -1,0 +1,14 @@
+"""Suite-wide set-up that must happen before any test module is imported.
+
+Triton's standard library (``tl.zeros``, ``tl.max`` ...) is decorated when ``triton.language`` is
+first imported, and only then reads ``TRITON_INTERPRET``. Several of our dependencies import
+``triton.language`` (megatron-core, transformers), so the interpreter switch for the CPU kernel
+tests is set here, before any test module of any directory is collected, unless a GPU is visible.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
