@@ -140,6 +140,7 @@ def test_bad_command_line_input_exits_2_with_one_line(run_dir, capsys):
         ([str(run_dir), "--host", "203.0.113.7"], "--host: 203.0.113.7 is not an address of this machine"),
         ([str(run_dir), "--port", "70000"], "--port"),
         ([str(run_dir), "--max-model-len", "0"], "--max-model-len"),
+        ([str(run_dir), "--max-model-len", "1000000000"], "--max-model-len"),  # KV larger than memory
     ]
     try:
         for args, words in cases:
