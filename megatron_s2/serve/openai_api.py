@@ -30,7 +30,7 @@ from megatron_s2.inference.request import CompletedRequest
 from megatron_s2.serve.backend import ClientDisconnected, Generation
 from megatron_s2.serve.chat import chat_prompt_ids
 from megatron_s2.serve.errors import HTTPError
-from megatron_s2.serve.fields import Fields, check_token_ids, parse_json_object
+from megatron_s2.serve.fields import Fields, check_token_ids, read_json_object
 from megatron_s2.serve.sampling import build_sampling, refuse_unsupported_sampling
 from megatron_s2.serve.state import SSE_DONE, ServerState, new_id, sse
 from megatron_s2.serve.text import TextStream, chat_logprobs, completion_logprobs
@@ -126,7 +126,7 @@ def _completion_prompts(f: Fields, state: ServerState) -> list[list[int]]:
 
 
 async def completions(state: ServerState, request):
-    f = Fields(parse_json_object(await request.body()))
+    f = Fields(await read_json_object(request, state.config.max_body_bytes))
     state.check_model(f)
     opts = _Options(f, state, chat=False)
     reasons_of = _reasons(state, f)
@@ -202,7 +202,7 @@ async def completions(state: ServerState, request):
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------
 async def chat_completions(state: ServerState, request):
-    f = Fields(parse_json_object(await request.body()))
+    f = Fields(await read_json_object(request, state.config.max_body_bytes))
     state.check_model(f)
     opts = _Options(f, state, chat=True)
     reasons_of = _reasons(state, f)

@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse
 
 from megatron_s2.inference.request import CompletedRequest
 from megatron_s2.serve.backend import ClientDisconnected, Generation
-from megatron_s2.serve.fields import Fields, parse_json_object
+from megatron_s2.serve.fields import Fields, read_json_object
 from megatron_s2.serve.sampling import build_sampling, refuse_unsupported_sampling
 from megatron_s2.serve.state import ServerState, new_id
 from megatron_s2.serve.text import chat_logprobs
@@ -79,7 +79,7 @@ def encode_routed_experts(rows: np.ndarray, start: int) -> dict:
 
 
 async def generate(state: ServerState, request):
-    f = Fields(parse_json_object(await request.body()))
+    f = Fields(await read_json_object(request, state.config.max_body_bytes))
     state.check_model(f)
     prompt = f.token_ids("token_ids", state.vocab_size, required=True)
     if not prompt:

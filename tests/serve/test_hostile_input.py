@@ -1,0 +1,75 @@
+"""Hostile and careless requests found by trying the server as a user would (review 13): each
+one must be answered with a 4xx OpenAI error naming the problem — never a 500, never an engine
+that stops serving every other client — and the server must stay healthy afterwards."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from megatron_s2.serve import ServeConfig
+from tests.serve.conftest import start_server
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    srv = start_server(loaded, serve=ServeConfig(disconnect_poll_s=0.05, max_body_bytes=1 << 20))
+    yield srv
+    srv.stop()
+
+
+def post(server, path, body, **kw):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{server.url}{path}", content=data, headers={"Content-Type": "application/json"},
+                      timeout=60, **kw)
+
+
+def healthy(server) -> bool:
+    ok = post(server, "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2})
+    return ok.status_code == 200 and httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 1e-300}, {"temperature": 1e-45, "top_p": 1e-300},
+                                   {"temperature": 1e300}])
+def test_extreme_sampling_values_do_not_kill_the_engine(server, extra):
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "The cat", "max_tokens": 3, **extra})
+    assert r.status_code == 200, r.text
+    assert healthy(server)
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/completions", '{"model": "tiny", "prompt": "caf\\udc80", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": ["ok", "\\ud800"], "max_tokens": 2}', "prompt[1]"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}',
+     "messages[0].content"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "a", "stop": ["\\udc80"], "max_tokens": 2}', "stop[0]"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(server, path, body, field):
+    r = post(server, path, body.encode())
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["message"].startswith(f"{field}: ") and "UTF-8" in error["message"], error
+    assert healthy(server)
+
+
+def test_deeply_nested_json_is_a_400(server):
+    r = post(server, "/v1/completions", b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("request body"), r.text
+    assert healthy(server)
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(server):
+    big = {"model": "tiny", "prompt": "a " * (1 << 20), "max_tokens": 2}  # 2 MiB > the 1 MiB limit
+    r = post(server, "/v1/completions", big)
+    assert r.status_code == 413, r.text
+    assert "max_body_bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit holds while the body streams in
+        for _ in range(4):
+            yield b" " * (1 << 19)
+    r = httpx.post(f"{server.url}/inference/v1/generate", content=chunks(), timeout=60,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert healthy(server)
