@@ -1,0 +1,49 @@
+"""Malformed jsonl rows that used to escape the file:line policy with a traceback (review 13):
+bytes that are not UTF-8, a lone surrogate escape the tokenizer cannot take, JSON nested past
+the parser's recursion limit, and a ``tools`` field that is not a list of tool objects. Each is
+one malformed record: named ``file:line`` under ``stop``, counted under ``skip``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_s2.data.chat import load_chat_documents
+from megatron_s2.data.errors import DataError
+from megatron_s2.data.jsonl import preprocess_jsonl
+from megatron_s2.data.tokenizer import load_tokenizer
+from tests.data.test_hf_tokenizer import TINY_BPE
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+BAD_LINES = {
+    "not UTF-8": b"\xff\xfe{}",
+    "lone surrogate": b'{"messages": [{"role": "user", "content": "\\udc80"}, {"role": "assistant", "content": "x"}]}',
+    "too deeply": b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    "tools": json.dumps({**GOOD, "tools": "x"}).encode(),
+}
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return load_tokenizer(TINY_BPE)
+
+
+@pytest.mark.parametrize("words", list(BAD_LINES))
+def test_a_malformed_chat_row_is_named_or_counted(bpe, tmp_path, words):
+    path = tmp_path / "chat.jsonl"
+    path.write_bytes(json.dumps(GOOD).encode() + b"\n" + BAD_LINES[words] + b"\n" + json.dumps(GOOD).encode() + b"\n")
+    with pytest.raises(DataError, match=rf"chat.jsonl:2: .*{words}"):
+        load_chat_documents([path], bpe)
+    logged = []
+    [store] = load_chat_documents([path], bpe, on_bad_record="skip", log=logged.append)
+    assert len(store) == 2 and "skipped 1 malformed record(s)" in logged[0]
+
+
+@pytest.mark.parametrize("words", ["not UTF-8", "lone surrogate"])
+def test_preprocess_names_a_bad_text_row(bpe, tmp_path, words):
+    path = tmp_path / "text.jsonl"
+    line = {"not UTF-8": b'{"text": "caf\xe9"}', "lone surrogate": b'{"text": "\\ud800"}'}[words]
+    path.write_bytes(b'{"text": "fine"}\n' + line + b"\n")
+    with pytest.raises(DataError, match=rf"text.jsonl:2: .*{words}"):
+        preprocess_jsonl([path], tmp_path / "out", bpe)
