@@ -73,3 +73,22 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(server):
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 413, r.text
     assert healthy(server)
+
+
+def test_an_export_whose_tokenizer_was_swapped_is_refused(run_dir, tmp_path, capsys):
+    """The export's config.json states engram_compressed_vocab_size; `checkpoint import` checks
+    it against the tokenizer beside the weights, and `generate` / `serve` must too (they served
+    a swapped tokenizer silently: other token ids and other Engram hashes)."""
+    from megatron_s2.cli import main
+    from megatron_s2.data.bpe_training import synthetic_texts, train_bpe
+
+    export = tmp_path / "hf"
+    assert main(["checkpoint", "export", str(run_dir), str(export), "--no-progress", "--no-verify"]) == 0
+    other = tmp_path / "other"
+    train_bpe(synthetic_texts(100, 3), 400, other)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (export / name).write_bytes((other / name).read_bytes())
+    capsys.readouterr()
+    assert main(["generate", str(export), "--prompt", "x", "--max-tokens", "1", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "engram_compressed_vocab_size" in err[0], err
