@@ -68,7 +68,7 @@ def _submit(gen: Generation, state: ServerState, f: Fields, prompts: list[list[i
             params = build_sampling(f, prompt_len=len(prompt), max_model_len=state.max_model_len,
                                     vocab_size=state.vocab_size, logprobs=opts.logprobs or 0, strict_total=True,
                                     prompt_field=prompt_field, seed_offset=j, max_tokens_keys=max_tokens_keys,
-                                    default_max_tokens=default_max_tokens)
+                                    default_max_tokens=default_max_tokens, max_stops=state.config.max_stops)
             gen.add(p * opts.n + j, prompt, params)
 
 

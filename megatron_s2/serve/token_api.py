@@ -104,7 +104,8 @@ async def generate(state: ServerState, request):
     for j in range(n):
         params = build_sampling(sp, prompt_len=len(prompt), max_model_len=state.max_model_len,
                                 vocab_size=state.vocab_size, logprobs=logprobs or 0, strict_total=False,
-                                prompt_field="token_ids", seed_offset=j, record_routing=routing)
+                                prompt_field="token_ids", seed_offset=j, record_routing=routing,
+                                max_stops=state.config.max_stops)
         gen.add(j, prompt, params)
     done = {j: CompletedRequest(f"{rid}-{j}", prompt) for j in range(n)}
     try:

@@ -92,3 +92,17 @@ def test_an_export_whose_tokenizer_was_swapped_is_refused(run_dir, tmp_path, cap
     assert main(["generate", str(export), "--prompt", "x", "--max-tokens", "1", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "engram_compressed_vocab_size" in err[0], err
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2, "stop": [f"s{i}" for i in range(20000)]},
+     "stop"),
+    ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"stop_token_ids": [5] * 200000}},
+     "sampling_params.stop_token_ids"),
+])
+def test_absurd_stop_lists_are_refused(server, path, body, field):
+    """Every stop entry is checked after every token on the engine thread all clients share:
+    20,000 stop strings made one request take 50 s for 400 tokens."""
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(f"{field}: at most 128 entries")
