@@ -112,8 +112,11 @@ def _completion_prompts(f: Fields, state: ServerState) -> list[list[int]]:
     add_bos = f.bool("add_special_tokens", True)
     bos = [state.tokenizer.bos_id] if add_bos and getattr(state.tokenizer, "bos_id", None) is not None else []
     if isinstance(value, str):
+        state.refuse_overlong_text([value], "prompt")
         return [bos + state.tokenizer.encode(value)]
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        for i, v in enumerate(value):
+            state.refuse_overlong_text([v], f"prompt[{i}]")
         return [bos + state.tokenizer.encode(v) for v in value]
     if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return [check_token_ids(value, state.vocab_size, "prompt")]
@@ -201,6 +204,17 @@ async def completions(state: ServerState, request):
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------
+def _contents(messages: list) -> list[str]:
+    """The text contents of a chat's messages (what the template renders verbatim)."""
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        out += [p if isinstance(p, str) else p.get("text") for p in parts
+                if isinstance(p, str) or (isinstance(p, dict) and isinstance(p.get("text"), str))]
+    return out
+
+
 async def chat_completions(state: ServerState, request):
     f = Fields(await read_json_object(request, state.config.max_body_bytes))
     state.check_model(f)
@@ -210,6 +224,9 @@ async def chat_completions(state: ServerState, request):
         f.fail("tools", "tool calls are not parsed by this server; render tools client-side (renderers) and call "
                         "/inference/v1/generate")
     f.refuse_unless_default("response_format", {"type": "text"}, "structured output is not implemented")
+    messages = f.raw("messages")
+    if isinstance(messages, list):  # the contents alone already too long for the context
+        state.refuse_overlong_text(_contents(messages), "messages")
     prompt = chat_prompt_ids(state.tokenizer, f)
     stop = f.strings("stop")
     rid, created = new_id("chatcmpl"), int(time.time())

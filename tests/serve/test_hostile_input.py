@@ -106,3 +106,24 @@ def test_absurd_stop_lists_are_refused(server, path, body, field):
     r = post(server, path, body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"].startswith(f"{field}: at most 128 entries")
+
+
+def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenised(server):
+    """A 15 MB prompt (under the body limit) was tokenised on the event loop: /health waited 44 s.
+    A text longer than max_model_len tokens of the longest token's bytes cannot fit, whatever
+    its tokenisation, and is refused at once; a shorter one is still counted exactly."""
+    state = server.state
+    assert state.max_token_bytes >= 1
+    huge = "ab " * 200_000
+    for path, body, field in [("/v1/completions", {"prompt": huge}, "prompt"),
+                              ("/v1/completions", {"prompt": ["ok", huge]}, "prompt[1]"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages")]:
+        r = post(server, path, {"model": "tiny", "max_tokens": 2, **body})
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert message.startswith(f"{field}: This model's maximum context length is 256 tokens") and "at least" in message
+    near = "word " * 300  # over 256 tokens, under the byte bound: the exact count
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": near, "max_tokens": 2})
+    assert r.status_code == 400 and "at least" not in r.json()["error"]["message"]
+    assert len(near.encode()) <= state.max_model_len * state.max_token_bytes
+    assert healthy(server)
