@@ -63,6 +63,7 @@ class _Options:
 
 def _submit(gen: Generation, state: ServerState, f: Fields, prompts: list[list[int]], opts: _Options,
             prompt_field: str, max_tokens_keys=("max_tokens",), default_max_tokens: int | None = None) -> None:
+    state.refuse_unqueueable(len(prompts) * opts.n, "n" if len(prompts) == 1 else prompt_field)
     for p, prompt in enumerate(prompts):
         for j in range(opts.n):
             params = build_sampling(f, prompt_len=len(prompt), max_model_len=state.max_model_len,

@@ -70,6 +70,14 @@ class ServerState:
                              f"your request has at least {at_least} input tokens ({n_bytes} bytes of text), which "
                              "leaves no room to generate. Please reduce the length of the input.", param=field)
 
+    def refuse_unqueueable(self, choices: int, field: str) -> None:
+        """A request of more choices than the engine's queue holds (every choice is queued
+        before it runs) is a 400, not a 429 that no retry could get past."""
+        waiting = self.backend.engine.config.max_waiting
+        if choices > waiting:
+            raise BadRequest(f"{field}: {choices} sequences (prompts x n) exceed the {waiting} this server queues at "
+                             "once; split the request or raise --max-waiting", param=field)
+
     def check_model(self, f: Fields) -> None:
         """vLLM answers 404 for a model it does not serve (``model`` may be omitted)."""
         name = f.str("model")

@@ -94,6 +94,7 @@ async def generate(state: ServerState, request):
     sp.only(_SAMPLING_FIELDS)
     refuse_unsupported_sampling(sp)
     n = sp.int("n", 1, minimum=1, maximum=state.config.max_n)
+    state.refuse_unqueueable(n, "sampling_params.n")
     logprobs = sp.int("logprobs", None, minimum=0, maximum=state.config.max_logprobs)
     start = sp.int("routed_experts_prompt_start", 0, minimum=0)
     if start >= len(prompt):
