@@ -41,6 +41,8 @@ class BadRecords:
     """Malformed-row policy and tally (``data.on_bad_record``)."""
 
     policy: Literal["stop", "skip"] = "stop"
+    switch: str = "data.on_bad_record=skip"
+    """How the user asks for ``skip`` where these records are read (a recipe key or a flag)."""
     count: int = 0
     examples: list[str] = field(default_factory=list)
 
@@ -48,7 +50,7 @@ class BadRecords:
         """Raise (``stop``) or count (``skip``) a malformed record at ``where``."""
         message = f"{where}: {reason}"
         if self.policy == "stop":
-            raise DataError(message + " (set data.on_bad_record=skip to skip such rows with a count)")
+            raise DataError(message + f" (set {self.switch} to skip such rows with a count)")
         self.count += 1
         if len(self.examples) < 3:
             self.examples.append(message)

@@ -47,3 +47,18 @@ def test_preprocess_names_a_bad_text_row(bpe, tmp_path, words):
     path.write_bytes(b'{"text": "fine"}\n' + line + b"\n")
     with pytest.raises(DataError, match=rf"text.jsonl:2: .*{words}"):
         preprocess_jsonl([path], tmp_path / "out", bpe)
+
+
+def test_the_preprocess_tool_names_its_own_flags(tmp_path, capsys):
+    """Its refusals named the recipe key data.on_bad_record; a missing --input exited 1."""
+    from tools.preprocess_data import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "fine"}\n\xff\n')
+    assert main(["--tokenizer", str(TINY_BPE), "--input", str(bad), "--output-prefix", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.jsonl:2: not UTF-8" in err[0] and "--on-bad-record skip" in err[0], err
+    assert main(["--tokenizer", str(TINY_BPE), "--input", str(tmp_path / "none.jsonl"), "--output-prefix",
+                 str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--input" in err[0] and "none.jsonl" in err[0], err
