@@ -62,3 +62,36 @@ def test_the_preprocess_tool_names_its_own_flags(tmp_path, capsys):
                  str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--input" in err[0] and "none.jsonl" in err[0], err
+
+
+def test_train_tokenizer_refusals(tmp_path, capsys):
+    """An --output that is a file was a FileExistsError traceback; an --output holding another
+    tokenizer was overwritten (runs trained with it then refuse to resume); a missing --input
+    and a too small --vocab-size exited 1; a .txt that is not UTF-8 was a traceback."""
+    from tools.train_tokenizer import main
+
+    def refused(args, code, *words):
+        assert main(args) == code, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and all(w in err[0] for w in words), err
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat\n" * 20)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    refused(["--output", str(blocker), "--vocab-size", "300", "--synthetic", "5"], 2, "--output", "is a file")
+    refused(["--output", str(tmp_path / "o"), "--vocab-size", "300", "--input", str(tmp_path / "none.txt")], 2,
+            "--input", "none.txt")
+    refused(["--output", str(tmp_path / "o"), "--vocab-size", "100", "--synthetic", "5"], 2, "--vocab-size")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(b"ok\ncaf\xe9\n")
+    refused(["--output", str(tmp_path / "o"), "--vocab-size", "300", "--input", str(latin1)], 1, "latin1.txt:2",
+            "not UTF-8")
+    first = ["--output", str(tmp_path / "tok"), "--vocab-size", "300", "--input", str(corpus)]
+    assert main(first) == 0 and main(first) == 0  # the same command again: the same files, allowed
+    before = (tmp_path / "tok" / "tokenizer.json").read_bytes()
+    capsys.readouterr()
+    refused(["--output", str(tmp_path / "tok"), "--vocab-size", "290", "--input", str(corpus)], 2,
+            "--output", "another tokenizer")
+    assert (tmp_path / "tok" / "tokenizer.json").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no staging left
