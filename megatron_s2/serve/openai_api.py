@@ -228,6 +228,9 @@ async def chat_completions(state: ServerState, request):
     messages = f.raw("messages")
     if isinstance(messages, list):  # the contents alone already too long for the context
         state.refuse_overlong_text(_contents(messages), "messages")
+        if len(messages) >= state.max_model_len:  # every message renders at least its role marker
+            f.fail("messages", f"{len(messages)} messages cannot fit this model's maximum context length of "
+                               f"{state.max_model_len} tokens; send fewer")
     prompt = chat_prompt_ids(state.tokenizer, f)
     stop = f.strings("stop")
     rid, created = new_id("chatcmpl"), int(time.time())

@@ -122,6 +122,8 @@ def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenised(server):
         assert r.status_code == 400, r.text
         message = r.json()["error"]["message"]
         assert message.startswith(f"{field}: This model's maximum context length is 256 tokens") and "at least" in message
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": ""}] * 1000})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages: 1000 messages cannot fit")
     near = "word " * 300  # over 256 tokens, under the byte bound: the exact count
     r = post(server, "/v1/completions", {"model": "tiny", "prompt": near, "max_tokens": 2})
     assert r.status_code == 400 and "at least" not in r.json()["error"]["message"]
