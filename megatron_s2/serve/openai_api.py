@@ -136,6 +136,9 @@ async def completions(state: ServerState, request):
     reasons_of = _reasons(state, f)
     f.refuse_unless_default("echo", False, "the prompt is not echoed; it is in prompt_token_ids with return_token_ids")
     f.refuse_unless_default("suffix", "", "insertion is not implemented")
+    batch = f.raw("prompt")
+    if isinstance(batch, list) and batch and all(isinstance(v, (str, list)) for v in batch):
+        state.refuse_unqueueable(len(batch) * opts.n, "prompt")  # before tokenising every text
     prompts = _completion_prompts(f, state)
     stop = f.strings("stop")
     rid, created = new_id("cmpl"), int(time.time())
