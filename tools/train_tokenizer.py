@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -49,15 +52,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.input and args.synthetic <= 0:
         print("train_tokenizer: error: give at least one --input FILE or --synthetic N", file=sys.stderr)
         return 2
+    output = Path(args.output)
+    if output.exists() and not output.is_dir():
+        print(f"train_tokenizer: error: --output: {output} is a file; name a directory", file=sys.stderr)
+        return 2
+    for path in args.input:  # before training, which may take long
+        if not Path(path).is_file():
+            print(f"train_tokenizer: error: --input: {path}: file not found; pass an existing .txt, .jsonl or "
+                  ".parquet file", file=sys.stderr)
+            return 2
     sources = [*args.input, *([f"{args.synthetic} synthetic task problems (seed {args.seed})"]
                               if args.synthetic > 0 else [])]
     texts = itertools.chain(format_texts(), *(iter_texts(p) for p in args.input),
                             synthetic_texts(args.synthetic, args.seed) if args.synthetic > 0 else ())
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
-        out = train_bpe(texts, args.vocab_size, args.output, min_frequency=args.min_frequency)
+        out = train_bpe(texts, args.vocab_size, staging, min_frequency=args.min_frequency)
+        different = [n for n in ("tokenizer.json", "tokenizer_config.json") if (output / n).exists()
+                     and (output / n).read_bytes() != (out / n).read_bytes()]
+        if different or (output.is_dir() and any(output.iterdir()) and not (output / "tokenizer.json").exists()):
+            raise ConfigError(f"--output: {output} already holds {'another tokenizer' if different else 'files'}; "
+                              "runs trained with it would no longer match it — write to a new directory")
+        output.mkdir(exist_ok=True)
+        for item in out.iterdir():
+            os.replace(item, output / item.name)
+        out = output
     except (DataError, ConfigError) as exc:
         print(f"train_tokenizer: error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", 1)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     command = "python tools/train_tokenizer.py " + " ".join(shlex.quote(a) for a in argv)
     (Path(out) / "README.md").write_text(describe(sources) + f"\nReproduce with:\n\n    {command}\n")
     from megatron_s2.data.tokenizer import load_tokenizer

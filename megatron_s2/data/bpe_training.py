@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
+from megatron_s2.config.schema import ConfigError
 from megatron_s2.data.chat_format import CHAT_TEMPLATE, SPECIAL_TOKEN_NAMES, SPECIAL_TOKENS, reasoning_effort_line
 from megatron_s2.data.errors import DataError
 
@@ -52,11 +53,18 @@ def iter_texts(path: str | os.PathLike) -> Iterator[str]:
     """Documents of one local text file (.txt, .jsonl or .parquet; see module docstring)."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: input file not found; pass an existing .txt, .jsonl or .parquet file")
+        raise ConfigError(f"--input: {path}: file not found; pass an existing .txt, .jsonl or .parquet file")
     suffix = path.suffix.lower()
     if suffix == ".txt":
-        with open(path, encoding="utf-8") as handle:
-            yield from (line.rstrip("\n") for line in handle if line.strip())
+        with open(path, "rb") as handle:
+            for number, raw in enumerate(handle, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column "
+                                    f"{exc.start + 1}); re-encode the file as UTF-8") from None
+                if line.strip():
+                    yield line.rstrip("\n")
         return
     if suffix not in (".jsonl", ".parquet"):
         raise DataError(f"{path}: unsupported input type '{suffix}'; use .txt, .jsonl or .parquet")
@@ -78,7 +86,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike,
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < MIN_VOCAB_SIZE:
-        raise DataError(f"--vocab-size: a byte-level BPE with the {len(SPECIAL_TOKENS)} chat special tokens "
+        raise ConfigError(f"--vocab-size: a byte-level BPE with the {len(SPECIAL_TOKENS)} chat special tokens "
                         f"needs at least {MIN_VOCAB_SIZE} ids, got {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -79,6 +79,8 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], *, loss
                           reasoning_effort: int | None = None, tools: Sequence[dict] | None = None
                           ) -> tuple[np.ndarray, np.ndarray]:
     """(token ids int64, target mask bool) of a conversation (module docstring)."""
+    if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
+        raise DataError(f"tools: expected a list of tool objects (JSON schemas), got {type(tools).__name__}")
     ids, owner, body = tokenizer.chat_segments(messages, reasoning_effort=reasoning_effort, tools=tools)
     roles = [messages[i]["role"] if i >= 0 else None for i in owner]
     target = np.fromiter((r in loss_roles and b for r, b in zip(roles, body)), dtype=bool, count=len(ids))

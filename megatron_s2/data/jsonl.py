@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from megatron_s2.config.schema import ConfigError
 from megatron_s2.data.documents import render_prompt_answer, render_text
 from megatron_s2.data.errors import DataError
 from megatron_s2.data.indexed_dataset import IndexedDatasetWriter
@@ -70,12 +71,12 @@ def preprocess_jsonl(inputs: Sequence[str | os.PathLike], output_prefix: str | o
                      tokenizer: Tokenizer, on_bad_record: str = "stop") -> PreprocessStats:
     """Tokenise every record of ``inputs`` (in order) into ``output_prefix.bin/.idx``."""
     if not inputs:
-        raise DataError("no input files given; pass at least one --input FILE.jsonl")
+        raise ConfigError("--input: no input files given; pass at least one --input FILE.jsonl")
     for path in inputs:
         if not Path(path).is_file():
-            raise DataError(f"{path}: input file not found; pass an existing .jsonl or .parquet file to --input")
+            raise ConfigError(f"--input: {path}: file not found; pass an existing .jsonl or .parquet file")
     documents = prompt_answer = tokens = unknown = 0
-    bad = BadRecords(on_bad_record)
+    bad = BadRecords(on_bad_record, switch="--on-bad-record skip")
     with IndexedDatasetWriter(output_prefix, tokenizer.vocab_size) as writer:
         for path in inputs:
             for ids, prompt_length in read_jsonl_documents(path, tokenizer, bad):

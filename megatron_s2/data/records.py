@@ -41,6 +41,8 @@ class BadRecords:
     """Malformed-row policy and tally (``data.on_bad_record``)."""
 
     policy: Literal["stop", "skip"] = "stop"
+    switch: str = "data.on_bad_record=skip"
+    """How the user asks for ``skip`` where these records are read (a recipe key or a flag)."""
     count: int = 0
     examples: list[str] = field(default_factory=list)
 
@@ -48,7 +50,7 @@ class BadRecords:
         """Raise (``stop``) or count (``skip``) a malformed record at ``where``."""
         message = f"{where}: {reason}"
         if self.policy == "stop":
-            raise DataError(message + " (set data.on_bad_record=skip to skip such rows with a count)")
+            raise DataError(message + f" (set {self.switch} to skip such rows with a count)")
         self.count += 1
         if len(self.examples) < 3:
             self.examples.append(message)
@@ -60,23 +62,40 @@ class BadRecords:
 
 
 def _jsonl(path: Path, bad: BadRecords | None) -> Iterator[tuple[str, dict[str, Any]]]:
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            if not raw.strip():
                 continue
             where = f"{path}:{line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                reason = f"not valid JSON ({exc.msg})"
-            else:
-                if isinstance(record, dict):
-                    yield where, record
-                    continue
-                reason = f"expected a JSON object, got {type(record).__name__}"
+            record, reason = _parse_line(raw)
+            if record is not None:
+                yield where, record
+                continue
             if bad is None:
                 raise DataError(f"{where}: {reason}")
             bad.report(where, reason)
+
+
+def _parse_line(raw: bytes) -> tuple[dict[str, Any] | None, str]:
+    """(record, "") or (None, why the line is malformed): not UTF-8, not JSON, nested past the
+    parser's limit, not an object, or a string with a lone surrogate escape (no tokenizer takes it)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); re-encode the file as UTF-8"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, f"not valid JSON ({exc.msg})"
+    except RecursionError:
+        return None, "not valid JSON (nested too deeply)"
+    if not isinstance(record, dict):
+        return None, f"expected a JSON object, got {type(record).__name__}"
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return None, "a string holds a lone surrogate escape (\\ud800-\\udfff), which is not text; fix the row"
+    return record, ""
 
 
 def _parquet(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:

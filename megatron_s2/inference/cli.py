@@ -34,6 +34,10 @@ def load_model(path: str, device: str | None = None):
     cfg = loaded.model_config
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConfigError(f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size={cfg.vocab_size}")
+    if (loaded.directory / "config.json").is_file():  # an export states its tokenizer's Engram map size
+        from megatron_s2.checkpoint.hf.convert import check_compressed_vocab
+
+        check_compressed_vocab(loaded.directory, tokenizer)
     try:
         dev = torch.device(device) if device else process_device()
     except RuntimeError as exc:

@@ -51,7 +51,7 @@ from torch import nn
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.inference.config import EngineConfig
-from megatron_s2.inference.kv_store import GlobalKVStore, OutOfPages, SequenceKV, SWAStore
+from megatron_s2.inference.kv_store import GlobalKVStore, OutOfPages, SequenceKV, SWAStore, kv_cache_bytes
 from megatron_s2.inference.request import (
     CompletedRequest,
     FinishReason,
@@ -87,6 +87,7 @@ class InferenceEngine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.detokenize = detokenize
         self.policy_version = policy_version
+        _check_kv_fits(cfg, config, self.device)
         self.global_kv = GlobalKVStore(cfg, config.pages_for(cfg), config.page_tokens, self.device)
         self.swa = SWAStore(cfg, config.max_num_seqs + config.swa_pool_slots, self.device)
         self.runner = ModelRunner(model, self.global_kv, self.swa)
@@ -401,3 +402,29 @@ class InferenceEngine:
 
 
 __all__ += ["OutOfPages"]
+
+
+def _free_bytes(device: torch.device) -> tuple[int, str] | None:
+    """Memory a new allocation on ``device`` can take, and where that figure comes from."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"is free on {device}"
+    if device.type == "cpu":
+        from megatron_s2.training.run_checks import HostMemory
+
+        host = HostMemory.detect(1, gpus=False)
+        return (int(host.bytes_per_rank), "of host memory is available") if host else None
+    return None
+
+
+def _check_kv_fits(model_config, config: EngineConfig, device: torch.device) -> None:
+    """A KV cache larger than the device's free memory is a ConfigError naming the options,
+    not a zeroing of pages that ends in the OOM killer (exit 137, no message)."""
+    needed = kv_cache_bytes(model_config, config)
+    free = _free_bytes(device)
+    if free is None or needed <= free[0]:
+        return
+    gib = 1024 ** 3
+    raise ConfigError(f"max_model_len / max_num_seqs: the KV cache for {config.max_num_seqs} requests of "
+                      f"{config.max_model_len} tokens needs {needed / gib:.1f} GiB but only {free[0] / gib:.1f} GiB "
+                      f"{free[1]}; lower max_model_len (--max-model-len) or max_num_seqs (--max-num-seqs)")

@@ -87,7 +87,10 @@ def sampling_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     logits = logits.float()
     if params.greedy:
         return torch.log_softmax(logits, dim=-1)
-    scaled = logits / params.temperature
+    # shift by the maximum and divide in float64: the same distribution, but a temperature far
+    # from 1 (1e-300 is 0 in float32) gives 0 at the arg-max and -inf / tiny values elsewhere
+    # instead of 0 / 0 or inf - inf = NaN
+    scaled = (logits - logits.max()).double() / params.temperature
     if params.top_k > 0 and params.top_k < scaled.numel():
         kth = scaled.topk(params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -97,7 +100,7 @@ def sampling_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
         before = probs.cumsum(0) - probs            # mass of the strictly more likely tokens
         drop = order[before >= params.top_p]         # the most likely token is always kept
         scaled = scaled.index_fill(0, drop, float("-inf"))
-    return torch.log_softmax(scaled, dim=-1)
+    return torch.log_softmax(scaled, dim=-1).float()
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> SampledToken:

@@ -14,7 +14,8 @@ GET  /stats                engine and server counters (running / waiting request
 =========================  =======================================================================
 
 Errors are the OpenAI error object (:mod:`megatron_s2.serve.errors`): 400 for a malformed or
-unservable request (the message names the field), 404 for another model name, 429 when the
+unservable request (the message names the field), 413 for a body over
+``ServeConfig.max_body_bytes``, 404 for another model name, 429 when the
 engine's queue is full, 503 when the engine stopped; anything unexpected is a 500 with the
 exception's message (and the traceback in the server log), never a hang.
 """

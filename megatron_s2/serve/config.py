@@ -31,6 +31,12 @@ class ServeConfig:
     """Largest ``n`` (choices per prompt) a request may ask for."""
     max_logprobs: int = 20
     """Largest number of top log-probs per position a request may ask for (as OpenAI)."""
+    max_stops: int = 128
+    """Largest number of entries of ``stop`` and of ``stop_token_ids`` (each is checked after
+    every generated token, on the engine's thread that every client shares)."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Largest request body in bytes; a longer one is answered 413 before it is read whole (a
+    prompt that long could not fit ``max_model_len`` anyway, and tokenising it stalls the server)."""
     disconnect_poll_s: float = 0.25
     """How often a waiting request checks whether its client has gone (then it is aborted)."""
 
@@ -43,5 +49,9 @@ class ServeConfig:
             raise ConfigError(f"max_n: must be >= 1, got {self.max_n}")
         if self.max_logprobs < 0:
             raise ConfigError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
+        if self.max_stops < 1:
+            raise ConfigError(f"max_stops: must be >= 1, got {self.max_stops}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes: must be >= 1024, got {self.max_body_bytes}")
         if not self.disconnect_poll_s > 0:
             raise ConfigError(f"disconnect_poll_s: must be positive, got {self.disconnect_poll_s}")

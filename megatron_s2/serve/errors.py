@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
-__all__ = ["HTTPError", "BadRequest", "NotFound", "Overloaded", "EngineUnavailable", "error_body"]
+__all__ = ["HTTPError", "BadRequest", "PayloadTooLarge", "NotFound", "Overloaded", "EngineUnavailable", "error_body"]
 
 
 class HTTPError(Exception):
@@ -32,6 +32,13 @@ class BadRequest(HTTPError):
     """A malformed or unservable request (400): the message names the field."""
 
     status = HTTPStatus.BAD_REQUEST
+    kind = "BadRequestError"
+
+
+class PayloadTooLarge(HTTPError):
+    """A request body over the server's limit (413), refused before it is read whole."""
+
+    status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
     kind = "BadRequestError"
 
 

@@ -13,20 +13,64 @@ import json
 import math
 from typing import Any
 
-from megatron_s2.serve.errors import BadRequest
+from megatron_s2.serve.errors import BadRequest, PayloadTooLarge
 
-__all__ = ["Fields", "parse_json_object"]
+__all__ = ["Fields", "parse_json_object", "read_json_object"]
+
+
+async def read_json_object(request, max_bytes: int) -> dict:
+    """The body of ``request`` as a JSON object; 413 once it exceeds ``max_bytes`` (checked on
+    ``Content-Length`` before reading, and while a body without one streams in)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLarge(_too_large(int(declared), max_bytes))
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLarge(_too_large(size, max_bytes, at_least=True))
+        parts.append(chunk)
+    return parse_json_object(b"".join(parts))
+
+
+def _too_large(size: int, limit: int, at_least: bool = False) -> str:
+    return (f"request body: {'more than ' if at_least else ''}{size} bytes exceeds the server's limit of {limit} "
+            "bytes (ServeConfig.max_body_bytes); send a shorter prompt, or token ids")
 
 
 def parse_json_object(raw: bytes) -> dict:
-    """The request body as a JSON object."""
+    """The request body as a JSON object whose strings are all valid Unicode."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"request body: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise BadRequest("request body: JSON nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest(f"request body: must be a JSON object, got {type(body).__name__}")
+    _check_strings(body, "")
     return body
+
+
+def _check_strings(value: Any, where: str) -> None:
+    """A lone UTF-16 surrogate (``"\\udc80"`` in JSON) cannot be encoded or tokenised: a 400
+    naming the field (``prompt[1]``, ``messages[0].content``) instead of a tokenizer's 500."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                name = path or "request body"
+                raise BadRequest(f"{name}: contains a lone surrogate (\\ud800-\\udfff), which is not valid UTF-8 "
+                                 "text; send well-formed Unicode", param=path or None) from None
+        elif isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in item.items())
+            for k in item:
+                stack.append((k, path or "request body"))
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
 
 
 def _kind(value: Any) -> str:

@@ -30,7 +30,7 @@ from megatron_s2.inference.request import CompletedRequest
 from megatron_s2.serve.backend import ClientDisconnected, Generation
 from megatron_s2.serve.chat import chat_prompt_ids
 from megatron_s2.serve.errors import HTTPError
-from megatron_s2.serve.fields import Fields, check_token_ids, parse_json_object
+from megatron_s2.serve.fields import Fields, check_token_ids, read_json_object
 from megatron_s2.serve.sampling import build_sampling, refuse_unsupported_sampling
 from megatron_s2.serve.state import SSE_DONE, ServerState, new_id, sse
 from megatron_s2.serve.text import TextStream, chat_logprobs, completion_logprobs
@@ -63,12 +63,13 @@ class _Options:
 
 def _submit(gen: Generation, state: ServerState, f: Fields, prompts: list[list[int]], opts: _Options,
             prompt_field: str, max_tokens_keys=("max_tokens",), default_max_tokens: int | None = None) -> None:
+    state.refuse_unqueueable(len(prompts) * opts.n, "n" if len(prompts) == 1 else prompt_field)
     for p, prompt in enumerate(prompts):
         for j in range(opts.n):
             params = build_sampling(f, prompt_len=len(prompt), max_model_len=state.max_model_len,
                                     vocab_size=state.vocab_size, logprobs=opts.logprobs or 0, strict_total=True,
                                     prompt_field=prompt_field, seed_offset=j, max_tokens_keys=max_tokens_keys,
-                                    default_max_tokens=default_max_tokens)
+                                    default_max_tokens=default_max_tokens, max_stops=state.config.max_stops)
             gen.add(p * opts.n + j, prompt, params)
 
 
@@ -112,8 +113,11 @@ def _completion_prompts(f: Fields, state: ServerState) -> list[list[int]]:
     add_bos = f.bool("add_special_tokens", True)
     bos = [state.tokenizer.bos_id] if add_bos and getattr(state.tokenizer, "bos_id", None) is not None else []
     if isinstance(value, str):
+        state.refuse_overlong_text([value], "prompt")
         return [bos + state.tokenizer.encode(value)]
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        for i, v in enumerate(value):
+            state.refuse_overlong_text([v], f"prompt[{i}]")
         return [bos + state.tokenizer.encode(v) for v in value]
     if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return [check_token_ids(value, state.vocab_size, "prompt")]
@@ -126,12 +130,15 @@ def _completion_prompts(f: Fields, state: ServerState) -> list[list[int]]:
 
 
 async def completions(state: ServerState, request):
-    f = Fields(parse_json_object(await request.body()))
+    f = Fields(await read_json_object(request, state.config.max_body_bytes))
     state.check_model(f)
     opts = _Options(f, state, chat=False)
     reasons_of = _reasons(state, f)
     f.refuse_unless_default("echo", False, "the prompt is not echoed; it is in prompt_token_ids with return_token_ids")
     f.refuse_unless_default("suffix", "", "insertion is not implemented")
+    batch = f.raw("prompt")
+    if isinstance(batch, list) and batch and all(isinstance(v, (str, list)) for v in batch):
+        state.refuse_unqueueable(len(batch) * opts.n, "prompt")  # before tokenising every text
     prompts = _completion_prompts(f, state)
     stop = f.strings("stop")
     rid, created = new_id("cmpl"), int(time.time())
@@ -201,8 +208,19 @@ async def completions(state: ServerState, request):
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------
+def _contents(messages: list) -> list[str]:
+    """The text contents of a chat's messages (what the template renders verbatim)."""
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        out += [p if isinstance(p, str) else p.get("text") for p in parts
+                if isinstance(p, str) or (isinstance(p, dict) and isinstance(p.get("text"), str))]
+    return out
+
+
 async def chat_completions(state: ServerState, request):
-    f = Fields(parse_json_object(await request.body()))
+    f = Fields(await read_json_object(request, state.config.max_body_bytes))
     state.check_model(f)
     opts = _Options(f, state, chat=True)
     reasons_of = _reasons(state, f)
@@ -210,6 +228,12 @@ async def chat_completions(state: ServerState, request):
         f.fail("tools", "tool calls are not parsed by this server; render tools client-side (renderers) and call "
                         "/inference/v1/generate")
     f.refuse_unless_default("response_format", {"type": "text"}, "structured output is not implemented")
+    messages = f.raw("messages")
+    if isinstance(messages, list):  # the contents alone already too long for the context
+        state.refuse_overlong_text(_contents(messages), "messages")
+        if len(messages) >= state.max_model_len:  # every message renders at least its role marker
+            f.fail("messages", f"{len(messages)} messages cannot fit this model's maximum context length of "
+                               f"{state.max_model_len} tokens; send fewer")
     prompt = chat_prompt_ids(state.tokenizer, f)
     stop = f.strings("stop")
     rid, created = new_id("chatcmpl"), int(time.time())

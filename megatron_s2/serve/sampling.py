@@ -47,7 +47,7 @@ def refuse_unsupported_sampling(f: Fields) -> None:
 def build_sampling(f: Fields, *, prompt_len: int, max_model_len: int, vocab_size: int, logprobs: int,
                    strict_total: bool, prompt_field: str, seed_offset: int = 0, record_routing: bool = False,
                    max_tokens_keys: tuple[str, ...] = ("max_tokens",),
-                   default_max_tokens: int | None = None) -> SamplingParams:
+                   default_max_tokens: int | None = None, max_stops: int = 128) -> SamplingParams:
     """The engine's sampling parameters of one choice; without ``max_tokens`` it generates
     ``default_max_tokens`` (None = to the end of the context)."""
     room = check_prompt_length(prompt_len, max_model_len, prompt_field)
@@ -67,6 +67,11 @@ def build_sampling(f: Fields, *, prompt_len: int, max_model_len: int, vocab_size
     if seed is not None:
         seed = (seed + seed_offset) & ((1 << 63) - 1)
     stop_ids = f.token_ids("stop_token_ids", vocab_size)
+    stop = f.strings("stop")
+    for key, entries in (("stop", stop), ("stop_token_ids", stop_ids)):
+        if len(entries) > max_stops:
+            f.fail(key, f"at most {max_stops} entries (every one is checked after each generated token), got "
+                        f"{len(entries)}")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -74,7 +79,7 @@ def build_sampling(f: Fields, *, prompt_len: int, max_model_len: int, vocab_size
             top_p=f.float("top_p", 1.0),
             top_k=0 if top_k == -1 else top_k,
             seed=seed,
-            stop=f.strings("stop"),
+            stop=stop,
             stop_token_ids=tuple(stop_ids),
             ignore_eos=f.bool("ignore_eos"),
             logprobs=logprobs,

@@ -27,7 +27,9 @@ def build_state(model, tokenizer, description: str, config: ServeConfig, engine_
                 model_name: str) -> ServerState:
     """An engine over ``model`` (eval mode, every layer on this rank) behind a backend."""
     engine = InferenceEngine(model, engine_config, eos_token_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
-    return ServerState(EngineBackend(engine), tokenizer, config, config.served_model_name or model_name, description)
+    state = ServerState(EngineBackend(engine), tokenizer, config, config.served_model_name or model_name, description)
+    state.max_token_bytes  # computed once here, not on the first request's event-loop turn
+    return state
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

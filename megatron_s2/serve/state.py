@@ -6,11 +6,12 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from megatron_s2.serve.backend import EngineBackend
 from megatron_s2.serve.config import ServeConfig
-from megatron_s2.serve.errors import NotFound
+from megatron_s2.serve.errors import BadRequest, NotFound
 from megatron_s2.serve.fields import Fields
 
 __all__ = ["ServerState", "new_id", "sse", "SSE_DONE"]
@@ -49,6 +50,33 @@ class ServerState:
     @property
     def eos_token_id(self) -> int | None:
         return getattr(self.tokenizer, "eos_id", None)
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token's text spans (a piece of a character counts as U+FFFD,
+        3 bytes, at least what it covers), so a text of B bytes has at least B / this many tokens."""
+        from megatron_s2.serve.text import token_text
+
+        return max([1] + [len(token_text(self.tokenizer, i, False).encode("utf-8"))
+                          for i in range(self.tokenizer.vocab_size)])
+
+    def refuse_overlong_text(self, texts, field: str) -> None:
+        """A text that cannot fit ``max_model_len`` whatever its tokenisation is refused before it
+        is tokenised: tokenising megabytes runs on the event loop and stalls every other client."""
+        n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+        if n_bytes > self.max_model_len * self.max_token_bytes:
+            at_least = -(-n_bytes // self.max_token_bytes)
+            raise BadRequest(f"{field}: This model's maximum context length is {self.max_model_len} tokens. However, "
+                             f"your request has at least {at_least} input tokens ({n_bytes} bytes of text), which "
+                             "leaves no room to generate. Please reduce the length of the input.", param=field)
+
+    def refuse_unqueueable(self, choices: int, field: str) -> None:
+        """A request of more choices than the engine's queue holds (every choice is queued
+        before it runs) is a 400, not a 429 that no retry could get past."""
+        waiting = self.backend.engine.config.max_waiting
+        if choices > waiting:
+            raise BadRequest(f"{field}: {choices} sequences (prompts x n) exceed the {waiting} this server queues at "
+                             "once; split the request or raise --max-waiting", param=field)
 
     def check_model(self, f: Fields) -> None:
         """vLLM answers 404 for a model it does not serve (``model`` may be omitted)."""

@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse
 
 from megatron_s2.inference.request import CompletedRequest
 from megatron_s2.serve.backend import ClientDisconnected, Generation
-from megatron_s2.serve.fields import Fields, parse_json_object
+from megatron_s2.serve.fields import Fields, read_json_object
 from megatron_s2.serve.sampling import build_sampling, refuse_unsupported_sampling
 from megatron_s2.serve.state import ServerState, new_id
 from megatron_s2.serve.text import chat_logprobs
@@ -79,7 +79,7 @@ def encode_routed_experts(rows: np.ndarray, start: int) -> dict:
 
 
 async def generate(state: ServerState, request):
-    f = Fields(parse_json_object(await request.body()))
+    f = Fields(await read_json_object(request, state.config.max_body_bytes))
     state.check_model(f)
     prompt = f.token_ids("token_ids", state.vocab_size, required=True)
     if not prompt:
@@ -94,6 +94,7 @@ async def generate(state: ServerState, request):
     sp.only(_SAMPLING_FIELDS)
     refuse_unsupported_sampling(sp)
     n = sp.int("n", 1, minimum=1, maximum=state.config.max_n)
+    state.refuse_unqueueable(n, "sampling_params.n")
     logprobs = sp.int("logprobs", None, minimum=0, maximum=state.config.max_logprobs)
     start = sp.int("routed_experts_prompt_start", 0, minimum=0)
     if start >= len(prompt):
@@ -104,7 +105,8 @@ async def generate(state: ServerState, request):
     for j in range(n):
         params = build_sampling(sp, prompt_len=len(prompt), max_model_len=state.max_model_len,
                                 vocab_size=state.vocab_size, logprobs=logprobs or 0, strict_total=False,
-                                prompt_field="token_ids", seed_offset=j, record_routing=routing)
+                                prompt_field="token_ids", seed_offset=j, record_routing=routing,
+                                max_stops=state.config.max_stops)
         gen.add(j, prompt, params)
     done = {j: CompletedRequest(f"{rid}-{j}", prompt) for j in range(n)}
     try:

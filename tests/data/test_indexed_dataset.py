@@ -112,8 +112,8 @@ def test_cli_errors_exit_non_zero_with_one_line(tmp_path, capsys):
 
     code = preprocess_data.main(["--input", str(tmp_path / "missing.jsonl"), "--output-prefix", str(tmp_path / "x")])
     err = capsys.readouterr().err
-    assert code == 1
-    assert "missing.jsonl: input file not found" in err and "Traceback" not in err
+    assert code == 2  # a missing input is a user mistake (README: missing data exits 2)
+    assert "--input" in err and "missing.jsonl: file not found" in err and "Traceback" not in err
     assert err.count("\n") == 1
 
 

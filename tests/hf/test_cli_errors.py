@@ -87,7 +87,7 @@ def test_import_refusals(hf_dir, tmp_path, capsys):
     assert main(["checkpoint", "import", str(hf_dir), str(tmp_path / "c5"), "--no-progress", "--no-verify"]) == 0
     capsys.readouterr()
     _refused(capsys, ["checkpoint", "import", str(hf_dir), str(tmp_path / "c5"), "--no-progress", "--no-verify"],
-             "step_00000000", "already exists")
+             "step_00000000", "not empty")
 
 
 def _mode(path: Path) -> int:
@@ -109,3 +109,16 @@ def test_exported_files_follow_the_umask_unless_private(ckpt, tmp_path):
     assert _mode(private) == 0o700
     assert {_mode(p) for p in private.iterdir()} == {0o600}
     assert json.loads((out / "config.json").read_text())
+
+
+def test_import_into_an_existing_run_is_refused_and_changes_nothing(ckpt, hf_dir, tmp_path, capsys):
+    """Review 13: importing into a run directory (or its checkpoints/) wrote step_00000000 and a
+    `latest` beside the run's own checkpoints and overwrote its tokenizer/ folder."""
+    run = tmp_path / "run"
+    shutil.copytree(ckpt, run / "checkpoints" / "step_00000010")
+    (run / "config.yaml").write_text("model: tiny\n")
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    for target in (run, run / "checkpoints"):
+        _refused(capsys, ["checkpoint", "import", str(hf_dir), str(target), "--no-progress", "--no-verify"],
+                 str(target), "not empty")
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before

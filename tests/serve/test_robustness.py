@@ -140,6 +140,7 @@ def test_bad_command_line_input_exits_2_with_one_line(run_dir, capsys):
         ([str(run_dir), "--host", "203.0.113.7"], "--host: 203.0.113.7 is not an address of this machine"),
         ([str(run_dir), "--port", "70000"], "--port"),
         ([str(run_dir), "--max-model-len", "0"], "--max-model-len"),
+        ([str(run_dir), "--max-model-len", "1000000000"], "--max-model-len"),  # KV larger than memory
     ]
     try:
         for args, words in cases:
@@ -183,3 +184,18 @@ def test_console_script_serves_a_converted_checkpoint_until_interrupted(run_dir,
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=60)[1]
     assert proc.returncode in (0, 130) and "Traceback" not in rest, rest
+
+
+def test_a_request_larger_than_the_queue_can_ever_hold_is_a_400(server):
+    """max_waiting=2: three choices could never be queued at once, so a 429 ("retry later")
+    would be answered to every retry."""
+    body = {"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 2}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": "a", "n": 3}, timeout=30)
+    assert r.status_code == 400 and "exceed the 2 this server queues" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{server.url}/inference/v1/generate", json={"token_ids": [1], "sampling_params": {"n": 3}},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.n", r.text
+    assert httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": ["a", "b"], "n": 1},
+                      timeout=60).status_code == 200

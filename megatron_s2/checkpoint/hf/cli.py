@@ -68,7 +68,7 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_import_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("hf_dir", help="Hugging Face checkpoint directory (config.json + safetensors)")
-    p.add_argument("ckpt_dir", help="checkpoints directory to write (a step_00000000 directory inside it)")
+    p.add_argument("ckpt_dir", help="new (or empty) checkpoints directory to write (a step_00000000 directory inside it)")
     p.add_argument("overrides", nargs="*", help="recipe overrides, e.g. parallel.tp=2 parallel.pp=2")
     p.add_argument("--recipe", default=None, help="recipe whose non-model sections the checkpoint records")
     p.add_argument("--world-size", type=int, default=None,
@@ -169,6 +169,12 @@ def import_checkpoint(args: argparse.Namespace) -> int:
     from megatron_s2.data.tokenizer_checks import RUN_TOKENIZER_DIR, check_tokenizer_fits
     from megatron_s2.checkpoint.hf.convert import check_compressed_vocab, hf_tokenizer_dir
 
+    out = Path(args.ckpt_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        held = sorted(p.name for p in out.iterdir())[:3] if out.is_dir() else []
+        raise FileExistsError(f"{out}: exists and is not empty{' (holds ' + ', '.join(held) + ')' if held else ''}; "
+                              "import into a new directory (a run's own checkpoints and tokenizer are never mixed "
+                              "with an import)")
     cfg, state, imported = load_hf_checkpoint(args.hf_dir, progress=not args.no_progress)
     tokenizer = _source_tokenizer(args, hf_tokenizer_dir(args.hf_dir), required=bool(cfg.engram_layers),
                                   what=f"checkpoint import: {args.hf_dir}")

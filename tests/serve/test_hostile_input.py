@@ -1,0 +1,131 @@
+"""Hostile and careless requests found by trying the server as a user would (review 13): each
+one must be answered with a 4xx OpenAI error naming the problem — never a 500, never an engine
+that stops serving every other client — and the server must stay healthy afterwards."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from megatron_s2.serve import ServeConfig
+from tests.serve.conftest import start_server
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    srv = start_server(loaded, serve=ServeConfig(disconnect_poll_s=0.05, max_body_bytes=1 << 20))
+    yield srv
+    srv.stop()
+
+
+def post(server, path, body, **kw):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{server.url}{path}", content=data, headers={"Content-Type": "application/json"},
+                      timeout=60, **kw)
+
+
+def healthy(server) -> bool:
+    ok = post(server, "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2})
+    return ok.status_code == 200 and httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 1e-300}, {"temperature": 1e-45, "top_p": 1e-300},
+                                   {"temperature": 1e300}])
+def test_extreme_sampling_values_do_not_kill_the_engine(server, extra):
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "The cat", "max_tokens": 3, **extra})
+    assert r.status_code == 200, r.text
+    assert healthy(server)
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/completions", '{"model": "tiny", "prompt": "caf\\udc80", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": ["ok", "\\ud800"], "max_tokens": 2}', "prompt[1]"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}',
+     "messages[0].content"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "a", "stop": ["\\udc80"], "max_tokens": 2}', "stop[0]"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(server, path, body, field):
+    r = post(server, path, body.encode())
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["message"].startswith(f"{field}: ") and "UTF-8" in error["message"], error
+    assert healthy(server)
+
+
+def test_deeply_nested_json_is_a_400(server):
+    r = post(server, "/v1/completions", b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("request body"), r.text
+    assert healthy(server)
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(server):
+    big = {"model": "tiny", "prompt": "a " * (1 << 20), "max_tokens": 2}  # 2 MiB > the 1 MiB limit
+    r = post(server, "/v1/completions", big)
+    assert r.status_code == 413, r.text
+    assert "max_body_bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit holds while the body streams in
+        for _ in range(4):
+            yield b" " * (1 << 19)
+    r = httpx.post(f"{server.url}/inference/v1/generate", content=chunks(), timeout=60,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert healthy(server)
+
+
+def test_an_export_whose_tokenizer_was_swapped_is_refused(run_dir, tmp_path, capsys):
+    """The export's config.json states engram_compressed_vocab_size; `checkpoint import` checks
+    it against the tokenizer beside the weights, and `generate` / `serve` must too (they served
+    a swapped tokenizer silently: other token ids and other Engram hashes)."""
+    from megatron_s2.cli import main
+    from megatron_s2.data.bpe_training import synthetic_texts, train_bpe
+
+    export = tmp_path / "hf"
+    assert main(["checkpoint", "export", str(run_dir), str(export), "--no-progress", "--no-verify"]) == 0
+    other = tmp_path / "other"
+    train_bpe(synthetic_texts(100, 3), 400, other)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (export / name).write_bytes((other / name).read_bytes())
+    capsys.readouterr()
+    assert main(["generate", str(export), "--prompt", "x", "--max-tokens", "1", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "engram_compressed_vocab_size" in err[0], err
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2, "stop": [f"s{i}" for i in range(20000)]},
+     "stop"),
+    ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"stop_token_ids": [5] * 200000}},
+     "sampling_params.stop_token_ids"),
+])
+def test_absurd_stop_lists_are_refused(server, path, body, field):
+    """Every stop entry is checked after every token on the engine thread all clients share:
+    20,000 stop strings made one request take 50 s for 400 tokens."""
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(f"{field}: at most 128 entries")
+
+
+def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenised(server):
+    """A 15 MB prompt (under the body limit) was tokenised on the event loop: /health waited 44 s.
+    A text longer than max_model_len tokens of the longest token's bytes cannot fit, whatever
+    its tokenisation, and is refused at once; a shorter one is still counted exactly."""
+    state = server.state
+    assert state.max_token_bytes >= 1
+    huge = "ab " * 200_000
+    for path, body, field in [("/v1/completions", {"prompt": huge}, "prompt"),
+                              ("/v1/completions", {"prompt": ["ok", huge]}, "prompt[1]"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages")]:
+        r = post(server, path, {"model": "tiny", "max_tokens": 2, **body})
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert message.startswith(f"{field}: This model's maximum context length is 256 tokens") and "at least" in message
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": ""}] * 1000})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages: 1000 messages cannot fit")
+    near = "word " * 300  # over 256 tokens, under the byte bound: the exact count
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": near, "max_tokens": 2})
+    assert r.status_code == 400 and "at least" not in r.json()["error"]["message"]
+    assert len(near.encode()) <= state.max_model_len * state.max_token_bytes
+    assert healthy(server)
