@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from megatron_s2.inference.request import CompletedRequest
 from megatron_s2.serve.backend import ClientDisconnected, Generation
@@ -139,7 +140,9 @@ async def completions(state: ServerState, request):
     batch = f.raw("prompt")
     if isinstance(batch, list) and batch and all(isinstance(v, (str, list)) for v in batch):
         state.refuse_unqueueable(len(batch) * opts.n, "prompt")  # before tokenising every text
-    prompts = _completion_prompts(f, state)
+    # tokenising (and template rendering below) runs on a worker thread: the tokenizer releases
+    # the GIL, so a long text does not stall the event loop that serves every other client
+    prompts = await run_in_threadpool(_completion_prompts, f, state)
     stop = f.strings("stop")
     rid, created = new_id("cmpl"), int(time.time())
     gen = Generation(state.backend, rid, request, state.config.disconnect_poll_s)
@@ -234,7 +237,7 @@ async def chat_completions(state: ServerState, request):
         if len(messages) >= state.max_model_len:  # every message renders at least its role marker
             f.fail("messages", f"{len(messages)} messages cannot fit this model's maximum context length of "
                                f"{state.max_model_len} tokens; send fewer")
-    prompt = chat_prompt_ids(state.tokenizer, f)
+    prompt = await run_in_threadpool(chat_prompt_ids, state.tokenizer, f)
     stop = f.strings("stop")
     rid, created = new_id("chatcmpl"), int(time.time())
     gen = Generation(state.backend, rid, request, state.config.disconnect_poll_s)

@@ -129,3 +129,35 @@ def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenised(server):
     assert r.status_code == 400 and "at least" not in r.json()["error"]["message"]
     assert len(near.encode()) <= state.max_model_len * state.max_token_bytes
     assert healthy(server)
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "hello"}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_tokenising_a_request_does_not_stall_the_event_loop(server, monkeypatch, path, body):
+    """Tokenisation ran on the event loop: while one request's text was being encoded (44 s for
+    15 MB) /health and every stream waited. Here the tokenizer is held until /health answers,
+    which it can only do if the encoding runs off the loop."""
+    import threading
+
+    tokenizer = server.state.tokenizer
+    entered, release = threading.Event(), threading.Event()
+    for name in ("encode", "apply_chat_template"):
+        original = getattr(tokenizer, name)
+
+        def held(*args, _original=original, **kwargs):
+            entered.set()
+            release.wait(30)
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(tokenizer, name, held)
+    answer = {}
+    worker = threading.Thread(target=lambda: answer.update(r=post(server, path, {"model": "tiny", "max_tokens": 2,
+                                                                                   **body})))
+    worker.start()
+    try:
+        assert entered.wait(30)  # the request is being tokenised now
+        health = httpx.get(f"{server.url}/health", timeout=10)
+    finally:
+        release.set()
+        worker.join(60)
+    assert health.status_code == 200
+    assert answer["r"].status_code == 200, answer["r"].text
