@@ -233,9 +233,13 @@ class InferenceEngine:
             for rows, reqs in self._forwards(plan):
                 record_routing = any(r.params.record_routing for r in reqs)
                 record_topk = any(r.params.record_indexer_topk for r in reqs)
+                # a forward that raises is the engine's failure (the device, the batch): it propagates
                 results = self.runner.forward(rows, record_routing=record_routing, record_topk=record_topk)
                 for req, row, res in zip(reqs, rows, results):
-                    self._advance(req, row, res, version)
+                    try:
+                        self._advance(req, row, res, version)
+                    except Exception as exc:  # noqa: BLE001 - this request's sampling / stop check
+                        self._fail(req, exc, outputs)
             for req in list(self.running):
                 if req.pending is not None:
                     if req.pending.finished:
@@ -378,6 +382,17 @@ class InferenceEngine:
         if req.num_generated >= p.max_tokens or len(req.tokens) >= self.config.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
+
+    def _fail(self, req: Request, exc: Exception, outputs: list[RequestOutput]) -> None:
+        """End one request with the error its own sampling or stop check raised (its state is
+        dropped, not cached); the other requests of the step continue."""
+        out = req.output()
+        out.token_ids, out.logprobs, out.top_logprobs, out.versions = [], [], [], []
+        out.finished, out.finish_reason, out.error = True, FinishReason.ERROR, f"{type(exc).__name__}: {exc}"
+        self._release(req, snapshot=False)
+        self.running.remove(req)
+        req.pending = None
+        outputs.append(out)
 
     def _finish(self, req: Request) -> None:
         self._release(req)

@@ -31,6 +31,8 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
+    """The request failed inside the engine (``error`` says why); the others went on."""
 
 
 class QueueFull(RuntimeError):
@@ -65,6 +67,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     """The stop string or stop token that ended the request, if any."""
+    error: str | None = None
+    """Why the request failed (``finish_reason`` ERROR)."""
 
 
 @dataclass
@@ -82,6 +86,7 @@ class CompletedRequest:
     indexer_topk: dict[int, torch.Tensor] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    error: str | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.token_ids += out.token_ids
@@ -95,7 +100,7 @@ class CompletedRequest:
             for layer, t in out.indexer_topk.items():
                 self.indexer_topk[layer] = _put_rows(self.indexer_topk.get(layer), t, out.fed_positions)
         if out.finished:
-            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+            self.finish_reason, self.stop_reason, self.error = out.finish_reason, out.stop_reason, out.error
 
     def routing_replay(self, layer_ids: list[int]):
         """The recorded routing as a training-side :class:`RoutingReplay` (REPLAY mode) for a

@@ -9,6 +9,9 @@ into one ``asyncio.Queue`` of the request's event loop, tagged with the choice i
 Failure behaviour — a server never hangs a client:
 
 * queue full (``EngineConfig.max_waiting``) → :class:`Overloaded` (HTTP 429) at submission;
+* one request fails inside the engine (its sampling or stop check raised) → that HTTP
+  request gets :class:`RequestFailed` (HTTP 500, or an error event mid-stream); the engine
+  and every other request go on;
 * a step raises (the driver thread dies) → every open generation gets
   :class:`EngineUnavailable` (HTTP 503, or an error event mid-stream), later submissions are
   refused with the same error, ``/health`` answers 503;
@@ -26,9 +29,9 @@ from typing import AsyncIterator
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.inference.engine import InferenceEngine
-from megatron_s2.inference.request import PromptTooLong, QueueFull, RequestOutput
+from megatron_s2.inference.request import FinishReason, PromptTooLong, QueueFull, RequestOutput
 from megatron_s2.inference.sampling import SamplingParams
-from megatron_s2.serve.errors import BadRequest, EngineUnavailable, HTTPError, Overloaded
+from megatron_s2.serve.errors import BadRequest, EngineUnavailable, HTTPError, Overloaded, RequestFailed
 
 __all__ = ["EngineBackend", "Generation", "ClientDisconnected"]
 
@@ -57,7 +60,7 @@ class EngineBackend:
         self._stop = False
         self._error: str | None = None
         self._thread: threading.Thread | None = None
-        self.counters = {"submitted": 0, "finished": 0, "aborted": 0, "refused_queue_full": 0}
+        self.counters = {"submitted": 0, "finished": 0, "aborted": 0, "refused_queue_full": 0, "failed": 0}
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -127,7 +130,12 @@ class EngineBackend:
         if out.finished:
             self.counters["finished"] += 1
         if entry is not None:
-            _put(entry, out)
+            if out.finish_reason is FinishReason.ERROR:
+                self.counters["failed"] += 1
+                _put(entry, RequestFailed(f"the request failed in the inference engine ({out.error}); "
+                                          "other requests are unaffected"))
+            else:
+                _put(entry, out)
 
     def _drive(self) -> None:
         engine = self.engine
@@ -209,7 +217,10 @@ class Generation:
                 if item is None:
                     continue
                 if isinstance(item, HTTPError):
-                    self._open.clear()  # the engine is gone: nothing left to abort
+                    if isinstance(item, EngineUnavailable):
+                        self._open.clear()  # the engine is gone: nothing left to abort
+                    else:
+                        self._open.pop(tag, None)  # this choice failed; the others are aborted
                     raise item
                 if item.finished:
                     self._open.pop(tag, None)

@@ -56,6 +56,11 @@ class Overloaded(HTTPError):
     kind = "RateLimitError"
 
 
+class RequestFailed(HTTPError):
+    """One request failed inside the engine (its own error; the engine and every other request
+    went on): 500 for this request only."""
+
+
 class EngineUnavailable(HTTPError):
     """The engine's driver stopped (it raised, or the server is shutting down): 503."""
 

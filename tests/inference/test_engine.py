@@ -201,6 +201,29 @@ def test_request_state_is_freed_when_it_completes_or_is_aborted(model):
     assert not engine.requests and not engine.running and not engine.waiting
 
 
+def test_a_request_whose_stop_check_raises_fails_alone(model):
+    """One request's own post-processing error (here its stop-string check: the detokenizer
+    raises on its text) ends that request with ERROR and frees its state; the other requests
+    of the same steps finish exactly as without it, and the engine takes new work."""
+
+    def detokenize(ids):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    engine = InferenceEngine(model, engine_config(), detokenize=detokenize)
+    free_pages, free_slots = engine.global_kv.pool.num_free, len(engine.swa.free)
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    bad = engine.submit(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, stop=["zz"]))
+    good = engine.submit(PROMPTS[1], greedy)
+    while engine.has_work():
+        engine.step()
+    failed = bad.result(timeout=0)
+    assert failed.finish_reason is FinishReason.ERROR and "UnicodeDecodeError" in failed.error
+    alone = InferenceEngine(model, engine_config()).generate([PROMPTS[1]], greedy)[0]
+    assert good.result(timeout=0).token_ids == alone.token_ids
+    assert engine.global_kv.pool.num_free == free_pages and len(engine.swa.free) == free_slots
+    assert engine.generate([PROMPTS[2]], greedy)[0].finish_reason is FinishReason.LENGTH
+
+
 def test_bounded_queue_and_bad_requests(model):
     engine = InferenceEngine(model, engine_config(max_waiting=2, max_model_len=16))
     engine.add_request([5, 6])

@@ -97,6 +97,30 @@ def test_a_plain_client_that_times_out_is_aborted(server):
     assert s["aborted"] == before["aborted"] + 2 and s["free_pages"] == before["free_pages"]
 
 
+def test_a_request_that_fails_alone_gets_500_and_the_server_goes_on(loaded, monkeypatch):
+    """A request whose own stop check raises (the detokenizer fails on its text) is answered
+    500 naming the error; a request beside it is unaffected and /health stays 200."""
+    srv = start_server(loaded)
+    try:
+        engine = srv.state.backend.engine
+
+        def detokenize(ids):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+        monkeypatch.setattr(engine, "detokenize", detokenize)
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            bad = http.post("/v1/completions", json={**body, "stop": ["zz"]})
+            good = http.post("/v1/completions", json=body)
+            assert bad.status_code == 500 and "UnicodeDecodeError" in bad.json()["error"]["message"]
+            assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] == "length"
+            assert http.get("/health").status_code == 200
+        s = wait_until(srv, lambda s: s["open_requests"] == 0 and s["running"] == 0)
+        assert s["failed"] == 1
+    finally:
+        srv.stop()
+
+
 def test_a_dead_engine_driver_turns_into_503s(loaded, monkeypatch):
     srv = start_server(loaded)
     try:
