@@ -28,6 +28,11 @@ class StepInputs:
     groups: ParallelGroups
     num_micro_global: int          # micro-batches of the global batch (all dp ranks)
     routing: object | None = None  # RoutingReplay shared by all micro-batches (optional)
+    loss_fn: Callable | None = None
+    """Optional objective replacing the token cross-entropy (post-training, megatron_s2/posttrain):
+    ``loss_fn(model, logits, mb, ctx) -> (objective, summed)`` on the last stage, where
+    ``objective`` is this micro-batch's share of the global objective (auxiliary losses are added
+    by the schedule) and ``summed`` its logged loss sum (divided by the global token count)."""
 
 
 @dataclass
@@ -38,8 +43,11 @@ class StepResult:
 
 
 def make_context(model, mb: dict[str, torch.Tensor], routing=None) -> ForwardContext:
+    if routing is None:
+        routing = mb.get("routing")  # per-micro-batch replay (post-training R3)
     ctx = ForwardContext.create(mb["tokens"], model.plan, positions=mb.get("position_ids"),
                                 doc_ids=mb.get("doc_ids"), image_mask=mb.get("image_mask"), routing=routing)
+    ctx.swa_from = mb.get("swa_from")
     if "full_tokens" in mb:  # context-parallel chunk of a longer sequence
         ctx.full_input_ids = mb["full_tokens"]
         ctx.full_doc_ids = mb.get("full_doc_ids")
@@ -62,9 +70,15 @@ def forward_backward_no_pipelining(model, inputs: StepInputs) -> StepResult:
     metric_sums: dict[str, torch.Tensor] = {}
     for mb in inputs.micro_batches:
         ctx = make_context(model, mb, inputs.routing)
-        token_loss = model(mb["tokens"], ctx, labels=mb["labels"])
-        objective, summed = micro_batch_objective(token_loss, mb["loss_mask"], tokens, ctx.total_aux_loss(),
-                                                  inputs.num_micro_global)
+        if inputs.loss_fn is not None:
+            objective, summed = inputs.loss_fn(model, model(mb["tokens"], ctx), mb, ctx)
+            aux = ctx.total_aux_loss()
+            if aux is not None:
+                objective = objective + aux / inputs.num_micro_global
+        else:
+            token_loss = model(mb["tokens"], ctx, labels=mb["labels"])
+            objective, summed = micro_batch_objective(token_loss, mb["loss_mask"], tokens, ctx.total_aux_loss(),
+                                                      inputs.num_micro_global)
         objective.backward()
         loss_sum = loss_sum + summed
         for name, value in list(ctx.aux_losses.items()) + [(f"{k}_raw", v) for k, v in ctx.aux_metrics.items()]:

@@ -35,7 +35,7 @@ from megatron_s2.kernels import sparse_attention
 from megatron_s2.models.init import constant_init
 from megatron_s2.models.v41.attention.compressor import Compressor
 from megatron_s2.models.v41.attention.indexer import IndexKeyProjection, Indexer
-from megatron_s2.models.v41.attention.visibility import entry_doc_ids, window_indices
+from megatron_s2.models.v41.attention.visibility import entry_doc_ids, truncate_window, window_indices
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.precision import wide
@@ -121,13 +121,17 @@ class CSA2Attention(nn.Module):
         """Window keys (with the CP halo) and each query's window indices into them."""
         pos, doc = ctx.positions, ctx.doc_ids
         if not self.cp.active:
-            return kv, window_indices(pos, pos, self.window, doc, doc)
-        keys, k_pos = window_keys_with_halo(kv, pos, self.window, self.cp)
-        k_doc = None
-        if doc is not None:
-            full = ctx.full_doc_ids
-            k_doc = torch.where(k_pos >= 0, full.gather(1, k_pos.clamp_min(0)), -1)
-        return keys, window_indices(pos, k_pos, self.window, doc, k_doc)
+            keys, k_pos, k_doc = kv, pos, doc
+        else:
+            keys, k_pos = window_keys_with_halo(kv, pos, self.window, self.cp)
+            k_doc = None
+            if doc is not None:
+                full = ctx.full_doc_ids
+                k_doc = torch.where(k_pos >= 0, full.gather(1, k_pos.clamp_min(0)), -1)
+        indices = window_indices(pos, k_pos, self.window, doc, k_doc)
+        if ctx.swa_from is not None and not self.spec.is_encoder:
+            indices = truncate_window(indices, pos, k_pos, ctx.swa_from)
+        return keys, indices
 
     # ---- pieces shared by the training forward and incremental decode ---------------------
     # The forward below is the only attention code path. Incremental decode
