@@ -20,13 +20,25 @@ install_requires = [
     "safetensors>=0.4",
     "tensorboard>=2.14",
     "tqdm>=4.60",
+    # Tokenizers and chat data (issue 11): local Hugging Face tokenizer directories, Jinja chat
+    # templates, jsonl/parquet records. Pinned: the Engram compressed token map is derived with
+    # the tokenizers normalisers, and transformers is the version verifiers/renderers resolve to.
+    "tokenizers==0.23.3",
+    "transformers==5.24.0",
+    "datasets==5.2.0",
+    "Jinja2>=3.1",
 ]
 
 extras_require = {
     "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
     "mpi": ["mpi4py>=3.1"],
+    # serve: `megatron-s2 serve`, the OpenAI-compatible server (versions the tests ran with).
+    "serve": ["fastapi==0.165.0", "uvicorn==0.54.0"],
     # triton: the kernel tests run the Triton kernels on CPU under TRITON_INTERPRET=1.
-    "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "mpi4py>=3.1", "matplotlib>=3.7", "triton==3.9.0"],
+    # openai / verifiers: the server tests use the real clients (verifiers pulls renderers,
+    # transformers and openai); nothing is downloaded at test time.
+    "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "mpi4py>=3.1", "matplotlib>=3.7", "triton==3.9.0",
+            "fastapi==0.165.0", "uvicorn==0.54.0", "openai==2.54.0", "verifiers==0.4.0"],
 }
 
 subpackages = {"launcher": "launcher", "kernels": "kernels", "tools": "tools"}

@@ -28,10 +28,9 @@ Formulas (per rank, per step)
 
 * without SP — one all-reduce of ``T d f`` at each region boundary: embedding exit,
   attention entry (backward) and exit (``linear_out_b``), shared-expert entry (backward) and
-  exit, LM-head entry (backward), the CED decoder's copy of H_{L/2} (backward); the routed
-  MoE region splits tokens over tp: all-gather ``T d f`` on exit (forward) and on entry
-  (backward of the split);
-  ``2 + 4L + n_dec_full`` all-reduces and ``2L`` all-gathers of ``T d f``;
+  exit, LM-head entry (backward); the routed MoE region splits tokens over tp: all-gather
+  ``T d f`` on exit (forward) and on entry (backward of the split);
+  ``2 + 4L`` all-reduces and ``2L`` all-gathers of ``T d f``;
 * with SP — the same boundaries become all-gather (forward) / reduce-scatter (backward) pairs
   of ``T d f`` (embedding, attention exit, shared-expert entry and exit, head: ``2 + 3L``
   boundaries; the routed region is already split), plus the per-token latents gathered over the sequence inside attention:
@@ -61,15 +60,19 @@ largest count, so measured >= this); once per step Muon all-gathers each local e
 matrices at full width: ``3 (E/ep) d F f`` per layer.
 
 **dp_cp** (data parallel): the gradient of every dense parameter held by the rank,
-all-reduced in ``grad_bucket_mb`` buckets; with ZeRO-1 also one broadcast of the same bytes
-(every rank receives the parameters it does not own); plus scalars (token count, loss,
-3 metrics). **expert_dp** and **engram_replica**: the same for expert weights and for Engram
-table partitions, over the ranks holding identical copies.
+all-reduced in ``grad_bucket_mb`` buckets; with ZeRO-1 instead reduce-scattered to the owners
+and the updated parameters all-gathered back, each bucket ``g x`` its largest owner chunk
+(whole parameters, owners and chunks by ``DistributedOptimizer``'s own rule; chunk boundaries
+follow this table's order, exact when a group fits one bucket); plus scalars (token count,
+loss, 3 metrics). **expert_dp** and **engram_replica**: the same for expert weights and for
+Engram table partitions, over the ranks holding identical copies.
 
-**engram** (engram parallel, g ranks), every micro-batch and Engram layer: ``U`` unique row
-ids requested (upper bound ``U <= tokens x tables``, no duplicates assumed): counts ``8 g``,
-ids ``8 U``, rows ``U w f`` forward and row gradients ``U w f`` backward (``w`` = Engram head
-dim); plus Sinkhorn column statistics of the partitioned tables ``16 + 5 w f`` per table.
+**engram** (engram parallel, g ranks), once per step for all Engram layers (prefetch,
+§3.1.3): ``U`` unique row ids of the step's local batch (upper bound ``U <= m x tokens x
+tables x layers``, no duplicates assumed): counts ``8 g x layers``, ids ``8 U``, rows ``U w f``
+before the first micro-batch and row gradients ``U w f`` after the last backward (``w`` =
+Engram head dim); plus Sinkhorn column statistics of the partitioned tables ``16 + 5 w f``
+per table.
 
 **stage** (tp x cp x dp): the per-step router load counts, ``L x modalities x E x 8``.
 **world**: the gradient-norm all-reduce (4 bytes).
@@ -79,8 +82,9 @@ Memory estimate per rank
 ``params = grads = f x sum(local shard numel)`` with shards: tp-split tensors ``/t``, routed
 experts ``/(ep etp)``, Engram tables ``/engram``; optimiser state: Muon and Sinkhorn one
 momentum buffer (``1x``), AdamW two moments (``2x``) plus a 4-byte step counter per tensor;
-ZeRO-1 divides each reduction group's state by the group size (ideal; the implementation
-assigns whole parameters, so ranks are only approximately balanced).
+ZeRO-1 divides each reduction group's state — and the gradients kept after the
+reduce-scatter — by the group size (ideal; the implementation assigns whole parameters, so
+ranks are only approximately balanced).
 """
 
 from __future__ import annotations
@@ -171,8 +175,6 @@ def param_table(c: ModelConfig, rules: tuple[ParamGroupRule, ...] | None = None)
                      (f"{a}.index_key.norm.weight", ihd, 1, None, "always")]
             if s.compress_ratio > 1:
                 rows.append((f"{a}.compressor.linear_gate.weight", d * hd, 2, None, "always"))
-            if s.uses_encoder_output:
-                rows.append((f"{a}.compressor.input_norm.weight", d, 1, None, "always"))
         if s.runs_indexer:
             rows += [(f"{a}.indexer.linear_q.weight", q * hi * ihd, 2, "tp", None),
                      (f"{a}.indexer.linear_weights.weight", d * hi, 2, None, "always")]
@@ -248,7 +250,6 @@ def analytic_volume(c: ModelConfig, layout: ParallelLayout, geo: Geometry, *, si
     # ---- tensor / sequence parallel ------------------------------------------------------------
     if t > 1:
         act = T * d * F32
-        n_enc_copy = sum(1 for spec in plan if spec.uses_encoder_output)
         if sp:
             boundaries = 2 + L + (2 * L if c.num_shared_experts else 0)  # embedding, head, attn exit, shared expert in/out
             add("tp", "SP boundaries: all-gather + reduce-scatter of T*d (fwd+bwd)", 2 * boundaries * act,
@@ -261,7 +262,7 @@ def analytic_volume(c: ModelConfig, layout: ParallelLayout, geo: Geometry, *, si
                                      if spec.mode is CSA2Mode.FULL) + len(indexers))
             add("tp", "SP attention latents gathered over the sequence (fwd+bwd)", 2 * T * widths * F32, calls)
         else:
-            boundaries = 2 + 2 * L + (2 * L if c.num_shared_experts else 0) + n_enc_copy
+            boundaries = 2 + 2 * L + (2 * L if c.num_shared_experts else 0)
             add("tp", "region boundaries: all-reduce of T*d", boundaries * act, boundaries)
             add("tp", "routed MoE token split: all-gather of T*d (fwd exit, bwd entry)", 2 * L * act, 2 * L)
         for spec in indexers:
@@ -300,10 +301,11 @@ def analytic_volume(c: ModelConfig, layout: ParallelLayout, geo: Geometry, *, si
     if layout.engram > 1:
         g, w = layout.engram, c.engram_head_dim
         tokens = T // t if sp else T
-        ids = tokens * c.engram_num_tables  # upper bound on unique ids
-        for layer in c.engram_layers:
-            add("engram", f"layer {layer}: counts + ids + rows (fwd) + row grads (bwd), U<=tokens*tables",
-                g * I64 + ids * I64 + 2 * ids * w * F32, 4)
+        layers = len(c.engram_layers)
+        ids = m * tokens * c.engram_num_tables * layers  # upper bound on the step's unique ids
+        add("engram", "prefetch: counts + ids + rows of the step, U <= m*tokens*tables*layers",
+            g * layers * I64 + ids * I64 + ids * w * F32, 3, per_micro=False)
+        add("engram", "row gradients returned to the owners after the backward", ids * w * F32, 1, per_micro=False)
         add("engram", "Sinkhorn statistics (Engram tables)", len(c.engram_layers) * (16 + (sinkhorn_iters // 2) * w * F32),
             len(c.engram_layers) * (3 + sinkhorn_iters // 2), per_micro=False)
     # ---- replicas: gradients (+ ZeRO-1 parameter broadcast) ------------------------------------------
@@ -314,9 +316,12 @@ def analytic_volume(c: ModelConfig, layout: ParallelLayout, geo: Geometry, *, si
         if sizes[group] < 2:
             continue
         nbytes = sum(e.local_numel(layout) for e in entries) * F32
-        add(group, "gradient all-reduce", nbytes, math.ceil(nbytes / (grad_bucket_mb * 2 ** 20)), per_micro=False)
         if layout.distributed_optimizer:
-            add(group, "ZeRO-1 parameter broadcast", nbytes, min(sizes[group], len(entries)), per_micro=False)
+            padded, buckets = _zero1_buckets(entries, layout, sizes[group], grad_bucket_mb)
+            add(group, "ZeRO-1 gradient reduce-scatter to owners", padded, buckets, per_micro=False)
+            add(group, "ZeRO-1 parameter all-gather from owners", padded, buckets, per_micro=False)
+        else:
+            add(group, "gradient all-reduce", nbytes, math.ceil(nbytes / (grad_bucket_mb * 2 ** 20)), per_micro=False)
     if sizes["dp_cp"] > 1:
         metrics = (1 if c.moe_seq_aux_loss_coeff > 0 else 0) + (2 if aux_indexer else 0)
         add("dp_cp", "scalars: token count, loss, metrics", (2 + metrics) * F32, 2 + metrics, per_micro=False)
@@ -328,16 +333,39 @@ def analytic_volume(c: ModelConfig, layout: ParallelLayout, geo: Geometry, *, si
     return terms
 
 
+class _Sized:
+    def __init__(self, n: int):
+        self.n = n
+
+    def numel(self) -> int:
+        return self.n
+
+
+def _zero1_buckets(entries: list[ParamEntry], layout: ParallelLayout, g: int, grad_bucket_mb: float
+                   ) -> tuple[float, int]:
+    """(padded bytes of one pass over all buckets, number of buckets) of ZeRO-1 in a group of g."""
+    from megatron_s2.parallel.distributed_optimizer import assign_owners, owner_buckets
+
+    owners = assign_owners([(e.name, _Sized(e.local_numel(layout))) for e in entries], g)
+    per_owner = [[e.local_numel(layout) for e in entries if owners[e.name] == r] for r in range(g)]
+    buckets = owner_buckets(per_owner, int(grad_bucket_mb * 2 ** 20) // F32)
+    widths = [max(sum(per_owner[r][i] for i in idx) for r, idx in enumerate(b)) for b in buckets]
+    return g * sum(widths) * F32, len(buckets)
+
+
 def estimate_memory(c: ModelConfig, layout: ParallelLayout, rules: tuple[ParamGroupRule, ...] | None = None
                     ) -> dict[str, float]:
     """Per-rank bytes of parameters, gradients and optimiser state (module docstring)."""
     sizes = group_sizes(layout)
-    params = opt = 0.0
+    params = grads = opt = 0.0
     for e in param_table(c, rules):
         n = e.local_numel(layout)
         params += n * F32
         state = (2 * n * F32 + F32) if e.optimizer == "adamw" else n * F32
-        if layout.distributed_optimizer:
+        grad = n * F32
+        if layout.distributed_optimizer:  # only owners keep state and, after the reduce-scatter, gradients
             state /= sizes[e.reduction()]
+            grad /= sizes[e.reduction()]
         opt += state
-    return {"params": params, "grads": params, "optimizer": opt}
+        grads += grad
+    return {"params": params, "grads": grads, "optimizer": opt}

@@ -1,6 +1,6 @@
 """Bytes moved per step per process group, measured vs analytic; per-rank parameter + optimiser memory.
 
-    python bench/comm_volume.py                       # all 9 layouts, tiny model, ~1.5 min on 2 cores
+    python bench/comm_volume.py                       # all 10 layouts, tiny model, ~1.5 min on 2 cores
     python bench/comm_volume.py --layouts tp2 ep2 --detail   # per-collective breakdown
     python bench/comm_volume.py --override model.hidden_size=128 --override training.seq_length=64
     python bench/comm_volume.py --smoke                      # two layouts, one step (test suite)
@@ -8,9 +8,11 @@
 Runs the real :class:`~megatron_s2.training.trainer.Trainer` (recipe ``recipes/pretrain_tiny.yaml``
 with the parity-test overrides of ``tests/parallel/parity.py``: seq 32, global batch 8,
 micro-batch 2) on spawned gloo processes, one spawn per world size, for ``--steps`` optimiser
-steps under each layout of issue 4: TP2, TP2+SP, EP2, EP4, ETP2xEP2, DP2, DP2+ZeRO-1,
-engram-parallel 2, TP2xEP2xDP2 (a layout on fewer ranks than the world leaves dp to fill it:
-EP2 on 2 ranks is EP2 over DP2).
+steps under each layout of issue 4: TP2, TP2+SP, EP2, EP4, EP4+ZeRO-1, ETP2xEP2, DP2,
+DP2+ZeRO-1, engram-parallel 2, TP2xEP2xDP2 (a layout on fewer ranks than the world leaves dp to
+fill it: EP2 on 2 ranks is EP2 over DP2). The last table sets each ZeRO-1 layout's wire bytes on
+the replica groups beside the same layout without it (issue 10: reduce-scatter + all-gather must
+cost what plain data parallelism's all-reduce costs).
 
 **Measured**: every ``torch.distributed`` collective the step issues (all_reduce, all_gather,
 all_gather_into_tensor / all_gather_single, reduce_scatter, reduce_scatter_tensor /
@@ -55,6 +57,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "dp2_zero1": (2, ["parallel.distributed_optimizer=true"]),
     "engram2": (2, ["parallel.engram_parallel=2"]),
     "ep4": (4, ["parallel.ep=4"]),
+    "ep4_zero1": (4, ["parallel.ep=4", "parallel.distributed_optimizer=true"]),
     "etp2_ep2": (4, ["parallel.etp=2", "parallel.ep=2"]),
     "tp2_ep2_dp2": (4, ["parallel.tp=2", "parallel.ep=2"]),
 }
@@ -220,6 +223,16 @@ def run_layouts(rank: int, world: int, layouts: list[str], base: list[str], step
 
 # ---- report ----------------------------------------------------------------------------------------
 GROUP_ORDER = ("tp", "ep", "etp", "engram", "dp_cp", "expert_dp", "engram_replica", "stage", "world")
+REPLICA_GROUPS = ("dp_cp", "expert_dp", "engram_replica")
+
+
+def _ring_wire(term, g: int) -> float:
+    """Ring-algorithm bytes a rank sends for an analytic term (payload convention of comm_model)."""
+    if g < 2:
+        return 0.0
+    if "all-reduce" in term.what or "scalars" in term.what:
+        return 2 * (g - 1) / g * term.bytes
+    return (g - 1) / g * term.bytes
 
 
 def _kib(n: float) -> str:
@@ -238,14 +251,14 @@ def report(out_dir: Path, layouts: list[str], base: list[str], detail: bool) -> 
     from tests.parallel.parity import RECIPE
 
     rows, mem_rows = [], []
+    replica_wire: dict[str, tuple[float, float]] = {}  # layout -> (measured, analytic) wire of the replica groups
     for name in layouts:
         world = LAYOUTS[name][0]
         recs = [json.loads((out_dir / name / f"rank{r}.json").read_text()) for r in range(world)]
         steps = recs[0]["steps"]
         recipe = load_recipe(RECIPE, [*base, *LAYOUTS[name][1]])
         t = recipe.training
-        layout = ParallelLayout.build(recipe.parallel, recipe.model, world, seq_length=t.seq_length,
-                                      global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+        layout = ParallelLayout.from_recipe(recipe, world)
         terms = analytic_volume(recipe.model, layout, Geometry(t.micro_batch_size, t.seq_length, t.global_batch_size),
                                 sinkhorn_iters=recipe.optimizer.sinkhorn_iters,
                                 grad_bucket_mb=recipe.parallel.grad_bucket_mb, rules=recipe.optimizer.rules)
@@ -262,6 +275,8 @@ def report(out_dir: Path, layouts: list[str], base: list[str], detail: bool) -> 
             analytic[term.group][0] += term.calls
             analytic[term.group][1] += term.bytes
         sizes = group_sizes(layout)
+        an_wire = sum(_ring_wire(term, sizes[term.group]) for term in terms if term.group in REPLICA_GROUPS)
+        replica_wire[name] = (sum(measured.get(k, [0, 0.0, 0.0])[2] for k in REPLICA_GROUPS), an_wire)
         kinds = [k for k in GROUP_ORDER if k in measured or k in analytic]
         kinds += sorted(set(measured) - set(kinds))
         print(f"\n{name}: {recs[0]['describe']}  ({steps} steps, {sum(r['step_time'] for r in recs) / world:.2f} s/step)")
@@ -292,6 +307,14 @@ def report(out_dir: Path, layouts: list[str], base: list[str], detail: bool) -> 
     _table(("layout", "group", "ranks", "calls", "calls(an)", "measured", "analytic", "meas/an", "wire"), rows)
     print("\nPer-rank memory after a step (KiB): parameters, gradients (after reduction), optimiser state")
     _table(("layout", "what", "mean", "min rank", "max rank", "estimate", "max/est"), mem_rows)
+    pairs = [(n, f"{n}_zero1") for n in layouts if f"{n}_zero1" in layouts]
+    if pairs:
+        print("\nZeRO-1 against plain data parallelism: wire bytes per rank per step of the replica groups "
+              f"({', '.join(REPLICA_GROUPS)}), KiB (ZeRO-1 before: all-reduce + broadcast, ratio ~1.5)")
+        _table(("layouts", "plain DP", "ZeRO-1", "ratio", "ratio(an)"),
+               [(f"{a} / {b}", _kib(replica_wire[a][0]), _kib(replica_wire[b][0]),
+                 _ratio(replica_wire[b][0], replica_wire[a][0]), _ratio(replica_wire[b][1], replica_wire[a][1]))
+                for a, b in pairs])
 
 
 def _table(header, rows) -> None:

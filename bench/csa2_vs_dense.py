@@ -161,8 +161,8 @@ def build(impl: str, args):
             csa2_module.sparse_attention = sparse_attention_eager
             indexer_module.indexer_gathered_scores = _eager_gathered
         spec = cfg.plan[args.layer]
-        if spec.mode.value != "full" or spec.uses_encoder_output:
-            raise SystemExit(f"--layer {args.layer} is {spec.mode.value}; pick an encoder Full layer")
+        if spec.mode.value != "full":
+            raise SystemExit(f"--layer {args.layer} is {spec.mode.value}; pick a Full layer")
         layer = CSA2Attention(cfg, spec, ParallelGroups.single())
         initialize_parameters(layer, 0, cfg.init_std)
         layer.to(device=args.device, dtype=dtype).train()

@@ -72,6 +72,22 @@ def cases(args):
         moved = x.numel() * x.element_size() + x.numel() // (2 if fmt != "fp8" else 1)
         yield (f"pack_{fmt}", None, moved, lambda fmt=fmt: quantize_triton(x, fmt, dequantized=False, packed=True)[1],
                lambda pack=pack: pack(x)[0])
+    # Engram: rows of 8K tokens x 24 hashed n-grams (3 orders x 8 heads, 256 channels) from a
+    # 1M-row table, FP8 fake-quantised (forward), and the row-gradient sum (backward).
+    from megatron_s2.kernels.engram import engram_rows_reference
+    from megatron_s2.kernels.triton.engram import gather_quant_rows, scatter_row_grads
+
+    rows, width, tokens = (251, 32, 8 * 6) if args.tiny else (1 << 20, 256, 8192 * 24)
+    table = torch.randn(rows, width, generator=g).to(dev, dt)
+    ids = torch.randint(0, rows, (tokens,), generator=g).to(dev)
+    e = table.element_size()
+    yield ("engram_gather_fp8", None, 2 * tokens * width * e + tokens * 8,
+           lambda: gather_quant_rows(ids, table, 32), lambda: engram_rows_reference(ids, table, True))
+    grad = torch.randn(tokens, width, generator=g).to(dev, dt)
+    uniq = int(torch.unique(ids).numel())
+    yield ("engram_row_grads", None, (tokens + rows + uniq) * width * e + tokens * 8,
+           lambda: scatter_row_grads(ids, grad, rows),
+           lambda: torch.zeros(rows, width, dtype=torch.float32, device=dev).index_add_(0, ids, grad.float()).to(dt))
 
 
 def main(argv=None) -> int:
@@ -92,28 +108,17 @@ def main(argv=None) -> int:
         raise SystemExit("--device cpu needs TRITON_INTERPRET=1 (Triton runs on CPU tensors only under the interpreter)")
     if args.device == "cpu":
         args.tiny, args.dtype, args.repeats = True, "float32", 1
-    import torch
-
     rows = []
     for name, flops, moved, fast, ref in cases(args):
-        out, expected = fast(), ref()
-        if out.dtype == torch.uint8 or expected.dtype == torch.uint8:
-            err = float((out.view(torch.uint8) != expected.view(torch.uint8)).sum())
-        else:
-            err = float((out.float() - expected.float()).abs().max())
-        t_fast = _time(fast, torch.device(args.device), args.repeats)
-        t_ref = _time(ref, torch.device(args.device), args.repeats)
-        row = {"kernel": name, "max_abs_err_or_mismatches": err, "triton_ms": t_fast * 1e3, "reference_ms": t_ref * 1e3,
-               "speedup": t_ref / t_fast}
-        if flops:
-            row["tflops"] = flops / t_fast / 1e12
-            row["roofline_fraction"] = row["tflops"] / args.peak_tflops
-        if moved:
-            row["gbs"] = moved / t_fast / 1e9
-            row["roofline_fraction"] = row["gbs"] / args.peak_gbs
-        rows.append(row)
+        try:
+            rows.append(_measure(name, flops, moved, fast, ref, args))
+        except Exception as exc:  # one kernel failing (compile, memory) must not hide the others
+            rows.append({"kernel": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
     print(f"{'kernel':<22} {'err':>10} {'triton ms':>10} {'ref ms':>10} {'speedup':>8} {'TFLOP/s|GB/s':>13} {'roofline':>9}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['kernel']:<22} ERROR {r['error']}")
+            continue
         rate = r.get("tflops", r.get("gbs", float("nan")))
         print(f"{r['kernel']:<22} {r['max_abs_err_or_mismatches']:10.3g} {r['triton_ms']:10.3f} {r['reference_ms']:10.3f} "
               f"{r['speedup']:8.2f} {rate:13.3f} {r.get('roofline_fraction', float('nan')):9.3f}")
@@ -121,7 +126,28 @@ def main(argv=None) -> int:
         print(json.dumps(r))
     if args.json:
         Path(args.json).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return 0
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _measure(name, flops, moved, fast, ref, args) -> dict:
+    import torch
+
+    out, expected = fast(), ref()
+    if out.dtype == torch.uint8 or expected.dtype == torch.uint8:
+        err = float((out.view(torch.uint8) != expected.view(torch.uint8)).sum())
+    else:
+        err = float((out.float() - expected.float()).abs().max())
+    t_fast = _time(fast, torch.device(args.device), args.repeats)
+    t_ref = _time(ref, torch.device(args.device), args.repeats)
+    row = {"kernel": name, "max_abs_err_or_mismatches": err, "triton_ms": t_fast * 1e3, "reference_ms": t_ref * 1e3,
+           "speedup": t_ref / t_fast}
+    if flops:
+        row["tflops"] = flops / t_fast / 1e12
+        row["roofline_fraction"] = row["tflops"] / args.peak_tflops
+    if moved:
+        row["gbs"] = moved / t_fast / 1e9
+        row["roofline_fraction"] = row["gbs"] / args.peak_gbs
+    return row
 
 
 if __name__ == "__main__":

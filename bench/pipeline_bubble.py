@@ -23,7 +23,11 @@ which assumes equal stage times and free communication. The receive wait misses 
 the bubble: after its last backward the last stage has nothing to receive and waits for the
 drain inside the step's final loss reduction, so "+tail" adds the time from the rank's last
 micro-batch to the end of the step. "compute" = wall - wait - tail per rank; its max/min ratio
-shows the stage imbalance the theory ignores.
+shows the stage imbalance the theory ignores. For 1F1B a second table says where the idle time
+goes: the theory again with each stage's *measured* compute per micro-batch ``c_i`` (the first
+micro-batch crosses every stage, the other m - 1 follow at the slowest stage's pace:
+``T = (m-1) max c + sum c``, ``idle_i = 1 - m c_i / T``), the tail's share, and the share of
+time spent packing and posting payload sends.
 
 **(b) Step time vs ``torch.distributed.pipelining.Schedule1F1B``** on the same stages (the same
 model objects, the same layers, embedding and head), the same micro-batches and the same
@@ -89,9 +93,9 @@ class OurStage(nn.Module):
     Output: the outgoing payload fields + running auxiliary loss, or on the last stage the
     micro-batch objective (token loss / global tokens + auxiliary losses / micro-batches)."""
 
-    def __init__(self, model, stage: int, num_micro_global: int):
+    def __init__(self, model, runtime, stage: int, num_micro_global: int):
         super().__init__()
-        self.model, self.rt, self.stage, self.num_micro_global = model, model.pipeline, stage, num_micro_global
+        self.model, self.rt, self.stage, self.num_micro_global = model, runtime, stage, num_micro_global
         self.global_tokens: torch.Tensor | None = None
 
     def forward(self, *payload, labels, loss_mask, doc_ids, position_ids, tokens=None):
@@ -157,11 +161,11 @@ class TorchSchedule:
     def __init__(self, trainer, micro_batches: list[dict]):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        rt = trainer.model.pipeline
+        rt = trainer.pipeline
         if rt.vpp != 1:
             raise ValueError("Schedule1F1B runs one stage per rank (vpp = 1)")
         stage = rt.stages[0]
-        self.module = OurStage(trainer.model, stage, trainer.num_micro_global)
+        self.module = OurStage(trainer.model, rt, stage, trainer.num_micro_global)
         self.module.global_tokens = sum(mb["loss_mask"].sum() for mb in micro_batches).float()
         mb0 = micro_batches[0]
         inputs = ((torch.empty(mb0["tokens"].shape, dtype=mb0["tokens"].dtype, device="meta"),) if rt.is_first(stage)
@@ -204,28 +208,33 @@ def _run_task(rank: int, world: int, task: dict, base: list[str], out_dir: str) 
     run_dir = Path(out_dir) / task["name"] / "run"
     recipe = load_recipe(RECIPE, [*base, *task["overrides"], f"training.run_dir={run_dir}"])
     trainer = Trainer(recipe, run_dir, rank=rank, world_size=world, log=lambda *a, **k: None)
-    rt = trainer.model.pipeline
+    rt = trainer.pipeline
     transport = rt.transport
     micro_batches = trainer.data.next_step()
     inputs = StepInputs(micro_batches, trainer.groups, trainer.num_micro_global)
-    flush_at = [0.0]
-    original_flush = transport.flush
+    flush_at, send_time = [0.0], [0.0]
+    original_flush, original_send = transport.flush, transport.send
 
     def timed_flush():
         flush_at[0] = time.perf_counter()
         original_flush()
 
-    transport.flush = timed_flush
+    def timed_send(*a, **k):
+        t0 = time.perf_counter()
+        original_send(*a, **k)
+        send_time[0] += time.perf_counter() - t0
+
+    transport.flush, transport.send = timed_flush, timed_send
 
     def ours() -> dict:
         trainer.model.zero_grad(set_to_none=True)
         dist.barrier()
-        w0, b0 = transport.wait_time, transport.bytes_sent
+        w0, b0, s0 = transport.wait_time, transport.bytes_sent, send_time[0]
         t0 = time.perf_counter()
         trainer.forward_backward(trainer.model, inputs)
         t1 = time.perf_counter()
         return {"time": t1 - t0, "wait": transport.wait_time - w0, "tail": t1 - flush_at[0],
-                "bytes": transport.bytes_sent - b0}
+                "bytes": transport.bytes_sent - b0, "send": send_time[0] - s0}
 
     record = {"task": task, "rank": rank, "stages": rt.stages, "m": len(micro_batches),
               "stage_layers": [list(s) for s in rt.stage_layers]}
@@ -316,7 +325,7 @@ def report_bubble(out_dir: Path, tasks: list[dict]) -> None:
     print("\n(a) Idle fraction per rank, from the fastest of the repeats (the one least disturbed by other "
           "processes):\n    recv = time blocked in pipeline receives / the rank's forward-backward wall time;\n    +tail adds the time after the rank's last micro-batch (send flush, "
           "loss/metric reductions: the last stage waits there for the drain)")
-    rows, cmp_rows = [], []
+    rows, cmp_rows, where_rows = [], [], []
     for task in tasks:
         recs = _load(out_dir, task, task["p"])
         p, v, m = task["p"], task["v"], recs[0]["m"]
@@ -331,6 +340,23 @@ def report_bubble(out_dir: Path, tasks: list[dict]) -> None:
         rows.append((f"{'1F1B' if v == 1 else f'interleaved v={v}'}", p, m, f"{theory:.3f}",
                      " ".join(f"{x:.3f}" for x in idle), f"{mean:.3f}", " ".join(f"{x:.3f}" for x in idle_tail),
                      f"{mean_tail:.3f}", f"{mean_tail / theory:.2f}", f"{max(compute) / min(compute):.2f}"))
+        if v == 1:
+            # 1F1B with unequal stages: the first micro-batch crosses every stage, the other m - 1
+            # follow at the slowest stage's pace -> T = (m - 1) max c + sum c, idle_i = 1 - m c_i / T
+            # (c_i = stage i's compute per micro-batch, measured). Median over the repeats.
+            med = lambda f: statistics.median(f(i) for i in range(n))
+            def imbalance_theory(i):
+                c = [(r["ours"][i]["time"] - r["ours"][i]["wait"] - r["ours"][i]["tail"]) / m for r in recs]
+                span = (m - 1) * max(c) + sum(c)
+                return statistics.mean(1 - m * x / span for x in c)
+            measured = med(lambda i: statistics.mean((r["ours"][i]["wait"] + r["ours"][i]["tail"]) / r["ours"][i]["time"]
+                                                     for r in recs))
+            sends = med(lambda i: statistics.mean(r["ours"][i].get("send", 0.0) / r["ours"][i]["time"] for r in recs))
+            tail = med(lambda i: statistics.mean(r["ours"][i]["tail"] / r["ours"][i]["time"] for r in recs))
+            with_imbalance = med(imbalance_theory)
+            where_rows.append((p, m, f"{theory:.3f}", f"{with_imbalance:.3f}", f"{measured:.3f}",
+                               f"{measured / theory:.2f}", f"{measured / with_imbalance:.2f}", f"{tail:.3f}",
+                               f"{sends:.3f}"))
         if task.get("torch"):
             n = len(recs[0]["ours"])
             ours = [max(r["ours"][i]["time"] for r in recs) for i in range(n)]
@@ -349,6 +375,13 @@ def report_bubble(out_dir: Path, tasks: list[dict]) -> None:
                              f"NO (max |diff| {max(r['grad_max_abs_diff'] for r in recs):.1e})"))
     _table(("schedule", "p", "m", "theory", "recv per rank", "mean", "recv+tail per rank", "mean", "mean/theory",
             "compute max/min"), rows)
+    if where_rows:
+        print("\n    Where 1F1B's idle time goes (median of the repeats, mean over ranks, fractions of the step): "
+              "theory = equal stages;\n    + imbalance = the same schedule with each stage's measured compute; "
+              "measured = recv + tail; tail = after the last backward\n    (drain + loss/metric all-reduce); "
+              "sends = packing + isend (counted as busy time, not idle)")
+        _table(("p", "m", "theory", "+ imbalance", "measured", "meas/theory", "meas/(+imbalance)", "tail", "sends"),
+               where_rows)
     if cmp_rows:
         print("\n(b) Step time, ours vs torch.distributed.pipelining.Schedule1F1B (same stages, micro-batches, "
               "objective; ms).\n    step = max over ranks (median / min of repeats); busy = wall - waits (- our "

@@ -2,8 +2,9 @@
 
 ``init_distributed()`` is the first thing a rank does: it discovers its rank, the world and
 rank 0's address (:mod:`megatron_s2.launcher.rendezvous`: torchrun, mpirun, srun, or a
-single process), picks the backend (NCCL with GPUs, gloo on CPU), binds the rank to its
-GPU by local rank, initialises the default process group and exports the torchrun-style
+single process), picks the backend and the rank's device in one place
+(:func:`megatron_s2.runtime.device.resolve_rank_device`: nccl <=> the GPU of its local rank,
+gloo <=> CPU), makes that GPU the current device, initialises the default process group and exports the torchrun-style
 variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``...) so that code which
 reads them (megatron-core, torch utilities) sees one consistent story. It never chooses an
 MPI plugin: with ``srun --mpi=pmix`` or ``mpirun`` the site's MPI is used as found.
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_s2.launcher.rendezvous import Rendezvous, discover
+from megatron_s2.runtime.device import resolve_rank_device
 
 __all__ = ["DistInfo", "init_distributed", "shutdown_distributed", "resolve_backend"]
 
@@ -37,6 +39,9 @@ class DistInfo:
     """Where the rank came from: torchrun, mpi, slurm, single (or existing: already initialised)."""
     master_addr: str = ""
     master_port: int = 0
+    device: torch.device = torch.device("cpu")
+    """Where this rank computes (:mod:`megatron_s2.runtime.device`): the trainer and the
+    inference engine put everything there."""
 
     @property
     def is_main(self) -> bool:
@@ -44,15 +49,9 @@ class DistInfo:
 
 
 def resolve_backend(backend: str) -> str:
-    """``auto`` -> ``nccl`` when this process sees a GPU, else ``gloo``."""
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"backend {backend!r} is not one of auto, nccl, gloo")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError("backend nccl requested but no CUDA device is visible to this rank; "
-                           "use gloo (parallel.backend: gloo) or request GPUs")
-    return backend
+    """``auto`` -> ``nccl`` when this process sees a GPU, else ``gloo``; ``nccl`` without a
+    GPU is a ConfigError (exit 2, one line)."""
+    return resolve_rank_device(backend).backend
 
 
 def _export(rdv: Rendezvous) -> None:
@@ -63,9 +62,9 @@ def _export(rdv: Rendezvous) -> None:
     })
 
 
-def _info(rdv: Rendezvous, backend: str) -> DistInfo:
+def _info(rdv: Rendezvous, backend: str, device: torch.device) -> DistInfo:
     return DistInfo(rdv.rank, rdv.world_size, rdv.local_rank, rdv.local_world_size, backend,
-                    rdv.source, rdv.master_addr, rdv.master_port)
+                    rdv.source, rdv.master_addr, rdv.master_port, device)
 
 
 def init_distributed(backend: str = "auto", source: str = "auto") -> DistInfo:
@@ -73,29 +72,33 @@ def init_distributed(backend: str = "auto", source: str = "auto") -> DistInfo:
 
     ``backend``: auto, nccl or gloo. ``source``: auto (see
     :mod:`~megatron_s2.launcher.rendezvous`) or one of torchrun, mpi, slurm, single.
-    A single process (no launcher) gets no process group and backend "none".
+    A single process (no launcher) gets no process group and backend "none", and the device
+    the backend table gives it (its GPU with ``auto``/``nccl`` when one is visible, else CPU).
     The timeout of collectives defaults to torch's, or ``$MEGATRON_S2_DIST_TIMEOUT_S``.
     """
     if dist.is_available() and dist.is_initialized():  # e.g. a test harness got there first
+        from megatron_s2.runtime.device import process_device
+
         env = os.environ
         return DistInfo(dist.get_rank(), dist.get_world_size(), int(env.get("LOCAL_RANK", 0)),
                         int(env.get("LOCAL_WORLD_SIZE", dist.get_world_size())), dist.get_backend(),
-                        "existing", env.get("MASTER_ADDR", ""), int(env.get("MASTER_PORT", 0)))
+                        "existing", env.get("MASTER_ADDR", ""), int(env.get("MASTER_PORT", 0)), process_device())
     rdv = discover(source=source)
+    placed = resolve_rank_device(backend, rdv.local_rank, rank=rdv.rank)
+    if placed.is_cuda:
+        torch.cuda.set_device(placed.device)
     if rdv.world_size == 1 and rdv.source == "single":
-        return _info(rdv, "none")
-    backend = resolve_backend(backend)
-    if backend == "nccl":
-        torch.cuda.set_device(_device_index(rdv))
+        return _info(rdv, "none", placed.device)
+    backend = placed.backend
     _export(rdv)
     kwargs = {}
     if os.environ.get(_TIMEOUT_ENV):
         kwargs["timeout"] = datetime.timedelta(seconds=float(os.environ[_TIMEOUT_ENV]))
     if backend == "nccl":
-        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+        kwargs["device_id"] = placed.device
     dist.init_process_group(backend=backend, init_method=f"tcp://{_host_for_url(rdv.master_addr)}:{rdv.master_port}",
                             rank=rdv.rank, world_size=rdv.world_size, **kwargs)
-    return _info(rdv, backend)
+    return _info(rdv, backend, placed.device)
 
 
 def shutdown_distributed() -> None:
@@ -110,17 +113,6 @@ def shutdown_distributed() -> None:
         if dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()
-
-
-def _device_index(rdv: Rendezvous) -> int:
-    """The GPU of this rank: its local rank, or 0 when the launcher gave each rank one GPU."""
-    count = torch.cuda.device_count()
-    if count == 1:
-        return 0
-    if rdv.local_rank >= count:
-        raise RuntimeError(f"rank {rdv.rank}: local rank {rdv.local_rank} but only {count} GPUs are visible; "
-                           "start at most one rank per GPU (launcher.nproc_per_node <= gpus_per_node)")
-    return rdv.local_rank
 
 
 def _host_for_url(addr: str) -> str:

@@ -109,6 +109,8 @@ class LocalRun:
         n = self.job.nproc_per_node
         env = dict(base_env, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n),
                    GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if not self.job.gpus_per_node:  # CPU ranks: a visible GPU must not turn parallel.backend=auto into nccl
+            env["CUDA_VISIBLE_DEVICES"] = ""
         log = self.log_dir / f"rank{rank}.log"
         echo = rank == 0
         with open(log, "ab") as sink:

@@ -75,10 +75,7 @@ def plan_launch(recipe: RecipeConfig, *, local: bool, visible_gpus: int | None =
     nproc = _ranks_per_node(recipe)
     if recipe.parallel.backend == "nccl" and not cfg.gpus_per_node:
         raise ConfigError("parallel.backend: nccl needs GPUs; set --gpus-per-node or parallel.backend: auto")
-    training = recipe.training
-    layout = ParallelLayout.build(recipe.parallel, recipe.model, cfg.nodes * nproc,
-                                  seq_length=training.seq_length, global_batch_size=training.global_batch_size,
-                                  micro_batch_size=training.micro_batch_size)
+    layout = ParallelLayout.from_recipe(recipe, cfg.nodes * nproc)
     # Every other check the trainer makes at start-up, from the same function (memory only
     # where the ranks will run: this machine in local mode; compute nodes are unknown here).
     host = HostMemory.detect(nproc, gpus=bool(cfg.gpus_per_node)) if local else None

@@ -27,6 +27,7 @@ _SUBCOMMANDS = (
     "megatron_s2.checkpoint.cli",      # checkpoint
     "megatron_s2.tools.plan",          # plan
     "megatron_s2.inference.cli",       # generate
+    "megatron_s2.serve.cli",           # serve
 )
 
 

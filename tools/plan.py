@@ -107,12 +107,13 @@ def run_layouts(args: argparse.Namespace) -> int:
 
 
 def run_schedule(args: argparse.Namespace) -> int:
-    from megatron_s2.planning.memory import build_layout, default_world_size
+    from megatron_s2.parallel.layout import ParallelLayout
+    from megatron_s2.planning.memory import default_world_size
     from megatron_s2.planning.schedule import timeline
     from megatron_s2.planning.schedule_svg import write_schedule
 
     recipe = load_recipe(args.recipe, args.overrides)
-    layout = build_layout(recipe, args.world_size or default_world_size(recipe))
+    layout = ParallelLayout.from_recipe(recipe, args.world_size or default_world_size(recipe))
     t = recipe.training
     m = args.micro_batches or t.global_batch_size // (t.micro_batch_size * layout.dp)
     ops = timeline(layout.pp, layout.vpp, m, forward=args.forward_units, backward=args.backward_units)

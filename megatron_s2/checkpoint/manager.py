@@ -252,7 +252,7 @@ class CheckpointManager:
         bit per stored key, OR-reduced over ranks, so the cost does not grow with the world."""
         prefixes = (MODEL_PREFIX, OPTIM_PREFIX) if with_optimizer else (MODEL_PREFIX,)
         keys = sorted(k for k in index.state_dict_metadata if k.startswith(prefixes))
-        asked = torch.tensor([k in requested for k in keys], dtype=torch.uint8)
+        asked = torch.tensor([k in requested for k in keys], dtype=torch.uint8, device="cpu")  # gloo group
         if self.group is not None and keys:
             dist.all_reduce(asked, op=dist.ReduceOp.MAX, group=self.group)
         missed = [k for k, bit in zip(keys, asked.tolist()) if not bit]

@@ -8,7 +8,7 @@ These are the entry points for format conversion (Hugging Face import/export) an
 
 ``reshard(source, dest, overrides)`` — ``megatron-s2 checkpoint reshard <in> <out> parallel.tp=1
 parallel.pp=4``. It assembles the full model and optimiser tensors in this process's memory,
-validates the target layout (:meth:`ParallelLayout.build`, same messages as ``train``), and
+validates the target layout (:meth:`ParallelLayout.from_recipe`, same messages as ``train``), and
 writes a committed checkpoint whose manifest records the target layout and the resolved
 config with the overrides applied, so ``megatron-s2 train <out>/../config`` or
 ``checkpoint.load=<out>`` starts in the new layout. Step, data-iterator state and optimiser
@@ -42,6 +42,7 @@ from megatron_s2.checkpoint.format import (
 )
 from megatron_s2.checkpoint.store import CheckpointStore, is_step_dir, verify_checkpoint
 from megatron_s2.config.schema import ConfigError
+from megatron_s2.parallel.layout import ParallelLayout
 
 __all__ = [
     "RESHARD_KEYS",
@@ -116,7 +117,7 @@ def write_model_state(state: dict[str, torch.Tensor], recipe, root: str | Path, 
     """A committed, model-only checkpoint of ``state`` (full tensors by name) for the recipe's
     layout at ``world_size`` ranks; train from it with ``checkpoint.load=<path>
     checkpoint.load_optimizer=false``."""
-    layout = _layout(recipe, world_size)
+    layout = ParallelLayout.from_recipe(recipe, world_size)
     manifest = Manifest(step=step, world_size=world_size, layout=layout.describe(), config=recipe.to_mapping(),
                         info={"model": recipe.model.name, **(info or {})})
     return write_full_tensors({MODEL_PREFIX + k: v for k, v in state.items()}, manifest, Path(root))
@@ -140,7 +141,7 @@ def reshard(source: str | Path, dest_root: str | Path, overrides: list[str], *, 
         apply_override(tree, text)
     recipe = from_mapping(RecipeConfig, tree)
     world = world_size or manifest.world_size
-    layout = _layout(recipe, world)
+    layout = ParallelLayout.from_recipe(recipe, world)
     dest = Path(dest_root) / step_dir.name
     if dest.resolve() == step_dir.resolve():
         raise ConfigError(f"reshard: the output {dest} is the input; write to another checkpoints directory")
@@ -151,10 +152,3 @@ def reshard(source: str | Path, dest_root: str | Path, overrides: list[str], *, 
     log(f"reshard: {step_dir} ({manifest.layout}) -> {dest} ({layout.describe()}), {len(tensors)} tensors")
     return write_full_tensors(tensors, new, Path(dest_root))
 
-
-def _layout(recipe, world_size: int):
-    from megatron_s2.parallel.layout import ParallelLayout
-
-    t = recipe.training
-    return ParallelLayout.build(recipe.parallel, recipe.model, world_size, seq_length=t.seq_length,
-                                global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)

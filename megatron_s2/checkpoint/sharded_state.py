@@ -6,7 +6,7 @@ different slices, comes out of every layout:
 
 * model: ``model.state_dict(keep_vars=True)`` — the rank's own parameters and persistent
   buffers under their global names. Pipeline shadow replicas are not submodules of the model
-  (they live in ``model.pipeline.shadows``) and never appear; buffers and parameters without
+  (they live in the pipeline runtime's ``shadows``) and never appear; buffers and parameters without
   a ShardSpec are whole tensors replicated on every rank that holds them.
 * optimiser: the state of every parameter this rank *updates*: all of its parameters without
   ZeRO-1, only the parameters it owns with it (``DistributedOptimizer.owned``), so a state
@@ -82,7 +82,7 @@ def _state_shard(fqn: str, value, param: nn.Parameter, snapshot: bool) -> Global
     if not torch.is_tensor(value):
         if not isinstance(value, (int, float)):
             raise CheckpointError(f"'{fqn}': optimiser state of type {type(value).__name__} cannot be stored")
-        value = torch.tensor(value, dtype=torch.float64)
+        value = torch.tensor(value, dtype=torch.float64, device="cpu")
     value = _copy(value, snapshot)
     if tuple(value.shape) == tuple(param.shape):
         return GlobalShard.from_spec(value, shard_spec(param))
@@ -104,7 +104,7 @@ def optimizer_shards(optimizer, *, snapshot: bool = False) -> dict[str, GlobalSh
 def rng_shards(rng: dict, rank: int) -> dict[str, GlobalShard]:
     out = {}
     for key, value in rng.items():
-        t = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else torch.tensor(int(value), dtype=torch.int64)
+        t = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else torch.tensor(int(value), dtype=torch.int64, device="cpu")
         out[f"{RNG_PREFIX}{rank:05d}/{key}"] = GlobalShard(t, tuple(t.shape), (0,) * t.dim())
     return out
 
@@ -153,7 +153,7 @@ def optimizer_targets(optimizer, index) -> OptimizerTargets:
                 local = torch.empty(p.shape, dtype=dtype, device=p.device)
                 out.shards[fqn] = GlobalShard.from_spec(local, spec)
             elif len(md.size) == 0:
-                local = torch.empty((), dtype=md.properties.dtype)
+                local = torch.empty((), dtype=md.properties.dtype, device="cpu")  # step counts: host scalars
                 out.shards[fqn] = GlobalShard(local, (), ())
             else:
                 raise CheckpointError(f"'{fqn}': stored with shape {tuple(md.size)}, but parameter '{name}' has "
@@ -168,7 +168,7 @@ def rng_targets(index, rank: int) -> dict[str, GlobalShard]:
     out = {}
     for fqn, md in index.state_dict_metadata.items():
         if fqn.startswith(prefix) and isinstance(md, TensorStorageMetadata):
-            local = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            local = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="cpu")  # RNG states are host tensors
             out[fqn] = GlobalShard(local, tuple(md.size), (0,) * len(md.size))
     return out
 

@@ -7,9 +7,13 @@ Two kinds of data feed the trainer (implementation in :mod:`megatron_s2.data`):
   tasks serve RL later, so their difficulty knobs live here in :class:`TaskDifficulty`.
 * ``indexed`` — ``.bin``/``.idx`` pairs written by ``tools/preprocess_data.py``, optionally a
   weighted blend of several prefixes.
+* ``chat`` — chat conversations (system / user / assistant / tool messages) read from local
+  ``.jsonl`` or ``.parquet`` files, tokenized with the tokenizer's chat template; in SFT the
+  tokens of ``loss_roles`` are the targets.
 
-Documents are rendered as ``bos + prompt + sep + answer + eos`` (or ``bos + text + eos``),
-best-fit packed into rows of ``seq_length + 1`` tokens and shuffled per epoch.
+Prompt/answer pairs are rendered as a one-turn chat (character tokenizer: ``bos + prompt +
+sep + answer + eos``), text as ``bos + text + eos``; documents are best-fit packed into rows
+of ``seq_length + 1`` tokens and shuffled per epoch.
 """
 
 from __future__ import annotations
@@ -59,11 +63,14 @@ class TaskDifficulty:
 class DataConfig:
     """Training data of a phase: source, tokenizer, rendering and loss masking."""
 
-    kind: Literal["synthetic", "indexed"] = "synthetic"
+    kind: Literal["synthetic", "indexed", "chat"] = "synthetic"
     """'synthetic': generated verifiable tasks; 'indexed': .bin/.idx files from
-    tools/preprocess_data.py listed in `paths`."""
-    tokenizer: Literal["char"] = "char"
-    """Tokenizer kind; 'char' is the project's own character-level tokenizer (vocab <= 128)."""
+    tools/preprocess_data.py listed in `paths`; 'chat': conversations in the local .jsonl /
+    .parquet files listed in `paths`."""
+    tokenizer: str = "char"
+    """'char' (the project's character-level tokenizer, vocab 102) or a local Hugging Face
+    tokenizer directory (tokenizer.json + tokenizer_config.json with a chat_template), e.g.
+    recipes/tokenizers/tiny-bpe; relative paths: working directory, then the project root."""
 
     # ---- synthetic -----------------------------------------------------------------------
     tasks: tuple[str, ...] = TASK_NAMES
@@ -78,14 +85,27 @@ class DataConfig:
 
     # ---- indexed -------------------------------------------------------------------------
     paths: tuple[str, ...] = ()
-    """Path prefixes of indexed datasets (each names prefix.bin and prefix.idx)."""
+    """kind 'indexed': path prefixes (each names prefix.bin and prefix.idx); kind 'chat':
+    .jsonl / .parquet files with one conversation per record."""
     weights: tuple[float, ...] = ()
     """Blend weights, one per path; empty = proportional to each dataset's size."""
 
     # ---- rendering -----------------------------------------------------------------------
     loss_on: Literal["auto", "all", "answer"] = "auto"
-    """Which target tokens carry loss: 'all' (pretraining), 'answer' (SFT: answer + eos only,
-    prompt masked), 'auto' = 'answer' when the phase is 'sft', else 'all'."""
+    """Which target tokens carry loss: 'all' (pretraining), 'answer' (SFT: the tokens of
+    loss_roles — the answer and its eos for prompt/answer data — everything else masked),
+    'auto' = 'answer' when the phase is 'sft', else 'all'."""
+    loss_roles: tuple[str, ...] = ("assistant",)
+    """Chat roles whose tokens are targets under loss_on 'answer' (of system, user, assistant,
+    tool); an assistant's generation prompt is never a target."""
+
+    # ---- chat ------------------------------------------------------------------------------
+    messages_key: str = "messages"
+    """Field of a chat record holding its message list (records may also carry 'tools' and
+    'reasoning_effort')."""
+    on_bad_record: Literal["stop", "skip"] = "stop"
+    """A malformed chat record: 'stop' the run naming file:line, or 'skip' it and log how many
+    were skipped (with the first reasons)."""
 
     def __post_init__(self) -> None:
         if not self.tasks and self.kind == "synthetic":
@@ -106,8 +126,22 @@ class DataConfig:
                                   "(write one with tools/preprocess_data.py --output-prefix PREFIX)")
             if len(set(self.paths)) != len(self.paths):
                 raise ConfigError(f"paths: duplicate prefixes in {list(self.paths)}")
+        elif self.kind == "chat":
+            if not self.paths:
+                raise ConfigError("paths: kind 'chat' needs at least one .jsonl or .parquet file of conversations")
+            for path in self.paths:
+                if not path.lower().endswith((".jsonl", ".parquet")):
+                    raise ConfigError(f"paths: '{path}' is not a .jsonl or .parquet file (kind 'chat')")
+            if len(set(self.paths)) != len(self.paths):
+                raise ConfigError(f"paths: duplicate files in {list(self.paths)}")
         elif self.paths or self.weights:
-            raise ConfigError("paths: only kind 'indexed' reads files; set kind: indexed or drop paths/weights")
+            raise ConfigError("paths: only kinds 'indexed' and 'chat' read files; set the kind or drop paths/weights")
+        roles = ("system", "user", "assistant", "tool")
+        bad = [r for r in self.loss_roles if r not in roles]
+        if bad or not self.loss_roles:
+            raise ConfigError(f"loss_roles: {bad or '[]'} — give one or more of {', '.join(roles)}")
+        if not self.tokenizer:
+            raise ConfigError("tokenizer: must be 'char' or a tokenizer directory")
         if self.weights:
             if len(self.weights) != len(self.paths):
                 raise ConfigError(f"weights: {len(self.weights)} weights for {len(self.paths)} paths; "

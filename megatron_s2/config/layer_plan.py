@@ -9,10 +9,14 @@ pure sliding-window attention (§2.1). A layer in
   query and publishes fresh top-k indices;
 * **Reuse** mode reuses the most recent main KV and the latest top-k computed against it.
 
-Under the Causal Encoder-Decoder (§2.2, Eq. 1) a decoder layer in Full mode projects its main
-KV from the last encoder layer's hidden state. The Hierarchical Sparse Indexer (§2.3.2) makes
-the first decoder Full layer the *candidate source*; later decoder Reindex layers search only
-its candidate pool.
+Under the Causal Encoder-Decoder (§2.2, Eq. 1) the decoder's global KV is projected from the
+last encoder layer's hidden state H_{L/2}. As in the released model, the decoder's only Full
+layer is its *first* layer, and it compresses its own normalised attention input — which is
+exactly ``attn_norm(H_{L/2})``: under Single-Pass mHC the first decoder block collapses the
+encoder's final streams with the encoder's last mix. A Full layer deeper in the decoder would
+compress decoder states, so prefill could no longer run the encoder alone; such plans are
+refused. The Hierarchical Sparse Indexer (§2.3.2) makes that layer the *candidate source*;
+later decoder Reindex layers search only its candidate pool.
 
 The plan names, for every consumer, the *producer* layer of each shared state. Pipeline
 payloads, shadow indexers and accounting are all derived from these producer links, never
@@ -48,7 +52,6 @@ class SharedStateKind(str, enum.Enum):
     INDEX_K = "index_k"            # indexer keys projected from main KV: float [b, n_c, index_head_dim]
     TOPK = "topk"                  # selected compressed positions: int [b, s, topk], -1 = none
     CANDIDATES = "candidates"      # candidate-pool positions: int [b, s, pool], -1 = none
-    ENCODER_OUTPUT = "encoder_output"  # H_{L/2}: float [b, s, hidden], the CED decoder's KV input
     # Representations a pipeline cut may carry instead of the states above, so that a shadow
     # replica re-derives them on the consumer stage (§3.1.2 shadow indexers):
     LATENT = "latent"              # RoPE-free compressed latent: float [b, n_c, head_dim]
@@ -56,8 +59,7 @@ class SharedStateKind(str, enum.Enum):
 
     @property
     def differentiable(self) -> bool:
-        return self in (SharedStateKind.MAIN_KV, SharedStateKind.INDEX_K, SharedStateKind.ENCODER_OUTPUT,
-                        SharedStateKind.LATENT)
+        return self in (SharedStateKind.MAIN_KV, SharedStateKind.INDEX_K, SharedStateKind.LATENT)
 
 
 @dataclass(frozen=True)
@@ -72,9 +74,8 @@ class LayerSpec:
     index_source: int | None     # producer of the top-k this layer attends with (self for Full/Reindex)
     candidate_source: int | None  # producer of the candidate pool this layer's indexer searches
     is_candidate_source: bool
-    uses_encoder_output: bool    # CED: main KV projected from the last encoder layer (Eq. 1)
+    uses_encoder_output: bool    # CED: the decoder Full layer, whose attention input is H_{L/2} (Eq. 1)
     has_engram: bool
-    encoder_source: int | None = None  # the last encoder layer, when uses_encoder_output
 
     @property
     def is_csa2(self) -> bool:
@@ -97,8 +98,6 @@ class LayerSpec:
             reads += [(self.kv_source, SharedStateKind.MAIN_KV), (self.index_source, SharedStateKind.TOPK)]
         if self.candidate_source is not None and self.candidate_source != self.index:
             reads.append((self.candidate_source, SharedStateKind.CANDIDATES))
-        if self.uses_encoder_output:
-            reads.append((self.encoder_source, SharedStateKind.ENCODER_OUTPUT))
         return reads
 
     def produces(self) -> list[SharedStateKind]:
@@ -209,25 +208,21 @@ def _build_plan(groups, num_encoder_layers: int, engram_layers: tuple[int, ...],
             if mode is CSA2Mode.REINDEX:
                 idx_src = i
         uses_encoder_output = mode is CSA2Mode.FULL and not is_encoder
-        is_cand_src = hierarchical and mode is CSA2Mode.FULL and not is_encoder and candidate_src is None
-        if is_cand_src:
-            candidate_src = i
+        if uses_encoder_output and i != num_encoder_layers:
+            raise ConfigError(f"{where} is a Full layer inside the decoder; under the Causal Encoder-Decoder "
+                              f"(§2.2, Eq. 1) the decoder's main KV is compressed from H_(L/2), which only the "
+                              f"first decoder layer ({num_encoder_layers}) reads as its attention input; make "
+                              "this layer 'reindex' or 'reuse', or move num_encoder_layers")
+        is_cand_src = hierarchical and uses_encoder_output
         cand = None
         if is_cand_src:
-            cand = i
-        elif (hierarchical and mode is CSA2Mode.REINDEX and not is_encoder and candidate_src is not None):
-            if kv_src != specs[candidate_src].kv_source:
-                raise ConfigError(f"{where} searches the candidate pool of layer {candidate_src}, whose "
-                                  f"positions index the main KV of layer {specs[candidate_src].kv_source}, "
-                                  f"but this layer reuses the main KV of layer {kv_src}; place the decoder's "
-                                  "extra Full layers before the candidate source or disable the hierarchical "
-                                  "indexer (candidate_topk_blocks: 0)")
-            cand = candidate_src
+            candidate_src = cand = i
+        elif hierarchical and mode is CSA2Mode.REINDEX and not is_encoder and candidate_src is not None:
+            cand = candidate_src  # the pool indexes the decoder's one main KV (no later Full layer)
         specs.append(LayerSpec(
             index=i, mode=mode, compress_ratio=ratio, is_encoder=is_encoder, kv_source=kv_src,
             index_source=idx_src, candidate_source=cand, is_candidate_source=is_cand_src,
             uses_encoder_output=uses_encoder_output, has_engram=i in engram_layers,
-            encoder_source=num_encoder_layers - 1 if uses_encoder_output else None,
         ))
     if num_encoder_layers > num_layers:
         raise ConfigError(f"num_encoder_layers: {num_encoder_layers} exceeds the {num_layers} layers of layer_groups")

@@ -189,6 +189,15 @@ class ScheduleConfig:
     """First step of the cosine decay (the constant phase covers [warmup_steps, here))."""
     decay_end_step: int = 397615
     """Step at which the cosine reaches min_lr; later steps stay at min_lr."""
+    decay_start_tokens: float | None = None
+    """Token-based boundary (report: 28e12): the decay starts at the first step by which this
+    many tokens (global_batch_size x seq_length per step) are trained; replaces
+    decay_start_step. Give decay_end_tokens with it."""
+    decay_end_tokens: float | None = None
+    """Token-based end of the cosine (report: 40e12); replaces decay_end_step."""
+    start_tokens: float = 0.0
+    """Tokens trained before this phase on the same schedule: the schedule starts at that
+    position (e.g. 34e12 for the 1M-context extension, report §4.2.2); 0 for a fresh run."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -203,6 +212,13 @@ class ScheduleConfig:
         if self.decay_end_step < self.decay_start_step:
             raise ConfigError(f"decay_end_step: {self.decay_end_step} is before decay_start_step="
                               f"{self.decay_start_step}; the decay must end after it starts")
+        if (self.decay_start_tokens is None) != (self.decay_end_tokens is None):
+            raise ConfigError("decay_start_tokens: give both decay_start_tokens and decay_end_tokens, or neither")
+        if self.decay_start_tokens is not None and not 0 <= self.decay_start_tokens <= self.decay_end_tokens:
+            raise ConfigError(f"decay_end_tokens: {self.decay_end_tokens} must be >= decay_start_tokens="
+                              f"{self.decay_start_tokens} >= 0")
+        if self.start_tokens < 0:
+            raise ConfigError(f"start_tokens: must be >= 0, got {self.start_tokens}")
         if self.decay_end_step == self.decay_start_step and self.min_lr != self.lr:
             raise ConfigError(f"decay_end_step: equals decay_start_step={self.decay_start_step}, which would drop "
                               f"lr to min_lr in one step; make decay_end_step larger or set min_lr = lr")

@@ -46,9 +46,11 @@ class ParallelConfig:
     engram_parallel: int = 1
     """Engram-parallel size: Engram table rows partitioned over this many ranks (§3.1.3)."""
     distributed_optimizer: bool = False
-    """ZeRO-1: shard optimiser state over data-parallel replicas."""
+    """ZeRO-1: shard optimiser state over data-parallel replicas (gradients reduce-scattered to
+    their owners, updated parameters all-gathered: plain data parallelism's wire)."""
     recompute: Literal["none", "full", "selective"] = "none"
-    """Activation recomputation: none, full (whole layers) or selective (attention core and MoE experts)."""
+    """Activation recomputation: none, full (whole layers) or selective (attention core and routed
+    experts' SwiGLU: SELECTIVE_RECOMPUTE of models/v41/parallel_plan.py)."""
     grad_bucket_mb: float = 25.0
     """Size of the gradient all-reduce buckets in MiB."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"

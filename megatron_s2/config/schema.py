@@ -64,6 +64,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 return _convert(value, arg, path)
             except ConfigError as exc:
                 errors.append(str(exc))
+        if len(errors) == 1:  # Optional[X]: X's own message says what is wrong (e.g. not finite)
+            raise ConfigError(errors[0])
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         choices = get_args(tp)

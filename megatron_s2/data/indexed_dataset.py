@@ -195,6 +195,13 @@ class IndexedDataset:
         end = begin - start + int(self._sizes[index]) if length is None else begin + length
         return np.asarray(self._tokens[begin:end], dtype=np.int64)
 
+    def targets(self, index: int, start: int = 0, length: int | None = None) -> np.ndarray:
+        """SFT target flags: the tokens from the document's prompt length on."""
+        from megatron_s2.data.documents import prompt_targets
+
+        size = int(self._sizes[index])
+        return prompt_targets(int(self._prompt_lengths[index]), start, size - start if length is None else length)
+
     def __getitem__(self, index: int) -> np.ndarray:
         return self.tokens(index)
 

@@ -160,26 +160,33 @@ def _check_layout(seq_length: int, global_batch_size: int, micro_batch_size: int
                           f"{dp_size * micro_batch_size} or change micro_batch_size")
 
 
-def load_document_stores(cfg: DataConfig, *, seed: int, tokenizer: Tokenizer) -> list[DocumentStore]:
+def load_document_stores(cfg: DataConfig, *, seed: int, tokenizer: Tokenizer, log=print) -> list[DocumentStore]:
     """The document stores named by a data config (generated or read from disk)."""
     if cfg.kind == "synthetic":
         return [build_synthetic_documents(cfg, seed, tokenizer)]
+    if cfg.kind == "chat":
+        from megatron_s2.data.chat import load_chat_documents
+
+        return load_chat_documents(cfg.paths, tokenizer, loss_roles=cfg.loss_roles, messages_key=cfg.messages_key,
+                                   on_bad_record=cfg.on_bad_record, log=log)
     stores = []
     for prefix in cfg.paths:
         dataset = IndexedDataset(prefix)
         if dataset.vocab_size != tokenizer.vocab_size:
             raise DataError(f"{prefix}.idx: written with a {dataset.vocab_size}-token vocabulary but the "
-                            f"'{cfg.tokenizer}' tokenizer has {tokenizer.vocab_size}; re-run tools/preprocess_data.py")
+                            f"'{cfg.tokenizer}' tokenizer has {tokenizer.vocab_size}; re-run tools/preprocess_data.py "
+                            "with the same --tokenizer")
         stores.append(dataset)
     return stores
 
 
 def build_data_iterator(cfg: DataConfig, *, seq_length: int, global_batch_size: int, micro_batch_size: int,
-                        dp_rank: int, dp_size: int, seed: int, phase: str, tokenizer: Tokenizer) -> DataIterator:
+                        dp_rank: int, dp_size: int, seed: int, phase: str, tokenizer: Tokenizer,
+                        log=print) -> DataIterator:
     """The data iterator of one data-parallel rank (see module docstring)."""
     _check_layout(seq_length, global_batch_size, micro_batch_size, dp_rank, dp_size)
     return DataIterator(
-        load_document_stores(cfg, seed=seed, tokenizer=tokenizer),
+        load_document_stores(cfg, seed=seed, tokenizer=tokenizer, log=log),
         seq_length=seq_length, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
         dp_rank=dp_rank, dp_size=dp_size, seed=seed, answer_only=cfg.loss_mode(phase) == "answer",
         pad_id=tokenizer.pad_id, weights=cfg.weights or None,

@@ -83,8 +83,8 @@ class PackedRows:
     def materialize(self, row: int, store: DocumentStore, *, answer_only: bool, pad_id: int) -> PackedRow:
         """Tokens, target flags and segment ids of row ``row``.
 
-        A token is a target when ``answer_only`` is False, or when it lies at or after its
-        document's prompt length (SFT: answer and eos only)."""
+        A token is a target when ``answer_only`` is False, or when its document marks it as
+        one (SFT: the answer / the trained roles' tokens, ``DocumentStore.targets``)."""
         tokens = np.full(self.row_length, pad_id, dtype=np.int64)
         is_target = np.zeros(self.row_length, dtype=bool)
         begin, end = self.row_offsets[row], self.row_offsets[row + 1]
@@ -97,7 +97,7 @@ class PackedRows:
             tokens[span] = store.tokens(document, start, length)
             segment_ids[span] = segment
             if answer_only:
-                is_target[span] = np.arange(start, start + length) >= store.prompt_lengths[document]
+                is_target[span] = store.targets(document, start, length)
             else:
                 is_target[span] = True
             cursor += length

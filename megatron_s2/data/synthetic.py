@@ -2,8 +2,9 @@
 
 ``num_documents`` problems are drawn from the configured tasks (task chosen uniformly per
 document) with one :class:`random.Random` seeded by the dataset seed, so the same seed gives
-the same documents on every machine and every data-parallel rank. Each problem is rendered as
-``bos + prompt + sep + answer + eos`` (:func:`~megatron_s2.data.documents.render_prompt_answer`).
+the same documents on every machine and every data-parallel rank. Each problem is rendered as a
+one-turn chat (:func:`~megatron_s2.data.documents.render_prompt_answer`; character tokenizer:
+``bos + prompt + sep + answer + eos``).
 Generating the default 20,000 documents takes a fraction of a second.
 """
 
@@ -13,7 +14,7 @@ import random
 from typing import Sequence
 
 from megatron_s2.config.data import DataConfig
-from megatron_s2.data.documents import InMemoryDocuments, render_prompt_answer
+from megatron_s2.data.documents import InMemoryDocuments, render_prompt_answers
 from megatron_s2.data.tasks import Task, TaskSample, build_tasks
 from megatron_s2.data.tokenizer import Tokenizer
 
@@ -29,7 +30,7 @@ def sample_problems(tasks: Sequence[Task], count: int, seed: int) -> list[TaskSa
 def generate_task_documents(tasks: Sequence[Task], count: int, seed: int, tokenizer: Tokenizer) -> InMemoryDocuments:
     """Tokenised documents of :func:`sample_problems`."""
     problems = sample_problems(tasks, count, seed)
-    return InMemoryDocuments.from_documents(render_prompt_answer(tokenizer, p.prompt, p.answer) for p in problems)
+    return InMemoryDocuments.from_documents(render_prompt_answers(tokenizer, [(p.prompt, p.answer) for p in problems]))
 
 
 def build_synthetic_documents(cfg: DataConfig, run_seed: int, tokenizer: Tokenizer) -> InMemoryDocuments:

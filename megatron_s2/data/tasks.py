@@ -10,7 +10,8 @@ Every task keeps three things apart, so that the same task serves pretraining, S
   it does not need the stored answer. Surrounding whitespace of the response is ignored;
   anything else must match exactly (no leading zeros, no extra text).
 
-Prompt formats (the answer follows the tokenizer's ``<sep>``):
+Prompt formats (a one-turn chat: the answer is the assistant message; ``<sep>`` with the
+character tokenizer):
 
 ==============  ====================  ==========
 task            prompt                answer

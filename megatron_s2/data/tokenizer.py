@@ -1,6 +1,13 @@
-"""The project's own character-level tokenizer (no vocabulary download).
+"""The tokenizer protocol, the project's character-level tokenizer, and loading by name.
 
-Token ids are fixed and deterministic:
+``data.tokenizer`` in a recipe is either ``char`` — the character tokenizer below — or a local
+Hugging Face tokenizer directory (``tokenizer.json`` + ``tokenizer_config.json`` with a chat
+template; :class:`~megatron_s2.data.hf_tokenizer.HFTokenizer`), e.g. the byte-level BPE shipped in
+``recipes/tokenizers/tiny-bpe`` (``tools/train_tokenizer.py`` trains more). Relative directory
+paths are tried against the working directory, then the project root. :func:`load_tokenizer`
+also reads the copy a run directory or a checkpoint carries (``Tokenizer.save``).
+
+The character tokenizer's ids are fixed and deterministic:
 
 ====  =========  ==========================================================
 id    token      role
@@ -17,31 +24,41 @@ The default alphabet is all of printable ASCII plus newline and tab, so ``vocab_
 and fits the ``tiny`` model (vocab 128). :meth:`CharTokenizer.compressed_token_map` gives the
 Engram "tokenizer compression" of DeepSeek-V4.1-Flash §2.4.2: ids that differ only by letter
 case or by the kind of whitespace share one dense compressed id, so that hashed n-grams see
-the same key for ``The cat`` and ``the\\tcat``.
+the same key for ``The cat`` and ``the\\tcat``. Its chat rendering keeps the historical
+single-turn layout ``bos + prompt + sep + answer + eos``: user and tool messages are plain text,
+an assistant message is ``sep + text + eos`` (``sep`` is its generation prompt), and the header
+(§5.1.4 reasoning-effort line, system prompt, tools as JSON) follows ``bos`` with a newline.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import string
-from typing import Iterable, Protocol
+from pathlib import Path
+from typing import Any, Iterable, Protocol, Sequence
 
 import numpy as np
 
 from megatron_s2.config.data import DataConfig
+from megatron_s2.config.schema import ConfigError
 from megatron_s2.data.errors import DataError
 
-__all__ = ["Tokenizer", "CharTokenizer", "build_tokenizer", "SPECIAL_TOKENS", "DEFAULT_ALPHABET"]
+__all__ = ["Tokenizer", "CharTokenizer", "build_tokenizer", "load_tokenizer", "SPECIAL_TOKENS", "DEFAULT_ALPHABET",
+           "CHAR_TOKENIZER_FILE"]
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<sep>", "<unk>")
 DEFAULT_ALPHABET: str = string.digits + string.ascii_lowercase + string.ascii_uppercase + string.punctuation + " \n\t"
 _JSON_KIND = "char"
 _JSON_VERSION = 1
 _REPLACEMENT_CHAR = "\ufffd"
+CHAR_TOKENIZER_FILE = "char_tokenizer.json"
+"""The file :meth:`CharTokenizer.save` writes (and :func:`load_tokenizer` recognises)."""
 
 
 class Tokenizer(Protocol):
-    """What the data pipeline, the trainer and RL rollouts need from a tokenizer."""
+    """What the data pipeline, the trainer, checkpoints, serving and RL rollouts need."""
 
     @property
     def vocab_size(self) -> int: ...
@@ -52,11 +69,21 @@ class Tokenizer(Protocol):
     @property
     def eos_id(self) -> int: ...
     @property
-    def sep_id(self) -> int: ...
+    def unk_id(self) -> int | None: ...
     @property
-    def unk_id(self) -> int: ...
+    def special_ids(self) -> dict[str, int]:
+        """Special-token ids by role (bos, eos, pad, and the chat specials the tokenizer has)."""
     def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: Iterable[int]) -> str: ...
+    def decode(self, ids: Iterable[int], *, keep_special: bool = False) -> str: ...
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = False,
+                            reasoning_effort: int | None = None, tools: Sequence[dict] | None = None,
+                            tokenize: bool = True) -> list[int] | str: ...
+    def chat_segments(self, messages: Sequence[dict[str, Any]], *, reasoning_effort: int | None = None,
+                      tools: Sequence[dict] | None = None) -> tuple[list[int], list[int], list[bool]]:
+        """(ids, owning message index per token, whether the token is in the message body)."""
+    def compressed_token_map(self, num_ids: int | None = None) -> list[int]: ...
+    def save(self, directory: str | os.PathLike) -> None: ...
+    def fingerprint(self) -> str: ...
 
 
 class CharTokenizer:
@@ -104,8 +131,8 @@ class CharTokenizer:
         return 4
 
     @property
-    def special_ids(self) -> tuple[int, ...]:
-        return tuple(range(self._num_special))
+    def special_ids(self) -> dict[str, int]:
+        return {"pad": 0, "bos": 1, "eos": 2, "sep": 3, "unk": 4}
 
     @property
     def alphabet(self) -> str:
@@ -137,6 +164,49 @@ class CharTokenizer:
             else:
                 pieces.append(self._id_to_char[token_id])
         return "".join(pieces)
+
+    # ---- chat ----------------------------------------------------------------------------
+    def chat_segments(self, messages: Sequence[dict[str, Any]], *, reasoning_effort: int | None = None,
+                      tools: Sequence[dict] | None = None) -> tuple[list[int], list[int], list[bool]]:
+        """(ids, owning message index per token (-1: bos and header), body flag per token —
+        False for an assistant message's ``sep``); layout in the module docstring."""
+        from megatron_s2.data.chat import check_messages, header_lines
+
+        check_messages(messages, reasoning_effort)
+        header = header_lines(messages, reasoning_effort, tools)
+        ids = [self.bos_id, *(self.encode("\n".join(header) + "\n") if header else [])]
+        owner, body = [-1] * len(ids), [False] * len(ids)
+        for index, message in enumerate(messages):
+            role = message["role"]
+            if role == "system" and index == 0:
+                continue  # part of the header
+            if role == "assistant":
+                text = message.get("content") or ""
+                if message.get("reasoning_content"):
+                    text = f"<think>{message['reasoning_content']}</think>{text}"
+                if message.get("tool_calls"):
+                    text += json.dumps(message["tool_calls"], ensure_ascii=False)
+                piece, flags = [self.sep_id, *self.encode(text), self.eos_id], [False] + [True] * (len(text) + 1)
+            else:
+                piece = self.encode(message["content"])
+                flags = [True] * len(piece)
+            ids += piece
+            owner += [index] * len(piece)
+            body += flags
+        return ids, owner, body
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = False,
+                            reasoning_effort: int | None = None, tools: Sequence[dict] | None = None,
+                            tokenize: bool = True) -> list[int] | str:
+        """Token ids of a conversation (module docstring); ``tokenize=False`` returns them as
+        display text with specials spelled ``<bos>``, ``<sep>``, ... (not re-encodable)."""
+        ids = self.chat_segments(messages, reasoning_effort=reasoning_effort, tools=tools)[0]
+        ids += [self.sep_id] if add_generation_prompt else []
+        return ids if tokenize else self.decode(ids, keep_special=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return True
 
     # ---- Engram tokenizer compression ------------------------------------------------------
     def compressed_token_map(self, num_ids: int | None = None) -> list[int]:
@@ -199,6 +269,18 @@ class CharTokenizer:
             raise DataError("tokenizer JSON: 'alphabet' must be a string")
         return cls(alphabet)
 
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write :data:`CHAR_TOKENIZER_FILE` (:meth:`to_json`) into ``directory``."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CHAR_TOKENIZER_FILE).write_text(self.to_json())
+
+    def fingerprint(self) -> str:
+        """sha256 of the file :meth:`save` writes."""
+        digest = hashlib.sha256()
+        digest.update(CHAR_TOKENIZER_FILE.encode() + b"\0" + self.to_json().encode() + b"\0")
+        return digest.hexdigest()
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, CharTokenizer) and other._alphabet == self._alphabet
 
@@ -209,9 +291,24 @@ class CharTokenizer:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
 
 
-def build_tokenizer(cfg: DataConfig) -> CharTokenizer:
-    """The tokenizer named by ``cfg.tokenizer``."""
-    if cfg.tokenizer == "char":
+def load_tokenizer(name: str | os.PathLike, *, field: str = "data.tokenizer") -> Tokenizer:
+    """``"char"``, a Hugging Face tokenizer directory, or a directory holding a saved
+    :data:`CHAR_TOKENIZER_FILE`; anything else is a ConfigError naming ``field`` and the path."""
+    if str(name) == "char":
         return CharTokenizer()
-    raise DataError(f"tokenizer: unknown kind {cfg.tokenizer!r}; valid kinds: 'char'")
+    from megatron_s2.data.records import resolve_local_path
 
+    path = resolve_local_path(name)
+    if (path / CHAR_TOKENIZER_FILE).is_file():
+        try:
+            return CharTokenizer.from_json((path / CHAR_TOKENIZER_FILE).read_text())
+        except DataError as exc:
+            raise ConfigError(f"{field}: {path / CHAR_TOKENIZER_FILE}: {exc}") from None
+    from megatron_s2.data.hf_tokenizer import HFTokenizer
+
+    return HFTokenizer(path, field=field)
+
+
+def build_tokenizer(cfg: DataConfig) -> Tokenizer:
+    """The tokenizer named by ``cfg.tokenizer``."""
+    return load_tokenizer(cfg.tokenizer)

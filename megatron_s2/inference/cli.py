@@ -20,9 +20,13 @@ __all__ = ["register", "load_model", "generate_command"]
 
 
 def load_model(path: str, device: str | None = None):
-    """(model in eval mode on ``device``, tokenizer, description) of a checkpoint, one rank."""
+    """(model in eval mode on ``device``, tokenizer, description) of a checkpoint, one rank.
+
+    ``device`` defaults to this process's device (:func:`megatron_s2.runtime.device.process_device`:
+    its GPU when one is visible, else CPU); the weights are read on the host and copied there."""
     from megatron_s2.inference.weights import load_tokenizer, read_checkpoint
     from megatron_s2.models.v41.model import V41Model
+    from megatron_s2.runtime.device import build_on, process_device
     from megatron_s2.training.model_builder import attach_token_map
 
     loaded = read_checkpoint(path)
@@ -30,9 +34,16 @@ def load_model(path: str, device: str | None = None):
     cfg = loaded.model_config
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConfigError(f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size={cfg.vocab_size}")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    with torch.device(dev):
+    try:
+        dev = torch.device(device) if device else process_device()
+    except RuntimeError as exc:
+        raise ConfigError(f"--device: {exc}") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"--device: {dev} is not available on this machine (visible GPUs: "
+                          f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}); use cpu or another GPU")
+    with build_on(dev):
         model = V41Model(cfg)
+    model.to(dev)  # host-computed buffers (RoPE frequencies) follow
     missing, unexpected = model.load_state_dict(loaded.state, strict=False)
     if missing or unexpected:
         raise ConfigError(f"checkpoint: {loaded.description} does not match model '{cfg.name}' "

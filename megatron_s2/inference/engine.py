@@ -77,9 +77,9 @@ class InferenceEngine:
         self.config = config = config or EngineConfig()
         cfg = model.config
         config.check_model(cfg)
-        if getattr(model, "pipeline", None) is not None or set(model.layer_ids) != set(range(cfg.num_layers)):
+        if set(model.layer_ids) != set(range(cfg.num_layers)):  # a pipeline stage holds a subset
             raise ConfigError("inference needs every layer on each rank: use a layout with pp: 1")
-        if model.groups.sequence_parallel or model.groups.cp.active:
+        if model.groups.sequence.sp or model.groups.cp.active:
             raise ConfigError("inference runs without sequence or context parallelism: set sequence_parallel: false, cp: 1")
         self.model = model.eval()
         self.model_config = cfg

@@ -6,8 +6,9 @@ The runner builds a :class:`ForwardContext` with positions, Engram's n-gram hist
 
 **Decoder SWA Bounded Replay** (report §3.2.2, CED §2.2): when a row's ``decoder_from`` lies
 inside its chunk, the encoder runs over the whole chunk, every decoder Full layer projects its
-global KV from the encoder output H_{L/2} of every token of the chunk (the compressor's own
-input method, :meth:`CSA2Attention.compressor_input`), and the decoder layers run only over
+global KV from the encoder output H_{L/2} of every token of the chunk (the first decoder block's
+normalised attention input, :meth:`V41Block.attention_input`, through the compressor's own input
+method :meth:`CSA2Attention.compressor_input`), and the decoder layers run only over
 the tokens at or after ``decoder_from`` — their SWA KV truncated to start there. Rows whose
 chunk lies entirely before ``decoder_from`` skip the decoder.
 
@@ -136,19 +137,15 @@ class ModelRunner:
     # ---- decoder bounded replay (§3.2.2) ---------------------------------------------------------
     def _bounded_decoder(self, rows, ctx, x, pre, split, record_routing, record_topk):
         x, pre = self.model.run_layers(x, pre, ctx, self.encoder_ids)
-        enc_out = ctx.shared.peek(self.plan.last_encoder_layer, K.ENCODER_OUTPUT)
-        for i in self.decoder_ids:  # global KV of every chunk token, from H_{L/2}
-            attn = self.model.layers[str(i)].attention
-            if attn.spec.computes_main_kv:
-                if not attn.spec.uses_encoder_output:
-                    raise RuntimeError(f"decoder bounded replay: layer {i}'s compressor does not read the encoder "
-                                       "output, so its global KV needs the decoder over every prompt token")
-                src = attn.compressor_input(None, ctx)
-                if src is None:
-                    raise RuntimeError(f"decoder bounded replay: layer {i}'s compressor reads its own attention input, "
-                                       "so its global KV needs the decoder over every prompt token")
-                kv, gate = attn.compressor.project(src)
-                ctx.kv_cache.compress(attn, kv, gate)
+        for i in self.decoder_ids:  # global KV of every chunk token (CED: from H_{L/2})
+            block = self.model.layers[str(i)]
+            if block.attention.spec.computes_main_kv:
+                if not block.attention.spec.uses_encoder_output:
+                    raise RuntimeError(f"decoder bounded replay: layer {i} compresses decoder states, so its global "
+                                       "KV needs the decoder over every prompt token")
+                src = block.attention.compressor_input(block.attention_input(x, pre, ctx))
+                kv, gate = block.attention.compressor.project(src)
+                ctx.kv_cache.compress(block.attention, kv, gate)
         views = [(ctx, list(range(len(rows))), [0] * len(rows), x, pre)]
         keep = [r for r, (row, o) in enumerate(zip(rows, split)) if o < len(row.tokens)]
         if not keep:
@@ -160,8 +157,6 @@ class ModelRunner:
                  + torch.arange(ids.size(1), device=self.device)).clamp_max(x.size(1) - 1)
         rows_t = torch.tensor(keep, device=self.device).unsqueeze(1)
         dctx = self._context(sub, ids, pos, valid, prefix, record_routing, record_topk)
-        if enc_out is not None:
-            dctx.shared.publish(self.plan.last_encoder_layer, K.ENCODER_OUTPUT, enc_out[rows_t, index])
         xd, pred = self.model.run_layers(x[rows_t, index], pre[rows_t, index], dctx, self.decoder_ids)
         views.append((dctx, keep, offsets, xd, pred))
         return views

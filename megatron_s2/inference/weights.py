@@ -103,14 +103,25 @@ def _check_same_model(mine: ModelConfig, theirs: ModelConfig, where: str) -> Non
 
 
 def load_tokenizer(directory: Path):
-    """The tokenizer saved with a run (``tokenizer.json``), behind the ``Tokenizer`` protocol."""
+    """The tokenizer a checkpoint was trained with, behind the ``Tokenizer`` protocol: the run's
+    ``tokenizer/`` folder (what the trainer records), the files beside an export's weights
+    (Hugging Face ``tokenizer.json`` + ``tokenizer_config.json``, or ``char_tokenizer.json``),
+    or a run of an older layout that kept the character tokenizer in ``tokenizer.json``."""
     from megatron_s2.data.errors import DataError
-    from megatron_s2.data.tokenizer import CharTokenizer
+    from megatron_s2.data.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer
+    from megatron_s2.data.tokenizer import load_tokenizer as load
+    from megatron_s2.data.tokenizer_checks import RUN_TOKENIZER_DIR
 
-    file = Path(directory) / "tokenizer.json"
+    d = Path(directory)
+    if (d / RUN_TOKENIZER_DIR).is_dir():
+        return load(d / RUN_TOKENIZER_DIR, field=f"tokenizer {d / RUN_TOKENIZER_DIR}")
+    if (d / CHAR_TOKENIZER_FILE).is_file() or (d / "tokenizer_config.json").is_file():
+        return load(d, field=f"tokenizer {d}")
+    file = d / "tokenizer.json"
     if not file.is_file():
-        raise ConfigError(f"tokenizer: no tokenizer.json in {directory}; copy the training run's tokenizer.json there")
+        raise ConfigError(f"tokenizer: no tokenizer files in {d} (tokenizer/, tokenizer.json + tokenizer_config.json "
+                          f"or {CHAR_TOKENIZER_FILE}); copy the training run's tokenizer there")
     try:
         return CharTokenizer.from_json(file.read_text())
-    except DataError as exc:
+    except (DataError, ValueError) as exc:
         raise ConfigError(f"tokenizer: {file}: {exc}") from None

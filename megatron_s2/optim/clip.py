@@ -31,7 +31,7 @@ def clip_grad_norm_(
         raise ValueError(f"max_norm must be non-negative (0 disables clipping), got {max_norm}")
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float32, device="cpu")  # nothing to measure
     device = grads[0].device
     norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads])
     total_sq = norms.square().sum()

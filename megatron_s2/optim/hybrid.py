@@ -14,6 +14,12 @@ three sub-optimisers:
 ``base_lr * lr_mult`` into every group (the schedule calls it each step), ``step()``,
 ``zero_grad()``, and a ``state_dict()`` that restores a run bit-identically on CPU.
 
+Precision: the optimiser steps the parameters it is given, in their dtype, with momenta
+``zeros_like`` them. With ``model.params_dtype: float32`` (GPU recipes: plus
+``compute_dtype: bfloat16``) those parameters *are* the float32 master weights and the
+gradients arrive in float32; there is no separate master copy to keep in sync
+(:mod:`megatron_s2.models.v41.precision` gives the reasons and the memory arithmetic).
+
 Sharded parameters (``ShardSpec``): Muon needs whole matrices, so a parameter whose shard cuts
 a matrix dimension (tensor parallelism) is rejected; cutting the batch dimension of a 3-D
 ``[experts, out, in]`` tensor (expert parallelism) is exact and allowed. A Sinkhorn table whose

@@ -10,7 +10,11 @@ With ``s`` the 0-based optimiser step about to be taken and ``eta`` = ``Schedule
 
 The first step already moves (lr eta / warmup_steps) and the last warm-up step reaches eta. The
 report states the phase boundaries in tokens (constant until 28T, decay until 40T at 100.6M
-tokens per step); :func:`steps_for_tokens` converts them.
+tokens per step): with ``decay_start_tokens`` / ``decay_end_tokens`` the boundaries are the
+first steps by which that many tokens are trained (:func:`steps_for_tokens`, at
+``tokens_per_step`` = global batch x sequence length). ``start_tokens`` shifts the whole
+schedule for a phase that continues another one (the 1M-context extension starts at 34T):
+its step 0 is schedule position ``steps_for_tokens(start_tokens)``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import math
 
 from megatron_s2.config.optimizer import ScheduleConfig
+from megatron_s2.config.schema import ConfigError
 
 __all__ = ["LRSchedule", "steps_for_tokens"]
 
@@ -30,21 +35,36 @@ def steps_for_tokens(tokens: float, tokens_per_step: float) -> int:
 
 
 class LRSchedule:
-    """``lr_at(step)`` of a :class:`ScheduleConfig`; ``apply`` writes it into an optimiser."""
+    """``lr_at(step)`` of a :class:`ScheduleConfig`; ``apply`` writes it into an optimiser.
 
-    def __init__(self, cfg: ScheduleConfig) -> None:
+    ``tokens_per_step`` is needed when the config has token-based boundaries or start_tokens."""
+
+    def __init__(self, cfg: ScheduleConfig, tokens_per_step: float | None = None) -> None:
         self.cfg = cfg
+        uses_tokens = cfg.decay_start_tokens is not None or cfg.start_tokens > 0
+        if uses_tokens and not tokens_per_step:
+            raise ConfigError("schedule: token-based boundaries need the tokens per step "
+                              "(training.global_batch_size x training.seq_length)")
+        self.decay_start, self.decay_end = cfg.decay_start_step, cfg.decay_end_step
+        if cfg.decay_start_tokens is not None:
+            self.decay_start = steps_for_tokens(cfg.decay_start_tokens, tokens_per_step)
+            self.decay_end = steps_for_tokens(cfg.decay_end_tokens, tokens_per_step)
+            if self.decay_start < cfg.warmup_steps:
+                raise ConfigError(f"schedule.decay_start_tokens: {cfg.decay_start_tokens:g} tokens are reached at step "
+                                  f"{self.decay_start}, before the end of warm-up ({cfg.warmup_steps} steps)")
+        self.offset = steps_for_tokens(cfg.start_tokens, tokens_per_step) if cfg.start_tokens > 0 else 0
 
     def lr_at(self, step: int) -> float:
         cfg = self.cfg
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
+        step += self.offset
         if step < cfg.warmup_steps:
             return cfg.lr * (step + 1) / cfg.warmup_steps
-        if step < cfg.decay_start_step:
+        if step < self.decay_start:
             return cfg.lr
-        if step < cfg.decay_end_step:
-            progress = (step - cfg.decay_start_step) / (cfg.decay_end_step - cfg.decay_start_step)
+        if step < self.decay_end:
+            progress = (step - self.decay_start) / (self.decay_end - self.decay_start)
             return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
         return cfg.min_lr
 

@@ -9,7 +9,8 @@ table of :class:`~megatron_s2.config.optimizer.ParamGroupRule` over full paramet
 names it, never a silent default.
 
 Frozen parameters (``requires_grad=False``) are skipped. Head-wise rules read the number of
-heads from the parameter attribute ``head_split`` set by the model.
+heads from the parameter's placement (``ParamPlacement.head_split``, from the model's parallel
+plan).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from megatron_s2.config.optimizer import OptimizerConfig, ParamGroupRule
 from megatron_s2.config.schema import ConfigError
+from megatron_s2.parallel.placement import placement_of
 
 __all__ = ["ParamAssignment", "match_rule", "assign_param_groups", "describe_param_groups"]
 
@@ -53,11 +55,11 @@ def _matrix_rows(param: torch.Tensor) -> int:
 
 
 def _head_split(name: str, param: torch.Tensor, rule: ParamGroupRule) -> int:
-    heads = getattr(param, "head_split", None)
+    heads = placement_of(param).head_split
     if heads is None:
-        raise ConfigError(f"param_group_rules: '{name}' matched head-wise Muon rule '{rule.pattern}' but has no "
-                          f"'head_split' attribute; set it to the number of heads stacked along its rows in "
-                          f"the model, or route the parameter to kind 'muon'")
+        raise ConfigError(f"param_group_rules: '{name}' matched head-wise Muon rule '{rule.pattern}' but its "
+                          f"placement has no head_split; give its parallel-plan rule head_rows (the rows per "
+                          f"head), or route the parameter to kind 'muon'")
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
         raise ConfigError(f"param_group_rules: '{name}'.head_split must be a positive int, got {heads!r}")
     rows = _matrix_rows(param)

@@ -26,21 +26,26 @@ from megatron_s2.parallel.groups import Group
 __all__ = ["local_chunk_positions", "split_micro_batch", "gather_sequence_ordered", "window_keys_with_halo"]
 
 
-def local_chunk_positions(seq: int, cp: Group) -> torch.Tensor:
+def local_chunk_positions(seq: int, cp: Group, device: torch.device | str = "cpu") -> torch.Tensor:
     """Global positions held by this CP rank (chunk r then chunk 2cp-1-r)."""
     chunk = seq // (2 * cp.size)
     a, b = cp.rank, 2 * cp.size - 1 - cp.rank
-    return torch.cat([torch.arange(a * chunk, (a + 1) * chunk), torch.arange(b * chunk, (b + 1) * chunk)])
+    return torch.cat([torch.arange(a * chunk, (a + 1) * chunk, device=device),
+                      torch.arange(b * chunk, (b + 1) * chunk, device=device)])
 
 
 def split_micro_batch(mb: dict[str, torch.Tensor], cp: Group) -> dict[str, torch.Tensor]:
     if not cp.active:
         return mb
     seq = mb["tokens"].size(1)
-    idx = local_chunk_positions(seq, cp).to(mb["tokens"].device)
+    device = mb["tokens"].device
+    idx = local_chunk_positions(seq, cp, device)
     out = {k: (v.index_select(1, idx) if torch.is_tensor(v) and v.dim() >= 2 and v.size(1) == seq else v)
            for k, v in mb.items()}
-    out["position_ids"] = mb.get("position_ids", torch.arange(seq).expand_as(mb["tokens"])).index_select(1, idx)
+    positions = mb.get("position_ids")
+    if positions is None:
+        positions = torch.arange(seq, device=device).expand_as(mb["tokens"])
+    out["position_ids"] = positions.index_select(1, idx)
     out["full_tokens"] = mb["tokens"]
     out["full_doc_ids"] = mb.get("doc_ids")
     out["full_image_mask"] = mb.get("image_mask")

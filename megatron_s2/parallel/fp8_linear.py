@@ -31,7 +31,7 @@ class _FP8Gemm:
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8:
             return super().gemm(x)
-        return fp8_linear(x.to(self.weight.dtype), self.weight, self.fp8_block)
+        return fp8_linear(x.to(self.gemm_dtype or self.weight.dtype), self.weight, self.fp8_block)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fp8={self.fp8}, block={self.fp8_block}"

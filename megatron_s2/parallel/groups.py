@@ -9,8 +9,12 @@ process without ``torch.distributed`` being initialised at all.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_s2.parallel.sequence import SequenceSharding
 
 __all__ = ["Group", "ParallelGroups"]
 
@@ -56,3 +60,10 @@ class ParallelGroups:
     @staticmethod
     def single() -> "ParallelGroups":
         return ParallelGroups()
+
+    @property
+    def sequence(self) -> "SequenceSharding":
+        """How a micro-batch's tokens are spread over tp (SP) and cp (see :mod:`.sequence`)."""
+        from megatron_s2.parallel.sequence import SequenceSharding
+
+        return SequenceSharding.of(self.tp, self.cp, self.sequence_parallel)

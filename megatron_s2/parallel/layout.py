@@ -15,13 +15,18 @@ coordinate) along the data x context dimension.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import product
+from typing import TYPE_CHECKING
 
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.config.parallel import ParallelConfig
 from megatron_s2.config.schema import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_s2.config.recipe import RecipeConfig
 
 __all__ = ["ParallelLayout", "rank_groups"]
 
@@ -69,6 +74,18 @@ class ParallelLayout:
 
     # ---- construction and validation -----------------------------------------------------
     @classmethod
+    def from_recipe(cls, recipe: "RecipeConfig", world_size: int, *, batch: bool = True) -> "ParallelLayout":
+        """The layout of ``recipe`` on ``world_size`` ranks — the one constructor the trainer, the
+        launcher's pre-flight check, the planners and the checkpoint tools share, so they accept
+        and refuse exactly the same recipes. ``batch=False`` (tools that only move weights, e.g.
+        Hugging Face conversion) skips the sequence-length and batch-geometry checks."""
+        if not batch:
+            return cls.build(recipe.parallel, recipe.model, world_size)
+        t = recipe.training
+        return cls.build(recipe.parallel, recipe.model, world_size, seq_length=t.seq_length,
+                         global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+
+    @classmethod
     def build(cls, parallel: ParallelConfig, model: ModelConfig, world_size: int, *,
               seq_length: int | None = None, global_batch_size: int | None = None,
               micro_batch_size: int | None = None) -> "ParallelLayout":
@@ -104,13 +121,11 @@ class ParallelLayout:
             raise ConfigError("parallel.engram_parallel: the model has no Engram layers; set it to 1")
         stages = cls._split_layers(p, m)
         if seq_length is not None:
-            if p.cp > 1 and seq_length % (2 * p.cp):
-                raise ConfigError(f"training.seq_length: {seq_length} is not divisible by 2*cp = {2 * p.cp} "
-                                  "(context parallelism splits each sequence into 2*cp chunks)")
-            sp_div = p.tp * 2 * p.cp if p.cp > 1 else p.tp
-            if p.sequence_parallel and seq_length % sp_div:
-                raise ConfigError(f"training.seq_length: {seq_length} is not divisible by {sp_div} "
-                                  "(sequence parallelism splits each context chunk over tp)")
+            needs = _sequence_requirements(p.tp, p.cp, p.sequence_parallel)
+            for divisor, what, why in needs:
+                if seq_length % divisor:
+                    raise ConfigError(f"training.seq_length: {seq_length} is not divisible by {what} = {divisor} "
+                                      f"({why}); use a multiple of {_lcm_of(needs)}")
         if global_batch_size is not None and micro_batch_size is not None:
             if global_batch_size % (micro_batch_size * dp):
                 raise ConfigError(f"training.global_batch_size: {global_batch_size} is not a multiple of "
@@ -189,11 +204,34 @@ class ParallelLayout:
                 return i
         raise ValueError(f"layer {layer} is on no stage")
 
+    # ---- derived sizes ---------------------------------------------------------------------
+    @property
+    def seq_len_divisor(self) -> int:
+        """``training.seq_length`` must be a multiple of this (see :func:`_sequence_requirements`)."""
+        return _lcm_of(_sequence_requirements(self.tp, self.cp, self.sequence_parallel))
+
     def describe(self) -> str:
         cuts = ", ".join(f"{s[0]}-{s[-1]}" for s in self.stage_layers)
         return (f"world={self.world_size} tp={self.tp}{'+sp' if self.sequence_parallel else ''} pp={self.pp} "
                 f"vpp={self.vpp} cp={self.cp} dp={self.dp} ep={self.ep} etp={self.etp} edp={self.edp} "
                 f"engram={self.engram}{' zero1' if self.distributed_optimizer else ''} stages=[{cuts}]")
+
+
+def _sequence_requirements(tp: int, cp: int, sequence_parallel: bool) -> list[tuple[int, str, str]]:
+    """(divisor, what it is, why) for every way the layout cuts a sequence."""
+    out = []
+    if cp > 1:
+        out.append((2 * cp, "2*cp", "context parallelism splits each sequence into 2*cp chunks"))
+    if tp > 1:
+        out.append((tp * cp, "tp*cp", "the MoE layer routes a disjoint 1/tp of each context-parallel rank's tokens "
+                                      "on every tensor-parallel rank"))
+    if sequence_parallel and tp > 1 and cp > 1:
+        out.append((2 * cp * tp, "2*cp*tp", "sequence parallelism splits each context chunk over tp"))
+    return out
+
+
+def _lcm_of(requirements: list[tuple[int, str, str]]) -> int:
+    return math.lcm(1, *(d for d, _, _ in requirements))
 
 
 def _divides(k: int, n: int, message: str, field: str) -> None:

@@ -7,15 +7,20 @@ Activations are ``[batch, seq, hidden]``; under sequence parallelism the sequenc
   the sequence (SP) or copied (no SP) on entry.
 * :class:`RowParallelLinear` splits the input features; its partial outputs are
   reduce-scattered over the sequence (SP) or all-reduced (no SP) on exit.
-* :class:`ReplicatedLinear` holds the full weight on every tensor-parallel rank. Under SP its
-  input is sequence-sharded, so its gradient is a partial sum; the parameter is flagged
-  ``sequence_parallel=True`` and the gradient finaliser all-reduces it over tp.
+* :class:`ReplicatedLinear` holds the full weight on every tensor-parallel rank. Whether its
+  gradient is a partial sum over tp (sequence-sharded or tp-split inputs) is stated by the
+  model's parallel plan, not by the layer.
 
-Weights are stored ``[out, in]`` like ``torch.nn.Linear`` and carry a ShardSpec.
+The entry / exit collectives are those of :class:`~megatron_s2.parallel.sequence.SequenceSharding`.
+Weights are stored ``[out, in]`` like ``torch.nn.Linear`` and record their shard (``mark_param``). The
+product runs in ``gemm_dtype`` (the model's ``compute_dtype``, set by
+:func:`~megatron_s2.models.v41.precision.set_gemm_dtype`): a float32 master weight is cast to
+bfloat16 at use on GPUs; ``None`` multiplies in the weight's dtype.
 
 The local matrix product is the method ``gemm(x)``; GEMM backends (native FP8,
 :mod:`megatron_s2.parallel.fp8_linear`; Transformer Engine, :mod:`megatron_s2.parallel.te_linear`)
-are subclasses that override only it, so sharding and communication stay here.
+are subclasses that override only it, so sharding, communication and the parameters'
+placement stay here.
 """
 
 from __future__ import annotations
@@ -26,29 +31,33 @@ from torch import nn
 
 from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import Group
-from megatron_s2.parallel.sharding import mark_param
+from megatron_s2.parallel.placement import mark_param
+from megatron_s2.parallel.sequence import SequenceSharding
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear"]
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x.to(weight.dtype) if x.dtype != weight.dtype else x, weight)
+def _linear(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x W^T`` in ``dtype`` (default: the weight's); ``.to`` is a no-op when the dtype matches."""
+    dtype = dtype or weight.dtype
+    return F.linear(x.to(dtype), weight.to(dtype))
 
 
 class _LocalGemm(nn.Module):
+    gemm_dtype: torch.dtype | None = None
+    """Dtype of the product (module docstring); None = the weight's dtype."""
+
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """The local product ``x W^T`` (overridden by the FP8 / TE subclasses)."""
-        return _linear(x, self.weight)
+        return _linear(x, self.weight, self.gemm_dtype)
 
 
 class ReplicatedLinear(_LocalGemm):
-    def __init__(self, in_features: int, out_features: int, tp: Group | None = None,
-                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
-        sp = bool(sequence_parallel and tp is not None and tp.active)
-        mark_param(self.weight, (out_features, in_features), sequence_parallel=sp)
+        mark_param(self.weight, (out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(x)
@@ -62,7 +71,7 @@ class ColumnParallelLinear(_LocalGemm):
         super().__init__()
         if out_features % tp.size:
             raise ValueError(f"{out_features} output features do not split over tp={tp.size}")
-        self.tp, self.sequence_parallel, self.gather_output = tp, sequence_parallel and tp.active, gather_output
+        self.tp, self.seq, self.gather_output = tp, SequenceSharding.of(tp, sequence_parallel=sequence_parallel), gather_output
         self.region_entry = region_entry
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features, dtype=dtype))
@@ -70,10 +79,7 @@ class ColumnParallelLinear(_LocalGemm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.region_entry:
-            if self.sequence_parallel:
-                x = mappings.all_gather_sequence(x, self.tp, dim=1)
-            else:
-                x = mappings.copy_to_group(x, self.tp)
+            x = self.seq.enter_tp_region(x)
         y = self.gemm(x)
         if self.gather_output:
             y = mappings.gather_from_group(y, self.tp, dim=-1)
@@ -86,13 +92,10 @@ class RowParallelLinear(_LocalGemm):
         super().__init__()
         if in_features % tp.size:
             raise ValueError(f"{in_features} input features do not split over tp={tp.size}")
-        self.tp, self.sequence_parallel = tp, sequence_parallel and tp.active
+        self.tp, self.seq = tp, SequenceSharding.of(tp, sequence_parallel=sequence_parallel)
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size, dtype=dtype))
         mark_param(self.weight, (out_features, in_features), [(1, tp.rank, tp.size)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.gemm(x)
-        if self.sequence_parallel:
-            return mappings.reduce_scatter_sequence(y, self.tp, dim=1)
-        return mappings.reduce_from_group(y, self.tp)
+        return self.seq.exit_tp_region(self.gemm(x))

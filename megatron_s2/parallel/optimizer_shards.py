@@ -20,26 +20,25 @@ from torch import nn
 from megatron_s2.config.optimizer import OptimizerConfig
 from megatron_s2.optim.param_groups import assign_param_groups
 from megatron_s2.parallel.groups import ParallelGroups
-from megatron_s2.parallel.sharding import shard_spec
+from megatron_s2.parallel.placement import Style, placement_of
 
 __all__ = ["optimizer_shard_groups"]
 
 
 def optimizer_shard_groups(model: nn.Module, groups: ParallelGroups, cfg: OptimizerConfig):
-    """(row_groups {name: pg}, matrix_shards {name: (Group, dim)}) for build_optimizer."""
+    """(row_groups {name: pg}, matrix_shards {name: (Group, dim)}) for build_optimizer, from
+    each parameter's placement."""
     row_groups, matrix_shards = {}, {}
     for a in assign_param_groups(model, cfg.rules):
-        p = a.param
-        cuts = [dim for dim, _, count in shard_spec(p).splits if count > 1]
+        placement = placement_of(a.param)
+        cuts = placement.shard.cut_dims
         if not cuts:
             continue
-        expert = getattr(p, "is_expert", False)
         if a.rule.kind == "sinkhorn":
-            group = groups.engram if getattr(p, "engram_table", False) else groups.tp
-            row_groups[a.name] = group.pg
+            row_groups[a.name] = (groups.engram if placement.style is Style.ENGRAM_ROWS else groups.tp).pg
         elif a.rule.kind == "muon":
             for dim in cuts:
-                if expert and dim == 0:
+                if placement.style is Style.EXPERTS and dim == 0:
                     continue  # whole experts per expert-parallel rank
-                matrix_shards[a.name] = (groups.etp if expert else groups.tp, dim)
+                matrix_shards[a.name] = (groups.etp if placement.style is Style.EXPERTS else groups.tp, dim)
     return row_groups, matrix_shards

@@ -16,7 +16,8 @@ from torch import nn
 
 from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import Group
-from megatron_s2.parallel.sharding import mark_param
+from megatron_s2.parallel.placement import mark_param
+from megatron_s2.parallel.sequence import SequenceSharding
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelHead", "vocab_parallel_cross_entropy"]
 
@@ -26,7 +27,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         if vocab_size % tp.size:
             raise ValueError(f"vocabulary {vocab_size} does not split over tp={tp.size}")
-        self.tp, self.sequence_parallel = tp, sequence_parallel and tp.active
+        self.tp, self.seq = tp, SequenceSharding.of(tp, sequence_parallel=sequence_parallel)
         self.part = vocab_size // tp.size
         self.start = tp.rank * self.part
         self.weight = nn.Parameter(torch.empty(self.part, dim))
@@ -38,9 +39,7 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.start
         outside = (local < 0) | (local >= self.part)
         y = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return mappings.reduce_scatter_sequence(y, self.tp, dim=1)
-        return mappings.reduce_from_group(y, self.tp)
+        return self.seq.exit_tp_region(y)
 
 
 class VocabParallelHead(nn.Module):
@@ -48,16 +47,12 @@ class VocabParallelHead(nn.Module):
 
     def __init__(self, vocab_size: int, dim: int, tp: Group, sequence_parallel: bool = False):
         super().__init__()
-        self.tp, self.sequence_parallel = tp, sequence_parallel and tp.active
+        self.tp, self.seq = tp, SequenceSharding.of(tp, sequence_parallel=sequence_parallel)
         self.weight = nn.Parameter(torch.empty(vocab_size // tp.size, dim))
         mark_param(self.weight, (vocab_size, dim), [(0, tp.rank, tp.size)])
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            h = mappings.all_gather_sequence(h, self.tp, dim=1)
-        else:
-            h = mappings.copy_to_group(h, self.tp)
-        return F.linear(h.float(), self.weight.float())
+        return F.linear(self.seq.enter_tp_region(h).float(), self.weight.float())
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -2,11 +2,11 @@
 
 A conventional pipeline sends one hidden-state tensor between stages. A CSA2 backbone must
 also send whatever shared attention state is produced above a cut and consumed below it:
-main KV, index K, top-k indices, the candidate pool, H_{L/2} for the CED decoder — plus the
-mHC streams and the single-pass input mix. :class:`PayloadSpec` derives the fields of a cut
-from the layer plan (``LayerPlan.crossing``), never from a hand-written list, and fixes
+main KV, index K, top-k indices, the candidate pool — plus the mHC streams (which carry
+H_{L/2} to the CED decoder) and the single-pass input mix. :class:`PayloadSpec` derives the
+fields of a cut from the layer plan (``LayerPlan.crossing``), never from a hand-written list, and fixes
 their shapes and dtypes so the receiver can pre-allocate. Float fields (streams, KV, index
-K, H_{L/2}) carry their gradients back; integer fields (indices) need none.
+K) carry their gradients back; integer fields (indices) need none.
 
 Two states can be *recomputed* on the consumer stage by a shadow replica instead of being
 sent (``PayloadModes``):
@@ -57,7 +57,7 @@ class PayloadField:
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
 
 def payload_keys(plan: LayerPlan, cut: int, modes: PayloadModes) -> list[StateKey]:
@@ -92,7 +92,7 @@ class PayloadSpec:
         """``local_seq``: queries held by this rank (CP chunk); ``stream_seq``: tokens of the
         streams on this rank (local_seq / tp under sequence parallelism)."""
         f32 = torch.float32
-        act = getattr(torch, cfg.compute_dtype)  # streams and H_{L/2} travel in the activation dtype
+        act = getattr(torch, cfg.compute_dtype)  # the streams travel in the activation dtype
         ids = torch.int32  # indices travel as int32 (entry counts stay far below 2^31)
         fields = [PayloadField("x", (batch, stream_seq, cfg.hc_mult, cfg.hidden_size), act, True),
                   PayloadField("pre", (batch, stream_seq, cfg.hc_mult), f32, True)]
@@ -112,8 +112,6 @@ class PayloadSpec:
             elif kind is K.CANDIDATE_QUERY:
                 width = cfg.q_lora_rank + cfg.index_num_heads // tp_size
                 fields.append(PayloadField(name, (batch, local_seq, width), f32, False))
-            elif kind is K.ENCODER_OUTPUT:
-                fields.append(PayloadField(name, (batch, stream_seq, cfg.hidden_size), act, True))
             else:  # pragma: no cover - every kind is listed above
                 raise ValueError(f"no payload layout for {kind}")
         return cls(cut, keys, fields)

@@ -1,4 +1,10 @@
-"""1F1B and interleaved 1F1B pipeline schedules over payload-carrying stages.
+"""The forward/backward schedules of one optimiser step, and the one function that picks one.
+
+:func:`get_forward_backward_func` is the selector the training loop imports (megatron-core's
+convention; nothing here imports the loop back): without pipeline parallelism a plain loop
+over micro-batches (:func:`forward_backward_no_pipelining`), with it 1F1B or interleaved 1F1B
+over the rank's :class:`~megatron_s2.pipeline.stage.PipelineRuntime`. Every schedule takes
+``(model, StepInputs)`` and returns a ``StepResult`` (:mod:`megatron_s2.training.step`).
 
 The order of work on each rank follows megatron-core's schedules (warm-up forwards, steady
 one-forward-one-backward, cool-down backwards; with ``v`` virtual stages per rank micro-batches
@@ -14,16 +20,67 @@ Bubble fraction of 1F1B: (p-1)/(m+p-1); interleaved: (p-1)/(v*m+p-1).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from megatron_s2.models.v41.engram import EngramPrefetch
 from megatron_s2.parallel import mappings
 from megatron_s2.pipeline.p2p import BACKWARD, FORWARD
 from megatron_s2.training.losses import global_token_count, micro_batch_objective
-from megatron_s2.training.step import StepInputs, StepResult, make_context
+from megatron_s2.training.step import StepInputs, StepResult, make_context, reduce_metrics
 
-__all__ = ["get_pipeline_schedule", "schedule_order", "forward_backward_pipelined"]
+if TYPE_CHECKING:
+    from megatron_s2.pipeline.stage import PipelineRuntime
+
+__all__ = ["get_forward_backward_func", "forward_backward_no_pipelining", "forward_backward_pipelined",
+           "schedule_order"]
+
+Schedule = Callable[..., StepResult]
+
+
+def get_forward_backward_func(layout, pipeline: "PipelineRuntime | None" = None) -> Schedule:
+    """The schedule for ``layout``, called as ``schedule(model, inputs)``: a plain loop without
+    pipelining; 1F1B / interleaved 1F1B over ``pipeline`` (this rank's runtime) otherwise."""
+    if layout.pp == 1:
+        return forward_backward_no_pipelining
+    if pipeline is None:
+        raise ValueError(f"pp={layout.pp} needs this rank's PipelineRuntime (see build_stage_model)")
+    return functools.partial(forward_backward_pipelined, runtime=pipeline)
+
+
+def _prefetch_engram(model, inputs: StepInputs) -> EngramPrefetch | None:
+    """Rows of every Engram layer on this rank for the step's whole local batch (§3.1.3)."""
+    return EngramPrefetch.for_step(model, inputs.micro_batches, lambda mb: make_context(model, mb))
+
+
+def forward_backward_no_pipelining(model, inputs: StepInputs) -> StepResult:
+    groups = inputs.groups
+    tokens = global_token_count(inputs.micro_batches, groups.dp_cp)
+    loss_sum = torch.zeros((), device=tokens.device)
+    metric_sums: dict[str, torch.Tensor] = {}
+    engram_rows = _prefetch_engram(model, inputs)
+    for mb in inputs.micro_batches:
+        ctx = make_context(model, mb, inputs.routing, engram_rows)
+        if inputs.loss_fn is not None:  # post-training objective on the logits
+            objective, summed = inputs.loss_fn(model, model(mb["tokens"], ctx), mb, ctx)
+            aux = ctx.total_aux_loss()
+            if aux is not None:
+                objective = objective + aux / inputs.num_micro_global
+        else:
+            token_loss = model(mb["tokens"], ctx, labels=mb["labels"])
+            objective, summed = micro_batch_objective(token_loss, mb["loss_mask"], tokens, ctx.total_aux_loss(),
+                                                      inputs.num_micro_global)
+        objective.backward()
+        loss_sum = loss_sum + summed
+        for name, value in list(ctx.aux_losses.items()) + [(f"{k}_raw", v) for k, v in ctx.aux_metrics.items()]:
+            metric_sums[name] = metric_sums.get(name, 0) + value.detach()
+    if engram_rows is not None:
+        engram_rows.return_grads()
+    loss = mappings.all_reduce_sum(loss_sum.reshape(1), groups.dp_cp)
+    return StepResult(float(loss) / float(tokens), int(tokens), reduce_metrics(metric_sums, groups, inputs.num_micro_global))
 
 
 @dataclass
@@ -69,21 +126,22 @@ def schedule_order(p: int, v: int, m: int, rank: int) -> list[tuple[str, int, in
     return order
 
 
-def forward_backward_pipelined(model, inputs: StepInputs) -> StepResult:
-    rt = model.pipeline
+def forward_backward_pipelined(model, inputs: StepInputs, *, runtime: "PipelineRuntime") -> StepResult:
+    rt = runtime
     groups = inputs.groups
     mbs = inputs.micro_batches
     tokens = global_token_count(mbs, groups.dp_cp)
     order = schedule_order(rt.p, rt.vpp, len(mbs), rt.pp_rank)
     units: dict[tuple[int, int], _Unit] = {}
-    loss_sum = torch.zeros(())
+    loss_sum = torch.zeros((), device=tokens.device)
     metric_sums: dict[str, torch.Tensor] = {}
     transport = rt.transport
+    engram_rows = _prefetch_engram(model, inputs)
     for op, vi, k in order:
         stage = rt.stages[vi]
         mb = mbs[k]
         if op == "F":
-            ctx = make_context(model, mb, inputs.routing)
+            ctx = make_context(model, mb, inputs.routing, engram_rows)
             rt.request_exports(stage, ctx)
             inputs_f: list[torch.Tensor] = []
             if rt.is_first(stage):
@@ -144,23 +202,24 @@ def forward_backward_pipelined(model, inputs: StepInputs) -> StepResult:
                 prev_vi = vi - (1 if rt.pp_of_stage(stage) == 0 else 0)
                 transport.send(grads_in, rt.pp_of_stage(stage - 1), k, prev_vi, BACKWARD)
         live = sum(u.state_bytes() for u in units.values())
-        rt.peak_state_bytes = max(getattr(rt, "peak_state_bytes", 0), live)
-        rt.peak_in_flight = max(getattr(rt, "peak_in_flight", 0), len(units))
+        rt.peak_state_bytes = max(rt.peak_state_bytes, live)
+        rt.peak_in_flight = max(rt.peak_in_flight, len(units))
+    if engram_rows is not None:
+        engram_rows.return_grads()
     transport.flush()
     rt.shadows.sync_grads()
-    loss = mappings.all_reduce_sum(loss_sum.reshape(1), groups.dp_cp)
-    loss = mappings.all_reduce_sum(loss, groups.pp)
+    # the step's tail: loss and every metric in one tensor, one all-reduce per group
     names = _metric_names(rt, metric_sums, groups)
-    values = torch.stack([torch.as_tensor(metric_sums.get(n, 0.0)).float().reshape(()) for n in names]) \
-        if names else torch.zeros(0)
-    totals = mappings.all_reduce_sum(mappings.all_reduce_sum(values, groups.dp_cp), groups.pp)
-    metrics = {n: float(v) / max(inputs.num_micro_global, 1) for n, v in zip(names, totals)}
-    return StepResult(float(loss) / float(tokens), int(tokens), metrics)
+    local = torch.stack([loss_sum.float().reshape(()),
+                         *[torch.as_tensor(metric_sums.get(n, 0.0), device=loss_sum.device).float().reshape(()) for n in names]])
+    totals = mappings.all_reduce_sum(mappings.all_reduce_sum(local, groups.dp_cp), groups.pp)
+    metrics = {n: float(v) / max(inputs.num_micro_global, 1) for n, v in zip(names, totals[1:])}
+    return StepResult(float(totals[0]) / float(tokens), int(tokens), metrics)
 
 
 def _metric_names(rt, local: dict, groups) -> list[str]:
     """Metric names are produced by layers, which differ per stage: agree on the union once."""
-    if getattr(rt, "metric_names", None) is None:
+    if rt.metric_names is None:
         names = sorted(local)
         if groups.pp.active:
             import torch.distributed as dist
@@ -170,7 +229,3 @@ def _metric_names(rt, local: dict, groups) -> list[str]:
             names = sorted({n for part in gathered for n in part})
         rt.metric_names = names
     return rt.metric_names
-
-
-def get_pipeline_schedule(layout):
-    return forward_backward_pipelined

@@ -49,10 +49,9 @@ class ShadowSet:
         self.cfg, self.groups, self.components, self.pp_rank = cfg, groups, components, pp_rank
         self.model = model
         self.replicas: dict[tuple[int, str], nn.Module] = {}
-        sp = groups.tp.active
         for c in components:
             if pp_rank in c.holders and pp_rank != c.owner_pp:
-                replica = (IndexKeyProjection(cfg, tp_partial=sp) if c.kind == "index_key"
+                replica = (IndexKeyProjection(cfg, groups.tp) if c.kind == "index_key"
                            else Indexer(cfg, groups.tp))
                 for p in replica.parameters():
                     p.requires_grad_(c.grads)
@@ -73,7 +72,7 @@ class ShadowSet:
         return None
 
     def _template(self, c: ShadowComponent) -> list[torch.Tensor]:
-        module = (IndexKeyProjection(self.cfg, tp_partial=False) if c.kind == "index_key"
+        module = (IndexKeyProjection(self.cfg, self.groups.tp) if c.kind == "index_key"
                   else Indexer(self.cfg, self.groups.tp))
         return [torch.zeros_like(p) for p in module.parameters()]
 

@@ -57,6 +57,9 @@ class PipelineRuntime:
         device = next(model.parameters()).device
         self.transport = PipelineTransport(groups.pp.ranks, self.vpp, device)
         self.shadows.refresh()
+        self.peak_state_bytes = 0  # shared-state bytes held at stage boundaries by in-flight micro-batches
+        self.peak_in_flight = 0    # most (stage, micro-batch) units alive at once
+        self.metric_names: list[str] | None = None  # union over stages, agreed once
 
     # ---- topology ----------------------------------------------------------------------------
     def pp_of_stage(self, stage: int) -> int:
@@ -75,7 +78,7 @@ class PipelineRuntime:
         """Payload entering ``stage`` for micro-batch ``mb`` (shapes from this rank's slice)."""
         b, local = mb["tokens"].shape
         full = mb.get("full_seq", local)
-        stream = local // self.groups.tp.size if self.groups.sequence_parallel and self.groups.tp.active else local
+        stream = self.groups.sequence.stream_length(local)
         return PayloadSpec.build(self.cfg, self.plan, self.stage_layers[stage][0], self.modes, batch=b,
                                  local_seq=local, full_seq=full, stream_seq=stream, tp_size=self.groups.tp.size)
 
@@ -138,11 +141,12 @@ class PipelineRuntime:
 
 
 def build_pipeline_model(cfg: ModelConfig, layout: ParallelLayout, groups: ParallelGroups, rank: int, *,
-                         seed: int, modes: PayloadModes | None = None) -> V41Model:
+                         seed: int, modes: PayloadModes | None = None) -> tuple[V41Model, PipelineRuntime]:
+    """This rank's stages (one model object with the union of their layers) and the runtime
+    that moves micro-batches through them; the model itself knows nothing of the pipeline."""
     pp_rank = layout.coords(rank)["pp"]
     stages = layout.stages_of_rank(pp_rank)
     layers = [layer for s in stages for layer in layout.stage_layers[s]]
     model = V41Model(cfg, groups, layers=layers, pre_process=0 in stages,
                      post_process=len(layout.stage_layers) - 1 in stages).init_weights(seed)
-    model.pipeline = PipelineRuntime(model, layout, groups, pp_rank, modes or PayloadModes())
-    return model
+    return model, PipelineRuntime(model, layout, groups, pp_rank, modes or PayloadModes())

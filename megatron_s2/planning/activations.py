@@ -22,15 +22,17 @@ int64 indices ``2 k``, the softmax over entries + sink ``h_local (k + 1)``, its 
 and the grouped output ``g_local o_lora``; the KV array the keys are gathered from (window
 KV of the local tokens plus the CP halo, plus every compressed entry of the sequence).
 Full layers add the compressor (softmax-gated pooling keeps ``C`` and ``softmax(Z)``: ``2
-head_dim`` per token when m > 1), its norm and the index-key projection per entry; the CED
-decoder Full layer adds its input norm. Indexer layers (training with
+head_dim`` per token when m > 1), its norm and the index-key projection per entry (the CED
+decoder Full layer compresses its own normalised input, already counted). Indexer layers (training with
 ``indexer_loss_coeff > 0``) add the KL alignment: rotated indexer queries, the gathered index
 keys ``top-k index_head_dim`` and scores over the selected entries.
 
 MoE, per token routed on this rank (``T / tp``): router input, logits and scores, top-k ids
 and weights; the permutation indices of the dispatcher; per routed slot (``top-k`` per token)
 the expert input ``d`` and seven ``F / etp``-wide SwiGLU intermediates; the shared expert
-``6 F / tp`` per query. Engram: hash ids, fetched rows (three copies through lookup and FP8
+``6 F / tp`` per query. Under ``recompute: selective`` the attention core and the routed
+experts' SwiGLU are recomputed in backward: only their checkpoint inputs stay (the KV array;
+the routed rows and their combine weights). Engram: hash ids, fetched rows (three copies through lookup and FP8
 fake quantisation), the projected key/value ``(n + 1) d``, the streams and gated products.
 """
 
@@ -42,7 +44,7 @@ from megatron_s2.config.layer_plan import CSA2Mode, LayerSpec
 from megatron_s2.config.model import ModelConfig
 
 __all__ = ["RankShape", "LayerActivations", "layer_activations", "head_activations", "transient_bytes",
-           "encoder_boundary_activations", "FLOAT_BYTES"]
+           "FLOAT_BYTES"]
 
 FLOAT_BYTES = 4
 INT64 = 2.0   # int64 index in float32 elements
@@ -118,15 +120,14 @@ def layer_activations(c: ModelConfig, spec: LayerSpec, r: RankShape, recompute: 
     core = T * (INT64 * k + k * hd + BOOL * k + hl * (k + 1))
     halo = r.batch * c.window_size if r.cp > 1 else 0.0
     kv_array = hd * (T + halo + _entries(c, spec, r))
-    out.add("attention core (gathered keys)", 0.0 if recompute == "selective" else core + kv_array)
+    # selective recomputation keeps only the checkpointed core's inputs (queries counted above, the KV array)
+    out.add("attention core (gathered keys)", kv_array if recompute == "selective" else core + kv_array)
     # ---- CSA2 Full: compressor + index keys --------------------------------------------
     if spec.mode is CSA2Mode.FULL:
         m = spec.compress_ratio
         full_tokens = r.batch * r.seq
         entries = _entries(c, spec, r)
         comp = (2 * hd * full_tokens if m > 1 else 0.0) + entries * (2 * hd + 1)
-        if spec.uses_encoder_output:
-            comp += Tsp * (2 * d + 1) + Tsp * d
         comp += entries * (hd + 2 * ihd + 1 + 2 * rd)
         out.add("compressor + index keys", comp)
     if spec.runs_indexer and r.training and c.indexer_loss_coeff > 0:
@@ -137,7 +138,8 @@ def layer_activations(c: ModelConfig, spec: LayerSpec, r: RankShape, recompute: 
     e, ke, f = c.num_routed_experts, c.moe_topk, c.moe_ffn_hidden_size
     out.add("moe router + dispatch", Tm * (d + 2 * e + 3 * ke + 1) + Tm * (2 * INT64 * ke + 1))
     slots = Tm * ke * r.etp
-    out.add("moe routed experts", 0.0 if recompute == "selective" else slots * (d + 7 * f / r.etp + 1))
+    # selective: only the checkpointed experts' inputs (routed rows and their combine weights) stay
+    out.add("moe routed experts", slots * (d + 1) if recompute == "selective" else slots * (d + 7 * f / r.etp + 1))
     if c.num_shared_experts:
         out.add("moe shared expert", T * 6 * f / r.tp)
     # ---- Engram -------------------------------------------------------------------------
@@ -145,13 +147,6 @@ def layer_activations(c: ModelConfig, spec: LayerSpec, r: RankShape, recompute: 
         nt, ehd = c.engram_num_tables, c.engram_head_dim
         out.add("engram", Tsp * (INT64 * nt + 4 * nt * ehd + 3 * nt + 2 * n * d + (n + 1) * d + 8 * n + BOOL * n))
     return out
-
-
-def encoder_boundary_activations(c: ModelConfig, r: RankShape) -> float:
-    """The last encoder layer publishes H_(L/2) = collapse(X, pre) for the CED decoder, which
-    saves its output streams; on one stage the next block's mHC saves the same storage (counted
-    there), across a pipeline cut the next stage saves its received copy instead (bytes)."""
-    return FLOAT_BYTES * r.stream_tokens * (c.hc_mult * c.hidden_size + c.hc_mult)
 
 
 def head_activations(c: ModelConfig, r: RankShape) -> float:

@@ -13,8 +13,8 @@ the terms that grow with the model and the batch and drops scalars:
 * **EP** — per MoE layer and micro-batch: dispatch and combine of the routed rows, forward
   and backward (4 all-to-all of ``T/tp * k * d``);
 * **ETP** — the routed rows all-gathered and partial outputs reduce-scattered over etp;
-* **DP** — the gradient all-reduce over data x context (dense) and expert-data (experts),
-  ZeRO-1 adding the parameter broadcast after the step;
+* **DP** — the gradient all-reduce over data x context (dense) and expert-data (experts);
+  ZeRO-1's reduce-scatter of gradients + all-gather of parameters moves the same bytes;
 * **PP** — the payload (``PayloadSpec``: streams + shared states) sent forward and its
   gradient sent back, per micro-batch and cut of the rank;
 * **CP** — the all-gather of the compressor projections (C and Z) of every Full layer and of
@@ -84,9 +84,9 @@ def comm_volume(recipe: RecipeConfig, layout: ParallelLayout, pp_rank: int, grad
     out.add("etp", F * m * len(layers) * 4 * rows * d * layout.etp * _gather(layout.etp))
     # ---- data parallel --------------------------------------------------------------------
     dense_group, expert_group = layout.dp * layout.cp, layout.edp
+    # ZeRO-1 reduce-scatters gradients to their owners and all-gathers the updated parameters:
+    # (g-1)/g N each, the wire of plain data parallelism's all-reduce (whole-parameter padding aside).
     out.add("dp", _ring(dense_group) * grad_bytes + _ring(expert_group) * expert_grad_bytes)
-    if layout.distributed_optimizer:
-        out.add("dp", _gather(dense_group) * grad_bytes + _gather(expert_group) * expert_grad_bytes)
     # ---- pipeline -------------------------------------------------------------------------
     if layout.pp > 1:
         modes = PayloadModes(recipe.parallel.payload_index_k, recipe.parallel.payload_candidates)

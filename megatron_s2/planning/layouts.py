@@ -4,7 +4,7 @@ Candidates are the products of tp, pp, vpp, cp, ep, etp over the divisors of the
 size (tp and etp up to ``max_tp``, one node of 8 GPUs by default), sequence parallelism
 whenever tp > 1, ZeRO-1 whenever data parallelism exists, and engram-parallel over the
 largest divisor of dp x cp up to ``max_engram``. Each candidate goes through
-:meth:`ParallelLayout.build` with the recipe's batch geometry — the runtime's own validation —
+:meth:`ParallelLayout.from_recipe` — the runtime's own validation —
 and is either kept or reported rejected with the builder's reason.
 
 Kept layouts are ranked: those whose most loaded rank fits in ``gpu_mem`` first, then by
@@ -23,7 +23,7 @@ from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.planning.comm import comm_volume
-from megatron_s2.planning.memory import build_layout, rank_memory, representative_ranks
+from megatron_s2.planning.memory import rank_memory, representative_ranks
 from megatron_s2.planning.schedule import bubble_fraction, timeline
 
 __all__ = ["LayoutCandidate", "Rejected", "enumerate_layouts", "rank_layouts"]
@@ -86,7 +86,7 @@ def enumerate_layouts(recipe: RecipeConfig, gpus: int, *, max_tp: int = 8, max_e
     for par in _candidates(recipe, gpus, max_tp, max_engram):
         try:
             r = recipe.replace(parallel=par)
-            kept.append((r, build_layout(r, gpus)))
+            kept.append((r, ParallelLayout.from_recipe(r, gpus)))
         except ConfigError as exc:
             rejected.append(Rejected(par, str(exc)))
     return kept, rejected

@@ -10,9 +10,10 @@ The result is a timeline of (allocated / freed, bytes, storage) events and its p
 :func:`measure_step` runs one real optimiser step of a :class:`~megatron_s2.training.trainer.Trainer`
 and returns what the planner estimates:
 
-* parameters (including pipeline shadow replicas), gradients after the backward, optimiser
-  state after the step — counted from the live tensors, so a planner estimate must match
-  them exactly;
+* parameters (including pipeline shadow replicas), gradients at their peak (every parameter
+  that received one during the backward: ZeRO-1 frees non-owned ones only after the
+  reduce-scatter), optimiser state after the step — counted from the live tensors, so a
+  planner estimate must match them exactly;
 * the activation peak of the forward/backward (every tensor allocated during it, minus the
   parameter gradients that are still alive at its end, which the planner counts as
   gradients): saved activations, transients, pipeline payload buffers and communication
@@ -153,8 +154,7 @@ def _optimizer_state_tensors(optimizer):
                     yield value
 
 
-def _replica_params(model) -> list[torch.nn.Parameter]:
-    pipeline = getattr(model, "pipeline", None)
+def _replica_params(pipeline) -> list[torch.nn.Parameter]:
     if pipeline is None:
         return []
     return [p for replica in pipeline.shadows.replicas.values() for p in replica.parameters()]
@@ -166,13 +166,21 @@ def measure_step(trainer, *, track_allocations: bool = False) -> MeasuredStep:
 
     trainer.schedule.apply(trainer.optimizer, trainer.step)
     micro_batches = trainer.data.next_step()
-    params = list(trainer.model.parameters()) + _replica_params(trainer.model)
+    params = list(trainer.model.parameters()) + _replica_params(trainer.pipeline)
     allocations = AllocationTracker() if track_allocations else contextlib.nullcontext()
-    with SavedTensorTracker(params) as saved, allocations:
-        result = trainer.compute_gradients(micro_batches)
+    received: dict[int, int] = {}  # model parameters that got a gradient -> its bytes (replicas hand theirs on)
+    hooks = [p.register_post_accumulate_grad_hook(
+        lambda q: received.__setitem__(id(q), q.grad.numel() * q.grad.element_size()))
+        for p in trainer.model.parameters() if p.requires_grad]
+    try:
+        with SavedTensorTracker(params) as saved, allocations:
+            result = trainer.compute_gradients(micro_batches)
+    finally:
+        for h in hooks:
+            h.remove()
     grads = [p.grad for p in params if p.grad is not None]
     peak = allocations.peak(exclude=allocations.ids_of(grads)) if track_allocations else None
-    gradients = tensor_bytes(grads)
+    gradients = sum(received.values())
     trainer.apply_gradients()
     return MeasuredStep(parameters=tensor_bytes(params), gradients=gradients,
                         optimizer=tensor_bytes(list(_optimizer_state_tensors(trainer.optimizer))),

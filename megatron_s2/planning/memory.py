@@ -1,7 +1,7 @@
 """Per-rank memory plan of a recipe: model state, activations, pipeline buffers, Engram.
 
 ``estimate_memory(recipe, world_size)`` evaluates every pipeline stage on the layout the
-runtime would build (:meth:`ParallelLayout.build` with the recipe's batch geometry) and
+runtime would build (:meth:`ParallelLayout.from_recipe`) and
 reports the most loaded one:
 
 * parameters, gradients, optimiser state — counted on the rank's model skeleton
@@ -10,7 +10,7 @@ reports the most loaded one:
   1F1B / interleaved schedule (:mod:`.schedule` replays ``schedule_order``) of each virtual
   stage's per-layer estimate (:mod:`.activations`), the LM head on the last stage;
 * pipeline payload buffers — the shared states received with the hidden state
-  (``PayloadSpec``: CSA2 main KV, index K, top-k, candidates, H_{L/2}) and the full payload
+  (``PayloadSpec``: CSA2 main KV, index K, top-k, candidates) and the full payload
   sent to the next stage, kept by every in-flight micro-batch until its backward;
 * transients — the largest short-lived working set (logits gradient, attention scores);
 * Engram — table partition, its gradient and its optimiser state (also inside the above).
@@ -25,12 +25,11 @@ from dataclasses import dataclass, field
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.checkpoint.hf.skeleton import group_table, pp_rank_of
 from megatron_s2.parallel.layout import ParallelLayout
-from megatron_s2.planning.activations import (RankShape, encoder_boundary_activations, head_activations,
-                                              layer_activations, transient_bytes)
+from megatron_s2.planning.activations import RankShape, head_activations, layer_activations, transient_bytes
 from megatron_s2.planning.model_state import ModelStateBytes, model_state_bytes
 from megatron_s2.planning.schedule import peak_inflight
 
-__all__ = ["RankMemory", "MemoryPlan", "estimate_memory", "rank_memory", "default_world_size", "build_layout",
+__all__ = ["RankMemory", "MemoryPlan", "estimate_memory", "rank_memory", "default_world_size",
            "representative_ranks"]
 
 GiB = 1024 ** 3
@@ -71,12 +70,6 @@ class MemoryPlan:
 def default_world_size(recipe: RecipeConfig) -> int:
     par = recipe.parallel
     return par.world_size() or par.model_parallel_size()
-
-
-def build_layout(recipe: RecipeConfig, world_size: int) -> ParallelLayout:
-    t = recipe.training
-    return ParallelLayout.build(recipe.parallel, recipe.model, world_size, seq_length=t.seq_length,
-                                global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
 
 
 def representative_ranks(layout: ParallelLayout) -> list[int]:
@@ -128,10 +121,6 @@ def rank_memory(recipe: RecipeConfig, layout: ParallelLayout, rank: int, *, wors
             saved += acts.total
             for k, v in acts.parts.items():
                 parts[k] = parts.get(k, 0.0) + v
-        if stage < last and layout.stage_layers[stage][-1] == cfg.num_encoder_layers - 1 and cfg.has_decoder:
-            boundary = encoder_boundary_activations(cfg, shape)
-            saved += boundary
-            parts["H_(L/2) at the cut"] = parts.get("H_(L/2) at the cut", 0.0) + boundary
         if stage == last:
             head = head_activations(cfg, shape)
             saved += head
@@ -153,7 +142,7 @@ def rank_memory(recipe: RecipeConfig, layout: ParallelLayout, rank: int, *, wors
 def estimate_memory(recipe: RecipeConfig, world_size: int | None = None) -> MemoryPlan:
     """Memory of one rank per pipeline stage; ``plan.peak`` is the most loaded."""
     world = world_size or default_world_size(recipe)
-    layout = build_layout(recipe, world)
+    layout = ParallelLayout.from_recipe(recipe, world)
     plan = MemoryPlan(layout)
     for rank in representative_ranks(layout):
         plan.ranks.append(rank_memory(recipe, layout, rank, worst_zero1=True))

@@ -139,7 +139,7 @@ def _shadow_replicas(cfg: ModelConfig, layout: ParallelLayout, rank: int, modes)
     with SkeletonMode():
         for c in comps:
             if pp_rank in c.holders and pp_rank != c.owner_pp:
-                module = (IndexKeyProjection(cfg, tp_partial=groups.tp.active) if c.kind == "index_key"
+                module = (IndexKeyProjection(cfg, groups.tp) if c.kind == "index_key"
                           else Indexer(cfg, groups.tp))
                 out += [(p, c.grads) for p in module.parameters()]
     return out

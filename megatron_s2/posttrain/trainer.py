@@ -51,6 +51,7 @@ from megatron_s2.posttrain.rollout.replicas import replica_topology
 from megatron_s2.posttrain.rollout.weights import WeightTransfer, rollout_placement
 from megatron_s2.posttrain.train_batch import PosttrainLoss, build_micro_batches, g_device, split_routing_for_cp
 from megatron_s2.posttrain.vocab_parallel import token_log_probs
+from megatron_s2.runtime.device import build_on, to_device
 from megatron_s2.training.grad_finalize import finalize_model_grads
 from megatron_s2.training.model_builder import attach_token_map
 from megatron_s2.training.step import StepInputs
@@ -77,12 +78,11 @@ class _OrchestratorState:
 
 
 class PosttrainTrainer(Trainer):
-    def __init__(self, recipe, run_dir, *, rank: int = 0, world_size: int = 1, guard=None, log=print):
-        super().__init__(recipe, run_dir, rank=rank, world_size=world_size, guard=guard, log=log)
+    def __init__(self, recipe, run_dir, *, rank: int = 0, world_size: int = 1, guard=None, log=print, device=None):
+        super().__init__(recipe, run_dir, rank=rank, world_size=world_size, guard=guard, log=log, device=device)
         self.kind = recipe.phase.kind
         self.section = section = posttrain_section(recipe)
         self.rollout_cfg = rollout = section.rollout
-        self.device = next(self.model.parameters()).device
         self.environments = {name: build_environment(name, rollout.environment_of(name), self.tokenizer)
                              for name in rollout.dataset_names()}
         self._setup_rollout()
@@ -113,7 +113,9 @@ class PosttrainTrainer(Trainer):
             self.rollout_model, self.rollout_groups, self.transfer = self.model, self.groups, None
         else:
             self.rollout_groups = build_groups(self.placement.layout)
-            self.rollout_model = V41Model(recipe.model, self.rollout_groups).to(self.device)
+            with build_on(self.device):
+                self.rollout_model = V41Model(recipe.model, self.rollout_groups)
+            self.rollout_model.to(self.device)
             self.rollout_model.apply_precision_map()
             attach_token_map(self.rollout_model, self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
             self.rollout_model.eval().requires_grad_(False)
@@ -275,13 +277,13 @@ class PosttrainTrainer(Trainer):
         split = []
         for mb in mbs:
             routing = split_routing_for_cp(mb.pop("routing"), t.seq_length, cp)
-            part = split_micro_batch(mb, cp)
+            part = split_micro_batch(to_device(mb, self.device), cp)
             part["routing"] = routing
             split.append(part)
         self.model.train()
         inputs = StepInputs(split, self.groups, self.num_micro_global, loss_fn=loss)
         result = self.forward_backward(self.model, inputs)
-        finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb)
+        finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb, zero1=self.zero1)
         return result, loss.reduce(), int(global_tokens)
 
     def _add_frozen_outputs(self, mb: dict) -> None:

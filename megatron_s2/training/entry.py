@@ -52,10 +52,7 @@ def run(args: argparse.Namespace) -> int:
         needed = recipe.parallel.world_size() or recipe.parallel.model_parallel_size()
         # Validate the layout against the model first (an impossible layout is wrong whatever
         # the number of ranks), then the number of ranks this process was started with.
-        ParallelLayout.build(recipe.parallel, recipe.model, world if world > 1 else needed,
-                             seq_length=recipe.training.seq_length,
-                             global_batch_size=recipe.training.global_batch_size,
-                             micro_batch_size=recipe.training.micro_batch_size)
+        ParallelLayout.from_recipe(recipe, world if world > 1 else needed)
         if world == 1 and needed > 1:
             raise ConfigError(f"parallel: this layout needs {needed} ranks but the process runs alone; start it "
                               f"with `megatron-s2 launch {args.recipe} --local`")
@@ -74,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 from megatron_s2.training.trainer import Trainer
 
-            result = Trainer(recipe, run_dir, rank=rank, world_size=world, guard=guard).train()
+            result = Trainer(recipe, run_dir, rank=rank, world_size=world, guard=guard, device=info.device).train()
             return EXIT_PREEMPTED if result.preempted else 0
     finally:
         guard.uninstall()

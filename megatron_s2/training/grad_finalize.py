@@ -1,19 +1,20 @@
 """Gradient reduction after the backward pass (megatron-core's ``finalize_model_grads``).
 
-Which group a gradient is reduced over follows from attributes the modules set on their
-parameters, never from names:
+Which group a gradient is reduced over is read from the parameter's
+:class:`~megatron_s2.parallel.placement.ParamPlacement` (set by the model's parallel plan),
+never from names:
 
-* ``sequence_parallel``: replicated over tp but fed different tokens (or only the local
-  heads' share) -> partial sum, all-reduced over tp first;
-* ``is_expert``: a routed expert held by one expert-parallel rank -> summed over its
-  expert-data-parallel replicas;
-* ``engram_table``: an Engram row partition -> summed over the ranks holding the same
-  partition (``engram_replica``); the lookup already returned every requester's gradient;
-* anything else: summed over data x context parallel replicas.
+* ``tp_partial``: replicated over tp but fed different tokens (or only the local heads'
+  share) -> partial sum, all-reduced over tp first;
+* ``replicas``: the identical copies whose gradients are summed — data x context replicas
+  (dense parameters), expert-data replicas (routed experts), or the ranks holding the same
+  Engram row partition (the lookup already returned every requester's gradient).
 
 Each rank's loss is already normalised by the *global* token count (see losses.py), so every
 reduction is a plain SUM. Gradients of the same reduction group are flattened into buckets of
-``bucket_mb`` MiB so that one collective moves many tensors.
+``bucket_mb`` MiB so that one collective moves many tensors. With ZeRO-1 (``zero1``) the
+replicas' sum is a reduce-scatter to each parameter's owner instead of an all-reduce
+(:mod:`megatron_s2.parallel.distributed_optimizer`).
 """
 
 from __future__ import annotations
@@ -24,16 +25,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_s2.parallel.groups import Group, ParallelGroups
+from megatron_s2.parallel.placement import placement_of
 
 __all__ = ["finalize_model_grads", "reduction_group"]
 
 
 def reduction_group(param: torch.nn.Parameter, groups: ParallelGroups) -> tuple[str, Group]:
-    if getattr(param, "engram_table", False):
-        return "engram_replica", groups.engram_replica
-    if getattr(param, "is_expert", False):
-        return "expert_dp", groups.expert_dp
-    return "dp_cp", groups.dp_cp
+    """(name, group) of the replicas whose gradients of ``param`` are summed."""
+    field = placement_of(param).replicas.value
+    return field, getattr(groups, field)
 
 
 def _bucketed_all_reduce(grads: list[torch.Tensor], group: Group, bucket_bytes: int) -> None:
@@ -62,12 +62,19 @@ def _bucketed_all_reduce(grads: list[torch.Tensor], group: Group, bucket_bytes: 
 
 
 @torch.no_grad()
-def finalize_model_grads(params: list[torch.nn.Parameter], groups: ParallelGroups, bucket_mb: float = 25.0) -> None:
+def finalize_model_grads(params: list[torch.nn.Parameter], groups: ParallelGroups, bucket_mb: float = 25.0,
+                         zero1=None) -> None:
+    """Sum the gradients as the placements say: tp-partial ones over tp, then every gradient
+    over its replicas (all-reduced, or reduce-scattered to its owner by ``zero1``, a
+    :class:`~megatron_s2.parallel.distributed_optimizer.DistributedOptimizer`)."""
     bucket_bytes = int(bucket_mb * 2 ** 20)
     with_grad = [p for p in params if p.grad is not None]
     if groups.tp.active:
-        partial = [p.grad for p in with_grad if getattr(p, "sequence_parallel", False)]
+        partial = [p.grad for p in with_grad if placement_of(p).tp_partial]
         _bucketed_all_reduce(partial, groups.tp, bucket_bytes)
+    if zero1 is not None:
+        zero1.reduce_scatter_grads()
+        return
     by_group: dict[str, tuple[Group, list[torch.Tensor]]] = defaultdict(lambda: (None, []))
     for p in with_grad:
         name, group = reduction_group(p, groups)
@@ -79,23 +86,25 @@ def finalize_model_grads(params: list[torch.nn.Parameter], groups: ParallelGroup
             _bucketed_all_reduce(grads, group, bucket_bytes)
 
 
-def replication(param: torch.nn.Parameter, groups: ParallelGroups) -> int:
-    """How many ranks hold an identical copy of this rank's shard of ``param``."""
-    if getattr(param, "engram_table", False):
-        return groups.engram_replica.size * groups.tp.size
-    if getattr(param, "is_expert", False):
-        return groups.expert_dp.size
-    spec = getattr(param, "shard_spec", None)
-    tp_sharded = spec is not None and spec.is_sharded
-    return groups.stage.size // (groups.tp.size if tp_sharded else 1)
+def replication(param: torch.nn.Parameter, groups: ParallelGroups, zero1: bool = False) -> int:
+    """How many ranks of the stage hold an identical copy of this rank's shard of ``param``
+    (the stage's ranks over the number of distinct shards); with ``zero1``, of its reduced
+    gradient, which only the owner in each replica group keeps."""
+    shards = 1
+    for _, _, count in placement_of(param).shard.splits:
+        shards *= count
+    copies = groups.stage.size // shards
+    return copies // reduction_group(param, groups)[1].size if zero1 else copies
 
 
 @torch.no_grad()
-def clip_grads(params: list[torch.nn.Parameter], max_norm: float, groups: ParallelGroups) -> torch.Tensor:
+def clip_grads(params: list[torch.nn.Parameter], max_norm: float, groups: ParallelGroups,
+               zero1: bool = False) -> torch.Tensor:
     """Global L2 norm of the model's gradient over every unique element (each shard counted
-    once however many ranks replicate it), then clip to ``max_norm`` (0 = measure only)."""
-    grads = [(p.grad, replication(p, groups)) for p in params if p.grad is not None]
-    total_sq = torch.zeros((), dtype=torch.float32)
+    once however many ranks replicate it), then clip to ``max_norm`` (0 = measure only).
+    ``zero1``: gradients were reduce-scattered, only owners hold them."""
+    grads = [(p.grad, replication(p, groups, zero1)) for p in params if p.grad is not None]
+    total_sq = torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)
     for g, r in grads:
         total_sq += torch.linalg.vector_norm(g, dtype=torch.float32).square() / r
     if dist.is_initialized() and dist.get_world_size() > 1:

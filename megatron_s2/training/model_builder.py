@@ -6,6 +6,8 @@ from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.models.v41.model import V41Model
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.layout import ParallelLayout
+from megatron_s2.pipeline.payload import PayloadModes
+from megatron_s2.pipeline.stage import PipelineRuntime, build_pipeline_model
 
 __all__ = ["build_stage_model", "attach_token_map"]
 
@@ -18,15 +20,15 @@ def attach_token_map(model, token_map: list[int] | None) -> None:
 
 
 def build_stage_model(recipe: RecipeConfig, layout: ParallelLayout, groups: ParallelGroups, rank: int,
-                      token_map: list[int] | None = None):
+                      token_map: list[int] | None = None) -> tuple[V41Model, PipelineRuntime | None]:
+    """(the model of this rank's stages, its pipeline runtime or None without pipelining)."""
+    pipeline = None
     if layout.pp == 1:
         model = V41Model(recipe.model, groups).init_weights(recipe.training.seed)
     else:
-        from megatron_s2.pipeline.payload import PayloadModes
-        from megatron_s2.pipeline.stage import build_pipeline_model
-
         modes = PayloadModes(recipe.parallel.payload_index_k, recipe.parallel.payload_candidates)
-        model = build_pipeline_model(recipe.model, layout, groups, rank, seed=recipe.training.seed, modes=modes)
+        model, pipeline = build_pipeline_model(recipe.model, layout, groups, rank, seed=recipe.training.seed,
+                                               modes=modes)
     attach_token_map(model, token_map)
     model.set_recompute(recipe.parallel.recompute)
-    return model
+    return model, pipeline

@@ -25,7 +25,7 @@ def rng_state() -> dict:
     state = {
         "torch": torch.get_rng_state(),
         "python_version": py[0],
-        "python_state": torch.tensor(py[1], dtype=torch.int64),
+        "python_state": torch.tensor(py[1], dtype=torch.int64, device="cpu"),
         "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
         "numpy_pos": int(np_state[2]),
     }

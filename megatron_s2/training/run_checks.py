@@ -98,23 +98,31 @@ def check_run_dir(run_dir: str | Path) -> None:
 
 
 def check_tokenizer(recipe: RecipeConfig):
-    """The tokenizer the run will use; its vocabulary must fit the model's."""
+    """The tokenizer the run will use; it must fit the model (vocabulary, Engram pad id)."""
     from megatron_s2.data.tokenizer import build_tokenizer
+    from megatron_s2.data.tokenizer_checks import check_tokenizer_fits
 
     try:
         tokenizer = build_tokenizer(recipe.data)
     except DataError as exc:
         raise ConfigError(f"data.{exc}") from None
-    if tokenizer.vocab_size > recipe.model.vocab_size:
-        raise ConfigError(f"model.vocab_size: {recipe.model.vocab_size} is smaller than the "
-                          f"{recipe.data.tokenizer} tokenizer's {tokenizer.vocab_size} tokens")
+    check_tokenizer_fits(tokenizer, recipe.model, f"data.tokenizer={recipe.data.tokenizer}")
     return tokenizer
 
 
 def check_data(recipe: RecipeConfig, tokenizer) -> None:
-    """Every dataset of ``data.paths`` opens (index checked) and matches the tokenizer."""
+    """Every dataset of ``data.paths`` is there: indexed prefixes open (index checked) and were
+    written with this tokenizer's vocabulary; chat files exist and are readable."""
     from megatron_s2.data.indexed_dataset import IndexedDataset
+    from megatron_s2.data.records import resolve_local_path
 
+    if recipe.data.kind == "chat":
+        for name in recipe.data.paths:
+            path = resolve_local_path(name)
+            if not path.is_file() or not os.access(path, os.R_OK):
+                raise ConfigError(f"data.paths: {name} is not a readable file; give the .jsonl or .parquet "
+                                  "conversations to train on")
+        return
     for prefix in recipe.data.paths:
         try:
             dataset = IndexedDataset(prefix)

@@ -14,12 +14,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from megatron_s2.checkpoint import CheckpointError, CheckpointManager
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.data import batch_fingerprint, build_data_iterator
 from megatron_s2.data.errors import DataError
+from megatron_s2.data.tokenizer_checks import check_checkpoint_tokenizer, record_run_tokenizer
 from megatron_s2.models.v41.accounting import train_flops_per_token
+from megatron_s2.models.v41.precision import describe_precision
 from megatron_s2.optim import build_optimizer, describe_param_groups
 from megatron_s2.optim.lr_schedule import LRSchedule
 from megatron_s2.parallel.context_parallel import split_micro_batch
@@ -28,6 +32,8 @@ from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.parallel.optimizer_shards import optimizer_shard_groups
 from megatron_s2.parallel.setup import build_groups
 from megatron_s2.parallel.sharding import name_seed
+from megatron_s2.pipeline.schedules import get_forward_backward_func
+from megatron_s2.runtime.device import build_on, check_device_backend, process_device, to_device
 from megatron_s2.training.finite import NonFiniteGuard
 from megatron_s2.training.grad_finalize import clip_grads, finalize_model_grads
 from megatron_s2.training.markers import (FINISHED_MARKER, clear_preempted, extension_hint, finished_step,
@@ -36,7 +42,7 @@ from megatron_s2.training.metrics import MetricsLogger, device_peak_tflops
 from megatron_s2.training.model_builder import build_stage_model
 from megatron_s2.training.run_checks import HostMemory, check_run_inputs
 from megatron_s2.training.rng import rng_state, seed_everything, set_rng_state
-from megatron_s2.training.step import StepInputs, get_forward_backward_func
+from megatron_s2.training.step import StepInputs
 
 __all__ = ["Trainer", "TrainResult"]
 
@@ -53,32 +59,40 @@ class TrainResult:
 
 class Trainer:
     def __init__(self, recipe: RecipeConfig, run_dir: Path, *, rank: int = 0, world_size: int = 1, guard=None,
-                 log=print):
+                 log=print, device=None):
+        """``device``: where this rank computes; default :func:`~megatron_s2.runtime.device.process_device`
+        (the process group's device, else ``parallel.backend`` and the GPUs this process sees)."""
         self.recipe, self.run_dir = recipe, Path(run_dir)
+        self.device = torch.device(device) if device is not None else process_device(recipe.parallel.backend)
+        check_device_backend(self.device)
         self.rank, self.world_size, self.guard = rank, world_size, guard
         self.is_main = rank == 0
         self.log = log if self.is_main else (lambda *a, **k: None)
         t = recipe.training
         seed_everything(t.seed, t.deterministic)
-        self.layout = ParallelLayout.build(recipe.parallel, recipe.model, world_size, seq_length=t.seq_length,
-                                           global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+        self.layout = ParallelLayout.from_recipe(recipe, world_size)
         self.groups = build_groups(self.layout)
         # The checks `megatron-s2 launch` also runs (run dir, tokenizer, data files, memory).
         self.tokenizer = check_run_inputs(recipe, world_size, HostMemory.for_this_rank(), self.run_dir)
-        self.model = build_stage_model(recipe, self.layout, self.groups, rank,
-                                       self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
+        with build_on(self.device):  # parameters, buffers and what modules build at construction
+            self.model, self.pipeline = build_stage_model(
+                recipe, self.layout, self.groups, rank,
+                self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
+        self.model.to(self.device)  # host-computed buffers (RoPE frequencies) follow
         self._freeze(recipe.phase.freeze)
         row_groups, matrix_shards = optimizer_shard_groups(self.model, self.groups, recipe.optimizer)
         self.optimizer = build_optimizer(self.model, recipe.optimizer, row_groups=row_groups,
                                          matrix_shards=matrix_shards)
         if recipe.parallel.distributed_optimizer:
-            self.optimizer = DistributedOptimizer(self.optimizer, self.model, self.groups)
-        self.schedule = LRSchedule(recipe.schedule)
+            self.optimizer = DistributedOptimizer(self.optimizer, self.model, self.groups,
+                                                  bucket_mb=recipe.parallel.grad_bucket_mb)
+        self.zero1 = self.optimizer if isinstance(self.optimizer, DistributedOptimizer) else None
+        self.schedule = LRSchedule(recipe.schedule, tokens_per_step=t.global_batch_size * t.seq_length)
         coords = self.layout.coords(rank)
         self.dp_rank = coords["dp"]
         self.data = self.build_data()
         self.num_micro_global = t.global_batch_size // t.micro_batch_size
-        self.forward_backward = get_forward_backward_func(self.layout)
+        self.forward_backward = get_forward_backward_func(self.layout, self.pipeline)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", rank, world_size,
                                              keep_last=recipe.checkpoint.keep_last,
                                              async_save=recipe.checkpoint.async_save,
@@ -95,7 +109,7 @@ class Trainer:
         return build_data_iterator(self.recipe.data, seq_length=t.seq_length, global_batch_size=t.global_batch_size,
                                    micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank,
                                    dp_size=self.layout.dp, seed=t.seed, phase=self.recipe.phase.kind,
-                                   tokenizer=self.tokenizer)
+                                   tokenizer=self.tokenizer, log=self.log)
 
     def _freeze(self, patterns: tuple[str, ...]) -> None:
         from fnmatch import fnmatch
@@ -108,10 +122,10 @@ class Trainer:
         if not self.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for name, text in (("config.yaml", self.recipe.to_yaml()), ("tokenizer.json", self.tokenizer.to_json())):
-            tmp = self.run_dir / f".{name}.tmp"
-            tmp.write_text(text)
-            tmp.replace(self.run_dir / name)
+        tmp = self.run_dir / ".config.yaml.tmp"
+        tmp.write_text(self.recipe.to_yaml())
+        tmp.replace(self.run_dir / "config.yaml")
+        record_run_tokenizer(self.tokenizer, self.run_dir)  # checkpoints carry their tokenizer
 
     # ---- checkpoint -----------------------------------------------------------------------------
     def state(self) -> dict:
@@ -150,6 +164,7 @@ class Trainer:
             except CheckpointError as exc:
                 raise ConfigError(f"checkpoint.load: {exc}") from None
             full, key = ck.load_optimizer, "checkpoint.load"
+            check_checkpoint_tokenizer(path, self.tokenizer, self.log)
         if path is None:
             return False
         try:  # a refusal leaves the run directory as it was: nothing has been written yet
@@ -177,17 +192,17 @@ class Trainer:
     # ---- loop ---------------------------------------------------------------------------------
     def compute_gradients(self, micro_batches: list[dict]):
         """Forward/backward over this rank's micro-batches and reduce the gradients."""
-        micro_batches = [split_micro_batch(mb, self.groups.cp) for mb in micro_batches]
+        micro_batches = [split_micro_batch(to_device(mb, self.device), self.groups.cp) for mb in micro_batches]
         inputs = StepInputs(micro_batches, self.groups, self.num_micro_global)
         result = self.forward_backward(self.model, inputs)
-        finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb)
+        finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb, zero1=self.zero1)
         return result
 
     def apply_gradients(self, loss: float | None = None) -> float:
         """Clip, optimiser step, then the once-per-step MoE correction-bias update. A
         non-finite loss or gradient norm stops the run or skips the update
         (``training.non_finite``, :mod:`.finite`)."""
-        grad_norm = clip_grads(self.params, self.recipe.optimizer.clip_grad, self.groups)
+        grad_norm = clip_grads(self.params, self.recipe.optimizer.clip_grad, self.groups, zero1=self.zero1 is not None)
         if not self.non_finite.admit(self.step + 1, loss, float(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             for router in self.model.routers():  # this step's loads must not move the biases
@@ -196,9 +211,8 @@ class Trainer:
             return float(grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        pipeline = getattr(self.model, "pipeline", None)
-        if pipeline is not None:
-            pipeline.shadows.refresh()  # replicas follow their owners (§3.1.2)
+        if self.pipeline is not None:
+            self.pipeline.shadows.refresh()  # replicas follow their owners (§3.1.2)
         self.model.update_expert_bias()
         self.step += 1
         return float(grad_norm)
@@ -229,13 +243,16 @@ class Trainer:
                 self.log(f"rank 0 holds layers {self.model.layer_ids[0]}-{self.model.layer_ids[-1]} "
                          "(its shard of the model is listed below)")
             self.log(describe_param_groups(self.model, self.recipe.optimizer))
+            self.log(f"device: {self.device}; " + describe_precision(self.recipe.model.params_dtype,
+                                                                     self.recipe.model.compute_dtype))
         flops = train_flops_per_token(self.recipe.model, t.seq_length)
         metrics = MetricsLogger(self.run_dir, enabled=self.is_main, total_steps=t.train_steps,
                                 log_interval=self.recipe.logging.log_interval,
                                 tensorboard=self.recipe.logging.tensorboard,
                                 progress_bar=self.recipe.logging.progress_bar, flops_per_token=flops,
                                 world_size=self.world_size,
-                                peak_tflops=device_peak_tflops(self.recipe.logging.device_peak_tflops))
+                                peak_tflops=device_peak_tflops(self.recipe.logging.device_peak_tflops)
+                                if self.device.type == "cuda" else (self.recipe.logging.device_peak_tflops or None))
         metrics.set_start(self.step)
         start, losses, prints, preempted = self.step, [], [], False
         if resumed and self.step >= t.train_steps:

@@ -25,10 +25,10 @@ EXPECTED = {
     "pipeline_bubble.py": ["(a) Idle fraction per rank", "(b) Step time, ours vs torch.distributed.pipelining",
                            "(c) Payload bytes per micro-batch per cut", "(d) Shared-state memory"],
     "comm_volume.py": ["tp2", "measured"],
-    "csa2_vs_dense.py": ["CSA2 layer", "CSA2/dense"],
+    "csa2_vs_dense.py": ["CSA2 layer", "ratios to dense"],
     "kernels.py": ["sparse_attention", "speedup"],
     "decode.py": ["decode", "MLA"],
-    "bounded_replay.py": ["KL", "FLOPs"],
+    "bounded_replay.py": ["KL mean", "prefill GFLOP"],
 }
 
 

@@ -32,7 +32,7 @@ def ckpt(tiny_state, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def hf_dir(ckpt, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hf") / "export"
-    assert main(["checkpoint", "export", str(ckpt), str(out), "--no-verify", "--no-progress"]) == 0
+    assert main(["checkpoint", "export", str(ckpt), str(out), "--no-verify", "--no-progress", "--tokenizer", "char"]) == 0
     return out
 
 
@@ -48,13 +48,13 @@ def _refused(capsys, argv: list[str], *words: str) -> str:
 
 
 def test_export_refusals(ckpt, hf_dir, tmp_path, capsys):
-    _refused(capsys, ["checkpoint", "export", str(tmp_path / "none"), str(tmp_path / "o1"), "--no-progress"],
+    _refused(capsys, ["checkpoint", "export", str(tmp_path / "none"), str(tmp_path / "o1"), "--no-progress", "--tokenizer", "char"],
              str(tmp_path / "none"), "no valid checkpoint")
-    _refused(capsys, ["checkpoint", "export", str(ckpt), str(hf_dir), "--no-progress"],
+    _refused(capsys, ["checkpoint", "export", str(ckpt), str(hf_dir), "--no-progress", "--tokenizer", "char"],
              str(hf_dir), "not empty")
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    _refused(capsys, ["checkpoint", "export", str(ckpt), str(blocker / "out"), "--no-progress", "--no-verify"],
+    _refused(capsys, ["checkpoint", "export", str(ckpt), str(blocker / "out"), "--no-progress", "--no-verify", "--tokenizer", "char"],
              str(blocker))
 
 
@@ -98,10 +98,10 @@ def test_exported_files_follow_the_umask_unless_private(ckpt, tmp_path):
     old = os.umask(0o022)
     try:
         out = tmp_path / "shared"
-        assert main(["checkpoint", "export", str(ckpt), str(out), "--no-verify", "--no-progress"]) == 0
+        assert main(["checkpoint", "export", str(ckpt), str(out), "--no-verify", "--no-progress", "--tokenizer", "char"]) == 0
         private = tmp_path / "private"
         assert main(["checkpoint", "export", str(ckpt), str(private), "--no-verify", "--no-progress",
-                     "--private"]) == 0
+                     "--private", "--tokenizer", "char"]) == 0
     finally:
         os.umask(old)
     assert _mode(out) == 0o755

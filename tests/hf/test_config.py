@@ -34,7 +34,9 @@ def test_architecture_from_text_config_alone(model):
     assert {k: getattr(derived, k) for k in same} == {k: getattr(cfg, k) for k in same}
     inverse = {v: k for k, v in MODELARGS_ALIASES.items()}
     flat = {inverse.get(k, k): v for k, v in text.items() if k != "rope_scaling"}
-    flat.update(rope_factor=text["rope_scaling"]["factor"], original_seq_len=0, beta_fast=32, beta_slow=1)
+    rope = text["rope_scaling"]
+    flat.update(rope_factor=rope["factor"], original_seq_len=rope["original_max_position_embeddings"], beta_fast=32,
+                beta_slow=1)
     assert config_from_hf(flat) == derived
 
 
@@ -48,7 +50,7 @@ def test_edited_config_is_refused():
 @pytest.mark.parametrize("edit, message", [
     ({"gate_temp": 2.0}, "gate_temp=2.0 is not supported"),
     ({"engram_num_embeddings": [1000, 1000]}, "lookups would address different rows"),
-    ({"candidate_source_layer_id": 1}, "searches the candidate pool of layer 1"),
+    ({"candidate_source_layer_id": 1}, r"layer 4 \(full, m=1\) is a Full layer inside the decoder"),
     ({"candidate_source_layer_id": 6, "num_encoder_layers": 4}, "candidate_source_layer_id=6, but with 4 encoder"),
     ({"compress_ratios": [0, 2, 2]}, "compress_ratios lists 3 layers"),
 ])

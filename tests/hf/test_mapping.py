@@ -4,8 +4,9 @@ The oracle below restates, independently of the table, which tensors the DeepSee
 reference ``inference/model.py`` creates for a config and with which shapes (``Block``,
 ``Attention``, ``Compressor``, ``Indexer``, ``MoE``/``Gate``/``Expert``, ``Engram``,
 ``ParallelHead``). Every name the table produces for the flagship, small and tiny models must
-be one of them with the same shape, and the reverse — except the one documented extension
-(``attn.compressor.input_norm``) and ``ffn.gate.bias_vl`` (vision checkpoints only).
+be one of them with the same shape, and the reverse — except ``ffn.gate.bias_vl`` (vision
+checkpoints only). There is no extension tensor: the CED decoder's Full layer compresses its
+own ``attn_norm`` output, as the reference's does.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from megatron_s2.checkpoint.hf.v41_bridge import V41_REGISTRY
 from megatron_s2.config.layer_plan import CSA2Mode
 from tests.hf.conftest import load_model
 
-EXTENSIONS = ("attn.compressor.input_norm.weight", "ffn.gate.bias_vl")
+EXTENSIONS = ("ffn.gate.bias_vl",)
 
 
 def reference_tensors(cfg) -> dict[str, tuple[int, ...]]:
@@ -91,9 +92,8 @@ def test_names_and_shapes_match_the_reference(model):
                                                 sorted(set(ref) - set(ours))[:5])
     for name, shape in ref.items():
         assert ours[name] == shape, f"{name}: ours {ours[name]}, reference {shape}"
-    # the CED extension exists exactly on decoder Full layers
-    ced = {n for n in extensions if "input_norm" in n}
-    assert ced == {f"layers.{s.index}.attn.compressor.input_norm.weight" for s in cfg.plan if s.uses_encoder_output}
+    assert extensions == {f"layers.{i}.ffn.gate.bias_vl" for i in range(cfg.num_layers)}
+    assert not any("input_norm" in n for n in ours)  # no CED extension tensor (follows the release)
 
 
 def test_every_row_is_used_and_unconfirmed_rows_are_documented():
@@ -105,8 +105,7 @@ def test_every_row_is_used_and_unconfirmed_rows_are_documented():
     for m in V41_REGISTRY.mappings:
         if not m.confirmed:
             assert m.note, f"{m.megatron}: unconfirmed rows must say why"
-    assert [m.hf for m in V41_REGISTRY.mappings if not m.confirmed] == ["layers.{layer}.attn.compressor.input_norm.weight"]
-    assert "NO" in V41_REGISTRY.describe()
+    assert [m.hf for m in V41_REGISTRY.mappings if not m.confirmed] == []
 
 
 def test_unmapped_names_are_errors():

@@ -4,8 +4,7 @@ The fixture writes `tiny` the way the release stores it (reference ``inference/m
 a flat ``config.json`` in ``ModelArgs`` spelling (no ``megatron_s2`` block, no num_encoder_layers:
 the encoder is derived from ``candidate_source_layer``), FP8 E4M3 linear weights with E8M0
 32x32 block scales, FP4 (packed E2M1) routed experts with one E8M0 scale per 32 inputs, the
-Engram table in FP8 with per-row scales, other weights in bfloat16, no ``bias_vl`` and no CED
-``input_norm``, plus drafter (``mtp.*``) and vision tensors that the backbone skips.
+Engram table in FP8 with per-row scales, other weights in bfloat16, no ``bias_vl``, plus drafter (``mtp.*``) and vision tensors that the backbone skips.
 The imported state must equal the dequantised values bitwise, so the logits equal those of
 the model holding exactly the released weights.
 """
@@ -67,13 +66,12 @@ def release(tmp_path_factory):
     # the reference runs the quantisation-aware paths at inference: the imported config has them on
     cfg = load_model("tiny", fp4_main_kv=True, fp8_swa_kv=True, fp4_indexer=True, engram_fp8_tables=True)
     state = trained_state(cfg, seed=11)
-    # the release has no bias_vl and no CED input norm: make ours equal to their substitutes
+    # the release has no bias_vl: make ours equal to its substitute
     for name in list(state):
         if name.endswith("image_expert_bias"):
             state[name] = state[name.replace("image_expert_bias", "expert_bias")].clone()
-    state["layers.4.attention.compressor.input_norm.weight"] = state["layers.4.attn_norm.weight"].clone()
     views, elided = V41_REGISTRY.export_views(state, ConversionContext(cfg))
-    assert len(elided) == 9
+    assert len(elided) == 8
     files, values = {}, {}
     for name, (view, _) in views.items():
         w = view.float()
@@ -121,7 +119,7 @@ def test_release_imports_exactly(release):
     assert got_cfg.plan.summary() == cfg.plan.summary()
     assert got_cfg.num_encoder_layers == 4 and got_cfg.fp4_main_kv and got_cfg.fp4_indexer and got_cfg.fp8_swa_kv
     assert (report.dequantized, report.skipped) == (8 * 3 * 8 + 8 * 7 + 4 + 2 * 2, {"mtp.": 1, "vision.": 1, "image_start": 1})
-    assert {o for o, _ in report.fallbacks} == {n for n in state if n.endswith(("image_expert_bias", "input_norm.weight"))}
+    assert {o for o, _ in report.fallbacks} == {n for n in state if n.endswith("image_expert_bias")}
     for name, t in expected.items():
         assert state[name].dtype == torch.float32
         assert torch.equal(state[name], t.float()), name
@@ -131,9 +129,8 @@ def test_release_imports_exactly(release):
 
 
 def test_release_with_a_later_decoder_full_layer_is_refused(release, tmp_path):
-    """Our CED decoder Full layers read H_(L/2); the reference's read their own input. Only the
-    first decoder layer makes the two agree, so a later one cannot be imported from the
-    reference format (its input_norm has no exact substitute)."""
+    """A decoder Full layer compresses its own attention input; only the first decoder layer's
+    input is H_(L/2) (CED, §2.2), so a plan with a later one is refused by the layer plan."""
     cfg, directory, _ = release
     import shutil
 
@@ -142,7 +139,7 @@ def test_release_with_a_later_decoder_full_layer_is_refused(release, tmp_path):
     conf["candidate_source_layer"] = 4
     conf["num_encoder_layers"] = 2  # layers 2.. are decoder: layer 4 is Full but not the first decoder layer
     (bad / "config.json").write_text(json.dumps(conf))
-    from megatron_s2.checkpoint.hf.registry import ConversionError
+    from megatron_s2.config.schema import ConfigError
 
-    with pytest.raises(ConversionError, match="layer 4 is a decoder Full layer but not the first decoder layer"):
+    with pytest.raises(ConfigError, match=r"layer 4 \(full, m=1\) is a Full layer inside the decoder"):
         load_hf_checkpoint(bad, progress=False)

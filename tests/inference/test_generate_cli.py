@@ -5,7 +5,6 @@ through the console script, and bad input -> exit 2 with one line."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,8 @@ import torch
 from megatron_s2.checkpoint.hf.checkpoint_io import write_full_state
 from megatron_s2.cli import main
 from megatron_s2.config.recipe import load_recipe
-from megatron_s2.data.tokenizer import CharTokenizer
+from megatron_s2.data.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer
+from megatron_s2.data.tokenizer_checks import record_run_tokenizer
 from megatron_s2.models.v41.model import build_model
 from megatron_s2.training.model_builder import attach_token_map
 from tests.parallel.parity import RECIPE
@@ -32,7 +32,7 @@ def run_dir(tmp_path_factory):
     model = build_model(recipe.model, seed=5)
     run.mkdir()
     (run / "config.yaml").write_text(recipe.to_yaml())
-    (run / "tokenizer.json").write_text(CharTokenizer().to_json())
+    record_run_tokenizer(CharTokenizer(), run)
     write_full_state(model.state_dict(), recipe, run / "checkpoints", step=7)
     return run
 
@@ -69,9 +69,12 @@ def test_generate_from_a_hugging_face_export(run_dir, tmp_path, capsys):
     hf = tmp_path / "hf"
     assert main(["checkpoint", "export", str(run_dir), str(hf), "--no-progress", "--no-verify"]) == 0
     capsys.readouterr()
-    assert main(["generate", str(hf), "--prompt", PROMPT, "--max-tokens", "4"]) == 2  # no tokenizer yet
-    assert "tokenizer.json" in capsys.readouterr().err
-    shutil.copy(run_dir / "tokenizer.json", hf / "tokenizer.json")
+    saved = hf / CHAR_TOKENIZER_FILE  # the export carries the run's tokenizer beside the weights
+    kept = saved.read_bytes()
+    saved.unlink()
+    assert main(["generate", str(hf), "--prompt", PROMPT, "--max-tokens", "4"]) == 2
+    assert "no tokenizer files" in capsys.readouterr().err
+    saved.write_bytes(kept)
     assert main(["generate", str(hf), "--prompt", PROMPT, "--max-tokens", "5", "--seed", "1", "--top-k", "8",
                  "--top-p", "0.9"]) == 0
     assert capsys.readouterr().out.startswith(PROMPT)

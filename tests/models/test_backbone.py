@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_s2.config.layer_plan import SharedStateKind as K
 from megatron_s2.models.v41.moe.routing_replay import RoutingMode, RoutingReplay
 
 
@@ -55,8 +54,6 @@ def hand_mhc_forward(model, ids, ctx, single_pass: bool):
             y = sublayer(norm(torch.einsum("bsn,bsnd->bsd", mix, x)), ctx)  # Eq. 5, F
             x = torch.einsum("bsij,bsid->bsjd", b, x) + c.unsqueeze(-1) * y.unsqueeze(-2)  # Eq. 3
             prev_a = a
-        if i == cfg.plan.last_encoder_layer:  # H_{L/2} for the CED decoder (Eq. 1)
-            ctx.shared.publish(i, K.ENCODER_OUTPUT, torch.einsum("bsn,bsnd->bsd", prev_a, x))
         streams[i] = x
     # the model's output collapse uses the last sublayer's A in both modes (no HyperHead)
     logits = model.output_layer(model.final_norm(torch.einsum("bsn,bsnd->bsd", prev_a, x)))

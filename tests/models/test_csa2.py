@@ -135,11 +135,10 @@ def _rope(t, pos, inv_freq, inverse=False):
 
 
 def dense_main_kv(producer, src, P):
-    """Compressed main KV of a Full layer from its compressor input (float64)."""
+    """Compressed main KV of a Full layer from its compressor input — the layer's own
+    normalised attention input, also for the CED decoder's Full layer (float64)."""
     cfg, m = producer.config, producer.spec.compress_ratio
     comp, eps = producer.compressor, cfg.norm_eps
-    if comp.input_norm is not None:  # CED decoder: H_{L/2} through the layer's own norm
-        src = _rms(src, P(comp.input_norm.weight), eps)
     c = src @ P(comp.linear_kv.weight).T
     b, s, _ = c.shape
     n = s // m
@@ -196,30 +195,26 @@ def attention_stack(cfg, seed=0):
     return layers
 
 
-def run_stack(cfg, layers, xs, enc, doc_ids=None):
-    """Each layer on its own input, in plan order, sharing one context (CED input ``enc``)."""
-    b, s, _ = enc.shape
+def run_stack(cfg, layers, xs, doc_ids=None):
+    """Each layer on its own input, in plan order, sharing one context."""
+    b, s, _ = xs[0].shape
     ctx = ForwardContext.create(torch.zeros(b, s, dtype=torch.long), cfg.plan, doc_ids=doc_ids)
-    ctx.shared.publish(cfg.plan.last_encoder_layer, K.ENCODER_OUTPUT, enc)
     return {i: layers[i](xs[i], ctx) for i in sorted(layers)}
 
 
-def reference_stack(cfg, layers, xs, enc, P, doc_ids=None):
+def reference_stack(cfg, layers, xs, P, doc_ids=None):
     out = {}
     for spec in cfg.plan:
         main = None
-        if spec.is_csa2:
-            producer = layers[spec.kv_source]
-            src = enc if producer.spec.uses_encoder_output else xs[spec.kv_source]
-            main = dense_main_kv(producer, src.double(), P)
+        if spec.is_csa2:  # every Full layer (the CED decoder's too) compresses its own input
+            main = dense_main_kv(layers[spec.kv_source], xs[spec.kv_source].double(), P)
         out[spec.index] = dense_attention(layers[spec.index], xs[spec.index].double(), main, P, doc_ids)
     return out
 
 
 def stack_inputs(cfg, b, s, seed=0):
     g = torch.Generator().manual_seed(seed)
-    xs = {spec.index: torch.randn(b, s, cfg.hidden_size, generator=g) for spec in cfg.plan}
-    return xs, torch.randn(b, s, cfg.hidden_size, generator=g)
+    return {spec.index: torch.randn(b, s, cfg.hidden_size, generator=g) for spec in cfg.plan}
 
 
 # ---- §2.3.1: Reuse and Reindex ---------------------------------------------------------------------
@@ -281,10 +276,10 @@ def dense_comparison(tiny_cfg):
     out = {}
     for docs, seed in ((None, 0), (torch.tensor([[0] * 7 + [1] * 10 + [2] * 7] * 2), 5)):
         layers = attention_stack(cfg, seed=seed)
-        xs, enc = stack_inputs(cfg, b=2, s=24, seed=seed)
+        xs = stack_inputs(cfg, b=2, s=24, seed=seed)
         with torch.no_grad():
-            got = run_stack(cfg, layers, xs, enc, docs)
-            want = reference_stack(cfg, layers, xs, enc.double(), F64(*layers.values()), docs)
+            got = run_stack(cfg, layers, xs, docs)
+            want = reference_stack(cfg, layers, xs, F64(*layers.values()), docs)
         out[docs is not None] = (got, want)
     return out
 
@@ -587,34 +582,54 @@ def test_gradcheck_csa2_layer(tiny_cfg, make_attention, make_ctx):
     torch.autograd.gradcheck(lambda x: attn(x, make_ctx(cfg, ids)), (x,), fast_mode=True)
 
 
-@pytest.mark.parametrize("layer", [1, 4], ids=["full-enc-m2", "full-dec-m1-from-encoder-output"])
+@pytest.mark.parametrize("layer", [1, 4], ids=["full-enc-m2", "full-dec-m1-ced"])
 def test_csa2_layer_gradients_match_dense_float64(tiny_cfg, make_attention, make_ctx, layer):
-    """Whole-layer gradients (input, encoder output, every weight) against autograd through the
-    dense float64 formula, with FP quantisation off and top-k covering every entry."""
+    """Whole-layer gradients (input and every weight) against autograd through the dense
+    float64 formula, with FP quantisation off and top-k covering every entry. Layer 4 is the
+    CED decoder's Full layer: its compressor reads its own (normalised) input, H_{L/2}."""
     cfg = _small_layer_cfg(tiny_cfg)
     attn = make_attention(cfg, layer).eval()
     with torch.no_grad():
         attn.attn_sink.normal_(generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(layer)
     x = torch.randn(2, 10, cfg.hidden_size, generator=g, requires_grad=True)
-    enc = torch.randn(2, 10, cfg.hidden_size, generator=g, requires_grad=True)
     ctx = make_ctx(cfg, torch.zeros(2, 10, dtype=torch.long))
-    ctx.shared.publish(cfg.plan.last_encoder_layer, K.ENCODER_OUTPUT, enc)
     out = attn(x, ctx)
     P = F64(attn, requires_grad=True)
-    x64, enc64 = x.detach().double().requires_grad_(), enc.detach().double().requires_grad_()
-    main = dense_main_kv(attn, enc64 if attn.spec.uses_encoder_output else x64, P)
+    x64 = x.detach().double().requires_grad_()
+    main = dense_main_kv(attn, x64, P)
     ref = dense_attention(attn, x64, main, P)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     w = torch.randn(out.shape, generator=g)
     (out * w).sum().backward()
     (ref * w.double()).sum().backward()
     torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-5, rtol=1e-4)
-    if attn.spec.uses_encoder_output:
-        torch.testing.assert_close(enc.grad.double(), enc64.grad, atol=1e-5, rtol=1e-4)
     for name, p in attn.named_parameters():
         if name.startswith(("indexer.", "index_key.")):
             # top-k selection carries no gradient; the indexer learns from its alignment loss
             assert p.grad is None, name
             continue
         torch.testing.assert_close(p.grad.double(), P(p).grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_ced_decoder_compresses_attn_norm_of_the_encoder_output(tiny_cfg, make_model):
+    """CED as released (§2.2, Eq. 1): the decoder's Full layer (layer 4, the first decoder
+    layer) compresses attn_norm(H_{L/2}), H_{L/2} = the encoder's final streams collapsed with
+    the encoder's last mix (Single-Pass mHC) — through its own attn_norm, no other norm."""
+    from megatron_s2.models.v41.mhc import collapse
+
+    model = make_model(tiny_cfg, seed=3).eval()
+    enc, dec = tiny_cfg.plan.last_encoder_layer, tiny_cfg.num_encoder_layers
+    assert tiny_cfg.plan[dec].uses_encoder_output and not tiny_cfg.plan[dec].has_engram
+    seen = {}
+    model.layers[str(enc)].register_forward_hook(lambda m, a, out: seen.__setitem__("encoder", out))
+    compressor = model.layers[str(dec)].attention.compressor
+    original = compressor.project  # a method, not a module call: wrap it to see its input
+    compressor.project = lambda x: (seen.__setitem__("input", x), original(x))[1]
+    ids = torch.randint(0, tiny_cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids)
+        x, pre = seen["encoder"]
+        expected = model.layers[str(dec)].attn_norm(collapse(x, pre))
+    assert torch.equal(seen["input"], expected)
+    assert not any("input_norm" in name for name, _ in model.named_parameters())

@@ -22,7 +22,7 @@ from megatron_s2.models.v41.engram import (
 )
 from megatron_s2.models.v41.engram.table import padded_rows, table_init
 from megatron_s2.parallel.groups import Group
-from megatron_s2.parallel.sharding import ShardSpec, init_from_full
+from megatron_s2.parallel.sharding import ShardSpec, init_from_full, shard_spec
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -218,9 +218,9 @@ def test_table_init_is_layout_independent_and_pads_with_zeros():
 def test_table_partition_metadata_and_single_process_lookup():
     table = EngramTable(1000, 8, Group(size=4, rank=2, ranks=(0, 1, 2, 3)))
     assert table.weight.shape == (256, 8) and table.first_row == 512
-    spec: ShardSpec = table.weight.shard_spec
+    spec: ShardSpec = shard_spec(table.weight)
     assert spec.full_shape == (1024, 8) and spec.splits == ((0, 2, 4),)
-    assert table.weight.engram_table and table.weight.engram_rows == 1000
+    assert table.num_rows == 1000
     with pytest.raises(ValueError, match="engram_parallel"):
         EngramTable(1000, 8, Group(size=3, rank=0, ranks=(0, 1, 2)))
     single = EngramTable(1000, 8)

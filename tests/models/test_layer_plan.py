@@ -46,9 +46,8 @@ def test_flagship_producer_links(flagship_cfg):
         assert s.index_source == indexer, s.index
         assert s.runs_indexer == (s.mode is not REUSE)
         assert s.computes_main_kv == (s.mode is FULL)
-    # CED (§2.2, Eq. 1): only the decoder Full layer projects its KV from H_{L/2} (layer 19).
-    assert [s.index for s in plan if s.uses_encoder_output] == [20]
-    assert plan[20].encoder_source == 19 == plan.last_encoder_layer
+    # CED (§2.2, Eq. 1): only the first decoder layer is Full; its input is H_{L/2} (of layer 19).
+    assert [s.index for s in plan if s.uses_encoder_output] == [20] == [plan.last_encoder_layer + 1]
     # Hierarchical indexer (§2.3.2): layer 20 is the candidate source, searched by every
     # decoder Reindex layer; encoder layers and Reuse layers never search a pool.
     assert [s.index for s in plan if s.is_candidate_source] == [20]
@@ -78,7 +77,7 @@ def test_flagship_produces_and_consumes(flagship_cfg):
     assert plan[24].produces() == [K.TOPK]
     assert plan[25].produces() == [] and plan[0].produces() == []
     assert plan[3].consumes() == [(2, K.MAIN_KV), (2, K.TOPK)]
-    assert plan[20].consumes() == [(19, K.ENCODER_OUTPUT)]
+    assert plan[20].consumes() == []  # H_{L/2} arrives as the block's own input streams
     assert plan[24].consumes() == [(20, K.MAIN_KV), (20, K.INDEX_K), (20, K.CANDIDATES)]
     assert plan[27].consumes() == [(20, K.MAIN_KV), (24, K.TOPK)]
     assert plan.consumers(20, K.INDEX_K) == [24, 28, 32, 36]
@@ -122,9 +121,11 @@ def _plan(*specs, encoder: int) -> dict:
     (dict(candidate_topk_blocks=1, candidate_block_size=6, index_topk=6),
      r"candidate_topk_blocks: the candidate pool \(1 blocks x 6 = 6\) must be larger than index_topk=6"),
     (dict(candidate_topk_blocks=2, candidate_block_size=2, index_topk=6), r"candidate pool .* = 4\)"),
-    # a decoder Reindex layer that would search a pool indexing a different main KV
+    # CED: a decoder Full layer other than the first decoder layer compresses decoder states
     (_plan((["full", "reuse"], 2), (["full", "reuse", "full", "reindex"], 1), encoder=2),
-     r"layer 5 \(reindex, m=1\) searches the candidate pool of layer 2"),
+     r"layer 4 \(full, m=1\) is a Full layer inside the decoder; .* first decoder layer \(2\)"),
+    (_plan((["full", "reuse"], 2), (["reuse", "full"], 2), encoder=2),
+     r"layer 3 \(full, m=2\) is a Full layer inside the decoder"),
     (dict(num_encoder_layers=9), r"num_encoder_layers: must be in 1..8"),
     (dict(engram_layers=(1, 8)), r"engram_layers: layer 8 is outside 0..7"),
     (dict(window_size=0), r"window_size: must be positive"),
@@ -146,14 +147,14 @@ def test_impossible_groups_are_config_errors(kwargs, message):
         LayerGroupSpec(**kwargs)
 
 
-def test_extra_decoder_full_before_the_candidate_source_is_allowed(tiny_cfg):
-    """The check above is about *which* main KV a pool indexes, not about decoder Full layers
-    as such: the first decoder Full layer is the source, a later one simply breaks the link."""
-    cfg = tiny_cfg.replace(**_plan((["full", "reuse"], 2), (["full", "reindex", "full", "reuse"], 1), encoder=2))
+def test_decoder_without_a_full_layer_reuses_the_encoder_kv(tiny_cfg):
+    """CED allows a decoder with no Full layer at all: it attends to the encoder's compressed
+    KV (same ratio). There is then no candidate source, so no decoder layer searches a pool."""
+    cfg = tiny_cfg.replace(**_plan((["full", "reuse"], 1), (["reuse", "reindex", "reuse"], 1), encoder=2))
     plan = cfg.plan
-    assert plan[2].is_candidate_source and plan[3].candidate_source == 2
-    assert not plan[4].is_candidate_source and plan[4].candidate_source is None
-    assert plan[5].kv_source == 4 and plan[5].index_source == 4
+    assert [s.kv_source for s in plan] == [0] * 5 and not any(s.uses_encoder_output for s in plan)
+    assert not any(s.is_candidate_source or s.candidate_source is not None for s in plan)
+    assert plan[4].index_source == 3
 
 
 def test_hierarchical_indexer_off_has_no_candidates(tiny_cfg):
@@ -168,7 +169,7 @@ def test_hierarchical_indexer_off_has_no_candidates(tiny_cfg):
     (1, []),
     (2, [(1, K.MAIN_KV), (1, K.INDEX_K), (1, K.TOPK)]),
     (3, [(1, K.MAIN_KV), (1, K.INDEX_K)]),              # layer 2's top-k use is behind the cut
-    (4, [(3, K.ENCODER_OUTPUT)]),                      # encoder states all consumed below
+    (4, []),                                           # the CED cut: only the streams cross
     (5, [(4, K.MAIN_KV), (4, K.INDEX_K), (4, K.TOPK), (4, K.CANDIDATES)]),
     (6, [(4, K.MAIN_KV), (4, K.INDEX_K), (4, K.CANDIDATES)]),
     (7, [(4, K.MAIN_KV), (6, K.TOPK)]),
@@ -181,7 +182,7 @@ def test_tiny_crossing(tiny_cfg, cut, expected):
 @pytest.mark.parametrize("cut, expected", [
     (10, [(8, K.MAIN_KV), (8, K.TOPK)]),
     (14, []),                                          # a group boundary: nothing crosses
-    (20, [(19, K.ENCODER_OUTPUT)]),                    # the CED cut carries only H_{L/2}
+    (20, []),                                          # the CED cut: H_{L/2} is the streams
     (26, [(20, K.MAIN_KV), (20, K.INDEX_K), (20, K.CANDIDATES), (24, K.TOPK)]),
     (37, [(20, K.MAIN_KV), (36, K.TOPK)]),
 ])
@@ -192,7 +193,7 @@ def test_flagship_crossing(flagship_cfg, cut, expected):
 def test_shared_states_are_exactly_the_consumed_pairs(tiny_cfg):
     plan = tiny_cfg.plan
     assert plan.shared_states() == [
-        (1, K.MAIN_KV), (1, K.INDEX_K), (1, K.TOPK), (3, K.ENCODER_OUTPUT),
+        (1, K.MAIN_KV), (1, K.INDEX_K), (1, K.TOPK),
         (4, K.MAIN_KV), (4, K.INDEX_K), (4, K.TOPK), (4, K.CANDIDATES), (6, K.TOPK)]
     # only what some later layer reads is shared: the top-k of layers 3 (no Reuse after it)
     # is produced but never consumed

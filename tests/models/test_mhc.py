@@ -21,6 +21,7 @@ from megatron_s2.models.v41.mhc import (
     split_coefficients,
 )
 from megatron_s2.parallel.groups import Group, ParallelGroups
+from megatron_s2.parallel.placement import placement_of
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -208,5 +209,5 @@ def test_classic_mhc_uses_its_own_pre():
 def test_sequence_parallel_flags():
     cfg = tiny_config()
     sp = ParallelGroups(tp=Group(size=2, rank=0, ranks=(0, 1)), sequence_parallel=True)
-    assert all(getattr(p, "sequence_parallel", False) for p in HyperConnection(cfg, sp).parameters())
-    assert not any(getattr(p, "sequence_parallel", False) for p in HyperConnection(cfg).parameters())
+    assert all(placement_of(p).tp_partial for p in HyperConnection(cfg, sp).parameters())
+    assert not any(placement_of(p).tp_partial for p in HyperConnection(cfg).parameters())

@@ -27,6 +27,7 @@ from megatron_s2.models.v41.moe import (
 )
 from megatron_s2.models.v41.moe.token_dispatcher import regroup_permutation
 from megatron_s2.parallel.groups import Group, ParallelGroups
+from megatron_s2.parallel.placement import Replicas, placement_of
 
 HIDDEN, EXPERTS, TOPK, FFN = 16, 8, 2, 8
 
@@ -188,8 +189,8 @@ def test_biases_are_buffers_in_state_dict_and_counters_only_in_training():
                      "shared_expert.w1", "shared_expert.w2", "shared_expert.w3"}
     sd = layer.state_dict()
     assert "router.expert_bias" in sd and "router.image_expert_bias" in sd and "router.tokens_per_expert" not in sd
-    assert all(getattr(layer.experts, w).is_expert for w in ("w1", "w2", "w3"))
-    assert layer.experts.w1.shard_spec.full_shape == (EXPERTS, FFN, HIDDEN)
+    assert all(placement_of(getattr(layer.experts, w)).replicas is Replicas.EXPERT_DATA for w in ("w1", "w2", "w3"))
+    assert placement_of(layer.experts.w1).shard.full_shape == (EXPERTS, FFN, HIDDEN)
     layer.eval()
     ctx = make_ctx(layer, 1, 4)
     layer(torch.randn(1, 4, HIDDEN), ctx)

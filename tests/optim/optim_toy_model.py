@@ -5,8 +5,17 @@ A uniquely named module (not ``conftest``) so test files can import it unambiguo
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
+
+from megatron_s2.parallel.placement import place, placement_of
+
+
+def set_head_split(param: torch.Tensor, heads: int | None) -> None:
+    """What the V4.1 parallel plan records for head-structured weights (``head_rows``)."""
+    place(param, dataclasses.replace(placement_of(param), head_split=heads))
 
 
 def _vector(size: int, value: float = 1.0) -> nn.Parameter:
@@ -17,7 +26,7 @@ class _Indexer(nn.Module):
     def __init__(self, hidden: int, heads: int, head_dim: int) -> None:
         super().__init__()
         self.linear_q = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.linear_q.weight.head_split = heads
+        set_head_split(self.linear_q.weight, heads)
         self.k_norm = nn.LayerNorm(head_dim)  # weight and bias
 
 
@@ -28,7 +37,7 @@ class _Attention(nn.Module):
         self.q_norm = nn.Module()
         self.q_norm.weight = _vector(8)
         self.linear_q_up = nn.Linear(8, heads * head_dim, bias=False)
-        self.linear_q_up.weight.head_split = heads
+        set_head_split(self.linear_q_up.weight, heads)
         self.attn_sink = _vector(heads, 0.0)
         self.indexer = _Indexer(hidden, heads=2, head_dim=4)
         self.linear_proj = nn.Linear(heads * head_dim, hidden)  # weight and bias

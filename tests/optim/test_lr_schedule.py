@@ -82,3 +82,27 @@ def test_validation_names_the_field(kwargs, message):
 def test_negative_step_is_an_error():
     with pytest.raises(ValueError, match="step"):
         LRSchedule(ScheduleConfig()).lr_at(-1)
+
+
+def test_token_based_boundaries_follow_the_report():
+    """§4.2.2: 100.6M tokens per step (1536 x 64K), warm-up 2000 steps, constant 2.6e-4 until
+    28T tokens, cosine to 2.6e-5 by 40T; the 1M extension continues the schedule from 34T."""
+    from megatron_s2.config.schema import ConfigError
+
+    tokens_per_step = 1536 * 65536
+    cfg = ScheduleConfig(decay_start_tokens=28e12, decay_end_tokens=40e12)
+    schedule = LRSchedule(cfg, tokens_per_step=tokens_per_step)
+    start, end = schedule.decay_start, schedule.decay_end
+    assert (start - 1) * tokens_per_step < 28e12 <= start * tokens_per_step
+    assert (end - 1) * tokens_per_step < 40e12 <= end * tokens_per_step
+    assert schedule.lr_at(1999) == 2.6e-4 and schedule.lr_at(start - 1) == 2.6e-4
+    assert schedule.lr_at(end) == pytest.approx(2.6e-5) and schedule.lr_at(end + 10 ** 5) == pytest.approx(2.6e-5)
+    assert schedule.lr_at((start + end) // 2) == pytest.approx((2.6e-4 + 2.6e-5) / 2, rel=1e-4)
+    extension = LRSchedule(ScheduleConfig(decay_start_tokens=28e12, decay_end_tokens=40e12, start_tokens=34e12),
+                           tokens_per_step=96 * (1 << 20))  # 1M context, same 100.6M-token batch
+    at_34t = -(-int(34e12) // tokens_per_step)
+    assert extension.lr_at(0) == schedule.lr_at(at_34t)
+    with pytest.raises(ConfigError, match="token-based boundaries need the tokens per step"):
+        LRSchedule(cfg)
+    with pytest.raises(ConfigError, match="give both decay_start_tokens and decay_end_tokens"):
+        ScheduleConfig(decay_start_tokens=1e9)

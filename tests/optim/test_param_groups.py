@@ -9,6 +9,7 @@ from megatron_s2.config.optimizer import OptimizerConfig, ParamGroupRule, defaul
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.optim import assign_param_groups, build_optimizer, describe_param_groups
 from megatron_s2.parallel.sharding import mark_param
+from tests.optim.optim_toy_model import set_head_split
 
 
 def _assignment(model: torch.nn.Module, rules=None) -> dict[str, tuple[str, bool, float, int]]:
@@ -70,13 +71,13 @@ def test_frozen_parameters_are_skipped(toy_model):
 
 
 def test_headwise_rule_requires_head_split_attribute(toy_model):
-    del toy_model.decoder.layers[1].self_attention.linear_q_up.weight.head_split
+    set_head_split(toy_model.decoder.layers[1].self_attention.linear_q_up.weight, None)
     with pytest.raises(ConfigError, match=r"layers\.1\.self_attention\.linear_q_up\.weight.*head_split"):
         assign_param_groups(toy_model, default_param_group_rules())
 
 
 def test_headwise_rows_must_divide(toy_model):
-    toy_model.decoder.layers[0].self_attention.linear_q_up.weight.head_split = 5
+    set_head_split(toy_model.decoder.layers[0].self_attention.linear_q_up.weight, 5)
     with pytest.raises(ConfigError, match="12 rows, not divisible by head_split=5"):
         assign_param_groups(toy_model, default_param_group_rules())
 

@@ -46,7 +46,7 @@ def run_layout(rank: int, world: int, overrides: list[str], out_dir: str) -> Non
     recipe = load_recipe(RECIPE, [*BASE, *overrides, f"training.run_dir={run_dir}"])
     trainer = Trainer(recipe, run_dir, rank=rank, world_size=world, log=lambda *a, **k: None)
     record: dict = {"losses": [], "grad_norms": [], "shadow_divergence": []}
-    pipeline = getattr(trainer.model, "pipeline", None)
+    pipeline = trainer.pipeline
     for step in range(STEPS):
         trainer.schedule.apply(trainer.optimizer, trainer.step)
         result = trainer.compute_gradients(trainer.data.next_step())
@@ -94,16 +94,27 @@ def load_records(out_dir: Path, world: int) -> list[dict]:
 # near-zero elements, so fp32 reduction-order noise (~1e-6) becomes ~1e-3 after three steps in
 # ANY two runs that sum in a different order. Their parameters get a looser bound after steps.
 MHC_COEFFICIENTS = ("_hc.fn", "_hc.base", "_hc.scale")
-ENGRAM_GATES = ("engram.q_weight", "engram.k_weight")
-"""Engram gate weights: their gradient is a cancellation-heavy sum over tokens, so its
-reduction-order noise relative to its largest value is the model's largest."""
+
+# Engram gate weights and table rows: their first-step gradients are cancellation-heavy sums
+# over tokens that sit at ~1e-4 of the model's largest gradient (on grad_floor), so fp32
+# reduction-order noise carried through the rest of the backward is a sizeable fraction of
+# them. One class, sized from the measured reduction-order noise envelope
+# (tests/parallel/noise_envelope.py: the single-rank run with every MoE output multiplied by
+# 1 + 1e-7 N(0,1), the size of the differences a layout's reduction order makes), measured
+# after the indexer's defined top-k tie-break (newer entry wins), 40 noise seeds: layer 5's
+# q_weight / k_weight gradients move by up to 4.6e-5 and its table gradient by 2.3e-5 of their
+# scale; every other tensor by <= 1.5e-5 (mHC predictors; the rest < 6e-6). Both exceed the
+# default 2e-5 (and the gates a 3e-5 bound), so a correct layout can land there: these three
+# get 1e-4 (2.2x the envelope). Measured parity worst cases: q_weight 2.0e-5 (tp2, tp2_sp,
+# tp2_ep2_dp2, tp2_pp2_shadow), 1.9e-5 (etp2_ep2); table 4.9e-6. Everything else keeps 2e-5.
+ENGRAM_GATE_AND_TABLE = ("engram.q_weight", "engram.k_weight", "engram.table")
 
 # Tolerance policy of every parity test (fp32; see tests/parallel/test_parity_2rank.py's docstring
 # for the measured worst cases): gradients after the first backward within 2e-5 of the tensor's
-# largest magnitude (floored at 1e-4 of the model's largest gradient); parameters after three
-# optimiser steps within 5e-5, mHC coefficient predictors within 2e-2; the Engram gate weights'
-# gradients within 3e-5.
-TOLERANCES = dict(grad_rtol=2e-5, grad_floor=1e-4, param_rtol=5e-5, mhc_param_rtol=2e-2, engram_gate_grad_rtol=3e-5)
+# largest magnitude (floored at 1e-4 of the model's largest gradient), Engram gate weights and
+# tables 1e-4 (ENGRAM_GATE_AND_TABLE); parameters after three optimiser steps within 5e-5, mHC
+# coefficient predictors within 2e-2.
+TOLERANCES = dict(grad_rtol=2e-5, grad_floor=1e-4, engram_grad_rtol=1e-4, param_rtol=5e-5, mhc_param_rtol=2e-2)
 
 
 def assert_close(full: dict, ref: dict, what: str, rtol: float, *, floor: float = 0.0,
@@ -147,7 +158,7 @@ def run_layouts(root: Path, world: int, layouts: dict[str, list[str]], reference
 
 
 def check_against_reference(records: list[dict], ref: dict, layout: str, *, grad_rtol: float, grad_floor: float,
-                            param_rtol: float, mhc_param_rtol: float, engram_gate_grad_rtol: float) -> None:
+                            engram_grad_rtol: float, param_rtol: float, mhc_param_rtol: float) -> None:
     """Losses, grad norms, gradients, parameters after three steps, router biases, shadows."""
     import pytest
 
@@ -159,6 +170,6 @@ def check_against_reference(records: list[dict], ref: dict, layout: str, *, grad
             assert (value - ref["buffers"][name]).abs().max() <= 1e-6, f"{layout}: buffer {name}"
     assert set().union(*(rec["buffers"] for rec in records)) == set(ref["buffers"]), f"{layout}: buffers missing"
     assert_close(assemble(records, "grads"), assemble([ref], "grads"), f"{layout} gradients", grad_rtol,
-                 floor=grad_floor, loose=(ENGRAM_GATES, engram_gate_grad_rtol))
+                 floor=grad_floor, loose=(ENGRAM_GATE_AND_TABLE, engram_grad_rtol))
     assert_close(assemble(records, "params"), assemble([ref], "params"), f"{layout} parameters after 3 steps",
                  param_rtol, loose=(MHC_COEFFICIENTS, mhc_param_rtol))

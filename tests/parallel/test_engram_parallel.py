@@ -7,7 +7,7 @@ Two gloo processes are started once for the module and run three layouts on the 
 * ``cp``: context parallel 2 = engram parallel 2 -- the ranks hold different load-balanced
   chunks of the same sequences (hashes need the tokens of the other chunks);
 * ``sp``: tensor parallel 2 with sequence parallelism -- the streams are sequence-sharded and
-  the table (engram parallel 1) is replicated; parameters carry ``sequence_parallel``. The
+  the table (engram parallel 1) is replicated; parameters are placed tp-partial. The
   mHC coefficient predictor is checked in the same layout.
 
 Each rank saves its outputs and gradients; the tests compare them with the single-process
@@ -33,6 +33,7 @@ from megatron_s2.models.v41.engram import Engram
 from megatron_s2.models.v41.mhc import HyperConnection
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.layout import ParallelLayout
+from megatron_s2.parallel.placement import placement_of
 from megatron_s2.parallel.setup import build_groups
 from tests.parallel.spawn import free_port
 
@@ -95,7 +96,7 @@ def run_engram(cfg: ModelConfig, groups: ParallelGroups, x, probe, ctx) -> dict:
     out = module(x, ctx)
     (out * probe).sum().backward()
     grads = {n: p.grad.clone() for n, p in module.named_parameters()}
-    flags = {n: bool(getattr(p, "sequence_parallel", False)) for n, p in module.named_parameters()}
+    flags = {n: placement_of(p).tp_partial for n, p in module.named_parameters()}
     return dict(out=out.detach(), x_grad=x.grad, grads=grads, flags=flags)
 
 
@@ -106,7 +107,7 @@ def run_mhc(cfg: ModelConfig, groups: ParallelGroups, x, probe) -> dict:
     pre, post, comb = hc.coefficients(x)
     (pre.sum() + (post * post).sum() + (comb * comb[..., :1, :1]).sum() + hc.collapse(x, pre).sum()).backward()
     return dict(pre=pre.detach(), comb=comb.detach(), x_grad=x.grad, grads={n: p.grad.clone() for n, p in hc.named_parameters()},
-                flags={n: bool(getattr(p, "sequence_parallel", False)) for n, p in hc.named_parameters()})
+                flags={n: placement_of(p).tp_partial for n, p in hc.named_parameters()})
 
 
 def make_layout(tp: int, cp: int, dp: int, engram: int, sp: bool) -> ParallelLayout:

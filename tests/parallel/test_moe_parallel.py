@@ -7,8 +7,8 @@ seed, so every rank checks its own shard:
 
 * routing decisions identical (exact), output and input gradient equal;
 * every parameter gradient equal to the reference slice after the project's gradient
-  finaliser (``finalize_model_grads``: ``sequence_parallel`` params summed over tp, dense
-  params summed over dp x cp, ``is_expert`` params over expert-dp), with the trainer's
+  finaliser (``finalize_model_grads``: tp-partial params summed over tp, dense params summed
+  over dp x cp, expert params over expert-dp, as their placements say), with the trainer's
   objective (token loss / global token count + aux loss / data-parallel micro-batches);
 * the sequence balance loss equal (averaged over data-parallel replicas);
 * the aux-loss-free bias update identical (exact);
@@ -36,6 +36,7 @@ from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.moe import MoELayer, RoutingMode, RoutingReplay
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.layout import ParallelLayout
+from megatron_s2.parallel.placement import placement_of
 from megatron_s2.parallel.setup import build_groups
 from megatron_s2.parallel.sharding import shard_spec, slice_of
 from megatron_s2.training.grad_finalize import finalize_model_grads
@@ -121,7 +122,7 @@ def check_layout(cfg, layout, groups, data, ref, rank):
     out, x_grad, aux = run_layer(layer, sp(mine(x)), mine(image_mask), sp(mine(upstream)), rec, layout.dp)
     finalize_model_grads(list(layer.parameters()), groups)
     res = {
-        "router_flag": layer.router.weight.sequence_parallel == (layout.tp > 1),
+        "router_flag": placement_of(layer.router.weight).tp_partial == (layout.tp > 1),
         "routing": torch.equal(rec.records()[0][0].long(), mine(ref["ids"])),
         "out": rel_err(out, sp(mine(ref["out"]))),
         "x_grad": rel_err(x_grad, sp(mine(ref["x_grad"]))),

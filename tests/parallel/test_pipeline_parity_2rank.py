@@ -47,7 +47,11 @@ def test_bf16_streams_cross_the_cut(results):
     root, _ = results
     ref = load_records(root / "reference_bf16", 1)[0]
     for rec in load_records(root / "pp2_bf16", 2):
-        assert rec["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        # the first forward is identical; the first gradients agree to ~1e-7, which can move a
+        # bfloat16 parameter update by one unit in the last place (2^-8 relative), so later
+        # losses agree to bfloat16 resolution rather than bitwise
+        assert rec["losses"][0] == ref["losses"][0]
+        assert rec["losses"] == pytest.approx(ref["losses"], rel=1e-3)
 
 
 @pytest.mark.parametrize("layout", COMPARED)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.planning.comm import comm_volume
 from megatron_s2.planning.layouts import enumerate_layouts, rank_layouts
-from megatron_s2.planning.memory import build_layout
 from tests.planning.helpers import recipe
 
 
@@ -45,10 +45,10 @@ def test_impossible_cluster_has_no_layout():
 
 def test_communication_grows_with_the_dimensions_that_communicate():
     r = recipe("training.global_batch_size=16")
-    base = comm_volume(r, build_layout(r, 1), 0, grad_bytes=1e6)
+    base = comm_volume(r, ParallelLayout.from_recipe(r, 1), 0, grad_bytes=1e6)
     assert base.total == 0  # one rank: nothing leaves it
     for overrides, kind in ((["parallel.tp=2"], "tp"), (["parallel.ep=2"], "ep"), (["parallel.pp=2"], "pp"),
                             (["parallel.cp=2"], "cp"), ([], "dp")):
         rr = recipe("training.global_batch_size=16", *overrides)
-        vol = comm_volume(rr, build_layout(rr, 2), 0, grad_bytes=1e6)
+        vol = comm_volume(rr, ParallelLayout.from_recipe(rr, 2), 0, grad_bytes=1e6)
         assert vol.parts.get(kind, 0) > 0, (overrides, vol.parts)

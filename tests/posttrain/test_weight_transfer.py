@@ -41,7 +41,7 @@ def _worker(rank, world, out_dir):
         layout = ParallelLayout.build(recipe.parallel, recipe.model, world, seq_length=t.seq_length,
                                       global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
         groups = build_groups(layout)
-        model = build_stage_model(recipe, layout, groups, rank)
+        model, _ = build_stage_model(recipe, layout, groups, rank)
         placement = rollout_placement(recipe, layout, world)
         assert not placement.shared
         rollout = V41Model(recipe.model, build_groups(placement.layout))

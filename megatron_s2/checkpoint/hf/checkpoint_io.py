@@ -38,8 +38,7 @@ from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.config.schema import apply_override, from_mapping, to_mapping
 from megatron_s2.parallel.layout import ParallelLayout
 
-__all__ = ["FullCheckpoint", "read_full_state", "write_full_state", "read_back_as_layout", "build_layout",
-           "recipe_with_model"]
+__all__ = ["FullCheckpoint", "read_full_state", "write_full_state", "read_back_as_layout", "recipe_with_model"]
 
 
 @dataclass
@@ -50,10 +49,6 @@ class FullCheckpoint:
     layout: str
     state: dict[str, torch.Tensor]
     path: Path
-
-
-def build_layout(recipe: RecipeConfig, world_size: int) -> ParallelLayout:
-    return ParallelLayout.build(recipe.parallel, recipe.model, world_size)
 
 
 def read_full_state(path: str | Path) -> FullCheckpoint:
@@ -79,7 +74,7 @@ def read_back_as_layout(path: str | Path, recipe: RecipeConfig, world_size: int)
     """Load ``path`` the way each rank of the layout would (its ShardSpecs, its slices), one
     representative rank per distinct set of slices, and reassemble the full state."""
     step_dir = resolve_step_dir(path, log=lambda *a: None)
-    layout = build_layout(recipe, world_size)
+    layout = ParallelLayout.from_recipe(recipe, world_size, batch=False)
     seen: set[frozenset] = set()
 
     def shards():

@@ -8,14 +8,18 @@ The checkpoint command (``megatron_s2/checkpoint/cli.py``) wires two sub-command
 and ``python -m megatron_s2.checkpoint.hf export|import ...`` runs the same code standalone.
 
 ``export <ckpt_dir> <hf_dir>``: gathers the full model state of a committed checkpoint saved
-with any layout, writes the Hugging Face directory and verifies it (import back, tensors and
-logits). ``import <hf_dir> <ckpt_dir> [section.key=value ...]``: reads a Hugging Face
-directory (ours or the released one), builds the recipe (``--recipe`` or defaults, model from
-``config.json``, overrides such as ``parallel.tp=2``), writes a committed checkpoint for that
-layout and verifies it (logits against the exporter's stored logits when present, and the
-written shards read back). Exit code 0 on success, 1 when verification fails, 2 on a
-configuration error or a refusal (missing or unreadable input, existing target), printed as
-one line naming the file.
+with any layout, writes the Hugging Face directory *with the tokenizer the checkpoint was
+trained with* (its ``tokenizer/`` folder, or ``--tokenizer``) beside the weights, and verifies
+it: import back, tensors, and the logits of the trained model (with its tokenizer's Engram
+token map, on text tokens) against the model rebuilt from the exported directory alone.
+``import <hf_dir> <ckpt_dir> [section.key=value ...]``: reads a Hugging Face directory (ours
+or the released one) and its tokenizer files (or ``--tokenizer``), builds the recipe
+(``--recipe`` or defaults, model from ``config.json``, overrides such as ``parallel.tp=2``),
+writes a committed checkpoint for that layout plus ``<ckpt_dir>/tokenizer/`` and verifies it
+(logits against the exporter's stored logits when present, and the written shards read
+back). Exit code 0 on success, 1 when verification fails, 2 on a configuration error or a
+refusal (missing or unreadable input or tokenizer, existing target), printed as one line
+naming the file.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def parse_size(text: str) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory (or 'char') when the source carries none of its own")
     p.add_argument("--no-verify", action="store_true", help="skip the built-in round-trip verification")
     p.add_argument("--verify-max-params", type=int, default=None,
                    help="largest model whose logits are checked (default 3e8 parameters)")
@@ -82,27 +88,56 @@ def _print_report(title: str, report) -> None:
         print(f"  {line}")
 
 
+def _source_tokenizer(args, directory: Path, *, required: bool, what: str):
+    """The tokenizer ``directory`` carries (``--tokenizer`` overrides), or None when not required."""
+    from megatron_s2.data.tokenizer import load_tokenizer
+
+    if args.tokenizer:
+        return load_tokenizer(args.tokenizer, field="--tokenizer")
+    if directory is not None:
+        return load_tokenizer(directory, field=what)
+    if required:
+        raise ConfigError(f"{what}: no tokenizer files found; the model's Engram hashes depend on its tokenizer's "
+                          "compressed token map — pass --tokenizer DIR (or --tokenizer char)")
+    return None
+
+
+def _tokenizer_files(tokenizer) -> dict[str, bytes]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save(tmp)
+        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir())}
+
+
 def export_checkpoint(args: argparse.Namespace) -> int:
     from megatron_s2.checkpoint.hf.checkpoint_io import read_full_state
     from megatron_s2.checkpoint.hf.convert import export_model_state, load_hf_checkpoint
     from megatron_s2.checkpoint.hf.v41_bridge import V41_REGISTRY
     from megatron_s2.checkpoint.hf.verify import (VERIFICATION_FILE, VerificationReport, check_reference_logits,
                                                   compare_states, reference_logits)
+    from megatron_s2.data.tokenizer import load_tokenizer
+    from megatron_s2.data.tokenizer_checks import check_tokenizer_fits, find_checkpoint_tokenizer
 
     if args.show_mapping:
         print(V41_REGISTRY.describe())
     loaded = read_full_state(args.ckpt_dir)
     cfg = loaded.recipe.model
+    tokenizer = _source_tokenizer(args, find_checkpoint_tokenizer(loaded.path), required=True,
+                                  what=f"checkpoint export: {loaded.path}")
+    check_tokenizer_fits(tokenizer, cfg, "of the checkpoint")
     print(f"read {loaded.path} (step {loaded.step}, {loaded.world_size} ranks: {loaded.layout}), "
-          f"{len(loaded.state)} tensors of model '{cfg.name}'")
-    extra, why = {}, "--no-verify"
+          f"{len(loaded.state)} tensors of model '{cfg.name}', tokenizer {tokenizer!r}")
+    extra, why = _tokenizer_files(tokenizer), "--no-verify"
     if not args.no_verify:
-        data, why = reference_logits(cfg, loaded.state, lossless=args.dtype is None, max_params=_max_params(args))
+        data, why = reference_logits(cfg, loaded.state, lossless=args.dtype is None, tokenizer=tokenizer,
+                                     max_params=_max_params(args))
         if data is not None:
             extra[VERIFICATION_FILE] = data
     result = export_model_state(loaded.state, cfg, args.hf_dir, dtype=args.dtype,
                                 max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress,
-                                extra_files=extra, private=args.private)
+                                extra_files=extra, private=args.private,
+                                compressed_vocab_size=tokenizer.compressed_vocab_size)
     print(f"wrote {result.tensors} tensors in {len(result.files)} files ({result.dtype}) to {result.directory}")
     if result.elided:
         print(f"  {len(result.elided)} tensors equal to their reference-format substitute were not written "
@@ -111,13 +146,16 @@ def export_checkpoint(args: argparse.Namespace) -> int:
         return 0
     import torch
 
+    # the imported side uses only what the export wrote: weights, config.json, tokenizer files
     cfg2, state2, _ = load_hf_checkpoint(result.directory, progress=False)
+    exported_tokenizer = load_tokenizer(result.directory, field=f"{result.directory}")
     report = VerificationReport()
     if cfg2 != cfg:
         report.tensor_mismatches.append("config.json does not reproduce the model config")
     compare_states(loaded.state, state2, getattr(torch, args.dtype) if args.dtype else None, report)
-    report.logits, report.logits_skipped = check_reference_logits(cfg2, state2, result.directory,
-                                                                  max_params=_max_params(args))
+    report.logits, report.logits_skipped = check_reference_logits(
+        cfg2, state2, result.directory, token_map=exported_tokenizer.compressed_token_map(cfg2.vocab_size),
+        max_params=_max_params(args))
     report.logits_skipped = report.logits_skipped or why
     _print_report("verification (export -> import)", report)
     return 0 if report.passed else 1
@@ -128,9 +166,16 @@ def import_checkpoint(args: argparse.Namespace) -> int:
     from megatron_s2.checkpoint.hf.convert import load_hf_checkpoint
     from megatron_s2.checkpoint.hf.verify import VerificationReport, check_reference_logits, compare_states
     from megatron_s2.config.recipe import load_recipe
+    from megatron_s2.data.tokenizer_checks import RUN_TOKENIZER_DIR, check_tokenizer_fits
+    from megatron_s2.checkpoint.hf.convert import check_compressed_vocab, hf_tokenizer_dir
 
     cfg, state, imported = load_hf_checkpoint(args.hf_dir, progress=not args.no_progress)
-    print(f"read {args.hf_dir}: model '{cfg.name}', {cfg.num_layers} layers")
+    tokenizer = _source_tokenizer(args, hf_tokenizer_dir(args.hf_dir), required=bool(cfg.engram_layers),
+                                  what=f"checkpoint import: {args.hf_dir}")
+    if tokenizer is not None:
+        check_tokenizer_fits(tokenizer, cfg, "of the checkpoint")
+        check_compressed_vocab(args.hf_dir, tokenizer)
+    print(f"read {args.hf_dir}: model '{cfg.name}', {cfg.num_layers} layers, tokenizer {tokenizer!r}")
     for line in imported.lines():
         print(f"  {line}")
     base = load_recipe(args.recipe) if args.recipe else None
@@ -138,10 +183,13 @@ def import_checkpoint(args: argparse.Namespace) -> int:
     par = recipe.parallel
     world = args.world_size or par.model_parallel_size() * max(par.dp, 1)
     report = VerificationReport()
+    token_map = tokenizer.compressed_token_map(cfg.vocab_size) if tokenizer is not None else None
     if not args.no_verify:
-        report.logits, report.logits_skipped = check_reference_logits(cfg, state, args.hf_dir,
+        report.logits, report.logits_skipped = check_reference_logits(cfg, state, args.hf_dir, token_map=token_map,
                                                                       max_params=_max_params(args))
     path = write_full_state(state, recipe, args.ckpt_dir, world_size=world, source=str(Path(args.hf_dir).resolve()))
+    if tokenizer is not None:
+        tokenizer.save(Path(args.ckpt_dir) / RUN_TOKENIZER_DIR)
     print(f"wrote {path} for {world} ranks; train from it with: checkpoint.load={path} checkpoint.load_optimizer=false")
     if args.no_verify:
         return 0

@@ -34,7 +34,7 @@ from megatron_s2.checkpoint.hf.v41_bridge import V41_REGISTRY
 from megatron_s2.config.model import ModelConfig
 
 __all__ = ["CONFIG_FILE", "DEFAULT_MAX_SHARD_BYTES", "ExportResult", "export_model_state", "import_model_state",
-           "load_hf_checkpoint", "check_state"]
+           "load_hf_checkpoint", "check_state", "hf_tokenizer_dir", "check_compressed_vocab"]
 
 CONFIG_FILE = "config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3
@@ -73,13 +73,17 @@ def _target_dtype(view: torch.Tensor, keep_fp32: bool, dtype: torch.dtype | None
 def export_model_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, *,
                        dtype: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                        progress: bool = True, registry: MappingRegistry = V41_REGISTRY,
-                       extra_files: dict[str, bytes] | None = None, private: bool = False) -> ExportResult:
+                       extra_files: dict[str, bytes] | None = None, private: bool = False,
+                       compressed_vocab_size: int | None = None) -> ExportResult:
     """Write ``full_state`` of model ``cfg`` as a Hugging Face checkpoint in ``out_dir``.
 
     ``dtype``: None keeps each tensor's dtype (lossless); "bfloat16"/"float16"/"float32" casts
     floating tensors except those the reference keeps in float32 (mHC, sinks, router biases).
-    ``out_dir`` must not exist or be empty. Files and the directory get the usual modes of this
-    process's umask (e.g. 0644 / 0755), or owner-only 0600 / 0700 with ``private``.
+    ``out_dir`` must not exist or be empty. ``extra_files`` (the tokenizer files, the
+    verification logits) are written beside the weights; ``compressed_vocab_size`` (of the
+    tokenizer's Engram map) is recorded in ``text_config`` as the release does. Files and
+    the directory get the usual modes of this process's umask (e.g. 0644 / 0755), or owner-only
+    0600 / 0700 with ``private``.
     """
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -112,7 +116,10 @@ def export_model_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig, ou
         for d in dtypes.values():
             counts[str(d).replace("torch.", "")] = counts.get(str(d).replace("torch.", ""), 0) + 1
         main_dtype = max(counts, key=counts.get)
-        (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, main_dtype), indent=2) + "\n")
+        config = config_to_hf(cfg, main_dtype)
+        if compressed_vocab_size is not None and cfg.engram_layers:
+            config["text_config"]["engram_compressed_vocab_size"] = compressed_vocab_size
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
         _set_modes(tmp, private)
@@ -156,6 +163,29 @@ def load_hf_checkpoint(hf_dir: str | Path, *, progress: bool = True, registry: M
     with tqdm(total=len(expected), desc="import", unit="tensor", disable=not progress) as bar:
         state, report = registry.import_state(TensorSource(reader), expected, ConversionContext(cfg), progress=bar)
     return cfg, state, report
+
+
+def hf_tokenizer_dir(hf_dir: str | Path) -> Path | None:
+    """``hf_dir`` when it holds tokenizer files (Hugging Face ``tokenizer.json`` or our
+    ``char_tokenizer.json``), else None."""
+    from megatron_s2.data.tokenizer import CHAR_TOKENIZER_FILE
+
+    directory = Path(hf_dir)
+    return directory if any((directory / n).is_file() for n in ("tokenizer.json", CHAR_TOKENIZER_FILE)) else None
+
+
+def check_compressed_vocab(hf_dir: str | Path, tokenizer) -> None:
+    """The released config states ``engram_compressed_vocab_size``; the tokenizer's map must
+    have exactly that many ids, or every hash multiplier differs (reference behaviour)."""
+    from megatron_s2.config.schema import ConfigError
+
+    data = json.loads((Path(hf_dir) / CONFIG_FILE).read_text())
+    text = data.get("text_config", data)
+    stated = text.get("engram_compressed_vocab_size") if isinstance(text, dict) else None
+    if stated is not None and int(stated) != tokenizer.compressed_vocab_size:
+        raise ConfigError(f"{hf_dir}: config.json states engram_compressed_vocab_size={stated}, but the tokenizer's "
+                          f"compressed token map has {tokenizer.compressed_vocab_size} ids; use the tokenizer the "
+                          "checkpoint was trained with")
 
 
 def import_model_state(hf_dir: str | Path, *, progress: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

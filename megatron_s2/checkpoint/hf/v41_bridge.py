@@ -11,14 +11,10 @@ marked ``confirmed`` was checked against those attribute names and shapes (e.g. 
 ``[o_groups * o_lora_rank, heads * head_dim / o_groups]`` viewed as ``(groups, rank, -1)``,
 exactly our ``linear_out_a``).
 
-One row is **not** in the reference: ``attn.compressor.input_norm`` (our CED decoder Full
-layer normalises H_{L/2} with its own RMSNorm before the compressor, report §2.2 Eq. 1). The
-reference has no separate encoder-output path: its first decoder layer (the only decoder Full
-layer of the release, layer 20) compresses its own attention input, which under Single-Pass
-mHC *is* ``attn_norm(collapse(H_{L/2}))``. Importing the reference therefore takes
-``input_norm`` from that layer's ``attn_norm`` — exact when the layer is the first decoder
-layer, hosts no Engram and mHC is single-pass (checked per layer; otherwise the import stops
-with the reason) — and exporting omits it when it still equals ``attn_norm``.
+Every backbone tensor has a reference name: the CED decoder's Full layer (the first decoder
+layer) compresses its own normalised attention input, ``attn_norm(H_{L/2})`` (report §2.2,
+Eq. 1), exactly as the reference's layer 20 does, so there is no extension tensor. Only
+``ffn.gate.bias_vl`` is optional in the reference (present with vision).
 
 Reference tensors outside the backbone are skipped on import and listed in the report:
 ``mtp.*`` (DSpark drafter stages), ``vision.*``, ``aligner.*`` and the image-span embeddings.
@@ -33,21 +29,6 @@ from megatron_s2.checkpoint.hf.registry import MappingRegistry
 __all__ = ["V41_REGISTRY", "v41_mappings", "SKIPPED_HF_PREFIXES"]
 
 L = "layers.{layer}."
-
-
-def _ced_input_norm(ctx, b) -> str | None:
-    layer, cfg = b["layer"], ctx.cfg
-    spec = ctx.plan[layer]
-    if not spec.uses_encoder_output:
-        return f"layer {layer} does not read the encoder output"
-    if layer != cfg.num_encoder_layers:
-        return (f"layer {layer} is a decoder Full layer but not the first decoder layer ({cfg.num_encoder_layers}); "
-                "its compressor input differs from its own attention input")
-    if spec.has_engram:
-        return f"layer {layer} hosts an Engram module, which changes its input after H_(L/2)"
-    if not cfg.mhc_single_pass:
-        return "mhc_single_pass is off, so the attention input is not collapse(H_(L/2)) with the encoder's mix"
-    return None
 
 
 def _always(ctx, b) -> str | None:
@@ -81,11 +62,6 @@ def v41_mappings() -> list:
         d(L + "attention.compressor.linear_kv.weight", L + "attn.compressor.wkv.weight"),
         d(L + "attention.compressor.linear_gate.weight", L + "attn.compressor.wgate.weight"),
         d(L + "attention.compressor.norm.weight", L + "attn.compressor.norm.weight"),
-        d(L + "attention.compressor.input_norm.weight", L + "attn.compressor.input_norm.weight", confirmed=False,
-          note="CED input norm of a decoder Full layer; not in the reference (see module docstring)",
-          fallback=ImportFallback(L + "attn_norm.weight", _ced_input_norm,
-                                  "the first decoder layer's own attention input is attn_norm(collapse(H_(L/2)))"),
-          elide_if_derivable=True),
         d(L + "attention.index_key.linear.weight", L + "attn.indexer.wk.weight"),
         d(L + "attention.index_key.norm.weight", L + "attn.indexer.k_norm.weight"),
         d(L + "attention.indexer.linear_q.weight", L + "attn.indexer.wq_b.weight"),

@@ -4,14 +4,18 @@ A conversion that silently produces garbage is the failure this guards against, 
 directions verify by default:
 
 * **export**: the written directory is imported back and every tensor compared with the
-  source (bitwise for a lossless export); the logits of the source model on fixed inputs are
-  stored next to the weights (``megatron_s2_verification.safetensors``) and compared with the
-  logits of the re-imported model — max |diff| and KL(source || converted) per token.
+  source (bitwise for a lossless export); the logits of the *trained* model — the checkpoint's
+  weights with the Engram compressed token map of the tokenizer it was trained with — on text
+  tokens (a fixed text encoded by that tokenizer, :func:`text_inputs`) are stored next to the
+  weights (``megatron_s2_verification.safetensors``) and compared with the logits of the model
+  rebuilt from the exported directory alone (weights, ``config.json`` *and* the tokenizer files
+  written beside them) — max |diff| and KL(source || converted) per token. An export that lost
+  the tokenizer, or its map, changes most Engram hash ids and fails here.
 * **import**: when the directory carries that file (it was exported by us), the imported
-  model's logits on the stored inputs are compared with the stored logits. A checkpoint
-  without it (e.g. the official release) gets the tensor-level checks of the importer
-  (every name, shape and source tensor accounted for) and the report says that no
-  reference logits were available.
+  model's logits on the stored inputs are compared with the stored logits, again with the
+  directory's tokenizer. A checkpoint without it (e.g. the official release) gets the
+  tensor-level checks of the importer (every name, shape and source tensor accounted for)
+  and the report says that no reference logits were available.
 
 Running the model needs its full weights in memory; above ``max_params`` the logits check is
 skipped and the report says so (the tensor comparison still runs).
@@ -29,8 +33,9 @@ from megatron_s2.checkpoint.hf.safetensors_io import SIDECAR_PREFIX, check_safet
 from megatron_s2.checkpoint.hf.skeleton import skeleton_state
 from megatron_s2.config.model import ModelConfig
 
-__all__ = ["VERIFICATION_FILE", "DEFAULT_VERIFY_MAX_PARAMS", "LogitsCheck", "VerificationReport", "fixed_inputs",
-           "model_logits", "logits_divergence", "reference_logits", "check_reference_logits", "compare_states"]
+__all__ = ["VERIFICATION_FILE", "DEFAULT_VERIFY_MAX_PARAMS", "VERIFICATION_TEXT", "LogitsCheck", "VerificationReport",
+           "fixed_inputs", "text_inputs", "model_logits", "logits_divergence", "reference_logits",
+           "check_reference_logits", "compare_states"]
 
 VERIFICATION_FILE = f"{SIDECAR_PREFIX}verification.safetensors"
 DEFAULT_VERIFY_MAX_PARAMS = 300_000_000
@@ -80,18 +85,43 @@ def num_params(cfg: ModelConfig) -> int:
     return sum(torch.Size(i.full_shape).numel() for i in skeleton_state(cfg).values())
 
 
+VERIFICATION_TEXT = (
+    "The quick brown fox jumps over the lazy dog. THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG!\n"
+    "12+30=42; 7*6=42; sort: dcba -> abcd; copy:Hello World; reverse:olleH; balanced:(()) yes.\n"
+    "\tTabs, spaces  and\nnew lines; Café, naïve, façade — accents and dashes.\n"
+)
+"""Text whose tokens drive the logits check: mixed case, digits, punctuation and whitespace
+kinds, so that the Engram compressed token map (case and whitespace folding) matters."""
+
+
 def fixed_inputs(cfg: ModelConfig, batch: int = 2, seq: int = 32, seed: int = 20240731) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
 
 
+def text_inputs(tokenizer, cfg: ModelConfig, batch: int = 2, seq: int = 32) -> torch.Tensor:
+    """``[batch, seq]`` ids of :data:`VERIFICATION_TEXT` encoded by ``tokenizer`` (repeated to
+    length, one row per offset), each row starting with bos."""
+    ids = tokenizer.encode(VERIFICATION_TEXT)
+    stream = [tokenizer.bos_id] + ids * (1 + batch * seq // max(1, len(ids)))
+    rows = [stream[r * (seq // 2): r * (seq // 2) + seq] for r in range(batch)]
+    out = torch.tensor(rows, dtype=torch.long)
+    if int(out.max()) >= cfg.vocab_size:
+        raise ValueError(f"the tokenizer produces id {int(out.max())}, beyond the model's vocab_size {cfg.vocab_size}")
+    return out
+
+
 @torch.no_grad()
-def model_logits(cfg: ModelConfig, state: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
-    """Float32 logits of the single-rank model holding ``state``."""
+def model_logits(cfg: ModelConfig, state: dict[str, torch.Tensor], input_ids: torch.Tensor,
+                 token_map: list[int] | None = None) -> torch.Tensor:
+    """Float32 logits of the single-rank model holding ``state``, hashing Engram n-grams
+    through ``token_map`` (the tokenizer's compressed token map; None = identity)."""
     from megatron_s2.models.v41.model import V41Model
+    from megatron_s2.training.model_builder import attach_token_map
 
     model = V41Model(cfg)
     model.load_state_dict(state, strict=True)
+    attach_token_map(model, token_map)
     model.eval()
     return model(input_ids).float()
 
@@ -104,24 +134,29 @@ def logits_divergence(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, floa
     return max_abs, max(kl, 0.0)
 
 
-def reference_logits(cfg: ModelConfig, state: dict[str, torch.Tensor], *, lossless: bool,
+def reference_logits(cfg: ModelConfig, state: dict[str, torch.Tensor], *, lossless: bool, tokenizer=None,
                      max_params: int = DEFAULT_VERIFY_MAX_PARAMS) -> tuple[bytes | None, str | None]:
     """(verification file contents, None) or (None, reason the logits cannot be computed).
 
-    ``lossless``: the weights are written without a dtype cast, so the converted model must
-    reproduce these logits to float32 rounding; otherwise only the KL bound applies."""
+    The logits are those of the trained model: ``state`` with ``tokenizer``'s compressed token
+    map, on text tokens of that tokenizer (random ids without one). ``lossless``: the weights
+    are written without a dtype cast, so the converted model must reproduce these logits to
+    float32 rounding; otherwise only the KL bound applies."""
     n = num_params(cfg)
     if n > max_params:
         return None, f"{n:,} parameters exceed the verification limit of {max_params:,}"
-    ids = fixed_inputs(cfg)
-    logits = model_logits(cfg, state, ids)
+    ids = fixed_inputs(cfg) if tokenizer is None else text_inputs(tokenizer, cfg)
+    token_map = None if tokenizer is None else tokenizer.compressed_token_map(cfg.vocab_size)
+    logits = model_logits(cfg, state, ids, token_map)
     meta = {"model": cfg.name, "lossless": "true" if lossless else "false"}
     return save_bytes({"input_ids": ids, "logits": logits}, metadata=meta), None
 
 
 def check_reference_logits(cfg: ModelConfig, state: dict[str, torch.Tensor], hf_dir: str | Path, *,
+                           token_map: list[int] | None = None,
                            max_params: int = DEFAULT_VERIFY_MAX_PARAMS) -> tuple[LogitsCheck | None, str | None]:
-    """Compare the logits of ``state`` with those stored in ``hf_dir`` (None + reason if impossible)."""
+    """Compare the logits of ``state`` (Engram hashing through ``token_map``) with those
+    stored in ``hf_dir`` (None + reason if impossible)."""
     path = Path(hf_dir) / VERIFICATION_FILE
     if not path.is_file():
         return None, f"no {VERIFICATION_FILE} in {hf_dir} (not exported by megatron_s2)"
@@ -132,7 +167,7 @@ def check_reference_logits(cfg: ModelConfig, state: dict[str, torch.Tensor], hf_
     with open_safetensors(path) as f:
         lossless = (f.metadata() or {}).get("lossless") == "true"
         stored = {k: f.get_tensor(k) for k in ("input_ids", "logits")}
-    got = model_logits(cfg, state, stored["input_ids"])
+    got = model_logits(cfg, state, stored["input_ids"], token_map)
     max_abs, kl = logits_divergence(stored["logits"], got)
     atol, kl_tol = LOSSLESS_TOL if lossless else LOSSY_TOL
     return LogitsCheck(max_abs, kl, stored["input_ids"].numel(), atol, kl_tol), None

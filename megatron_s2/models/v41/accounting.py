@@ -62,7 +62,6 @@ def _attention_params(c: ModelConfig, s: LayerSpec) -> int:
     n += c.o_lora_rank * h * hd + c.o_groups * c.o_lora_rank * d
     if s.mode is CSA2Mode.FULL:
         n += d * hd * (2 if s.compress_ratio > 1 else 1) + hd
-        n += d if s.uses_encoder_output else 0
         n += hd * c.index_head_dim + c.index_head_dim
     if s.runs_indexer:
         n += c.q_lora_rank * c.index_num_heads * c.index_head_dim + d * c.index_num_heads
@@ -174,14 +173,15 @@ def account(c: ModelConfig) -> dict:
     routed_inactive = counts.moe_routed - counts.moe_routed * c.moe_topk // c.num_routed_experts
     decode = counts.backbone - routed_inactive
     # Prefill under CED (§2.2): the encoder runs on every prompt token; the decoder only
-    # projects its global KV from H_{L/2} (Full layers' compressor + index-key projection).
+    # projects its global KV from H_{L/2} (its Full layer's attn_norm, compressor and
+    # index-key projection).
     enc_layers = [s.index for s in c.plan if s.is_encoder]
     enc = count_parameters(c, enc_layers, post_process=False)
     prefill = enc.backbone - (enc.moe_routed - enc.moe_routed * c.moe_topk // c.num_routed_experts)
     for s in c.plan:
         if not s.is_encoder and s.mode is CSA2Mode.FULL:
             prefill += c.hidden_size * c.head_dim * (2 if s.compress_ratio > 1 else 1) + c.head_dim
-            prefill += c.hidden_size if s.uses_encoder_output else 0
+            prefill += c.hidden_size  # attn_norm: the compressor reads attn_norm(H_{L/2})
             prefill += c.head_dim * c.index_head_dim + c.index_head_dim
     kv = kv_bytes(c)
     return {

@@ -20,6 +20,7 @@ from megatron_s2.config.layer_plan import LayerPlan
 from megatron_s2.models.v41.shared_state import SharedStateRegistry
 
 if TYPE_CHECKING:
+    from megatron_s2.models.v41.engram.prefetch import EngramPrefetch
     from megatron_s2.models.v41.moe.routing_replay import RoutingReplay
 
 __all__ = ["AttentionCache", "ForwardContext"]
@@ -64,6 +65,8 @@ class ForwardContext:
     """[b, S] document ids of the whole sequence under context parallelism."""
     full_image_mask: torch.Tensor | None = None
     """[b, S] image mask of the whole sequence under context parallelism."""
+    engram_rows: "EngramPrefetch | None" = None
+    """Engram rows prefetched for the whole step (§3.1.3); None: each Engram looks its rows up."""
     kv_cache: AttentionCache | None = None
     """Incremental decode: the requests' cached attention state (None = whole-sequence forward)."""
     prefix_ids: torch.Tensor | None = None

@@ -38,8 +38,8 @@ network at step 0):
   pre-norm residual stack.
 
 Under sequence parallelism the streams are sequence-sharded, the predictor is token-local
-and needs no communication; its parameters are flagged ``sequence_parallel`` so that the
-gradient finaliser all-reduces their partial gradients over tensor parallelism.
+and needs no communication; the parallel plan marks its parameters tp-partial under SP, so
+the gradient finaliser all-reduces their partial gradients over tensor parallelism.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ from torch import nn
 
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.init import constant_init, normal_init
+from megatron_s2.models.v41.parallel_plan import apply_plan
 from megatron_s2.parallel.groups import ParallelGroups
-from megatron_s2.parallel.sharding import mark_param
+from megatron_s2.parallel.placement import mark_param
 
 __all__ = [
     "HyperConnection",
@@ -181,6 +182,8 @@ class HyperConnection(nn.Module):
     from their ``init_fn`` (module docstring).
     """
 
+    PLAN_SECTION = "mhc"
+
     def __init__(self, config: ModelConfig, groups: ParallelGroups | None = None):
         super().__init__()
         groups = groups or ParallelGroups.single()
@@ -188,13 +191,13 @@ class HyperConnection(nn.Module):
         self.n, self.hidden_size = n, d
         self.iters, self.eps, self.norm_eps = config.hc_sinkhorn_iters, config.hc_eps, config.norm_eps
         mix = config.mhc_mix_dim
-        sp = bool(groups.sequence_parallel and groups.tp.active)
         self.fn = nn.Parameter(torch.empty(mix, n * d, dtype=torch.float32))
         self.base = nn.Parameter(torch.empty(mix, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
-        mark_param(self.fn, (mix, n * d), init=normal_init(config.init_std), sequence_parallel=sp)
-        mark_param(self.base, (mix,), init=_base_init(n), sequence_parallel=sp)
-        mark_param(self.scale, (3,), init=constant_init(SCALE_INIT), sequence_parallel=sp)
+        mark_param(self.fn, (mix, n * d), init=normal_init(config.init_std))
+        mark_param(self.base, (mix,), init=_base_init(n))
+        mark_param(self.scale, (3,), init=constant_init(SCALE_INIT))
+        apply_plan(self, groups, config)
 
     def mixes(self, x: torch.Tensor) -> torch.Tensor:
         """``[b, s, n, d]`` -> raw ``[b, s, (2+n)n]``: projection, then one RMS per token."""

@@ -19,7 +19,9 @@ from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.init import initialize_parameters
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.mhc import collapse, expand_embedding, one_hot_pre
+from megatron_s2.models.v41.precision import set_gemm_dtype
 from megatron_s2.models.v41.norm import RMSNorm
+from megatron_s2.models.v41.parallel_plan import SELECTIVE_RECOMPUTE, apply_plan
 from megatron_s2.models.v41.recompute import run_block_recomputed
 from megatron_s2.models.v41.spec import LocalProvider, block_spec, build_module, get_provider
 from megatron_s2.parallel.groups import ParallelGroups
@@ -29,6 +31,8 @@ __all__ = ["V41Model", "build_model"]
 
 
 class V41Model(nn.Module):
+    PLAN_SECTION = "model"
+
     def __init__(self, config: ModelConfig, groups: ParallelGroups | None = None, *,
                  layers: Iterable[int] | None = None, pre_process: bool = True, post_process: bool = True,
                  provider: LocalProvider | None = None):
@@ -38,7 +42,7 @@ class V41Model(nn.Module):
         self.plan = config.plan
         self.pre_process, self.post_process = pre_process, post_process
         self.recompute = "none"  # none | full | selective (set by the builder from parallel.recompute)
-        sp = groups.sequence_parallel and groups.tp.active
+        sp = groups.sequence.sp
         d = config.hidden_size
         if pre_process:
             self.embedding = nn.ModuleDict(
@@ -47,8 +51,10 @@ class V41Model(nn.Module):
         ids = range(config.num_layers) if layers is None else list(layers)
         self.layers = nn.ModuleDict({str(i): build_module(spec, config, self.plan[i], groups) for i in ids})
         if post_process:
-            self.final_norm = RMSNorm(d, config.norm_eps, sequence_parallel=sp)
+            self.final_norm = RMSNorm(d, config.norm_eps)
             self.output_layer = VocabParallelHead(config.vocab_size, d, groups.tp, sequence_parallel=sp)
+        apply_plan(self, groups, config)
+        set_gemm_dtype(self, getattr(torch, config.compute_dtype))  # precision map (models/v41/precision.py)
 
     @property
     def layer_ids(self) -> list[int]:
@@ -72,11 +78,12 @@ class V41Model(nn.Module):
         return x, pre
 
     def set_recompute(self, mode: str) -> None:
-        """Activation recomputation: none, full (whole blocks, shared-state aware) or
-        selective (attention core + routed experts)."""
+        """Activation recomputation: none, full (whole blocks, shared-state aware) or selective
+        (the regions of the parallel plan's ``SELECTIVE_RECOMPUTE``: attention core, routed experts)."""
         self.recompute = mode
         for block in self.layers.values():
-            block.attention.selective_recompute = mode == "selective"
+            for path in SELECTIVE_RECOMPUTE:
+                block.get_submodule(path).selective_recompute = mode == "selective"
 
     def head(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """Streams -> this rank's vocabulary shard of the logits (float32)."""
@@ -120,7 +127,8 @@ class V41Model(nn.Module):
     FP32_PARAMS = ("*.router.weight", "output_layer.weight", "*_hc.*", "*norm*", "*attn_sink")
 
     def apply_precision_map(self) -> None:
-        """Store matrices in ``params_dtype`` except the float32 islands (§ precision map)."""
+        """Store matrices in ``params_dtype`` except the float32 islands (the precision map and
+        the master-weight decision: :mod:`megatron_s2.models.v41.precision`)."""
         from fnmatch import fnmatch
 
         dtype = getattr(torch, self.config.params_dtype)

@@ -7,7 +7,7 @@ from torch import nn
 
 from megatron_s2.models.init import constant_init
 from megatron_s2.models.v41.precision import wide
-from megatron_s2.parallel.sharding import mark_param
+from megatron_s2.parallel.placement import mark_param
 
 __all__ = ["RMSNorm", "rms_norm"]
 
@@ -21,13 +21,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, sequence_parallel: bool = False):
-        """``sequence_parallel``: the input is split over tensor-parallel ranks, so the
-        weight's gradient is a partial sum that the gradient finaliser all-reduces."""
+    def __init__(self, dim: int, eps: float):
+        """Whether the weight's gradient is a partial sum over tp (sequence-sharded input) is
+        the parallel plan's business (:mod:`megatron_s2.models.v41.parallel_plan`)."""
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        mark_param(self.weight, (dim,), init=constant_init(1.0), sequence_parallel=sequence_parallel)
+        mark_param(self.weight, (dim,), init=constant_init(1.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)

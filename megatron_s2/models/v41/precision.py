@@ -1,13 +1,61 @@
-"""Precision helpers: the float32 islands of the precision map (RoPE, norms, router, mHC,
-LM head, attention softmax) compute in *at least* float32 — float64 inputs stay float64 so
-gradient checks run in double precision."""
+"""The precision map (Intern-S2 walkthrough "FP8 expert linears, BF16 elsewhere, FP32 for RoPE,
+RMSNorm, MoE router, recurrent states and the LM head"; V4.1 report §2.4.4, §4.2.1) and how
+master weights work with the hybrid optimiser.
+
+Two dtypes of :class:`~megatron_s2.config.model.ModelConfig` decide it:
+
+* ``compute_dtype`` — the dtype of the residual streams and of every matrix product of a
+  linear layer or expert (:func:`set_gemm_dtype`): the GEMM casts its weight to it at use.
+  On GPUs this is ``bfloat16``; FP8 GEMMs (``model.fp8``) quantise from it.
+* ``params_dtype`` — the dtype the parameters are *stored* and *updated* in.
+
+**Master weights (the decision).** With ``params_dtype: float32`` (the default, and what GPU
+recipes use with ``compute_dtype: bfloat16``) the parameters themselves are the float32
+master weights: forward and backward see bfloat16 copies made at each GEMM (autograd keeps
+the copy for the input gradient and casts the weight gradient back to float32), so ``.grad``
+is float32 and Muon (Newton-Schulz in ``optimizer.ns_dtype``), the Sinkhorn update and AdamW
+all step float32 weights with float32 momenta. There is no second copy of the weights:
+per parameter 4 B weights + 4 B gradients + 4 B momentum (+ 8 B Adam moments for the small
+vectors), less than Megatron's bf16 weights + fp32 main gradients + fp32 master copy
+(2 + 4 + 4 B + state) as long as ZeRO-1 does not shard the master copy; Muon needs whole
+matrices anyway. Checkpoints hold the float32 weights, so a resume is exact. The price is
+the transient bfloat16 weight copies kept for backward (2 B per parameter of the layers in
+flight; recomputation drops them with the activations).
+
+``params_dtype: bfloat16`` is *pure* bfloat16 training: weights, gradients and momenta are
+bfloat16 and there is no master copy — small updates round away. It is kept for memory
+experiments and for parity tests in bfloat16; the float32 islands below stay float32 in both.
+
+**Float32 islands** (never cast to ``compute_dtype``): RoPE, RMSNorm, the MoE router and its
+correction biases, the mHC coefficients and Sinkhorn mixing, the attention softmax, the
+Engram gate and the LM head / cross-entropy compute in at least float32 (:func:`wide`; float64
+inputs stay float64 so gradient checks run in double precision), and their parameters are
+never stored in bfloat16 (:data:`~megatron_s2.models.v41.model.V41Model.FP32_PARAMS`).
+"""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-__all__ = ["wide"]
+__all__ = ["wide", "set_gemm_dtype", "describe_precision"]
 
 
 def wide(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float64 else t.float()
+
+
+def set_gemm_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Make every linear layer and expert of ``model`` multiply in ``dtype`` (modules that
+    declare a ``gemm_dtype`` attribute: :mod:`megatron_s2.parallel.linear`, the experts)."""
+    for module in model.modules():
+        if hasattr(module, "gemm_dtype"):
+            module.gemm_dtype = dtype
+
+
+def describe_precision(params_dtype: str, compute_dtype: str) -> str:
+    """One line for the start-up log."""
+    master = ("float32 parameters are the master weights (gradients and optimiser state float32)"
+              if params_dtype == "float32" else "pure bfloat16: no float32 master copy")
+    return (f"precision: GEMMs and streams in {compute_dtype}; {master}; float32 islands: RoPE, RMSNorm, "
+            "router, mHC, softmax, Engram gate, LM head")

@@ -1,7 +1,7 @@
 """Activation recomputation that keeps cross-layer shared state correct (report §3.1.2).
 
 Full recomputation re-runs a whole block in the backward pass. A CSA2 block *consumes*
-states published by earlier layers (main KV, index K, top-k, candidates, H_{L/2}) and
+states published by earlier layers (main KV, index K, top-k, candidates) and
 *publishes* its own; the micro-batch registry releases a state after its last forward
 consumer, so a recomputation cannot go back to it. Each recomputed block therefore runs
 against a private registry preloaded with exactly the states it consumes (known statically

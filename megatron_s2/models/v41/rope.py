@@ -21,14 +21,14 @@ __all__ = ["rope_frequencies", "apply_rope"]
 def rope_frequencies(dim: int, theta: float, original_seq_len: int = 0, factor: float = 1.0,
                      beta_fast: int = 32, beta_slow: int = 1) -> torch.Tensor:
     """Inverse frequencies [dim/2]; with ``original_seq_len > 0`` the YaRN ramp is applied."""
-    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     if original_seq_len > 0:
         def corrected(rotations: float) -> float:
             return dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
         low = max(math.floor(corrected(beta_fast)), 0)
         high = min(math.ceil(corrected(beta_slow)), dim - 1)
-        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / max(high - low, 1e-3)).clamp(0, 1)
         freqs = freqs / factor * ramp + freqs * (1 - ramp)
     return freqs.float()
 

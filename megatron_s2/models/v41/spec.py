@@ -19,10 +19,16 @@ from dataclasses import dataclass, field
 from megatron_s2.config.fp8 import FP8Config
 from megatron_s2.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
-with warnings.catch_warnings():  # megatron-core warns at import when TE/apex are absent
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+try:
+    with warnings.catch_warnings():  # megatron-core warns at import when TE/apex are absent
+        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+        warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+        from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    MODULE_SPEC_SOURCE = "megatron-core"
+except Exception as _exc:  # not installed (GPU container with --no-deps) or not importable with this torch
+    from megatron_s2.models.v41.module_spec import ModuleSpec, build_module
+
+    MODULE_SPEC_SOURCE = f"megatron_s2.models.v41.module_spec (megatron-core: {type(_exc).__name__}: {_exc})"
 
 __all__ = ["ModuleSpec", "build_module", "LocalProvider", "TransformerEngineProvider", "BackendUnavailable", "get_provider",
            "BlockSubmodules", "LinearSubmodules", "block_spec"]

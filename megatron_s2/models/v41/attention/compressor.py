@@ -6,13 +6,15 @@ entry j pools tokens j*m .. j*m+m-1 with a per-channel softmax gate,
     c_j = sum_t softmax_t(Z[t]) * C[t],    C = X W^KV,  Z = X W^Z   (Eq. 1 notation),
 
 followed by RMSNorm. With m = 1 the compressor is a plain projection (no gate). A trailing
-incomplete group produces no entry (it is not causally complete). Under the Causal
-Encoder-Decoder (§2.2, Eq. 1) a decoder Full layer feeds the last encoder layer's hidden
-state H_{L/2} here instead of its own, through its own input RMSNorm. RoPE and FP4 QAT are
-applied by the attention layer, after the index keys are derived from the RoPE-free latent.
+incomplete group produces no entry (it is not causally complete). The input X is always the
+layer's own normalised attention input (as in the released model); for the CED decoder's Full
+layer that is attn_norm(H_{L/2}) (§2.2, Eq. 1; ``CSA2Attention.compressor_input``). RoPE and
+FP4 QAT are applied by the attention layer, after the index keys are derived from the
+RoPE-free latent.
 
 The projections are replicated over tensor-parallel ranks (one latent for all heads) and
-run on the locally held tokens; the caller gathers the small latent over the sequence.
+run on the locally held tokens; the caller gathers the small latent over the sequence. They
+are placed by the attention layer's section of the parallel plan (``compressor.*``).
 """
 
 from __future__ import annotations
@@ -38,24 +40,17 @@ def pool_groups(kv: torch.Tensor, gate: torch.Tensor, ratio: int) -> torch.Tenso
 
 
 class Compressor(nn.Module):
-    def __init__(self, config: ModelConfig, ratio: int, *, from_encoder_output: bool, tp_partial: bool,
-                 linears=None):
+    def __init__(self, config: ModelConfig, ratio: int, *, linears=None):
         super().__init__()
         linear = linears.replicated_linear if linears is not None else ReplicatedLinear
         self.ratio = ratio
         d, hd = config.hidden_size, config.head_dim
-        self.input_norm = RMSNorm(d, config.norm_eps, sequence_parallel=tp_partial) if from_encoder_output else None
         self.linear_kv = linear(d, hd)
         self.linear_gate = linear(d, hd) if ratio > 1 else None
-        self.norm = RMSNorm(hd, config.norm_eps, sequence_parallel=tp_partial)
-        for lin in (self.linear_kv, self.linear_gate):
-            if lin is not None:
-                lin.weight.sequence_parallel = tp_partial
+        self.norm = RMSNorm(hd, config.norm_eps)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token projections (run on the locally held tokens): (C, Z)."""
-        if self.input_norm is not None:
-            x = self.input_norm(x)
         x = wide(x)
         kv = self.linear_kv(x)
         gate = self.linear_gate(x) if self.linear_gate is not None else None

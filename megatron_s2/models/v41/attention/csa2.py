@@ -8,7 +8,7 @@ statically assigned mode (§2.3.1; plan in :mod:`megatron_s2.config.layer_plan`)
 =========  ===================================  ===========================  ===============
 mode       main KV                              index K                      top-k
 =========  ===================================  ===========================  ===============
-Full       own compressor (decoder: from H_L/2)  projected from own main KV   own indexer
+Full       own compressor (decoder: H_L/2)      projected from own main KV   own indexer
 Reindex    reused from the latest Full layer     reused with it               own indexer
 Reuse      reused from the latest Full layer     not needed                   reused
 =========  ===================================  ===========================  ===============
@@ -17,11 +17,13 @@ Shared states go through ``ctx.shared`` keyed by the producing layer, never thro
 attributes. The output path removes the query RoPE from the attention output, then applies
 the grouped low-rank projection (o_groups groups of H/G heads -> o_lora_rank each -> d).
 
-Tensor parallelism: query heads, indexer heads, output groups and sink logits are split over
-tp. The latent projections (window KV, compressor, index K, q_down) are replicated: they are
-small per-token projections shared by all heads, computed once per rank on the tokens the
-rank holds (its sequence shard under SP) and gathered over the sequence; their gradients are
-partial sums over tp (flag ``sequence_parallel``) that the gradient finaliser all-reduces.
+Tensor parallelism (the ``"attention"``, ``"index_key"`` and ``"indexer"`` sections of
+:mod:`megatron_s2.models.v41.parallel_plan`): query heads, indexer heads, output groups and
+sink logits are split over tp. The latent projections (window KV, compressor, index K,
+q_down) are replicated: they are small per-token projections shared by all heads, computed
+once per rank on the tokens the rank holds (its stream shard under SP) and gathered over the
+sequence by the layer's :class:`~megatron_s2.parallel.sequence.SequenceSharding` (which also
+owns the CP gather and the window halo); the plan marks their gradients tp-partial.
 """
 
 from __future__ import annotations
@@ -38,28 +40,29 @@ from megatron_s2.models.v41.attention.indexer import IndexKeyProjection, Indexer
 from megatron_s2.models.v41.attention.visibility import entry_doc_ids, truncate_window, window_indices
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.norm import RMSNorm
+from megatron_s2.models.v41.parallel_plan import apply_plan
 from megatron_s2.models.v41.precision import wide
 from megatron_s2.kernels import fake_quant_fp4_e4m3, fake_quant_fp8
 from megatron_s2.models.v41.recompute import selective_checkpoint
 from megatron_s2.models.v41.rope import apply_rope, rope_frequencies
 from megatron_s2.models.v41.spec import LinearSubmodules
 from megatron_s2.parallel import mappings
-from megatron_s2.parallel.context_parallel import gather_sequence_ordered, window_keys_with_halo
 from megatron_s2.parallel.groups import ParallelGroups
-from megatron_s2.parallel.sharding import mark_param
+from megatron_s2.parallel.placement import mark_param
 
 __all__ = ["CSA2Attention"]
 
 
 class CSA2Attention(nn.Module):
+    PLAN_SECTION = "attention"
+
     def __init__(self, config: ModelConfig, spec: LayerSpec, groups: ParallelGroups,
                  linears: LinearSubmodules | None = None):
         super().__init__()
         L = linears or LinearSubmodules()
         tp = groups.tp
         self.config, self.spec, self.tp, self.cp = config, spec, tp, groups.cp
-        self.sequence_parallel = groups.sequence_parallel and tp.active
-        partial = tp.active
+        self.seq = groups.sequence
         d, h, hd = config.hidden_size, config.num_attention_heads, config.head_dim
         self.local_heads = h // tp.size
         self.local_groups = config.o_groups // tp.size
@@ -67,23 +70,19 @@ class CSA2Attention(nn.Module):
         self.scale = hd ** -0.5
 
         self.linear_q_down = L.replicated_linear(d, config.q_lora_rank)
-        self.q_norm = RMSNorm(config.q_lora_rank, config.norm_eps, sequence_parallel=partial)
+        self.q_norm = RMSNorm(config.q_lora_rank, config.norm_eps)
         self.linear_q_up = L.column_parallel_linear(config.q_lora_rank, h * hd, tp, region_entry=False)
-        self.linear_q_up.weight.head_split = self.local_heads
         self.linear_kv = L.replicated_linear(d, hd)
-        self.kv_norm = RMSNorm(hd, config.norm_eps, sequence_parallel=partial)
-        for p in (self.linear_q_down.weight, self.linear_kv.weight):
-            p.sequence_parallel = partial
+        self.kv_norm = RMSNorm(hd, config.norm_eps)
         self.attn_sink = None
         if config.attn_sink:
             self.attn_sink = nn.Parameter(torch.zeros(self.local_heads))
             mark_param(self.attn_sink, (h,), [(0, tp.rank, tp.size)], init=constant_init(0.0))
         group_in = h * hd // config.o_groups
         self.linear_out_a = nn.Parameter(torch.empty(self.local_groups * config.o_lora_rank, group_in))
-        mark_param(self.linear_out_a, (config.o_groups * config.o_lora_rank, group_in), [(0, tp.rank, tp.size)],
-                   head_split=self.local_groups)
+        mark_param(self.linear_out_a, (config.o_groups * config.o_lora_rank, group_in), [(0, tp.rank, tp.size)])
         self.linear_out_b = L.row_parallel_linear(config.o_groups * config.o_lora_rank, d, tp,
-                                              sequence_parallel=self.sequence_parallel)
+                                                  sequence_parallel=self.seq.sp)
 
         csa2 = spec.is_csa2
         theta = config.compress_rope_theta if csa2 else config.rope_theta
@@ -95,42 +94,19 @@ class CSA2Attention(nn.Module):
         self.selective_recompute = False  # checkpoint the attention core (set by the model)
         self.compressor = self.index_key = self.indexer = None
         if spec.mode is CSA2Mode.FULL:
-            self.compressor = Compressor(config, spec.compress_ratio, from_encoder_output=spec.uses_encoder_output,
-                                         tp_partial=partial, linears=L)
-            self.index_key = IndexKeyProjection(config, tp_partial=partial, linears=L)
+            self.compressor = Compressor(config, spec.compress_ratio, linears=L)
+            self.index_key = IndexKeyProjection(config, tp, linears=L)
         if spec.runs_indexer:
             self.indexer = Indexer(config, tp, linears=L)
+        apply_plan(self, groups, config)
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _enter(self, x: torch.Tensor) -> torch.Tensor:
-        """Bring a replicated (non-SP) input into the tp region: its gradient is summed over tp."""
-        return x if self.sequence_parallel else mappings.copy_to_group(x, self.tp)
-
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Per-token results of the local sequence shard -> this rank's queries (SP only)."""
-        return mappings.all_gather_sequence(t, self.tp, dim=1) if self.sequence_parallel else t
-
-    def _gather_full(self, t: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Per-token results -> the whole sequence in position order (SP, then CP)."""
-        return gather_sequence_ordered(self._gather(t), ctx.positions, self.cp)
-
-    def _full_doc_ids(self, ctx: ForwardContext) -> torch.Tensor | None:
-        return ctx.full_doc_ids if self.cp.active else ctx.doc_ids
-
     def _window(self, kv: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Window keys (with the CP halo) and each query's window indices into them."""
-        pos, doc = ctx.positions, ctx.doc_ids
-        if not self.cp.active:
-            keys, k_pos, k_doc = kv, pos, doc
-        else:
-            keys, k_pos = window_keys_with_halo(kv, pos, self.window, self.cp)
-            k_doc = None
-            if doc is not None:
-                full = ctx.full_doc_ids
-                k_doc = torch.where(k_pos >= 0, full.gather(1, k_pos.clamp_min(0)), -1)
-        indices = window_indices(pos, k_pos, self.window, doc, k_doc)
-        if ctx.swa_from is not None and not self.spec.is_encoder:
-            indices = truncate_window(indices, pos, k_pos, ctx.swa_from)
+        keys, k_pos, k_doc = self.seq.window_keys(kv, ctx.positions, self.window, ctx.doc_ids, ctx.full_doc_ids)
+        indices = window_indices(ctx.positions, k_pos, self.window, ctx.doc_ids, k_doc)
+        if ctx.swa_from is not None and not self.spec.is_encoder:  # train-aware bounded replay (§3.2.2)
+            indices = truncate_window(indices, ctx.positions, k_pos, ctx.swa_from)
         return keys, indices
 
     # ---- pieces shared by the training forward and incremental decode ---------------------
@@ -140,24 +116,16 @@ class CSA2Attention(nn.Module):
     # main KV) then read and extend the request's cached state instead of the sequence.
     def query(self, x_in: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(compressed query qr [b, s, q_lora] — also the indexer's input, RoPE'd heads [b, s, h, hd])."""
-        qr = self._gather(self.q_norm(self.linear_q_down(wide(x_in))))
+        qr = self.seq.gather_chunk(self.q_norm(self.linear_q_down(wide(x_in))))
         q = self.linear_q_up(qr).unflatten(-1, (self.local_heads, self.head_dim))
         return qr, apply_rope(q, positions, self.inv_freq)
 
     def window_kv(self, x_in: torch.Tensor, positions: torch.Tensor, quantise: bool = True) -> torch.Tensor:
         """The layer-local SWA KV latent of each token [b, s, hd]: RoPE'd, then FP8 QAT
         (§2.4.4) unless ``quantise`` is False (a KV cache packs the raw values itself)."""
-        kv = self._gather(self.kv_norm(self.linear_kv(wide(x_in))))
+        kv = self.seq.gather_chunk(self.kv_norm(self.linear_kv(wide(x_in))))
         kv = apply_rope(kv, positions, self.inv_freq)
         return fake_quant_fp8(kv) if self.config.fp8_swa_kv and quantise else kv
-
-    def compressor_input(self, x_in: torch.Tensor | None, ctx: ForwardContext) -> torch.Tensor:
-        """What this Full layer's compressor reads, per token: its own attention input, or
-        under CED (§2.2, Eq. 1) the last encoder layer's output H_{L/2}. The one place that
-        decides it, for training and decode alike."""
-        if self.spec.uses_encoder_output:
-            return self._enter(ctx.shared.consume(self.spec.index, self.spec.encoder_source, K.ENCODER_OUTPUT))
-        return x_in
 
     def compressed_entries(self, latent: torch.Tensor, entry_pos: torch.Tensor,
                            quantise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,18 +156,27 @@ class CSA2Attention(nn.Module):
         return self.linear_out_b(o)
 
     # ---- main-KV / top-k acquisition (§2.3.1) ----------------------------------------------
+    def compressor_input(self, x_in: torch.Tensor) -> torch.Tensor:
+        """What a Full layer's compressor reads: its own normalised attention input.
+
+        The single definition used by training and decode alike. For the CED decoder's Full
+        layer (the first decoder layer, §2.2 Eq. 1) this is attn_norm(H_{L/2}): under Single-Pass
+        mHC its input is the encoder's final streams collapsed with the encoder's last mix, so
+        no separate encoder-output path (or extra norm) exists — as in the released model."""
+        return x_in
+
     def _main_kv(self, x_in: torch.Tensor, ctx: ForwardContext):
         spec, ratio = self.spec, self.spec.compress_ratio
         if spec.mode is not CSA2Mode.FULL:
             main_kv = ctx.shared.consume(spec.index, spec.kv_source, K.MAIN_KV)
             index_k = ctx.shared.consume(spec.index, spec.kv_source, K.INDEX_K) if spec.runs_indexer else None
             return main_kv, index_k
-        kv, gate = self.compressor.project(self.compressor_input(x_in, ctx))
+        kv, gate = self.compressor.project(self.compressor_input(x_in))
         if ctx.kv_cache is not None:  # decode: carry the partial block, append complete ones
             main_kv, index_k = ctx.kv_cache.compress(self, kv, gate)
         else:
-            kv = self._gather_full(kv, ctx)
-            gate = self._gather_full(gate, ctx) if gate is not None else None
+            kv = self.seq.gather_full(kv, ctx.positions)
+            gate = self.seq.gather_full(gate, ctx.positions) if gate is not None else None
             latent = self.compressor.pool(kv, gate)  # [b, n, hd], RoPE-free
             n = latent.size(1)
             entry_pos = (torch.arange(n, device=latent.device) * ratio).expand(latent.size(0), n)
@@ -214,12 +191,12 @@ class CSA2Attention(nn.Module):
         if not spec.runs_indexer:
             return ctx.shared.consume(spec.index, spec.index_source, K.TOPK), None
         ratio, pos, doc = spec.compress_ratio, ctx.positions, ctx.doc_ids
-        weights = self.indexer.local_weights(self._gather(self.indexer.head_weights(x_in.detach())))
+        weights = self.indexer.local_weights(self.seq.gather_chunk(self.indexer.head_weights(x_in.detach())))
         q_idx = self.indexer.queries(qr.detach(), pos, self.inv_freq)
         candidates = None
         if spec.candidate_source is not None and not spec.is_candidate_source:
             candidates = ctx.shared.consume(spec.index, spec.candidate_source, K.CANDIDATES)
-        e_doc = entry_doc_ids(self._full_doc_ids(ctx), ratio, n_entries)
+        e_doc = entry_doc_ids(self.seq.full_sequence(ctx.doc_ids, ctx.full_doc_ids), ratio, n_entries)
         sel = self.indexer.select(q_idx, weights, index_k, pos, ratio, doc, e_doc, candidates=candidates,
                                   make_candidates=spec.is_candidate_source)
         ctx.shared.publish(spec.index, K.TOPK, sel.topk)
@@ -232,7 +209,7 @@ class CSA2Attention(nn.Module):
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [b, s_local, d] (normalised block input; sequence shard under SP)."""
-        x_in = self._enter(x)
+        x_in = self.seq.enter_local(x)
         pos = ctx.positions
         qr, q = self.query(x_in, pos)
         kv = self.window_kv(x_in, pos, quantise=ctx.kv_cache is None)  # a cache packs raw values

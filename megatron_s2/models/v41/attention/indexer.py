@@ -36,11 +36,12 @@ from megatron_s2.models.v41.attention.candidates import select_candidate_blocks
 from megatron_s2.models.v41.attention.selection import topk_newest_on_ties
 from megatron_s2.models.v41.attention.visibility import compressed_visible
 from megatron_s2.models.v41.norm import RMSNorm
+from megatron_s2.models.v41.parallel_plan import apply_plan
 from megatron_s2.models.v41.precision import wide
 from megatron_s2.kernels import fake_quant_mxfp4
 from megatron_s2.models.v41.rope import apply_rope
 from megatron_s2.parallel import mappings
-from megatron_s2.parallel.groups import Group
+from megatron_s2.parallel.groups import Group, ParallelGroups
 from megatron_s2.parallel.linear import ColumnParallelLinear, ReplicatedLinear
 
 __all__ = ["IndexKeyProjection", "Indexer", "IndexerSelection"]
@@ -49,13 +50,15 @@ __all__ = ["IndexKeyProjection", "Indexer", "IndexerSelection"]
 class IndexKeyProjection(nn.Module):
     """Main-KV latent -> index keys (owned by the Full layer that produces the main KV)."""
 
-    def __init__(self, config: ModelConfig, tp_partial: bool, linears=None):
+    PLAN_SECTION = "index_key"
+
+    def __init__(self, config: ModelConfig, tp: Group | None = None, linears=None):
         super().__init__()
         linear = linears.replicated_linear if linears is not None else ReplicatedLinear
         self.linear = linear(config.head_dim, config.index_head_dim)
-        self.linear.weight.sequence_parallel = tp_partial
-        self.norm = RMSNorm(config.index_head_dim, config.norm_eps, sequence_parallel=tp_partial)
+        self.norm = RMSNorm(config.index_head_dim, config.norm_eps)
         self.fp4 = config.fp4_indexer
+        apply_plan(self, ParallelGroups(tp=tp or Group()), config)
 
     def forward(self, latent: torch.Tensor, entry_pos: torch.Tensor, inv_freq: torch.Tensor,
                 quantise: bool = True) -> torch.Tensor:
@@ -73,6 +76,8 @@ class IndexerSelection:
 
 
 class Indexer(nn.Module):
+    PLAN_SECTION = "indexer"
+
     def __init__(self, config: ModelConfig, tp: Group, linears=None):
         super().__init__()
         column = linears.column_parallel_linear if linears is not None else ColumnParallelLinear
@@ -86,12 +91,11 @@ class Indexer(nn.Module):
         self.block_size = config.candidate_block_size
         self.top_blocks = config.candidate_topk_blocks
         self.linear_q = column(config.q_lora_rank, self.n_heads * self.head_dim, tp, region_entry=False)
-        self.linear_q.weight.head_split = self.local_heads
         # Per-head weights from the hidden state: replicated, computed on local tokens, the
         # local heads' columns sliced after the sequence gather.
         self.linear_weights = replicated(config.hidden_size, self.n_heads)
-        self.linear_weights.weight.sequence_parallel = tp.active
         self.scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        apply_plan(self, ParallelGroups(tp=tp), config)
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         """[b, s, H_I] per-head weights from the (detached) hidden state of local tokens."""

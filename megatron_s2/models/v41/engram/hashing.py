@@ -116,9 +116,9 @@ class EngramHasher:
         if orders != tuple(range(2, 2 + len(orders))) or not orders:
             raise ValueError(f"ngram_orders: must be the contiguous orders 2..N, got {list(orders)}")
         if compressed_token_map is None:
-            token_map = torch.arange(vocab_size, dtype=torch.int64)
+            token_map = torch.arange(vocab_size, dtype=torch.int64, device="cpu")  # host copy; per-device cache below
         else:
-            token_map = torch.as_tensor(list(compressed_token_map), dtype=torch.int64)
+            token_map = torch.as_tensor(list(compressed_token_map), dtype=torch.int64, device="cpu")
             if token_map.numel() < vocab_size or int(token_map.min()) < 0:
                 raise ValueError(f"compressed_token_map: needs a non-negative id for each of the {vocab_size} "
                                  f"tokens, got {token_map.numel()} entries (min {int(token_map.min())})")

@@ -21,8 +21,9 @@ Parallelism: the table is partitioned over ``groups.engram`` (§3.1.3). Under co
 parallelism the hashes need the tokens before the local chunk: the module hashes
 ``ctx.full_input_ids`` (and ``ctx.full_doc_ids``, ``ctx.full_image_mask``) and picks the
 local tokens by ``ctx.positions``. Under sequence parallelism the streams are sequence-sharded
-over tp and the module keeps this rank's slice of the hash ids; its replicated parameters
-(including the table) then receive partial gradients and carry ``sequence_parallel=True``.
+over tp and the module keeps this rank's stream shard of the hash ids; its replicated
+parameters (including the table) then receive partial gradients over tp (the plan's
+``"engram"`` section).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.init import constant_init
 from megatron_s2.models.v41.engram.hashing import EngramHasher
 from megatron_s2.models.v41.engram.table import EngramTable
+from megatron_s2.models.v41.parallel_plan import apply_plan
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.linear import ReplicatedLinear
-from megatron_s2.parallel.sharding import mark_param
+from megatron_s2.parallel.placement import mark_param
 
 if TYPE_CHECKING:
     from megatron_s2.models.v41.context import ForwardContext
@@ -62,6 +64,8 @@ def engram_gate(h: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: f
 class Engram(nn.Module):
     """Engram of the model layer ``layer_number`` (zero-indexed, one of ``config.engram_layers``)."""
 
+    PLAN_SECTION = "engram"
+
     def __init__(self, config: ModelConfig, layer_number: int, groups: ParallelGroups | None = None,
                  compressed_token_map: list[int] | None = None):
         super().__init__()
@@ -70,19 +74,18 @@ class Engram(nn.Module):
         groups = groups or ParallelGroups.single()
         self.config, self.layer_number, self.groups = config, layer_number, groups
         self.n, self.hidden_size, self.eps = config.hc_mult, config.hidden_size, config.norm_eps
-        self.sequence_parallel = bool(groups.sequence_parallel and groups.tp.active)
+        self.seq = groups.sequence
         self.hasher = EngramHasher.from_config(config, compressed_token_map)
         dtype = getattr(torch, config.params_dtype)
         self.table = EngramTable(self.hasher.num_rows(layer_number), config.engram_head_dim, groups.engram,
-                                 fp8=config.engram_fp8_tables, init_std=config.init_std, dtype=dtype,
-                                 sequence_parallel=self.sequence_parallel)
+                                 fp8=config.engram_fp8_tables, init_std=config.init_std, dtype=dtype)
         self.linear_kv = ReplicatedLinear(config.engram_num_tables * config.engram_head_dim,
-                                          (self.n + 1) * self.hidden_size, groups.tp,
-                                          sequence_parallel=groups.sequence_parallel, dtype=dtype)
+                                          (self.n + 1) * self.hidden_size, dtype=dtype)
         self.q_weight = nn.Parameter(torch.empty(self.n, self.hidden_size, dtype=torch.float32))
         self.k_weight = nn.Parameter(torch.empty(self.n, self.hidden_size, dtype=torch.float32))
         for p in (self.q_weight, self.k_weight):
-            mark_param(p, (self.n, self.hidden_size), init=constant_init(1.0), sequence_parallel=self.sequence_parallel)
+            mark_param(p, (self.n, self.hidden_size), init=constant_init(1.0))
+        apply_plan(self, groups, config)
 
     def set_compressed_token_map(self, compressed_token_map: list[int] | None) -> None:
         """Attach the tokenizer's compressed token map (model builder); changes the hashes."""
@@ -104,13 +107,7 @@ class Engram(nn.Module):
         else:
             ids = self.hasher(ctx.input_ids, self.layer_number, ctx.doc_ids, ctx.image_mask)
         mask = ctx.image_mask
-        if self.sequence_parallel:
-            tp = self.groups.tp
-            if ids.size(1) % tp.size:
-                raise ValueError(f"sequence parallelism: {ids.size(1)} tokens do not split over tp={tp.size}")
-            ids = ids.chunk(tp.size, dim=1)[tp.rank]
-            mask = None if mask is None else mask.chunk(tp.size, dim=1)[tp.rank]
-        return ids, mask
+        return self.seq.stream_slice(ids), None if mask is None else self.seq.stream_slice(mask)
 
     def _hash_with_prefix(self, ctx: ForwardContext) -> torch.Tensor:
         """Hash ``prefix_ids ++ input_ids`` and keep the chunk's columns. History slots of -1
@@ -129,7 +126,11 @@ class Engram(nn.Module):
         if ids.shape[:2] != x.shape[:2]:
             raise ValueError(f"Engram: streams {tuple(x.shape)} do not match the {tuple(ids.shape[:2])} "
                              "tokens of the forward context")
-        rows = self.table(ids)  # [b, s, T, head_dim]
+        prefetched = ctx.engram_rows
+        if prefetched is not None and prefetched.holds(self.layer_number):
+            rows = prefetched.lookup(self.layer_number, ids)  # rows of the step's batch (§3.1.3)
+        else:
+            rows = self.table(ids)  # [b, s, T, head_dim]
         kv = self.linear_kv(rows.flatten(-2))
         nd = self.n * self.hidden_size
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -14,9 +14,10 @@ a distributed gather:
 
 The table's gradient is then complete for the tokens of the engram group; replicas of the same
 partition (``ParallelGroups.engram_replica``) still have to be all-reduced, which the gradient
-finaliser does for parameters flagged ``engram_table``. The report prefetches rows for the
-whole local batch and defers the gradient return until after the backbone backward; this
-module performs both inline per micro-batch (same numbers, no overlap).
+finaliser does for parameters placed ``engram_rows`` (replicas: the Engram replica group).
+This per-call lookup serves inference and modules used on their own; training prefetches the
+rows of the whole local batch and returns their gradients after the backbone backward, as the
+report does (:mod:`.prefetch`).
 
 **Row padding.** The concatenated table of a layer has ``sum(primes)`` rows. Rows are padded
 to a multiple of :data:`ENGRAM_ROW_ALIGN` (256), a constant, so that the parameter's full shape
@@ -44,9 +45,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_s2.kernels import fake_quant_fp8
+from megatron_s2.kernels import engram_rows, fake_quant_fp8
 from megatron_s2.parallel.groups import Group
-from megatron_s2.parallel.sharding import mark_param, name_seed
+from megatron_s2.parallel.placement import mark_param
+from megatron_s2.parallel.sharding import name_seed
 
 __all__ = [
     "ENGRAM_ROW_ALIGN",
@@ -80,13 +82,13 @@ def table_init(num_rows: int, std: float, block_rows: int = INIT_BLOCK_ROWS
     """
 
     def init_shard(local: torch.Tensor, first_row: int, gen: torch.Generator) -> None:
-        base = int(torch.randint(0, 2 ** 62, (1,), generator=gen))
+        base = int(torch.randint(0, 2 ** 62, (1,), generator=gen, device="cpu"))
         local.zero_()
         lo, hi = first_row, min(first_row + local.size(0), num_rows)
         for block in range(lo // block_rows, -(-hi // block_rows) if hi > lo else 0):
             b_lo, b_hi = block * block_rows, min((block + 1) * block_rows, num_rows)
             g = torch.Generator(device="cpu").manual_seed(name_seed(base, f"rows{block}"))
-            rows = torch.randn(b_hi - b_lo, local.size(1), generator=g) * std
+            rows = torch.randn(b_hi - b_lo, local.size(1), generator=g, device="cpu") * std
             s_lo, s_hi = max(lo, b_lo), min(hi, b_hi)
             local[s_lo - first_row:s_hi - first_row] = rows[s_lo - b_lo:s_hi - b_lo].to(local.dtype)
 
@@ -156,7 +158,7 @@ class EngramTable(nn.Module):
     """
 
     def __init__(self, num_rows: int, width: int, group: Group | None = None, *, fp8: bool = False,
-                 init_std: float = 0.006, dtype: torch.dtype = torch.float32, sequence_parallel: bool = False):
+                 init_std: float = 0.006, dtype: torch.dtype = torch.float32):
         super().__init__()
         group = group or Group.single()
         full = padded_rows(num_rows)
@@ -167,16 +169,19 @@ class EngramTable(nn.Module):
         self.rows_per_rank = full // group.size
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, width, dtype=dtype))
         init_full, init_shard = table_init(num_rows, init_std)
-        mark_param(self.weight, (full, width), [(0, group.rank, group.size)], init=init_full,
-                   init_shard_fn=init_shard, engram_table=True, engram_rows=num_rows,
-                   sequence_parallel=sequence_parallel)
+        mark_param(self.weight, (full, width), [(0, group.rank, group.size)], init=init_full, init_shard=init_shard)
 
     @property
     def first_row(self) -> int:
         return self.group.rank * self.rows_per_rank
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = distributed_lookup(ids, self.weight, self.group)
+        if not self.group.active:  # one fused gather (+ FP8) kernel on GPUs: kernels/engram.py
+            return engram_rows(ids, self.weight, self.fp8)
+        return self.quantize(distributed_lookup(ids, self.weight, self.group))
+
+    def quantize(self, rows: torch.Tensor) -> torch.Tensor:
+        """Fetched rows as the model reads them (FP8 fake-quantised when ``fp8``)."""
         return fake_quant_rows(rows) if self.fp8 else rows
 
     def extra_repr(self) -> str:

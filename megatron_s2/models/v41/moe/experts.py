@@ -12,8 +12,9 @@ ShardSpec is the full ``[num_experts, ...]`` tensor split ``(0, ep_rank, ep)`` (
 blocks of experts per expert-parallel rank) and then over the FFN width ``(1 | 2,
 etp_rank, etp)`` (expert tensor parallelism: W1/W3 column-split, W2 row-split), so names and
 full shapes do not depend on the layout. Each etp rank returns a *partial* output that the
-token dispatcher sums over the etp group. Gradient attribute: ``is_expert = True`` (the
-finaliser reduces them over the expert-data-parallel group, not dp).
+token dispatcher sums over the etp group. Their placement (style ``experts`` in the parallel
+plan) has the expert-data-parallel group as replicas: the finaliser reduces their gradients
+over it, not over dp.
 
 The compute is a loop of dense matmuls over the local experts on the expert-sorted token
 block (every expert runs, also with zero tokens, so every expert parameter gets a gradient);
@@ -33,9 +34,8 @@ from torch import nn
 
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.init import normal_init
-from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import Group, ParallelGroups
-from megatron_s2.parallel.sharding import mark_param
+from megatron_s2.parallel.placement import mark_param
 
 __all__ = ["swiglu", "GroupedExperts", "SharedExpert"]
 
@@ -53,6 +53,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Ten
 
 
 class GroupedExperts(nn.Module):
+    gemm_dtype: torch.dtype | None = None
+    """Dtype of the expert GEMMs (the model's compute_dtype); None = the weights' dtype."""
+
     def __init__(self, config: ModelConfig, ep: Group, etp: Group):
         super().__init__()
         num_experts, ffn, hidden = config.num_routed_experts, config.moe_ffn_hidden_size, config.hidden_size
@@ -72,7 +75,7 @@ class GroupedExperts(nn.Module):
         for param, full, width_dim in ((self.w1, (num_experts, ffn, hidden), 1),
                                        (self.w3, (num_experts, ffn, hidden), 1),
                                        (self.w2, (num_experts, hidden, ffn), 2)):
-            mark_param(param, full, [expert_split, (width_dim, etp.rank, etp.size)], init=init, is_expert=True)
+            mark_param(param, full, [expert_split, (width_dim, etp.rank, etp.size)], init=init)
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         """``tokens``: [M, hidden] sorted by local expert, ``tokens_per_expert[e]`` rows each;
@@ -80,28 +83,31 @@ class GroupedExperts(nn.Module):
         if len(tokens_per_expert) != self.num_local_experts or sum(tokens_per_expert) != tokens.size(0):
             raise ValueError(f"expert token counts {tokens_per_expert} do not match {tokens.size(0)} rows "
                              f"for {self.num_local_experts} local experts")
-        x = tokens.to(self.w1.dtype)
+        x = tokens.to(self.gemm_dtype or self.w1.dtype)
         outputs = []
         row_blocks, weight_blocks = torch.split(x, tokens_per_expert), torch.split(probs, tokens_per_expert)
         for e, (rows, weight) in enumerate(zip(row_blocks, weight_blocks, strict=True)):
             h = swiglu(self.gemm(rows, self.w1[e]), self.gemm(rows, self.w3[e]), self.swiglu_limit,
                        weight.unsqueeze(-1))
-            outputs.append(self.gemm(h.to(self.w2.dtype), self.w2[e]))
+            outputs.append(self.gemm(h.to(x.dtype), self.w2[e]))
         return torch.cat(outputs, dim=0).to(tokens.dtype)
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """One expert's product ``x W^T`` (overridden by the FP8 subclass)."""
-        return F.linear(x, weight)
+        """One expert's product ``x W^T`` in ``x``'s dtype (overridden by the FP8 subclass)."""
+        return F.linear(x, weight.to(x.dtype))
 
 
 class SharedExpert(nn.Module):
+    gemm_dtype: torch.dtype | None = None
+    """Dtype of the expert GEMMs (the model's compute_dtype); None = the weights' dtype."""
+
     def __init__(self, config: ModelConfig, groups: ParallelGroups):
         super().__init__()
         tp = groups.tp
         ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
         if ffn % tp.size:
             raise ValueError(f"tp={tp.size} does not divide the shared expert width moe_ffn_hidden_size={ffn}")
-        self.tp, self.sequence_parallel = tp, groups.sequence_parallel and tp.active
+        self.tp, self.seq = tp, groups.sequence
         self.swiglu_limit = config.swiglu_limit
         dtype, init = getattr(torch, config.params_dtype), normal_init(config.init_std)
         f = ffn // tp.size
@@ -114,19 +120,11 @@ class SharedExpert(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[b, s, hidden] (sequence-sharded under SP) -> same shape and dtype."""
-        if self.sequence_parallel:
-            x = mappings.all_gather_sequence(hidden, self.tp, dim=1)
-        else:
-            x = mappings.copy_to_group(hidden, self.tp)
-        x = x.to(self.w1.dtype)
+        x = self.seq.enter_tp_region(hidden).to(self.gemm_dtype or self.w1.dtype)
         h = swiglu(self.gemm(x, self.w1), self.gemm(x, self.w3), self.swiglu_limit)
-        y = self.gemm(h.to(self.w2.dtype), self.w2)
-        if self.sequence_parallel:
-            y = mappings.reduce_scatter_sequence(y, self.tp, dim=1)
-        else:
-            y = mappings.reduce_from_group(y, self.tp)
-        return y.to(hidden.dtype)
+        y = self.gemm(h.to(x.dtype), self.w2)
+        return self.seq.exit_tp_region(y).to(hidden.dtype)
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The local product ``x W^T`` (overridden by the FP8 subclass)."""
-        return F.linear(x, weight)
+        """The local product ``x W^T`` in ``x``'s dtype (overridden by the FP8 subclass)."""
+        return F.linear(x, weight.to(x.dtype))

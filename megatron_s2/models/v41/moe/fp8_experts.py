@@ -22,7 +22,7 @@ class _FP8ExpertGemm:
     def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if not fp8_shape_supported(weight.size(1), weight.size(0), self.fp8_block):
             return super().gemm(x, weight)
-        return fp8_linear(x.to(weight.dtype), weight, self.fp8_block)
+        return fp8_linear(x, weight, self.fp8_block)  # x is already in the GEMM dtype
 
 
 class FP8GroupedExperts(_FP8ExpertGemm, GroupedExperts):

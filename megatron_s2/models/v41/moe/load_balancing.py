@@ -28,8 +28,8 @@ Selections f_i use the biased top-k (what actually ran). When a row is split ove
 (tensor-parallel token split / sequence parallelism, context parallelism) the per-row sums
 are all-reduced so the value equals the single-rank one. The sums have an identity
 backward: every rank of the split adds the same loss value but backpropagates only its own
-tokens' share, and the gradient finaliser *sums* those shares (the router weight is flagged
-``sequence_parallel`` -> summed over tp; dense gradients summed over dp x cp, see
+tokens' share, and the gradient finaliser *sums* those shares (the router weight is placed
+tp-partial -> summed over tp; dense gradients summed over dp x cp, see
 ``megatron_s2.training.grad_finalize``), which gives exactly the single-rank gradient.
 """
 

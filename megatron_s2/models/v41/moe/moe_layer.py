@@ -17,8 +17,15 @@ backward) and the routed output is all-gathered on exit (split backward); with S
 is already the rank's sequence chunk and nothing changes. Consequently every rank of the
 stage routes different tokens: the ep/etp dispatch needs no deduplication, load counts are
 summed over ``groups.stage`` (tp x cp x dp), the router weight's gradient is a partial sum
-over tp (``sequence_parallel = True``), and the sequence balance loss sums its per-row
-statistics over tp (and cp). The sequence length each tp rank sees must divide by tp.
+over tp (the plan's ``"moe"`` section), and the sequence balance loss sums its per-row
+statistics over tp (and cp). The split is the routed shard of the layer's
+:class:`~megatron_s2.parallel.sequence.SequenceSharding`; the sequence length each tp rank
+sees must divide by tp (the layout's ``seq_len_divisor`` guarantees it).
+
+**Selective recomputation** (``parallel.recompute: selective``, ``SELECTIVE_RECOMPUTE`` of
+the plan) checkpoints the routed experts' compute: the SwiGLU intermediates of every routed
+slot are recomputed in backward instead of being kept (the dispatch collectives, the router
+and its counters run once).
 
 ``ctx.image_mask`` and routing records cover the tokens of ``ctx.input_ids`` (the whole tp
 group's sequence chunk): under tp the layer takes this rank's slice before routing and
@@ -36,6 +43,8 @@ from megatron_s2.models.v41.moe.experts import GroupedExperts, SharedExpert
 from megatron_s2.models.v41.moe.load_balancing import sequence_balance_loss
 from megatron_s2.models.v41.moe.router import RoutingDecision, TopKRouter
 from megatron_s2.models.v41.moe.token_dispatcher import AllToAllTokenDispatcher
+from megatron_s2.models.v41.parallel_plan import apply_plan
+from megatron_s2.models.v41.recompute import selective_checkpoint
 from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import ParallelGroups
 
@@ -43,39 +52,50 @@ __all__ = ["MoELayer"]
 
 
 class MoELayer(nn.Module):
+    PLAN_SECTION = "moe"
+
     def __init__(self, config: ModelConfig, layer_number: int, groups: ParallelGroups,
                  experts: type = GroupedExperts, shared_expert: type = SharedExpert):
         """``experts`` / ``shared_expert``: the classes the provider picked (spec.py)."""
         super().__init__()
         self.config, self.layer_number, self.groups = config, layer_number, groups
-        self.tp, self.sequence_parallel = groups.tp, groups.sequence_parallel and groups.tp.active
+        self.tp, self.seq = groups.tp, groups.sequence
         self.router = TopKRouter(config, groups)
         self.token_dispatcher = AllToAllTokenDispatcher(config.num_routed_experts, groups.ep, groups.etp)
         self.experts = experts(config, groups.ep, groups.etp)
         self.shared_expert = shared_expert(config, groups) if config.num_shared_experts else None
+        self.selective_recompute = False  # checkpoint the routed experts' compute (set by the model)
+        apply_plan(self, groups, config)
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """[b, s, hidden] (sequence-sharded under SP, already normalised) -> same shape."""
-        tokens = self._enter_routed_region(hidden)
+        tokens = self.seq.enter_routed(hidden)
         b, s, d = tokens.shape
         decision = self._route(tokens, ctx)
         dispatched = self.token_dispatcher.dispatch(tokens.reshape(b * s, d), decision.probs, decision.indices)
-        expert_output = self.experts(dispatched.tokens, dispatched.probs, dispatched.tokens_per_expert)
+        expert_output = self._compute(dispatched)
         routed = self.token_dispatcher.combine(expert_output, dispatched.state).view(b, s, d)
-        output = self._leave_routed_region(routed)  # float32 accumulator, like the reference
+        output = self.seq.leave_routed(routed)  # float32 accumulator, like the reference
         if self.shared_expert is not None:
             output = output + self.shared_expert(hidden)
         return output.to(hidden.dtype)
 
+    # ---- compute -----------------------------------------------------------------------------
+    def _compute(self, dispatched) -> torch.Tensor:
+        counts = dispatched.tokens_per_expert
+        if self.selective_recompute and self.training and torch.is_grad_enabled():
+            return selective_checkpoint(lambda t, p: self.experts(t, p, counts), dispatched.tokens, dispatched.probs)
+        return self.experts(dispatched.tokens, dispatched.probs, counts)
+
     # ---- route -----------------------------------------------------------------------------
     def _route(self, tokens: torch.Tensor, ctx: ForwardContext) -> RoutingDecision:
         b, s, d = tokens.shape
-        image_mask = self._local_chunk(ctx.image_mask, "ctx.image_mask")
+        image_mask = self.seq.routed_slice(ctx.image_mask)
         if image_mask is not None and tuple(image_mask.shape) != (b, s):
             raise ValueError(f"MoE layer {self.layer_number}: ctx.image_mask has shape {tuple(ctx.image_mask.shape)}, "
                              "expected [batch, seq] of ctx.input_ids")
         replayed = ctx.routing.stored_indices(self.layer_number) if ctx.routing is not None else None
-        replayed = self._local_chunk(replayed, "routing replay ids")
+        replayed = self.seq.routed_slice(replayed)
         decision = self.router(
             tokens.reshape(b * s, d),
             None if image_mask is None else image_mask.reshape(-1).bool(),
@@ -92,28 +112,3 @@ class MoELayer(nn.Module):
                 row_split=(self.tp, self.groups.cp))
             ctx.add_aux_loss("moe_seq_balance", loss)
         return decision
-
-    # ---- tensor-parallel token split -------------------------------------------------------
-    def _enter_routed_region(self, hidden: torch.Tensor) -> torch.Tensor:
-        if not self.tp.active or self.sequence_parallel:
-            return hidden
-        if hidden.size(1) % self.tp.size:
-            raise ValueError(f"MoE layer {self.layer_number}: sequence length {hidden.size(1)} is not divisible by "
-                             f"tp={self.tp.size}; the routed experts split each sequence over the tensor-parallel "
-                             "ranks, so pad sequences to a multiple of tp")
-        return mappings.scatter_to_group(hidden, self.tp, dim=1)
-
-    def _leave_routed_region(self, routed: torch.Tensor) -> torch.Tensor:
-        if not self.tp.active or self.sequence_parallel:
-            return routed
-        return mappings.gather_from_group(routed, self.tp, dim=1)
-
-    def _local_chunk(self, t: torch.Tensor | None, what: str) -> torch.Tensor | None:
-        """This tp rank's sequence slice of a per-token tensor covering ``ctx.input_ids``."""
-        if t is None or not self.tp.active:
-            return t
-        if t.size(1) % self.tp.size:
-            raise ValueError(f"MoE layer {self.layer_number}: {what} covers {t.size(1)} positions, "
-                             f"not divisible by tp={self.tp.size}")
-        step = t.size(1) // self.tp.size
-        return t[:, self.tp.rank * step:(self.tp.rank + 1) * step]

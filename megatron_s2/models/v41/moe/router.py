@@ -19,9 +19,9 @@ training the router counts, per modality, how many tokens selected each expert;
 :func:`megatron_s2.models.v41.moe.load_balancing.update_expert_biases` turns the counts into
 the aux-loss-free update once per optimiser step and resets them.
 
-Gradient attribute: the router weight is replicated over tp, but the MoE layer routes a
-disjoint 1/tp of the tokens on each tp rank, so its gradient is a partial sum:
-``weight.sequence_parallel = True`` whenever tp > 1 (the finaliser all-reduces it over tp).
+Placement (the MoE layer's section of the parallel plan): the router weight is replicated
+over tp, but the MoE layer routes a disjoint 1/tp of the tokens on each tp rank, so its
+gradient is a partial sum over tp whenever tp > 1 (the finaliser all-reduces it over tp).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.init import normal_init
 from megatron_s2.models.v41.moe.load_balancing import expert_bias_update, update_expert_biases
 from megatron_s2.parallel.groups import ParallelGroups
-from megatron_s2.parallel.sharding import mark_param
+from megatron_s2.parallel.placement import mark_param
 
 __all__ = ["SCORE_FUNCTIONS", "RoutingDecision", "TopKRouter"]
 
@@ -70,8 +70,7 @@ class TopKRouter(nn.Module):
         self.score_fn = SCORE_FUNCTIONS[config.moe_score_func]
         self.stats_group = groups.stage
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32))
-        mark_param(self.weight, (self.num_experts, config.hidden_size), init=normal_init(config.init_std),
-                   sequence_parallel=groups.tp.active)
+        mark_param(self.weight, (self.num_experts, config.hidden_size), init=normal_init(config.init_std))
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
         self.modality_biases = config.moe_modality_biases
         if self.modality_biases:

@@ -1,0 +1,124 @@
+"""Chat conversations -> token ids with per-role loss masks (SFT and post-training data).
+
+A conversation is a list of OpenAI-style messages::
+
+    {"role": "system" | "user" | "assistant" | "tool", "content": str,
+     "reasoning_content": str (assistant, optional), "tool_calls": [...] (assistant, optional)}
+
+plus, per conversation, optional ``tools`` (JSON schemas) and ``reasoning_effort`` (1..100, the
+§5.1.4 system line). :func:`tokenize_conversation` renders it with the tokenizer's chat template
+and marks which tokens are training targets: the tokens of every message whose role is in
+``loss_roles`` (default: assistant only). An assistant message's generation prompt (the
+``<｜Assistant｜>`` marker the server appends before sampling) is never a target; its reasoning,
+content, tool calls and closing end-of-sentence token are. The bos token and the header are
+never targets. A target flag at position *t* means "token *t* is trained as the prediction made
+at *t - 1*", the convention of :mod:`megatron_s2.data.packing`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import numpy as np
+
+from megatron_s2.data.chat_format import reasoning_effort_line
+from megatron_s2.data.errors import DataError
+
+__all__ = ["ROLES", "check_messages", "header_lines", "tokenize_conversation"]
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_messages(messages: Sequence[dict[str, Any]], reasoning_effort: int | None = None) -> None:
+    """Raise DataError naming the first malformed message."""
+    if not isinstance(messages, (list, tuple)):
+        raise DataError(f"messages: expected a list of message objects, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise DataError(f"messages[{i}]: expected an object with 'role' and 'content', got {message!r:.60}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise DataError(f"messages[{i}].role: {role!r} is not one of {', '.join(ROLES)}")
+        content = message.get("content")
+        if not (isinstance(content, str) or (role == "assistant" and content is None and message.get("tool_calls"))):
+            raise DataError(f"messages[{i}].content: expected a string, got {type(content).__name__}")
+        if role == "assistant":
+            calls = message.get("tool_calls")
+            if calls is not None and (not isinstance(calls, list)
+                                      or not all(isinstance(c, dict) and _call_name(c) for c in calls)):
+                raise DataError(f"messages[{i}].tool_calls: expected a list of {{'function': {{'name', "
+                                "'arguments'}}} objects")
+            reasoning = message.get("reasoning_content")
+            if reasoning is not None and not isinstance(reasoning, str):
+                raise DataError(f"messages[{i}].reasoning_content: expected a string")
+    if reasoning_effort is not None:
+        try:
+            reasoning_effort_line(reasoning_effort)
+        except ValueError as exc:
+            raise DataError(str(exc)) from None
+
+
+def _call_name(call: dict) -> str | None:
+    fn = call.get("function", call)
+    return fn.get("name") if isinstance(fn, dict) and isinstance(fn.get("name"), str) else None
+
+
+def header_lines(messages: Sequence[dict[str, Any]], reasoning_effort: int | None,
+                 tools: Sequence[dict] | None) -> list[str]:
+    """The header of the V4-style layout: effort line, tool schemas, leading system prompt."""
+    lines = [reasoning_effort_line(reasoning_effort)] if reasoning_effort is not None else []
+    if tools:
+        lines += ["## Tools", *(json.dumps(t, ensure_ascii=False) for t in tools)]
+    if messages and messages[0]["role"] == "system":
+        lines.append(messages[0]["content"])
+    return lines
+
+
+def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], *, loss_roles: Sequence[str] = ("assistant",),
+                          reasoning_effort: int | None = None, tools: Sequence[dict] | None = None
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids int64, target mask bool) of a conversation (module docstring)."""
+    ids, owner, body = tokenizer.chat_segments(messages, reasoning_effort=reasoning_effort, tools=tools)
+    roles = [messages[i]["role"] if i >= 0 else None for i in owner]
+    target = np.fromiter((r in loss_roles and b for r, b in zip(roles, body)), dtype=bool, count=len(ids))
+    return np.asarray(ids, dtype=np.int64), target
+
+
+def load_chat_documents(paths: Sequence[str], tokenizer, *, loss_roles: Sequence[str] = ("assistant",),
+                        messages_key: str = "messages", on_bad_record: str = "stop", log=print):
+    """One :class:`~megatron_s2.data.documents.InMemoryDocuments` per file of conversations.
+
+    A record is ``{messages_key: [...], "tools": [...]?, "reasoning_effort": int?}``; a malformed
+    one (not an object, no message list, an unknown role, a non-string content, nothing to
+    train on) is handled by ``on_bad_record`` (:class:`~megatron_s2.data.records.BadRecords`);
+    skipped rows are counted and logged per file."""
+    from megatron_s2.data.documents import InMemoryDocuments
+    from megatron_s2.data.records import BadRecords, iter_records
+
+    stores = []
+    for path in paths:
+        bad = BadRecords(on_bad_record)
+        documents = []
+        for where, record in iter_records(path, bad):
+            messages = record.get(messages_key)
+            if not isinstance(messages, list) or not messages:
+                bad.report(where, f"no non-empty '{messages_key}' list")
+                continue
+            try:
+                ids, target = tokenize_conversation(tokenizer, messages, loss_roles=loss_roles,
+                                                    reasoning_effort=record.get("reasoning_effort"),
+                                                    tools=record.get("tools"))
+            except DataError as exc:
+                bad.report(where, str(exc))
+                continue
+            if not target.any():
+                bad.report(where, f"no tokens of the trained roles {list(loss_roles)}")
+                continue
+            documents.append((ids, target))
+        if bad.summary():
+            log(f"data: {path}: {bad.summary()}")
+        if not documents:
+            raise DataError(f"{path}: no usable conversations (of {bad.count} records)")
+        stores.append(InMemoryDocuments.from_masked(documents))
+    return stores

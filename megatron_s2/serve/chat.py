@@ -1,0 +1,84 @@
+"""Chat messages -> prompt token ids with the tokenizer's own chat template.
+
+The template is the tokenizer's (``tokenizer.apply_chat_template``, e.g. the V4-style template
+of a Hugging Face tokenizer directory); the server never invents one. A tokenizer without a
+chat template answers 400 "this model has no chat template" — use ``/v1/completions`` (text
+or token ids) or render client-side and call ``/inference/v1/generate``.
+
+Messages are checked before rendering: ``role`` in system / user / assistant / tool, text
+``content`` (a string or a list of ``{"type": "text"}`` parts), and the assistant fields the
+template reads (``reasoning_content``, ``tool_calls``) passed through. ``chat_template_kwargs``
+may carry ``reasoning_effort`` (report §5.1.4: an integer 1..100).
+"""
+
+from __future__ import annotations
+
+from megatron_s2.serve.errors import BadRequest
+from megatron_s2.serve.fields import Fields
+
+__all__ = ["has_chat_template", "chat_prompt_ids"]
+
+ROLES = ("system", "user", "assistant", "tool")
+TEMPLATE_KWARGS = ("reasoning_effort",)
+
+
+def has_chat_template(tokenizer) -> bool:
+    return callable(getattr(tokenizer, "apply_chat_template", None)) and bool(getattr(tokenizer, "has_chat_template",
+                                                                                      True))
+
+
+def _text_content(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest(f"{where}[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported",
+                                 param=f"{where}[{j}]")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BadRequest(f"{where}: must be a string or a list of text parts", param=where)
+
+
+def _messages(value) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise BadRequest("messages: must be a non-empty list of {role, content} objects", param="messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise BadRequest(f"{where}: must be an object with role and content", param=where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise BadRequest(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
+        clean = {"role": role}
+        content = message.get("content")
+        if content is None and not (role == "assistant" and message.get("tool_calls")):
+            raise BadRequest(f"{where}.content: required", param=f"{where}.content")
+        clean["content"] = _text_content(content, f"{where}.content") if content is not None else None
+        for key in ("reasoning_content", "tool_calls", "tool_call_id", "name"):
+            if message.get(key) is not None:
+                clean[key] = message[key]
+        out.append(clean)
+    return out
+
+
+def chat_prompt_ids(tokenizer, f: Fields) -> list[int]:
+    """Token ids of the request's conversation, ending with the assistant generation prompt
+    (``add_generation_prompt``, default true)."""
+    if not has_chat_template(tokenizer):
+        raise BadRequest(f"messages: this model has no chat template (its tokenizer {type(tokenizer).__name__} "
+                         "defines none); use /v1/completions with a text or token-id prompt", param="messages")
+    messages = _messages(f.raw("messages"))
+    kwargs = f.object("chat_template_kwargs")
+    kwargs.only(set(TEMPLATE_KWARGS))
+    effort = kwargs.int("reasoning_effort", None, minimum=1, maximum=100)
+    options = {"add_generation_prompt": f.bool("add_generation_prompt", True)}
+    if effort is not None:
+        options["reasoning_effort"] = effort
+    try:
+        ids = tokenizer.apply_chat_template(messages, **options)
+    except Exception as exc:  # the template's own refusal (unknown role, bad tool call, ...)
+        raise BadRequest(f"messages: the chat template cannot render them ({exc})", param="messages") from None
+    return [int(t) for t in ids]

@@ -1,0 +1,81 @@
+"""``megatron-s2 serve <checkpoint> [--host H] [--port P]``: an OpenAI-compatible server.
+
+``<checkpoint>`` is a run directory, its ``checkpoints/`` directory, a step directory or a
+Hugging Face export — the same resolution and tokenizer as ``megatron-s2 generate``
+(:func:`megatron_s2.inference.cli.load_model`). The served model id defaults to the path as
+given. Bad input (a missing checkpoint, a port in use, a host that is not this machine's, an
+out-of-range option) exits with code 2 and one line naming the option, before the model loads
+where it can.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatron_s2.config.schema import ConfigError
+
+__all__ = ["register", "serve_command"]
+
+
+def _engine_config(args: argparse.Namespace):
+    from megatron_s2.inference.config import EngineConfig
+
+    try:
+        return EngineConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
+                            max_model_len=args.max_model_len, prefix_caching=args.prefix_caching, seed=args.seed)
+    except ConfigError as exc:  # name the command-line option, not the dataclass field
+        field, _, rest = str(exc).partition(":")
+        raise ConfigError(f"--{field.replace('_', '-')}:{rest}") from None
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"serve: the server needs {exc.name}; pip install -e '.[serve]'") from None
+    from megatron_s2.inference.cli import load_model
+    from megatron_s2.serve.config import ServeConfig
+    from megatron_s2.serve.server import bind_socket, build_state, serve_forever
+
+    config = ServeConfig(host=args.host, port=args.port, served_model_name=args.served_model_name or "",
+                         return_routed_experts=args.enable_return_routed_experts)
+    engine_config = _engine_config(args)
+    if not Path(args.checkpoint).exists():
+        raise ConfigError(f"checkpoint: {args.checkpoint} does not exist; give a run, checkpoints, step or Hugging "
+                          "Face directory")
+    sock = bind_socket(config.host, config.port)
+    try:
+        model, tokenizer, description = load_model(args.checkpoint, args.device)
+        state = build_state(model, tokenizer, description, config, engine_config, model_name=args.checkpoint)
+        host, port = sock.getsockname()[:2]
+        print(f"megatron-s2 serve: {description}", file=sys.stderr)
+        print(f"megatron-s2 serve: listening on http://{config.host}:{port} (model '{state.model_name}', "
+              f"max_model_len {engine_config.max_model_len})", file=sys.stderr, flush=True)
+        serve_forever(state, sock, args.log_level)
+    finally:
+        sock.close()
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server for a checkpoint",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="run, checkpoints, step or Hugging Face export directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = a free port)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the checkpoint path)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + generated tokens (default 2048)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded concurrently (default 16)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="queued requests beyond the running ones; more are answered 429 (default 256)")
+    p.add_argument("--prefix-caching", action="store_true", help="keep finished prompts' global KV (LRU)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="return the MoE routing of every token on /inference/v1/generate (routing replay)")
+    p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none (default 0)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn log level (default info)")
+    p.set_defaults(func=serve_command)

@@ -1,0 +1,47 @@
+"""Configuration of the HTTP server (one dataclass, validated at construction).
+
+The engine's own settings (concurrency, queue bound, ``max_model_len``, KV tiers) live in
+:class:`~megatron_s2.inference.config.EngineConfig`; this one holds what only the server has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_s2.config.schema import ConfigError
+
+__all__ = ["ServeConfig"]
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Address, served name and per-request policies of ``megatron-s2 serve``."""
+
+    host: str = "127.0.0.1"
+    """Interface to listen on (0.0.0.0 = every interface)."""
+    port: int = 8000
+    """TCP port (0 = a free port chosen by the system, printed at start-up)."""
+    served_model_name: str = ""
+    """The model id clients send and ``/v1/models`` lists; "" = the checkpoint path as given
+    (as ``vllm serve <path>`` does, so a client can load the tokenizer from that path)."""
+    return_routed_experts: bool = False
+    """Return the MoE routing of every fed token on ``/inference/v1/generate`` (Rollout
+    Routing Replay, §5.2.1) without the request asking (``sampling_params.return_routed_experts``)."""
+    max_n: int = 64
+    """Largest ``n`` (choices per prompt) a request may ask for."""
+    max_logprobs: int = 20
+    """Largest number of top log-probs per position a request may ask for (as OpenAI)."""
+    disconnect_poll_s: float = 0.25
+    """How often a waiting request checks whether its client has gone (then it is aborted)."""
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ConfigError("--host: give an address to listen on, e.g. 127.0.0.1 or 0.0.0.0")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port: must be in 0..65535 (0 = any free port), got {self.port}")
+        if self.max_n < 1:
+            raise ConfigError(f"max_n: must be >= 1, got {self.max_n}")
+        if self.max_logprobs < 0:
+            raise ConfigError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
+        if not self.disconnect_poll_s > 0:
+            raise ConfigError(f"disconnect_poll_s: must be positive, got {self.disconnect_poll_s}")

@@ -1,0 +1,284 @@
+"""``/v1/completions`` and ``/v1/chat/completions`` as OpenAI (and vLLM) answer them.
+
+Both accept ``n``, ``stream`` (server-sent events: one ``data: {chunk}`` per generated step,
+then ``data: [DONE]``; ``stream_options.include_usage`` adds a final usage chunk with no
+choices), ``logprobs`` (completions: an integer top-N; chat: ``logprobs: true`` and
+``top_logprobs: N``) and the sampling fields of :mod:`megatron_s2.serve.sampling`.
+
+Token-in / token-out, so a trainer never re-tokenises text:
+
+* ``/v1/completions`` takes ``prompt`` as text, a list of texts, a list of token ids or a list
+  of token-id lists (text is encoded with the run's tokenizer after ``<bos>``; token ids are
+  used verbatim);
+* ``return_token_ids: true`` (vLLM's field) adds the completion's ``token_ids`` to every
+  choice (every chunk when streaming), the ``prompt_token_ids`` (per choice for completions,
+  at the top for chat, as vLLM places them) and our extension ``policy_versions``: the policy
+  version of the weights that produced each token (report §5.2.3);
+* ``return_tokens_as_token_ids: true`` names tokens ``token_id:N`` in log-prob records.
+
+The log-prob of a sampled token is the engine's: under the distribution it was sampled from
+(temperature, top-k, top-p applied; the raw model distribution when greedy).
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from megatron_s2.inference.request import CompletedRequest
+from megatron_s2.serve.backend import ClientDisconnected, Generation
+from megatron_s2.serve.chat import chat_prompt_ids
+from megatron_s2.serve.errors import HTTPError
+from megatron_s2.serve.fields import Fields, check_token_ids, parse_json_object
+from megatron_s2.serve.sampling import build_sampling, refuse_unsupported_sampling
+from megatron_s2.serve.state import SSE_DONE, ServerState, new_id, sse
+from megatron_s2.serve.text import TextStream, chat_logprobs, completion_logprobs
+
+__all__ = ["completions", "chat_completions"]
+
+
+class _Options:
+    """The per-request output options shared by both endpoints."""
+
+    def __init__(self, f: Fields, state: ServerState, chat: bool):
+        self.n = f.int("n", 1, minimum=1, maximum=state.config.max_n)
+        self.stream = f.bool("stream")
+        if chat:
+            wants = f.bool("logprobs")
+            top = f.int("top_logprobs", 0, minimum=0, maximum=state.config.max_logprobs)
+            if top and not wants:
+                f.fail("top_logprobs", "needs logprobs: true")
+            self.logprobs = top if wants else None
+        else:
+            self.logprobs = f.int("logprobs", None, minimum=0, maximum=state.config.max_logprobs)
+        self.token_ids = f.bool("return_token_ids")
+        self.as_ids = f.bool("return_tokens_as_token_ids")
+        self.usage_chunk = self.stream and f.object("stream_options").bool("include_usage")
+        best_of = f.int("best_of", None)
+        if best_of is not None and best_of != self.n:
+            f.fail("best_of", "not supported by this server (set it equal to n or leave it out)")
+        refuse_unsupported_sampling(f)
+
+
+def _submit(gen: Generation, state: ServerState, f: Fields, prompts: list[list[int]], opts: _Options,
+            prompt_field: str, max_tokens_keys=("max_tokens",), default_max_tokens: int | None = None) -> None:
+    for p, prompt in enumerate(prompts):
+        for j in range(opts.n):
+            params = build_sampling(f, prompt_len=len(prompt), max_model_len=state.max_model_len,
+                                    vocab_size=state.vocab_size, logprobs=opts.logprobs or 0, strict_total=True,
+                                    prompt_field=prompt_field, seed_offset=j, max_tokens_keys=max_tokens_keys,
+                                    default_max_tokens=default_max_tokens)
+            gen.add(p * opts.n + j, prompt, params)
+
+
+def _usage(prompts: list[list[int]], completion_tokens: int) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _reasons(state: ServerState, f: Fields):
+    """``(finish_reason, stop_reason)`` of an output, as vLLM reports them: ``stop_reason`` is
+    the stop string or requested stop token that ended the choice, None for end-of-sequence."""
+    requested = set(f.token_ids("stop_token_ids", state.vocab_size))
+
+    def reasons(out) -> tuple[str | None, str | int | None]:
+        reason, why = getattr(out, "finish_reason", None), getattr(out, "stop_reason", None)
+        if isinstance(why, int) and why == state.eos_token_id and why not in requested:
+            why = None
+        return (reason.value if reason is not None else None), why
+
+    return reasons
+
+
+async def _collect(gen: Generation, tags: list[int], prompts: list[list[int]], n: int) -> dict[int, CompletedRequest]:
+    done = {tag: CompletedRequest(f"{gen.request_id}-{tag}", prompts[tag // n]) for tag in tags}
+    async for tag, out in gen.events():
+        done[tag].add(out)
+    return done
+
+
+def _error_stream(exc: HTTPError):
+    yield sse(exc.body())
+    yield SSE_DONE
+
+
+# ---- /v1/completions --------------------------------------------------------------------------
+def _completion_prompts(f: Fields, state: ServerState) -> list[list[int]]:
+    value = f.raw("prompt")
+    if value is None or value == "" or value == []:
+        f.fail("prompt", "required: a text, a list of texts, a list of token ids or a list of token-id lists")
+    add_bos = f.bool("add_special_tokens", True)
+    bos = [state.tokenizer.bos_id] if add_bos and getattr(state.tokenizer, "bos_id", None) is not None else []
+    if isinstance(value, str):
+        return [bos + state.tokenizer.encode(value)]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return [bos + state.tokenizer.encode(v) for v in value]
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return [check_token_ids(value, state.vocab_size, "prompt")]
+    if isinstance(value, list) and all(isinstance(v, list) for v in value):
+        out = [check_token_ids(v, state.vocab_size, f"prompt[{i}]") for i, v in enumerate(value)]
+        if any(not p for p in out):
+            f.fail("prompt", "a token-id prompt must not be empty")
+        return out
+    f.fail("prompt", "must be a text, a list of texts, a list of token ids or a list of token-id lists")
+
+
+async def completions(state: ServerState, request):
+    f = Fields(parse_json_object(await request.body()))
+    state.check_model(f)
+    opts = _Options(f, state, chat=False)
+    reasons_of = _reasons(state, f)
+    f.refuse_unless_default("echo", False, "the prompt is not echoed; it is in prompt_token_ids with return_token_ids")
+    f.refuse_unless_default("suffix", "", "insertion is not implemented")
+    prompts = _completion_prompts(f, state)
+    stop = f.strings("stop")
+    rid, created = new_id("cmpl"), int(time.time())
+    gen = Generation(state.backend, rid, request, state.config.disconnect_poll_s)
+    _submit(gen, state, f, prompts, opts, "prompt", default_max_tokens=16)  # OpenAI's default for completions
+    tags = list(range(len(prompts) * opts.n))
+    base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+    tok = state.tokenizer
+
+    def logprobs_of(ids, lps, tops, offset):
+        if opts.logprobs is None:
+            return None
+        return completion_logprobs(tok, ids, lps, tops, opts.logprobs, opts.as_ids, offset)
+
+    if not opts.stream:
+        try:
+            done = await _collect(gen, tags, prompts, opts.n)
+        except ClientDisconnected:
+            return JSONResponse({}, status_code=499)
+        choices = []
+        for tag in tags:
+            r = done[tag]
+            text = TextStream(tok, stop)
+            text.push(r.token_ids)
+            reason, why = reasons_of(r)
+            choice = {"index": tag, "text": text.final_text(), "logprobs": logprobs_of(r.token_ids, r.logprobs,
+                                                                                      r.top_logprobs, 0),
+                      "finish_reason": reason, "stop_reason": why}
+            if opts.token_ids:
+                choice.update(prompt_token_ids=r.prompt_token_ids, token_ids=r.token_ids, policy_versions=r.versions)
+            choices.append(choice)
+        usage = _usage([prompts[t // opts.n] for t in tags], sum(len(done[t].token_ids) for t in tags))
+        return JSONResponse({**base, "choices": choices, "usage": usage})
+
+    async def events():
+        texts = {tag: TextStream(tok, stop) for tag in tags}
+        first, generated = set(tags), 0
+        try:
+            async for tag, out in gen.events():
+                text = texts[tag]
+                offset = len(text.sent)
+                delta = text.push(out.token_ids, last=out.finished)
+                generated += len(out.token_ids)
+                if not (delta or out.finished or opts.token_ids or opts.logprobs is not None):
+                    continue
+                reason, why = reasons_of(out)
+                choice = {"index": tag, "text": delta, "finish_reason": reason, "stop_reason": why,
+                          "logprobs": logprobs_of(out.token_ids, out.logprobs, out.top_logprobs, offset)}
+                if opts.token_ids:
+                    if tag in first:
+                        choice["prompt_token_ids"] = prompts[tag // opts.n]
+                    choice.update(token_ids=out.token_ids, policy_versions=out.versions)
+                first.discard(tag)
+                yield sse({**base, "choices": [choice]})
+            if opts.usage_chunk:
+                yield sse({**base, "choices": [], "usage": _usage([prompts[t // opts.n] for t in tags], generated)})
+            yield SSE_DONE
+        except ClientDisconnected:
+            return
+        except HTTPError as exc:
+            for part in _error_stream(exc):
+                yield part
+        finally:
+            gen.abort()  # a cancelled stream (client gone) frees its engine requests
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+# ---- /v1/chat/completions ---------------------------------------------------------------------
+async def chat_completions(state: ServerState, request):
+    f = Fields(parse_json_object(await request.body()))
+    state.check_model(f)
+    opts = _Options(f, state, chat=True)
+    reasons_of = _reasons(state, f)
+    if f.has("tools") and f.raw("tools") != []:
+        f.fail("tools", "tool calls are not parsed by this server; render tools client-side (renderers) and call "
+                        "/inference/v1/generate")
+    f.refuse_unless_default("response_format", {"type": "text"}, "structured output is not implemented")
+    prompt = chat_prompt_ids(state.tokenizer, f)
+    stop = f.strings("stop")
+    rid, created = new_id("chatcmpl"), int(time.time())
+    gen = Generation(state.backend, rid, request, state.config.disconnect_poll_s)
+    _submit(gen, state, f, [prompt], opts, "messages", ("max_completion_tokens", "max_tokens"))
+    tags = list(range(opts.n))
+    base = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
+    tok = state.tokenizer
+
+    def logprobs_of(out):
+        if opts.logprobs is None:
+            return None
+        return chat_logprobs(tok, out.token_ids, out.logprobs, out.top_logprobs, opts.logprobs, opts.as_ids)
+
+    if not opts.stream:
+        try:
+            done = await _collect(gen, tags, [prompt], opts.n)
+        except ClientDisconnected:
+            return JSONResponse({}, status_code=499)
+        choices = []
+        for tag in tags:
+            r = done[tag]
+            text = TextStream(tok, stop)
+            text.push(r.token_ids)
+            reason, why = reasons_of(r)
+            choice = {"index": tag, "message": {"role": "assistant", "content": text.final_text()},
+                      "logprobs": logprobs_of(r), "finish_reason": reason, "stop_reason": why}
+            if opts.token_ids:
+                choice.update(token_ids=r.token_ids, policy_versions=r.versions)
+            choices.append(choice)
+        body = {**base, "choices": choices,
+                "usage": _usage([prompt], sum(len(done[t].token_ids) for t in tags))}
+        if opts.token_ids:
+            body["prompt_token_ids"] = prompt
+        return JSONResponse(body)
+
+    chunk = {**base, "object": "chat.completion.chunk"}
+
+    async def events():
+        texts = {tag: TextStream(tok, stop) for tag in tags}
+        generated = 0
+        try:
+            for tag in tags:  # the role comes first, once per choice
+                head = {**chunk, "choices": [{"index": tag, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]}
+                if opts.token_ids and tag == 0:
+                    head["prompt_token_ids"] = prompt
+                yield sse(head)
+            async for tag, out in gen.events():
+                text = texts[tag]
+                delta = text.push(out.token_ids, last=out.finished)
+                generated += len(out.token_ids)
+                if not (delta or out.finished or opts.token_ids or opts.logprobs is not None):
+                    continue
+                reason, why = reasons_of(out)
+                choice = {"index": tag, "delta": {"content": delta} if delta else {}, "logprobs": logprobs_of(out),
+                          "finish_reason": reason, "stop_reason": why}
+                if opts.token_ids:
+                    choice.update(token_ids=out.token_ids, policy_versions=out.versions)
+                yield sse({**chunk, "choices": [choice]})
+            if opts.usage_chunk:
+                yield sse({**chunk, "choices": [], "usage": _usage([prompt], generated)})
+            yield SSE_DONE
+        except ClientDisconnected:
+            return
+        except HTTPError as exc:
+            for part in _error_stream(exc):
+                yield part
+        finally:
+            gen.abort()  # a cancelled stream (client gone) frees its engine requests
+
+    return StreamingResponse(events(), media_type="text/event-stream")

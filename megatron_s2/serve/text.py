@@ -1,0 +1,122 @@
+"""Text of generated tokens for the OpenAI endpoints: incremental detokenisation, stop
+strings cut from the text, and the log-prob records of both APIs.
+
+Streaming sends only text that can no longer change: a trailing U+FFFD (a multi-byte
+character whose remaining bytes are still to come) and, when the request has stop strings,
+the last ``len(longest stop) - 1`` characters (which may become the start of a stop string)
+are held back until the next token or the end. The text of a request that ended on a stop
+string stops before it (the token ids still include the tokens that completed it), as OpenAI
+and vLLM do.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+__all__ = ["TextStream", "token_text", "chat_logprobs", "completion_logprobs", "finite_logprob"]
+
+_PENDING = "\ufffd"
+
+
+def _decode(tokenizer, ids: Iterable[int], keep_special: bool = False) -> str:
+    try:
+        return tokenizer.decode(list(ids), keep_special=keep_special)
+    except TypeError:  # a tokenizer without the keyword
+        return tokenizer.decode(list(ids))
+
+
+class TextStream:
+    """The growing text of one choice."""
+
+    _WINDOW = 32
+    """Tokens decoded again at each step at most (plus the ones since the last fold)."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.ids: list[int] = []
+        self.sent = ""
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self._folded, self._folded_text = 0, ""  # leading tokens whose text is final
+
+    def _text(self) -> str:
+        """The text of all ids, decoding only the tokens after the folded prefix; the prefix
+        grows when an older piece decodes to whole characters consistent with the rest."""
+        tail = _decode(self.tokenizer, self.ids[self._folded:])
+        cut = len(self.ids) - self._WINDOW
+        if cut - self._folded >= self._WINDOW:
+            piece = _decode(self.tokenizer, self.ids[self._folded:cut])
+            if piece and not piece.endswith(_PENDING) and tail.startswith(piece):
+                self._folded, self._folded_text = cut, self._folded_text + piece
+                tail = tail[len(piece):]
+        return self._folded_text + tail
+
+    def push(self, new_ids: Iterable[int], last: bool = False) -> str:
+        """Add tokens; the text that can be sent now (everything left, cut before a stop
+        string, when ``last``)."""
+        self.ids += list(new_ids)
+        if last:
+            return self.finish()
+        text = self._text()
+        end = len(text) - self._hold
+        while end > len(self.sent) and text[end - 1] == _PENDING:
+            end -= 1
+        if end <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        delta = text[len(self.sent):end]
+        self.sent += delta
+        return delta
+
+    def finish(self) -> str:
+        """The rest of the text, cut before the first stop string."""
+        text = self.final_text()
+        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent += delta
+        return delta
+
+    def final_text(self) -> str:
+        text = _decode(self.tokenizer, self.ids)
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return text[:min(cuts)] if cuts else text
+
+
+def finite_logprob(value: float) -> float:
+    """JSON has no -inf: a log-prob of an impossible token is reported as -9999.0 (vLLM's floor)."""
+    return float(value) if math.isfinite(value) else -9999.0
+
+
+def token_text(tokenizer, token_id: int, as_ids: bool) -> str:
+    """How a token is named in log-prob records: its text, or ``token_id:N`` (vLLM's
+    ``return_tokens_as_token_ids``, what token-level clients parse)."""
+    return f"token_id:{token_id}" if as_ids else _decode(tokenizer, [token_id], keep_special=True)
+
+
+def chat_logprobs(tokenizer, ids: list[int], logprobs: list[float], tops: list[list[tuple[int, float]]],
+                  num_top: int, as_ids: bool) -> dict:
+    """``choices[i].logprobs`` of a chat completion: ``{"content": [{token, logprob, bytes,
+    top_logprobs}]}``."""
+
+    def entry(token_id: int, value: float) -> dict:
+        text = token_text(tokenizer, token_id, as_ids)
+        return {"token": text, "logprob": finite_logprob(value), "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for token_id, value, top in zip(ids, logprobs, tops):
+        content.append({**entry(token_id, value), "top_logprobs": [entry(t, v) for t, v in top[:num_top]]})
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer, ids: list[int], logprobs: list[float], tops: list[list[tuple[int, float]]],
+                        num_top: int, as_ids: bool, offset: int = 0) -> dict:
+    """``choices[i].logprobs`` of a (legacy) completion: ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (token -> log-prob) and ``text_offset`` (character offset of each token,
+    counted from ``offset``)."""
+    tokens = [token_text(tokenizer, t, as_ids) for t in ids]
+    offsets, at = [], offset
+    for token_id in ids:
+        offsets.append(at)
+        at += len(_decode(tokenizer, [token_id]))
+    top_maps = [{token_text(tokenizer, t, as_ids): finite_logprob(v) for t, v in top[:num_top]} for top in tops]
+    return {"tokens": tokens, "token_logprobs": [finite_logprob(v) for v in logprobs],
+            "top_logprobs": top_maps, "text_offset": offsets}
