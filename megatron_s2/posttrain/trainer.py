@@ -101,6 +101,7 @@ class PosttrainTrainer(Trainer):
         self.data = _OrchestratorState(self)
         self.started = False
         self.eval_file = self.run_dir / "eval.jsonl"
+        self.rollout_file = self.run_dir / "rollouts.jsonl"
 
     def build_data(self):
         return None  # replaced by the orchestrator's state once it exists
@@ -250,6 +251,7 @@ class PosttrainTrainer(Trainer):
         step_time = time.perf_counter() - t0
         extra["rollout_time_s"], extra["train_time_s"] = t_rollout, t_train
         extra.update(self._timing)
+        self._record_prompts(groups)
         return {"loss": result.loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "step_time": step_time,
                 "extra": extra, "fingerprint": ",".join(g.prompt_uid for g in groups)}
 
@@ -358,15 +360,37 @@ class PosttrainTrainer(Trainer):
                      ("" if acc is None else f"  (held-out accuracy {acc:.3f})"))
         return result
 
+    def _record_prompts(self, groups) -> None:
+        """rollouts.jsonl: the prompts this step trained on, the prompts dispatched so far and
+        those still open (in flight or complete, untrained) — the audit trail that a resumed run
+        trains no prompt twice and skips none (every dispatched prompt is trained, filtered by
+        dynamic sampling, or still open)."""
+        if not self.is_main:
+            return
+        orch = self.orchestrator
+        record = {"step": self.step, "version": orch.version, "trained": [g.prompt_uid for g in groups],
+                  "dispatched": orch.dispatched, "filtered": orch.ledger["filtered"],
+                  "open": sorted(g.prompt_uid for g in orch.groups.values())}
+        with open(self.rollout_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
     def write_run_files(self) -> None:
         super().write_run_files()
-        if self.is_main and self.eval_file.exists() and self.step > 0:
-            _truncate_jsonl(self.eval_file, self.step)
+        if self.is_main:  # records of an attempt that died after its last checkpoint
+            for path in (self.eval_file, self.rollout_file):
+                if path.exists():
+                    _truncate_jsonl(path, self.step)
 
 
 def _truncate_jsonl(path: Path, step: int) -> None:
     """Drop records after ``step`` (written by an attempt that died before its next checkpoint)."""
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut by kill -9 mid-write
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)

@@ -15,7 +15,7 @@ from megatron_s2.models.v41.model import V41Model
 from megatron_s2.parallel.sharding import name_seed, shard_spec, slice_of
 from tests.parallel.spawn import run_distributed
 
-RECIPE = "recipes/phases/rl_tiny_addition.yaml"
+RECIPE = "recipes/phases/rl_addition.yaml"
 LAYOUTS = {
     "tp2_pp2": ["parallel.tp=2", "parallel.pp=2"],
     "cp2_tp2": ["parallel.cp=2", "parallel.tp=2"],
