@@ -8,8 +8,8 @@
 * ``task_retry`` — the same task as a multi-turn environment: after a wrong answer the
   environment replies (loss-masked tokens) and the policy answers again, up to ``max_turns``;
   the whole session is one training sample;
-* ``verifiers`` — the task packaged as a ``verifiers`` v1 taskset whose ``@vf.reward`` scores
-  the response (verifiers 0.4.0, run in process).
+(The same tasks as a ``verifiers`` v1 taskset + harness for any verifiers trainer, over
+``megatron-s2 serve``: :mod:`megatron_s2.posttrain.envs.vf_tasks`.)
 
 :class:`RolloutEngineConfig` sizes the co-located inference engine (report §5.2.1) and holds the
 routing-replay (R3, §5.2.1) and bounded-replay (§3.2.2) switches.
@@ -30,9 +30,8 @@ __all__ = ["EnvironmentConfig", "RolloutEngineConfig", "EvaluationConfig"]
 class EnvironmentConfig:
     """Where a dataset's prompts come from and how responses are scored."""
 
-    kind: Literal["task", "task_retry", "verifiers"] = "task"
-    """'task': single-turn embedded task; 'task_retry': multi-turn (retry after feedback);
-    'verifiers': the embedded task as a verifiers v1 taskset with a reward function."""
+    kind: Literal["task", "task_retry"] = "task"
+    """'task': single-turn embedded task; 'task_retry': multi-turn (retry after feedback)."""
     task: str = "addition"
     """Embedded task name (any of megatron_s2.config.data.TASK_NAMES)."""
     difficulty: TaskDifficulty = field(default_factory=TaskDifficulty)

@@ -1,6 +1,7 @@
-"""Rollout environments: the embedded verifiable tasks (single- and multi-turn) and their
-``verifiers`` packaging. :data:`ENVIRONMENTS` maps ``environment.kind`` to a factory
-``(dataset name, EnvironmentConfig, tokenizer) -> Environment``."""
+"""Rollout environments: the embedded verifiable tasks (single- and multi-turn), token-in /
+token-out for the co-located engine. :data:`ENVIRONMENTS` maps ``environment.kind`` to a factory
+``(dataset name, EnvironmentConfig, tokenizer) -> Environment``. The same tasks packaged as a
+``verifiers`` v1 environment (reached over ``megatron-s2 serve``) are in :mod:`.vf_tasks`."""
 
 from __future__ import annotations
 
@@ -13,16 +14,9 @@ __all__ = ["Environment", "Episode", "EpisodeStep", "Split", "TaskEnvironment", 
            "ENVIRONMENTS", "build_environment"]
 
 
-def _verifiers(name, config, tokenizer):
-    from megatron_s2.posttrain.envs.verifiers_env import VerifiersTaskEnvironment
-
-    return VerifiersTaskEnvironment(name, config, tokenizer)
-
-
 ENVIRONMENTS: dict[str, Callable] = {
     "task": TaskEnvironment,
     "task_retry": RetryTaskEnvironment,
-    "verifiers": _verifiers,
 }
 
 

@@ -1,7 +1,8 @@
 """The embedded verifiable tasks (``megatron_s2/data/tasks.py``) as rollout environments.
 
 * :class:`TaskEnvironment` (``kind: task``) — single turn. The context is rendered exactly as
-  the SFT documents were (``bos + prompt + sep``, :func:`~megatron_s2.data.documents.render_prompt_answer`),
+  the SFT documents were (the tokenizer's chat template up to the answer; ``bos + prompt + sep``
+  with the character tokenizer, :func:`~megatron_s2.data.documents.render_prompt_answer`),
   the response is the generated text up to ``eos``, and the reward is the task's exact verifier
   (1.0 correct, 0.0 otherwise; a response cut by the length limit is wrong).
 * :class:`RetryTaskEnvironment` (``kind: task_retry``) — multi-turn. After a wrong answer the
@@ -42,7 +43,9 @@ class _TaskEpisode(Episode):
     def prompt_tokens(self) -> list[int]:
         tok = self.env.tokenizer
         text = self.sample.prompt if self.effort is None else f"{effort_instruction(self.effort)}\n{self.sample.prompt}"
-        return [tok.bos_id, *tok.encode(text), tok.sep_id]
+        # the SFT rendering of a one-turn chat up to the answer (char tokenizer: bos prompt sep;
+        # a Hugging Face tokenizer: its chat template with the generation prompt)
+        return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
 
     def verify(self, completion: Sequence[int], finish_reason: str) -> bool:
         tok = self.env.tokenizer
