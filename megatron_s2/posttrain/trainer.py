@@ -145,11 +145,9 @@ class PosttrainTrainer(Trainer):
     def _setup_teachers(self) -> TeacherPool:
         cfg, models, owner, temps = self.section, {}, {}, {}
         remote = [t.name for t in cfg.teachers if t.endpoint]
-        if remote:
-            from megatron_s2.posttrain.remote_teacher import RemoteTeacher
-
-            self.remote_teachers = {t.name: RemoteTeacher(t.endpoint, t.temperature) for t in cfg.teachers
-                                    if t.endpoint}
+        if remote:  # config accepts them (issue 14); the trainer does not reach endpoints yet
+            raise ConfigError(f"opd.teachers.{remote[0]}.endpoint: teachers over an endpoint are not supported by "
+                              "the trainer yet; give the teacher a checkpoint (loaded in process)")
         for t in cfg.teachers:
             if t.checkpoint:
                 models[t.name] = load_frozen_model(t.checkpoint, self.rollout_groups, vocab_size=self.recipe.model.vocab_size,
@@ -297,30 +295,11 @@ class PosttrainTrainer(Trainer):
         if self.teachers is None:
             return
         domains = [self.domain_of[d] for d in mb.pop("domains")]
-        if getattr(self, "remote_teachers", None) and self.section.mode == "sampled_token":
-            mb["teacher_logprobs"] = self._remote_teacher_logprobs(mb, domains)
-            return
         logits = self.teachers.logits(mb["tokens"], domains)
         if self.section.mode == "full_vocab":
             mb["teacher_logits"] = logits
         else:
             mb["teacher_logprobs"] = token_log_probs(logits, mb["labels"], tp, 1.0)
-
-    def _remote_teacher_logprobs(self, mb: dict, domains: list[str]) -> torch.Tensor:
-        out = torch.zeros(mb["tokens"].shape, dtype=torch.float32)
-        rows_by_teacher: dict[str, list[int]] = {}
-        for i, d in enumerate(domains):
-            rows_by_teacher.setdefault(self.teachers.domain_teacher[d], []).append(i)
-        for name, rows in rows_by_teacher.items():
-            if name in self.remote_teachers:
-                part = self.remote_teachers[name].token_logprobs(mb["tokens"][rows], mb["labels"][rows],
-                                                                 mb["loss_mask"][rows].bool())
-            else:
-                sub = mb["tokens"][rows]
-                logits = full_logits(self.teachers.teachers[name], sub) / self.teachers.temperatures[name]
-                part = token_log_probs(logits, mb["labels"][rows], self.rollout_groups.tp, 1.0)
-            out[rows] = part.to(out.dtype).cpu()
-        return out.to(mb["tokens"].device)
 
     def _rollout_rates(self, stats, t_rollout: float, tokens: int, t_train: float) -> dict[str, float]:
         local = torch.tensor([stats.generated_tokens if self.topology.leader else 0, stats.engine_time_s
