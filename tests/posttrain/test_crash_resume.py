@@ -48,6 +48,7 @@ def _train(run_dir: Path) -> subprocess.Popen:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_rl_run_killed_mid_run_resumes_without_training_a_prompt_twice_or_skipping_one(tmp_path):
     run_dir = tmp_path / "rl"
     proc = _train(run_dir)
