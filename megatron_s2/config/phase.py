@@ -12,8 +12,11 @@ __all__ = ["PhaseConfig"]
 
 @dataclass(frozen=True)
 class PhaseConfig:
-    kind: Literal["pretrain", "sft"] = "pretrain"
-    """pretrain: loss on every token; sft: loss only on answer tokens (prompt masked)."""
+    kind: Literal["pretrain", "sft", "rl", "opd"] = "pretrain"
+    """pretrain: loss on every token; sft: loss only on answer tokens (prompt masked); rl:
+    reinforcement learning from verifiable rewards (the recipe's ``rl:`` section); opd: on-policy
+    distillation (the ``opd:`` section). rl and opd roll out with the inference engine on the
+    training ranks (megatron_s2/posttrain/trainer.py)."""
     freeze: tuple[str, ...] = ()
     """Parameter-name globs frozen in this phase (e.g. the backbone while training a drafter)."""
 

@@ -13,6 +13,8 @@ Anatomy (every section optional; unknown keys are errors that name the key path)
     checkpoint: {...}               # CheckpointConfig
     logging:    {...}               # LoggingConfig
     launcher:   {...}               # LauncherConfig
+    rl:         {...}               # RLConfig (phase.kind: rl)
+    opd:        {...}               # OPDConfig (phase.kind: opd)
 
 Precedence, lowest to highest: dataclass defaults < base recipe (recursively) < the model
 file named by ``model:`` < keys written in the recipe itself (including ``model:`` given as
@@ -41,6 +43,7 @@ from megatron_s2.config.parallel import ParallelConfig
 from megatron_s2.config.phase import PhaseConfig
 from megatron_s2.config.schema import ConfigError, apply_override, from_mapping, to_mapping
 from megatron_s2.config.training import TrainingConfig
+from megatron_s2.posttrain.config import OPDConfig, RLConfig
 
 __all__ = ["RecipeConfig", "load_recipe", "MODELS_DIR", "RECIPES_DIR"]
 
@@ -72,8 +75,15 @@ class RecipeConfig:
     """Metrics, TensorBoard, progress bar."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     """Defaults for `megatron-s2 launch`."""
+    rl: RLConfig | None = None
+    """Reinforcement learning (phase.kind: rl): rollout x advantage x loss (megatron_s2/posttrain)."""
+    opd: OPDConfig | None = None
+    """On-policy distillation (phase.kind: opd): teachers, rollout, loss (megatron_s2/posttrain)."""
 
     def __post_init__(self) -> None:
+        from megatron_s2.posttrain.config.recipe_checks import check_posttrain_recipe
+
+        check_posttrain_recipe(self)
         # The optimisers apply lr x lr_mult in the parameters' floating-point type: a product
         # beyond float32's range overflows inside the first step instead of here.
         worst = max(self.optimizer.rules, key=lambda rule: rule.lr_mult)

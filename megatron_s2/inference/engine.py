@@ -178,6 +178,14 @@ class InferenceEngine:
             self.policy_version = self.policy_version + 1 if version is None else int(version)
             return self.policy_version
 
+    def set_policy_version(self, version: int) -> int:
+        """Set the policy version without loading weights: the engine runs a model whose weights
+        its owner already changed in place (co-located RL sharing the training model's
+        parameters, report §5.2.1). Same token-boundary rule as :meth:`update_weights`."""
+        with self._lock:
+            self.policy_version = int(version)
+            return self.policy_version
+
     # ---- background driver ------------------------------------------------------------------------
     def start(self) -> None:
         """Run steps on a daemon thread whenever there is work (for a server)."""

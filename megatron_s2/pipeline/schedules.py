@@ -64,9 +64,15 @@ def forward_backward_no_pipelining(model, inputs: StepInputs) -> StepResult:
     engram_rows = _prefetch_engram(model, inputs)
     for mb in inputs.micro_batches:
         ctx = make_context(model, mb, inputs.routing, engram_rows)
-        token_loss = model(mb["tokens"], ctx, labels=mb["labels"])
-        objective, summed = micro_batch_objective(token_loss, mb["loss_mask"], tokens, ctx.total_aux_loss(),
-                                                  inputs.num_micro_global)
+        if inputs.loss_fn is not None:  # post-training objective on the logits
+            objective, summed = inputs.loss_fn(model, model(mb["tokens"], ctx), mb, ctx)
+            aux = ctx.total_aux_loss()
+            if aux is not None:
+                objective = objective + aux / inputs.num_micro_global
+        else:
+            token_loss = model(mb["tokens"], ctx, labels=mb["labels"])
+            objective, summed = micro_batch_objective(token_loss, mb["loss_mask"], tokens, ctx.total_aux_loss(),
+                                                      inputs.num_micro_global)
         objective.backward()
         loss_sum = loss_sum + summed
         for name, value in list(ctx.aux_losses.items()) + [(f"{k}_raw", v) for k, v in ctx.aux_metrics.items()]:
@@ -155,9 +161,14 @@ def forward_backward_pipelined(model, inputs: StepInputs, *, runtime: "PipelineR
             for name, value in list(ctx.aux_losses.items()) + [(f"{n}_raw", v) for n, v in ctx.aux_metrics.items()]:
                 metric_sums[name] = metric_sums.get(name, 0) + value.detach()
             if rt.is_last(stage):
-                token_loss = model.loss(model.head(x, pre), mb["labels"])
-                objective, summed = micro_batch_objective(token_loss, mb["loss_mask"], tokens, aux,
-                                                          inputs.num_micro_global)
+                if inputs.loss_fn is not None:  # post-training objective on the logits
+                    objective, summed = inputs.loss_fn(model, model.head(x, pre), mb, ctx)
+                    if aux is not None:
+                        objective = objective + aux / inputs.num_micro_global
+                else:
+                    token_loss = model.loss(model.head(x, pre), mb["labels"])
+                    objective, summed = micro_batch_objective(token_loss, mb["loss_mask"], tokens, aux,
+                                                              inputs.num_micro_global)
                 loss_sum = loss_sum + summed
                 units[(vi, k)] = _Unit(inputs_f, [f.requires_grad for f in spec.fields] if spec else [], None, objective)
             else:

@@ -66,7 +66,10 @@ def run(args: argparse.Namespace) -> int:
             if report is not None and not report.ok:
                 print(f"rank {rank}: health checks failed; not training on this allocation", file=sys.stderr)
                 return 1
-            from megatron_s2.training.trainer import Trainer
+            if recipe.phase.kind in ("rl", "opd"):  # rollouts co-located on these ranks
+                from megatron_s2.posttrain.trainer import PosttrainTrainer as Trainer
+            else:
+                from megatron_s2.training.trainer import Trainer
 
             result = Trainer(recipe, run_dir, rank=rank, world_size=world, guard=guard, device=info.device).train()
             return EXIT_PREEMPTED if result.preempted else 0

@@ -11,6 +11,8 @@ loop imports it back).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
+
 import torch
 
 from megatron_s2.models.v41.context import ForwardContext
@@ -26,6 +28,11 @@ class StepInputs:
     groups: ParallelGroups
     num_micro_global: int          # micro-batches of the global batch (all dp ranks)
     routing: object | None = None  # RoutingReplay shared by all micro-batches (optional)
+    loss_fn: Callable | None = None
+    """Optional objective replacing the token cross-entropy (post-training, megatron_s2/posttrain):
+    ``loss_fn(model, logits, mb, ctx) -> (objective, summed)`` on the last stage, where
+    ``objective`` is this micro-batch's share of the global objective (auxiliary losses are added
+    by the schedule) and ``summed`` its logged loss sum (divided by the global token count)."""
 
 
 @dataclass
@@ -36,9 +43,12 @@ class StepResult:
 
 
 def make_context(model, mb: dict[str, torch.Tensor], routing=None, engram_rows=None) -> ForwardContext:
+    if routing is None:
+        routing = mb.get("routing")  # per-micro-batch replay (post-training R3)
     ctx = ForwardContext.create(mb["tokens"], model.plan, positions=mb.get("position_ids"),
                                 doc_ids=mb.get("doc_ids"), image_mask=mb.get("image_mask"), routing=routing)
     ctx.engram_rows = engram_rows
+    ctx.swa_from = mb.get("swa_from")
     if "full_tokens" in mb:  # context-parallel chunk of a longer sequence
         ctx.full_input_ids = mb["full_tokens"]
         ctx.full_doc_ids = mb.get("full_doc_ids")

@@ -90,10 +90,7 @@ class Trainer:
         self.schedule = LRSchedule(recipe.schedule, tokens_per_step=t.global_batch_size * t.seq_length)
         coords = self.layout.coords(rank)
         self.dp_rank = coords["dp"]
-        self.data = build_data_iterator(recipe.data, seq_length=t.seq_length, global_batch_size=t.global_batch_size,
-                                        micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank,
-                                        dp_size=self.layout.dp, seed=t.seed, phase=recipe.phase.kind,
-                                        tokenizer=self.tokenizer, log=self.log)
+        self.data = self.build_data()
         self.num_micro_global = t.global_batch_size // t.micro_batch_size
         self.forward_backward = get_forward_backward_func(self.layout, self.pipeline)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", rank, world_size,
@@ -105,6 +102,15 @@ class Trainer:
         self.non_finite = NonFiniteGuard(t.non_finite, t.non_finite_max_skips, self.log)
 
     # ---- setup helpers --------------------------------------------------------------------------
+    def build_data(self):
+        """The phase's data source; its ``state_dict`` is the checkpoint's ``data`` entry
+        (post-training phases supply their rollout orchestrator instead, megatron_s2/posttrain)."""
+        t = self.recipe.training
+        return build_data_iterator(self.recipe.data, seq_length=t.seq_length, global_batch_size=t.global_batch_size,
+                                   micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank,
+                                   dp_size=self.layout.dp, seed=t.seed, phase=self.recipe.phase.kind,
+                                   tokenizer=self.tokenizer, log=self.log)
+
     def _freeze(self, patterns: tuple[str, ...]) -> None:
         from fnmatch import fnmatch
 

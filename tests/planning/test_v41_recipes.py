@@ -47,7 +47,7 @@ def flagship_inputs(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name, nodes", [("flagship_pretrain_64k", 512), ("flagship_extend_1m", 512),
-                                         ("flagship_sft", 128)])
+                                         ("flagship_sft", 128), ("flagship_rl", 128), ("flagship_opd", 128)])
 def test_flagship_phase_fits_its_cluster(name, nodes, flagship_inputs):
     recipe = load_recipe(V41 / f"{name}.yaml")
     assert recipe.model.name == "flagship" and recipe.launcher.nodes == nodes and recipe.launcher.gpus_per_node == 8
@@ -80,7 +80,8 @@ def test_pretraining_follows_the_report_schedule():
 
 def test_pipelines_chain_every_phase(flagship_inputs):
     flagship = prepare_runs(str(V41 / "flagship_pipeline.yaml"), [], {}, None, local=False)
-    assert [r.phase for r in flagship] == ["pretrain_64k", "extend_1m", "sft"]
+    assert [r.phase for r in flagship] == ["pretrain_64k", "extend_1m", "sft", "rl", "opd"]
+    assert flagship[3].recipe.checkpoint.load == str(flagship[2].job.run_dir / "checkpoints")
     tiny = prepare_runs(str(V41 / "tiny_pipeline.yaml"), [], {}, None, local=True)
     assert [r.phase for r in tiny] == ["pretrain", "sft"]
     assert tiny[1].recipe.checkpoint.load == str(tiny[0].job.run_dir / "checkpoints")

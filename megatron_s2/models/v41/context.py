@@ -72,6 +72,10 @@ class ForwardContext:
     prefix_ids: torch.Tensor | None = None
     """Incremental decode: [b, h] the tokens right before ``input_ids`` (-1 = before the
     sequence start), so Engram hashes n-grams across the chunk boundary."""
+    swa_from: torch.Tensor | None = None
+    """Train-aware Decoder SWA Bounded Replay (report §3.2.2): [b] replay start s per row; a
+    decoder query at position i >= s attends SWA keys in [max(s, i-W+1), i] only, as the engine
+    that generated the row did (None = ordinary windows)."""
 
     @classmethod
     def create(cls, input_ids: torch.Tensor, plan: LayerPlan, *, positions: torch.Tensor | None = None,

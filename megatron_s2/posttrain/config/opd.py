@@ -31,6 +31,7 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.posttrain.config.checks import positive
 from megatron_s2.posttrain.config.loss import LossConfig
 from megatron_s2.posttrain.config.rl import check_staleness_pairing
+from megatron_s2.posttrain.config.environment import EvaluationConfig
 from megatron_s2.posttrain.config.rollout import RolloutConfig
 
 __all__ = ["TeacherConfig", "SftWarmupConfig", "OPDConfig"]
@@ -102,6 +103,9 @@ class OPDConfig:
     """The shared loss (full_vocab mode: terms [{kind: full_vocab_kl}])."""
     sft_warmup: SftWarmupConfig = field(default_factory=SftWarmupConfig)
     """Optional SFT warm-up on teacher trajectories."""
+    eval: EvaluationConfig = field(default_factory=EvaluationConfig)
+    """Held-out evaluation: the student's log-likelihood of the teacher's greedy answers and the
+    verifiable accuracy (before, during, after)."""
 
     def __post_init__(self) -> None:
         if not self.teachers:

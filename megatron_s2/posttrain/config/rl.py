@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.posttrain.config.advantage import AdvantageConfig, EffortConfig
 from megatron_s2.posttrain.config.loss import LossConfig
+from megatron_s2.posttrain.config.environment import EvaluationConfig
 from megatron_s2.posttrain.config.rollout import RolloutConfig
 
 __all__ = ["RLConfig", "check_staleness_pairing"]
@@ -52,6 +53,8 @@ class RLConfig:
     """Effort-conditioned subgroups and length penalty (report §5.1.4); off when levels is empty."""
     reference_checkpoint: str = ""
     """Frozen reference for a 'reference_kl' term: a checkpoint directory; '' = the initial weights."""
+    eval: EvaluationConfig = field(default_factory=EvaluationConfig)
+    """Held-out verifiable accuracy with the rollout engine (before, during, after)."""
 
     def __post_init__(self) -> None:
         if self.rollout.source != "policy":

@@ -13,6 +13,7 @@ from typing import Literal
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.posttrain.config.checks import positive
+from megatron_s2.posttrain.config.environment import EnvironmentConfig, RolloutEngineConfig
 
 __all__ = ["DatasetSlotConfig", "ShortSampleDiscardConfig", "RolloutConfig"]
 
@@ -31,6 +32,8 @@ class DatasetSlotConfig:
     """Responses per prompt for this dataset; 0 = rollout.group_size."""
     domain: str = ""
     """OPD domain of its prompts (selects the teacher and lambda_d); '' = the dataset name."""
+    environment: EnvironmentConfig | None = None
+    """The environment of this dataset; None = rollout.environment."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -91,6 +94,10 @@ class RolloutConfig:
     """Prompt datasets of the mixture; empty = one dataset taken from data: (named 'default')."""
     discard_short: ShortSampleDiscardConfig = field(default_factory=ShortSampleDiscardConfig)
     """Warm-up discard of early-returned short samples."""
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """Environment of the default dataset (and of every dataset that names none)."""
+    engine: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)
+    """The co-located inference engine and the R3 / bounded-replay switches."""
 
     def __post_init__(self) -> None:
         for name in ("group_size", "max_in_flight", "batch_groups", "max_new_tokens"):
@@ -113,6 +120,24 @@ class RolloutConfig:
                 raise ConfigError(f"datasets.{d.name}.max_in_flight: {d.max_in_flight} is below its group size {size}")
         if self.group_size > self.max_in_flight:
             raise ConfigError(f"max_in_flight: {self.max_in_flight} is below group_size={self.group_size}")
+        if self.engine.train_aware_replay:
+            if self.resume_in_flight != "discard":
+                raise ConfigError("resume_in_flight: with engine.train_aware_replay a sample resumed after a restart "
+                                  "would be re-prefilled with a second replay boundary; set resume_in_flight: discard")
+            multi = [n for n in self.dataset_names() if self.environment_of(n).multi_turn]
+            if multi:
+                raise ConfigError(f"engine.train_aware_replay: datasets {multi} are multi-turn (one replay boundary per "
+                                  "turn); use single-turn environments or turn train_aware_replay off")
+
+    def environment_of(self, dataset: str) -> EnvironmentConfig:
+        for d in self.datasets:
+            if d.name == dataset and d.environment is not None:
+                return d.environment
+        return self.environment
+
+    def dataset_names(self) -> list[str]:
+        """The rollout datasets by name ('default' when ``datasets`` is empty)."""
+        return [d.name for d in self.datasets] or ["default"]
 
     def group_of(self, dataset: str) -> int:
         for d in self.datasets:

@@ -58,6 +58,11 @@ class RolloutSample:
     """[start, end) of each policy-generated segment (assistant turns), for Eq. 30."""
     process_weights: list[float] = field(default_factory=list)
     """Per span: process weight in [-1, 1] (walkthrough Eq. 30); empty = all 1.0."""
+    replay_start: int = 0
+    """Decoder SWA Bounded Replay start s of the generating engine's prefill (report §3.2.2; 0 =
+    no replay): the trainer truncates decoder windows at s when train-aware replay is on."""
+    correct: bool | None = None
+    """Whether the final answer verified (accuracy metrics), when the environment says."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -111,7 +116,8 @@ class RolloutSample:
             "prompt_length": self.prompt_length, "group_id": self.group_id, "prompt_uid": self.prompt_uid,
             "dataset": self.dataset, "effort": self.effort, "reward": self.reward,
             "finish_reason": self.finish_reason, "spans": [list(s) for s in self.spans],
-            "process_weights": list(self.process_weights),
+            "process_weights": list(self.process_weights), "replay_start": self.replay_start,
+            "correct": self.correct,
             "routing": None if self.routing is None else self.routing.state_dict(),
         }
 

@@ -37,7 +37,7 @@ from megatron_s2.kernels import sparse_attention
 from megatron_s2.models.init import constant_init
 from megatron_s2.models.v41.attention.compressor import Compressor
 from megatron_s2.models.v41.attention.indexer import IndexKeyProjection, Indexer
-from megatron_s2.models.v41.attention.visibility import entry_doc_ids, window_indices
+from megatron_s2.models.v41.attention.visibility import entry_doc_ids, truncate_window, window_indices
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.parallel_plan import apply_plan
@@ -104,7 +104,10 @@ class CSA2Attention(nn.Module):
     def _window(self, kv: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Window keys (with the CP halo) and each query's window indices into them."""
         keys, k_pos, k_doc = self.seq.window_keys(kv, ctx.positions, self.window, ctx.doc_ids, ctx.full_doc_ids)
-        return keys, window_indices(ctx.positions, k_pos, self.window, ctx.doc_ids, k_doc)
+        indices = window_indices(ctx.positions, k_pos, self.window, ctx.doc_ids, k_doc)
+        if ctx.swa_from is not None and not self.spec.is_encoder:  # train-aware bounded replay (§3.2.2)
+            indices = truncate_window(indices, ctx.positions, k_pos, ctx.swa_from)
+        return keys, indices
 
     # ---- pieces shared by the training forward and incremental decode ---------------------
     # The forward below is the only attention code path. Incremental decode

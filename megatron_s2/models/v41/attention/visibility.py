@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["window_indices", "compressed_visible", "entry_doc_ids"]
+__all__ = ["window_indices", "truncate_window", "compressed_visible", "entry_doc_ids"]
 
 
 def window_indices(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int,
@@ -31,6 +31,19 @@ def window_indices(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int,
         same = torch.gather(k_doc, 1, idx) == q_doc.unsqueeze(-1).expand(b, sq, window).reshape(b, -1)
         valid = valid & same
     return torch.where(valid, idx, -1).view(b, sq, window)
+
+
+def truncate_window(indices: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                    start: torch.Tensor) -> torch.Tensor:
+    """SWA Bounded Replay in a whole-sequence forward (report §3.2.2): a query at position
+    p >= s (s = ``start[b]``, the row's replay start) keeps only window keys at positions >= s,
+    i.e. [max(s, p-W+1), p] — what an engine that ran this layer only from s saw. Queries before
+    s keep their window (the engine never computed them; their outputs reach no later query
+    once every window is truncated). ``indices`` [b, sq, W] index ``k_pos`` [b, sk]."""
+    s = start.to(q_pos.device).view(-1, 1, 1)
+    key_pos = torch.gather(k_pos, 1, indices.clamp_min(0).flatten(1)).view_as(indices)
+    cut = (q_pos.unsqueeze(-1) >= s) & (key_pos < s) & (indices >= 0)
+    return torch.where(cut, torch.full_like(indices, -1), indices)
 
 
 def entry_doc_ids(doc_ids: torch.Tensor | None, ratio: int, num_entries: int) -> torch.Tensor | None:

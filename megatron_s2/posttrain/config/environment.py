@@ -1,0 +1,132 @@
+"""``rollout.environment`` and ``rollout.engine``: what the policy is rolled out on, and with what.
+
+:class:`EnvironmentConfig` names a registered environment (:data:`megatron_s2.posttrain.envs.ENVIRONMENTS`):
+
+* ``task`` — one of the embedded verifiable tasks (``megatron_s2/data/tasks.py``) as a
+  single-turn environment: the prompt is rendered exactly like SFT data (``bos prompt sep``),
+  the response is the tokens up to ``eos`` and the reward is the task's exact verifier;
+* ``task_retry`` — the same task as a multi-turn environment: after a wrong answer the
+  environment replies (loss-masked tokens) and the policy answers again, up to ``max_turns``;
+  the whole session is one training sample;
+(The same tasks as a ``verifiers`` v1 taskset + harness for any verifiers trainer, over
+``megatron-s2 serve``: :mod:`megatron_s2.posttrain.envs.vf_tasks`.)
+
+:class:`RolloutEngineConfig` sizes the co-located inference engine (report §5.2.1) and holds the
+routing-replay (R3, §5.2.1) and bounded-replay (§3.2.2) switches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_s2.config.data import TASK_NAMES, TaskDifficulty
+from megatron_s2.config.schema import ConfigError
+
+__all__ = ["EnvironmentConfig", "RolloutEngineConfig", "EvaluationConfig"]
+
+
+@dataclass(frozen=True)
+class EnvironmentConfig:
+    """Where a dataset's prompts come from and how responses are scored."""
+
+    kind: Literal["task", "task_retry"] = "task"
+    """'task': single-turn embedded task; 'task_retry': multi-turn (retry after feedback)."""
+    task: str = "addition"
+    """Embedded task name (any of megatron_s2.config.data.TASK_NAMES)."""
+    difficulty: TaskDifficulty = field(default_factory=TaskDifficulty)
+    """Difficulty knobs of the task (set them as in the SFT phase that preceded this one)."""
+    num_prompts: int = 4096
+    """Training prompts, generated deterministically from ``seed`` (read in per-epoch shuffles)."""
+    eval_prompts: int = 256
+    """Held-out prompts for evaluation, generated from a different stream (never trained on)."""
+    seed: int = 0
+    """Seed of prompt generation (independent of the run seed, so runs with different seeds see
+    the same prompts)."""
+    max_turns: int = 1
+    """task_retry: attempts per session (>= 2 makes it multi-turn)."""
+    feedback: str = " wrong, again:"
+    """task_retry: the environment's reply after a wrong answer (tokenised, loss-masked)."""
+
+    def __post_init__(self) -> None:
+        if self.task not in TASK_NAMES:
+            raise ConfigError(f"task: unknown task '{self.task}'; valid names: {', '.join(TASK_NAMES)}")
+        if self.num_prompts < 1:
+            raise ConfigError(f"num_prompts: must be >= 1, got {self.num_prompts}")
+        if self.eval_prompts < 0:
+            raise ConfigError(f"eval_prompts: must be >= 0, got {self.eval_prompts}")
+        if self.max_turns < 1:
+            raise ConfigError(f"max_turns: must be >= 1, got {self.max_turns}")
+        if self.kind == "task_retry" and self.max_turns < 2:
+            raise ConfigError("max_turns: a task_retry environment needs at least 2 turns; set max_turns: 2 "
+                              "or use kind: task")
+        if self.kind != "task_retry" and self.max_turns != 1:
+            raise ConfigError(f"max_turns: only kind 'task_retry' has several turns; set kind: task_retry "
+                              f"or max_turns: 1 (kind is '{self.kind}')")
+        if not 0 <= self.seed < 2 ** 63:
+            raise ConfigError(f"seed: must be a non-negative integer below 2**63, got {self.seed}")
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.max_turns > 1
+
+
+@dataclass(frozen=True)
+class RolloutEngineConfig:
+    """The inference engine co-located with training (report §5.2.1): one per rollout replica."""
+
+    max_num_seqs: int = 64
+    """Sequences decoded concurrently per rollout replica (continuous batching)."""
+    max_model_len: int = 0
+    """Prompt + generated tokens of one request; 0 = training.seq_length + 1 (a sample must fit
+    one training row)."""
+    prefill_chunk: int = 256
+    """Prompt tokens per request and step (chunked prefill)."""
+    page_tokens: int = 16
+    """Tokens per global-KV page (a multiple of every compression ratio)."""
+    routing_replay: bool = True
+    """Rollout Routing Replay (R3, report §5.2.1): record each token's routed experts while
+    generating (concatenated across policy versions) and replay them in the training forward."""
+    decoder_bounded_replay: bool = False
+    """Prefill with the engine's Decoder SWA Bounded Replay (report §3.2.2): the decoder runs only
+    over the last window_size prompt tokens."""
+    train_aware_replay: bool = False
+    """Simulate the decoder bounded replay in the training forward (a decoder query at i attends
+    SWA keys in [max(s, i-W+1), i], s = the replay start), so sampled and trained distributions
+    agree; needs decoder_bounded_replay, single-turn environments and resume_in_flight: discard."""
+    rollout_ep: int = 1
+    """Expert parallelism of a separate rollout model (built when the training layout has pp, cp or
+    sequence parallelism); its tensor parallelism is the training tp."""
+    share_weights: Literal["auto", "never"] = "auto"
+    """'auto': when the training layout is TP/EP/DP only, the engine runs the training model itself
+    (no copy); 'never': always build a rollout model and transfer weights after each update."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "prefill_chunk", "page_tokens", "rollout_ep"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len < 0:
+            raise ConfigError(f"max_model_len: must be >= 0 (0 = training.seq_length + 1), got {self.max_model_len}")
+        if self.train_aware_replay and not self.decoder_bounded_replay:
+            raise ConfigError("train_aware_replay: it simulates the engine's decoder bounded replay; set "
+                              "decoder_bounded_replay: true as well")
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    """Held-out evaluation with the rollout engine (greedy by default), logged as eval_* metrics."""
+
+    interval: int = 0
+    """Evaluate every this many optimiser steps (and before the first and after the last); 0 = off."""
+    num_prompts: int = 0
+    """Held-out prompts per evaluation (the first ones of each dataset's held-out set); 0 = all."""
+    temperature: float = 0.0
+    """Sampling temperature of evaluation (0 = greedy)."""
+    at_start: bool = True
+    """Also evaluate before the first update (the 'before' of a before/after comparison)."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 0 or self.num_prompts < 0:
+            raise ConfigError("interval / num_prompts: must be >= 0")
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")

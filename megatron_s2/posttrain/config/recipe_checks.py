@@ -1,0 +1,57 @@
+"""Cross-section rules between ``phase``, ``rl`` / ``opd`` and ``training`` of one recipe.
+
+Called by :class:`~megatron_s2.config.recipe.RecipeConfig` at construction, so a recipe that
+cannot run is refused by ``train``, ``launch`` (also ``--dry-run``) and ``plan`` alike, with one
+line naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+from megatron_s2.config.schema import ConfigError
+
+__all__ = ["check_posttrain_recipe", "posttrain_section"]
+
+
+def posttrain_section(recipe):
+    """The ``rl`` or ``opd`` section of a post-training recipe (None for pretrain / sft)."""
+    return recipe.rl if recipe.phase.kind == "rl" else recipe.opd if recipe.phase.kind == "opd" else None
+
+
+def check_posttrain_recipe(recipe) -> None:
+    kind = recipe.phase.kind
+    for name in ("rl", "opd"):
+        present = getattr(recipe, name) is not None
+        if present and kind != name:
+            raise ConfigError(f"{name}: the recipe has an '{name}:' section but phase.kind is '{kind}'; set "
+                              f"phase.kind: {name} or remove the section")
+        if not present and kind == name:
+            raise ConfigError(f"{name}: phase.kind is '{name}' but the recipe has no '{name}:' section; add one "
+                              f"(see recipes/{name}_tiny.yaml)")
+    section = posttrain_section(recipe)
+    if section is None:
+        return
+    rollout, t = section.rollout, recipe.training
+    sizes = {rollout.group_of(n) for n in rollout.dataset_names()}
+    if len(sizes) != 1:
+        raise ConfigError(f"{kind}.rollout.datasets: group sizes {sorted(sizes)} differ; a training step takes "
+                          "rollout.batch_groups groups of one size (training.global_batch_size samples)")
+    samples = rollout.batch_groups * sizes.pop()
+    if t.global_batch_size != samples:
+        raise ConfigError(f"training.global_batch_size: a {kind} step trains on rollout.batch_groups x group_size = "
+                          f"{samples} samples; set training.global_batch_size: {samples}")
+    if section.loss.temperature != rollout.temperature:
+        raise ConfigError(f"{kind}.loss.temperature: {section.loss.temperature} differs from the sampling temperature "
+                          f"{kind}.rollout.temperature = {rollout.temperature}; the behaviour log-probs are taken "
+                          "under the sampling distribution, so set them equal")
+    if rollout.top_p != 1.0:
+        raise ConfigError(f"{kind}.rollout.top_p: the trainer's log-probs are over the full vocabulary, so nucleus "
+                          "sampling would bias the importance weights; set top_p: 1.0")
+    engine = rollout.engine
+    if engine.max_model_len and engine.max_model_len > t.seq_length + 1:
+        raise ConfigError(f"{kind}.rollout.engine.max_model_len: {engine.max_model_len} tokens do not fit one training "
+                          f"row of training.seq_length + 1 = {t.seq_length + 1}; lower it or raise seq_length")
+    if recipe.phase.freeze:
+        raise ConfigError(f"phase.freeze: {kind} phases train the whole policy; remove phase.freeze")
+    if kind == "opd" and section.sft_warmup.steps:
+        raise ConfigError("opd.sft_warmup.steps: the warm-up is run as an SFT phase before this one (a phases: "
+                          "pipeline, see recipes/opd_tiny.yaml); set steps: 0")

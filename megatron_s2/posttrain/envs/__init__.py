@@ -1,0 +1,24 @@
+"""Rollout environments: the embedded verifiable tasks (single- and multi-turn), token-in /
+token-out for the co-located engine. :data:`ENVIRONMENTS` maps ``environment.kind`` to a factory
+``(dataset name, EnvironmentConfig, tokenizer) -> Environment``. The same tasks packaged as a
+``verifiers`` v1 environment (reached over ``megatron-s2 serve``) are in :mod:`.vf_tasks`."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from megatron_s2.posttrain.envs.base import Environment, Episode, EpisodeStep, Split
+from megatron_s2.posttrain.envs.tasks import RetryTaskEnvironment, TaskEnvironment
+
+__all__ = ["Environment", "Episode", "EpisodeStep", "Split", "TaskEnvironment", "RetryTaskEnvironment",
+           "ENVIRONMENTS", "build_environment"]
+
+
+ENVIRONMENTS: dict[str, Callable] = {
+    "task": TaskEnvironment,
+    "task_retry": RetryTaskEnvironment,
+}
+
+
+def build_environment(name: str, config, tokenizer) -> Environment:
+    return ENVIRONMENTS[config.kind](name, config, tokenizer)

@@ -1,0 +1,75 @@
+"""What a rollout environment is to the trainer: prompts, and episodes that score responses.
+
+An :class:`Environment` holds two fixed prompt sets — ``train`` (what the orchestrator reads in
+per-epoch shuffles, :class:`~megatron_s2.posttrain.orchestrator.PromptSource`) and ``eval``
+(held out, never trained on) — and opens an :class:`Episode` per rollout sample. An episode is
+token-in/token-out (walkthrough Ch. 6): it hands the engine the token ids of each model call's
+context and receives exactly the ids the engine generated; between calls it may append its own
+tokens (feedback, tool results), which the session assembly loss-masks. It ends with a reward.
+
+Episodes are deterministic functions of (prompt, completions), so every rank of a rollout
+replica that runs the same requests takes the same decisions.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+__all__ = ["Split", "Episode", "Environment", "EpisodeStep"]
+
+Split = Literal["train", "eval"]
+
+
+@dataclass
+class EpisodeStep:
+    """The environment's answer to one model call."""
+
+    done: bool
+    """The episode is over (``reward`` is set)."""
+    delta: list[int]
+    """Tokens the environment appends before the next model call (empty when done)."""
+    reward: float | None = None
+    """Verifier reward once done."""
+    correct: bool | None = None
+    """Whether the final answer verified (accuracy metric), when the environment knows."""
+
+
+class Episode(ABC):
+    """One rollout of one prompt."""
+
+    @abstractmethod
+    def prompt_tokens(self) -> list[int]:
+        """Token ids of the first model call's context."""
+
+    @abstractmethod
+    def step(self, completion: Sequence[int], finish_reason: str) -> EpisodeStep:
+        """The engine generated ``completion`` (exact ids, ending with eos unless the length limit
+        stopped it); decide what happens next."""
+
+
+class Environment(ABC):
+    """A prompt set with a verifier (see the module docstring)."""
+
+    name: str
+    max_turns: int = 1
+
+    @abstractmethod
+    def size(self, split: Split) -> int:
+        """Number of prompts of ``split``."""
+
+    @abstractmethod
+    def episode(self, index: int, split: Split = "train", effort: int | None = None) -> Episode:
+        """A fresh episode of prompt ``index`` of ``split``."""
+
+    @abstractmethod
+    def reference_answer(self, index: int, split: Split) -> list[int]:
+        """Token ids of the reference answer (ending with eos) of a prompt: what SFT trained on."""
+
+    # ---- PromptSource (orchestrator) ----------------------------------------------------------
+    def __len__(self) -> int:
+        return self.size("train")
+
+    def prompt_tokens(self, index: int, effort: int | None = None) -> list[int]:
+        return self.episode(index, "train", effort).prompt_tokens()

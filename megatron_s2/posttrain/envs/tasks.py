@@ -1,0 +1,111 @@
+"""The embedded verifiable tasks (``megatron_s2/data/tasks.py``) as rollout environments.
+
+* :class:`TaskEnvironment` (``kind: task``) — single turn. The context is rendered exactly as
+  the SFT documents were (the tokenizer's chat template up to the answer; ``bos + prompt + sep``
+  with the character tokenizer, :func:`~megatron_s2.data.documents.render_prompt_answer`),
+  the response is the generated text up to ``eos``, and the reward is the task's exact verifier
+  (1.0 correct, 0.0 otherwise; a response cut by the length limit is wrong).
+* :class:`RetryTaskEnvironment` (``kind: task_retry``) — multi-turn. After a wrong answer the
+  environment appends ``feedback + sep`` (environment tokens, loss-masked) and the policy
+  answers again, up to ``max_turns`` calls; reward 1.0 for a first-attempt solution,
+  ``1 / turn`` for a later one, 0.0 if never solved. The session is one training sample.
+
+Prompts are drawn from the task's sampler with ``random.Random`` streams keyed by
+(environment seed, split), so the train and eval sets are fixed and reproducible; eval prompts
+that also occur among the training prompts are dropped (held-out means never trained on).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+from megatron_s2.data.tasks import Task, TaskSample, build_task
+from megatron_s2.data.tokenizer import Tokenizer
+from megatron_s2.posttrain.advantages.effort import effort_instruction
+from megatron_s2.posttrain.envs.base import Environment, Episode, EpisodeStep, Split
+
+__all__ = ["TaskEnvironment", "RetryTaskEnvironment", "task_prompts"]
+
+_EVAL_STREAM = 0x5EED_E7A1
+
+
+def task_prompts(task: Task, count: int, seed: int) -> list[TaskSample]:
+    rng = random.Random(seed)
+    return [task.sample(rng) for _ in range(count)]
+
+
+class _TaskEpisode(Episode):
+    def __init__(self, env: "TaskEnvironment", sample: TaskSample, effort: int | None):
+        self.env, self.sample, self.effort = env, sample, effort
+        self.turn = 0
+
+    def prompt_tokens(self) -> list[int]:
+        tok = self.env.tokenizer
+        text = self.sample.prompt if self.effort is None else f"{effort_instruction(self.effort)}\n{self.sample.prompt}"
+        # the SFT rendering of a one-turn chat up to the answer (char tokenizer: bos prompt sep;
+        # a Hugging Face tokenizer: its chat template with the generation prompt)
+        return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+
+    def verify(self, completion: Sequence[int], finish_reason: str) -> bool:
+        tok = self.env.tokenizer
+        ids = list(completion)
+        if not ids or ids[-1] != tok.eos_id or finish_reason != "stop":
+            return False  # cut by the length limit: no final answer
+        return self.env.task.verify(self.sample.prompt, tok.decode(ids[:-1]))
+
+    def step(self, completion: Sequence[int], finish_reason: str) -> EpisodeStep:
+        self.turn += 1
+        ok = self.verify(completion, finish_reason)
+        return EpisodeStep(done=True, delta=[], reward=1.0 if ok else 0.0, correct=ok)
+
+
+class _RetryEpisode(_TaskEpisode):
+    def step(self, completion: Sequence[int], finish_reason: str) -> EpisodeStep:
+        self.turn += 1
+        ok = self.verify(completion, finish_reason)
+        if ok:
+            return EpisodeStep(done=True, delta=[], reward=1.0 / self.turn, correct=True)
+        if self.turn >= self.env.max_turns or finish_reason != "stop":
+            return EpisodeStep(done=True, delta=[], reward=0.0, correct=False)
+        tok = self.env.tokenizer
+        return EpisodeStep(done=False, delta=[*tok.encode(self.env.feedback), tok.sep_id])
+
+
+class TaskEnvironment(Environment):
+    """An embedded task, single turn (module docstring)."""
+
+    episode_type = _TaskEpisode
+
+    def __init__(self, name: str, config, tokenizer: Tokenizer):
+        """``config``: an :class:`~megatron_s2.posttrain.config.environment.EnvironmentConfig`."""
+        self.name, self.config, self.tokenizer = name, config, tokenizer
+        self.task = build_task(config.task, config.difficulty)
+        self.max_turns = config.max_turns
+        self.feedback = config.feedback
+        self._train = task_prompts(self.task, config.num_prompts, config.seed)
+        seen = {s.prompt for s in self._train}
+        # Held-out prompts: a separate stream, minus anything in the training set.
+        pool = task_prompts(self.task, 4 * config.eval_prompts + 16, config.seed ^ _EVAL_STREAM)
+        self._eval = [s for s in pool if s.prompt not in seen][:config.eval_prompts]
+
+    def _samples(self, split: Split) -> list[TaskSample]:
+        return self._train if split == "train" else self._eval
+
+    def size(self, split: Split) -> int:
+        return len(self._samples(split))
+
+    def sample(self, index: int, split: Split = "train") -> TaskSample:
+        return self._samples(split)[index]
+
+    def episode(self, index: int, split: Split = "train", effort: int | None = None) -> Episode:
+        return self.episode_type(self, self._samples(split)[index], effort)
+
+    def reference_answer(self, index: int, split: Split) -> list[int]:
+        return [*self.tokenizer.encode(self._samples(split)[index].answer), self.tokenizer.eos_id]
+
+
+class RetryTaskEnvironment(TaskEnvironment):
+    """An embedded task with retries after feedback (multi-turn, module docstring)."""
+
+    episode_type = _RetryEpisode

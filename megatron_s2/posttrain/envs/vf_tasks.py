@@ -1,0 +1,136 @@
+"""The embedded verifiable tasks (``megatron_s2/data/tasks.py``) packaged as a ``verifiers``
+environment (verifiers 0.4.0, the ``verifiers.v1`` API; the Prime Intellect talk's architecture).
+
+verifiers 0.4.0 composes an environment from a *taskset* (tasks whose ``@vf.reward`` methods
+score a finished trace — the rubric) and a *harness* (the program that talks to the model)
+run in a *runtime*. This module provides both for the embedded tasks:
+
+* :class:`EmbeddedTaskset` — the held-out (``split: eval``) or training prompts of one task,
+  drawn exactly as the trainer's :class:`~megatron_s2.posttrain.envs.tasks.TaskEnvironment`
+  draws them (same seed streams, so ``eval`` is never trained on); the rubric is
+  ``correct`` (weight 1: the task's exact verifier on the reply) and ``answered`` (weight 0, a
+  metric-only reward: the reply is non-empty);
+* :class:`AskOnceHarness` — one chat completion through the rollout's interception endpoint,
+  in process (verifiers' ``null`` harness does the same from a ``uv`` script, which needs a
+  package download at run time).
+
+verifiers loads a taskset by the id of a top-level module exporting it via ``__all__``;
+``megatron_s2/posttrain/envs/vf_plugins/megatron_s2_tasks.py`` is that module: put the folder
+on ``sys.path`` (:func:`plugin_dir`) and use ``taskset={"id": "megatron_s2_tasks", ...}``. With
+``vf.TrainClientConfig`` pointing at ``megatron-s2 serve``, every model call goes through
+verifiers' interception server -> ``renderers.client.generate`` ->
+``POST /inference/v1/generate`` (token ids, log-probs, routed experts), as for any verifiers
+environment.
+"""
+
+from __future__ import annotations
+
+
+from pathlib import Path
+from typing import Literal
+
+from openai import AsyncOpenAI
+
+import verifiers.v1 as vf
+from verifiers.v1.runtimes import ProgramResult
+
+from megatron_s2.config.data import TaskDifficulty
+from megatron_s2.data.tasks import build_task
+from megatron_s2.posttrain.envs.tasks import _EVAL_STREAM, task_prompts
+
+__all__ = ["EmbeddedTasksetConfig", "EmbeddedTask", "EmbeddedTaskset", "AskOnceHarness", "plugin_dir"]
+
+SYSTEM_PROMPT = "Reply with the answer only."
+
+
+def plugin_dir() -> Path:
+    """The folder to put on ``sys.path`` so that verifiers finds the ``megatron_s2_tasks`` id."""
+    return Path(__file__).resolve().parent / "vf_plugins"
+
+
+class EmbeddedTasksetConfig(vf.TasksetConfig):
+    task_name: str = "addition"
+    """Embedded task (megatron_s2.config.data.TASK_NAMES)."""
+    max_digits: int = 2
+    """Difficulty: addition / multiplication operand digits (the other tasks use their defaults)."""
+    split: Literal["train", "eval"] = "eval"
+    """'eval': the held-out prompts (never trained on); 'train': the training prompts."""
+    num_prompts: int = 4096
+    """Training prompts of the environment (defines what 'held-out' excludes)."""
+    count: int = 16
+    """Tasks in this taskset (the first ``count`` of the split)."""
+    seed: int = 0
+    """Prompt-generation seed (rollout.environment.seed of the trainer)."""
+
+
+class EmbeddedTaskData(vf.TaskData):
+    task_name: str
+    """Embedded task the prompt belongs to."""
+    answer: str
+    """Reference answer (the verifier does not need it; kept for inspection)."""
+
+
+class EmbeddedTask(vf.Task[EmbeddedTaskData]):
+    @vf.stop
+    async def single_turn(self, trace: vf.Trace) -> bool:
+        return trace.num_turns >= 1
+
+    @vf.reward(weight=1.0)
+    async def correct(self, trace: vf.Trace) -> float:
+        """The task's exact verifier (megatron_s2/data/tasks.py) on the reply."""
+        reply = (trace.last_reply or "").strip()
+        return float(bool(reply) and _task(self.data.task_name).verify(_prompt_text(self.data), reply))
+
+    @vf.reward(weight=0.0)
+    async def answered(self, trace: vf.Trace) -> float:
+        return float(bool((trace.last_reply or "").strip()))
+
+
+def _prompt_text(data: EmbeddedTaskData) -> str:
+    return data.prompt if isinstance(data.prompt, str) else str(data.prompt)
+
+
+_TASKS: dict[str, object] = {}
+
+
+def _task(name: str, max_digits: int | None = None):
+    key = f"{name}:{max_digits}"
+    if key not in _TASKS:
+        knobs = {} if max_digits is None else {"addition_max_digits": max_digits,
+                                                 "multiplication_max_digits": min(max_digits, 15)}
+        _TASKS[key] = build_task(name, TaskDifficulty(**knobs))
+    return _TASKS[key]
+
+
+class EmbeddedTaskset(vf.Taskset[EmbeddedTask, EmbeddedTasksetConfig]):
+    def load(self) -> list[EmbeddedTask]:
+        c = self.config
+        task = _task(c.task_name, c.max_digits)
+        train = task_prompts(task, c.num_prompts, c.seed)
+        if c.split == "train":
+            samples = train[:c.count]
+        else:
+            seen = {s.prompt for s in train}
+            pool = task_prompts(task, 4 * c.count + 16, c.seed ^ _EVAL_STREAM)
+            samples = [s for s in pool if s.prompt not in seen][:c.count]
+        return [EmbeddedTask(EmbeddedTaskData(idx=i, prompt=s.prompt, system_prompt=SYSTEM_PROMPT,
+                                              task_name=c.task_name, answer=s.answer), c.task)
+                for i, s in enumerate(samples)]
+
+
+class AskOnceHarness(vf.Harness[vf.HarnessConfig]):
+    """One chat completion through the interception endpoint, in this process."""
+
+    APPENDS_SYSTEM_PROMPT = True
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
+        system, prompt = self.resolve_prompt(data)
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": prompt})
+        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+            await client.chat.completions.create(model=ctx.model, messages=messages)
+        return ProgramResult(exit_code=0, stdout="", stderr="")
+
+

@@ -1,0 +1,88 @@
+"""Frozen in-process models next to the policy: OPD teachers (report §5.2.4, walkthrough Ch. 8) and
+the reference of a KL term.
+
+A frozen model holds every layer on the rank (pp = cp = 1) with the rollout layout's tensor /
+expert groups, so its vocabulary shard ``[b, s, V/tp]`` lines up with the policy's on every
+tensor-parallel rank (the full-vocabulary KL never gathers the vocabulary). It is built with
+the architecture saved in its own checkpoint — a teacher may be larger or smaller than the
+student, it only has to share the tokenizer (the vocabulary size is checked) — and each rank
+copies its slices of the checkpoint's full tensors (their ShardSpecs).
+
+:class:`TeacherPool` routes each training row to the teacher of its dataset's domain; switching
+teacher per sample is a different forward over resident weights, never a reload.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.models.v41.context import ForwardContext
+from megatron_s2.models.v41.model import V41Model
+from megatron_s2.parallel.groups import ParallelGroups
+from megatron_s2.parallel.sharding import shard_spec, slice_of
+from megatron_s2.training.model_builder import attach_token_map
+
+__all__ = ["load_frozen_model", "full_logits", "TeacherPool"]
+
+
+def load_frozen_model(path: str | Path, groups: ParallelGroups, *, vocab_size: int, tokenizer, what: str,
+                      device: torch.device | str = "cpu") -> V41Model:
+    """The model saved at ``path`` (run / checkpoints / step directory or Hugging Face export),
+    this rank's slices, evaluation mode, no gradients."""
+    from megatron_s2.inference.weights import read_checkpoint
+
+    loaded = read_checkpoint(path)
+    cfg = loaded.model_config
+    if cfg.vocab_size != vocab_size:
+        raise ConfigError(f"{what}: {path} has vocab_size {cfg.vocab_size}, the policy {vocab_size}; a teacher or "
+                          "reference must share the policy's tokenizer")
+    model = V41Model(cfg, groups).to(device)
+    model.apply_precision_map()
+    attach_token_map(model, tokenizer.compressed_token_map(num_ids=cfg.vocab_size))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, target in model.state_dict().items():
+            if name not in loaded.state:
+                raise ConfigError(f"{what}: {loaded.description} has no tensor '{name}'")
+            full = loaded.state[name]
+            local = slice_of(full, shard_spec(params[name])) if name in params else full
+            target.copy_(local.to(device=target.device, dtype=target.dtype))
+    model.eval().requires_grad_(False)
+    return model
+
+
+@torch.no_grad()
+def full_logits(model: V41Model, tokens: torch.Tensor) -> torch.Tensor:
+    """This rank's vocabulary shard of the logits [b, s, V/tp] of a whole-model forward (the
+    sequence padded to a multiple of tp for the tensor-parallel MoE token split)."""
+    s = tokens.size(1)
+    pad = -s % model.groups.tp.size
+    if pad:
+        tokens = torch.cat([tokens, tokens.new_zeros(tokens.size(0), pad)], dim=1)
+    logits = model(tokens, ForwardContext.create(tokens, model.plan))
+    return logits[:, :s].float()
+
+
+class TeacherPool:
+    """In-process teachers by name, and the teacher of every domain."""
+
+    def __init__(self, teachers: Mapping[str, V41Model], domain_teacher: Mapping[str, str],
+                 temperatures: Mapping[str, float]):
+        self.teachers, self.domain_teacher, self.temperatures = dict(teachers), dict(domain_teacher), dict(temperatures)
+
+    def logits(self, tokens: torch.Tensor, domains: Sequence[str]) -> torch.Tensor:
+        """Teacher logits shard [b, s, V/tp] of each row, from its domain's teacher (at the
+        teacher's temperature)."""
+        out = None
+        names = [self.domain_teacher[d] for d in domains]
+        for name in sorted(set(names)):
+            rows = torch.tensor([i for i, n in enumerate(names) if n == name], device=tokens.device)
+            part = full_logits(self.teachers[name], tokens.index_select(0, rows)) / self.temperatures[name]
+            if out is None:
+                out = part.new_zeros(tokens.size(0), tokens.size(1), part.size(-1))
+            out.index_copy_(0, rows, part)
+        return out

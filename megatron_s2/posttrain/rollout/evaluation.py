@@ -1,0 +1,240 @@
+"""Held-out evaluation with the co-located engine: verifiable accuracy, and for OPD how close the
+student is to its teacher.
+
+The held-out prompts of every environment (never trained on, :mod:`~megatron_s2.posttrain.envs`)
+are divided over the rollout replicas and played as full episodes (multi-turn included) on a
+second engine over the policy's current weights (greedy unless ``eval.temperature`` > 0); the
+replicas' counts are all-gathered. Metrics (``eval_*``): accuracy, mean reward, response length,
+truncation rate — per dataset when there are several. With teachers (OPD):
+
+* ``eval_student_logprob_teacher`` — the student's mean log-probability per token of the
+  teacher's greedy answers to the held-out prompts (a held-out log-likelihood that rises as the
+  student moves toward the teacher; the teacher's own value is ``eval_teacher_logprob_teacher``);
+* ``eval_kl_to_teacher`` — the full-vocabulary reverse KL(student || teacher) per token along the
+  student's own held-out responses (report §5.2.4's objective, measured off-policy of training).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from megatron_s2.inference import EngineConfig, InferenceEngine, SamplingParams
+from megatron_s2.posttrain.envs.base import Environment
+from megatron_s2.posttrain.frozen import full_logits
+from megatron_s2.posttrain.rollout.replicas import ReplicaTopology, gather_objects
+from megatron_s2.posttrain.vocab_parallel import token_log_probs, vocab_parallel_kl
+
+__all__ = ["Evaluator", "EvalItem"]
+
+
+@dataclass
+class EvalItem:
+    dataset: str
+    index: int
+    prompt: list[int]
+    response: list[int]
+    """The first call's completion (single-turn: the whole response)."""
+    correct: bool
+    reward: float
+    generated: int
+    truncated: bool
+
+
+class Evaluator:
+    def __init__(self, engine: InferenceEngine, environments: Mapping[str, Environment], topology: ReplicaTopology,
+                 config, max_new_tokens: int, max_model_len: int):
+        self.engine, self.envs, self.topology, self.config = engine, dict(environments), topology, config
+        self.max_new_tokens, self.max_model_len = max_new_tokens, max_model_len
+        self._teacher_answers: dict[tuple[str, int], list[int]] | None = None
+
+    def items(self) -> list[tuple[str, int]]:
+        out = []
+        for name, env in self.envs.items():
+            n = env.size("eval")
+            if self.config.num_prompts:
+                n = min(n, self.config.num_prompts)
+            out += [(name, i) for i in range(n)]
+        return out
+
+    def mine(self) -> list[tuple[str, int]]:
+        return [it for k, it in enumerate(self.items()) if self.topology.owns(k)]
+
+    # ---- episodes -------------------------------------------------------------------------------
+    def play(self, engine: InferenceEngine, items: Sequence[tuple[str, int]], temperature: float) -> list[EvalItem]:
+        """Full episodes of ``items`` on ``engine`` (stepped on this thread)."""
+        sessions: dict[str, dict] = {}
+        results: dict[int, EvalItem] = {}
+
+        def call(key: int, context: list[int], turn: int) -> None:
+            room = self.max_model_len - len(context)
+            params = SamplingParams(max_tokens=max(1, min(self.max_new_tokens, room)), temperature=temperature,
+                                    seed=1_000_003 * key + turn)
+            rid = f"eval-{key}-{turn}"
+            sessions[rid] = {"key": key, "context": context, "turn": turn}
+            engine.add_request(context, params, request_id=rid, on_output=on_output)
+
+        outputs: dict[str, list[int]] = {}
+        finished: list[tuple[str, str]] = []
+
+        def on_output(out) -> None:
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                finished.append((out.request_id, out.finish_reason.value))
+
+        episodes = {}
+        for key, (name, index) in enumerate(items):
+            episodes[key] = (name, index, self.envs[name].episode(index, "eval"))
+            call(key, episodes[key][2].prompt_tokens(), 0)
+        first_ids: dict[int, list[int]] = {}
+        generated: dict[int, int] = {}
+        while engine.has_work():
+            engine.step()
+            done, finished[:] = list(finished), []
+            for rid, reason in done:
+                s = sessions.pop(rid)
+                key, ids = s["key"], outputs.pop(rid, [])
+                name, index, episode = episodes[key]
+                first_ids.setdefault(key, ids)
+                generated[key] = generated.get(key, 0) + len(ids)
+                step = episode.step(ids, reason)
+                context = s["context"] + ids + step.delta
+                if not step.done and len(context) + 1 < self.max_model_len:
+                    call(key, context, s["turn"] + 1)
+                    continue
+                results[key] = EvalItem(name, index, episode.prompt_tokens(), first_ids[key], bool(step.correct),
+                                        float(step.reward or 0.0), generated[key], reason == "length")
+        return [results[k] for k in sorted(results)]
+
+    # ---- metrics ------------------------------------------------------------------------------------
+    def run(self, step: int, teacher=None, scorer_groups=None) -> dict[str, float]:
+        """Evaluate the engine's current weights; collective over the world."""
+        items = self.play(self.engine, self.mine(), self.config.temperature)
+        local: dict[str, list[float]] = {}
+        for it in items:
+            row = local.setdefault(it.dataset, [0.0] * 5)
+            row[0] += 1
+            row[1] += float(it.correct)
+            row[2] += it.reward
+            row[3] += it.generated
+            row[4] += float(it.truncated)
+        extra: dict[str, list[float]] = {}
+        if teacher is not None:
+            extra = self._teacher_metrics(items, *teacher, scorer_groups)
+        gathered = gather_objects({"rows": local if self.topology.leader else {},
+                                   "extra": extra if self.topology.leader else {}}, self.topology)
+        totals: dict[str, list[float]] = {}
+        for part in gathered:
+            for name, row in part["rows"].items():
+                acc = totals.setdefault(name, [0.0] * 5)
+                for i, v in enumerate(row):
+                    acc[i] += v
+        out: dict[str, float] = {}
+        every = [0.0] * 5
+        for name, row in sorted(totals.items()):
+            for i, v in enumerate(row):
+                every[i] += v
+            if len(totals) > 1:
+                out[f"eval_accuracy_{name}"] = row[1] / max(row[0], 1)
+        n = max(every[0], 1)
+        out.update({"eval_accuracy": every[1] / n, "eval_reward": every[2] / n, "eval_response_length": every[3] / n,
+                    "eval_truncation_rate": every[4] / n, "eval_prompts": every[0]})
+        sums: dict[str, list[float]] = {}
+        for part in gathered:
+            for key, (total, count) in part["extra"].items():
+                acc = sums.setdefault(key, [0.0, 0.0])
+                acc[0] += total
+                acc[1] += count
+        for key, (total, count) in sorted(sums.items()):
+            out[f"eval_{key}"] = total / max(count, 1.0)
+        return out
+
+    def _teacher_metrics(self, items: list[EvalItem], pool, domain_of, groups) -> dict[str, list[float]]:
+        tp = groups.tp
+        student = self.engine.model
+        answers = self._teacher_greedy(pool, domain_of)
+        out = {"student_logprob_teacher": [0.0, 0.0], "teacher_logprob_teacher": [0.0, 0.0],
+               "kl_to_teacher": [0.0, 0.0]}
+        for name in sorted({domain_of[it.dataset] for it in items}):
+            teacher_name = pool.domain_teacher[name]
+            model_t = pool.teachers[teacher_name]
+            chosen = [it for it in items if domain_of[it.dataset] == name]
+            rows = [(it.prompt, answers[(it.dataset, it.index)]) for it in chosen]
+            for which, model in (("student_logprob_teacher", student), ("teacher_logprob_teacher", model_t)):
+                total, count = _answer_logprob(model, rows, tp, pool.temperatures[teacher_name]
+                                               if which.startswith("teacher") else 1.0)
+                out[which][0] += total
+                out[which][1] += count
+            own = [(it.prompt, it.response) for it in chosen if it.response]
+            total, count = _answer_kl(student, model_t, own, tp, pool.temperatures[teacher_name])
+            out["kl_to_teacher"][0] += total
+            out["kl_to_teacher"][1] += count
+        return out
+
+    def _teacher_greedy(self, pool, domain_of) -> dict[tuple[str, int], list[int]]:
+        """The teachers' greedy answers to this replica's held-out prompts (computed once: teachers
+        are frozen)."""
+        if self._teacher_answers is not None:
+            return self._teacher_answers
+        answers: dict[tuple[str, int], list[int]] = {}
+        mine = self.mine()
+        for teacher_name, model in sorted(pool.teachers.items()):
+            chosen = [it for it in mine if pool.domain_teacher[domain_of[it[0]]] == teacher_name]
+            if not chosen:
+                continue
+            engine = InferenceEngine(model, EngineConfig(max_num_seqs=self.engine.config.max_num_seqs,
+                                                         max_model_len=self.max_model_len, max_waiting=100_000,
+                                                         page_tokens=self.engine.config.page_tokens),
+                                     eos_token_ids=self.engine.eos_token_ids)
+            played = self.play(engine, chosen, 0.0)
+            for it in played:
+                answers[(it.dataset, it.index)] = it.response
+        self._teacher_answers = answers
+        return answers
+
+
+def _rows_to_batch(rows: Sequence[tuple[list[int], list[int]]]):
+    width = max(len(p) + len(a) for p, a in rows) - 1
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (p, a) in enumerate(rows):
+        ids = torch.tensor(p + a)
+        n = ids.numel() - 1
+        tokens[i, :n], labels[i, :n] = ids[:-1], ids[1:]
+        mask[i, len(p) - 1:n] = True
+    return tokens, labels, mask
+
+
+@torch.no_grad()
+def _answer_logprob(model, rows, tp, temperature: float, chunk: int = 32) -> tuple[float, float]:
+    total = count = 0.0
+    for i in range(0, len(rows), chunk):
+        part = [r for r in rows[i:i + chunk] if r[1]]
+        if not part:
+            continue
+        tokens, labels, mask = _rows_to_batch(part)
+        dev = next(model.parameters()).device
+        logits = full_logits(model, tokens.to(dev)) / temperature
+        lp = token_log_probs(logits, labels.to(dev), tp, 1.0).cpu()
+        total += float((lp * mask).sum())
+        count += float(mask.sum())
+    return total, count
+
+
+@torch.no_grad()
+def _answer_kl(student, teacher, rows, tp, temperature: float, chunk: int = 32) -> tuple[float, float]:
+    total = count = 0.0
+    for i in range(0, len(rows), chunk):
+        part = rows[i:i + chunk]
+        if not part:
+            continue
+        tokens, _, mask = _rows_to_batch(part)
+        dev = next(student.parameters()).device
+        tokens = tokens.to(dev)
+        kl = vocab_parallel_kl(full_logits(student, tokens), full_logits(teacher, tokens) / temperature, tp).cpu()
+        total += float((kl * mask).sum())
+        count += float(mask.sum())
+    return total, count

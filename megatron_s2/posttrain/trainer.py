@@ -1,0 +1,375 @@
+"""RL and on-policy distillation phases (``phase.kind: rl | opd``) on the trainer's layouts, with
+rollouts co-located on the same ranks and time-shared (report §5.2.1).
+
+:class:`PosttrainTrainer` is the :class:`~megatron_s2.training.trainer.Trainer` — same layout,
+process groups, model (or pipeline stages), optimiser, LR schedule, checkpoint manager,
+preemption guard, markers and metrics — with a different step. One step (= one policy version):
+
+1. **rollout** — the engine on these ranks runs until the orchestrator holds ``batch_groups``
+   complete groups (sample-level dispatch under the in-flight bound, §5.2.1-5.2.2);
+2. **preempt** — the orchestrator pauses every in-flight sample at a token boundary (KV and
+   routing kept: partial rollout);
+3. **train** — advantages (RL: the ``rl.advantage`` composition; OPD: Eq. 33 per token or the
+   full-vocabulary KL of §5.2.4 against in-process teachers), micro-batches with the rows'
+   concatenated routing records replayed in the training forward (R3), optionally the engine's
+   decoder bounded replay simulated (§3.2.2), forward/backward through the layout's schedule,
+   then the optimiser step (version v -> v + 1);
+4. **update** — the new weights reach the engine (in place when it runs the training model;
+   an in-memory transfer into a rollout model otherwise, :mod:`.rollout.weights`), the
+   staleness rule drops or keeps the samples in flight; a checkpoint, when due, stores the
+   orchestrator's state in the checkpoint's ``data`` entry while the engine is paused, so its
+   in-flight samples are exact;
+5. the next step resumes every in-flight sample where it stopped.
+
+Evaluation on held-out prompts (greedy by default) runs before the first step, every
+``eval.interval`` steps and after the last, with a second engine over the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.inference import EngineConfig, InferenceEngine
+from megatron_s2.models.v41.model import V41Model
+from megatron_s2.parallel.context_parallel import split_micro_batch
+from megatron_s2.parallel.setup import build_groups
+from megatron_s2.posttrain.advantages import AdvantagePipeline, GroupRollouts
+from megatron_s2.posttrain.config.recipe_checks import posttrain_section
+from megatron_s2.posttrain.envs import build_environment
+from megatron_s2.posttrain.frozen import TeacherPool, full_logits, load_frozen_model
+from megatron_s2.posttrain.losses import PosttrainObjective
+from megatron_s2.posttrain.metrics import rollout_metrics
+from megatron_s2.posttrain.orchestrator import Orchestrator
+from megatron_s2.posttrain.rollout.engine_backend import EngineBackend
+from megatron_s2.posttrain.rollout.evaluation import Evaluator
+from megatron_s2.posttrain.rollout.replicas import replica_topology
+from megatron_s2.posttrain.rollout.weights import WeightTransfer, rollout_placement
+from megatron_s2.posttrain.train_batch import PosttrainLoss, build_micro_batches, g_device, split_routing_for_cp
+from megatron_s2.posttrain.vocab_parallel import token_log_probs
+from megatron_s2.runtime.device import build_on, to_device
+from megatron_s2.training.grad_finalize import finalize_model_grads
+from megatron_s2.training.model_builder import attach_token_map
+from megatron_s2.training.step import StepInputs
+from megatron_s2.training.trainer import Trainer
+
+__all__ = ["PosttrainTrainer"]
+
+
+class _OrchestratorState:
+    """The checkpoint's ``data`` entry of a post-training run: the orchestrator's JSON-safe state
+    (prompt cursors, dispatch counters, policy version, groups, in-flight partial samples)."""
+
+    def __init__(self, trainer: "PosttrainTrainer"):
+        self.trainer, self.pending = trainer, None
+
+    def state_dict(self) -> dict:
+        return {"kind": "posttrain", "orchestrator": self.trainer.orchestrator.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("kind") != "posttrain":
+            raise ConfigError("checkpoint: it holds no rollout orchestrator state (was it saved by a pretrain or "
+                              "sft phase?); start this phase with checkpoint.load=<that run> instead of resuming")
+        self.pending = state["orchestrator"]
+
+
+class PosttrainTrainer(Trainer):
+    def __init__(self, recipe, run_dir, *, rank: int = 0, world_size: int = 1, guard=None, log=print, device=None):
+        super().__init__(recipe, run_dir, rank=rank, world_size=world_size, guard=guard, log=log, device=device)
+        self.kind = recipe.phase.kind
+        self.section = section = posttrain_section(recipe)
+        self.rollout_cfg = rollout = section.rollout
+        self.environments = {name: build_environment(name, rollout.environment_of(name), self.tokenizer)
+                             for name in rollout.dataset_names()}
+        self._setup_rollout()
+        self.objective = PosttrainObjective(section.loss, rollout.max_staleness)
+        self.advantages = AdvantagePipeline(section.advantage, section.effort) if self.kind == "rl" else None
+        self.teachers = self._setup_teachers() if self.kind == "opd" else None
+        self.reference = self._setup_reference()
+        group_filter = None
+        if self.advantages is not None and section.advantage.dynamic_sampling:
+            group_filter = lambda ss: self.advantages.informative(GroupRollouts.from_samples(ss))  # noqa: E731
+        effort = section.effort if self.kind == "rl" else None
+        self.orchestrator = Orchestrator(rollout, self.environments, self.backend, seed=recipe.training.seed,
+                                         effort_levels=effort.levels if effort else (),
+                                         samples_per_level=effort.samples_per_level if effort else 0,
+                                         group_filter=group_filter)
+        self.data = _OrchestratorState(self)
+        self.started = False
+        self.eval_file = self.run_dir / "eval.jsonl"
+        self.rollout_file = self.run_dir / "rollouts.jsonl"
+
+    def build_data(self):
+        return None  # replaced by the orchestrator's state once it exists
+
+    # ---- set-up ---------------------------------------------------------------------------------------
+    def _setup_rollout(self) -> None:
+        recipe, engine_cfg = self.recipe, self.rollout_cfg.engine
+        self.placement = rollout_placement(recipe, self.layout, self.world_size)
+        if self.placement.shared:
+            self.rollout_model, self.rollout_groups, self.transfer = self.model, self.groups, None
+        else:
+            self.rollout_groups = build_groups(self.placement.layout)
+            with build_on(self.device):
+                self.rollout_model = V41Model(recipe.model, self.rollout_groups)
+            self.rollout_model.to(self.device)
+            self.rollout_model.apply_precision_map()
+            attach_token_map(self.rollout_model, self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
+            self.rollout_model.eval().requires_grad_(False)
+            self.transfer = WeightTransfer(self.model, self.rollout_model, rank=self.rank, world_size=self.world_size)
+        self.log(f"rollout: {self.placement.reason}")
+        self.topology = replica_topology(self.placement.layout, self.rank, g_device(self.groups))
+        self.max_model_len = engine_cfg.max_model_len or recipe.training.seq_length + 1
+        common = dict(max_model_len=self.max_model_len, prefill_chunk=engine_cfg.prefill_chunk,
+                      max_prefill_tokens=max(engine_cfg.prefill_chunk, 1024), page_tokens=engine_cfg.page_tokens,
+                      prefix_caching=False, seed=recipe.training.seed)
+        eos = [self.tokenizer.eos_id]
+        self.engine = InferenceEngine(self.rollout_model, EngineConfig(
+            max_num_seqs=engine_cfg.max_num_seqs, max_waiting=max(4 * self.rollout_cfg.max_in_flight, 256),
+            decoder_bounded_replay=engine_cfg.decoder_bounded_replay, **common), eos_token_ids=eos)
+        self.eval_engine = InferenceEngine(self.rollout_model, EngineConfig(
+            max_num_seqs=engine_cfg.max_num_seqs, max_waiting=100_000,
+            decoder_bounded_replay=engine_cfg.decoder_bounded_replay, **common), eos_token_ids=eos)
+        self.backend = EngineBackend(self.engine, self.environments, topology=self.topology,
+                                     layer_ids=self.rollout_model.layer_ids,
+                                     record_routing=engine_cfg.routing_replay, max_model_len=self.max_model_len,
+                                     weight_loader=self._load_rollout_weights if self.transfer else None)
+        self.evaluator = Evaluator(self.eval_engine, self.environments, self.topology, self.section.eval,
+                                   self.rollout_cfg.max_new_tokens, self.max_model_len)
+        self.model.train()
+
+    def _setup_teachers(self) -> TeacherPool:
+        cfg, models, owner, temps = self.section, {}, {}, {}
+        remote = [t.name for t in cfg.teachers if t.endpoint]
+        if remote:  # config accepts them (issue 14); the trainer does not reach endpoints yet
+            raise ConfigError(f"opd.teachers.{remote[0]}.endpoint: teachers over an endpoint are not supported by "
+                              "the trainer yet; give the teacher a checkpoint (loaded in process)")
+        for t in cfg.teachers:
+            if t.checkpoint:
+                models[t.name] = load_frozen_model(t.checkpoint, self.rollout_groups, vocab_size=self.recipe.model.vocab_size,
+                                                   tokenizer=self.tokenizer, what=f"opd.teachers.{t.name}.checkpoint",
+                                                   device=self.device)
+            temps[t.name] = t.temperature
+            for d in t.domains:
+                owner[d] = t.name
+        self.domain_of = {n: next((d.domain or d.name for d in self.rollout_cfg.datasets if d.name == n), n)
+                          for n in self.rollout_cfg.dataset_names()}
+        if "default" in self.domain_of and "default" not in owner and len(owner) == 1:
+            self.domain_of["default"] = next(iter(owner))
+        missing = sorted({d for d in self.domain_of.values() if d not in owner})
+        if missing:
+            raise ConfigError(f"opd.teachers: no teacher supervises domain(s) {missing}; add them to a teacher's "
+                              "domains or set rollout.datasets[*].domain")
+        return TeacherPool(models, owner, temps)
+
+    def _setup_reference(self):
+        if not self.section.loss.has_term("reference_kl"):
+            return None
+        path = getattr(self.section, "reference_checkpoint", "") or self.recipe.checkpoint.load
+        if not path:
+            raise ConfigError(f"{self.kind}.reference_checkpoint: the reference_kl term needs a frozen reference; set "
+                              "it, or checkpoint.load (the reference is then the weights this phase starts from)")
+        return load_frozen_model(path, self.rollout_groups, vocab_size=self.recipe.model.vocab_size,
+                                 tokenizer=self.tokenizer, what=f"{self.kind}.reference_checkpoint", device=self.device)
+
+    # ---- weights -------------------------------------------------------------------------------------
+    def _load_rollout_weights(self, version: int) -> None:
+        t0 = time.perf_counter()
+        self.transfer()
+        self._timing["weight_sync_s"] = self._timing.get("weight_sync_s", 0.0) + time.perf_counter() - t0
+
+    def _start(self) -> None:
+        """After restore: the engine gets the learner's weights and version, the orchestrator its
+        state (in-flight samples restored or discarded by the staleness rule) or a fresh start."""
+        self._timing = {}
+        if self.transfer is not None:
+            self.transfer()
+        self.engine.set_policy_version(self.step)
+        self.eval_engine.set_policy_version(self.step)
+        if self.data.pending is not None:
+            state = self.data.pending
+            if state["policy_version"] != self.step:
+                raise ConfigError(f"checkpoint: its orchestrator is at policy version {state['policy_version']}, "
+                                  f"the model at step {self.step}; the checkpoint is inconsistent")
+            self.orchestrator.load_state_dict(state)
+            self.data.pending = None
+            ledger = self.orchestrator.ledger
+            self.log(f"rollout: orchestrator restored at version {self.step} ({len(self.orchestrator.groups)} open "
+                     f"groups, {self.orchestrator.in_flight} samples in flight, ledger {ledger})")
+        self.started = True
+
+    # ---- one step --------------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        if not self.started:
+            self._start()
+            if self.step == 0 and self.section.eval.at_start:
+                self._evaluate()
+        t0 = time.perf_counter()
+        self._timing = {}
+        orch = self.orchestrator
+        if orch.paused:
+            orch.resume()
+        self.rollout_model.eval()
+        idle, filtered = 0, orch.ledger["filtered"]
+        while not orch.batch_ready():
+            if orch.ledger["filtered"] - filtered > 50 * self.rollout_cfg.batch_groups:
+                raise RuntimeError(f"rollout: {orch.ledger['filtered'] - filtered} groups in a row were uninformative "
+                                   "(every response got the same reward) and dynamic sampling dropped them; the "
+                                   "policy cannot solve (or always solves) these prompts — start from an SFT checkpoint "
+                                   "(checkpoint.load) or change the task difficulty")
+            got = orch.pump()
+            if got == 0 and not self.backend.any_busy:
+                idle += 1
+                if idle > 3:
+                    raise RuntimeError(f"rollout: no sample in flight and {len(orch.ready)} of "
+                                       f"{self.rollout_cfg.batch_groups} groups ready; ledger {orch.ledger}")
+            else:
+                idle = 0
+        groups = orch.begin_training()
+        t_rollout = time.perf_counter() - t0
+        stats = self.backend.take_stats()
+        samples = [s for g in groups for s in g.accepted]
+        extra = rollout_metrics(groups, current_version=self.step, max_staleness=self.rollout_cfg.max_staleness)
+        t1 = time.perf_counter()
+        lr = self.schedule.apply(self.optimizer, self.step)
+        result, loss_stats, tokens = self._train_on(samples, groups)
+        grad_norm = self.apply_gradients(result.loss)
+        t_train = time.perf_counter() - t1
+        orch.finish_update(self.step)  # weights into the engine (version + 1), staleness rule
+        extra.update(loss_stats)
+        extra.update(self._rollout_rates(stats, t_rollout, tokens, t_train))
+        extra.update({f"ledger_{k}": float(v) for k, v in orch.ledger.items()})
+        extra["in_flight"] = float(orch.in_flight)
+        if self._eval_due():
+            extra.update(self._evaluate())
+        step_time = time.perf_counter() - t0
+        extra["rollout_time_s"], extra["train_time_s"] = t_rollout, t_train
+        extra.update(self._timing)
+        self._record_prompts(groups)
+        return {"loss": result.loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "step_time": step_time,
+                "extra": extra, "fingerprint": ",".join(g.prompt_uid for g in groups)}
+
+    def _train_on(self, samples, groups):
+        t, cfg = self.recipe.training, self.section
+        if self.kind == "rl":
+            adv = self.advantages.compute([GroupRollouts.from_samples(g.accepted) for g in groups])
+            advantages = [float(a) for res in adv for a in res.advantages]
+        else:
+            advantages = [0.0] * len(samples)
+        weights = None
+        if self.kind == "opd" and cfg.domain_weights:
+            weights = {n: cfg.weight_of(d) for n, d in self.domain_of.items()}
+        mbs = build_micro_batches(samples, advantages, seq_length=t.seq_length, micro_batch_size=t.micro_batch_size,
+                                  dp_rank=self.dp_rank, dp_size=self.layout.dp, pad_id=self.tokenizer.pad_id,
+                                  loss_config=cfg.loss, dataset_weights=weights,
+                                  train_aware_replay=self.rollout_cfg.engine.train_aware_replay)
+        for mb in mbs:
+            self._add_frozen_outputs(mb)
+        global_tokens = float(sum(sum(s.policy_mask[1:]) for s in samples))
+        mode = "rl" if self.kind == "rl" else ("opd_sampled" if cfg.mode == "sampled_token" else "opd_full")
+        loss = PosttrainLoss(self.objective, self.groups, current_version=self.step, global_tokens=global_tokens,
+                             mode=mode, proximal=getattr(cfg, "proximal", "snapshot"))
+        cp = self.groups.cp
+        split = []
+        for mb in mbs:
+            routing = split_routing_for_cp(mb.pop("routing"), t.seq_length, cp)
+            part = split_micro_batch(to_device(mb, self.device), cp)
+            part["routing"] = routing
+            split.append(part)
+        self.model.train()
+        inputs = StepInputs(split, self.groups, self.num_micro_global, loss_fn=loss)
+        result = self.forward_backward(self.model, inputs)
+        finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb, zero1=self.zero1)
+        return result, loss.reduce(), int(global_tokens)
+
+    def _add_frozen_outputs(self, mb: dict) -> None:
+        """Teacher / reference outputs of the micro-batch's rows (whole sequences, before any
+        context-parallel split), on the policy's vocabulary shard."""
+        tp, temp = self.rollout_groups.tp, self.section.loss.temperature
+        if self.reference is not None:
+            mb["reference_logprobs"] = token_log_probs(full_logits(self.reference, mb["tokens"]), mb["labels"], tp, temp)
+        if self.teachers is None:
+            return
+        domains = [self.domain_of[d] for d in mb.pop("domains")]
+        logits = self.teachers.logits(mb["tokens"], domains)
+        if self.section.mode == "full_vocab":
+            mb["teacher_logits"] = logits
+        else:
+            mb["teacher_logprobs"] = token_log_probs(logits, mb["labels"], tp, 1.0)
+
+    def _rollout_rates(self, stats, t_rollout: float, tokens: int, t_train: float) -> dict[str, float]:
+        local = torch.tensor([stats.generated_tokens if self.topology.leader else 0, stats.engine_time_s
+                              if self.topology.leader else 0.0], dtype=torch.float64)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            local = local.to(g_device(self.groups))
+            dist.all_reduce(local)
+            local = local.cpu()
+        generated = float(local[0])
+        return {"rollout_tokens": generated, "rollout_tokens_per_s": generated / max(t_rollout, 1e-9),
+                "train_tokens_per_s": tokens / max(t_train, 1e-9)}
+
+    # ---- evaluation ------------------------------------------------------------------------------------
+    def _eval_due(self) -> bool:
+        e = self.section.eval
+        if not e.interval:
+            return False
+        return self.step % e.interval == 0 or self.step >= self.recipe.training.train_steps
+
+    def _evaluate(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.rollout_model.eval()
+        teacher = None
+        if self.kind == "opd":
+            teacher = (self.teachers, self.domain_of)
+        result = self.evaluator.run(self.step, teacher=teacher, scorer_groups=self.rollout_groups)
+        result["eval_time_s"] = time.perf_counter() - t0
+        if self.is_main:
+            self.eval_file.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.eval_file, "a") as f:
+                f.write(json.dumps({"step": self.step, **result}) + "\n")
+            acc = result.get("eval_accuracy")
+            self.log(f"eval at step {self.step}: " + " ".join(f"{k}={v:.4g}" for k, v in result.items()
+                                                                if isinstance(v, float)) +
+                     ("" if acc is None else f"  (held-out accuracy {acc:.3f})"))
+        return result
+
+    def _record_prompts(self, groups) -> None:
+        """rollouts.jsonl: the prompts this step trained on, the prompts dispatched so far and
+        those still open (in flight or complete, untrained) — the audit trail that a resumed run
+        trains no prompt twice and skips none (every dispatched prompt is trained, filtered by
+        dynamic sampling, or still open)."""
+        if not self.is_main:
+            return
+        orch = self.orchestrator
+        record = {"step": self.step, "version": orch.version, "trained": [g.prompt_uid for g in groups],
+                  "dispatched": orch.dispatched, "filtered": orch.ledger["filtered"],
+                  "open": sorted(g.prompt_uid for g in orch.groups.values())}
+        with open(self.rollout_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def write_run_files(self) -> None:
+        super().write_run_files()
+        if self.is_main:  # records of an attempt that died after its last checkpoint
+            for path in (self.eval_file, self.rollout_file):
+                if path.exists():
+                    _truncate_jsonl(path, self.step)
+
+
+def _truncate_jsonl(path: Path, step: int) -> None:
+    """Drop records after ``step`` (written by an attempt that died before its next checkpoint)."""
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut by kill -9 mid-write
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
