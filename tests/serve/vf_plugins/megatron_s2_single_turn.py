@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import re
 
-from openai import AsyncOpenAI
-
 import verifiers.v1 as vf
-from verifiers.v1.runtimes import ProgramResult
+
+from megatron_s2.posttrain.envs.vf_tasks import AskOnceHarness  # the harness the embedded tasks ship with
 
 __all__ = ["ArithmeticTaskset", "AskOnceHarness"]
 
@@ -54,19 +53,3 @@ class ArithmeticTaskset(vf.Taskset[ArithmeticTask, vf.TasksetConfig]):
     def load(self) -> list[ArithmeticTask]:
         return [ArithmeticTask(ArithmeticData(idx=i, prompt=f"What is {q}?", system_prompt="Answer with a number.",
                                               answer=a), self.config.task) for i, (q, a) in enumerate(QUESTIONS)]
-
-
-class AskOnceHarness(vf.Harness[vf.HarnessConfig]):
-    """One chat completion through the interception endpoint, in this process."""
-
-    APPENDS_SYSTEM_PROMPT = True
-    EXECUTES_CODE = False
-    NEEDS_CONTAINER = False
-
-    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
-        system, prompt = self.resolve_prompt(data)
-        messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": prompt})
-        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
-            await client.chat.completions.create(model=ctx.model, messages=messages)
-        return ProgramResult(exit_code=0, stdout="", stderr="")
