@@ -450,4 +450,5 @@ def _check_kv_fits(model_config, config: EngineConfig, device: torch.device) -> 
     gib = 1024 ** 3
     raise ConfigError(f"max_model_len / max_num_seqs: the KV cache for {config.max_num_seqs} requests of "
                       f"{config.max_model_len} tokens needs {needed / gib:.1f} GiB but only {free[0] / gib:.1f} GiB "
-                      f"{free[1]}; lower max_model_len (--max-model-len) or max_num_seqs (--max-num-seqs)")
+                      f"{free[1]}; lower max_model_len (--max-model-len)"
+                      + (" or max_num_seqs (serve --max-num-seqs)" if config.max_num_seqs > 1 else ""))
