@@ -167,6 +167,7 @@ def _row_sharded_worker(rank: int, world: int, tmp: str, table: torch.Tensor, gr
             build_optimizer(model, OptimizerConfig())
         trained = _train_table(model, [g[rows] for g in grads], row_groups={name: dist.group.WORLD})
         torch.save((delta, trained), os.path.join(tmp, f"rank{rank}.pt"))
+        dist.barrier()  # neither rank tears gloo down while the other still has an operation in flight
     finally:
         dist.destroy_process_group()
 
