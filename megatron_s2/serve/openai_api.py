@@ -107,6 +107,25 @@ def _error_stream(exc: HTTPError):
 
 
 # ---- /v1/completions --------------------------------------------------------------------------
+def _event_stream(gen: Generation, chunks) -> StreamingResponse:
+    """Server-sent events from ``chunks``; an engine error becomes an error event, a client that
+    left ends the stream, and a cancelled stream frees its engine requests."""
+
+    async def events():
+        try:
+            async for part in chunks:
+                yield part
+        except ClientDisconnected:
+            return
+        except HTTPError as exc:
+            for part in _error_stream(exc):
+                yield part
+        finally:
+            gen.abort()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 def _completion_prompts(f: Fields, state: ServerState) -> list[list[int]]:
     value = f.raw("prompt")
     if value is None or value == "" or value == []:
@@ -179,35 +198,27 @@ async def completions(state: ServerState, request):
     async def events():
         texts = {tag: TextStream(tok, stop) for tag in tags}
         first, generated = set(tags), 0
-        try:
-            async for tag, out in gen.events():
-                text = texts[tag]
-                offset = len(text.sent)
-                delta = text.push(out.token_ids, last=out.finished)
-                generated += len(out.token_ids)
-                if not (delta or out.finished or opts.token_ids or opts.logprobs is not None):
-                    continue
-                reason, why = reasons_of(out)
-                choice = {"index": tag, "text": delta, "finish_reason": reason, "stop_reason": why,
-                          "logprobs": logprobs_of(out.token_ids, out.logprobs, out.top_logprobs, offset)}
-                if opts.token_ids:
-                    if tag in first:
-                        choice["prompt_token_ids"] = prompts[tag // opts.n]
-                    choice.update(token_ids=out.token_ids, policy_versions=out.versions)
-                first.discard(tag)
-                yield sse({**base, "choices": [choice]})
-            if opts.usage_chunk:
-                yield sse({**base, "choices": [], "usage": _usage([prompts[t // opts.n] for t in tags], generated)})
-            yield SSE_DONE
-        except ClientDisconnected:
-            return
-        except HTTPError as exc:
-            for part in _error_stream(exc):
-                yield part
-        finally:
-            gen.abort()  # a cancelled stream (client gone) frees its engine requests
+        async for tag, out in gen.events():
+            text = texts[tag]
+            offset = len(text.sent)
+            delta = text.push(out.token_ids, last=out.finished)
+            generated += len(out.token_ids)
+            if not (delta or out.finished or opts.token_ids or opts.logprobs is not None):
+                continue
+            reason, why = reasons_of(out)
+            choice = {"index": tag, "text": delta, "finish_reason": reason, "stop_reason": why,
+                      "logprobs": logprobs_of(out.token_ids, out.logprobs, out.top_logprobs, offset)}
+            if opts.token_ids:
+                if tag in first:
+                    choice["prompt_token_ids"] = prompts[tag // opts.n]
+                choice.update(token_ids=out.token_ids, policy_versions=out.versions)
+            first.discard(tag)
+            yield sse({**base, "choices": [choice]})
+        if opts.usage_chunk:
+            yield sse({**base, "choices": [], "usage": _usage([prompts[t // opts.n] for t in tags], generated)})
+        yield SSE_DONE
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return _event_stream(gen, events())
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------
@@ -278,34 +289,26 @@ async def chat_completions(state: ServerState, request):
     async def events():
         texts = {tag: TextStream(tok, stop) for tag in tags}
         generated = 0
-        try:
-            for tag in tags:  # the role comes first, once per choice
-                head = {**chunk, "choices": [{"index": tag, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}]}
-                if opts.token_ids and tag == 0:
-                    head["prompt_token_ids"] = prompt
-                yield sse(head)
-            async for tag, out in gen.events():
-                text = texts[tag]
-                delta = text.push(out.token_ids, last=out.finished)
-                generated += len(out.token_ids)
-                if not (delta or out.finished or opts.token_ids or opts.logprobs is not None):
-                    continue
-                reason, why = reasons_of(out)
-                choice = {"index": tag, "delta": {"content": delta} if delta else {}, "logprobs": logprobs_of(out),
-                          "finish_reason": reason, "stop_reason": why}
-                if opts.token_ids:
-                    choice.update(token_ids=out.token_ids, policy_versions=out.versions)
-                yield sse({**chunk, "choices": [choice]})
-            if opts.usage_chunk:
-                yield sse({**chunk, "choices": [], "usage": _usage([prompt], generated)})
-            yield SSE_DONE
-        except ClientDisconnected:
-            return
-        except HTTPError as exc:
-            for part in _error_stream(exc):
-                yield part
-        finally:
-            gen.abort()  # a cancelled stream (client gone) frees its engine requests
+        for tag in tags:  # the role comes first, once per choice
+            head = {**chunk, "choices": [{"index": tag, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}
+            if opts.token_ids and tag == 0:
+                head["prompt_token_ids"] = prompt
+            yield sse(head)
+        async for tag, out in gen.events():
+            text = texts[tag]
+            delta = text.push(out.token_ids, last=out.finished)
+            generated += len(out.token_ids)
+            if not (delta or out.finished or opts.token_ids or opts.logprobs is not None):
+                continue
+            reason, why = reasons_of(out)
+            choice = {"index": tag, "delta": {"content": delta} if delta else {}, "logprobs": logprobs_of(out),
+                      "finish_reason": reason, "stop_reason": why}
+            if opts.token_ids:
+                choice.update(token_ids=out.token_ids, policy_versions=out.versions)
+            yield sse({**chunk, "choices": [choice]})
+        if opts.usage_chunk:
+            yield sse({**chunk, "choices": [], "usage": _usage([prompt], generated)})
+        yield SSE_DONE
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return _event_stream(gen, events())
