@@ -96,13 +96,15 @@ def prepare_runs(path: str, overrides: list[str], launcher_flags: dict, run_dir:
         raise ConfigError("run_dir: a pipeline needs a parent run directory; add run_dir: to "
                           f"{path} or pass --run-dir")
     runs: list[PreparedRun] = []
+    phase_dirs: dict[str, str] = {}
     for entry in pipeline.phases:
-        recipe = load_recipe(entry.recipe, [*entry.overrides, *overrides])
+        recipe = load_recipe(entry.recipe, [*entry.overrides, *overrides], phase_dirs=phase_dirs)
         recipe = recipe.replace(launcher=apply_launcher_flags(recipe.launcher, launcher_flags))
         if runs and entry.from_previous:
             recipe = chain_from(recipe, runs[-1].job.run_dir)
         target = Path(os.path.abspath(Path(base) / entry.name))
         runs.append(_prepare(recipe, entry.name, f"{Path(path).stem}-{entry.name}", target, local))
+        phase_dirs[entry.name] = str(target)
     return runs
 
 

@@ -13,7 +13,9 @@ A pipeline file is a YAML file with a ``phases:`` list (recognised by that key):
 
 A phase with ``from_previous`` gets ``checkpoint.load=<previous run_dir>/checkpoints`` and
 ``checkpoint.load_optimizer=false`` (weights only: a new phase starts a fresh optimiser and
-schedule). On SLURM each phase is a job depending on the previous one
+schedule). Any recipe value or override of a phase may name an earlier phase's run directory as
+``${phase:<name>}`` (e.g. an OPD teacher: ``checkpoint: ${phase:teacher}/checkpoints``), so the
+pipeline still finds it under ``--run-dir``. On SLURM each phase is a job depending on the previous one
 (``--dependency=afterok:<id>``); locally the phases run one after the other.
 """
 

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import yaml
 
@@ -168,13 +169,45 @@ def _resolve_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     return _merge(tree, data)
 
 
-def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> RecipeConfig:
-    """Load, merge and validate a recipe; raise ConfigError naming the offending key."""
+PHASE_REFERENCE = re.compile(r"\$\{phase:([^}]*)\}")
+"""``${phase:<name>}`` in a recipe value: the run directory of an earlier phase of the pipeline
+the recipe runs in (``megatron-s2 launch <pipeline.yaml>``), e.g. an OPD teacher's checkpoint."""
+
+
+def _substitute_phases(node: Any, phase_dirs: Mapping[str, str] | None, where: str) -> Any:
+    if isinstance(node, dict):
+        return {k: _substitute_phases(v, phase_dirs, f"{where}.{k}" if where else str(k)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_substitute_phases(v, phase_dirs, f"{where}[{i}]") for i, v in enumerate(node)]
+    if not isinstance(node, str) or "${phase:" not in node:
+        return node
+
+    def one(match: re.Match) -> str:
+        name = match.group(1)
+        if phase_dirs is None or name not in phase_dirs:
+            if phase_dirs is None:
+                raise ConfigError(f"{where}: '{match.group(0)}' names a pipeline phase, which only resolves when the "
+                                  "recipe runs as a phase of a pipeline (megatron-s2 launch <pipeline.yaml>); give "
+                                  "the path itself to run it alone")
+            raise ConfigError(f"{where}: '{match.group(0)}' is not an earlier phase of this pipeline; earlier phases: "
+                              f"{', '.join(phase_dirs) or 'none'}")
+        return phase_dirs[name]
+
+    return PHASE_REFERENCE.sub(one, node)
+
+
+def load_recipe(path: str | Path, overrides: Iterable[str] = (),
+                phase_dirs: Mapping[str, str] | None = None) -> RecipeConfig:
+    """Load, merge and validate a recipe; raise ConfigError naming the offending key.
+
+    ``phase_dirs`` (pipeline phases: name -> run directory) resolves ``${phase:<name>}`` in any
+    value; outside a pipeline such a reference is refused with a one-line error."""
     tree = _resolve_tree(Path(path))
     for text in overrides:
         if text.startswith("model.") and isinstance(tree.get("model"), str):
             tree["model"] = _resolve_model(tree["model"], Path(path).parent)
         apply_override(tree, text)
+    tree = _substitute_phases(tree, phase_dirs, "")
     if "model" not in tree:
         raise ConfigError("model: the recipe names no model; add `model: tiny` (or a path to a model file)")
     if isinstance(tree["model"], str):

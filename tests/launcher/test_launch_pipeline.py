@@ -47,6 +47,33 @@ def test_phases_chain_checkpoints_and_run_dirs(tmp_path):
     assert [r.job.name for r in runs] == ["pipeline-pretrain", "pipeline-sft"]
 
 
+def test_a_phase_names_an_earlier_phases_run_dir(tmp_path):
+    """``${phase:<name>}`` resolves to that phase's run directory wherever --run-dir puts the
+    pipeline (recipes/opd_tiny.yaml's teacher), and is refused for later phases or alone."""
+    ref = "checkpoint.load_optimizer=false"
+    path = write_pipeline(tmp_path, [
+        {"name": "teacher", "recipe": str(RECIPE)},
+        {"name": "opd", "recipe": str(RECIPE), "from_previous": False,
+         "overrides": ['checkpoint.load="${phase:teacher}/checkpoints"', ref]},
+    ], run_dir="unused")
+    runs = prepare_runs(path, [], {}, str(tmp_path / "elsewhere"), local=False)
+    assert runs[1].recipe.checkpoint.load == str(tmp_path / "elsewhere" / "teacher") + "/checkpoints"
+    later = write_pipeline(tmp_path, [
+        {"name": "a", "recipe": str(RECIPE), "overrides": ['checkpoint.load="${phase:b}/checkpoints"']},
+        {"name": "b", "recipe": str(RECIPE)},
+    ], run_dir=str(tmp_path / "runs"))
+    with pytest.raises(ConfigError, match=r"checkpoint\.load: '\$\{phase:b\}' is not an earlier phase"):
+        prepare_runs(later, [], {}, None, local=False)
+    with pytest.raises(ConfigError, match="only resolves when the recipe runs as a phase of a pipeline"):
+        load_recipe(RECIPE, ['checkpoint.load="${phase:teacher}/x"'])
+
+
+def test_opd_tiny_finds_its_teacher_under_any_run_dir(tmp_path):
+    runs = prepare_runs(str(RECIPES.parents[2] / "recipes" / "opd_tiny.yaml"), [], {}, str(tmp_path), local=True)
+    teacher, = runs[-1].recipe.opd.teachers
+    assert teacher.checkpoint == str(tmp_path / "teacher" / "checkpoints")
+
+
 @pytest.mark.parametrize("phases, top, message", [
     ([], {"run_dir": "x"}, "at least one phase"),
     ([{"name": "a", "recipe": str(RECIPE)}, {"name": "a", "recipe": str(RECIPE)}], {"run_dir": "x"}, "used twice"),
