@@ -2,6 +2,7 @@
 
     python bench/csa2_vs_dense.py [--max-seq 16384] [--repeats 3] [--warmup 1] [--threads N]
                                   [--device cpu|cuda] [--impls csa2 csa2-eager dense ...]
+                                  [--loss upstream|square-mean] [--fixed-mmap-threshold]
 
 Implementations (``--impls``; each is run in a fresh subprocess per length):
 
@@ -12,15 +13,21 @@ Implementations (``--impls``; each is run in a fresh subprocess per length):
   includes the indexer's alignment loss. The recipe's QAT switches apply (``--no-qat`` turns
   FP8/FP4 fake quantisation off). Kernels through the dispatch functions of
   :mod:`megatron_s2.kernels`: on CPU the memory-bounded PyTorch references (per-chunk recompute
-  in backward), on CUDA the Triton kernels.
+  in backward), on CUDA the Triton kernels. Under autograd the layer runs its attention core
+  and the indexer's alignment scores in checkpointed query chunks (``CSA2Attention.attend``).
 * **csa2-ref** (CUDA only): the same layer with ``MEGATRON_S2_KERNELS=reference``.
 * **csa2-eager**: the same layer with the sparse attention and the alignment-loss scores under
-  plain autograd (``sparse_attention_eager``: every chunk's ``[b, chunk, k, d]`` gather kept for
-  backward) — the reference before the memory-bounded one.
+  plain autograd (``sparse_attention_eager``: every chunk's ``[b, chunk, k, d]`` gather kept
+  for backward, inside the layer's checkpointed query chunks).
 * **dense**: q/k/v/o projections of the same width (hidden, heads x head_dim) and
   ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``.
 
-All run in float32 (``--dtype bfloat16`` on GPU for the training precision), batch 1.
+All run in float32 (``--dtype bfloat16`` on GPU for the training precision), batch 1. Both
+sides get the same treatment: same width, heads and head dim, forward + backward, same dtype,
+fresh process. The backward starts, by default (``--loss upstream``), from a fixed output
+gradient made before the pass (as inside a model, where it comes from the layer above), plus
+the CSA2 layer's own indexer alignment loss; ``--loss square-mean`` backpropagates
+``out.square().mean()`` instead, whose ``[s, d]`` temporaries then count on both sides.
 
 * **Time**: median wall time of ``--repeats`` forward+backward passes after ``--warmup``
   passes. On CPU the ratio of the fastest passes and the ratio of median process CPU time (all
@@ -31,8 +38,11 @@ All run in float32 (``--dtype bfloat16`` on GPU for the training precision), bat
   one forward+backward, measured after the warm-up with freed heap memory returned to the OS
   (``malloc_trim``). It counts activations, saved tensors, gradients and kernel workspaces of
   that pass; parameters and inputs exist before it. Where clear_refs is not writable a 1 ms
-  RSS sampler is used instead (the header says which). On CUDA: ``max_memory_allocated`` minus
-  the allocation before the pass.
+  RSS sampler is used instead (the header says which). The resident set also holds glibc heap
+  fragmentation (after the warm-up glibc raises its mmap threshold to ~32 MiB, so most tensors
+  come from the heap); ``--fixed-mmap-threshold`` serves every allocation over 64 KiB by mmap,
+  so the figure is the allocation peak itself. On CUDA: ``max_memory_allocated`` minus the
+  allocation before the pass.
 
 This is not part of the test suite; it prints one table with the ratios to dense side by side.
 """
@@ -169,10 +179,7 @@ def build(impl: str, args):
 
         def step(x, ids):
             ctx = ForwardContext.create(ids, cfg.plan)
-            out = layer(x, ctx)
-            loss = out.square().mean()
-            aux = ctx.total_aux_loss()
-            return loss if aux is None else loss + aux
+            return layer(x, ctx), ctx.total_aux_loss()
     else:
         class DenseCausalAttention(nn.Module):
             def __init__(self):
@@ -190,7 +197,7 @@ def build(impl: str, args):
         layer = DenseCausalAttention().to(device=args.device, dtype=dtype)
 
         def step(x, ids):
-            return layer(x).square().mean()
+            return layer(x), None
 
     return cfg, layer, step
 
@@ -204,12 +211,19 @@ def worker(impl: str, seq: int, args) -> dict:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, seq, cfg.hidden_size, generator=g).to(args.device, getattr(torch, args.dtype)).requires_grad_()
     ids = torch.zeros(1, seq, dtype=torch.long, device=args.device)
+    grad_out = torch.randn(x.shape, generator=g).to(x)
 
     def once():
         for p in layer.parameters():
             p.grad = None
         x.grad = None
-        step(x, ids).backward()
+        out, aux = step(x, ids)
+        if args.loss == "square-mean":
+            loss = out.square().mean()
+            (loss if aux is None else loss + aux).backward()
+        else:  # the output's gradient arrives from above, as in a model (it exists before the pass)
+            torch.autograd.backward([out] + ([aux] if aux is not None else []),
+                                    [grad_out] + ([None] if aux is not None else []))
         if cuda:
             torch.cuda.synchronize()
 
@@ -234,7 +248,7 @@ def worker(impl: str, seq: int, args) -> dict:
 def run_one(impl: str, seq: int, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", impl, "--seq", str(seq), "--model", args.model,
            "--layer", str(args.layer), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-           "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype] + \
+           "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype, "--loss", args.loss] + \
         (["--no-qat"] if args.no_qat else [])
     env = dict(os.environ, **({"MALLOC_MMAP_THRESHOLD_": "65536"} if args.fixed_mmap_threshold else {}))
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False, env=env)
@@ -256,6 +270,10 @@ def main(argv=None) -> int:
     p.add_argument("--layer", type=int, default=1, help="an encoder Full layer of --model")
     p.add_argument("--no-qat", action="store_true", help="turn FP8/FP4 fake quantisation off in CSA2")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--loss", default="upstream", choices=["upstream", "square-mean"],
+                   help="upstream: backward from a fixed output gradient made before the pass (the layer's own "
+                        "memory, as inside a model); square-mean: backward of out.square().mean() (adds the "
+                        "loss's [s, d] temporaries to both sides)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--impls", nargs="+", choices=IMPLS, help="default: csa2 csa2-eager dense (+ csa2-ref on CUDA)")
     p.add_argument("--fixed-mmap-threshold", action="store_true",
@@ -312,7 +330,9 @@ def main(argv=None) -> int:
           f"(hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}; "
           f"{first['dense']['params']:,} params)")
     where = f"{args.device}" if cuda else f"CPU, {first['dense']['threads']} threads"
-    print(f"{args.dtype}, batch 1, {where}, torch {torch.__version__}, load average "
+    source = "an upstream gradient" if args.loss == "upstream" else "out.square().mean()"
+    print(f"{args.dtype}, batch 1, {where}, backward from {source}, "
+          f"torch {torch.__version__}, load average "
           f"{os.getloadavg()[0]:.1f} at the end; time = median of "
           f"{args.repeats} fwd+bwd after {args.warmup} warm-up; peak = rise during one fwd+bwd "
           f"({first['dense']['memory_method']}, fresh process per cell"

@@ -633,3 +633,51 @@ def test_ced_decoder_compresses_attn_norm_of_the_encoder_output(tiny_cfg, make_m
         expected = model.layers[str(dec)].attn_norm(collapse(x, pre))
     assert torch.equal(seen["input"], expected)
     assert not any("input_norm" in name for name, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("layer", [1, 4], ids=["full-enc-m2", "full-dec-m1-ced"])
+def test_attention_in_recomputed_query_chunks_equals_one_chunk(tiny_cfg, make_attention, make_ctx, layer):
+    """Under autograd the attention core (and the indexer's alignment scores) run in query
+    chunks, each checkpointed and recomputed in backward (``CSA2Attention.attend``). Chunks of 3
+    queries must give the output, the indexer loss and every gradient of one chunk, with top-k
+    selection active and a document boundary inside a chunk."""
+    cfg = _small_layer_cfg(tiny_cfg).replace(index_topk=3)
+    g = torch.Generator().manual_seed(layer)
+    x0 = torch.randn(2, 20, cfg.hidden_size, generator=g)
+    w = torch.randn(2, 20, cfg.hidden_size, generator=g)
+    docs = torch.tensor([[0] * 8 + [1] * 12, [0] * 20])
+    calls = []
+    real = csa2_module.sparse_attention
+
+    def counting(*args, **kw):
+        calls.append(args[0].size(1))
+        return real(*args, **kw)
+
+    results = {}
+    for rows in (None, 3):
+        attn = make_attention(cfg, layer).train()
+        attn.attention_chunk_rows = rows
+        with torch.no_grad():
+            attn.attn_sink.normal_(generator=torch.Generator().manual_seed(0))
+        x = x0.clone().requires_grad_()
+        ctx = make_ctx(cfg, torch.zeros(2, 20, dtype=torch.long), docs)
+        calls.clear()
+        csa2_module.sparse_attention = counting
+        try:
+            out = attn(x, ctx)
+            aux = ctx.total_aux_loss()
+            ((out * w).sum() + aux).backward()
+        finally:
+            csa2_module.sparse_attention = real
+        grads = {n: p.grad.clone() for n, p in attn.named_parameters() if p.grad is not None}
+        results[rows] = (out.detach(), aux.detach(), x.grad, grads, list(calls))
+    out1, aux1, gx1, gp1, _ = results[None]
+    out3, aux3, gx3, gp3, calls3 = results[3]
+    assert sorted(calls3) == [2] * 2 + [3] * 12  # 7 chunks in forward, each recomputed once in backward
+    assert aux1.item() > 0
+    torch.testing.assert_close(out3, out1, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(aux3, aux1, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(gx3, gx1, atol=1e-6, rtol=1e-5)
+    assert gp3.keys() == gp1.keys() and any(n.startswith("indexer.") for n in gp1)
+    for name in gp1:
+        torch.testing.assert_close(gp3[name], gp1[name], atol=1e-6, rtol=1e-5, msg=name)
