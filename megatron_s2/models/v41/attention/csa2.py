@@ -25,12 +25,24 @@ once per rank on the tokens the rank holds (its stream shard under SP) and gathe
 sequence by the layer's :class:`~megatron_s2.parallel.sequence.SequenceSharding` (which also
 owns the CP gather and the window halo); the plan marks their gradients tp-partial.
 
-Memory under autograd (training): the attention core — query heads, window + top-k indices,
-sparse attention, output projection — runs in checkpointed query chunks (:meth:`CSA2Attention.attend`),
-the compressed query keeps only its output, and the indexer builds its queries per chunk for
-selection and recomputes them per chunk for its alignment loss (``Indexer.selected_scores``).
-What stays from forward to backward is per-token latents (qr, window KV, compressed entries,
-top-k ids), never ``[s, heads, head_dim]``; ``bench/csa2_vs_dense.py`` measures the peak.
+Memory under autograd (training). The indexer always builds its queries per scoring chunk
+for top-k selection (no autograd there). The rest depends on ``parallel.recompute``:
+
+* ``none`` (or ``full``, which recomputes the whole block around this): one pass over all
+  queries; autograd keeps the query heads ``[s, heads, head_dim]``, the grouped output and
+  the indexer's queries for the alignment loss (the sparse attention kernel itself saves only
+  its inputs, :mod:`megatron_s2.kernels.sparse_attention`).
+* ``selective`` — Megatron's *selective recomputation*: the core attention is recomputed.
+  The attention core (query heads, window + top-k indices, sparse attention, output
+  projection) runs in checkpointed query chunks (:meth:`CSA2Attention.attend`), the
+  compressed query keeps only its output, and the indexer recomputes its queries per chunk
+  for its alignment loss (``Indexer.selected_scores``). What stays from forward to backward
+  is per-token latents (qr, window KV, compressed entries, top-k ids), never
+  ``[s, heads, head_dim]``, and the transient working set is one chunk's; the price is the
+  recomputation in backward. ``bench/csa2_vs_dense.py`` measures both modes side by side.
+
+Both modes compute the same values (outputs, losses and gradients agree to float rounding:
+``tests/models/test_csa2.py``).
 """
 
 from __future__ import annotations
@@ -103,8 +115,10 @@ class CSA2Attention(nn.Module):
             config.rope_head_dim, theta, yarn, config.rope_scaling_factor,
             config.rope_beta_fast, config.rope_beta_slow), persistent=False)
 
-        self.selective_recompute = False  # set by the model; the attention core is always recomputed (attend)
-        self.attention_chunk_rows: int | None = None  # queries per attention chunk; None: attention_rows()
+        # parallel.recompute == "selective" (set by V41Model.set_recompute): recompute the attention
+        # core per query chunk in backward (recomputes_core)
+        self.selective_recompute = False
+        self.attention_chunk_rows: int | None = None  # queries per recomputed chunk; None: attention_rows()
         self.compressor = self.index_key = self.indexer = None
         if spec.mode is CSA2Mode.FULL:
             self.compressor = Compressor(config, spec.compress_ratio, linears=L)
@@ -114,6 +128,11 @@ class CSA2Attention(nn.Module):
         apply_plan(self, groups, config)
 
     # ---- helpers ---------------------------------------------------------------------------
+    def recomputes_core(self) -> bool:
+        """Whether this forward runs the attention core in checkpointed query chunks
+        (selective recomputation while training under autograd)."""
+        return self.selective_recompute and self.training and torch.is_grad_enabled()
+
     def _window(self, kv: torch.Tensor, ctx: ForwardContext):
         """Window keys (with the CP halo) and a function: slice of queries -> their window
         indices into those keys (built per attention chunk, never for all queries at once)."""
@@ -139,7 +158,7 @@ class CSA2Attention(nn.Module):
         def local(x: torch.Tensor) -> torch.Tensor:
             return self.q_norm(self.linear_q_down(wide(x)))
 
-        if torch.is_grad_enabled() and x_in.requires_grad:  # keep only qr: its norm's inputs are recomputed
+        if self.recomputes_core():  # keep only qr: its norm's inputs are recomputed
             return self.seq.gather_chunk(checkpoint(local, x_in, use_reentrant=False, preserve_rng_state=False))
         return self.seq.gather_chunk(local(x_in))
 
@@ -185,7 +204,7 @@ class CSA2Attention(nn.Module):
         return self.linear_out_b.gemm(o), mass
 
     def attention_rows(self) -> int:
-        """Queries per attention chunk under autograd (``attention_chunk_rows`` overrides it)."""
+        """Queries per recomputed attention chunk (``attention_chunk_rows`` overrides it)."""
         if self.attention_chunk_rows:
             return self.attention_chunk_rows
         return chunk_rows(1024, self.local_heads * self.head_dim, budget=ATTENTION_CHUNK_ELEMENTS)
@@ -194,23 +213,24 @@ class CSA2Attention(nn.Module):
                positions: torch.Tensor, split: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The attention core over all queries -> (output [b, s_local, d], mass or None).
 
-        While autograd records, the queries run in chunks of :meth:`attention_rows`, each under
-        activation checkpointing: only a chunk's inputs (its rows of ``qr`` and of the top-k
-        ids, the KV array) stay for backward; its indices, query heads, gathered keys,
-        probabilities and grouped output are recomputed per chunk in backward. No
-        ``[s, heads, head_dim]`` tensor lives from forward to backward, and the transient
-        working set is one chunk's. The tensor-parallel exit runs once, on all rows.
+        Under selective recomputation (:meth:`recomputes_core`) the queries run in chunks of
+        :meth:`attention_rows`, each under activation checkpointing: only a chunk's inputs (its
+        rows of ``qr`` and of the top-k ids, the KV array) stay for backward; its indices, query
+        heads, gathered keys, probabilities and grouped output are recomputed per chunk in
+        backward. No ``[s, heads, head_dim]`` tensor lives from forward to backward, and the
+        transient working set is one chunk's. Otherwise all queries run in one pass, without
+        recomputation. The tensor-parallel exit runs once, on all rows.
         ``window_idx(sl)``: the window indices of a slice of queries; a CSA2 layer's top-k
         entry ids follow them, offset by the ``n_window`` window keys."""
         s = qr.size(1)
-        recorded = torch.is_grad_enabled() and (qr.requires_grad or kv.requires_grad)
-        rows = self.attention_rows() if recorded else s
+        recompute = self.recomputes_core()
+        rows = self.attention_rows() if recompute else s
         outs, masses = [], []
         for start in range(0, s, rows):
             sl = slice(start, start + rows)
             top = None if topk is None else topk[:, sl]
             args = (qr[:, sl], kv, sl, window_idx, top, n_window, positions[:, sl], split)
-            if recorded:
+            if recompute:
                 out, mass = checkpoint(self.attention_chunk, *args, use_reentrant=False, preserve_rng_state=False)
             else:
                 out, mass = self.attention_chunk(*args)
@@ -251,15 +271,21 @@ class CSA2Attention(nn.Module):
         ctx.shared.publish(spec.index, K.INDEX_K, index_k)
         return main_kv, index_k
 
-    def _topk(self, x_in, qr, index_k, n_entries, ctx: ForwardContext):
+    def _topk(self, x_in, qr, index_k, n_entries, ctx: ForwardContext, keep_queries: bool):
+        """Top-k entry ids of the local queries, and what the indexer's alignment loss needs:
+        (detached qr, head weights, the indexer queries under autograd when ``keep_queries``
+        — computed once for selection and loss — else None: built per scoring chunk)."""
         spec = self.spec
         if not spec.runs_indexer:
             return ctx.shared.consume(spec.index, spec.index_source, K.TOPK), None
         ratio, pos, doc = spec.compress_ratio, ctx.positions, ctx.doc_ids
         weights = self.indexer.local_weights(self.seq.gather_chunk(self.indexer.head_weights(x_in.detach())))
         qr_d = qr.detach()
+        q_all = self.indexer.queries(qr_d, pos, self.inv_freq) if keep_queries else None
 
-        def q_idx(rows: slice) -> torch.Tensor:  # built per scoring chunk, without autograd (select)
+        def q_idx(rows: slice) -> torch.Tensor:  # one scoring chunk's queries (select runs without autograd)
+            if q_all is not None:
+                return q_all[:, rows]
             return self.indexer.queries(qr_d[:, rows], pos[:, rows], self.inv_freq)
 
         candidates = None
@@ -273,7 +299,7 @@ class CSA2Attention(nn.Module):
             ctx.shared.publish(spec.index, K.CANDIDATES, sel.candidates)
             ctx.shared.publish(spec.index, K.CANDIDATE_QUERY, torch.cat([qr_d.float(), weights.detach()], -1))
         self.last_scored_per_query = sel.scored_per_query
-        return sel.topk, (qr_d, weights)
+        return sel.topk, (qr_d, weights, q_all)
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -288,17 +314,21 @@ class CSA2Attention(nn.Module):
         else:
             kv, window_idx = self._window(kv, ctx)
         split, indexer_inputs, topk, n_window = None, None, None, kv.size(1)
+        want_mass = self.spec.runs_indexer and self.training and self.config.indexer_loss_coeff > 0
         if self.spec.is_csa2:
             main_kv, index_k = self._main_kv(x_in, ctx)
-            topk, indexer_inputs = self._topk(x_in, qr, index_k, main_kv.size(1), ctx)
+            keep = want_mass and not self.recomputes_core()
+            topk, indexer_inputs = self._topk(x_in, qr, index_k, main_kv.size(1), ctx, keep_queries=keep)
             kv = torch.cat([kv, main_kv.to(kv.dtype)], dim=1)
             split = self.window
-        want_mass = indexer_inputs is not None and self.training and self.config.indexer_loss_coeff > 0
         out, mass = self.attend(qr, kv, window_idx, topk, n_window, pos, split if want_mass else None)
         if want_mass:
-            qr_detached, weights = indexer_inputs
-            scores = self.indexer.selected_scores(qr_detached, pos, self.inv_freq, weights, index_k, topk,
-                                                  self.attention_rows())
+            qr_detached, weights, q_idx = indexer_inputs
+            if q_idx is None:  # selective recomputation: the scores' queries are recomputed per chunk
+                scores = self.indexer.selected_scores(qr_detached, pos, self.inv_freq, weights, index_k, topk,
+                                                      self.attention_rows())
+            else:
+                scores = self.indexer.gathered_scores(q_idx, weights, index_k, topk)
             kl_sum, n = self.indexer.alignment_loss_from_scores(scores, topk, mass)
             n = mappings.all_reduce_sum(n.float().reshape(1), self.cp)  # mean over the whole sequence
             kl = kl_sum / n.clamp_min(1).squeeze()

@@ -166,14 +166,22 @@ class Indexer(nn.Module):
         scored = n if candidates is None else candidates.size(-1)
         return IndexerSelection(topk, torch.cat(cands, dim=1) if make_candidates else None, scored)
 
+    def gathered_scores(self, q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor,
+                        topk: torch.Tensor) -> torch.Tensor:
+        """This rank's index scores (local heads) of each query's selected entries [b, s, k]
+        (0 where none) from indexer queries ``q`` [b, s, h_local, d] kept under autograd.
+        The keys are gathered per chunk and regathered in backward (no [b, s, k, d] kept)."""
+        return indexer_gathered_scores(q, index_k, w, topk)
+
     def selected_scores(self, qr: torch.Tensor, q_pos: torch.Tensor, inv_freq: torch.Tensor, w: torch.Tensor,
                         index_k: torch.Tensor, topk: torch.Tensor, rows: int) -> torch.Tensor:
-        """This rank's index scores (local heads) of each query's selected entries [b, s, k]
-        (0 where none), with autograd to the indexer's query projection, ``w`` and ``index_k``.
+        """:meth:`gathered_scores` under selective recomputation: the same scores, with autograd
+        to the indexer's query projection, ``w`` and ``index_k``, from the (detached)
+        compressed query ``qr`` instead of kept indexer queries.
 
-        ``qr`` is the (detached) compressed query. Queries run in chunks of ``rows`` under
-        activation checkpointing: the indexer queries, their MXFP4 QAT and the gathered keys
-        of a chunk are recomputed in backward, so only ``qr``, ``w`` and the ids stay alive."""
+        Queries run in chunks of ``rows`` under activation checkpointing: the indexer queries,
+        their MXFP4 QAT and the gathered keys of a chunk are recomputed in backward, so only
+        ``qr``, ``w`` and the ids stay alive."""
         def chunk(qr_c, pos_c, w_c, keys, ids_c):
             return indexer_gathered_scores(self.queries(qr_c, pos_c, inv_freq), keys, w_c, ids_c)
 
@@ -190,15 +198,14 @@ class Indexer(nn.Module):
                        target_mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """KL(p_attn || softmax(I)) over each query's selected entries, from indexer queries
         ``q`` [b, s, h_local, d] (:meth:`alignment_loss_from_scores`)."""
-        # Gathered per chunk and recomputed in backward: no [b, s, k, d] gather kept alive.
-        return self.alignment_loss_from_scores(indexer_gathered_scores(q, index_k, w, topk), topk, target_mass)
+        return self.alignment_loss_from_scores(self.gathered_scores(q, w, index_k, topk), topk, target_mass)
 
     def alignment_loss_from_scores(self, local_scores: torch.Tensor, topk: torch.Tensor,
                                    target_mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """KL(p_attn || softmax(I)) over each query's selected entries.
 
         local_scores: [b, s, k] index scores of the selected entries summed over this rank's
-        heads (:meth:`selected_scores`); target_mass: [b, s, k] attention mass (summed over the
+        heads (:meth:`gathered_scores` / :meth:`selected_scores`); target_mass: [b, s, k] attention mass (summed over the
         local heads, detached) on them. Returns (sum of per-query KL, number of queries with a
         selection).
         """
