@@ -205,9 +205,9 @@ class Indexer(nn.Module):
         """KL(p_attn || softmax(I)) over each query's selected entries.
 
         local_scores: [b, s, k] index scores of the selected entries summed over this rank's
-        heads (:meth:`gathered_scores` / :meth:`selected_scores`); target_mass: [b, s, k] attention mass (summed over the
-        local heads, detached) on them. Returns (sum of per-query KL, number of queries with a
-        selection).
+        heads (:meth:`gathered_scores` / :meth:`selected_scores`); target_mass: [b, s, k]
+        attention mass (summed over the local heads, detached) on them. Returns (sum of
+        per-query KL, number of queries with a selection).
         """
         valid = topk >= 0
         scores = mappings.reduce_from_group(local_scores, self.tp)
