@@ -1,7 +1,7 @@
 """CSA2 attention layer vs dense causal attention: forward+backward time and peak memory.
 
     python bench/csa2_vs_dense.py [--max-seq 16384] [--repeats 3] [--warmup 1] [--threads N]
-                                  [--device cpu|cuda] [--impls csa2 csa2-eager dense ...]
+                                  [--device cpu|cuda] [--impls csa2 csa2-selective dense ...]
                                   [--loss upstream|square-mean] [--fixed-mmap-threshold]
 
 Implementations (``--impls``; each is run in a fresh subprocess per length):
@@ -13,12 +13,15 @@ Implementations (``--impls``; each is run in a fresh subprocess per length):
   includes the indexer's alignment loss. The recipe's QAT switches apply (``--no-qat`` turns
   FP8/FP4 fake quantisation off). Kernels through the dispatch functions of
   :mod:`megatron_s2.kernels`: on CPU the memory-bounded PyTorch references (per-chunk recompute
-  in backward), on CUDA the Triton kernels. Under autograd the layer runs its attention core
-  and the indexer's alignment scores in checkpointed query chunks (``CSA2Attention.attend``).
-* **csa2-ref** (CUDA only): the same layer with ``MEGATRON_S2_KERNELS=reference``.
-* **csa2-eager**: the same layer with the sparse attention and the alignment-loss scores under
-  plain autograd (``sparse_attention_eager``: every chunk's ``[b, chunk, k, d]`` gather kept
-  for backward, inside the layer's checkpointed query chunks).
+  in backward), on CUDA the Triton kernels. No activation recomputation
+  (``parallel.recompute: none``): the layer's eager path, one pass over all queries.
+* **csa2-selective**: the same layer under selective recomputation (``parallel.recompute:
+  selective``): the attention core and the indexer's alignment scores run in checkpointed
+  query chunks, recomputed in backward (``CSA2Attention.attend``) — the memory-bounded path.
+* **csa2-ref** (CUDA only): ``csa2`` with ``MEGATRON_S2_KERNELS=reference``.
+* **csa2-eager** (not run by default): ``csa2`` with the sparse attention and the
+  alignment-loss scores under plain autograd (``sparse_attention_eager``: every chunk's
+  ``[b, chunk, k, d]`` gather kept for backward) — the kernels' oracle.
 * **dense**: q/k/v/o projections of the same width (hidden, heads x head_dim) and
   ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``.
 
@@ -61,7 +64,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-IMPLS = ("csa2", "csa2-ref", "csa2-eager", "dense")
+IMPLS = ("csa2", "csa2-selective", "csa2-ref", "csa2-eager", "dense")
 
 
 # ---- worker: one (implementation, length) in its own process ---------------------------------------
@@ -176,6 +179,7 @@ def build(impl: str, args):
         layer = CSA2Attention(cfg, spec, ParallelGroups.single())
         initialize_parameters(layer, 0, cfg.init_std)
         layer.to(device=args.device, dtype=dtype).train()
+        layer.selective_recompute = impl == "csa2-selective"  # what V41Model.set_recompute sets
 
         def step(x, ids):
             ctx = ForwardContext.create(ids, cfg.plan)
@@ -275,7 +279,8 @@ def main(argv=None) -> int:
                         "memory, as inside a model); square-mean: backward of out.square().mean() (adds the "
                         "loss's [s, d] temporaries to both sides)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--impls", nargs="+", choices=IMPLS, help="default: csa2 csa2-eager dense (+ csa2-ref on CUDA)")
+    p.add_argument("--impls", nargs="+", choices=IMPLS,
+                   help="default: csa2 csa2-selective dense (+ csa2-ref on CUDA)")
     p.add_argument("--fixed-mmap-threshold", action="store_true",
                    help="CPU: run the workers with MALLOC_MMAP_THRESHOLD_=65536 (no glibc heap reuse, so the RSS peak "
                         "is the allocation peak rather than allocation + fragmentation; slower)")
@@ -299,7 +304,7 @@ def main(argv=None) -> int:
         seqs.append(s)
         s *= 2
     cuda = args.device.startswith("cuda")
-    impls = args.impls or (["csa2", "csa2-ref", "csa2-eager", "dense"] if cuda else ["csa2", "csa2-eager", "dense"])
+    impls = args.impls or ["csa2", "csa2-selective"] + (["csa2-ref"] if cuda else []) + ["dense"]
     if "dense" not in impls:
         impls = list(impls) + ["dense"]
     if "csa2-ref" in impls and not cuda:
@@ -353,6 +358,15 @@ def main(argv=None) -> int:
                          f"{min(c['times_s']) / min(d['times_s']):6.2f} "
                          f"{c['median_cpu_s'] / max(d['median_cpu_s'], 1e-9):6.2f} {mr:6.2f}")
         print(f"{seq:>6} | {d['median_s'] * 1e3:9.1f} {d['peak_mib']:9.1f} | " + " | ".join(parts))
+    if "csa2" in others and "csa2-selective" in others:
+        def vs_none(cell) -> str:
+            sel, none = cell["csa2-selective"], cell["csa2"]
+            return (f"time {sel['median_s'] / none['median_s']:.2f} [{min(sel['times_s']) / min(none['times_s']):.2f}] "
+                    f"{{{sel['median_cpu_s'] / max(none['median_cpu_s'], 1e-9):.2f}}} "
+                    f"mem {sel['peak_mib'] / max(none['peak_mib'], 1e-9):.2f}")
+
+        print("selective recomputation vs none (csa2-selective / csa2): "
+              + "; ".join(f"{seq}: {vs_none(cell)}" for seq, cell in rows))
     print("absolute peak MiB: " + "; ".join(f"{seq}: " + ", ".join(f"{i} {c['peak_mib']:.1f}" for i, c in cell.items())
                                            for seq, cell in rows))
     print(f"(total wall time {time.time() - t_start:.0f} s)")

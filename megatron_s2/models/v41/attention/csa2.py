@@ -25,13 +25,14 @@ once per rank on the tokens the rank holds (its stream shard under SP) and gathe
 sequence by the layer's :class:`~megatron_s2.parallel.sequence.SequenceSharding` (which also
 owns the CP gather and the window halo); the plan marks their gradients tp-partial.
 
-Memory under autograd (training). The indexer always builds its queries per scoring chunk
-for top-k selection (no autograd there). The rest depends on ``parallel.recompute``:
+Memory under autograd (training) depends on ``parallel.recompute`` (top-k selection itself
+runs without autograd, over query chunks; without the alignment loss, e.g. in inference, the
+indexer builds its queries one scoring chunk at a time):
 
 * ``none`` (or ``full``, which recomputes the whole block around this): one pass over all
   queries; autograd keeps the query heads ``[s, heads, head_dim]``, the grouped output and
-  the indexer's queries for the alignment loss (the sparse attention kernel itself saves only
-  its inputs, :mod:`megatron_s2.kernels.sparse_attention`).
+  the indexer's queries, computed once for selection and the alignment loss (the sparse
+  attention kernel itself saves only its inputs, :mod:`megatron_s2.kernels.sparse_attention`).
 * ``selective`` — Megatron's *selective recomputation*: the core attention is recomputed.
   The attention core (query heads, window + top-k indices, sparse attention, output
   projection) runs in checkpointed query chunks (:meth:`CSA2Attention.attend`), the
