@@ -1,7 +1,8 @@
 """CSA2 attention layer vs dense causal attention: forward+backward time and peak memory.
 
     python bench/csa2_vs_dense.py [--max-seq 16384] [--repeats 3] [--warmup 1] [--threads N]
-                                  [--device cpu|cuda] [--impls csa2 csa2-eager dense ...]
+                                  [--device cpu|cuda] [--impls csa2 csa2-selective dense ...]
+                                  [--loss upstream|square-mean] [--fixed-mmap-threshold]
 
 Implementations (``--impls``; each is run in a fresh subprocess per length):
 
@@ -12,15 +13,24 @@ Implementations (``--impls``; each is run in a fresh subprocess per length):
   includes the indexer's alignment loss. The recipe's QAT switches apply (``--no-qat`` turns
   FP8/FP4 fake quantisation off). Kernels through the dispatch functions of
   :mod:`megatron_s2.kernels`: on CPU the memory-bounded PyTorch references (per-chunk recompute
-  in backward), on CUDA the Triton kernels.
-* **csa2-ref** (CUDA only): the same layer with ``MEGATRON_S2_KERNELS=reference``.
-* **csa2-eager**: the same layer with the sparse attention and the alignment-loss scores under
-  plain autograd (``sparse_attention_eager``: every chunk's ``[b, chunk, k, d]`` gather kept for
-  backward) — the reference before the memory-bounded one.
+  in backward), on CUDA the Triton kernels. No activation recomputation
+  (``parallel.recompute: none``): the layer's eager path, one pass over all queries.
+* **csa2-selective**: the same layer under selective recomputation (``parallel.recompute:
+  selective``): the attention core and the indexer's alignment scores run in checkpointed
+  query chunks, recomputed in backward (``CSA2Attention.attend``) — the memory-bounded path.
+* **csa2-ref** (CUDA only): ``csa2`` with ``MEGATRON_S2_KERNELS=reference``.
+* **csa2-eager** (not run by default): ``csa2`` with the sparse attention and the
+  alignment-loss scores under plain autograd (``sparse_attention_eager``: every chunk's
+  ``[b, chunk, k, d]`` gather kept for backward) — the kernels' oracle.
 * **dense**: q/k/v/o projections of the same width (hidden, heads x head_dim) and
   ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``.
 
-All run in float32 (``--dtype bfloat16`` on GPU for the training precision), batch 1.
+All run in float32 (``--dtype bfloat16`` on GPU for the training precision), batch 1. Both
+sides get the same treatment: same width, heads and head dim, forward + backward, same dtype,
+fresh process. The backward starts, by default (``--loss upstream``), from a fixed output
+gradient made before the pass (as inside a model, where it comes from the layer above), plus
+the CSA2 layer's own indexer alignment loss; ``--loss square-mean`` backpropagates
+``out.square().mean()`` instead, whose ``[s, d]`` temporaries then count on both sides.
 
 * **Time**: median wall time of ``--repeats`` forward+backward passes after ``--warmup``
   passes. On CPU the ratio of the fastest passes and the ratio of median process CPU time (all
@@ -31,8 +41,11 @@ All run in float32 (``--dtype bfloat16`` on GPU for the training precision), bat
   one forward+backward, measured after the warm-up with freed heap memory returned to the OS
   (``malloc_trim``). It counts activations, saved tensors, gradients and kernel workspaces of
   that pass; parameters and inputs exist before it. Where clear_refs is not writable a 1 ms
-  RSS sampler is used instead (the header says which). On CUDA: ``max_memory_allocated`` minus
-  the allocation before the pass.
+  RSS sampler is used instead (the header says which). The resident set also holds glibc heap
+  fragmentation (after the warm-up glibc raises its mmap threshold to ~32 MiB, so most tensors
+  come from the heap); ``--fixed-mmap-threshold`` serves every allocation over 64 KiB by mmap,
+  so the figure is the allocation peak itself. On CUDA: ``max_memory_allocated`` minus the
+  allocation before the pass.
 
 This is not part of the test suite; it prints one table with the ratios to dense side by side.
 """
@@ -51,7 +64,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-IMPLS = ("csa2", "csa2-ref", "csa2-eager", "dense")
+IMPLS = ("csa2", "csa2-selective", "csa2-ref", "csa2-eager", "dense")
 
 
 # ---- worker: one (implementation, length) in its own process ---------------------------------------
@@ -166,13 +179,11 @@ def build(impl: str, args):
         layer = CSA2Attention(cfg, spec, ParallelGroups.single())
         initialize_parameters(layer, 0, cfg.init_std)
         layer.to(device=args.device, dtype=dtype).train()
+        layer.selective_recompute = impl == "csa2-selective"  # what V41Model.set_recompute sets
 
         def step(x, ids):
             ctx = ForwardContext.create(ids, cfg.plan)
-            out = layer(x, ctx)
-            loss = out.square().mean()
-            aux = ctx.total_aux_loss()
-            return loss if aux is None else loss + aux
+            return layer(x, ctx), ctx.total_aux_loss()
     else:
         class DenseCausalAttention(nn.Module):
             def __init__(self):
@@ -190,7 +201,7 @@ def build(impl: str, args):
         layer = DenseCausalAttention().to(device=args.device, dtype=dtype)
 
         def step(x, ids):
-            return layer(x).square().mean()
+            return layer(x), None
 
     return cfg, layer, step
 
@@ -204,12 +215,19 @@ def worker(impl: str, seq: int, args) -> dict:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, seq, cfg.hidden_size, generator=g).to(args.device, getattr(torch, args.dtype)).requires_grad_()
     ids = torch.zeros(1, seq, dtype=torch.long, device=args.device)
+    grad_out = torch.randn(x.shape, generator=g).to(x)
 
     def once():
         for p in layer.parameters():
             p.grad = None
         x.grad = None
-        step(x, ids).backward()
+        out, aux = step(x, ids)
+        if args.loss == "square-mean":
+            loss = out.square().mean()
+            (loss if aux is None else loss + aux).backward()
+        else:  # the output's gradient arrives from above, as in a model (it exists before the pass)
+            torch.autograd.backward([out] + ([aux] if aux is not None else []),
+                                    [grad_out] + ([None] if aux is not None else []))
         if cuda:
             torch.cuda.synchronize()
 
@@ -234,7 +252,7 @@ def worker(impl: str, seq: int, args) -> dict:
 def run_one(impl: str, seq: int, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", impl, "--seq", str(seq), "--model", args.model,
            "--layer", str(args.layer), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-           "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype] + \
+           "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype, "--loss", args.loss] + \
         (["--no-qat"] if args.no_qat else [])
     env = dict(os.environ, **({"MALLOC_MMAP_THRESHOLD_": "65536"} if args.fixed_mmap_threshold else {}))
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False, env=env)
@@ -256,8 +274,13 @@ def main(argv=None) -> int:
     p.add_argument("--layer", type=int, default=1, help="an encoder Full layer of --model")
     p.add_argument("--no-qat", action="store_true", help="turn FP8/FP4 fake quantisation off in CSA2")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--loss", default="upstream", choices=["upstream", "square-mean"],
+                   help="upstream: backward from a fixed output gradient made before the pass (the layer's own "
+                        "memory, as inside a model); square-mean: backward of out.square().mean() (adds the "
+                        "loss's [s, d] temporaries to both sides)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--impls", nargs="+", choices=IMPLS, help="default: csa2 csa2-eager dense (+ csa2-ref on CUDA)")
+    p.add_argument("--impls", nargs="+", choices=IMPLS,
+                   help="default: csa2 csa2-selective dense (+ csa2-ref on CUDA)")
     p.add_argument("--fixed-mmap-threshold", action="store_true",
                    help="CPU: run the workers with MALLOC_MMAP_THRESHOLD_=65536 (no glibc heap reuse, so the RSS peak "
                         "is the allocation peak rather than allocation + fragmentation; slower)")
@@ -281,7 +304,7 @@ def main(argv=None) -> int:
         seqs.append(s)
         s *= 2
     cuda = args.device.startswith("cuda")
-    impls = args.impls or (["csa2", "csa2-ref", "csa2-eager", "dense"] if cuda else ["csa2", "csa2-eager", "dense"])
+    impls = args.impls or ["csa2", "csa2-selective"] + (["csa2-ref"] if cuda else []) + ["dense"]
     if "dense" not in impls:
         impls = list(impls) + ["dense"]
     if "csa2-ref" in impls and not cuda:
@@ -312,7 +335,9 @@ def main(argv=None) -> int:
           f"(hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}; "
           f"{first['dense']['params']:,} params)")
     where = f"{args.device}" if cuda else f"CPU, {first['dense']['threads']} threads"
-    print(f"{args.dtype}, batch 1, {where}, torch {torch.__version__}, load average "
+    source = "an upstream gradient" if args.loss == "upstream" else "out.square().mean()"
+    print(f"{args.dtype}, batch 1, {where}, backward from {source}, "
+          f"torch {torch.__version__}, load average "
           f"{os.getloadavg()[0]:.1f} at the end; time = median of "
           f"{args.repeats} fwd+bwd after {args.warmup} warm-up; peak = rise during one fwd+bwd "
           f"({first['dense']['memory_method']}, fresh process per cell"
@@ -333,6 +358,15 @@ def main(argv=None) -> int:
                          f"{min(c['times_s']) / min(d['times_s']):6.2f} "
                          f"{c['median_cpu_s'] / max(d['median_cpu_s'], 1e-9):6.2f} {mr:6.2f}")
         print(f"{seq:>6} | {d['median_s'] * 1e3:9.1f} {d['peak_mib']:9.1f} | " + " | ".join(parts))
+    if "csa2" in others and "csa2-selective" in others:
+        def vs_none(cell) -> str:
+            sel, none = cell["csa2-selective"], cell["csa2"]
+            return (f"time {sel['median_s'] / none['median_s']:.2f} [{min(sel['times_s']) / min(none['times_s']):.2f}] "
+                    f"{{{sel['median_cpu_s'] / max(none['median_cpu_s'], 1e-9):.2f}}} "
+                    f"mem {sel['peak_mib'] / max(none['peak_mib'], 1e-9):.2f}")
+
+        print("selective recomputation vs none (csa2-selective / csa2): "
+              + "; ".join(f"{seq}: {vs_none(cell)}" for seq, cell in rows))
     print("absolute peak MiB: " + "; ".join(f"{seq}: " + ", ".join(f"{i} {c['peak_mib']:.1f}" for i, c in cell.items())
                                            for seq, cell in rows))
     print(f"(total wall time {time.time() - t_start:.0f} s)")

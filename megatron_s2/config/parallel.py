@@ -49,8 +49,10 @@ class ParallelConfig:
     """ZeRO-1: shard optimiser state over data-parallel replicas (gradients reduce-scattered to
     their owners, updated parameters all-gathered: plain data parallelism's wire)."""
     recompute: Literal["none", "full", "selective"] = "none"
-    """Activation recomputation: none, full (whole layers) or selective (attention core and routed
-    experts' SwiGLU: SELECTIVE_RECOMPUTE of models/v41/parallel_plan.py)."""
+    """Activation recomputation: none, full (whole layers) or selective (the attention core, run in
+    checkpointed query chunks, and the routed experts' SwiGLU: SELECTIVE_RECOMPUTE of
+    models/v41/parallel_plan.py). Selective bounds a CSA2 layer's attention memory (no
+    [s, heads, head_dim] tensor kept) at the price of recomputing the core in backward."""
     grad_bucket_mb: float = 25.0
     """Size of the gradient all-reduce buckets in MiB."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"

@@ -14,27 +14,42 @@ Per token of the streams (``T_sp``: local tokens, / tp under sequence parallelis
   output ``d`` and one RMS statistic;
 * RMSNorm: input, normalised copy and statistic ``2 d + 1``.
 
-Attention, per local query (``T``), with ``k = window + top-k`` (CSA2) or ``window`` (SWA):
-the low-rank query path (``q_lora`` after the norm, ``2 q_lora + 1`` in it), RoPE cos/sin of
-the query, the window KV and the output (``3 rope_dim``), the rotated queries and the
-de-rotated output (``2 h_local head_dim``), the int64 indices of the listed entries ``2 k``
-and the grouped output ``g_local o_lora``; the KV array the keys are gathered from (window
-KV of the local tokens plus the CP halo, plus every compressed entry of the sequence). The
-sparse attention core saves only its inputs and recomputes the gathered keys and the softmax
-per chunk in backward (:mod:`megatron_s2.kernels.sparse_attention`).
+Attention, per local query (``T``), with ``k = window + top-k`` (CSA2) or ``window`` (SWA),
+per stream token the layer input ``d`` and the window-KV norm ``2 head_dim + 1``:
+
+* ``recompute: none`` — the low-rank query path (``q_lora`` after the norm, ``2 q_lora + 1``
+  in it), RoPE cos/sin of the query, the window KV and the output (``3 rope_dim``), the
+  rotated queries and the de-rotated output (``2 h_local head_dim``), the int64 indices of
+  the listed entries ``2 k`` and the grouped output ``g_local o_lora``; the KV array the keys
+  are gathered from (window KV of the local tokens plus the CP halo, plus every compressed
+  entry of the sequence). The sparse attention kernel saves only its inputs and recomputes
+  the gathered keys and the softmax per chunk in backward
+  (:mod:`megatron_s2.kernels.sparse_attention`).
+* ``recompute: selective`` — the core runs in checkpointed query chunks
+  (``CSA2Attention.attend``): only the checkpoints' inputs stay, the compressed query
+  ``q_lora`` (its norm recomputed), the top-k ids ``2 top-k`` (CSA2), the KV array, and the
+  window KV's RoPE ``rope_dim``; query heads, indices, outputs are recomputed per chunk.
+
 Full layers add the compressor (softmax-gated pooling keeps ``C`` and ``softmax(Z)``: ``2
 head_dim`` per token when m > 1), its norm and the index-key projection per entry (the CED
-decoder Full layer compresses its own normalised input, already counted). Indexer layers (training with
-``indexer_loss_coeff > 0``) add the KL alignment: rotated indexer queries, the gathered index
-keys ``top-k index_head_dim`` and scores over the selected entries.
+decoder Full layer compresses its own normalised input, already counted). Indexer layers
+(training with ``indexer_loss_coeff > 0``) add the KL alignment over the selected entries:
+the head weights ``h_I``, the log-softmax, target and their masks ``2 top-k + 2 top-k / 4``
+and the has-a-selection mask; the index-score kernel (:mod:`megatron_s2.kernels.indexer`)
+saves its inputs only — without recomputation the rotated indexer queries
+``h_I index_head_dim`` (their RoPE ``rope_dim``) and the top-k ids ``2 top-k``; under
+selective recomputation its queries are recomputed per chunk from the compressed query (the
+ids and ``q_lora`` are the attention checkpoint's). A Full layer's own index keys are saved
+in both modes.
 
 MoE, per token routed on this rank (``T / tp``): router input, logits and scores, top-k ids
 and weights; the permutation indices of the dispatcher; per routed slot (``top-k`` per token)
 the expert input ``d`` and seven ``F / etp``-wide SwiGLU intermediates; the shared expert
-``6 F / tp`` per query. Under ``recompute: selective`` the attention core and the routed
-experts' SwiGLU are recomputed in backward: only their checkpoint inputs stay (the KV array;
-the routed rows and their combine weights). Engram: hash ids, fetched rows (three copies through lookup and FP8
-fake quantisation), the projected key/value ``(n + 1) d``, the streams and gated products.
+``6 F / tp`` per query. Under ``recompute: selective`` the attention core (above) and the
+routed experts' SwiGLU are recomputed in backward: only their checkpoint inputs stay (for the
+experts, the routed rows and their combine weights). Engram: hash ids, fetched rows (three
+copies through lookup and FP8 fake quantisation), the projected key/value ``(n + 1) d``, the
+streams and gated products.
 """
 
 from __future__ import annotations
@@ -116,13 +131,17 @@ def layer_activations(c: ModelConfig, spec: LayerSpec, r: RankShape, recompute: 
     out.add("mhc", 2 * Tsp * _mhc_sublayer(c))
     out.add("norms", 2 * Tsp * (2 * d + 1))
     # ---- attention (every layer: own query, own window KV) ------------------------------
+    selective = recompute == "selective"
     k = c.window_size + (topk if spec.is_csa2 else 0)
-    out.add("attention", Tsp * (d + 2 * q + 1 + 2 * hd + 1) + T * (q + 3 * rd + 2 * hl * hd + gl * c.o_lora_rank))
-    core = T * INT64 * k  # kernels/sparse_attention.py saves q, the KV array and the indices; recomputes the rest
     halo = r.batch * c.window_size if r.cp > 1 else 0.0
     kv_array = hd * (T + halo + _entries(c, spec, r))
-    # selective recomputation keeps only the checkpointed core's inputs (queries counted above, the KV array)
-    out.add("attention core (gathered keys)", kv_array if recompute == "selective" else core + kv_array)
+    if selective:  # the checkpointed query chunks keep their inputs: qr, top-k ids, the KV array
+        out.add("attention", Tsp * (d + 2 * hd + 1) + T * (q + rd))
+        core = T * INT64 * topk if spec.is_csa2 else 0.0
+    else:
+        out.add("attention", Tsp * (d + 2 * q + 1 + 2 * hd + 1) + T * (q + 3 * rd + 2 * hl * hd + gl * c.o_lora_rank))
+        core = T * INT64 * k  # kernels/sparse_attention.py saves q, the KV array and the indices; recomputes the rest
+    out.add("attention core (gathered keys)", core + kv_array)
     # ---- CSA2 Full: compressor + index keys --------------------------------------------
     if spec.mode is CSA2Mode.FULL:
         m = spec.compress_ratio
@@ -133,8 +152,9 @@ def layer_activations(c: ModelConfig, spec: LayerSpec, r: RankShape, recompute: 
         out.add("compressor + index keys", comp)
     if spec.runs_indexer and r.training and c.indexer_loss_coeff > 0:
         own_keys = _entries(c, spec, r) * ihd if spec.mode is CSA2Mode.FULL else 0.0
-        out.add("indexer alignment", T * (rd + hil * ihd + INT64 * topk + topk * ihd + hil * topk + hil
-                                          + 2 * topk + 2 * BOOL * topk) + own_keys)
+        kl = hil + 2 * topk + 2 * BOOL * topk + BOOL  # head weights, KL terms and masks
+        kept = 0.0 if selective else rd + hil * ihd + INT64 * topk  # selective: recomputed / the core's ids
+        out.add("indexer alignment", T * (kl + kept) + own_keys)
     # ---- MoE --------------------------------------------------------------------------
     e, ke, f = c.num_routed_experts, c.moe_topk, c.moe_ffn_hidden_size
     out.add("moe router + dispatch", Tm * (d + 2 * e + 3 * ke + 1) + Tm * (2 * INT64 * ke + 1))

@@ -633,3 +633,95 @@ def test_ced_decoder_compresses_attn_norm_of_the_encoder_output(tiny_cfg, make_m
         expected = model.layers[str(dec)].attn_norm(collapse(x, pre))
     assert torch.equal(seen["input"], expected)
     assert not any("input_norm" in name for name, _ in model.named_parameters())
+
+
+# recompute mode -> (selective_recompute, attention_chunk_rows, sparse_attention calls (query rows))
+RECOMPUTE_MODES = {
+    "none": (False, None, [20]),                            # one pass, nothing recomputed
+    "selective": (True, None, [20, 20]),                    # one chunk, recomputed in backward
+    "selective-chunks3": (True, 3, [2] * 2 + [3] * 12),     # 7 chunks, each recomputed once
+}
+
+
+def _layer_step(cfg, make_attention, make_ctx, layer, selective, rows, x0, w, docs):
+    attn = make_attention(cfg, layer).train()
+    attn.selective_recompute, attn.attention_chunk_rows = selective, rows
+    with torch.no_grad():
+        attn.attn_sink.normal_(generator=torch.Generator().manual_seed(0))
+    x = x0.clone().requires_grad_()
+    ctx = make_ctx(cfg, torch.zeros(2, 20, dtype=torch.long), docs)
+    calls = []
+    real = csa2_module.sparse_attention
+
+    def counting(*args, **kw):
+        calls.append(args[0].size(1))
+        return real(*args, **kw)
+
+    csa2_module.sparse_attention = counting
+    try:
+        out = attn(x, ctx)
+        aux = ctx.total_aux_loss()
+        ((out * w).sum() + aux).backward()
+    finally:
+        csa2_module.sparse_attention = real
+    grads = {n: p.grad.clone() for n, p in attn.named_parameters() if p.grad is not None}
+    return out.detach(), aux.detach(), x.grad, grads, calls
+
+
+@pytest.mark.parametrize("mode", ["selective", "selective-chunks3"])
+@pytest.mark.parametrize("layer", [1, 4], ids=["full-enc-m2", "full-dec-m1-ced"])
+def test_selective_recompute_in_query_chunks_equals_no_recompute(tiny_cfg, make_attention, make_ctx, layer, mode):
+    """``parallel.recompute: selective`` runs the attention core (and the indexer's alignment
+    scores) in query chunks, each checkpointed and recomputed in backward
+    (``CSA2Attention.attend``); without recomputation all queries run in one pass. Both must
+    give the output, the indexer loss and every gradient, with top-k selection active and a
+    document boundary inside a chunk; the call counts show which path ran."""
+    cfg = _small_layer_cfg(tiny_cfg).replace(index_topk=3)
+    g = torch.Generator().manual_seed(layer)
+    x0 = torch.randn(2, 20, cfg.hidden_size, generator=g)
+    w = torch.randn(2, 20, cfg.hidden_size, generator=g)
+    docs = torch.tensor([[0] * 8 + [1] * 12, [0] * 20])
+    results = {}
+    for name in ("none", mode):
+        selective, rows, expected_calls = RECOMPUTE_MODES[name]
+        results[name] = _layer_step(cfg, make_attention, make_ctx, layer, selective, rows, x0, w, docs)
+        assert sorted(results[name][4]) == expected_calls, name
+    out1, aux1, gx1, gp1, _ = results["none"]
+    out2, aux2, gx2, gp2, _ = results[mode]
+    assert aux1.item() > 0
+    torch.testing.assert_close(out2, out1, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(aux2, aux1, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(gx2, gx1, atol=1e-6, rtol=1e-5)
+    assert gp2.keys() == gp1.keys() and any(n.startswith("indexer.") for n in gp1)
+    for name in gp1:
+        torch.testing.assert_close(gp2[name], gp1[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_model_selective_recompute_reaches_attention_and_matches(tiny_cfg, make_model):
+    """``V41Model.set_recompute("selective")`` (what ``parallel.recompute: selective`` sets)
+    switches every attention layer to the recomputed core: the whole tiny model's loss and
+    gradients equal those without recomputation, and each layer's core runs twice (forward
+    and its recomputation in backward) instead of once."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, tiny_cfg.vocab_size, (2, 32), generator=g)
+    labels = torch.randint(0, tiny_cfg.vocab_size, (2, 32), generator=g)
+    results = {}
+    for mode in ("none", "selective"):
+        model = make_model(tiny_cfg).train()
+        model.set_recompute(mode)
+        calls = []
+        real = csa2_module.sparse_attention
+        csa2_module.sparse_attention = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+        try:
+            loss = model(ids, labels=labels).mean()
+            loss.backward()
+        finally:
+            csa2_module.sparse_attention = real
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[mode] = (loss.detach(), grads, len(calls))
+    (l1, g1, n1), (l2, g2, n2) = results["none"], results["selective"]
+    assert n1 == tiny_cfg.num_layers and n2 == 2 * n1
+    torch.testing.assert_close(l2, l1, atol=1e-6, rtol=1e-6)
+    assert g2.keys() == g1.keys()
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], atol=1e-6, rtol=1e-5, msg=name)

@@ -104,7 +104,8 @@ PLAN: dict[str, dict[str, Rule]] = {
 }
 
 SELECTIVE_RECOMPUTE = {
-    "attention": "the sparse attention core (gathered keys, softmax over window + top-k)",
+    "attention": "the attention core in query chunks (query heads, gathered keys, softmax over window + top-k, "
+                 "grouped output projection) and the indexer's alignment scores",
     "mlp":       "the routed experts' SwiGLU (every routed slot's intermediates)",
 }
 """Block submodules that checkpoint a region under ``parallel.recompute: selective`` (regions

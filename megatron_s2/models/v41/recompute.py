@@ -12,8 +12,9 @@ MoE routing recorded for replay is rewound so the recomputation replays the same
 This is the "micro-batch-level shared-state management" of §3.1.2: states live until their
 last consumer is done across forward, recomputation and backward.
 
-Selective recomputation checkpoints only the attention core and the routed experts
-(``selective_checkpoint``), which consume no shared state by construction.
+Selective recomputation checkpoints only the attention core (per query chunk,
+``CSA2Attention.attend``) and the routed experts (``selective_checkpoint``), which consume no
+shared state by construction.
 """
 
 from __future__ import annotations

@@ -24,16 +24,38 @@ q_down) are replicated: they are small per-token projections shared by all heads
 once per rank on the tokens the rank holds (its stream shard under SP) and gathered over the
 sequence by the layer's :class:`~megatron_s2.parallel.sequence.SequenceSharding` (which also
 owns the CP gather and the window halo); the plan marks their gradients tp-partial.
+
+Memory under autograd (training) depends on ``parallel.recompute`` (top-k selection itself
+runs without autograd, over query chunks; without the alignment loss, e.g. in inference, the
+indexer builds its queries one scoring chunk at a time):
+
+* ``none`` (or ``full``, which recomputes the whole block around this): one pass over all
+  queries; autograd keeps the query heads ``[s, heads, head_dim]``, the grouped output and
+  the indexer's queries, computed once for selection and the alignment loss (the sparse
+  attention kernel itself saves only its inputs, :mod:`megatron_s2.kernels.sparse_attention`).
+* ``selective`` — Megatron's *selective recomputation*: the core attention is recomputed.
+  The attention core (query heads, window + top-k indices, sparse attention, output
+  projection) runs in checkpointed query chunks (:meth:`CSA2Attention.attend`), the
+  compressed query keeps only its output, and the indexer recomputes its queries per chunk
+  for its alignment loss (``Indexer.selected_scores``). What stays from forward to backward
+  is per-token latents (qr, window KV, compressed entries, top-k ids), never
+  ``[s, heads, head_dim]``, and the transient working set is one chunk's; the price is the
+  recomputation in backward. ``bench/csa2_vs_dense.py`` measures both modes side by side.
+
+Both modes compute the same values (outputs, losses and gradients agree to float rounding:
+``tests/models/test_csa2.py``).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megatron_s2.config.layer_plan import CSA2Mode, LayerSpec, SharedStateKind as K
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.kernels import sparse_attention
+from megatron_s2.kernels.sparse_attention import chunk_rows
 from megatron_s2.models.init import constant_init
 from megatron_s2.models.v41.attention.compressor import Compressor
 from megatron_s2.models.v41.attention.indexer import IndexKeyProjection, Indexer
@@ -43,14 +65,17 @@ from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.parallel_plan import apply_plan
 from megatron_s2.models.v41.precision import wide
 from megatron_s2.kernels import fake_quant_fp4_e4m3, fake_quant_fp8
-from megatron_s2.models.v41.recompute import selective_checkpoint
 from megatron_s2.models.v41.rope import apply_rope, rope_frequencies
 from megatron_s2.models.v41.spec import LinearSubmodules
 from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.placement import mark_param
 
-__all__ = ["CSA2Attention"]
+__all__ = ["CSA2Attention", "ATTENTION_CHUNK_ELEMENTS"]
+
+ATTENTION_CHUNK_ELEMENTS = 1 << 20
+"""Queries per attention chunk under autograd: at most this many ``rows x local heads x
+head_dim`` elements (4 MiB in float32) and at most 1024 rows (:meth:`CSA2Attention.attend`)."""
 
 
 class CSA2Attention(nn.Module):
@@ -91,7 +116,10 @@ class CSA2Attention(nn.Module):
             config.rope_head_dim, theta, yarn, config.rope_scaling_factor,
             config.rope_beta_fast, config.rope_beta_slow), persistent=False)
 
-        self.selective_recompute = False  # checkpoint the attention core (set by the model)
+        # parallel.recompute == "selective" (set by V41Model.set_recompute): recompute the attention
+        # core per query chunk in backward (recomputes_core)
+        self.selective_recompute = False
+        self.attention_chunk_rows: int | None = None  # queries per recomputed chunk; None: attention_rows()
         self.compressor = self.index_key = self.indexer = None
         if spec.mode is CSA2Mode.FULL:
             self.compressor = Compressor(config, spec.compress_ratio, linears=L)
@@ -101,12 +129,23 @@ class CSA2Attention(nn.Module):
         apply_plan(self, groups, config)
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _window(self, kv: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Window keys (with the CP halo) and each query's window indices into them."""
+    def recomputes_core(self) -> bool:
+        """Whether this forward runs the attention core in checkpointed query chunks
+        (selective recomputation while training under autograd)."""
+        return self.selective_recompute and self.training and torch.is_grad_enabled()
+
+    def _window(self, kv: torch.Tensor, ctx: ForwardContext):
+        """Window keys (with the CP halo) and a function: slice of queries -> their window
+        indices into those keys (built per attention chunk, never for all queries at once)."""
         keys, k_pos, k_doc = self.seq.window_keys(kv, ctx.positions, self.window, ctx.doc_ids, ctx.full_doc_ids)
-        indices = window_indices(ctx.positions, k_pos, self.window, ctx.doc_ids, k_doc)
-        if ctx.swa_from is not None and not self.spec.is_encoder:  # train-aware bounded replay (§3.2.2)
-            indices = truncate_window(indices, ctx.positions, k_pos, ctx.swa_from)
+        pos, doc, truncate = ctx.positions, ctx.doc_ids, ctx.swa_from is not None and not self.spec.is_encoder
+
+        def indices(sl: slice) -> torch.Tensor:
+            idx = window_indices(pos[:, sl], k_pos, self.window, None if doc is None else doc[:, sl], k_doc)
+            if truncate:  # train-aware bounded replay (§3.2.2)
+                idx = truncate_window(idx, pos[:, sl], k_pos, ctx.swa_from)
+            return idx
+
         return keys, indices
 
     # ---- pieces shared by the training forward and incremental decode ---------------------
@@ -114,11 +153,15 @@ class CSA2Attention(nn.Module):
     # (:mod:`megatron_s2.inference`) runs the same forward with ``ctx.kv_cache`` set: the two
     # places where keys come from *earlier* tokens (the sliding window and the compressed
     # main KV) then read and extend the request's cached state instead of the sequence.
-    def query(self, x_in: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(compressed query qr [b, s, q_lora] — also the indexer's input, RoPE'd heads [b, s, h, hd])."""
-        qr = self.seq.gather_chunk(self.q_norm(self.linear_q_down(wide(x_in))))
-        q = self.linear_q_up(qr).unflatten(-1, (self.local_heads, self.head_dim))
-        return qr, apply_rope(q, positions, self.inv_freq)
+    def compressed_query(self, x_in: torch.Tensor) -> torch.Tensor:
+        """The compressed query qr [b, s, q_lora] of the context chunk: the input of the query
+        heads (:meth:`attention_chunk`) and of the indexer."""
+        def local(x: torch.Tensor) -> torch.Tensor:
+            return self.q_norm(self.linear_q_down(wide(x)))
+
+        if self.recomputes_core():  # keep only qr: its norm's inputs are recomputed
+            return self.seq.gather_chunk(checkpoint(local, x_in, use_reentrant=False, preserve_rng_state=False))
+        return self.seq.gather_chunk(local(x_in))
 
     def window_kv(self, x_in: torch.Tensor, positions: torch.Tensor, quantise: bool = True) -> torch.Tensor:
         """The layer-local SWA KV latent of each token [b, s, hd]: RoPE'd, then FP8 QAT
@@ -138,22 +181,65 @@ class CSA2Attention(nn.Module):
             main_kv = fake_quant_fp4_e4m3(main_kv)
         return main_kv, index_k
 
-    def attend(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
-               split: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Window + top-k in one softmax with the sink (§2.3)."""
-        if self.selective_recompute and self.training and torch.is_grad_enabled():
-            return selective_checkpoint(lambda q_, kv_: sparse_attention(q_, kv_, indices, self.attn_sink, self.scale,
-                                                                         split=split), q, kv)
-        return sparse_attention(q, kv, indices, self.attn_sink, self.scale, split=split)
-
-    def project_out(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Remove the query RoPE, then the grouped low-rank output projection."""
+    def attention_chunk(self, qr: torch.Tensor, kv: torch.Tensor, rows: slice, window_idx, topk: torch.Tensor | None,
+                        n_window: int, positions: torch.Tensor,
+                        split: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention core of one chunk of queries (``rows`` of the context chunk): query
+        heads from the compressed query ``qr`` [b, c, q_lora]; the chunk's window indices
+        (``window_idx(rows)``) followed by its top-k entry ids ``topk`` [b, c, top-k] offset by
+        the ``n_window`` window keys; window + top-k in one softmax with the sink (§2.3); the
+        query RoPE removed again; the grouped low-rank output -> this rank's partial output
+        rows [b, c, d] (before the tensor-parallel exit) and the selected entries' attention
+        mass (``split``)."""
+        indices = window_idx(rows)
+        if topk is not None:
+            indices = torch.cat([indices, torch.where(topk >= 0, topk + n_window, -1)], dim=-1)
+        q = self.linear_q_up(qr).unflatten(-1, (self.local_heads, self.head_dim))
+        q = apply_rope(q, positions, self.inv_freq)
+        o, mass = sparse_attention(q, kv, indices, self.attn_sink, self.scale, split=split)
         o = apply_rope(o, positions, self.inv_freq, inverse=True)
-        b, s = o.shape[:2]
-        o = o.reshape(b, s, self.local_groups, -1)
+        b, c = o.shape[:2]
+        o = o.reshape(b, c, self.local_groups, -1)
         wo_a = self.linear_out_a.view(self.local_groups, self.config.o_lora_rank, -1)
         o = torch.einsum("bsgd,grd->bsgr", o, wo_a.to(o.dtype)).flatten(2)
-        return self.linear_out_b(o)
+        return self.linear_out_b.gemm(o), mass
+
+    def attention_rows(self) -> int:
+        """Queries per recomputed attention chunk (``attention_chunk_rows`` overrides it)."""
+        if self.attention_chunk_rows:
+            return self.attention_chunk_rows
+        return chunk_rows(1024, self.local_heads * self.head_dim, budget=ATTENTION_CHUNK_ELEMENTS)
+
+    def attend(self, qr: torch.Tensor, kv: torch.Tensor, window_idx, topk: torch.Tensor | None, n_window: int,
+               positions: torch.Tensor, split: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention core over all queries -> (output [b, s_local, d], mass or None).
+
+        Under selective recomputation (:meth:`recomputes_core`) the queries run in chunks of
+        :meth:`attention_rows`, each under activation checkpointing: only a chunk's inputs (its
+        rows of ``qr`` and of the top-k ids, the KV array) stay for backward; its indices, query
+        heads, gathered keys, probabilities and grouped output are recomputed per chunk in
+        backward. No ``[s, heads, head_dim]`` tensor lives from forward to backward, and the
+        transient working set is one chunk's. Otherwise all queries run in one pass, without
+        recomputation. The tensor-parallel exit runs once, on all rows.
+        ``window_idx(sl)``: the window indices of a slice of queries; a CSA2 layer's top-k
+        entry ids follow them, offset by the ``n_window`` window keys."""
+        s = qr.size(1)
+        recompute = self.recomputes_core()
+        rows = self.attention_rows() if recompute else s
+        outs, masses = [], []
+        for start in range(0, s, rows):
+            sl = slice(start, start + rows)
+            top = None if topk is None else topk[:, sl]
+            args = (qr[:, sl], kv, sl, window_idx, top, n_window, positions[:, sl], split)
+            if recompute:
+                out, mass = checkpoint(self.attention_chunk, *args, use_reentrant=False, preserve_rng_state=False)
+            else:
+                out, mass = self.attention_chunk(*args)
+            outs.append(out)
+            masses.append(mass)
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        mass = None if split is None else (masses[0] if len(masses) == 1 else torch.cat(masses, dim=1))
+        return self.linear_out_b.seq.exit_tp_region(y), mass
 
     # ---- main-KV / top-k acquisition (§2.3.1) ----------------------------------------------
     def compressor_input(self, x_in: torch.Tensor) -> torch.Tensor:
@@ -186,13 +272,23 @@ class CSA2Attention(nn.Module):
         ctx.shared.publish(spec.index, K.INDEX_K, index_k)
         return main_kv, index_k
 
-    def _topk(self, x_in, qr, index_k, n_entries, ctx: ForwardContext):
+    def _topk(self, x_in, qr, index_k, n_entries, ctx: ForwardContext, keep_queries: bool):
+        """Top-k entry ids of the local queries, and what the indexer's alignment loss needs:
+        (detached qr, head weights, the indexer queries under autograd when ``keep_queries``
+        — computed once for selection and loss — else None: built per scoring chunk)."""
         spec = self.spec
         if not spec.runs_indexer:
             return ctx.shared.consume(spec.index, spec.index_source, K.TOPK), None
         ratio, pos, doc = spec.compress_ratio, ctx.positions, ctx.doc_ids
         weights = self.indexer.local_weights(self.seq.gather_chunk(self.indexer.head_weights(x_in.detach())))
-        q_idx = self.indexer.queries(qr.detach(), pos, self.inv_freq)
+        qr_d = qr.detach()
+        q_all = self.indexer.queries(qr_d, pos, self.inv_freq) if keep_queries else None
+
+        def q_idx(rows: slice) -> torch.Tensor:  # one scoring chunk's queries (select runs without autograd)
+            if q_all is not None:
+                return q_all[:, rows]
+            return self.indexer.queries(qr_d[:, rows], pos[:, rows], self.inv_freq)
+
         candidates = None
         if spec.candidate_source is not None and not spec.is_candidate_source:
             candidates = ctx.shared.consume(spec.index, spec.candidate_source, K.CANDIDATES)
@@ -202,36 +298,41 @@ class CSA2Attention(nn.Module):
         ctx.shared.publish(spec.index, K.TOPK, sel.topk)
         if spec.is_candidate_source:
             ctx.shared.publish(spec.index, K.CANDIDATES, sel.candidates)
-            ctx.shared.publish(spec.index, K.CANDIDATE_QUERY, torch.cat([qr.detach().float(), weights.detach()], -1))
+            ctx.shared.publish(spec.index, K.CANDIDATE_QUERY, torch.cat([qr_d.float(), weights.detach()], -1))
         self.last_scored_per_query = sel.scored_per_query
-        return sel.topk, (q_idx, weights)
+        return sel.topk, (qr_d, weights, q_all)
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [b, s_local, d] (normalised block input; sequence shard under SP)."""
         x_in = self.seq.enter_local(x)
         pos = ctx.positions
-        qr, q = self.query(x_in, pos)
+        qr = self.compressed_query(x_in)
         kv = self.window_kv(x_in, pos, quantise=ctx.kv_cache is None)  # a cache packs raw values
         if ctx.kv_cache is not None:  # decode: the request's cached window + these tokens
             kv, indices = ctx.kv_cache.window(self, kv, pos)
+            window_idx = lambda sl: indices[:, sl]  # noqa: E731
         else:
-            kv, indices = self._window(kv, ctx)
-        split, indexer_inputs = None, None
+            kv, window_idx = self._window(kv, ctx)
+        split, indexer_inputs, topk, n_window = None, None, None, kv.size(1)
+        want_mass = self.spec.runs_indexer and self.training and self.config.indexer_loss_coeff > 0
         if self.spec.is_csa2:
             main_kv, index_k = self._main_kv(x_in, ctx)
-            topk, indexer_inputs = self._topk(x_in, qr, index_k, main_kv.size(1), ctx)
-            n_window = kv.size(1)
+            keep = want_mass and not self.recomputes_core()
+            topk, indexer_inputs = self._topk(x_in, qr, index_k, main_kv.size(1), ctx, keep_queries=keep)
             kv = torch.cat([kv, main_kv.to(kv.dtype)], dim=1)
-            indices = torch.cat([indices, torch.where(topk >= 0, topk + n_window, -1)], dim=-1)
             split = self.window
-        want_mass = indexer_inputs is not None and self.training and self.config.indexer_loss_coeff > 0
-        o, mass = self.attend(q, kv, indices, split if want_mass else None)
+        out, mass = self.attend(qr, kv, window_idx, topk, n_window, pos, split if want_mass else None)
         if want_mass:
-            q_idx, weights = indexer_inputs
-            kl_sum, n = self.indexer.alignment_loss(q_idx, weights, index_k, topk, mass)
+            qr_detached, weights, q_idx = indexer_inputs
+            if q_idx is None:  # selective recomputation: the scores' queries are recomputed per chunk
+                scores = self.indexer.selected_scores(qr_detached, pos, self.inv_freq, weights, index_k, topk,
+                                                      self.attention_rows())
+            else:
+                scores = self.indexer.gathered_scores(q_idx, weights, index_k, topk)
+            kl_sum, n = self.indexer.alignment_loss_from_scores(scores, topk, mass)
             n = mappings.all_reduce_sum(n.float().reshape(1), self.cp)  # mean over the whole sequence
             kl = kl_sum / n.clamp_min(1).squeeze()
             ctx.add_aux_loss("indexer_kl", self.config.indexer_loss_coeff * kl)
             ctx.add_metric("indexer_kl", kl)
-        return self.project_out(o, pos)
+        return out

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.kernels.indexer import indexer_gathered_scores, indexer_scores
@@ -119,14 +120,18 @@ class Indexer(nn.Module):
         return (F.relu(logits) * w.unsqueeze(-1)).sum(dim=2)
 
     @torch.no_grad()
-    def select(self, q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, q_pos: torch.Tensor,
+    def select(self, q, w: torch.Tensor, index_k: torch.Tensor, q_pos: torch.Tensor,
                ratio: int, q_doc: torch.Tensor | None, e_doc: torch.Tensor | None, *,
                candidates: torch.Tensor | None = None, make_candidates: bool = False,
                chunk: int = 512) -> IndexerSelection:
-        """Top-k entry ids per query (no autograd). With ``candidates`` only those entries are
-        scored (Reindex under the hierarchical indexer); with ``make_candidates`` the
-        candidate pool is built from this layer's full-range scores (candidate source)."""
-        b, s = q.shape[:2]
+        """Top-k entry ids per query (no autograd). ``q``: the indexer queries [b, s, h, d], or
+        a function ``rows (slice) -> those queries`` so that they are built one chunk at a
+        time (never [b, s, h, d] at once with their QAT temporaries). With ``candidates`` only
+        those entries are scored (Reindex under the hierarchical indexer); with
+        ``make_candidates`` the candidate pool is built from this layer's full-range scores
+        (candidate source)."""
+        queries = q if callable(q) else (lambda rows: q[:, rows])
+        b, s = q_pos.shape
         n = index_k.size(1)
         k_eff = min(self.topk, n)
         if candidates is None:  # bound the [chunk, heads, entries] logits of the full scan
@@ -136,18 +141,18 @@ class Indexer(nn.Module):
             sl = slice(start, start + chunk)
             pos = q_pos[:, sl]
             if candidates is None:
-                scores = self._score(q[:, sl], index_k, w[:, sl])
+                scores = self._score(queries(sl), index_k, w[:, sl])
                 scores = mappings.all_reduce_sum(scores, self.tp)
                 vis = compressed_visible(pos, ratio, n, None if q_doc is None else q_doc[:, sl], e_doc)
                 scores = scores.masked_fill(~vis, float("-inf"))
                 if make_candidates:
                     cands.append(select_candidate_blocks(scores, pos, ratio, self.top_blocks, self.block_size))
-                ids = torch.arange(n, device=q.device).expand(b, scores.size(1), n)
+                ids = torch.arange(n, device=index_k.device).expand(b, scores.size(1), n)
             else:
                 ids = candidates[:, sl]
                 keys = torch.gather(index_k, 1, ids.clamp_min(0).reshape(b, -1, 1).expand(-1, -1, index_k.size(-1)))
                 keys = keys.view(b, ids.size(1), ids.size(2), index_k.size(-1))
-                scores = self._score(q[:, sl], keys, w[:, sl])
+                scores = self._score(queries(sl), keys, w[:, sl])
                 scores = mappings.all_reduce_sum(scores, self.tp)
                 scores = scores.masked_fill(ids < 0, float("-inf"))
             kk = min(k_eff, scores.size(-1))
@@ -161,16 +166,51 @@ class Indexer(nn.Module):
         scored = n if candidates is None else candidates.size(-1)
         return IndexerSelection(topk, torch.cat(cands, dim=1) if make_candidates else None, scored)
 
+    def gathered_scores(self, q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor,
+                        topk: torch.Tensor) -> torch.Tensor:
+        """This rank's index scores (local heads) of each query's selected entries [b, s, k]
+        (0 where none) from indexer queries ``q`` [b, s, h_local, d] kept under autograd.
+        The keys are gathered per chunk and regathered in backward (no [b, s, k, d] kept)."""
+        return indexer_gathered_scores(q, index_k, w, topk)
+
+    def selected_scores(self, qr: torch.Tensor, q_pos: torch.Tensor, inv_freq: torch.Tensor, w: torch.Tensor,
+                        index_k: torch.Tensor, topk: torch.Tensor, rows: int) -> torch.Tensor:
+        """:meth:`gathered_scores` under selective recomputation: the same scores, with autograd
+        to the indexer's query projection, ``w`` and ``index_k``, from the (detached)
+        compressed query ``qr`` instead of kept indexer queries.
+
+        Queries run in chunks of ``rows`` under activation checkpointing: the indexer queries,
+        their MXFP4 QAT and the gathered keys of a chunk are recomputed in backward, so only
+        ``qr``, ``w`` and the ids stay alive."""
+        def chunk(qr_c, pos_c, w_c, keys, ids_c):
+            return indexer_gathered_scores(self.queries(qr_c, pos_c, inv_freq), keys, w_c, ids_c)
+
+        recorded = torch.is_grad_enabled()
+        parts = []
+        for start in range(0, qr.size(1), rows):
+            sl = slice(start, start + rows)
+            args = (qr[:, sl], q_pos[:, sl], w[:, sl], index_k, topk[:, sl])
+            parts.append(checkpoint(chunk, *args, use_reentrant=False, preserve_rng_state=False)
+                         if recorded else chunk(*args))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
     def alignment_loss(self, q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, topk: torch.Tensor,
                        target_mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """KL(p_attn || softmax(I)) over each query's selected entries, from indexer queries
+        ``q`` [b, s, h_local, d] (:meth:`alignment_loss_from_scores`)."""
+        return self.alignment_loss_from_scores(self.gathered_scores(q, w, index_k, topk), topk, target_mass)
+
+    def alignment_loss_from_scores(self, local_scores: torch.Tensor, topk: torch.Tensor,
+                                   target_mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """KL(p_attn || softmax(I)) over each query's selected entries.
 
-        target_mass: [b, s, k] attention mass (summed over the local heads, detached) on the
-        selected entries. Returns (sum of per-query KL, number of queries with a selection).
+        local_scores: [b, s, k] index scores of the selected entries summed over this rank's
+        heads (:meth:`gathered_scores` / :meth:`selected_scores`); target_mass: [b, s, k]
+        attention mass (summed over the local heads, detached) on them. Returns (sum of
+        per-query KL, number of queries with a selection).
         """
         valid = topk >= 0
-        # Gathered per chunk and recomputed in backward: no [b, s, k, d] gather kept alive.
-        scores = mappings.reduce_from_group(indexer_gathered_scores(q, index_k, w, topk), self.tp)
+        scores = mappings.reduce_from_group(local_scores, self.tp)
         mass = mappings.all_reduce_sum(target_mass, self.tp).masked_fill(~valid, 0.0)
         p = mass / mass.sum(-1, keepdim=True).clamp_min(1e-20)
         log_q = torch.log_softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
