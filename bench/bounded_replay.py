@@ -11,6 +11,12 @@ state missing: the last W prefix tokens replayed with the suffix), and both.
     python bench/bounded_replay.py --models tiny --prompt 256 --cached 192 --continuation 16
     python bench/bounded_replay.py --smoke             # seconds: tiny, short prompt
     python bench/bounded_replay.py --checkpoint runs/x # a trained model instead
+
+A second table is the RL side (issue 14): rollouts sampled by an engine with Decoder SWA
+Bounded Replay on 6-digit additions (prompts longer than the tiny model's window), and the
+per-token |log p| gap between the engine and the training forward with the train-aware
+simulation (``rl.rollout.engine.train_aware_replay``) and without it
+(:mod:`megatron_s2.posttrain.rollout.replay_mismatch`).
 """
 
 from __future__ import annotations
@@ -67,7 +73,34 @@ def main(argv=None) -> int:
                   f"{m.flops_ratio:8.3f}")
         print(f"{name:8s} (prompt {prompt_len}, cached prefix {cached}, window {w}, continuation {cont}; "
               f"{time.perf_counter() - t0:.1f} s)")
+    train_aware_table(args)
     return 0
+
+
+def train_aware_table(args) -> None:
+    from megatron_s2.config.data import TaskDifficulty
+    from megatron_s2.data.tokenizer import CharTokenizer
+    from megatron_s2.posttrain.config.environment import EnvironmentConfig
+    from megatron_s2.posttrain.envs import TaskEnvironment
+    from megatron_s2.posttrain.rollout.replay_mismatch import measure_replay_mismatch
+
+    if args.checkpoint:
+        from megatron_s2.inference.cli import load_model
+
+        model, tokenizer = load_model(args.checkpoint)[:2]
+    else:
+        model, tokenizer = model_for("tiny", None), CharTokenizer()
+    count = 4 if args.smoke else 32
+    env = TaskEnvironment("add", EnvironmentConfig(kind="task", task="addition", num_prompts=count, eval_prompts=1,
+                                                   difficulty=TaskDifficulty(addition_max_digits=6)), tokenizer)
+    t0 = time.perf_counter()
+    r = measure_replay_mismatch(model, env, "add", count, max_new_tokens=8, max_model_len=48,
+                                eos_ids=[tokenizer.eos_id])
+    print(f"\n{'trainer forward':26s} {'|dlogp| mean':>13s} {'|dlogp| max':>12s}   (engine: decoder bounded replay)")
+    print(f"{'train-aware replay on':26s} {r.with_mean:13.2e} {r.with_max:12.2e}")
+    print(f"{'train-aware replay off':26s} {r.without_mean:13.2e} {r.without_max:12.2e}")
+    print(f"({r.samples} rollouts with prompts beyond the window, {r.tokens} sampled tokens, 6-digit additions, window "
+          f"{model.config.window_size}; {time.perf_counter() - t0:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ EXPECTED = {
     "csa2_vs_dense.py": ["CSA2 layer", "ratios to dense"],
     "kernels.py": ["sparse_attention", "speedup"],
     "decode.py": ["decode", "MLA"],
-    "bounded_replay.py": ["KL mean", "prefill GFLOP"],
+    "bounded_replay.py": ["KL mean", "prefill GFLOP", "train-aware replay on", "train-aware replay off"],
 }
 
 
