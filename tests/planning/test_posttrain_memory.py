@@ -98,3 +98,12 @@ def test_pretrain_plan_is_unchanged(overrides):
     for r in plan.ranks:
         assert r.resident == {}
         assert r.total == r.state.total + r.saved_activations + r.payload_buffers + r.transient
+
+
+def test_memory_check_names_the_rollout_engine_when_its_kv_does_not_fit():
+    from megatron_s2.config.schema import ConfigError
+    from megatron_s2.training.run_checks import HostMemory, check_memory
+
+    recipe = load_recipe(PHASES / "rl_addition.yaml", ["rl.rollout.engine.max_num_seqs=1000000"])
+    with pytest.raises(ConfigError, match=r"^rl\.rollout\.engine: .* GiB rollout copy, engine KV and frozen models"):
+        check_memory(recipe, 1, HostMemory(8 * 2 ** 30, "8 GiB (test)"))
