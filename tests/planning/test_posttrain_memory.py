@@ -107,3 +107,38 @@ def test_memory_check_names_the_rollout_engine_when_its_kv_does_not_fit():
     recipe = load_recipe(PHASES / "rl_addition.yaml", ["rl.rollout.engine.max_num_seqs=1000000"])
     with pytest.raises(ConfigError, match=r"^rl\.rollout\.engine: .* GiB rollout copy, engine KV and frozen models"):
         check_memory(recipe, 1, HostMemory(8 * 2 ** 30, "8 GiB (test)"))
+
+
+def _sharded_worker(rank, world, out, overrides):
+    import json
+    from pathlib import Path
+
+    recipe = load_recipe(PHASES / "rl_addition.yaml", overrides)
+    t = PosttrainTrainer(recipe, Path(out) / "run", rank=rank, world_size=world, log=lambda *a: None)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "rollout weight copy": model_bytes(t.rollout_model), "rollout engine KV": kv_bytes(t.engine),
+        "eval engine KV": kv_bytes(t.eval_engine), "reference model": model_bytes(t.reference)}))
+
+
+def test_rl_plan_under_tp2_sp_with_an_ep2_rollout_copy(tmp_path):
+    """Training TP2 + SP forces a rollout copy, here TP2 x EP2: each rank's shards are planned."""
+    import json
+
+    from tests.parallel.spawn import run_distributed
+
+    ref, _ = checkpoint(load_recipe(PHASES / "rl_addition.yaml", ["model.params_dtype=bfloat16"]), tmp_path / "ref")
+    overrides = QUIET + ["model.params_dtype=bfloat16", "parallel.tp=2", "parallel.sequence_parallel=true",
+                         "rl.rollout.engine.rollout_ep=2", "rl.rollout.engine.max_num_seqs=24",
+                         f"rl.reference_checkpoint={ref}",
+                         "rl.loss.terms=[{kind: policy_gradient}, {kind: reference_kl, coef: 0.01}]"]
+    run_distributed(2, _sharded_worker, str(tmp_path), overrides)
+    res = estimate_memory(load_recipe(PHASES / "rl_addition.yaml", overrides), 2).peak.resident
+    assert "tp=2 ep=2" in next(k for k in res if k.startswith("rollout weight copy"))
+    unsharded = [o for o in overrides if not o.startswith(("parallel.", "rl.rollout.engine.rollout_ep"))]
+    single = estimate_memory(load_recipe(PHASES / "rl_addition.yaml", unsharded
+                                         + ["rl.rollout.engine.share_weights=never"]), 1)
+    for rank in range(2):
+        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for prefix, value in measured.items():
+            assert close(line(res, prefix), value), (rank, prefix)
+    assert line(res, "rollout weight copy") < 0.8 * line(single.peak.resident, "rollout weight copy")
