@@ -116,8 +116,8 @@ def posttrain_resident(recipe: RecipeConfig, layout: ParallelLayout, rank: int) 
     if not placement.shared:
         out[f"rollout weight copy ({where}; {_dtype(recipe.model)})"] = frozen_model_bytes(recipe.model, groups)
     for name, engine in engine_configs(recipe, section.rollout).items():
-        pages = engine.pages_for(recipe.model)
-        out[f"{name} engine KV ({engine.max_num_seqs} seqs x {engine.max_model_len} tokens, {pages} pages)"] = kv_cache_bytes(recipe.model, engine)
+        label = f"{engine.max_num_seqs} seqs x {engine.max_model_len} tokens, {engine.pages_for(recipe.model)} pages"
+        out[f"{name} engine KV ({label})"] = kv_cache_bytes(recipe.model, engine)
     if recipe.phase.kind == "opd":
         for t in section.teachers:
             if t.checkpoint:
