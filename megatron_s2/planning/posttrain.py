@@ -7,8 +7,9 @@ The training state and activations of ``phase.kind: rl | opd`` are those of any 
 * the **rollout weight copy** — only when the engine cannot run the training model in place
   (:func:`~megatron_s2.posttrain.rollout.weights.rollout_placement`: pp, cp or sequence
   parallelism in the training layout, or ``share_weights: never``). It is the model under the
-  rollout layout (training tp, ``rollout_ep``, pp = cp = 1) after ``apply_precision_map``
-  (``params_dtype`` matrices, float32 islands), counted on a meta skeleton of that layout;
+  rollout layout (training tp, ``rollout_ep``, ``rollout_engram_parallel``, pp = cp = 1) after
+  ``apply_precision_map`` (``params_dtype`` matrices, float32 islands), counted on a meta
+  skeleton of that layout;
 * the **KV cache of each engine** — the rollout engine and the held-out evaluation engine build
   their own page pool and SWA rings (:func:`~megatron_s2.posttrain.rollout.engines.engine_configs`),
   sized by :func:`~megatron_s2.inference.kv_store.kv_cache_bytes`, the function with which the
