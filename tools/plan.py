@@ -56,14 +56,18 @@ def run_memory(args: argparse.Namespace) -> int:
         print(json.dumps([{"rank": r.rank, "pp_rank": r.pp_rank, "total": r.total, "parameters": r.state.parameter_bytes,
                            "gradients": r.state.gradients, "optimizer": r.state.optimizer_bytes,
                            "saved_activations": r.saved_activations, "payload_buffers": r.payload_buffers,
-                           "transient": r.transient, "engram": r.state.engram, "inflight": r.inflight}
+                           "transient": r.transient, "engram": r.state.engram, "inflight": r.inflight,
+                           "resident": r.resident}
                           for r in plan.ranks], indent=1))
         return 0
     print(f"layout: {plan.layout.describe()}")
+    resident = any(r.resident for r in plan.ranks)
     rows = [[f"pp {r.pp_rank} (rank {r.rank})", _ranges(r.layers), human(r.state.parameter_bytes),
              human(r.state.gradients), human(r.state.optimizer_bytes), str(r.inflight),
-             human(r.activations), human(r.total)] for r in plan.ranks]
-    print(_table(["stage", "layers", "params", "grads", "optimizer", "units in flight", "activations", "total"], rows))
+             human(r.activations)] + ([human(r.resident_bytes)] if resident else []) + [human(r.total)]
+            for r in plan.ranks]
+    print(_table(["stage", "layers", "params", "grads", "optimizer", "units in flight", "activations"]
+                 + (["rollout + frozen"] if resident else []) + ["total"], rows))
     peak = plan.peak
     print(f"\nmost loaded: pipeline stage {peak.pp_rank} (rank {peak.rank}), {human(peak.total)}")
     s = peak.state
@@ -77,6 +81,9 @@ def run_memory(args: argparse.Namespace) -> int:
     lines += [(f"  {k}", v) for k, v in sorted(peak.activation_parts.items(), key=lambda kv: -kv[1])]
     lines += [("pipeline payload buffers", peak.payload_buffers), ("transients", peak.transient),
               ("engram shard (table + grad + optimizer, included above)", s.engram)]
+    if peak.resident:
+        lines.append(("co-located rollout and frozen models (rl / opd, report §5.2.1)", peak.resident_bytes))
+        lines += [(f"  {k}", v) for k, v in peak.resident.items()]
     width = max(len(k) for k, _ in lines)
     for k, v in lines:
         print(f"{k:<{width}}  {human(v):>12}")

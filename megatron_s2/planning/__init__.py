@@ -7,6 +7,7 @@
 * :mod:`.schedule` — in-flight micro-batches and the unit-time timeline of the runtime's
   ``schedule_order``; :mod:`.schedule_svg` — its picture;
 * :mod:`.memory` — the per-rank plan of a recipe and its most loaded pipeline stage;
+* :mod:`.posttrain` — RL / OPD: the co-located rollout copy, engines' KV pages and frozen models;
 * :mod:`.comm`, :mod:`.layouts` — communication volume per step and the ranked layouts of a
   cluster size;
 * :mod:`.measure` — the measured counterpart on any device (CPU included), used by the tests.

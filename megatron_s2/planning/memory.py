@@ -13,7 +13,10 @@ reports the most loaded one:
   (``PayloadSpec``: CSA2 main KV, index K, top-k, candidates) and the full payload
   sent to the next stage, kept by every in-flight micro-batch until its backward;
 * transients — the largest short-lived working set (logits gradient, attention scores);
-* Engram — table partition, its gradient and its optimiser state (also inside the above).
+* Engram — table partition, its gradient and its optimiser state (also inside the above);
+* RL / OPD phases (``phase.kind: rl | opd``): what the co-located rollout keeps resident beside
+  the training state — the rollout weight copy, each engine's KV pages, in-process teachers and
+  the KL reference (:mod:`.posttrain`), one labelled line each.
 
 Recomputation (``parallel.recompute``) changes what a layer keeps (:func:`layer_activations`).
 """
@@ -27,6 +30,7 @@ from megatron_s2.checkpoint.hf.skeleton import group_table, pp_rank_of
 from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.planning.activations import RankShape, head_activations, layer_activations, transient_bytes
 from megatron_s2.planning.model_state import ModelStateBytes, model_state_bytes
+from megatron_s2.planning.posttrain import posttrain_resident
 from megatron_s2.planning.schedule import peak_inflight
 
 __all__ = ["RankMemory", "MemoryPlan", "estimate_memory", "rank_memory", "default_world_size",
@@ -47,14 +51,20 @@ class RankMemory:
     transient: float
     inflight: int
     micro_batches: int
+    resident: dict[str, float] = field(default_factory=dict)
+    """RL / OPD: rollout weight copy, engines' KV, frozen models, by labelled line (:mod:`.posttrain`)."""
 
     @property
     def activations(self) -> float:
         return self.saved_activations + self.payload_buffers + self.transient
 
     @property
+    def resident_bytes(self) -> float:
+        return sum(self.resident.values())
+
+    @property
     def total(self) -> float:
-        return self.state.total + self.activations
+        return self.state.total + self.activations + self.resident_bytes
 
 
 @dataclass
@@ -136,7 +146,8 @@ def rank_memory(recipe: RecipeConfig, layout: ParallelLayout, rank: int, *, wors
                               payload_modes=_modes(recipe), zero1_worst=worst_zero1)
     layers = [layer for s in stages for layer in layout.stage_layers[s]]
     return RankMemory(rank, pp_rank, layers, state, peak_saved, parts, peak_payload,
-                      transient_bytes(cfg, shape, last in stages), inflight, m)
+                      transient_bytes(cfg, shape, last in stages), inflight, m,
+                      posttrain_resident(recipe, layout, rank))
 
 
 def estimate_memory(recipe: RecipeConfig, world_size: int | None = None) -> MemoryPlan:

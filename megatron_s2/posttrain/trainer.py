@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.inference import EngineConfig, InferenceEngine
+from megatron_s2.inference import InferenceEngine
 from megatron_s2.models.v41.model import V41Model
 from megatron_s2.parallel.context_parallel import split_micro_batch
 from megatron_s2.parallel.setup import build_groups
@@ -46,6 +46,7 @@ from megatron_s2.posttrain.losses import PosttrainObjective
 from megatron_s2.posttrain.metrics import rollout_metrics
 from megatron_s2.posttrain.orchestrator import Orchestrator
 from megatron_s2.posttrain.rollout.engine_backend import EngineBackend
+from megatron_s2.posttrain.rollout.engines import engine_configs, engine_max_model_len
 from megatron_s2.posttrain.rollout.evaluation import Evaluator
 from megatron_s2.posttrain.rollout.replicas import replica_topology
 from megatron_s2.posttrain.rollout.weights import WeightTransfer, rollout_placement
@@ -123,17 +124,10 @@ class PosttrainTrainer(Trainer):
             self.transfer = WeightTransfer(self.model, self.rollout_model, rank=self.rank, world_size=self.world_size)
         self.log(f"rollout: {self.placement.reason}")
         self.topology = replica_topology(self.placement.layout, self.rank, g_device(self.groups))
-        self.max_model_len = engine_cfg.max_model_len or recipe.training.seq_length + 1
-        common = dict(max_model_len=self.max_model_len, prefill_chunk=engine_cfg.prefill_chunk,
-                      max_prefill_tokens=max(engine_cfg.prefill_chunk, 1024), page_tokens=engine_cfg.page_tokens,
-                      prefix_caching=False, seed=recipe.training.seed)
-        eos = [self.tokenizer.eos_id]
-        self.engine = InferenceEngine(self.rollout_model, EngineConfig(
-            max_num_seqs=engine_cfg.max_num_seqs, max_waiting=max(4 * self.rollout_cfg.max_in_flight, 256),
-            decoder_bounded_replay=engine_cfg.decoder_bounded_replay, **common), eos_token_ids=eos)
-        self.eval_engine = InferenceEngine(self.rollout_model, EngineConfig(
-            max_num_seqs=engine_cfg.max_num_seqs, max_waiting=100_000,
-            decoder_bounded_replay=engine_cfg.decoder_bounded_replay, **common), eos_token_ids=eos)
+        self.max_model_len = engine_max_model_len(recipe, self.rollout_cfg)
+        configs, eos = engine_configs(recipe, self.rollout_cfg), [self.tokenizer.eos_id]
+        self.engine = InferenceEngine(self.rollout_model, configs["rollout"], eos_token_ids=eos)
+        self.eval_engine = InferenceEngine(self.rollout_model, configs["eval"], eos_token_ids=eos)
         self.backend = EngineBackend(self.engine, self.environments, topology=self.topology,
                                      layer_ids=self.rollout_model.layer_ids,
                                      record_routing=engine_cfg.routing_replay, max_model_len=self.max_model_len,

@@ -152,8 +152,14 @@ def check_memory(recipe: RecipeConfig, world_size: int, host: HostMemory | None)
     else:
         field = "parallel"
         fix = "shard the model over more ranks (parallel.tp/pp/ep, distributed_optimizer) or use a smaller model"
+    resident = peak.resident_bytes / GiB
+    if resident > max(state, acts):
+        field = f"{recipe.phase.kind}.rollout.engine"
+        fix = ("lower its max_num_seqs or max_model_len (KV pages), raise rollout_ep / rollout_engram_parallel "
+               "(rollout copy and frozen models), or use share_weights: auto with a tp/ep/dp training layout")
+    resident = f", {resident:.1f} GiB rollout copy, engine KV and frozen models" if peak.resident else ""
     raise ConfigError(f"{field}: a rank needs about {peak.total / GiB:.1f} GiB ({state:.1f} GiB model and optimiser "
-                      f"state, {acts:.1f} GiB activations; `megatron-s2 plan memory`) but this host has "
+                      f"state, {acts:.1f} GiB activations{resident}; `megatron-s2 plan memory`) but this host has "
                       f"{host.source} ({host.bytes_per_rank / GiB:.1f} GiB per rank); {fix}, or set "
                       "training.memory_check=false if the plan is wrong for this machine")
 

@@ -1,5 +1,5 @@
 """Co-located weight transfer (megatron_s2/posttrain/rollout/weights.py): training shards under
-TP2 x PP2, CP2 x TP2 and PP4 on four gloo ranks -> a TP/EP rollout model on the same ranks, in
+TP2 x PP2, CP2 x TP2, PP4 and CP2 x Engram-parallel 2 on four gloo ranks -> a TP/EP rollout model on the same ranks, in
 memory. The training parameters are first moved away from their initialisation by a known,
 layout-independent delta (as an optimiser step would), so the rollout model must end up with
 init + delta sliced for its own layout; a second transfer after another change follows it.
@@ -20,6 +20,7 @@ LAYOUTS = {
     "tp2_pp2": ["parallel.tp=2", "parallel.pp=2"],
     "cp2_tp2": ["parallel.cp=2", "parallel.tp=2"],
     "pp4_ep": ["parallel.pp=4", "rl.rollout.engine.rollout_ep=2"],
+    "cp2_engram2": ["parallel.cp=2", "parallel.engram_parallel=2"],  # the rollout model keeps the Engram partition
 }
 SEED = 1234
 
@@ -44,6 +45,7 @@ def _worker(rank, world, out_dir):
         model, _ = build_stage_model(recipe, layout, groups, rank)
         placement = rollout_placement(recipe, layout, world)
         assert not placement.shared
+        assert placement.layout.engram == recipe.parallel.engram_parallel
         rollout = V41Model(recipe.model, build_groups(placement.layout))
         transfer = WeightTransfer(model, rollout, rank=rank, world_size=world)
         results = {}

@@ -97,6 +97,11 @@ class RolloutEngineConfig:
     rollout_ep: int = 1
     """Expert parallelism of a separate rollout model (built when the training layout has pp, cp or
     sequence parallelism); its tensor parallelism is the training tp."""
+    rollout_engram_parallel: int = 0
+    """Engram-parallel size of a separate rollout model and of the frozen models (teachers,
+    reference) built on its layout: Engram table rows partitioned over this many ranks (§3.1.3);
+    0 = the training ``parallel.engram_parallel``. Engram tables dominate the flagship's weights,
+    so an unpartitioned copy does not fit a GPU (``megatron-s2 plan memory`` counts it)."""
     share_weights: Literal["auto", "never"] = "auto"
     """'auto': when the training layout is TP/EP/DP only, the engine runs the training model itself
     (no copy); 'never': always build a rollout model and transfer weights after each update."""
@@ -107,6 +112,9 @@ class RolloutEngineConfig:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_model_len < 0:
             raise ConfigError(f"max_model_len: must be >= 0 (0 = training.seq_length + 1), got {self.max_model_len}")
+        if self.rollout_engram_parallel < 0:
+            raise ConfigError(f"rollout_engram_parallel: must be >= 0 (0 = parallel.engram_parallel), got "
+                              f"{self.rollout_engram_parallel}")
         if self.train_aware_replay and not self.decoder_bounded_replay:
             raise ConfigError("train_aware_replay: it simulates the engine's decoder bounded replay; set "
                               "decoder_bounded_replay: true as well")

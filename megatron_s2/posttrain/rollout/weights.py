@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_s2.config.parallel import ParallelConfig
+from megatron_s2.config.schema import ConfigError
 from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.parallel.sharding import shard_spec
 
@@ -50,8 +51,14 @@ def rollout_placement(recipe, train_layout: ParallelLayout, world_size: int) -> 
                                        ("sequence parallelism", p.sequence_parallel)) if bad]
     if not needs_copy and engine.share_weights == "auto":
         return RolloutPlacement(True, train_layout, "the engine runs the training model (tp/ep/dp layout)")
-    cfg = ParallelConfig(tp=p.tp, ep=engine.rollout_ep, etp=1, backend=p.backend)
-    layout = ParallelLayout.build(cfg, recipe.model, world_size)
+    cfg = ParallelConfig(tp=p.tp, ep=engine.rollout_ep, etp=1, backend=p.backend,
+                         engram_parallel=engine.rollout_engram_parallel or p.engram_parallel)
+    try:
+        layout = ParallelLayout.build(cfg, recipe.model, world_size)
+    except ConfigError as exc:
+        raise ConfigError(f"{recipe.phase.kind}.rollout.engine: the rollout layout (tp={cfg.tp}, ep={cfg.ep}, "
+                          f"engram_parallel={cfg.engram_parallel}, pp = cp = 1 on {world_size} ranks) is invalid: "
+                          f"{exc}; adjust rollout_ep / rollout_engram_parallel") from None
     why = ", ".join(needs_copy) if needs_copy else "rollout.engine.share_weights: never"
     return RolloutPlacement(False, layout, f"rollout model {layout.describe()} with weights transferred ({why})")
 

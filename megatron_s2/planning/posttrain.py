@@ -1,0 +1,131 @@
+"""What an RL / OPD rank holds beside its training state (report §5.2.1: rollouts co-located on the
+training ranks and time-shared).
+
+The training state and activations of ``phase.kind: rl | opd`` are those of any phase
+(:mod:`.memory`); on top, every rank keeps resident for the whole run:
+
+* the **rollout weight copy** — only when the engine cannot run the training model in place
+  (:func:`~megatron_s2.posttrain.rollout.weights.rollout_placement`: pp, cp or sequence
+  parallelism in the training layout, or ``share_weights: never``). It is the model under the
+  rollout layout (training tp, ``rollout_ep``, ``rollout_engram_parallel``, pp = cp = 1) after
+  ``apply_precision_map`` (``params_dtype`` matrices, float32 islands), counted on a meta
+  skeleton of that layout;
+* the **KV cache of each engine** — the rollout engine and the held-out evaluation engine build
+  their own page pool and SWA rings (:func:`~megatron_s2.posttrain.rollout.engines.engine_configs`),
+  sized by :func:`~megatron_s2.inference.kv_store.kv_cache_bytes`, the function with which the
+  engine refuses a cache that does not fit. Pages are not sharded by tensor parallelism (one
+  latent KV vector per token and layer), so every rank holds its replica's whole pool;
+* **frozen models** (:mod:`megatron_s2.posttrain.frozen`) — OPD in-process teachers and the
+  ``reference_kl`` reference, each with the architecture saved in its checkpoint (read from the
+  checkpoint's manifest or ``config.json``, no tensors) on the rollout layout's tensor / expert
+  groups, in their precision map. A checkpoint that is not readable when planning (not written
+  yet) is counted with the teacher's ``model`` recipe if it names one, else the policy's
+  architecture, and the line says so.
+
+Not counted: the engines' per-step working set while generating (it is freed before training),
+and the weight transfer's bucket (transient, at most ``bucket_mb``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_s2.config.model import ModelConfig
+from megatron_s2.config.recipe import RecipeConfig
+from megatron_s2.parallel.layout import ParallelLayout
+
+__all__ = ["posttrain_resident", "frozen_model_bytes", "checkpoint_model_config"]
+
+
+_BYTES: dict[tuple, int] = {}
+
+
+def frozen_model_bytes(cfg: ModelConfig, groups) -> int:
+    """Bytes of a whole model (every layer) held by the rank of ``groups``, stored as the rollout
+    model and frozen models store it (``apply_precision_map``): parameters and buffers."""
+    from megatron_s2.checkpoint.hf.skeleton import model_skeleton
+
+    key = (cfg, groups.sequence_parallel) + tuple((getattr(groups, f).size, getattr(groups, f).rank)
+                                                  for f in ("tp", "ep", "etp", "engram"))
+    if key not in _BYTES:
+        model = model_skeleton(cfg, groups)
+        model.apply_precision_map()
+        tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        _BYTES[key] = sum(t.numel() * t.element_size() for t in tensors.values())
+    return _BYTES[key]
+
+
+def checkpoint_model_config(path: str | Path) -> ModelConfig | None:
+    """The architecture saved with a checkpoint (a sharded run / checkpoints / step directory, or
+    a Hugging Face export), read without its tensors; None when there is none readable."""
+    from megatron_s2.checkpoint.format import CheckpointError
+    from megatron_s2.config.schema import ConfigError, from_mapping
+
+    path = Path(path)
+    try:
+        if (path / "config.json").is_file():
+            from megatron_s2.checkpoint.hf.hf_config import config_from_hf
+
+            return config_from_hf(json.loads((path / "config.json").read_text()))
+        from megatron_s2.checkpoint.offline import resolve_step_dir
+        from megatron_s2.checkpoint.store import read_manifest
+
+        manifest = read_manifest(resolve_step_dir(path, log=lambda *a: None))
+        return from_mapping(RecipeConfig, manifest.config, f"{path}: checkpoint.json config").model
+    except (CheckpointError, ConfigError, OSError, ValueError):
+        return None
+
+
+def _frozen_config(recipe: RecipeConfig, path: str, model_ref: str = "") -> tuple[ModelConfig, str]:
+    """(architecture, where it came from) of a frozen model loaded from ``path``."""
+    cfg = checkpoint_model_config(path) if path else None
+    if cfg is not None:
+        return cfg, "checkpoint's model"
+    if model_ref:
+        from megatron_s2.config.recipe import _resolve_model
+        from megatron_s2.config.schema import from_mapping
+
+        return from_mapping(ModelConfig, _resolve_model(model_ref, Path.cwd()), f"model {model_ref}"), \
+            f"model {model_ref}, checkpoint not readable"
+    return recipe.model, "policy's model, checkpoint not readable"
+
+
+def _dtype(cfg: ModelConfig) -> str:
+    return "bf16+fp32 islands" if cfg.params_dtype == "bfloat16" else "fp32"
+
+
+def posttrain_resident(recipe: RecipeConfig, layout: ParallelLayout, rank: int) -> dict[str, float]:
+    """``{label: bytes}`` of what ``rank`` holds for rollouts and frozen models (module docstring);
+    empty for pretrain / sft phases."""
+    from megatron_s2.checkpoint.hf.skeleton import layout_groups
+    from megatron_s2.inference.kv_store import kv_cache_bytes
+    from megatron_s2.posttrain.config.recipe_checks import posttrain_section
+    from megatron_s2.posttrain.rollout.engines import engine_configs
+    from megatron_s2.posttrain.rollout.weights import rollout_placement
+
+    section = posttrain_section(recipe)
+    if section is None:
+        return {}
+    placement = rollout_placement(recipe, layout, layout.world_size)
+    groups = layout_groups(placement.layout, rank)
+    lay = placement.layout
+    where = f"tp={lay.tp} ep={lay.ep} etp={lay.etp} engram={lay.engram}"
+    out: dict[str, float] = {}
+    if not placement.shared:
+        out[f"rollout weight copy ({where}; {_dtype(recipe.model)})"] = frozen_model_bytes(recipe.model, groups)
+    for name, engine in engine_configs(recipe, section.rollout).items():
+        label = f"{engine.max_num_seqs} seqs x {engine.max_model_len} tokens, {engine.pages_for(recipe.model)} pages"
+        out[f"{name} engine KV ({label})"] = kv_cache_bytes(recipe.model, engine)
+    if recipe.phase.kind == "opd":
+        for t in section.teachers:
+            if t.checkpoint:
+                cfg, source = _frozen_config(recipe, t.checkpoint, t.model)
+                out[f"teacher {t.name} ({source}; {where}; {_dtype(cfg)})"] = frozen_model_bytes(cfg, groups)
+    if section.loss.has_term("reference_kl"):
+        path = getattr(section, "reference_checkpoint", "") or recipe.checkpoint.load
+        cfg, source = _frozen_config(recipe, path)
+        out[f"reference model ({source}; {where}; {_dtype(cfg)})"] = frozen_model_bytes(cfg, groups)
+    return out
