@@ -130,6 +130,10 @@ class EvaluationConfig:
     """Held-out prompts per evaluation (the first ones of each dataset's held-out set); 0 = all."""
     temperature: float = 0.0
     """Sampling temperature of evaluation (0 = greedy)."""
+    samples_per_prompt: int = 1
+    """Episodes per held-out prompt (each its own seed); accuracy and reward are their mean
+    (avg@k): the policy's own accuracy at ``temperature``, with k times the samples. Needs a
+    temperature > 0 when > 1 (greedy episodes are identical)."""
     at_start: bool = True
     """Also evaluate before the first update (the 'before' of a before/after comparison)."""
 
@@ -138,3 +142,8 @@ class EvaluationConfig:
             raise ConfigError("interval / num_prompts: must be >= 0")
         if not self.temperature >= 0:
             raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")
+        if self.samples_per_prompt < 1:
+            raise ConfigError(f"samples_per_prompt: must be >= 1, got {self.samples_per_prompt}")
+        if self.samples_per_prompt > 1 and self.temperature == 0:
+            raise ConfigError(f"samples_per_prompt: {self.samples_per_prompt} greedy episodes of a prompt are "
+                              "identical; set eval.temperature > 0 (e.g. the rollout temperature) or samples_per_prompt: 1")

@@ -3,9 +3,11 @@ student is to its teacher.
 
 The held-out prompts of every environment (never trained on, :mod:`~megatron_s2.posttrain.envs`)
 are divided over the rollout replicas and played as full episodes (multi-turn included) on a
-second engine over the policy's current weights (greedy unless ``eval.temperature`` > 0); the
-replicas' counts are all-gathered. Metrics (``eval_*``): accuracy, mean reward, response length,
-truncation rate — per dataset when there are several. With teachers (OPD):
+second engine over the policy's current weights (greedy unless ``eval.temperature`` > 0;
+``eval.samples_per_prompt`` episodes per prompt give avg@k, seeded by position so that two
+evaluations draw the same random numbers); the replicas' counts are all-gathered. Metrics
+(``eval_*``): accuracy, mean reward, response length, truncation rate — per dataset when there
+are several. With teachers (OPD):
 
 * ``eval_student_logprob_teacher`` — the student's mean log-probability per token of the
   teacher's greedy answers to the held-out prompts (a held-out log-likelihood that rises as the
@@ -62,6 +64,12 @@ class Evaluator:
     def mine(self) -> list[tuple[str, int]]:
         return [it for k, it in enumerate(self.items()) if self.topology.owns(k)]
 
+    def episodes(self) -> list[tuple[str, int]]:
+        """This replica's held-out episodes: each of its prompts ``samples_per_prompt`` times
+        (consecutive, so every episode has its own key and seed)."""
+        k = self.config.samples_per_prompt
+        return [it for it in self.mine() for _ in range(k)]
+
     # ---- episodes -------------------------------------------------------------------------------
     def play(self, engine: InferenceEngine, items: Sequence[tuple[str, int]], temperature: float) -> list[EvalItem]:
         """Full episodes of ``items`` on ``engine`` (stepped on this thread)."""
@@ -111,7 +119,7 @@ class Evaluator:
     # ---- metrics ------------------------------------------------------------------------------------
     def run(self, step: int, teacher=None, scorer_groups=None) -> dict[str, float]:
         """Evaluate the engine's current weights; collective over the world."""
-        items = self.play(self.engine, self.mine(), self.config.temperature)
+        items = self.play(self.engine, self.episodes(), self.config.temperature)
         local: dict[str, list[float]] = {}
         for it in items:
             row = local.setdefault(it.dataset, [0.0] * 5)
@@ -140,7 +148,8 @@ class Evaluator:
                 out[f"eval_accuracy_{name}"] = row[1] / max(row[0], 1)
         n = max(every[0], 1)
         out.update({"eval_accuracy": every[1] / n, "eval_reward": every[2] / n, "eval_response_length": every[3] / n,
-                    "eval_truncation_rate": every[4] / n, "eval_prompts": every[0]})
+                    "eval_truncation_rate": every[4] / n,
+                    "eval_prompts": every[0] / self.config.samples_per_prompt, "eval_episodes": every[0]})
         sums: dict[str, list[float]] = {}
         for part in gathered:
             for key, (total, count) in part["extra"].items():
