@@ -39,8 +39,10 @@ the CSA2 layer's own indexer alignment loss; ``--loss square-mean`` backpropagat
 * **Peak memory**: on CPU the rise of the process's peak resident set (``VmHWM`` in
   /proc/self/status, reset through /proc/self/clear_refs) over the resident set just before
   one forward+backward, measured after the warm-up with freed heap memory returned to the OS
-  (``malloc_trim``). It counts activations, saved tensors, gradients and kernel workspaces of
-  that pass; parameters and inputs exist before it. Where clear_refs is not writable a 1 ms
+  (``malloc_trim``) and the warm-up's gradients freed before that baseline (else freeing them
+  inside the pass would hide the input gradient and part of the weight gradients). It counts
+  activations, saved tensors, the pass's gradients (input and parameters) and kernel
+  workspaces; parameters, the input and the upstream gradient exist before it. Where clear_refs is not writable a 1 ms
   RSS sampler is used instead (the header says which). The resident set also holds glibc heap
   fragmentation (after the warm-up glibc raises its mmap threshold to ~32 MiB, so most tensors
   come from the heap); ``--fixed-mmap-threshold`` serves every allocation over 64 KiB by mmap,
@@ -217,10 +219,13 @@ def worker(impl: str, seq: int, args) -> dict:
     ids = torch.zeros(1, seq, dtype=torch.long, device=args.device)
     grad_out = torch.randn(x.shape, generator=g).to(x)
 
-    def once():
+    def clear():
         for p in layer.parameters():
             p.grad = None
         x.grad = None
+
+    def once():
+        clear()
         out, aux = step(x, ids)
         if args.loss == "square-mean":
             loss = out.square().mean()
@@ -234,6 +239,7 @@ def worker(impl: str, seq: int, args) -> dict:
     for _ in range(args.warmup):
         once()
     meter = CudaPeakMeter() if cuda else PeakMeter()
+    clear()  # the warm-up's gradients go before the baseline: the pass's own new ones count in full
     with meter:
         once()
     times, cpu = [], []

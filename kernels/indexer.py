@@ -104,8 +104,10 @@ class _GatheredScores(torch.autograd.Function):
             dw[:, sl] = (g * F.relu(logits)).sum(-1)
             dl = g * w[:, sl].unsqueeze(-1) * (logits > 0)
             dq[:, sl] = torch.einsum("bshk,bskd->bshd", dl, keys)
+            del keys
             dkeys = torch.einsum("bshk,bshd->bskd", dl, q[:, sl])
             dk.index_add_(0, (idx.clamp_min(0) + offsets).reshape(-1), dkeys.reshape(-1, d))
+            del dkeys, logits, dl, g  # freed before the next chunk's gather
         return dq, dk.view(b, n, d), dw, None, None
 
 

@@ -81,6 +81,7 @@ def sparse_attention_eager(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
         outs.append(torch.einsum("bshk,bskd->bshd", probs, keys.to(probs.dtype)).to(q.dtype))
         if split is not None:
             masses.append(probs[..., split:].detach().sum(dim=2))
+        del keys, probs  # freed before the next chunk's gather
     return torch.cat(outs, dim=1), (torch.cat(masses, dim=1) if split is not None else None)
 
 
@@ -106,7 +107,8 @@ class _SparseAttention(torch.autograd.Function):
         work = wide(q).dtype
         sink_w = None if sink is None else sink.to(work)
         dq = torch.empty(q.shape, dtype=work, device=q.device)
-        dkv = torch.zeros(b * n, d, dtype=work, device=kv.device)
+        dkv = torch.zeros(b, n, d, dtype=work, device=kv.device)  # returned as is, not as a view
+        dkv_rows = dkv.view(b * n, d)
         dsink = None if sink is None else torch.zeros(h, dtype=work, device=q.device)
         offsets = (torch.arange(b, device=indices.device) * n).view(b, 1, 1)
         for start in range(0, s, chunk):
@@ -121,13 +123,16 @@ class _SparseAttention(torch.autograd.Function):
             delta = (probs * dp).sum(-1)  # = dO . O
             ds = probs * (dp - delta.unsqueeze(-1))
             dq[:, sl] = torch.einsum("bshk,bskd->bshd", ds, keys) * scale
-            dkeys = torch.einsum("bshk,bshd->bskd", ds, q_c) * scale + torch.einsum("bshk,bshd->bskd", probs, do)
-            dkeys = dkeys * valid.unsqueeze(-1)
+            del keys  # the chunk's [b, c, k, d] buffers, at most two at a time from here on
+            # (s q) * scale + p dO, then the mask, as in-place steps: the same values, no third buffer
+            dkeys = torch.einsum("bshk,bshd->bskd", ds, q_c).mul_(scale)
+            dkeys.add_(torch.einsum("bshk,bshd->bskd", probs, do)).mul_(valid.unsqueeze(-1))
             flat = (idx.clamp_min(0) + offsets).reshape(-1)
-            dkv.index_add_(0, flat, dkeys.reshape(-1, d))
+            dkv_rows.index_add_(0, flat, dkeys.reshape(-1, d))
             if dsink is not None:
                 dsink -= (p_sink * delta).sum(dim=(0, 1))
-        return (dq.to(q.dtype), dkv.view(b, n, d).to(kv.dtype),
+            del dkeys, probs, p_sink, dp, ds, delta, do, q_c  # freed before the next chunk's gather
+        return (dq.to(q.dtype), dkv.to(kv.dtype),
                 None if dsink is None else dsink.to(sink.dtype), None, None, None, None)
 
 

@@ -37,10 +37,48 @@ from megatron_s2.parallel.sequence import SequenceSharding
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear"]
 
 
+class _RowsLinear(torch.autograd.Function):
+    """``F.linear(x, w)`` for ``x`` [..., in] (more than two dims), whose input gradient is a
+    tensor of its own rather than a view of the GEMM's result.
+
+    Autograd sums the gradients of an input read by several layers (the CSA2 layer's input
+    feeds q_down, the window KV and the compressor's KV and gate) in place only when the
+    gradient it holds owns its storage outright. Through ``F.linear`` a [b, s, in] input's
+    gradient is ``(g W).view(b, s, in)``, a view whose base keeps a second reference to the
+    storage, so the first sum is out of place: the held gradient, the arriving one and their
+    sum, three ``[s, in]`` buffers at once, at the end of the layer's backward. Here the
+    product is written into a fresh [..., in] tensor (``mm(out=)`` on its row view), so every
+    sum after the first arrival is in place. Forward and gradients are the ones ``F.linear``
+    computes, bit for bit: the same GEMMs with the same operand layouts as its matmul folding
+    (``mm_mat1_backward`` / ``mm_mat2_backward``); tests/parallel/test_linear_rows.py."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.size(-1))
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = g.new_empty(x.shape)
+            torch.mm(g, weight, out=gx.view(-1, x.size(-1)))
+        if ctx.needs_input_grad[1]:
+            gw = g.t().mm(x.reshape(-1, x.size(-1)))
+        return gx, gw
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x W^T`` in ``dtype`` (default: the weight's); ``.to`` is a no-op when the dtype matches."""
+    """``x W^T`` in ``dtype`` (default: the weight's); ``.to`` is a no-op when the dtype matches.
+    Under autograd a [..., in] input (more than two dims) goes through :class:`_RowsLinear`
+    (same values; its gradient can be summed in place with other readers' gradients)."""
     dtype = dtype or weight.dtype
-    return F.linear(x.to(dtype), weight.to(dtype))
+    x, weight = x.to(dtype), weight.to(dtype)
+    if x.dim() > 2 and torch.is_grad_enabled() and x.requires_grad:
+        return _RowsLinear.apply(x, weight)
+    return F.linear(x, weight)
 
 
 class _LocalGemm(nn.Module):

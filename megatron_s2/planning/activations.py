@@ -28,11 +28,14 @@ per stream token the layer input ``d`` and the window-KV norm ``2 head_dim + 1``
 * ``recompute: selective`` — the core runs in checkpointed query chunks
   (``CSA2Attention.attend``): only the checkpoints' inputs stay, the compressed query
   ``q_lora`` (its norm recomputed), the top-k ids ``2 top-k`` (CSA2), the KV array, and the
-  window KV's RoPE ``rope_dim``; query heads, indices, outputs are recomputed per chunk.
+  window KV's RoPE ``rope_dim`` (its projection and norm recomputed too, so no ``2 head_dim
+  + 1``); query heads, indices, outputs are recomputed per chunk.
 
 Full layers add the compressor (softmax-gated pooling keeps ``C`` and ``softmax(Z)``: ``2
 head_dim`` per token when m > 1), its norm and the index-key projection per entry (the CED
-decoder Full layer compresses its own normalised input, already counted). Indexer layers
+decoder Full layer compresses its own normalised input, already counted); under selective
+recomputation the compressor and the index-key projection are checkpointed, so only the
+latent ``head_dim`` and its RoPE ``2 rope_dim`` stay per entry. Indexer layers
 (training with ``indexer_loss_coeff > 0``) add the KL alignment over the selected entries:
 the head weights ``h_I``, the log-softmax, target and their masks ``2 top-k + 2 top-k / 4``
 and the has-a-selection mask; the index-score kernel (:mod:`megatron_s2.kernels.indexer`)
@@ -136,7 +139,7 @@ def layer_activations(c: ModelConfig, spec: LayerSpec, r: RankShape, recompute: 
     halo = r.batch * c.window_size if r.cp > 1 else 0.0
     kv_array = hd * (T + halo + _entries(c, spec, r))
     if selective:  # the checkpointed query chunks keep their inputs: qr, top-k ids, the KV array
-        out.add("attention", Tsp * (d + 2 * hd + 1) + T * (q + rd))
+        out.add("attention", Tsp * d + T * (q + rd))  # the window-KV norm is recomputed too
         core = T * INT64 * topk if spec.is_csa2 else 0.0
     else:
         out.add("attention", Tsp * (d + 2 * q + 1 + 2 * hd + 1) + T * (q + 3 * rd + 2 * hl * hd + gl * c.o_lora_rank))
@@ -147,8 +150,11 @@ def layer_activations(c: ModelConfig, spec: LayerSpec, r: RankShape, recompute: 
         m = spec.compress_ratio
         full_tokens = r.batch * r.seq
         entries = _entries(c, spec, r)
-        comp = (2 * hd * full_tokens if m > 1 else 0.0) + entries * (2 * hd + 1)
-        comp += entries * (hd + 2 * ihd + 1 + 2 * rd)
+        if selective:  # checkpointed compressor and index-key projection: the latent and its RoPE stay
+            comp = entries * (hd + 2 * rd)
+        else:
+            comp = (2 * hd * full_tokens if m > 1 else 0.0) + entries * (2 * hd + 1)
+            comp += entries * (hd + 2 * ihd + 1 + 2 * rd)
         out.add("compressor + index keys", comp)
     if spec.runs_indexer and r.training and c.indexer_loss_coeff > 0:
         own_keys = _entries(c, spec, r) * ihd if spec.mode is CSA2Mode.FULL else 0.0

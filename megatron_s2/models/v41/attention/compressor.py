@@ -25,7 +25,7 @@ from torch import nn
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.precision import wide
-from megatron_s2.parallel.linear import ReplicatedLinear
+from megatron_s2.parallel.linear import ReplicatedLinear, _LocalGemm, _linear
 
 __all__ = ["Compressor", "pool_groups"]
 
@@ -50,10 +50,21 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(hd, config.norm_eps)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token projections (run on the locally held tokens): (C, Z)."""
+        """Per-token projections (run on the locally held tokens): (C, Z).
+
+        With the local GEMM on both, C and Z come from one GEMM over the stacked weights
+        ``[W^KV; W^Z]``: the same C, Z and weight gradients, and one ``[s, d]`` input gradient
+        ``[dC dZ] [W^KV; W^Z]`` instead of two summed afterwards (equal to float round-off),
+        so the layer's backward never holds two of them at once. GEMM backends (FP8, TE) keep
+        two products."""
         x = wide(x)
-        kv = self.linear_kv(x)
-        gate = self.linear_gate(x) if self.linear_gate is not None else None
+        kv_lin, gate_lin = self.linear_kv, self.linear_gate
+        if (gate_lin is not None and type(kv_lin).gemm is _LocalGemm.gemm and type(gate_lin).gemm is _LocalGemm.gemm
+                and kv_lin.gemm_dtype == gate_lin.gemm_dtype):
+            both = _linear(x, torch.cat([kv_lin.weight, gate_lin.weight]), kv_lin.gemm_dtype)
+            return both.split([kv_lin.out_features, gate_lin.out_features], dim=-1)
+        kv = kv_lin(x)
+        gate = gate_lin(x) if gate_lin is not None else None
         return kv, gate
 
     def pool(self, kv: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

@@ -36,11 +36,16 @@ indexer builds its queries one scoring chunk at a time):
 * ``selective`` — Megatron's *selective recomputation*: the core attention is recomputed.
   The attention core (query heads, window + top-k indices, sparse attention, output
   projection) runs in checkpointed query chunks (:meth:`CSA2Attention.attend`), the
-  compressed query keeps only its output, and the indexer recomputes its queries per chunk
-  for its alignment loss (``Indexer.selected_scores``). What stays from forward to backward
-  is per-token latents (qr, window KV, compressed entries, top-k ids), never
-  ``[s, heads, head_dim]``, and the transient working set is one chunk's; the price is the
-  recomputation in backward. ``bench/csa2_vs_dense.py`` measures both modes side by side.
+  compressed query, the window KV (projection and norm), the compressor (projections,
+  pooling, norm) and the index-key projection keep only their outputs, and the indexer
+  recomputes its queries per chunk for its alignment loss (``Indexer.selected_scores``).
+  What stays from forward to backward is per-token latents (qr, window KV, compressed
+  entries, top-k ids), never ``[s, heads, head_dim]``, and the transient working set is one
+  chunk's; the price is the recomputation in backward. ``bench/csa2_vs_dense.py`` measures
+  both modes side by side. The end of the backward holds at most two ``[s, d]`` input
+  gradients at once: the compressor's C and Z come from one GEMM
+  (:meth:`Compressor.project`) and the linears' input gradients are summed in place
+  (:mod:`megatron_s2.parallel.linear`).
 
 Both modes compute the same values (outputs, losses and gradients agree to float rounding:
 ``tests/models/test_csa2.py``).
@@ -166,8 +171,14 @@ class CSA2Attention(nn.Module):
     def window_kv(self, x_in: torch.Tensor, positions: torch.Tensor, quantise: bool = True) -> torch.Tensor:
         """The layer-local SWA KV latent of each token [b, s, hd]: RoPE'd, then FP8 QAT
         (§2.4.4) unless ``quantise`` is False (a KV cache packs the raw values itself)."""
-        kv = self.seq.gather_chunk(self.kv_norm(self.linear_kv(wide(x_in))))
-        kv = apply_rope(kv, positions, self.inv_freq)
+        def local(x: torch.Tensor) -> torch.Tensor:
+            return self.kv_norm(self.linear_kv(wide(x)))
+
+        if self.recomputes_core():  # the norm's inputs are recomputed in backward, as for qr
+            kv = checkpoint(local, x_in, use_reentrant=False, preserve_rng_state=False)
+        else:
+            kv = local(x_in)
+        kv = apply_rope(self.seq.gather_chunk(kv), positions, self.inv_freq)
         return fake_quant_fp8(kv) if self.config.fp8_swa_kv and quantise else kv
 
     def compressed_entries(self, latent: torch.Tensor, entry_pos: torch.Tensor,
@@ -175,7 +186,11 @@ class CSA2Attention(nn.Module):
         """RoPE-free latents [b, n, hd] of entries at token positions ``entry_pos`` [b, n]
         (entry j sits at j*m) -> (main KV: RoPE'd, FP4 QAT after RoPE (§2.4.4); index K with
         MXFP4 QAT). ``quantise=False``: the raw values, for a KV cache that packs them."""
-        index_k = self.index_key(latent.detach(), entry_pos, self.inv_freq, quantise=quantise)
+        if self.recomputes_core():  # keep only the latent: the key projection's norm is recomputed
+            index_k = checkpoint(self.index_key, latent.detach(), entry_pos, self.inv_freq, quantise=quantise,
+                                 use_reentrant=False, preserve_rng_state=False)
+        else:
+            index_k = self.index_key(latent.detach(), entry_pos, self.inv_freq, quantise=quantise)
         main_kv = apply_rope(latent, entry_pos, self.inv_freq)
         if self.config.fp4_main_kv and quantise:
             main_kv = fake_quant_fp4_e4m3(main_kv)
@@ -227,10 +242,12 @@ class CSA2Attention(nn.Module):
         recompute = self.recomputes_core()
         rows = self.attention_rows() if recompute else s
         outs, masses = [], []
-        for start in range(0, s, rows):
+        # split, not sliced per chunk: a slice's backward is a zero-padded [b, s, q_lora] per chunk
+        qr_chunks = qr.split(rows, dim=1) if recompute else (qr,)
+        for i, start in enumerate(range(0, s, rows)):
             sl = slice(start, start + rows)
             top = None if topk is None else topk[:, sl]
-            args = (qr[:, sl], kv, sl, window_idx, top, n_window, positions[:, sl], split)
+            args = (qr_chunks[i], kv, sl, window_idx, top, n_window, positions[:, sl], split)
             if recompute:
                 out, mass = checkpoint(self.attention_chunk, *args, use_reentrant=False, preserve_rng_state=False)
             else:
@@ -257,13 +274,19 @@ class CSA2Attention(nn.Module):
             main_kv = ctx.shared.consume(spec.index, spec.kv_source, K.MAIN_KV)
             index_k = ctx.shared.consume(spec.index, spec.kv_source, K.INDEX_K) if spec.runs_indexer else None
             return main_kv, index_k
-        kv, gate = self.compressor.project(self.compressor_input(x_in))
         if ctx.kv_cache is not None:  # decode: carry the partial block, append complete ones
+            kv, gate = self.compressor.project(self.compressor_input(x_in))
             main_kv, index_k = ctx.kv_cache.compress(self, kv, gate)
         else:
-            kv = self.seq.gather_full(kv, ctx.positions)
-            gate = self.seq.gather_full(gate, ctx.positions) if gate is not None else None
-            latent = self.compressor.pool(kv, gate)  # [b, n, hd], RoPE-free
+            def compress(x: torch.Tensor) -> torch.Tensor:  # [b, n, hd], RoPE-free
+                kv, gate = self.compressor.project(self.compressor_input(x))
+                kv = self.seq.gather_full(kv, ctx.positions)
+                gate = self.seq.gather_full(gate, ctx.positions) if gate is not None else None
+                return self.compressor.pool(kv, gate)
+
+            # selective: keep only the latent; C, softmax(Z) and the norm's inputs are recomputed
+            latent = (checkpoint(compress, x_in, use_reentrant=False, preserve_rng_state=False)
+                      if self.recomputes_core() else compress(x_in))
             n = latent.size(1)
             entry_pos = (torch.arange(n, device=latent.device) * ratio).expand(latent.size(0), n)
             main_kv, index_k = self.compressed_entries(latent, entry_pos)
