@@ -162,3 +162,19 @@ def test_disk_full_says_so(tmp_path):
     assert "Traceback" not in err, err
     assert result.returncode == 1, err
     assert "disk full" in err.lower() or "no space left" in err.lower(), err
+
+
+def test_transformer_engine_without_it_exits_2(capsys, tmp_path):
+    """`model.transformer_impl: transformer_engine` where TE does not import was a RuntimeError
+    traceback (exit 1) from the model build; it is a one-line configuration error before the run
+    directory is touched (the launcher's local pre-flight runs the same check)."""
+    from megatron_s2.models.v41.spec import transformer_engine_available
+
+    if transformer_engine_available():
+        pytest.skip("Transformer Engine is importable here: the error path does not apply")
+    run_dir = tmp_path / "run"
+    code = main(["train", str(RECIPE), *SINGLE, "model.transformer_impl=transformer_engine", "--run-dir", str(run_dir)])
+    line = _one_line_error(capsys)
+    assert code == 2, line
+    assert "model.transformer_impl" in line and "local" in line
+    assert not run_dir.exists()
