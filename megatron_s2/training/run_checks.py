@@ -166,7 +166,11 @@ def check_memory(recipe: RecipeConfig, world_size: int, host: HostMemory | None)
 
 def check_backend(recipe: RecipeConfig) -> None:
     """``model.transformer_impl: transformer_engine`` needs Transformer Engine importable where
-    the ranks run (refused before the run directory is touched or ranks are started)."""
+    the ranks run, and ``MEGATRON_S2_KERNELS`` must name a mode (refused before the run
+    directory is touched or ranks are started)."""
+    from megatron_s2.kernels.dispatch import kernel_mode
+
+    kernel_mode()
     if recipe.model.transformer_impl == "transformer_engine":
         from megatron_s2.models.v41.spec import get_provider
 

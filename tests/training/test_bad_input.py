@@ -178,3 +178,14 @@ def test_transformer_engine_without_it_exits_2(capsys, tmp_path):
     assert code == 2, line
     assert "model.transformer_impl" in line and "local" in line
     assert not run_dir.exists()
+
+
+def test_bogus_kernel_mode_exits_2_before_training(capsys, tmp_path, monkeypatch):
+    """MEGATRON_S2_KERNELS=bogus was a ValueError traceback from the first forward (exit 1)."""
+    monkeypatch.setenv("MEGATRON_S2_KERNELS", "bogus")
+    run_dir = tmp_path / "run"
+    code = main(["train", str(RECIPE), *SINGLE, "--run-dir", str(run_dir)])
+    line = _one_line_error(capsys)
+    assert code == 2, line
+    assert "MEGATRON_S2_KERNELS" in line
+    assert not run_dir.exists()
