@@ -12,7 +12,8 @@
 # 2. runs tools/gpu_check.py: env, kernel_parity, kernel_bench, train_parity, main_recipe,
 #    layer_mfu, decode -- one process per part, each with its own timeout, 450 s in all.
 # 3. leaves OUT_DIR/gpu_check.json, OUT_DIR/gpu_check.md and OUT_DIR/logs/*.log.
-# Exit code: 0 when every check passed, 1 otherwise.
+# Exit code: 0 when every check passed, 1 otherwise; 2 (one line, nothing installed or run)
+# when no CUDA GPU is visible and --smoke was not given.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 SMOKE=()
@@ -45,6 +46,7 @@ EOF
 fi
 
 if [ ${#SMOKE[@]} -eq 0 ]; then
+    "$PY" tools/gpu_check.py --gpu-present --out "$OUT_DIR" || exit $?
     if timeout 120 "$PY" -m pip install -e . --no-deps --no-build-isolation --no-index >"$OUT_DIR/logs/pip_install.log" 2>&1; then
         export GPU_CHECK_PIP="pip install -e . --no-deps: ok"
     else

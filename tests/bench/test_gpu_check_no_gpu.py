@@ -1,0 +1,34 @@
+"""``tools/gpu_check.sh`` without ``--smoke`` on a machine with no CUDA GPU: it ran every part
+against ``cuda`` and reported cryptic per-part errors ("Torch not compiled with CUDA enabled",
+a ``TypeError`` from ``torch.cuda.device``) as FAILURES. It must say in one line that no GPU is
+present and that the check has not run (exit 2), install nothing, and leave a JSON / markdown
+that say the same."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_without_gpu_says_so_and_runs_nothing(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: the no-GPU path does not apply")
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), str(out)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(tmp_path / "none")})
+    assert done.returncode == 2, (done.stdout[-2000:], done.stderr[-2000:])
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "no CUDA GPU" in lines[0] and "--smoke" in lines[0], done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["ok"] is False and report["no_gpu"] is True and report["parts"] == {}
+    assert "NOT RUN" in (out / "gpu_check.md").read_text()
+    assert not (out / "logs" / "pip_install.log").exists(), "nothing is installed on a machine without a GPU"
