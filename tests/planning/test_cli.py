@@ -13,9 +13,11 @@ def test_plan_memory(capsys):
     assert main(["plan", "memory", str(RECIPE), *BASE, "parallel.pp=2", "parallel.tp=2", "--world-size", "4"]) == 0
     out = capsys.readouterr().out
     assert "tp=2" in out and "pp=2" in out and "most loaded: pipeline stage 0" in out
-    for line in ("parameters", "gradients", "optimizer state", "saved activations", "attention core (gathered keys)",
+    for line in ("parameters", "gradients", "optimizer state", "saved activations", "attention core (KV array + indices)",
                  "pipeline payload buffers", "engram shard"):
         assert line in out
+    # the sparse attention kernel saves the KV array and the indices, never the [b, s, k, d] gather
+    assert "gathered keys" not in out
     assert main(["plan", "memory", str(RECIPE), *BASE, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data[0]["parameters"] == data[0]["gradients"] > 0
