@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
 
 from megatron_s2.cli import main
 from tests.planning.helpers import BASE, RECIPE
@@ -38,3 +41,22 @@ def test_plan_schedule(tmp_path, capsys):
     root = ET.parse(out_file).getroot()
     assert len([g for g in root.iter("{http://www.w3.org/2000/svg}g")]) == 32
     assert main(["plan", "memory", str(RECIPE), *BASE, "parallel.tp=3"]) == 2  # configuration error, exit 2
+
+
+def test_plan_memory_bad_inputs_one_line(capsys, tmp_path):
+    """A YAML syntax error was a 4-line message (PyYAML's snippet and caret); a `phases:` pipeline
+    file said "the recipe names no model; add `model: tiny`"; `--world-size 0` silently planned the
+    recipe's default world size."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: tiny\nparallel: {tp: 2\ntraining: x: y\n")
+    assert main(["plan", "memory", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not valid YAML at line" in err, err
+    pipeline = Path(__file__).resolve().parents[2] / "recipes" / "v41" / "flagship_pipeline.yaml"
+    assert main(["plan", "memory", str(pipeline)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a pipeline" in err and "flagship_sft.yaml" in err, err
+    assert "add `model: tiny`" not in err
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "memory", str(RECIPE), "--world-size", "0"])
+    assert exc.value.code == 2 and "--world-size: must be at least 1" in capsys.readouterr().err
