@@ -189,3 +189,10 @@ def test_bogus_kernel_mode_exits_2_before_training(capsys, tmp_path, monkeypatch
     assert code == 2, line
     assert "MEGATRON_S2_KERNELS" in line
     assert not run_dir.exists()
+
+
+def test_override_with_bad_yaml_is_one_line(capsys, tmp_path):
+    """`parallel.tp=[1` printed PyYAML's 7-line error (snippets and carets) inside the message."""
+    code = main(["train", str(RECIPE), *SINGLE, "parallel.tp=[1", "--run-dir", str(tmp_path / "run")])
+    line = _one_line_error(capsys)
+    assert code == 2 and "parallel.tp=[1" in line and "not valid YAML" in line
