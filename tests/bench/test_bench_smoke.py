@@ -63,3 +63,15 @@ def test_benchmark_library_imports():
         import comm_model  # noqa: F401
     finally:
         sys.path.remove(str(BENCH))
+
+
+def test_csa2_bench_help_and_bad_lengths():
+    """`--help` listed `--impls csa2 csa2-selective csa2-ref csa2-eager dense` without saying what
+    they are; `--min-seq 4096 --max-seq 1024` crashed with an IndexError traceback after parsing."""
+    script = str(BENCH / "csa2_vs_dense.py")
+    help_text = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120).stdout
+    for impl in ("csa2-selective", "csa2-ref", "csa2-eager", "dense"):
+        assert f"* **{impl}**" in help_text, help_text
+    bad = subprocess.run([sys.executable, script, "--min-seq", "4096", "--max-seq", "1024"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--min-seq 4096" in bad.stderr, bad.stderr
