@@ -154,7 +154,8 @@ def summary(report: dict) -> str:
         for c in p.get("checks", []):
             mark = "ok" if c["ok"] else "FAIL"
             limit = f" (limit {_fmt(c['limit'])})" if c.get("limit") is not None else ""
-            lines.append(f"- [{mark}] {name}: {c['name']}: {_fmt(c.get('value'))}{limit}")
+            value = f": {_fmt(c['value'])}" if c.get("value") is not None else ""
+            lines.append(f"- [{mark}] {name}: {c['name']}{value}{limit}")
         if p.get("error"):
             lines.append(f"- [{p['status'].upper()}] {name}: {p['error'].splitlines()[0][:300]}")
     figs = {n: report["parts"].get(n, {}).get("figures", {}) for n in ("kernel_bench", "layer_mfu", "main_recipe")}

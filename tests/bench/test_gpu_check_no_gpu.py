@@ -32,3 +32,14 @@ def test_without_gpu_says_so_and_runs_nothing(tmp_path):
     assert report["ok"] is False and report["no_gpu"] is True and report["parts"] == {}
     assert "NOT RUN" in (out / "gpu_check.md").read_text()
     assert not (out / "logs" / "pip_install.log").exists(), "nothing is installed on a machine without a GPU"
+
+
+def test_summary_omits_missing_values():
+    """A check without a figure printed "triton importable: None" in gpu_check.md."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import gpu_check
+
+    report = {"smoke": True, "device": "cpu", "ok": True, "parts": {"env": {"status": "ok", "checks": [
+        {"name": "triton importable", "ok": True, "value": None}, {"name": "x", "ok": True, "value": 0.0, "limit": 0}]}}}
+    text = gpu_check.summary(report)
+    assert "- [ok] env: triton importable\n" in text and "None" not in text and "- [ok] env: x: 0 (limit 0)" in text
