@@ -206,15 +206,15 @@ def load_recipe(path: str | Path, overrides: Iterable[str] = (),
     ``phase_dirs`` (pipeline phases: name -> run directory) resolves ``${phase:<name>}`` in any
     value; outside a pipeline such a reference is refused with a one-line error."""
     tree = _resolve_tree(Path(path))
+    if "model" not in tree and "phases" in tree:
+        phases = [p.get("recipe") for p in tree["phases"] if isinstance(p, dict)] if isinstance(tree["phases"], list) else []
+        raise ConfigError(f"recipe file '{path}' is a pipeline (a phases: list), not one phase's recipe; run it with "
+                          f"`megatron-s2 launch`, or give one of its phase recipes ({', '.join(map(str, phases))})")
     for text in overrides:
         if text.startswith("model.") and isinstance(tree.get("model"), str):
             tree["model"] = _resolve_model(tree["model"], Path(path).parent)
         apply_override(tree, text)
     tree = _substitute_phases(tree, phase_dirs, "")
-    if "model" not in tree and "phases" in tree:
-        phases = [p.get("recipe") for p in tree["phases"] if isinstance(p, dict)] if isinstance(tree["phases"], list) else []
-        raise ConfigError(f"recipe file '{path}' is a pipeline (a phases: list), not one phase's recipe; run it with "
-                          f"`megatron-s2 launch`, or give one of its phase recipes ({', '.join(map(str, phases))})")
     if "model" not in tree:
         raise ConfigError("model: the recipe names no model; add `model: tiny` (or a path to a model file)")
     if isinstance(tree["model"], str):

@@ -57,6 +57,10 @@ def test_plan_memory_bad_inputs_one_line(capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is a pipeline" in err and "flagship_sft.yaml" in err, err
     assert "add `model: tiny`" not in err
+    opd = Path(__file__).resolve().parents[2] / "recipes" / "opd_tiny.yaml"  # its phases use ${phase:...}
+    assert main(["plan", "memory", str(opd)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a pipeline" in err and "phases/" in err, err
     with pytest.raises(SystemExit) as exc:
         main(["plan", "memory", str(RECIPE), "--world-size", "0"])
     assert exc.value.code == 2 and "--world-size: must be at least 1" in capsys.readouterr().err
