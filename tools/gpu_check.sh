@@ -3,6 +3,7 @@
 #
 #   bash tools/gpu_check.sh [OUT_DIR]        # default: $OUT, else ./gpu_check_out
 #   bash tools/gpu_check.sh --smoke [OUT]    # the same parts on CPU, tiny shapes (what CI runs)
+#   (--smoke may come before or after OUT_DIR; an unknown option or an unwritable OUT_DIR: exit 2)
 #
 # 1. installs this checkout with the machine's own torch: pip install -e . --no-deps
 #    (offline, no build isolation); a failure is reported, not fatal: the parts import the
@@ -17,9 +18,24 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 SMOKE=()
-if [ "${1:-}" = "--smoke" ]; then SMOKE=(--smoke); shift; fi
-OUT_DIR="${1:-${OUT:-gpu_check_out}}"
-mkdir -p "$OUT_DIR/logs"
+OUT_DIR=""
+for arg in "$@"; do
+    case "$arg" in
+        --smoke) SMOKE=(--smoke) ;;
+        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -*) echo "gpu_check.sh: unknown option '$arg'; usage: bash tools/gpu_check.sh [--smoke] [OUT_DIR]" >&2; exit 2 ;;
+        *) if [ -n "$OUT_DIR" ]; then
+               echo "gpu_check.sh: one OUT_DIR only (got '$OUT_DIR' and '$arg'); usage: bash tools/gpu_check.sh [--smoke] [OUT_DIR]" >&2
+               exit 2
+           fi
+           OUT_DIR="$arg" ;;
+    esac
+done
+OUT_DIR="${OUT_DIR:-${OUT:-gpu_check_out}}"
+if ! mkdir -p "$OUT_DIR/logs" 2>/dev/null || [ ! -w "$OUT_DIR" ]; then
+    echo "gpu_check.sh: OUT_DIR '$OUT_DIR' is not a writable directory; give another one" >&2
+    exit 2
+fi
 PY="${PYTHON:-python}"
 START=$(date +%s)
 

@@ -43,3 +43,19 @@ def test_summary_omits_missing_values():
         {"name": "triton importable", "ok": True, "value": None}, {"name": "x", "ok": True, "value": 0.0, "limit": 0}]}}}
     text = gpu_check.summary(report)
     assert "- [ok] env: triton importable\n" in text and "None" not in text and "- [ok] env: x: 0 (limit 0)" in text
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--bogus"], "unknown option '--bogus'"),
+    (["a", "b"], "one OUT_DIR only"),
+    (["--smoke", "FILE"], "is not a writable directory"),
+])
+def test_bad_arguments_exit_2_in_one_line(tmp_path, args, words):
+    """`--bogus` became an OUT_DIR named '--bogus' (mkdir and argparse errors); an OUT_DIR that is a
+    file crashed with a NotADirectoryError traceback."""
+    (tmp_path / "FILE").write_text("")
+    args = [str(tmp_path / a) if a in ("FILE", "a", "b") else a for a in args]
+    done = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHON": sys.executable}, cwd=tmp_path)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and words in lines[0], (done.stdout, done.stderr)
