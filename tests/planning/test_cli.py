@@ -64,3 +64,13 @@ def test_plan_memory_bad_inputs_one_line(capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(["plan", "memory", str(RECIPE), "--world-size", "0"])
     assert exc.value.code == 2 and "--world-size: must be at least 1" in capsys.readouterr().err
+
+
+def test_plan_memory_of_a_transformer_engine_recipe_needs_no_te(capsys):
+    """Planning a TE recipe on a machine without Transformer Engine (a login node) refused (it
+    built the skeleton with the TE provider); TE modules adopt our parameters, so the plan is the
+    local one's."""
+    assert main(["plan", "memory", str(RECIPE), *BASE, "--json"]) == 0
+    local = json.loads(capsys.readouterr().out)
+    assert main(["plan", "memory", str(RECIPE), *BASE, "model.transformer_impl=transformer_engine", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == local
