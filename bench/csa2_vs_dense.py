@@ -305,6 +305,8 @@ def main(argv=None) -> int:
         p.error(f"--min-seq {args.min_seq} must be between 1 and --max-seq {args.max_seq}")
     if not args.worker and (args.repeats < 1 or args.warmup < 0):
         p.error("--repeats must be at least 1 and --warmup at least 0")
+    if not args.worker and args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA GPU is visible to torch {torch.__version__}; use --device cpu")
 
     if args.worker:
         print(json.dumps(worker(args.worker, args.seq, args)))

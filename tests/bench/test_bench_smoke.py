@@ -75,3 +75,9 @@ def test_csa2_bench_help_and_bad_lengths():
     bad = subprocess.run([sys.executable, script, "--min-seq", "4096", "--max-seq", "1024"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--min-seq 4096" in bad.stderr, bad.stderr
+    import torch
+
+    if not torch.cuda.is_available():  # was "Torch not compiled with CUDA enabled" from a worker's traceback
+        bad = subprocess.run([sys.executable, script, "--smoke", "--device", "cuda"], capture_output=True, text=True,
+                             timeout=120)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr and "no CUDA GPU" in bad.stderr, bad.stderr
