@@ -81,3 +81,16 @@ def test_csa2_bench_help_and_bad_lengths():
         bad = subprocess.run([sys.executable, script, "--smoke", "--device", "cuda"], capture_output=True, text=True,
                              timeout=120)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr and "no CUDA GPU" in bad.stderr, bad.stderr
+
+
+def test_kernel_bench_without_gpu_says_so():
+    """`python bench/kernels.py` (default --device cuda) on a CPU-only machine was an
+    AssertionError traceback ("Torch not compiled with CUDA enabled")."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    bad = subprocess.run([sys.executable, str(BENCH / "kernels.py")], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--smoke" in bad.stderr, bad.stderr
