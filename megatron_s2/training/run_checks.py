@@ -170,7 +170,13 @@ def check_backend(recipe: RecipeConfig) -> None:
     directory is touched or ranks are started)."""
     from megatron_s2.kernels.dispatch import kernel_mode
 
-    kernel_mode()
+    if kernel_mode() == "triton":
+        import torch
+
+        from megatron_s2.kernels.dispatch import use_triton
+
+        if not torch.cuda.is_available():  # every tensor will be on the CPU: the same check, before the run
+            use_triton(torch.empty(0))
     if recipe.model.transformer_impl == "transformer_engine":
         from megatron_s2.models.v41.spec import get_provider
 

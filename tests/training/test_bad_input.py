@@ -196,3 +196,21 @@ def test_override_with_bad_yaml_is_one_line(capsys, tmp_path):
     code = main(["train", str(RECIPE), *SINGLE, "parallel.tp=[1", "--run-dir", str(tmp_path / "run")])
     line = _one_line_error(capsys)
     assert code == 2 and "parallel.tp=[1" in line and "not valid YAML" in line
+
+
+def test_forced_triton_on_a_cpu_machine_without_interpreter_exits_2_before_the_run(capsys, tmp_path, monkeypatch):
+    """MEGATRON_S2_KERNELS=triton without TRITON_INTERPRET on a machine with no GPU: refused at
+    start-up (it failed in the first forward, after the run directory was written)."""
+    import torch
+
+    from megatron_s2.kernels.dispatch import triton_available
+
+    if torch.cuda.is_available() or not triton_available():
+        pytest.skip("needs a CPU-only machine with Triton importable")
+    monkeypatch.setenv("MEGATRON_S2_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    run_dir = tmp_path / "run"
+    code = main(["train", str(RECIPE), *SINGLE, "--run-dir", str(run_dir)])
+    line = _one_line_error(capsys)
+    assert code == 2 and "TRITON_INTERPRET=1" in line, line
+    assert not run_dir.exists()
