@@ -74,3 +74,13 @@ def test_plan_memory_of_a_transformer_engine_recipe_needs_no_te(capsys):
     local = json.loads(capsys.readouterr().out)
     assert main(["plan", "memory", str(RECIPE), *BASE, "model.transformer_impl=transformer_engine", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == local
+
+
+def test_plan_memory_names_a_missing_teacher_checkpoint(capsys):
+    """A flagship OPD plan before its teachers exist labelled them "checkpoint not readable",
+    which read as a broken file; the line names the path and says the policy's model is assumed."""
+    opd = Path(__file__).resolve().parents[2] / "recipes" / "v41" / "flagship_opd.yaml"
+    assert main(["plan", "memory", str(opd)]) == 0
+    out = capsys.readouterr().out
+    teacher = [line for line in out.splitlines() if line.strip().startswith("teacher math")]
+    assert teacher and "policy's model assumed: checkpoints/teachers/math not found" in teacher[0], out[-2000:]
