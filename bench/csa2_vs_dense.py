@@ -270,13 +270,15 @@ def run_one(impl: str, seq: int, args) -> dict:
 def main(argv=None) -> int:
     import torch
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--max-seq", type=int, default=16384, help="largest sequence length (powers of two from 1K)")
-    p.add_argument("--min-seq", type=int, default=1024)
+    impl_doc = __doc__[__doc__.index("Implementations"):__doc__.index("All run in float32")].strip()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=impl_doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--max-seq", type=int, default=16384, help="largest sequence length (powers of two from --min-seq)")
+    p.add_argument("--min-seq", type=int, default=1024, help="smallest sequence length (default 1024)")
     p.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes (median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed passes first")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--model", default=str(REPO / "recipes" / "models" / "small.yaml"))
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads of each worker")
+    p.add_argument("--model", default=str(REPO / "recipes" / "models" / "small.yaml"), help="model YAML (default small)")
     p.add_argument("--layer", type=int, default=1, help="an encoder Full layer of --model")
     p.add_argument("--no-qat", action="store_true", help="turn FP8/FP4 fake quantisation off in CSA2")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
@@ -299,6 +301,12 @@ def main(argv=None) -> int:
     if args.smoke and not args.worker:
         args.min_seq = args.max_seq = 256
         args.repeats, args.warmup = 1, 0
+    if not args.worker and not 1 <= args.min_seq <= args.max_seq:
+        p.error(f"--min-seq {args.min_seq} must be between 1 and --max-seq {args.max_seq}")
+    if not args.worker and (args.repeats < 1 or args.warmup < 0):
+        p.error("--repeats must be at least 1 and --warmup at least 0")
+    if not args.worker and args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA GPU is visible to torch {torch.__version__}; use --device cpu")
 
     if args.worker:
         print(json.dumps(worker(args.worker, args.seq, args)))
@@ -376,6 +384,9 @@ def main(argv=None) -> int:
     print("absolute peak MiB: " + "; ".join(f"{seq}: " + ", ".join(f"{i} {c['peak_mib']:.1f}" for i, c in cell.items())
                                            for seq, cell in rows))
     print(f"(total wall time {time.time() - t_start:.0f} s)")
+    if args.smoke:
+        print("(smoke run: one pass without warm-up at 256 tokens checks that the bench runs; its ratios are not "
+              "measurements: use the defaults, 1K-16K)")
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=2))
     return 0

@@ -104,6 +104,12 @@ def main(argv=None) -> int:
     if args.smoke:  # must precede the first import of triton
         args.device = "cpu"
         os.environ["TRITON_INTERPRET"] = "1"
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error(f"--device {args.device} (the default): no CUDA GPU is visible to torch {torch.__version__}; "
+                    "on CPU use --smoke (Triton interpreter, tiny shapes)")
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         raise SystemExit("--device cpu needs TRITON_INTERPRET=1 (Triton runs on CPU tensors only under the interpreter)")
     if args.device == "cpu":

@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from megatron_s2.config.schema import ConfigError
+
 __all__ = ["triton_available", "kernel_mode", "use_triton", "MODES"]
 
 MODES = ("auto", "reference", "triton")
@@ -41,8 +43,12 @@ def triton_available() -> bool:
 def kernel_mode() -> str:
     mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if mode not in MODES:
-        raise ValueError(f"{ENV}={mode!r} is not one of {', '.join(MODES)}; unset it or pick one")
+        raise ConfigError(f"{ENV}={mode!r} is not one of {', '.join(MODES)}; unset it or pick one")
     return mode
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def use_triton(*tensors: torch.Tensor | None) -> bool:
@@ -52,7 +58,10 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
         return False
     if mode == "triton":
         if not triton_available():
-            raise RuntimeError(f"{ENV}=triton but Triton is not importable; pip install triton or unset {ENV}")
+            raise ConfigError(f"{ENV}=triton but Triton is not importable; pip install triton or unset {ENV}")
+        if not _interpreting() and not all(t.is_cuda for t in tensors if t is not None):
+            raise ConfigError(f"{ENV}=triton on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 in the "
+                              f"environment before Python starts, or unset {ENV} (the reference runs on CPU)")
         return True
     if not triton_available():
         return False

@@ -79,5 +79,5 @@ def plan_launch(recipe: RecipeConfig, *, local: bool, visible_gpus: int | None =
     # Every other check the trainer makes at start-up, from the same function (memory only
     # where the ranks will run: this machine in local mode; compute nodes are unknown here).
     host = HostMemory.detect(nproc, gpus=bool(cfg.gpus_per_node)) if local else None
-    check_run_inputs(recipe, cfg.nodes * nproc, host)
+    check_run_inputs(recipe, cfg.nodes * nproc, host, ranks_here=local)
     return LaunchPlan(cfg.nodes, nproc, cfg.gpus_per_node, layout)

@@ -8,7 +8,8 @@ a hang or a missing dependency in one part does not stop the others; the whole r
 inside ``--budget`` seconds (default 450: the 8 minutes of the check minus installation). The
 results go to ``DIR/gpu_check.json`` (every check and figure) and ``DIR/gpu_check.md`` (a
 short summary); each part's output is in ``DIR/logs/<part>.log``. Exit code 0 when every
-check of every part passed, 1 otherwise.
+check of every part passed, 1 otherwise, 2 without a CUDA GPU (not a smoke run): one line, and
+a JSON / markdown saying that the check has not run.
 
 Internal modes: ``--part NAME`` runs one part in this process; ``--cli ARGS`` runs
 ``megatron-s2 ARGS`` with the repository importable whether or not ``pip install`` worked.
@@ -55,6 +56,28 @@ def run_part(name: str, args) -> int:
     result["seconds"] = round(time.perf_counter() - t0, 2)
     (ctx.out / "parts" / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
     return 0 if result["status"] == "ok" else 1
+
+
+def no_gpu(args) -> int | None:
+    """On a machine where the GPU run cannot run (no CUDA device visible to this torch), say so in
+    one line, write a JSON / markdown that say so too, and return exit code 2; None when a GPU
+    is there (or on a smoke run)."""
+    if args.smoke:
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    why = (f"no CUDA GPU is visible here (torch {torch.__version__}, torch.cuda.is_available() is False, "
+           f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); the GPU check has NOT run. "
+           "Run it on a GPU machine, or use --smoke for the CPU run of the same parts")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps({"device": args.device, "smoke": False, "ok": False,
+                                                    "no_gpu": True, "error": why, "parts": {}}, indent=1))
+    (out / "gpu_check.md").write_text(f"# GPU check ({args.device}): NOT RUN\n\n- {why}\n")
+    print(f"gpu_check: {why}", file=sys.stderr)
+    return 2
 
 
 def orchestrate(args) -> int:
@@ -131,7 +154,8 @@ def summary(report: dict) -> str:
         for c in p.get("checks", []):
             mark = "ok" if c["ok"] else "FAIL"
             limit = f" (limit {_fmt(c['limit'])})" if c.get("limit") is not None else ""
-            lines.append(f"- [{mark}] {name}: {c['name']}: {_fmt(c.get('value'))}{limit}")
+            value = f": {_fmt(c['value'])}" if c.get("value") is not None else ""
+            lines.append(f"- [{mark}] {name}: {c['name']}{value}{limit}")
         if p.get("error"):
             lines.append(f"- [{p['status'].upper()}] {name}: {p['error'].splitlines()[0][:300]}")
     figs = {n: report["parts"].get(n, {}).get("figures", {}) for n in ("kernel_bench", "layer_mfu", "main_recipe")}
@@ -167,11 +191,16 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=450.0, help="seconds for all parts together")
     p.add_argument("--only", nargs="*", help="run only these parts")
     p.add_argument("--part", help=argparse.SUPPRESS)
+    p.add_argument("--gpu-present", action="store_true", help=argparse.SUPPRESS)  # gpu_check.sh: only this check
     args = p.parse_args(argv)
     if args.device == "cpu":
         args.smoke = True
     if args.smoke:
         args.device = "cpu"
+    if not args.part:
+        code = no_gpu(args)
+        if code is not None or args.gpu_present:
+            return code or 0
     if args.part:
         if args.smoke:
             os.environ.setdefault("TRITON_INTERPRET", "1")

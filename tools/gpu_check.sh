@@ -3,6 +3,7 @@
 #
 #   bash tools/gpu_check.sh [OUT_DIR]        # default: $OUT, else ./gpu_check_out
 #   bash tools/gpu_check.sh --smoke [OUT]    # the same parts on CPU, tiny shapes (what CI runs)
+#   (--smoke may come before or after OUT_DIR; an unknown option or an unwritable OUT_DIR: exit 2)
 #
 # 1. installs this checkout with the machine's own torch: pip install -e . --no-deps
 #    (offline, no build isolation); a failure is reported, not fatal: the parts import the
@@ -12,13 +13,29 @@
 # 2. runs tools/gpu_check.py: env, kernel_parity, kernel_bench, train_parity, main_recipe,
 #    layer_mfu, decode -- one process per part, each with its own timeout, 450 s in all.
 # 3. leaves OUT_DIR/gpu_check.json, OUT_DIR/gpu_check.md and OUT_DIR/logs/*.log.
-# Exit code: 0 when every check passed, 1 otherwise.
+# Exit code: 0 when every check passed, 1 otherwise; 2 (one line, nothing installed or run)
+# when no CUDA GPU is visible and --smoke was not given.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 SMOKE=()
-if [ "${1:-}" = "--smoke" ]; then SMOKE=(--smoke); shift; fi
-OUT_DIR="${1:-${OUT:-gpu_check_out}}"
-mkdir -p "$OUT_DIR/logs"
+OUT_DIR=""
+for arg in "$@"; do
+    case "$arg" in
+        --smoke) SMOKE=(--smoke) ;;
+        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -*) echo "gpu_check.sh: unknown option '$arg'; usage: bash tools/gpu_check.sh [--smoke] [OUT_DIR]" >&2; exit 2 ;;
+        *) if [ -n "$OUT_DIR" ]; then
+               echo "gpu_check.sh: one OUT_DIR only (got '$OUT_DIR' and '$arg'); usage: bash tools/gpu_check.sh [--smoke] [OUT_DIR]" >&2
+               exit 2
+           fi
+           OUT_DIR="$arg" ;;
+    esac
+done
+OUT_DIR="${OUT_DIR:-${OUT:-gpu_check_out}}"
+if ! mkdir -p "$OUT_DIR/logs" 2>/dev/null || [ ! -w "$OUT_DIR" ]; then
+    echo "gpu_check.sh: OUT_DIR '$OUT_DIR' is not a writable directory; give another one" >&2
+    exit 2
+fi
 PY="${PYTHON:-python}"
 START=$(date +%s)
 
@@ -45,6 +62,7 @@ EOF
 fi
 
 if [ ${#SMOKE[@]} -eq 0 ]; then
+    "$PY" tools/gpu_check.py --gpu-present --out "$OUT_DIR" || exit $?
     if timeout 120 "$PY" -m pip install -e . --no-deps --no-build-isolation --no-index >"$OUT_DIR/logs/pip_install.log" 2>&1; then
         export GPU_CHECK_PIP="pip install -e . --no-deps: ok"
     else

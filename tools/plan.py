@@ -47,6 +47,17 @@ def _ranges(ids: list[int]) -> str:
     return ",".join(out)
 
 
+def _positive(text: str) -> int:
+    """``--world-size``: a positive number of ranks (0 was silently the recipe's default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of ranks, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def run_memory(args: argparse.Namespace) -> int:
     from megatron_s2.planning.memory import estimate_memory
 
@@ -142,7 +153,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     q = plan_sub.add_parser("memory", help="per-rank memory of the most loaded pipeline stage")
     common(q)
-    q.add_argument("--world-size", type=int, default=None, help="ranks (default: from the recipe's parallel sizes)")
+    q.add_argument("--world-size", type=_positive, default=None, help="ranks (default: from the recipe's parallel sizes)")
     q.add_argument("--json", action="store_true", help="machine-readable output")
     q.set_defaults(func=run_memory)
 
@@ -158,7 +169,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q = plan_sub.add_parser("schedule", help="picture of the pipeline schedule (SVG, or PNG with matplotlib)")
     common(q)
     q.add_argument("--out", default="schedule.svg", help="output file (.svg or .png)")
-    q.add_argument("--world-size", type=int, default=None)
+    q.add_argument("--world-size", type=_positive, default=None)
     q.add_argument("--micro-batches", type=int, default=None, help="override the micro-batches per step")
     q.add_argument("--forward-units", type=float, default=1.0, help="duration of a forward (time units)")
     q.add_argument("--backward-units", type=float, default=2.0, help="duration of a backward (time units)")

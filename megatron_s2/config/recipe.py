@@ -114,7 +114,10 @@ def _read_yaml(path: Path) -> dict:
     except OSError as exc:
         raise ConfigError(f"recipe file '{path}' cannot be read ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"recipe file '{path}' is not valid YAML: {exc}") from None
+        mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        reason = problem or " ".join(str(exc).split())
+        raise ConfigError(f"recipe file '{path}' is not valid YAML{where}: {reason}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"recipe file '{path}' must hold a mapping of sections, got {type(data).__name__}")
     return data
@@ -203,6 +206,10 @@ def load_recipe(path: str | Path, overrides: Iterable[str] = (),
     ``phase_dirs`` (pipeline phases: name -> run directory) resolves ``${phase:<name>}`` in any
     value; outside a pipeline such a reference is refused with a one-line error."""
     tree = _resolve_tree(Path(path))
+    if "model" not in tree and "phases" in tree:
+        phases = [p.get("recipe") for p in tree["phases"] if isinstance(p, dict)] if isinstance(tree["phases"], list) else []
+        raise ConfigError(f"recipe file '{path}' is a pipeline (a phases: list), not one phase's recipe; run it with "
+                          f"`megatron-s2 launch`, or give one of its phase recipes ({', '.join(map(str, phases))})")
     for text in overrides:
         if text.startswith("model.") and isinstance(tree.get("model"), str):
             tree["model"] = _resolve_model(tree["model"], Path(path).parent)

@@ -178,7 +178,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override '{text}': value is not valid YAML ({exc})") from None
+        mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+        where = f" at column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"override '{text}': value is not valid YAML{where} ({problem or ' '.join(str(exc).split())}); "
+                          "quote it or fix the brackets") from None
     return keys, value
 
 

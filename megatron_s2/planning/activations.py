@@ -144,7 +144,7 @@ def layer_activations(c: ModelConfig, spec: LayerSpec, r: RankShape, recompute: 
     else:
         out.add("attention", Tsp * (d + 2 * q + 1 + 2 * hd + 1) + T * (q + 3 * rd + 2 * hl * hd + gl * c.o_lora_rank))
         core = T * INT64 * k  # kernels/sparse_attention.py saves q, the KV array and the indices; recomputes the rest
-    out.add("attention core (gathered keys)", core + kv_array)
+    out.add("attention core (KV array + indices)", core + kv_array)  # keys are gathered again in backward
     # ---- CSA2 Full: compressor + index keys --------------------------------------------
     if spec.mode is CSA2Mode.FULL:
         m = spec.compress_ratio

@@ -84,13 +84,16 @@ def _frozen_config(recipe: RecipeConfig, path: str, model_ref: str = "") -> tupl
     cfg = checkpoint_model_config(path) if path else None
     if cfg is not None:
         return cfg, "checkpoint's model"
+    # Planned before the checkpoint exists (a flagship plan before SFT ran), or unreadable here.
+    why = "no checkpoint given" if not path else \
+        f"{path} {'not found' if not Path(path).exists() else 'not readable'}"
     if model_ref:
         from megatron_s2.config.recipe import _resolve_model
         from megatron_s2.config.schema import from_mapping
 
         return from_mapping(ModelConfig, _resolve_model(model_ref, Path.cwd()), f"model {model_ref}"), \
-            f"model {model_ref}, checkpoint not readable"
-    return recipe.model, "policy's model, checkpoint not readable"
+            f"model {model_ref} assumed: {why}"
+    return recipe.model, f"policy's model assumed: {why}"
 
 
 def _dtype(cfg: ModelConfig) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -60,6 +61,24 @@ class MetricsLogger:
         self._t0 = time.time()
 
     def set_start(self, step: int) -> None:
+        """The run (re)starts after ``step``: records of later steps, written before a crash that
+        lost their checkpoint (kill -9, node failure), are re-run now and are dropped from
+        ``metrics.jsonl``, and so is a line torn by the crash; each step then appears once."""
+        if self._file is not None:
+            path = Path(self._file.name)
+            self._file.close()
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(record, dict) or not isinstance(record.get("step"), int) or record["step"] <= step:
+                    kept.append(line + "\n")
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
+            self._file = open(path, "a", buffering=1)
         if self._bar is not None:
             self._bar.n = step
             self._bar.refresh()

@@ -164,10 +164,32 @@ def check_memory(recipe: RecipeConfig, world_size: int, host: HostMemory | None)
                       "training.memory_check=false if the plan is wrong for this machine")
 
 
+def check_backend(recipe: RecipeConfig) -> None:
+    """``model.transformer_impl: transformer_engine`` needs Transformer Engine importable where
+    the ranks run, and ``MEGATRON_S2_KERNELS`` must name a mode (refused before the run
+    directory is touched or ranks are started)."""
+    from megatron_s2.kernels.dispatch import kernel_mode
+
+    if kernel_mode() == "triton":
+        import torch
+
+        from megatron_s2.kernels.dispatch import use_triton
+
+        if not torch.cuda.is_available():  # every tensor will be on the CPU: the same check, before the run
+            use_triton(torch.empty(0))
+    if recipe.model.transformer_impl == "transformer_engine":
+        from megatron_s2.models.v41.spec import get_provider
+
+        get_provider("transformer_engine")  # BackendUnavailable is a ConfigError naming the field and fix
+
+
 def check_run_inputs(recipe: RecipeConfig, world_size: int, host: HostMemory | None,
-                     run_dir: str | Path | None = None):
+                     run_dir: str | Path | None = None, *, ranks_here: bool = True):
     """All start-up checks of a run (module docstring); returns the run's tokenizer.
-    ``run_dir``: where the run writes (default ``training.run_dir``)."""
+    ``run_dir``: where the run writes (default ``training.run_dir``); ``ranks_here``: the ranks
+    run on this machine (False for a SLURM submission: its compute nodes are not this host)."""
+    if ranks_here:
+        check_backend(recipe)
     check_run_dir(run_dir if run_dir is not None else recipe.training.run_dir)
     tokenizer = check_tokenizer(recipe)
     check_data(recipe, tokenizer)

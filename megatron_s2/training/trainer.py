@@ -23,7 +23,7 @@ from megatron_s2.data import batch_fingerprint, build_data_iterator
 from megatron_s2.data.errors import DataError
 from megatron_s2.data.tokenizer_checks import check_checkpoint_tokenizer, record_run_tokenizer
 from megatron_s2.models.v41.accounting import train_flops_per_token
-from megatron_s2.models.v41.precision import describe_precision
+from megatron_s2.models.v41.precision import describe_fp8, describe_precision
 from megatron_s2.optim import build_optimizer, describe_param_groups
 from megatron_s2.optim.lr_schedule import LRSchedule
 from megatron_s2.parallel.context_parallel import split_micro_batch
@@ -245,6 +245,10 @@ class Trainer:
             self.log(describe_param_groups(self.model, self.recipe.optimizer))
             self.log(f"device: {self.device}; " + describe_precision(self.recipe.model.params_dtype,
                                                                      self.recipe.model.compute_dtype))
+            m = self.recipe.model
+            fp8_line = describe_fp8(self.model, m.fp8, m.transformer_impl, m.compute_dtype)
+            if fp8_line:
+                self.log(fp8_line)
         flops = train_flops_per_token(self.recipe.model, t.seq_length)
         metrics = MetricsLogger(self.run_dir, enabled=self.is_main, total_steps=t.train_steps,
                                 log_interval=self.recipe.logging.log_interval,

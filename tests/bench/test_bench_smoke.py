@@ -63,3 +63,34 @@ def test_benchmark_library_imports():
         import comm_model  # noqa: F401
     finally:
         sys.path.remove(str(BENCH))
+
+
+def test_csa2_bench_help_and_bad_lengths():
+    """`--help` listed `--impls csa2 csa2-selective csa2-ref csa2-eager dense` without saying what
+    they are; `--min-seq 4096 --max-seq 1024` crashed with an IndexError traceback after parsing."""
+    script = str(BENCH / "csa2_vs_dense.py")
+    help_text = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120).stdout
+    for impl in ("csa2-selective", "csa2-ref", "csa2-eager", "dense"):
+        assert f"* **{impl}**" in help_text, help_text
+    bad = subprocess.run([sys.executable, script, "--min-seq", "4096", "--max-seq", "1024"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--min-seq 4096" in bad.stderr, bad.stderr
+    import torch
+
+    if not torch.cuda.is_available():  # was "Torch not compiled with CUDA enabled" from a worker's traceback
+        bad = subprocess.run([sys.executable, script, "--smoke", "--device", "cuda"], capture_output=True, text=True,
+                             timeout=120)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr and "no CUDA GPU" in bad.stderr, bad.stderr
+
+
+def test_kernel_bench_without_gpu_says_so():
+    """`python bench/kernels.py` (default --device cuda) on a CPU-only machine was an
+    AssertionError traceback ("Torch not compiled with CUDA enabled")."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    bad = subprocess.run([sys.executable, str(BENCH / "kernels.py")], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--smoke" in bad.stderr, bad.stderr

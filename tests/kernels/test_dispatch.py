@@ -36,3 +36,20 @@ def test_mode_is_validated(monkeypatch):
     monkeypatch.setenv("MEGATRON_S2_KERNELS", "fast")
     with pytest.raises(ValueError, match="MEGATRON_S2_KERNELS"):
         kernel_mode()
+
+
+def test_forced_triton_on_cpu_without_interpreter_is_a_config_error(monkeypatch):
+    """MEGATRON_S2_KERNELS=triton on CPU tensors without TRITON_INTERPRET reached Triton's driver
+    lookup ("0 active drivers") as a traceback; it is a ConfigError naming both variables."""
+    from megatron_s2.config.schema import ConfigError
+    from megatron_s2.kernels.dispatch import triton_available, use_triton
+    import torch
+
+    if not triton_available():
+        pytest.skip("Triton is not importable here")
+    monkeypatch.setenv("MEGATRON_S2_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+        use_triton(torch.zeros(1))
+    monkeypatch.setenv("MEGATRON_S2_KERNELS", "reference")
+    assert not use_triton(torch.zeros(1))

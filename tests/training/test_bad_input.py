@@ -162,3 +162,55 @@ def test_disk_full_says_so(tmp_path):
     assert "Traceback" not in err, err
     assert result.returncode == 1, err
     assert "disk full" in err.lower() or "no space left" in err.lower(), err
+
+
+def test_transformer_engine_without_it_exits_2(capsys, tmp_path):
+    """`model.transformer_impl: transformer_engine` where TE does not import was a RuntimeError
+    traceback (exit 1) from the model build; it is a one-line configuration error before the run
+    directory is touched (the launcher's local pre-flight runs the same check)."""
+    from megatron_s2.models.v41.spec import transformer_engine_available
+
+    if transformer_engine_available():
+        pytest.skip("Transformer Engine is importable here: the error path does not apply")
+    run_dir = tmp_path / "run"
+    code = main(["train", str(RECIPE), *SINGLE, "model.transformer_impl=transformer_engine", "--run-dir", str(run_dir)])
+    line = _one_line_error(capsys)
+    assert code == 2, line
+    assert "model.transformer_impl" in line and "local" in line
+    assert not run_dir.exists()
+
+
+def test_bogus_kernel_mode_exits_2_before_training(capsys, tmp_path, monkeypatch):
+    """MEGATRON_S2_KERNELS=bogus was a ValueError traceback from the first forward (exit 1)."""
+    monkeypatch.setenv("MEGATRON_S2_KERNELS", "bogus")
+    run_dir = tmp_path / "run"
+    code = main(["train", str(RECIPE), *SINGLE, "--run-dir", str(run_dir)])
+    line = _one_line_error(capsys)
+    assert code == 2, line
+    assert "MEGATRON_S2_KERNELS" in line
+    assert not run_dir.exists()
+
+
+def test_override_with_bad_yaml_is_one_line(capsys, tmp_path):
+    """`parallel.tp=[1` printed PyYAML's 7-line error (snippets and carets) inside the message."""
+    code = main(["train", str(RECIPE), *SINGLE, "parallel.tp=[1", "--run-dir", str(tmp_path / "run")])
+    line = _one_line_error(capsys)
+    assert code == 2 and "parallel.tp=[1" in line and "not valid YAML" in line
+
+
+def test_forced_triton_on_a_cpu_machine_without_interpreter_exits_2_before_the_run(capsys, tmp_path, monkeypatch):
+    """MEGATRON_S2_KERNELS=triton without TRITON_INTERPRET on a machine with no GPU: refused at
+    start-up (it failed in the first forward, after the run directory was written)."""
+    import torch
+
+    from megatron_s2.kernels.dispatch import triton_available
+
+    if torch.cuda.is_available() or not triton_available():
+        pytest.skip("needs a CPU-only machine with Triton importable")
+    monkeypatch.setenv("MEGATRON_S2_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    run_dir = tmp_path / "run"
+    code = main(["train", str(RECIPE), *SINGLE, "--run-dir", str(run_dir)])
+    line = _one_line_error(capsys)
+    assert code == 2 and "TRITON_INTERPRET=1" in line, line
+    assert not run_dir.exists()

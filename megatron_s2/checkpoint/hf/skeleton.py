@@ -67,9 +67,14 @@ class TensorInfo:
 
 def model_skeleton(cfg: ModelConfig, groups: ParallelGroups | None = None, **kwargs):
     """The real :class:`V41Model` for ``cfg`` with meta storage (``kwargs``: layers,
-    pre_process, post_process)."""
+    pre_process, post_process). Built with the local leaf modules whatever
+    ``model.transformer_impl`` says: the Transformer Engine modules adopt exactly our parameters
+    and buffers, so names and shapes are the same, and planning or converting a TE recipe needs
+    no Transformer Engine (a login node, a CPU machine)."""
     from megatron_s2.models.v41.model import V41Model
+    from megatron_s2.models.v41.spec import LocalProvider
 
+    kwargs.setdefault("provider", LocalProvider())
     with SkeletonMode():
         return V41Model(cfg, groups, **kwargs)
 

@@ -59,3 +59,30 @@ def describe_precision(params_dtype: str, compute_dtype: str) -> str:
               if params_dtype == "float32" else "pure bfloat16: no float32 master copy")
     return (f"precision: GEMMs and streams in {compute_dtype}; {master}; float32 islands: RoPE, RMSNorm, "
             "router, mHC, softmax, Engram gate, LM head")
+
+
+def describe_fp8(model, fp8, transformer_impl: str, compute_dtype: str) -> str | None:
+    """One start-up line saying how many GEMM weights of ``model`` (this rank's) run in native
+    FP8 under ``model.fp8`` (None when FP8 is off or Transformer Engine decides). A weight whose
+    dimensions are not whole ``fp8.block`` tiles silently kept the compute dtype; with none in
+    FP8 the line says so and how to change it."""
+    if not fp8.enabled or transformer_impl != "local":
+        return None
+    from megatron_s2.kernels.fp8_gemm import fp8_shape_supported
+    from megatron_s2.models.v41.moe.fp8_experts import _FP8ExpertGemm
+    from megatron_s2.parallel.fp8_linear import _FP8Gemm
+
+    on = total = 0
+    for module in model.modules():
+        if isinstance(module, _FP8Gemm):
+            total, on = total + 1, on + bool(module.fp8)
+        elif isinstance(module, _FP8ExpertGemm):
+            for weight in (module.w1, module.w3, module.w2):
+                total += 1
+                on += fp8_shape_supported(weight.size(-1), weight.size(-2), module.fp8_block)
+    line = (f"fp8: recipe {fp8.recipe}, {fp8.block} x {fp8.block} blocks (experts={fp8.experts}, "
+            f"attention={fp8.attention}): {on} of {total} GEMM weights in FP8, the others in {compute_dtype}")
+    if on == 0:
+        line += (f" -- NO GEMM runs in FP8 (no weight is made of whole {fp8.block}-wide tiles, or both targets "
+                 "are off); lower model.fp8.block (a power of two >= 16) or set model.fp8.recipe: none")
+    return line

@@ -17,6 +17,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from megatron_s2.config.fp8 import FP8Config
+from megatron_s2.config.schema import ConfigError
 from megatron_s2.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
 try:
@@ -34,8 +35,8 @@ __all__ = ["ModuleSpec", "build_module", "LocalProvider", "TransformerEngineProv
            "BlockSubmodules", "LinearSubmodules", "block_spec"]
 
 
-class BackendUnavailable(RuntimeError):
-    pass
+class BackendUnavailable(ConfigError, RuntimeError):
+    """A provider the recipe names cannot be built here: a configuration error (exit 2, one line)."""
 
 
 @dataclass(frozen=True)
