@@ -54,6 +54,7 @@ from megatron_s2.posttrain.train_batch import PosttrainLoss, build_micro_batches
 from megatron_s2.posttrain.vocab_parallel import token_log_probs
 from megatron_s2.runtime.device import build_on, to_device
 from megatron_s2.training.grad_finalize import finalize_model_grads
+from megatron_s2.training.metrics import truncate_jsonl
 from megatron_s2.training.model_builder import attach_token_map
 from megatron_s2.training.step import StepInputs
 from megatron_s2.training.trainer import Trainer
@@ -352,18 +353,4 @@ class PosttrainTrainer(Trainer):
         if self.is_main:  # records of an attempt that died after its last checkpoint
             for path in (self.eval_file, self.rollout_file):
                 if path.exists():
-                    _truncate_jsonl(path, self.step)
-
-
-def _truncate_jsonl(path: Path, step: int) -> None:
-    """Drop records after ``step`` (written by an attempt that died before its next checkpoint)."""
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                keep.append(line)
-        except (ValueError, KeyError, TypeError):
-            continue  # a line cut by kill -9 mid-write
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    tmp.replace(path)
+                    truncate_jsonl(path, self.step)

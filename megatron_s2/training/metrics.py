@@ -37,6 +37,23 @@ def device_peak_tflops(override: float = 0.0) -> float | None:
     return None
 
 
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Keep the records of ``path`` (one JSON object per line, with an integer ``step``) up to
+    ``step``: later ones were written by an attempt that died before its next checkpoint and
+    are re-run; a line torn by kill -9 mid-write is dropped too. Atomic (temporary + rename)."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or record["step"] <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, log_interval: int,
                  tensorboard: bool, progress_bar: bool, flops_per_token: float, world_size: int,
@@ -67,17 +84,7 @@ class MetricsLogger:
         if self._file is not None:
             path = Path(self._file.name)
             self._file.close()
-            kept = []
-            for line in path.read_text().splitlines():
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if not isinstance(record, dict) or not isinstance(record.get("step"), int) or record["step"] <= step:
-                    kept.append(line + "\n")
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(kept))
-            os.replace(tmp, path)
+            truncate_jsonl(path, step)
             self._file = open(path, "a", buffering=1)
         if self._bar is not None:
             self._bar.n = step
