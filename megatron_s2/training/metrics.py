@@ -80,12 +80,21 @@ class MetricsLogger:
     def set_start(self, step: int) -> None:
         """The run (re)starts after ``step``: records of later steps, written before a crash that
         lost their checkpoint (kill -9, node failure), are re-run now and are dropped from
-        ``metrics.jsonl``, and so is a line torn by the crash; each step then appears once."""
+        ``metrics.jsonl`` (and so is a line torn by the crash) and hidden in TensorBoard (a purge
+        marker at ``step + 1``); each step then appears once."""
         if self._file is not None:
             path = Path(self._file.name)
             self._file.close()
             truncate_jsonl(path, step)
             self._file = open(path, "a", buffering=1)
+        if self._tb is not None and step > 0:
+            # TensorBoard's own mechanism: a new event file that starts with a restart marker at
+            # step + 1, so readers hide the events the dead attempt wrote for the re-run steps
+            from torch.utils.tensorboard import SummaryWriter
+
+            log_dir = self._tb.log_dir
+            self._tb.close()
+            self._tb = SummaryWriter(log_dir=log_dir, purge_step=step + 1)
         if self._bar is not None:
             self._bar.n = step
             self._bar.refresh()
