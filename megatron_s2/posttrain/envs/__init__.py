@@ -1,5 +1,5 @@
 """Rollout environments: the embedded verifiable tasks (single- and multi-turn), token-in /
-token-out for the co-located engine. :data:`ENVIRONMENTS` maps ``environment.kind`` to a factory
+token-out for the co-located engine, and ``verifiers`` environments (:mod:`.vf_env`). :data:`ENVIRONMENTS` maps ``environment.kind`` to a factory
 ``(dataset name, EnvironmentConfig, tokenizer) -> Environment``. The same tasks packaged as a
 ``verifiers`` v1 environment (reached over ``megatron-s2 serve``) are in :mod:`.vf_tasks`."""
 
@@ -14,9 +14,16 @@ __all__ = ["Environment", "Episode", "EpisodeStep", "Split", "TaskEnvironment", 
            "ENVIRONMENTS", "build_environment"]
 
 
+def _verifiers(name: str, config, tokenizer) -> Environment:
+    from megatron_s2.posttrain.envs.vf_env import VerifiersEnvironment  # imports verifiers only when used
+
+    return VerifiersEnvironment(name, config, tokenizer)
+
+
 ENVIRONMENTS: dict[str, Callable] = {
     "task": TaskEnvironment,
     "task_retry": RetryTaskEnvironment,
+    "verifiers": _verifiers,
 }
 
 
