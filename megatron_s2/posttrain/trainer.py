@@ -85,7 +85,8 @@ class PosttrainTrainer(Trainer):
         self.kind = recipe.phase.kind
         self.section = section = posttrain_section(recipe)
         self.rollout_cfg = rollout = section.rollout
-        self.environments = {name: build_environment(name, rollout.environment_of(name), self.tokenizer)
+        self.environments = {name: build_environment(name, rollout.environment_of(name), self.tokenizer,
+                                                     what=f"{self.kind}.rollout.environment")
                              for name in rollout.dataset_names()}
         self._setup_rollout()
         self.objective = PosttrainObjective(section.loss, rollout.max_staleness)
