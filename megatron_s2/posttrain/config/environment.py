@@ -65,6 +65,12 @@ class EnvironmentConfig:
     (id ``megatron_s2_tasks``) are always importable."""
     max_concurrent: int = 0
     """verifiers: episodes run at once on a rollout replica; 0 = rollout.max_in_flight."""
+    renderer: Literal["bridge", "default"] = "bridge"
+    """verifiers: how the training client renders chats to token ids with the run's tokenizer:
+    'default' = renderers' DefaultRenderer (the chat template, every call re-rendered from the
+    messages); 'bridge' = the same plus turn bridging (the next call's prompt extends the ids
+    the engine generated verbatim, so a multi-turn session stays one training sample;
+    megatron_s2/posttrain/envs/vf_renderer.py)."""
 
     def __post_init__(self) -> None:
         if self.task not in TASK_NAMES:

@@ -124,6 +124,10 @@ class RolloutConfig:
         if len(kinds) == 2:
             raise ConfigError("datasets: every dataset's environment must be kind 'verifiers' or none is (one rollout "
                               "backend per run); give all datasets verifiers environments or none")
+        renderers = {self.environment_of(n).renderer for n in self.dataset_names()}
+        if self.uses_verifiers and len(renderers) > 1:
+            raise ConfigError(f"datasets: the verifiers environments use different renderers {sorted(renderers)}; one "
+                              "training client serves them all, so set the same environment.renderer everywhere")
         if self.engine.train_aware_replay:
             if self.uses_verifiers:
                 raise ConfigError("engine.train_aware_replay: not supported with verifiers environments yet (their "

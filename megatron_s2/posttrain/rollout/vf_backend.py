@@ -103,7 +103,9 @@ class VerifiersBackend:
     # ---- set-up / tear-down ---------------------------------------------------------------------
     def _start(self) -> None:
         import verifiers.v1 as vf
-        from renderers import DefaultRendererConfig
+        from renderers import CustomRendererConfig, DefaultRendererConfig
+
+        from megatron_s2.posttrain.envs.vf_renderer import IMPORT_PATH as BRIDGE_RENDERER
 
         from megatron_s2.serve import ServeConfig, ServerThread
         from megatron_s2.serve.backend import EngineBackend as ServeDriver
@@ -116,8 +118,10 @@ class VerifiersBackend:
                             SERVED_MODEL, "the co-located rollout engine")
         state.max_token_bytes  # noqa: B018 - computed once here, not on the first request's turn
         self.server = ServerThread(state, keep_alive_s=3600.0).start()  # see ServerThread
+        bridge = all(e.config.renderer == "bridge" for e in self.envs.values())  # one renderer (RolloutConfig)
+        renderer = CustomRendererConfig(import_path=BRIDGE_RENDERER) if bridge else DefaultRendererConfig()
         self.client = vf.TrainClientConfig(base_url=f"{self.server.url}/v1", api_key_var="MEGATRON_S2_UNUSED_KEY",
-                                           renderer=DefaultRendererConfig(), renderer_model_name=self._tokenizer_dir)
+                                           renderer=renderer, renderer_model_name=self._tokenizer_dir)
         self._loop = episode_loop()
 
         async def enter():
