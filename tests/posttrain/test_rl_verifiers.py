@@ -8,6 +8,7 @@ and its policy version. The two-turn environment checks the loss mask of a multi
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -36,8 +37,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def _run(tmp_path, monkeypatch, taskset: str, plugins: str, *extra: str):
-    """Train 2 steps; returns (trained samples per step, {sample_id: trace}, engine calls)."""
+def _run(tmp_path, monkeypatch, taskset: str, plugins: str, *extra: str, steps: int = 2):
+    """Train (up to) ``steps`` steps; returns (trained samples per step, {sample_id: trace}, engine calls)."""
     overrides = SMALL + [f"rl.rollout.environment.taskset={{id: {taskset}}}",
                          f"rl.rollout.environment.plugin_path={plugins}", *extra]
     recipe = load_recipe(str(RECIPE), overrides)
@@ -67,7 +68,7 @@ def _run(tmp_path, monkeypatch, taskset: str, plugins: str, *extra: str):
     monkeypatch.setattr(trainer, "_train_on", lambda samples, groups: (trained.append(list(samples)),
                                                                        train_on(samples, groups))[1])
     result = trainer.train()
-    assert result.final_step == 2 and not result.preempted
+    assert result.final_step == steps and not result.preempted
     assert trainer.backend.server is None  # closed with the run
     return trained, traces, list(calls.values())
 
@@ -130,6 +131,21 @@ def test_rl_on_a_verifiers_two_turn_environment_masks_the_environment_tokens(tmp
         assert sessions == len(samples) == 8
     else:
         assert sessions < len(samples)  # the tiny model's replies do not survive a re-render
+
+
+def test_resumed_verifiers_run_trains_no_prompt_twice(tmp_path, monkeypatch):
+    """Checkpoints store the orchestrator's state; in-flight episodes (no partial traces) start
+    again after the restart: every dispatched prompt is trained once, none is skipped."""
+    plugins = str(ROOT / "tests/serve/vf_plugins")
+    keep = ["checkpoint.save_interval=1", "rl.rollout.environment.taskset={id: megatron_s2_tasks, split: train, count: 40}"]
+    first, _, _ = _run(tmp_path, monkeypatch, "megatron_s2_tasks", plugins, *keep, steps=2)
+    second, _, _ = _run(tmp_path, monkeypatch, "megatron_s2_tasks", plugins, *keep, "training.train_steps=3", steps=3)
+    assert [len(s) for s in first] == [4, 4] and [len(s) for s in second] == [4]
+    records = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    trained = [uid for r in records for uid in r["trained"]]
+    assert len(trained) == len(set(trained)) == 6
+    assert {s.prompt_uid for s in second[0]} == set(records[-1]["trained"])
 
 
 def test_verifiers_recipes_refuse_what_is_not_supported_yet():

@@ -142,6 +142,11 @@ class VerifiersBackend:
             async def leave():
                 for cm in reversed(self._serving):
                     await cm.__aexit__(None, None, None)
+                # verifiers' runtimes tear down on background tasks: let them finish (else they are
+                # destroyed pending at exit, with warnings)
+                rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                if rest:
+                    await asyncio.wait(rest, timeout=10)
 
             try:
                 asyncio.run_coroutine_threadsafe(leave(), self._loop).result(timeout=30)
