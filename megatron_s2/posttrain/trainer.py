@@ -85,7 +85,8 @@ class PosttrainTrainer(Trainer):
         self.kind = recipe.phase.kind
         self.section = section = posttrain_section(recipe)
         self.rollout_cfg = rollout = section.rollout
-        self.environments = {name: build_environment(name, rollout.environment_of(name), self.tokenizer)
+        self.environments = {name: build_environment(name, rollout.environment_of(name), self.tokenizer,
+                                                     what=f"{self.kind}.rollout.environment")
                              for name in rollout.dataset_names()}
         self._setup_rollout()
         self.objective = PosttrainObjective(section.loss, rollout.max_staleness)
@@ -104,6 +105,14 @@ class PosttrainTrainer(Trainer):
         self.started = False
         self.eval_file = self.run_dir / "eval.jsonl"
         self.rollout_file = self.run_dir / "rollouts.jsonl"
+
+    def train(self):
+        try:
+            return super().train()
+        finally:
+            close = getattr(self.backend, "close", None)
+            if close is not None:  # the verifiers backend's server and loop threads
+                close()
 
     def build_data(self):
         return None  # replaced by the orchestrator's state once it exists
@@ -129,10 +138,21 @@ class PosttrainTrainer(Trainer):
         configs, eos = engine_configs(recipe, self.rollout_cfg), [self.tokenizer.eos_id]
         self.engine = InferenceEngine(self.rollout_model, configs["rollout"], eos_token_ids=eos)
         self.eval_engine = InferenceEngine(self.rollout_model, configs["eval"], eos_token_ids=eos)
-        self.backend = EngineBackend(self.engine, self.environments, topology=self.topology,
-                                     layer_ids=self.rollout_model.layer_ids,
-                                     record_routing=engine_cfg.routing_replay, max_model_len=self.max_model_len,
-                                     weight_loader=self._load_rollout_weights if self.transfer else None)
+        loader = self._load_rollout_weights if self.transfer else None
+        if self.rollout_cfg.uses_verifiers:  # episodes over our server on this engine (rollout/vf_backend.py)
+            from megatron_s2.posttrain.rollout.vf_backend import VerifiersBackend
+
+            concurrent = max(e.max_concurrent for e in map(self.rollout_cfg.environment_of,
+                                                           self.rollout_cfg.dataset_names()))
+            self.backend = VerifiersBackend(self.engine, self.environments, tokenizer=self.tokenizer,
+                                            topology=self.topology, layer_ids=self.rollout_model.layer_ids,
+                                            record_routing=engine_cfg.routing_replay, weight_loader=loader,
+                                            max_concurrent=concurrent or self.rollout_cfg.max_in_flight)
+        else:
+            self.backend = EngineBackend(self.engine, self.environments, topology=self.topology,
+                                         layer_ids=self.rollout_model.layer_ids,
+                                         record_routing=engine_cfg.routing_replay, max_model_len=self.max_model_len,
+                                         weight_loader=loader)
         self.evaluator = Evaluator(self.eval_engine, self.environments, self.topology, self.section.eval,
                                    self.rollout_cfg.max_new_tokens, self.max_model_len)
         self.model.train()

@@ -58,12 +58,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _uvicorn_server(state: ServerState, log_level: str):
+def _uvicorn_server(state: ServerState, log_level: str, keep_alive_s: float = 5.0):
     import uvicorn
 
     from megatron_s2.serve.app import build_app
 
-    config = uvicorn.Config(build_app(state), log_level=log_level, lifespan="off", timeout_graceful_shutdown=2)
+    config = uvicorn.Config(build_app(state), log_level=log_level, lifespan="off", timeout_graceful_shutdown=2,
+                            timeout_keep_alive=keep_alive_s)
     return uvicorn.Server(config)
 
 
@@ -79,11 +80,16 @@ def serve_forever(state: ServerState, sock: socket.socket, log_level: str = "inf
 class ServerThread:
     """A server on a background thread: ``with ServerThread(state) as s: s.url``."""
 
-    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 keep_alive_s: float = 5.0):
+        """``keep_alive_s``: how long an idle client connection is kept open. A client that reuses
+        a pooled connection the server is closing gets a connection error (clients that never
+        retry, as verifiers' TrainClient, fail the episode), so an in-process rollout server whose
+        requests may be minutes apart keeps them open longer."""
         self.state = state
         self.sock = bind_socket(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        self._server = _uvicorn_server(state, log_level)
+        self._server = _uvicorn_server(state, log_level, keep_alive_s)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.sock]},
                                         name="megatron-s2-serve-http", daemon=True)
 

@@ -8,6 +8,9 @@
 * ``task_retry`` — the same task as a multi-turn environment: after a wrong answer the
   environment replies (loss-masked tokens) and the policy answers again, up to ``max_turns``;
   the whole session is one training sample;
+* ``verifiers`` — any verifiers v1 environment (taskset x harness), rolled out through our
+  OpenAI-compatible server over the co-located engine exactly as verifiers reaches any model
+  (:mod:`megatron_s2.posttrain.rollout.vf_backend`).
 (The same tasks as a ``verifiers`` v1 taskset + harness for any verifiers trainer, over
 ``megatron-s2 serve``: :mod:`megatron_s2.posttrain.envs.vf_tasks`.)
 
@@ -18,7 +21,7 @@ routing-replay (R3, §5.2.1) and bounded-replay (§3.2.2) switches.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from megatron_s2.config.data import TASK_NAMES, TaskDifficulty
 from megatron_s2.config.schema import ConfigError
@@ -30,8 +33,10 @@ __all__ = ["EnvironmentConfig", "RolloutEngineConfig", "EvaluationConfig"]
 class EnvironmentConfig:
     """Where a dataset's prompts come from and how responses are scored."""
 
-    kind: Literal["task", "task_retry"] = "task"
-    """'task': single-turn embedded task; 'task_retry': multi-turn (retry after feedback)."""
+    kind: Literal["task", "task_retry", "verifiers"] = "task"
+    """'task': single-turn embedded task; 'task_retry': multi-turn (retry after feedback);
+    'verifiers': a verifiers (v1) environment — ``taskset`` x ``harness`` — whose rollouts reach
+    the co-located engine through our OpenAI-compatible server (:mod:`..rollout.vf_backend`)."""
     task: str = "addition"
     """Embedded task name (any of megatron_s2.config.data.TASK_NAMES)."""
     difficulty: TaskDifficulty = field(default_factory=TaskDifficulty)
@@ -47,6 +52,25 @@ class EnvironmentConfig:
     """task_retry: attempts per session (>= 2 makes it multi-turn)."""
     feedback: str = " wrong, again:"
     """task_retry: the environment's reply after a wrong answer (tokenised, loss-masked)."""
+    taskset: dict[str, Any] = field(default_factory=dict)
+    """verifiers: the taskset config, ``{id: <plugin id>, <that taskset's config fields>}`` (e.g.
+    ``{id: megatron_s2_tasks, task_name: addition, split: train, count: 4000}``); its tasks are
+    the prompts, its ``@vf.reward`` functions the rubric."""
+    agent: dict[str, Any] = field(default_factory=dict)
+    """verifiers: the agent (``vf.AgentConfig``): ``harness: {id: <plugin id>, ...}`` (default: the
+    taskset's harness), ``runtime`` (default ``{type: subprocess}``: on this host), ``max_turns`` ..."""
+    plugin_path: str = ""
+    """verifiers: a folder put on ``sys.path`` so the taskset / harness ids import (relative paths:
+    working directory, then the project root); '' = installed packages only. The embedded tasks
+    (id ``megatron_s2_tasks``) are always importable."""
+    max_concurrent: int = 0
+    """verifiers: episodes run at once on a rollout replica; 0 = rollout.max_in_flight."""
+    renderer: Literal["bridge", "default"] = "bridge"
+    """verifiers: how the training client renders chats to token ids with the run's tokenizer:
+    'default' = renderers' DefaultRenderer (the chat template, every call re-rendered from the
+    messages); 'bridge' = the same plus turn bridging (the next call's prompt extends the ids
+    the engine generated verbatim, so a multi-turn session stays one training sample;
+    megatron_s2/posttrain/envs/vf_renderer.py)."""
 
     def __post_init__(self) -> None:
         if self.task not in TASK_NAMES:
@@ -63,6 +87,14 @@ class EnvironmentConfig:
         if self.kind != "task_retry" and self.max_turns != 1:
             raise ConfigError(f"max_turns: only kind 'task_retry' has several turns; set kind: task_retry "
                               f"or max_turns: 1 (kind is '{self.kind}')")
+        if self.kind == "verifiers" and not self.taskset.get("id"):
+            raise ConfigError("taskset: a verifiers environment needs the taskset's plugin id; set taskset: {id: "
+                              "<id>, ...} (e.g. megatron_s2_tasks)")
+        if self.kind != "verifiers" and (self.taskset or self.agent or self.plugin_path):
+            raise ConfigError(f"taskset: taskset / agent / plugin_path configure a verifiers environment; set "
+                              f"kind: verifiers or remove them (kind is '{self.kind}')")
+        if self.max_concurrent < 0:
+            raise ConfigError(f"max_concurrent: must be >= 0 (0 = rollout.max_in_flight), got {self.max_concurrent}")
         if not 0 <= self.seed < 2 ** 63:
             raise ConfigError(f"seed: must be a non-negative integer below 2**63, got {self.seed}")
 

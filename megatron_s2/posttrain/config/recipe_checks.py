@@ -52,6 +52,23 @@ def check_posttrain_recipe(recipe) -> None:
                           f"row of training.seq_length + 1 = {t.seq_length + 1}; lower it or raise seq_length")
     if recipe.phase.freeze:
         raise ConfigError(f"phase.freeze: {kind} phases train the whole policy; remove phase.freeze")
+    if rollout.uses_verifiers:
+        _check_verifiers(recipe, section, kind)
     if kind == "opd" and section.sft_warmup.steps:
         raise ConfigError("opd.sft_warmup.steps: the warm-up is run as an SFT phase before this one (a phases: "
                           "pipeline, see recipes/opd_tiny.yaml); set steps: 0")
+
+
+def _check_verifiers(recipe, section, kind: str) -> None:
+    """What the verifiers rollout backend (megatron_s2/posttrain/rollout/vf_backend.py) cannot do yet."""
+    if section.eval.interval or section.eval.at_start:
+        raise ConfigError(f"{kind}.eval: held-out evaluation of a verifiers environment is not supported yet; set "
+                          f"{kind}.eval.interval: 0 and {kind}.eval.at_start: false (evaluate with `vf eval` against "
+                          "`megatron-s2 serve`)")
+    effort = getattr(section, "effort", None)
+    if effort is not None and effort.enabled:
+        raise ConfigError(f"{kind}.effort.levels: effort-conditioned prompts cannot be injected into a verifiers "
+                          "taskset's prompts; set levels: []")
+    if recipe.data.tokenizer == "char":
+        raise ConfigError("data.tokenizer: a verifiers environment renders chats with a Hugging Face tokenizer "
+                          "(renderers); set data.tokenizer to a tokenizer directory, e.g. recipes/tokenizers/tiny-bpe")

@@ -120,7 +120,18 @@ class RolloutConfig:
                 raise ConfigError(f"datasets.{d.name}.max_in_flight: {d.max_in_flight} is below its group size {size}")
         if self.group_size > self.max_in_flight:
             raise ConfigError(f"max_in_flight: {self.max_in_flight} is below group_size={self.group_size}")
+        kinds = {self.environment_of(n).kind == "verifiers" for n in self.dataset_names()}
+        if len(kinds) == 2:
+            raise ConfigError("datasets: every dataset's environment must be kind 'verifiers' or none is (one rollout "
+                              "backend per run); give all datasets verifiers environments or none")
+        renderers = {self.environment_of(n).renderer for n in self.dataset_names()}
+        if self.uses_verifiers and len(renderers) > 1:
+            raise ConfigError(f"datasets: the verifiers environments use different renderers {sorted(renderers)}; one "
+                              "training client serves them all, so set the same environment.renderer everywhere")
         if self.engine.train_aware_replay:
+            if self.uses_verifiers:
+                raise ConfigError("engine.train_aware_replay: not supported with verifiers environments yet (their "
+                                  "turns are not known in advance); turn train_aware_replay off")
             if self.resume_in_flight != "discard":
                 raise ConfigError("resume_in_flight: with engine.train_aware_replay a sample resumed after a restart "
                                   "would be re-prefilled with a second replay boundary; set resume_in_flight: discard")
@@ -128,6 +139,11 @@ class RolloutConfig:
             if multi:
                 raise ConfigError(f"engine.train_aware_replay: datasets {multi} are multi-turn (one replay boundary per "
                                   "turn); use single-turn environments or turn train_aware_replay off")
+
+    @property
+    def uses_verifiers(self) -> bool:
+        """Rollouts come from verifiers environments (over the in-process server)."""
+        return any(self.environment_of(n).kind == "verifiers" for n in self.dataset_names())
 
     def environment_of(self, dataset: str) -> EnvironmentConfig:
         for d in self.datasets:

@@ -1,6 +1,7 @@
 """Rollout environments: the embedded verifiable tasks (single- and multi-turn), token-in /
-token-out for the co-located engine. :data:`ENVIRONMENTS` maps ``environment.kind`` to a factory
-``(dataset name, EnvironmentConfig, tokenizer) -> Environment``. The same tasks packaged as a
+token-out for the co-located engine, and ``verifiers`` environments (:mod:`.vf_env`).
+:data:`ENVIRONMENTS` maps ``environment.kind`` to a factory ``(dataset name, EnvironmentConfig,
+tokenizer) -> Environment``. The same tasks packaged as a
 ``verifiers`` v1 environment (reached over ``megatron-s2 serve``) are in :mod:`.vf_tasks`."""
 
 from __future__ import annotations
@@ -14,11 +15,21 @@ __all__ = ["Environment", "Episode", "EpisodeStep", "Split", "TaskEnvironment", 
            "ENVIRONMENTS", "build_environment"]
 
 
+def _verifiers(name: str, config, tokenizer, what: str = "rollout.environment") -> Environment:
+    from megatron_s2.posttrain.envs.vf_env import VerifiersEnvironment  # imports verifiers only when used
+
+    return VerifiersEnvironment(name, config, tokenizer, what=what)
+
+
 ENVIRONMENTS: dict[str, Callable] = {
     "task": TaskEnvironment,
     "task_retry": RetryTaskEnvironment,
+    "verifiers": _verifiers,
 }
 
 
-def build_environment(name: str, config, tokenizer) -> Environment:
+def build_environment(name: str, config, tokenizer, what: str = "rollout.environment") -> Environment:
+    """``what``: the recipe path of ``config`` (named in configuration errors)."""
+    if config.kind == "verifiers":
+        return _verifiers(name, config, tokenizer, what)
     return ENVIRONMENTS[config.kind](name, config, tokenizer)

@@ -1,0 +1,87 @@
+"""A verifiers (0.4.0, ``verifiers.v1``) environment as a rollout dataset (``environment.kind: verifiers``).
+
+The environment is built exactly as verifiers builds one for an eval or a prime-rl run — a
+``vf.SingleAgentEnv`` over the configured taskset (``environment.taskset``: plugin id + that
+taskset's config) and agent (``environment.agent``: harness, runtime, limits). To the
+orchestrator it is a :class:`~megatron_s2.posttrain.orchestrator.PromptSource`: prompt ``i`` is
+the taskset's task ``i``. Its episodes are run by
+:class:`~megatron_s2.posttrain.rollout.vf_backend.VerifiersBackend` against our server over the
+co-located engine; the rubric (the taskset's ``@vf.reward`` functions) scores them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.posttrain.envs.base import Environment, Episode, Split
+
+__all__ = ["VerifiersEnvironment", "resolve_plugin_path"]
+
+_ROOT = Path(__file__).resolve().parents[3]
+
+
+def resolve_plugin_path(path: str, what: str) -> Path:
+    """``path`` relative to the working directory, then to the project root."""
+    for candidate in (Path(path), _ROOT / path):
+        if candidate.is_dir():
+            return candidate.resolve()
+    raise ConfigError(f"{what}: {path} is not a folder (relative paths: working directory, then the project "
+                      f"root {_ROOT}); give the folder that holds the taskset's plugin module")
+
+
+def _add_path(folder: Path) -> None:
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+
+class VerifiersEnvironment(Environment):
+    """A verifiers taskset x agent; prompts = its tasks (module docstring)."""
+
+    def __init__(self, name: str, config, tokenizer, *, what: str = "rollout.environment"):
+        import verifiers.v1 as vf
+
+        from megatron_s2.posttrain.envs.vf_tasks import plugin_dir
+
+        self.name, self.config, self.tokenizer = name, config, tokenizer
+        _add_path(plugin_dir())  # the embedded tasks' id, megatron_s2_tasks
+        if config.plugin_path:
+            _add_path(resolve_plugin_path(config.plugin_path, f"{what}.plugin_path"))
+        agent = {"runtime": {"type": "subprocess"}, **config.agent}
+        try:
+            self.env = vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset=dict(config.taskset), agent=agent))
+            self.tasks = list(self.env.taskset)
+        except (ImportError, ValueError, TypeError, KeyError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"{what}.taskset: verifiers cannot build the environment {config.taskset.get('id')!r} "
+                              f"({first}); check the taskset id / config, agent and plugin_path") from None
+        if not self.tasks:
+            raise ConfigError(f"{what}.taskset: the taskset {config.taskset.get('id')!r} has no tasks")
+
+    def size(self, split: Split) -> int:
+        return len(self.tasks) if split == "train" else 0
+
+    def prompt_messages(self, index: int) -> list[dict]:
+        """The task's opening chat (system prompt + user prompt) as the harness is expected to send it."""
+        data = self.tasks[index].data
+        system = getattr(data, "system_prompt", None)
+        messages = [{"role": "system", "content": system}] if system else []
+        prompt = data.prompt
+        if isinstance(prompt, str):
+            return messages + [{"role": "user", "content": prompt}]
+        return messages + [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in prompt]
+
+    def prompt_tokens(self, index: int, effort: int | None = None) -> list[int]:
+        """The rendered opening chat (informational: the trained ids come from the trace)."""
+        try:
+            return list(self.tokenizer.apply_chat_template(self.prompt_messages(index), add_generation_prompt=True))
+        except Exception:  # noqa: BLE001 - a prompt the template cannot render is still a valid task
+            return []
+
+    def episode(self, index: int, split: Split = "train", effort: int | None = None) -> Episode:
+        raise NotImplementedError("a verifiers environment's episodes run through VerifiersBackend "
+                                  "(megatron_s2/posttrain/rollout/vf_backend.py), not token-level Episodes")
+
+    def reference_answer(self, index: int, split: Split) -> list[int]:
+        raise NotImplementedError("a verifiers taskset has no reference answers for the evaluator")

@@ -1,0 +1,270 @@
+"""verifiers environments as the orchestrator's rollout backend (``environment.kind: verifiers``; issue 14).
+
+:class:`VerifiersBackend` implements :class:`~megatron_s2.posttrain.orchestrator.RolloutBackend`
+so that an ``rl`` / ``opd`` phase trains on a verifiers (0.4.0, ``verifiers.v1``) environment
+reached *exactly as verifiers reaches any model* (the Prime Intellect talk's architecture):
+
+* the co-located rollout engine (report §5.2.1: same ranks, time-shared with training) is served
+  by our OpenAI-compatible app (:mod:`megatron_s2.serve`, uvicorn on a background thread,
+  127.0.0.1, a free port) — the serve driver thread steps the engine;
+* each sample is one ``env.run_episode(task, ctx)`` on an asyncio loop thread, with
+  ``vf.TrainClientConfig`` pointing at that server: harness -> verifiers' interception server ->
+  ``TrainClient`` -> ``renderers`` (the run's tokenizer, its chat template) ->
+  ``POST /inference/v1/generate`` (token ids, log-probs, routed experts);
+* a finished trace becomes a sample with exactly those token ids, the behaviour log-probs, the
+  R3 routing record, the policy version and the rubric's reward (:mod:`.vf_trace`), environment
+  and tool tokens loss-masked.
+
+**Weight updates without partial rollout.** The trace keeps no per-token policy version, so a
+trace must not straddle a weight update: :meth:`pause` (the orchestrator's preemption before the
+optimiser step) stops launching episodes and lets every running one *finish* before it pauses
+the engine; their samples are ingested after the update, one version behind, and the recipe's
+staleness rule applies as usual. Consequently :meth:`snapshot` reports no partial samples: at
+a checkpoint or a restart the in-flight attempts start again from scratch (never trained twice,
+never skipped). Token-level pause/resume of verifiers traces is not supported yet.
+
+Rollout replicas must be single ranks (an HTTP request reaches one rank's engine; a tensor- or
+expert-parallel replica would need its other ranks to step in lockstep). Several data-parallel
+replicas each serve their own engine and run the samples they own; completions are all-gathered
+as in :class:`~megatron_s2.posttrain.rollout.engine_backend.EngineBackend`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.posttrain.orchestrator import RolloutSample, SampleRequest
+from megatron_s2.posttrain.rollout.engine_backend import RolloutStats
+from megatron_s2.posttrain.rollout.replicas import ReplicaTopology, gather_objects
+from megatron_s2.posttrain.rollout.vf_trace import trace_sample
+
+__all__ = ["VerifiersBackend", "SERVED_MODEL"]
+
+SERVED_MODEL = "policy"
+"""The model id the in-process server serves and the episodes ask for."""
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_GUARD = threading.Lock()
+
+
+def episode_loop() -> asyncio.AbstractEventLoop:
+    """The process's one event loop for verifiers episodes, on a daemon thread. One per process,
+    not per backend: ``renderers.client`` binds a module-level ``asyncio.Lock`` to the first loop
+    that uses it, so a second loop (a second run in the same process) would fail every call."""
+    global _LOOP
+    with _LOOP_GUARD:
+        if _LOOP is None:
+            _LOOP = asyncio.new_event_loop()
+            threading.Thread(target=_LOOP.run_forever, name="megatron-s2-verifiers", daemon=True).start()
+        return _LOOP
+
+
+@dataclass
+class _Run:
+    request: SampleRequest
+    version: int
+    """Policy version of the engine when the episode started."""
+    future: concurrent.futures.Future
+    end_version: int = -1
+    """Policy version of the engine when the episode finished (equal unless an update overlapped it)."""
+
+
+class VerifiersBackend:
+    def __init__(self, engine, environments: Mapping[str, object], *, tokenizer, topology: ReplicaTopology,
+                 layer_ids: Sequence[int], record_routing: bool, max_concurrent: int,
+                 weight_loader: Callable[[int], None] | None = None):
+        """``environments``: dataset name -> :class:`~megatron_s2.posttrain.envs.vf_env.VerifiersEnvironment`;
+        ``max_concurrent``: episodes running at once on this replica."""
+        if topology.count != topology.world_size:
+            raise ConfigError(f"parallel: verifiers environments reach the rollout engine over HTTP on one rank, but "
+                              f"this layout's rollout replicas span {topology.world_size // topology.count} ranks "
+                              "(tp / ep / engram parallel); use tp=1, ep=1 (data parallel only) for this phase")
+        self.engine, self.envs, self.tokenizer, self.topology = engine, dict(environments), tokenizer, topology
+        self.layer_ids = list(layer_ids) if record_routing else None
+        self.max_concurrent, self.weight_loader = max(1, max_concurrent), weight_loader
+        self._pending: list[SampleRequest] = []
+        self._running: dict[int, _Run] = {}
+        self._done: list[RolloutSample] = []
+        self._wake = threading.Event()
+        self.paused = False
+        self.any_busy = False
+        self.stats = RolloutStats()
+        self.server = self._loop = None
+        self._tokenizer_dir: str | None = None
+        self._serving: list = []
+
+    # ---- set-up / tear-down ---------------------------------------------------------------------
+    def _start(self) -> None:
+        import verifiers.v1 as vf
+        from renderers import CustomRendererConfig, DefaultRendererConfig
+
+        from megatron_s2.posttrain.envs.vf_renderer import IMPORT_PATH as BRIDGE_RENDERER
+
+        from megatron_s2.serve import ServeConfig, ServerThread
+        from megatron_s2.serve.backend import EngineBackend as ServeDriver
+        from megatron_s2.serve.state import ServerState
+
+        self._tokenizer_dir = tempfile.mkdtemp(prefix="megatron-s2-vf-tokenizer-")
+        self.tokenizer.save(self._tokenizer_dir)  # renderers loads the run's tokenizer (its chat template)
+        state = ServerState(ServeDriver(self.engine), self.tokenizer,
+                            ServeConfig(return_routed_experts=self.layer_ids is not None, disconnect_poll_s=0.05),
+                            SERVED_MODEL, "the co-located rollout engine")
+        state.max_token_bytes  # noqa: B018 - computed once here, not on the first request's turn
+        self.server = ServerThread(state, keep_alive_s=3600.0).start()  # see ServerThread
+        bridge = all(e.config.renderer == "bridge" for e in self.envs.values())  # one renderer (RolloutConfig)
+        renderer = CustomRendererConfig(import_path=BRIDGE_RENDERER) if bridge else DefaultRendererConfig()
+        self.client = vf.TrainClientConfig(base_url=f"{self.server.url}/v1", api_key_var="MEGATRON_S2_UNUSED_KEY",
+                                           renderer=renderer, renderer_model_name=self._tokenizer_dir)
+        self._loop = episode_loop()
+
+        async def enter():
+            self._gate = asyncio.Semaphore(self.max_concurrent)
+            for env in self.envs.values():
+                cm = env.env.serving()
+                await cm.__aenter__()
+                self._serving.append(cm)
+
+        asyncio.run_coroutine_threadsafe(enter(), self._loop).result()
+
+    def close(self) -> None:
+        """Stop the episodes, verifiers' serving resources and the HTTP server."""
+        if self._loop is not None:
+            for run in self._running.values():
+                run.future.cancel()
+
+            async def leave():
+                for cm in reversed(self._serving):
+                    await cm.__aexit__(None, None, None)
+                # verifiers' runtimes tear down on background tasks: let them finish (else they are
+                # destroyed pending at exit, with warnings)
+                rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                if rest:
+                    await asyncio.wait(rest, timeout=10)
+
+            try:
+                asyncio.run_coroutine_threadsafe(leave(), self._loop).result(timeout=30)
+            finally:
+                self._loop, self._serving = None, []
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        if self._tokenizer_dir is not None:
+            shutil.rmtree(self._tokenizer_dir, ignore_errors=True)
+            self._tokenizer_dir = None
+
+    # ---- protocol ---------------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def submit(self, requests: Sequence[SampleRequest]) -> None:
+        for req in requests:
+            if req.resume_from is not None and req.resume_from.num_generated:
+                raise ValueError(f"sample {req.sample_id}: verifiers traces cannot resume from a partial sample")
+            if self.topology.owns(req.sample_id):
+                self._pending.append(req)  # launched by the next poll (the engine runs only while polled)
+
+    def poll(self) -> list[RolloutSample]:
+        if self._loop is None:
+            self._start()
+        if not self.paused:
+            self._launch()
+        if self._running and not self._collect():
+            self._wake.wait(0.05)  # let the engine and the episodes run instead of spinning
+            self._collect()
+        done = [s.state_dict() for s in self._done]
+        self._done = []
+        busy = bool(self._running or self._pending)
+        gathered = gather_objects({"done": done, "busy": busy}, self.topology)
+        self.any_busy = any(part["busy"] for part in gathered)
+        out = [RolloutSample.from_state_dict(x) for part in gathered for x in part["done"]]
+        return sorted(out, key=lambda s: s.sample_id)
+
+    def pause(self) -> None:
+        """Stop launching, let every running episode finish (no trace straddles an update), then
+        pause the engine."""
+        self.paused = True
+        concurrent.futures.wait([r.future for r in self._running.values()])
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+        self.paused = False
+
+    def update_weights(self, version: int) -> None:
+        if self.weight_loader is not None:
+            self.weight_loader(version)
+        self.engine.set_policy_version(version)
+
+    def snapshot(self) -> list[RolloutSample]:
+        return []  # no partial traces (module docstring): in-flight attempts restart from scratch
+
+    def abort(self, sample_ids: Sequence[int]) -> None:
+        drop = set(sample_ids)
+        self._pending = [r for r in self._pending if r.sample_id not in drop]
+        self._done = [s for s in self._done if s.sample_id not in drop]
+        for sid in drop:
+            run = self._running.pop(sid, None)
+            if run is not None:
+                run.future.cancel()
+
+    # ---- extras ---------------------------------------------------------------------------------------
+    def take_stats(self) -> RolloutStats:
+        stats, self.stats = self.stats, RolloutStats()
+        return stats
+
+    # ---- episodes ---------------------------------------------------------------------------------------
+    def _launch(self) -> None:
+        import verifiers.v1 as vf
+
+        pending, self._pending = self._pending, []
+        version = self.engine.policy_version
+        for req in pending:
+            env = self.envs[req.dataset]
+            sampling = vf.SamplingConfig(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_new_tokens,
+                                         seed=req.seed % (2 ** 63))
+            ctx = vf.ModelContext(model=SERVED_MODEL, client=self.client, sampling=sampling)
+            future = asyncio.run_coroutine_threadsafe(self._episode(env, env.tasks[req.index], ctx), self._loop)
+            run = self._running[req.sample_id] = _Run(req, version, future)
+            future.add_done_callback(lambda _, run=run: self._finished(run))
+
+    def _finished(self, run: _Run) -> None:
+        run.end_version = self.engine.policy_version
+        self._wake.set()
+
+    async def _episode(self, env, task, ctx):
+        async with self._gate:
+            return await env.env.run_episode(task, ctx)
+
+    def _collect(self) -> int:
+        self._wake.clear()
+        finished = [sid for sid, run in self._running.items() if run.future.done()]
+        for sid in sorted(finished):
+            run = self._running.pop(sid)
+            self._done.append(self._sample(run))
+        return len(finished)
+
+    def _sample(self, run: _Run) -> RolloutSample:
+        req = run.request
+        where = f"rollout: verifiers episode of sample {req.sample_id} (prompt {req.prompt_uid})"
+        episode = run.future.result()
+        if not episode.ok:
+            err = episode.last_error or next((t.last_error for t in episode.traces if t.last_error), None)
+            raise RuntimeError(f"{where} failed: {err.type}: {err.message}" if err else f"{where} failed")
+        if len(episode.traces) != 1:
+            raise RuntimeError(f"{where} has {len(episode.traces)} traces; one agent per episode is trained so far")
+        if run.end_version != run.version:
+            raise RuntimeError(f"{where} ran across a weight update (version {run.version} -> {run.end_version}); "
+                               "the backend must drain before an update")
+        sample = trace_sample(episode.traces[0], req.sample_id, version=run.version, layer_ids=self.layer_ids)
+        sample.group_id, sample.prompt_uid, sample.dataset, sample.effort = (req.group_id, req.prompt_uid,
+                                                                             req.dataset, req.effort)
+        self.stats.generated_tokens += sample.num_generated
+        return sample

@@ -1,0 +1,160 @@
+"""An ``rl`` phase on a verifiers environment (``rollout.environment.kind: verifiers``), end to end on
+CPU with the tiny model and the BPE tokenizer: the co-located engine is served in-process by our
+OpenAI-compatible app, real verifiers 0.4.0 episodes (SingleAgentEnv -> interception server ->
+TrainClient -> renderers -> /inference/v1/generate) run against it, and every trained sample is
+exactly what the engine generated (each assistant turn's ids = one engine request's output, its
+context = that request's prompt), carries the rubric's reward, the R3 record of every fed position
+and its policy version. The two-turn environment checks the loss mask of a multi-turn session."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_s2.config.recipe import load_recipe
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.posttrain.rollout import vf_backend
+from megatron_s2.posttrain.trainer import PosttrainTrainer
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "phases" / "rl_addition_verifiers.yaml"
+SMALL = ["training.train_steps=2", "training.seq_length=96", "training.global_batch_size=4",
+         "training.micro_batch_size=4", "rl.rollout.group_size=2", "rl.rollout.batch_groups=2",
+         "rl.rollout.max_in_flight=4", "rl.rollout.max_new_tokens=4", "rl.rollout.engine.max_num_seqs=4",
+         "rl.rollout.environment.max_concurrent=4", "rl.advantage.dynamic_sampling=false",
+         "checkpoint.save_interval=0", "logging.progress_bar=false", "logging.tensorboard=false"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _run(tmp_path, monkeypatch, taskset: str, plugins: str, *extra: str, steps: int = 2):
+    """Train (up to) ``steps`` steps; returns (trained samples per step, {sample_id: trace}, engine calls)."""
+    overrides = SMALL + [f"rl.rollout.environment.taskset={{id: {taskset}}}",
+                         f"rl.rollout.environment.plugin_path={plugins}", *extra]
+    recipe = load_recipe(str(RECIPE), overrides)
+    trainer = PosttrainTrainer(recipe, tmp_path / "run", log=lambda *a: None)
+    calls: dict[str, dict] = {}
+    add_request = trainer.engine.add_request
+
+    def spy(prompt, params=None, *, request_id=None, on_output=None):
+        rec = calls[request_id] = {"prompt": list(prompt), "ids": [], "versions": []}
+
+        def out(o):
+            rec["ids"] += list(o.token_ids)
+            rec["versions"] += list(o.versions)
+            on_output(o)
+        return add_request(prompt, params, request_id=request_id, on_output=out)
+
+    monkeypatch.setattr(trainer.engine, "add_request", spy)
+    traces, trained = {}, []
+    convert = vf_backend.trace_sample
+
+    def keep(trace, sample_id, **kw):
+        traces[sample_id] = trace
+        return convert(trace, sample_id, **kw)
+
+    monkeypatch.setattr(vf_backend, "trace_sample", keep)
+    train_on = trainer._train_on
+    monkeypatch.setattr(trainer, "_train_on", lambda samples, groups: (trained.append(list(samples)),
+                                                                       train_on(samples, groups))[1])
+    result = trainer.train()
+    assert result.final_step == steps and not result.preempted
+    assert trainer.backend.server is None  # closed with the run
+    return trained, traces, list(calls.values())
+
+
+def _check_token_in_token_out(samples, traces, calls):
+    for s in samples:
+        assert s.spans and s.num_generated >= len(s.spans)
+        for start, end in s.spans:  # every trained turn is one engine request, token for token
+            match = [c for c in calls if c["prompt"] == s.tokens[:start] and c["ids"] == s.tokens[start:end]]
+            assert match, f"sample {s.sample_id}: turn {start}..{end} is not an engine request's output"
+            assert s.versions[start:end] == match[0]["versions"]
+        assert all(m == (v >= 0) for m, v in zip(s.policy_mask, s.versions))
+        assert s.routing is not None and (s.routing.start, s.routing.end) == (0, len(s.tokens) - 1)
+        trace = traces[s.sample_id]
+        assert s.reward == pytest.approx(trace.reward)
+        branch = trace.branches[-1]
+        assert branch.token_ids[:len(s.tokens)] == s.tokens
+
+
+def test_rl_on_a_verifiers_single_turn_environment(tmp_path, monkeypatch):
+    trained, traces, calls = _run(tmp_path, monkeypatch, "megatron_s2_single_turn", str(ROOT / "tests/serve/vf_plugins"))
+    assert [len(step) for step in trained] == [4, 4]
+    _check_token_in_token_out([s for step in trained for s in step], traces, calls)
+    assert all(len(s.spans) == 1 for step in trained for s in step)
+    for s in (s for step in trained for s in step):  # the rubric: right number + 0.5 x brevity
+        trace = traces[s.sample_id]
+        reply, answer = trace.last_reply or "", trace.task.data.answer
+        numbers = re.findall(r"-?\d+", reply)
+        assert s.reward == pytest.approx(float(bool(numbers) and int(numbers[-1]) == answer) + 0.5 / (1 + len(reply)))
+    assert {v for s in trained[0] for v in s.policy_versions} == {0}
+    assert {v for s in trained[1] for v in s.policy_versions} <= {0, 1}  # drained before the update, or after it
+
+
+@pytest.mark.parametrize("renderer", ["bridge", "default"])
+def test_rl_on_a_verifiers_two_turn_environment_masks_the_environment_tokens(tmp_path, monkeypatch, renderer):
+    """With the bridging renderer (megatron_s2/posttrain/envs/vf_renderer.py) the second call's
+    prompt extends the first call's ids verbatim, so every session is one branch: one sample with
+    both turns trained and the user's follow-up (and the close of a reply cut by the length limit)
+    between them loss-masked. renderers' DefaultRenderer re-renders the history instead; a reply
+    that re-tokenises differently or was cut splits the session, and the sample is then the final
+    call's exact context + completion."""
+    trained, traces, calls = _run(tmp_path, monkeypatch, "megatron_s2_two_turn", str(Path(__file__).parent / "vf_plugins"),
+                                  f"rl.rollout.environment.renderer={renderer}")
+    samples = [s for step in trained for s in step]
+    _check_token_in_token_out(samples, traces, calls)
+    sessions = 0
+    for s in samples:
+        trace = traces[s.sample_id]
+        assert trace.num_turns == 2 and s.spans[-1][1] == len(s.tokens) and not any(s.policy_mask[:s.spans[0][0]])
+        if len(trace.branches) == 1:  # the whole session is one sample
+            (a, b), (c, d) = s.spans
+            assert b < c and not any(s.policy_mask[b:c])  # the follow-up: environment tokens, masked
+            (second,) = [call for call in calls if call["prompt"] == s.tokens[:c]]
+            assert second["prompt"][:b] == s.tokens[:b]  # it extends the first turn's exact ids
+            sessions += 1
+        else:
+            assert len(s.spans) == 1
+        assert s.reward == pytest.approx(1.0 / (1 + len(trace.last_reply or "")))
+    if renderer == "bridge":
+        assert sessions == len(samples) == 8
+    else:
+        assert sessions < len(samples)  # the tiny model's replies do not survive a re-render
+
+
+def test_resumed_verifiers_run_trains_no_prompt_twice(tmp_path, monkeypatch):
+    """Checkpoints store the orchestrator's state; in-flight episodes (no partial traces) start
+    again after the restart: every dispatched prompt is trained once, none is skipped."""
+    plugins = str(ROOT / "tests/serve/vf_plugins")
+    keep = ["checkpoint.save_interval=1", "rl.rollout.environment.taskset={id: megatron_s2_tasks, split: train, count: 40}"]
+    first, _, _ = _run(tmp_path, monkeypatch, "megatron_s2_tasks", plugins, *keep, steps=2)
+    second, _, _ = _run(tmp_path, monkeypatch, "megatron_s2_tasks", plugins, *keep, "training.train_steps=3", steps=3)
+    assert [len(s) for s in first] == [4, 4] and [len(s) for s in second] == [4]
+    records = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    trained = [uid for r in records for uid in r["trained"]]
+    assert len(trained) == len(set(trained)) == 6
+    assert {s.prompt_uid for s in second[0]} == set(records[-1]["trained"])
+
+
+def test_verifiers_recipes_refuse_what_is_not_supported_yet():
+    with pytest.raises(ConfigError, match=r"rl\.eval"):
+        load_recipe(str(RECIPE), ["rl.eval.interval=5"])
+    with pytest.raises(ConfigError, match="data.tokenizer"):
+        load_recipe(str(RECIPE), ["data.tokenizer=char"])
+    with pytest.raises(ConfigError, match="taskset"):
+        load_recipe(str(RECIPE), ["rl.rollout.environment.taskset={}"])
+    with pytest.raises(ConfigError, match="train_aware_replay"):
+        load_recipe(str(RECIPE), ["rl.rollout.engine.decoder_bounded_replay=true",
+                                  "rl.rollout.engine.train_aware_replay=true"])
