@@ -79,7 +79,8 @@ phases:
     assert config["checkpoint"]["load"] == str(tmp_path / "runs" / "rl_short" / "sft" / "checkpoints")
     evals = _evals(rl)
     assert [e["step"] for e in evals] == [0, 3] and all(0 <= e["eval_accuracy"] <= 1 for e in evals)
-    assert all(e["eval_prompts"] == 16 for e in evals)
+    assert all(e["eval_prompts"] == 16 and e["eval_episodes"] == 64 for e in evals)  # the recipe's avg@4
+    assert all(0 <= e["eval_greedy_accuracy"] <= 1 for e in evals)  # and its greedy accuracy beside it
     metrics = [json.loads(line) for line in (rl / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
     for key in ("reward_mean", "reward_std", "accuracy", "response_length", "truncation_rate", "staleness_0",

@@ -46,3 +46,29 @@ def test_greedy_evaluation_with_several_samples_is_refused():
         EvaluationConfig(temperature=0.0, samples_per_prompt=2)
     with pytest.raises(ConfigError, match="samples_per_prompt: must be >= 1"):
         EvaluationConfig(temperature=1.0, samples_per_prompt=0)
+
+
+class _FirstTokenEven(TaskEnvironment):
+    """Correct when the first generated token id is even: a random model scores ~0.5, and its
+    greedy and sampled accuracies differ, which the addition verifier (~0 for both) cannot show."""
+
+    class episode_type(TaskEnvironment.episode_type):
+        def verify(self, completion, finish_reason) -> bool:
+            return bool(completion) and completion[0] % 2 == 0
+
+
+def test_also_greedy_reports_the_greedy_accuracy_beside_the_sampled_one():
+    ev = _evaluator(EvaluationConfig(temperature=1.0, samples_per_prompt=3, also_greedy=True))
+    cfg = EnvironmentConfig(kind="task", task="addition", num_prompts=8, eval_prompts=16)
+    ev.envs = {"even": _FirstTokenEven("even", cfg, TOK)}
+    greedy = ev.play(ev.engine, ev.mine(), 0.0)
+    sampled = ev.play(ev.engine, ev.episodes(), 1.0)
+    out = ev.run(0)
+    assert out["eval_greedy_accuracy"] == pytest.approx(sum(p.correct for p in greedy) / 16)
+    assert out["eval_accuracy"] == pytest.approx(sum(p.correct for p in sampled) / 48)
+    assert out["eval_episodes"] == 48, "the greedy episodes must not count as sampled ones"
+    assert 0 < out["eval_greedy_accuracy"] < 1 and out["eval_greedy_accuracy"] != out["eval_accuracy"]
+    ev.config = EvaluationConfig(temperature=1.0, samples_per_prompt=3)
+    assert "eval_greedy_accuracy" not in ev.run(0)
+    with pytest.raises(ConfigError, match="also_greedy: the evaluation is already greedy"):
+        EvaluationConfig(temperature=0.0, also_greedy=True)

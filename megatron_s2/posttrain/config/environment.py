@@ -168,6 +168,9 @@ class EvaluationConfig:
     temperature > 0 when > 1 (greedy episodes are identical)."""
     at_start: bool = True
     """Also evaluate before the first update (the 'before' of a before/after comparison)."""
+    also_greedy: bool = False
+    """With ``temperature`` > 0: also play one greedy episode per held-out prompt and report its
+    accuracy as ``eval_greedy_accuracy`` (the sampled accuracy stays ``eval_accuracy``)."""
 
     def __post_init__(self) -> None:
         if self.interval < 0 or self.num_prompts < 0:
@@ -176,6 +179,9 @@ class EvaluationConfig:
             raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")
         if self.samples_per_prompt < 1:
             raise ConfigError(f"samples_per_prompt: must be >= 1, got {self.samples_per_prompt}")
+        if self.also_greedy and self.temperature == 0:
+            raise ConfigError("also_greedy: the evaluation is already greedy (temperature: 0); set temperature > 0 "
+                              "(e.g. the rollout temperature) or remove also_greedy")
         if self.samples_per_prompt > 1 and self.temperature == 0:
             raise ConfigError(f"samples_per_prompt: {self.samples_per_prompt} greedy episodes of a prompt are "
                               "identical; set eval.temperature > 0 (e.g. the rollout temperature) or samples_per_prompt: 1")

@@ -120,14 +120,20 @@ class Evaluator:
     def run(self, step: int, teacher=None, scorer_groups=None) -> dict[str, float]:
         """Evaluate the engine's current weights; collective over the world."""
         items = self.play(self.engine, self.episodes(), self.config.temperature)
+        greedy = self.config.also_greedy and self.config.temperature > 0
         local: dict[str, list[float]] = {}
         for it in items:
-            row = local.setdefault(it.dataset, [0.0] * 5)
+            row = local.setdefault(it.dataset, [0.0] * 7)
             row[0] += 1
             row[1] += float(it.correct)
             row[2] += it.reward
             row[3] += it.generated
             row[4] += float(it.truncated)
+        if greedy:  # one greedy episode per prompt besides the sampled ones
+            for it in self.play(self.engine, self.mine(), 0.0):
+                row = local.setdefault(it.dataset, [0.0] * 7)
+                row[5] += 1
+                row[6] += float(it.correct)
         extra: dict[str, list[float]] = {}
         if teacher is not None:
             extra = self._teacher_metrics(items, *teacher, scorer_groups)
@@ -136,16 +142,20 @@ class Evaluator:
         totals: dict[str, list[float]] = {}
         for part in gathered:
             for name, row in part["rows"].items():
-                acc = totals.setdefault(name, [0.0] * 5)
+                acc = totals.setdefault(name, [0.0] * 7)
                 for i, v in enumerate(row):
                     acc[i] += v
         out: dict[str, float] = {}
-        every = [0.0] * 5
+        every = [0.0] * 7
         for name, row in sorted(totals.items()):
             for i, v in enumerate(row):
                 every[i] += v
             if len(totals) > 1:
                 out[f"eval_accuracy_{name}"] = row[1] / max(row[0], 1)
+                if greedy:
+                    out[f"eval_greedy_accuracy_{name}"] = row[6] / max(row[5], 1)
+        if greedy:
+            out["eval_greedy_accuracy"] = every[6] / max(every[5], 1)
         n = max(every[0], 1)
         out.update({"eval_accuracy": every[1] / n, "eval_reward": every[2] / n, "eval_response_length": every[3] / n,
                     "eval_truncation_rate": every[4] / n,
