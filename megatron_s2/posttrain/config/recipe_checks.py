@@ -52,6 +52,7 @@ def check_posttrain_recipe(recipe) -> None:
                           f"row of training.seq_length + 1 = {t.seq_length + 1}; lower it or raise seq_length")
     if recipe.phase.freeze:
         raise ConfigError(f"phase.freeze: {kind} phases train the whole policy; remove phase.freeze")
-    if kind == "opd" and section.sft_warmup.steps:
-        raise ConfigError("opd.sft_warmup.steps: the warm-up is run as an SFT phase before this one (a phases: "
-                          "pipeline, see recipes/opd_tiny.yaml); set steps: 0")
+    if kind == "opd" and section.sft_warmup.steps > t.train_steps:
+        raise ConfigError(f"opd.sft_warmup.steps: {section.sft_warmup.steps} warm-up steps exceed training.train_steps = "
+                          f"{t.train_steps} (the warm-up steps are the phase's first steps); raise train_steps or "
+                          "lower sft_warmup.steps")
