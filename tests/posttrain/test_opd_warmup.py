@@ -189,7 +189,7 @@ class _StopAt:
 
 
 def test_resume_inside_the_warmup_continues_it_and_after_it_never_redoes_it(tmp_path, teacher):
-    common = ("training.train_steps=3", "opd.sft_warmup.steps=2")
+    common = ("training.train_steps=3", "opd.sft_warmup.steps=2", "opd.eval.at_start=false")
     ref = tmp_path / "ref"
     _trainer(_recipe(teacher, *common), ref).train()
     cut = tmp_path / "cut"
@@ -210,7 +210,7 @@ def test_resume_inside_the_warmup_continues_it_and_after_it_never_redoes_it(tmp_
     assert len(warm) == 8 and len(set(warm)) == 8  # no warm-up prompt repeated or skipped
     assert rollouts[-1]["step"] == 3 and len(rollouts[-1]["trained"]) == 4  # then OPD groups
     # extend the finished run: it resumes at step 3 and runs OPD only
-    tr = _trainer(_recipe(teacher, "training.train_steps=4", "opd.sft_warmup.steps=2"), cut)
+    tr = _trainer(_recipe(teacher, "training.train_steps=4", *common[1:]), cut)
     assert tr.train().steps_run == 1
     last = _jsonl(cut / "metrics.jsonl")[-1]
     assert last["step"] == 4 and "sft_warmup" not in last and "opd_advantage" in last
