@@ -214,3 +214,23 @@ def test_resume_inside_the_warmup_continues_it_and_after_it_never_redoes_it(tmp_
     assert tr.train().steps_run == 1
     last = _jsonl(cut / "metrics.jsonl")[-1]
     assert last["step"] == 4 and "sft_warmup" not in last and "opd_advantage" in last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_warmup_under_dp2_launch_matches_one_rank(tmp_path, teacher):
+    """The warm-up runs through the layout: dp=2 under `launch --local` logs the single-rank losses."""
+    args = [*SMALL, "training.train_steps=2", "opd.sft_warmup.steps=2", "opd.eval.at_start=false",
+            "training.global_batch_size=8", "opd.rollout.batch_groups=8", "opd.rollout.max_in_flight=8",
+            f"opd.teachers=[{{name: teacher, domains: [default], checkpoint: {teacher}}}]"]
+    runs = {"one": ["train", str(OPD), *args], "dp2": ["launch", str(OPD), "--local", *args, "parallel.dp=2",
+                                                         "launcher.nproc_per_node=2"]}
+    losses = {}
+    for name, cmd in runs.items():
+        proc = subprocess.run([sys.executable, "-m", "megatron_s2.cli", *cmd, "--run-dir", str(tmp_path / name)],
+                              capture_output=True, text=True, timeout=1500, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        losses[name] = [(m["step"], m["sft_warmup"], m["loss"]) for m in _jsonl(tmp_path / name / "metrics.jsonl")]
+    assert [s for s, _, _ in losses["dp2"]] == [1, 2]
+    for (s1, w1, l1), (s2, w2, l2) in zip(losses["one"], losses["dp2"]):
+        assert (s1, w1) == (s2, w2) and l2 == pytest.approx(l1, rel=1e-5)
