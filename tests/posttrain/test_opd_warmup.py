@@ -18,7 +18,7 @@ from megatron_s2.config.recipe import RECIPES_DIR, load_recipe
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.model import V41Model
-from megatron_s2.posttrain.opd.warmup import warmup_micro_batches
+from megatron_s2.posttrain.opd.warmup import keep_verified, warmup_micro_batches
 from megatron_s2.posttrain.opd.warmup_data import Trajectory, TrajectoryFile, WarmupPrompts
 from megatron_s2.posttrain.trainer import PosttrainTrainer
 
@@ -81,6 +81,14 @@ def test_micro_batches_mask_exactly_the_teacher_tokens():
         warmup_micro_batches(rows, seq_length=8, micro_batch_size=3, dp_rank=0, dp_size=1, pad_id=0)
 
 
+def test_verified_only_masks_the_rows_the_environment_rejected():
+    rows = [Trajectory([1, 5, 7, 2], [0, 0, 1, 1], "a", True), Trajectory([1, 6, 8, 2], [0, 0, 1, 1], "b", False)]
+    kept = keep_verified(rows)
+    assert [r.loss_mask for r in kept] == [[0, 0, 1, 1], [0, 0, 0, 0]] and [r.uid for r in kept] == ["a", "b"]
+    (mb,) = warmup_micro_batches(kept, seq_length=4, micro_batch_size=2, dp_rank=0, dp_size=1, pad_id=0)
+    assert mb["loss_mask"].sum().item() == 2
+
+
 def test_prompt_schedule_reads_each_prompt_once_per_epoch_and_is_a_function_of_the_step():
     sched = WarmupPrompts({"a": 5, "b": 3}, {"a": 1.0, "b": 1.0}, seed=3, batch=4)
     rows = [r for k in range(4) for r in sched.step_rows(k)]  # 16 rows over 8 prompts
@@ -120,6 +128,7 @@ def test_trajectory_file_epochs_and_one_line_errors(tmp_path):
     (["opd.sft_warmup.steps=-1"], r"^opd\.sft_warmup\.steps: must be >= 0"),
     (["opd.sft_warmup.steps=30"], r"^opd\.sft_warmup\.steps: 30 warm-up steps exceed training\.train_steps = 20"),
     (["opd.sft_warmup.temperature=-1"], r"^opd\.sft_warmup\.temperature: must be"),
+    (["opd.sft_warmup.verified_only=true", "opd.sft_warmup.data=x.jsonl"], r"^opd\.sft_warmup\.verified_only: "),
     (["opd.sft_warmup.steps=2", "opd.teachers=[{name: far, domains: [default], endpoint: 'http://x:1/v1'}]"],
      r"^opd\.sft_warmup\.data: teacher 'far' is an endpoint"),
 ])

@@ -89,12 +89,18 @@ class SftWarmupConfig:
     e.g. from a teacher reached over an endpoint."""
     temperature: float = 0.0
     """Sampling temperature of the teachers' generations (0 = greedy, the teacher's best answer)."""
+    verified_only: bool = False
+    """Rejection sampling: only the generated trajectories the environment verified correct bear
+    loss (the others stay in the batch fully masked, so the prompt order is unchanged)."""
 
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ConfigError(f"steps: must be >= 0, got {self.steps}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ConfigError(f"temperature: must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if self.verified_only and self.data:
+            raise ConfigError("verified_only: a trajectories file carries no verdicts; set verified_only: false or "
+                              "data: '' (trajectories generated and verified in process)")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ teachers' responses: each step takes ``training.global_batch_size`` trajectories
 ``opd.sft_warmup.data``), and only the labels the teacher generated bear loss (prompt,
 environment and padding labels are masked), normalised by the global count of such labels
 (:mod:`megatron_s2.training.losses`), through the trainer's own forward/backward schedule.
+With ``verified_only`` (rejection sampling) a generated episode the environment did not verify
+bears no loss.
 
 Crash safety: a step's rows are a pure function of (seed, step), so a checkpoint taken inside the
 warm-up (an ordinary checkpoint at that step) resumes it exactly, and once the step counter is
@@ -31,7 +33,13 @@ import torch
 from megatron_s2.posttrain.opd.warmup_data import TeacherGenerator, Trajectory, TrajectoryFile, WarmupPrompts
 from megatron_s2.posttrain.rollout.engines import engine_configs
 
-__all__ = ["SftWarmup", "warmup_micro_batches"]
+__all__ = ["SftWarmup", "warmup_micro_batches", "keep_verified"]
+
+
+def keep_verified(rows: Sequence[Trajectory]) -> list[Trajectory]:
+    """``opd.sft_warmup.verified_only``: a row whose episode the environment did not verify
+    correct keeps its place in the batch but bears no loss."""
+    return [r if r.correct else Trajectory(r.tokens, [0] * len(r.tokens), r.uid, r.correct) for r in rows]
 
 
 def warmup_micro_batches(rows: Sequence[Trajectory], *, seq_length: int, micro_batch_size: int, dp_rank: int,
@@ -71,7 +79,7 @@ class SftWarmup:
     def __init__(self, trainer):
         self.trainer = tr = trainer
         cfg, t = tr.section.sft_warmup, tr.recipe.training
-        self.steps, self.batch = cfg.steps, t.global_batch_size
+        self.steps, self.batch, self.verified_only = cfg.steps, t.global_batch_size, cfg.verified_only
         self.file = self.prompts = self.generator = None
         if cfg.data:
             self.file = TrajectoryFile(cfg.data, vocab_size=tr.recipe.model.vocab_size, max_tokens=t.seq_length + 1,
@@ -104,6 +112,9 @@ class SftWarmup:
         t0 = time.perf_counter()
         rows = self.rows(tr.step)
         t_gen = time.perf_counter() - t0
+        verdicts = [r.correct for r in rows if r.correct is not None]
+        if self.verified_only:
+            rows = keep_verified(rows)
         lr = tr.schedule.apply(tr.optimizer, tr.step)
         mbs = warmup_micro_batches(rows, seq_length=t.seq_length, micro_batch_size=t.micro_batch_size,
                                    dp_rank=tr.dp_rank, dp_size=tr.layout.dp, pad_id=tr.tokenizer.pad_id)
@@ -115,7 +126,6 @@ class SftWarmup:
         t_train = time.perf_counter() - t1
         extra = {"sft_warmup": 1.0, **result.metrics, "warmup_generation_time_s": t_gen, "train_time_s": t_train,
                  "warmup_response_tokens": sum(sum(r.loss_mask[1:]) for r in rows) / len(rows)}
-        verdicts = [r.correct for r in rows if r.correct is not None]
         if verdicts:
             extra["warmup_teacher_accuracy"] = sum(verdicts) / len(verdicts)
         if not self.active(tr.step):  # the last warm-up step: free the teachers' engines, measure
