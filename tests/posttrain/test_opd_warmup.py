@@ -243,3 +243,39 @@ def test_warmup_under_dp2_launch_matches_one_rank(tmp_path, teacher):
     assert [s for s, _, _ in losses["dp2"]] == [1, 2]
     for (s1, w1, l1), (s2, w2, l2) in zip(losses["one"], losses["dp2"]):
         assert (s1, w1) == (s2, w2) and l2 == pytest.approx(l1, rel=1e-5)
+
+
+def test_each_prompt_is_answered_by_its_domains_teacher_greedily():
+    """Two domains, two teachers of different sizes: every warm-up row is its domain teacher's
+    greedy continuation of the prompt (checked against full forwards of that teacher), with only
+    the generated tokens loss-bearing."""
+    from megatron_s2.data.tokenizer import CharTokenizer
+    from megatron_s2.inference import EngineConfig
+    from megatron_s2.models.v41.model import build_model
+    from megatron_s2.posttrain.config.environment import EnvironmentConfig
+    from megatron_s2.posttrain.envs import TaskEnvironment
+    from megatron_s2.posttrain.frozen import TeacherPool, full_logits
+    from megatron_s2.posttrain.opd.warmup_data import TeacherGenerator
+    from megatron_s2.posttrain.rollout.replicas import ReplicaTopology
+    from tests.posttrain.tiny import tiny_config
+    import dataclasses
+
+    tok = CharTokenizer()
+    cfg = tiny_config()
+    models = {"a": build_model(cfg, seed=21).eval(), "b": build_model(dataclasses.replace(cfg, hidden_size=96), seed=22).eval()}
+    pool = TeacherPool(models, {"x": "a", "y": "b"}, {"a": 1.0, "b": 1.0})
+    envs = {n: TaskEnvironment(n, EnvironmentConfig(kind="task", task="addition", num_prompts=6, eval_prompts=2, seed=s), tok)
+            for n, s in (("dx", 1), ("dy", 2))}
+    gen = TeacherGenerator(pool, {"dx": "x", "dy": "y"}, envs, EngineConfig(max_num_seqs=8, max_model_len=24, page_tokens=8),
+                           [tok.eos_id], ReplicaTopology.single(), temperature=0.0, max_new_tokens=5, max_model_len=24,
+                           seed=0)
+    rows = WarmupPrompts({"dx": 6, "dy": 6}, {}, seed=0, batch=6).step_rows(0)
+    assert {n for n, _, _ in rows} == {"dx", "dy"}
+    for (name, index, _), traj in zip(rows, gen.generate(0, rows)):
+        prompt = envs[name].episode(index, "train").prompt_tokens()
+        teacher = models["a" if name == "dx" else "b"]
+        ids = list(prompt)
+        while len(ids) - len(prompt) < 5 and (len(ids) == len(prompt) or ids[-1] != tok.eos_id):
+            ids.append(int(full_logits(teacher, torch.tensor([ids]))[0, -1].argmax()))
+        assert traj.tokens == ids, (name, index)
+        assert traj.loss_mask == [0] * len(prompt) + [1] * (len(ids) - len(prompt))
