@@ -279,3 +279,51 @@ def test_each_prompt_is_answered_by_its_domains_teacher_greedily():
             ids.append(int(full_logits(teacher, torch.tensor([ids]))[0, -1].argmax()))
         assert traj.tokens == ids, (name, index)
         assert traj.loss_mask == [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_run_killed_inside_the_warmup_resumes_it_without_repeating_or_skipping_a_prompt(tmp_path, teacher):
+    """SIGKILL after warm-up step 3 trained (checkpoint at 2): the resumed run re-runs step 3 on
+    the same prompts, and every warm-up prompt is trained exactly once."""
+    import os
+    import signal
+    import time
+
+    run_dir = tmp_path / "opd"
+    cmd = [sys.executable, "-m", "megatron_s2.cli", "train", str(OPD), *SMALL, "training.train_steps=5",
+           "opd.sft_warmup.steps=3", "checkpoint.save_interval=2", "opd.eval.at_start=false",
+           f"opd.teachers=[{{name: teacher, domains: [default], checkpoint: {teacher}}}]", "--run-dir", str(run_dir)]
+
+    def records() -> list[dict]:
+        path = run_dir / "rollouts.jsonl"
+        out = []
+        for line in (path.read_text().splitlines() if path.is_file() else []):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while not any(r["step"] >= 3 for r in records()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    killed_step3 = next(r["warmup"] for r in records() if r["step"] == 3)
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "step_00000002" in resumed.stdout
+    final = records()
+    assert [r["step"] for r in final] == [1, 2, 3, 4, 5] and [r["version"] for r in final][:3] == [1, 2, 3]
+    warm = [u for r in final for u in r.get("warmup", [])]
+    assert len(warm) == 3 * 4 and len(set(warm)) == len(warm)
+    assert final[2]["warmup"] == killed_step3  # the re-run step trains the same prompts
+    assert [m.get("sft_warmup") for m in _jsonl(run_dir / "metrics.jsonl")] == [1.0, 1.0, 1.0, None, None]

@@ -144,5 +144,5 @@ class SftWarmup:
         if tr.is_main:
             tr.rollout_file.parent.mkdir(parents=True, exist_ok=True)
             with open(tr.rollout_file, "a") as f:
-                f.write(json.dumps({"step": step, "phase": "sft_warmup", "trained": [],
-                                    "warmup": [r.uid for r in rows]}) + "\n")
+                f.write(json.dumps({"step": step, "version": tr.orchestrator.version, "phase": "sft_warmup",
+                                    "trained": [], "warmup": [r.uid for r in rows]}) + "\n")
