@@ -44,6 +44,7 @@ from megatron_s2.posttrain.envs import build_environment
 from megatron_s2.posttrain.frozen import TeacherPool, full_logits, load_frozen_model
 from megatron_s2.posttrain.losses import PosttrainObjective
 from megatron_s2.posttrain.metrics import rollout_metrics
+from megatron_s2.posttrain.opd.warmup import SftWarmup
 from megatron_s2.posttrain.orchestrator import Orchestrator
 from megatron_s2.posttrain.rollout.engine_backend import EngineBackend
 from megatron_s2.posttrain.rollout.engines import engine_configs, engine_max_model_len
@@ -105,6 +106,7 @@ class PosttrainTrainer(Trainer):
         self.started = False
         self.eval_file = self.run_dir / "eval.jsonl"
         self.rollout_file = self.run_dir / "rollouts.jsonl"
+        self.warmup = SftWarmup(self) if self.kind == "opd" and section.sft_warmup.steps else None
 
     def train(self):
         try:
@@ -223,6 +225,8 @@ class PosttrainTrainer(Trainer):
             self._start()
             if self.step == 0 and self.section.eval.at_start:
                 self._evaluate()
+        if self.warmup is not None and self.warmup.active(self.step):  # OPD's SFT warm-up steps come first
+            return self.warmup.train_step()
         t0 = time.perf_counter()
         self._timing = {}
         orch = self.orchestrator

@@ -69,18 +69,38 @@ class TeacherConfig:
 
 @dataclass(frozen=True)
 class SftWarmupConfig:
-    """Lightweight SFT warm-up on teacher trajectories before OPD (walkthrough Ch. 8, Nemotron-style)."""
+    """Lightweight SFT warm-up on teacher trajectories before OPD (walkthrough Ch. 8: "a lightweight
+    SFT warmup on the original SFT model [...] becomes the initial student").
+
+    The first ``steps`` optimiser steps of the phase (counted in ``training.train_steps``) are
+    cross-entropy on the teachers' response tokens (prompt and environment tokens loss-masked),
+    through the phase's trainer, optimiser, layout and checkpoints; OPD updates follow. The
+    trajectories come from the in-process teachers, generated on the phase's training prompts
+    (each prompt by its domain's teacher), or from ``data``. Implementation:
+    :mod:`megatron_s2.posttrain.opd.warmup`.
+    """
 
     steps: int = 0
-    """Optimiser steps of SFT on teacher-generated trajectories before OPD starts; 0 = none."""
+    """Optimiser steps of SFT on teacher trajectories before OPD starts (part of training.train_steps); 0 = none."""
     data: str = ""
-    """Teacher trajectories (token ids with loss masks) used by the warm-up; required when steps > 0."""
+    """'' = the in-process teachers generate the trajectories on the rollout datasets' training
+    prompts; a path = a JSON-lines file of teacher trajectories instead, one object per line
+    ``{"tokens": [ids], "loss_mask": [0/1 per token]}`` (1 on the teacher's response tokens),
+    e.g. from a teacher reached over an endpoint."""
+    temperature: float = 0.0
+    """Sampling temperature of the teachers' generations (0 = greedy, the teacher's best answer)."""
+    verified_only: bool = False
+    """Rejection sampling: only the generated trajectories the environment verified correct bear
+    loss (the others stay in the batch fully masked, so the prompt order is unchanged)."""
 
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ConfigError(f"steps: must be >= 0, got {self.steps}")
-        if self.steps > 0 and not self.data:
-            raise ConfigError("data: the SFT warm-up (steps > 0) needs teacher trajectories; set the path")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"temperature: must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if self.verified_only and self.data:
+            raise ConfigError("verified_only: a trajectories file carries no verdicts; set verified_only: false or "
+                              "data: '' (trajectories generated and verified in process)")
 
 
 @dataclass(frozen=True)
@@ -149,6 +169,10 @@ class OPDConfig:
             if self.loss.has_term("full_vocab_kl"):
                 raise ConfigError("opd.loss.terms: 'full_vocab_kl' belongs to mode: full_vocab")
         check_staleness_pairing("opd", self.rollout, self.loss)
+        remote = [t.name for t in self.teachers if t.endpoint]
+        if self.sft_warmup.steps and not self.sft_warmup.data and remote:
+            raise ConfigError(f"opd.sft_warmup.data: teacher '{remote[0]}' is an endpoint, and the warm-up generates "
+                              "with in-process teachers only; give a trajectories file (data) or sft_warmup.steps: 0")
 
     def teacher_for(self, domain: str) -> TeacherConfig:
         for t in self.teachers:

@@ -54,9 +54,10 @@ def check_posttrain_recipe(recipe) -> None:
         raise ConfigError(f"phase.freeze: {kind} phases train the whole policy; remove phase.freeze")
     if rollout.uses_verifiers:
         _check_verifiers(recipe, section, kind)
-    if kind == "opd" and section.sft_warmup.steps:
-        raise ConfigError("opd.sft_warmup.steps: the warm-up is run as an SFT phase before this one (a phases: "
-                          "pipeline, see recipes/opd_tiny.yaml); set steps: 0")
+    if kind == "opd" and section.sft_warmup.steps > t.train_steps:
+        raise ConfigError(f"opd.sft_warmup.steps: {section.sft_warmup.steps} warm-up steps exceed training.train_steps = "
+                          f"{t.train_steps} (the warm-up steps are the phase's first steps); raise train_steps or "
+                          "lower sft_warmup.steps")
 
 
 def _check_verifiers(recipe, section, kind: str) -> None:

@@ -288,6 +288,16 @@ class Orchestrator:
             if group.group_id in self.ready:
                 self.ready.remove(group.group_id)
 
+    def advance_version(self, version: int) -> None:
+        """A policy update made before any rollout (OPD's SFT warm-up steps): the engine gets the
+        new weights and version; nothing may have been dispatched yet."""
+        if self.dispatched or self.groups or self.in_flight:
+            raise RuntimeError("advance_version: rollouts have started; use begin_training / finish_update")
+        if version < self.version:
+            raise ValueError(f"advance_version: version {version} is older than the current {self.version}")
+        self.backend.update_weights(version)
+        self.version = version
+
     def resume(self) -> None:
         self.backend.resume()
         self.paused = False
