@@ -30,6 +30,7 @@ GATE_MARGIN in the reference run, and the test asserts that precondition.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import subprocess
 import sys
@@ -297,7 +298,9 @@ def run_objective(root: Path, kind: str, frozen: str, world: int, layouts: dict[
     record = _train(trainer, samples)
     record["envelope"] = envelope
     torch.save(record, root / "reference" / "rank0.pt")
-    run_distributed(world, _run_layouts, str(root), kind, frozen, [s.state_dict() for s in samples], layouts)
+    states = [s.state_dict() for s in samples]
+    (root / "samples.json").write_text(json.dumps(states))
+    run_distributed(world, _run_layouts, str(root), kind, frozen, states, layouts)
     return root, record
 
 
@@ -419,12 +422,17 @@ def test_sampled_token_opd_steps_match_single_rank(opd_results, layout):
 
 
 @pytest.mark.slow
-def test_rl_steps_under_four_rank_layouts_match_single_rank(tmp_path, frozen):
+def test_rl_steps_under_a_four_rank_layout_match_single_rank(tmp_path, rl_results, frozen):
+    from tests.parallel.spawn import run_distributed
+
+    reference_root, ref = rl_results
     layouts = {"cp2_dp2_ep2": ["parallel.cp=2", "parallel.ep=2"]}
-    root, ref = run_objective(tmp_path, "rl", frozen, 4, layouts)
+    states = json.loads((reference_root / "samples.json").read_text())
+    run_distributed(4, _run_layouts, str(tmp_path), "rl", frozen, states, layouts)
     for layout in layouts:
-        records = load_records(root / layout, 4)
-        assert all(f" {k}=2" in rec["layout"] for rec in records for k in layout.split("_") for k in [k[:-1]])
+        records = load_records(tmp_path / layout, 4)
+        dims = [d[:-1] for d in layout.split("_")]
+        assert all(f" {d}=2" in rec["layout"] for rec in records for d in dims), records[0]["layout"]
         check_layout(records, ref, layout)
 
 
