@@ -81,9 +81,15 @@ class ParallelLayout:
         Hugging Face conversion) skips the sequence-length and batch-geometry checks."""
         if not batch:
             return cls.build(recipe.parallel, recipe.model, world_size)
-        t = recipe.training
-        return cls.build(recipe.parallel, recipe.model, world_size, seq_length=t.seq_length,
-                         global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+        t, p = recipe.training, recipe.parallel
+        layout = cls.build(p, recipe.model, world_size, seq_length=t.seq_length,
+                           global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+        window = recipe.model.window_size
+        if p.cp > 1 and t.seq_length // (2 * p.cp) < window:  # context_parallel.window_keys_with_halo
+            raise ConfigError(f"training.seq_length: {t.seq_length} tokens make 2*cp = {2 * p.cp} context-parallel "
+                              f"chunks of {t.seq_length // (2 * p.cp)}, shorter than the attention window ({window}) "
+                              f"whose halo each chunk passes on; use seq_length >= {2 * p.cp * window} or fewer CP ranks")
+        return layout
 
     @classmethod
     def build(cls, parallel: ParallelConfig, model: ModelConfig, world_size: int, *,
