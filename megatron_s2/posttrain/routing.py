@@ -153,7 +153,8 @@ class RoutingRecord:
               device: torch.device | str | None = None) -> RoutingReplay:
         """REPLAY object for a micro-batch ``[len(rows), seq_length]``: each row holds its records
         packed back to back from position 0 (one record per packed sample); the remaining
-        positions are padding routed to experts 0..topk-1 (their loss is masked)."""
+        positions are padding routed to experts 0..topk-1 (their loss is masked, and
+        ``counted`` keeps them out of the routers' expert loads)."""
         flat = [r for row in rows for r in row]
         if not flat:
             raise ValueError("routing record: an empty micro-batch has nothing to replay")
@@ -163,14 +164,17 @@ class RoutingRecord:
                 raise ValueError("routing record: samples of one micro-batch record different layers or topk")
         pad = torch.arange(topk, dtype=torch.int32)
         out = {k: torch.empty(len(rows), seq_length, topk, dtype=torch.int32) for k in layer_ids}
+        counted = torch.zeros(len(rows), seq_length, dtype=torch.bool)
         for i, row in enumerate(rows):
             used = sum(len(r) for r in row)
             if used > seq_length:
                 raise ValueError(f"routing record: row {i} holds {used} routed positions, more than seq_length={seq_length}")
+            counted[i, :used] = True
             for k in layer_ids:
                 parts = [r.layers[k] for r in row] + [pad.expand(seq_length - used, topk)]
                 out[k][i] = torch.cat(parts)
-        return RoutingReplay(RoutingMode.REPLAY, {k: [v.to(device) if device is not None else v] for k, v in out.items()})
+        move = (lambda v: v.to(device)) if device is not None else (lambda v: v)
+        return RoutingReplay(RoutingMode.REPLAY, {k: [move(v)] for k, v in out.items()}, counted=move(counted))
 
     # ---- serialisation ---------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -77,8 +77,9 @@ def split_routing_for_cp(routing: RoutingReplay | None, seq_length: int, cp: Gro
     if routing is None or not cp.active:
         return routing
     idx = local_chunk_positions(seq_length, cp)
+    counted = None if routing.counted is None else routing.counted.index_select(1, idx.to(routing.counted.device))
     return RoutingReplay(RoutingMode.REPLAY, {layer: [e.index_select(1, idx.to(e.device)) for e in entries]
-                                               for layer, entries in routing.records().items()})
+                                               for layer, entries in routing.records().items()}, counted=counted)
 
 
 @dataclass

@@ -137,6 +137,29 @@ def test_training_forward_replays_the_record_bit_for_bit(two_version_sample):
             assert torch.equal(ids[:, 12:], torch.arange(2).expand(2, 2, 2))  # padding: experts 0..k-1
 
 
+def test_replayed_padding_does_not_count_toward_the_expert_loads(two_version_sample):
+    """The aux-loss-free bias update (§2.1.2) counts each router's selections in training; a
+    packed RL micro-batch replays its padding to experts 0..k-1, which must not be counted
+    (it would push those experts' biases down in proportion to the padding)."""
+    sample, _, v1 = two_version_sample
+    model = copy.deepcopy(v1).train()
+    other = dataclasses.replace(
+        sample, sample_id=1, tokens=sample.tokens[:9], policy_mask=sample.policy_mask[:9],
+        logprobs=sample.logprobs[:9], versions=sample.versions[:9], spans=[(5, 9)],
+        routing=sample.routing.slice(0, 8))
+    batch = collate([sample, other], [0.5, -0.5], seq_length=20)  # 8 + 12 padded positions
+    assert batch.routing.counted.sum(1).tolist() == [12, 8]
+    routers = {int(n.split(".")[1]): m for n, m in model.named_modules() if n.endswith(".mlp.router")}
+    for r in routers.values():
+        r.tokens_per_expert.zero_()
+    with torch.no_grad():
+        model(batch.tokens, ForwardContext.create(batch.tokens, model.plan, routing=batch.routing))
+    for layer, router in routers.items():
+        real = torch.cat([sample.routing.layers[layer], other.routing.layers[layer]]).long().reshape(-1)
+        expected = torch.bincount(real, minlength=router.num_experts)
+        assert torch.equal(router.tokens_per_expert.sum(0), expected), layer
+
+
 def test_single_version_concatenation_is_lossless():
     """Two segments under one version: the concatenated record selects the experts an
     unconstrained forward selects, and replaying it gives that forward's logits (equal up to

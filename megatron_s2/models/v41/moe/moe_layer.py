@@ -96,10 +96,12 @@ class MoELayer(nn.Module):
                              "expected [batch, seq] of ctx.input_ids")
         replayed = ctx.routing.stored_indices(self.layer_number) if ctx.routing is not None else None
         replayed = self.seq.routed_slice(replayed)
+        counted = self.seq.routed_slice(ctx.routing.counted) if ctx.routing is not None else None
         decision = self.router(
             tokens.reshape(b * s, d),
             None if image_mask is None else image_mask.reshape(-1).bool(),
             None if replayed is None else replayed.reshape(-1, self.config.moe_topk),
+            None if counted is None else counted.reshape(-1).bool(),
         )
         if ctx.routing is not None:
             with torch.no_grad():

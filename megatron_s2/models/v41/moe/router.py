@@ -80,9 +80,10 @@ class TopKRouter(nn.Module):
                              persistent=False)
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None,
-                replayed: torch.Tensor | None = None) -> RoutingDecision:
+                replayed: torch.Tensor | None = None, counted: torch.Tensor | None = None) -> RoutingDecision:
         """``x``: [N, hidden]; ``image_mask``: [N] bool or None; ``replayed``: [N, K] ids to
-        use instead of top-k (routing replay) or None."""
+        use instead of top-k (routing replay) or None; ``counted``: [N] bool, the tokens whose
+        selections count toward the expert loads of the bias update (None: all)."""
         scores = self.score_fn(F.linear(x.float(), self.weight.float()))
         if replayed is None:
             with torch.no_grad():
@@ -94,7 +95,11 @@ class TopKRouter(nn.Module):
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
         probs = probs * self.route_scale
         if self.training:
-            self._count(indices, image_mask)
+            if counted is None:
+                self._count(indices, image_mask)
+            else:
+                counted = counted.to(indices.device)
+                self._count(indices[counted], None if image_mask is None else image_mask[counted])
         return RoutingDecision(indices=indices, probs=probs, scores=scores)
 
     def _selection_bias(self, image_mask: torch.Tensor | None) -> torch.Tensor:

@@ -43,8 +43,12 @@ class RoutingReplay:
     """Per-micro-batch store of each MoE layer's expert selections, in call order."""
 
     def __init__(self, mode: RoutingMode | str = RoutingMode.OFF,
-                 records: dict[int, list[torch.Tensor]] | None = None):
+                 records: dict[int, list[torch.Tensor]] | None = None, counted: torch.Tensor | None = None):
         self.mode = RoutingMode(mode)
+        self.counted = counted
+        """[b, s] bool or None: the positions whose (replayed) selections count toward the routers'
+        expert loads; a packed RL micro-batch's padding is replayed to experts 0..k-1 but must
+        not bias the aux-loss-free balancing (§2.1.2) toward the other experts."""
         self._records: dict[int, list[torch.Tensor]] = {k: list(v) for k, v in (records or {}).items()}
         self._cursor: dict[int, int] = {}
 
