@@ -8,7 +8,19 @@ tests is set here, before any test module of any directory is collected, unless 
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (engine/server tests measure nothing and several run
+    processes side by side on 2 cores); restores the previous count. Directories and modules opt
+    in with ``pytestmark = pytest.mark.usefixtures("one_thread")`` or an autouse wrapper."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

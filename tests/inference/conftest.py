@@ -4,17 +4,13 @@ time nothing, and one thread is several times faster on the shared 2-core CI mac
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.models.conftest import load_model_recipe
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Every test of this directory runs with one intra-op thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")

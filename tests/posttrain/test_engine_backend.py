@@ -35,12 +35,7 @@ from tests.posttrain.tiny import tiny_config
 TOK = CharTokenizer()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_backend(model, envs, *, decoder_replay=False, max_model_len=40):

@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_s2.config.recipe import load_recipe
 from megatron_s2.config.schema import ConfigError
@@ -29,12 +28,7 @@ SMALL = ["training.train_steps=2", "training.seq_length=96", "training.global_ba
          "checkpoint.save_interval=0", "logging.progress_bar=false", "logging.tensorboard=false"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run(tmp_path, monkeypatch, taskset: str, plugins: str, *extra: str, steps: int = 2):

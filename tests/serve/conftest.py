@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_s2.cli import main
 from megatron_s2.inference.config import EngineConfig
@@ -20,11 +19,8 @@ TRAIN = ["training.train_steps=3", "training.seq_length=32", "training.global_ba
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Every test of this directory runs with one intra-op thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")
