@@ -1,0 +1,189 @@
+"""A sampled-token OPD teacher reached over an OpenAI-compatible endpoint (walkthrough Ch. 8).
+
+Sampled-token OPD needs only the teacher's log-probability of each token the student sampled
+(**Eq. 33**: A = sg[log pi_T(y_t | ...) - log pi_prox(y_t | ...)]) — one number per token, the
+O(H) payload of worked example 24, not the O(H V) distribution. So a teacher need not live in
+the trainer's process: any server with vLLM's ``prompt_logprobs`` returns exactly that number
+when it is handed the whole sequence (prompt + student response) as a token-id prompt.
+
+:class:`RemoteTeacher` POSTs, per training row, ``/completions`` with ``prompt`` = the row's
+token ids (used verbatim: no re-tokenisation, no BOS added), ``max_tokens: 1`` (the minimum a
+completion generates; greedy), ``prompt_logprobs: 0`` (the actual token only) and, for a
+teacher temperature other than 1, ``prompt_logprobs_temperature: T`` — **the server applies
+the temperature** (it holds the logits; ``log_softmax(logits / T)`` of one token cannot be
+rebuilt from that token's log-prob alone). ``megatron-s2 serve`` honours it; a vLLM server
+returns raw (T = 1) prompt log-probs, so use T = 1 with one. Requests run concurrently on a
+bounded pool (``max_concurrent_requests`` in flight), each with a timeout; 429 / 503 /
+connection failures are retried a few times, then the step fails with one line naming the
+teacher's field.
+
+The result has the in-process teacher's layout (:meth:`TeacherPool.token_logprobs`): a
+``[b, s]`` float32 tensor of log pi_T(labels[i, t]) at every label the loss can see (up to the
+row's last ``loss_mask`` position; 0 after it), so :func:`opd_advantages` consumes it unchanged.
+At start-up (:meth:`RemoteTeacher.connect`) the endpoint is checked once — reachable, serving
+a model, returning prompt log-probs — or the trainer exits 2 with one line naming
+``opd.teachers.<name>.endpoint``.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from megatron_s2.config.schema import ConfigError
+
+__all__ = ["RemoteTeacher", "RemoteTeacherError"]
+
+_RETRY_STATUS = {429, 502, 503, 504}
+
+
+class RemoteTeacherError(RuntimeError):
+    """A remote teacher failed during training (after its retries); the message is one line."""
+
+
+class RemoteTeacher:
+    """One teacher behind an OpenAI-compatible ``base_url`` (``http://host:port/v1``)."""
+
+    def __init__(self, name: str, base_url: str, *, temperature: float = 1.0, timeout_s: float = 60.0,
+                 max_concurrent_requests: int = 8, retries: int = 3):
+        import httpx
+
+        self.name, self.base_url = name, base_url.rstrip("/")
+        self.temperature, self.timeout_s, self.retries = float(temperature), float(timeout_s), int(retries)
+        self.field = f"opd.teachers.{name}.endpoint"
+        self.max_concurrent_requests = int(max_concurrent_requests)
+        self._client = httpx.Client(timeout=httpx.Timeout(self.timeout_s),
+                                    limits=httpx.Limits(max_connections=self.max_concurrent_requests,
+                                                        max_keepalive_connections=self.max_concurrent_requests))
+        self._pool = ThreadPoolExecutor(max_workers=self.max_concurrent_requests,
+                                        thread_name_prefix=f"teacher-{name}")
+        self.model: str | None = None
+        self.requests = 0
+
+    # ---- start-up ----------------------------------------------------------------------------
+    def connect(self) -> "RemoteTeacher":
+        """Check once that the endpoint serves a model and returns prompt log-probs; ConfigError
+        (exit 2, one line naming the field) otherwise."""
+        import httpx
+
+        url = f"{self.base_url}/models"
+        try:
+            reply = self._client.get(url, timeout=min(self.timeout_s, 10.0))
+        except httpx.HTTPError as exc:
+            self.close()
+            raise ConfigError(f"{self.field}: cannot reach {url} ({_reason(exc)}); start the teacher's server "
+                              "(megatron-s2 serve <teacher checkpoint> --port N) and give its http://host:N/v1") from None
+        models = _json(reply).get("data") if reply.status_code == 200 else None
+        if not models or not isinstance(models, list) or not isinstance(models[0], dict) or "id" not in models[0]:
+            self.close()
+            raise ConfigError(f"{self.field}: {url} answered HTTP {reply.status_code} without a model list; give the "
+                              "OpenAI-compatible base URL of the teacher's server (ending in /v1)")
+        self.model = str(models[0]["id"])
+        try:
+            probe = self.sequence_logprobs([0, 0])
+        except RemoteTeacherError as exc:
+            self.close()
+            raise ConfigError(f"{self.field}: {self.base_url} does not return prompt log-probs ({exc}); serve the "
+                              "teacher with megatron-s2 serve or vLLM (prompt_logprobs)") from None
+        if len(probe) != 1:
+            self.close()
+            raise ConfigError(f"{self.field}: {self.base_url} returned {len(probe)} prompt log-probs for a 2-token "
+                              "prompt (expected 1); the server's prompt_logprobs do not follow vLLM's layout")
+        return self
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        self._client.close()
+
+    # ---- scoring -------------------------------------------------------------------------------
+    def sequence_logprobs(self, ids: list[int]) -> list[float]:
+        """log pi_T(ids[p] | ids[:p]) for p = 1 .. len(ids) - 1 (one request)."""
+        body = {"prompt": [int(t) for t in ids], "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+        if self.model is not None:
+            body["model"] = self.model
+        if self.temperature != 1.0:
+            body["prompt_logprobs_temperature"] = self.temperature
+        reply = self._post(f"{self.base_url}/completions", body)
+        try:
+            entries = reply["choices"][0]["prompt_logprobs"]
+        except (KeyError, IndexError, TypeError):
+            raise RemoteTeacherError(f"{self.field}: the response has no choices[0].prompt_logprobs") from None
+        if not isinstance(entries, list) or len(entries) != len(ids):
+            raise RemoteTeacherError(f"{self.field}: prompt_logprobs has {_length(entries)} entries for a prompt of "
+                                     f"{len(ids)} tokens")
+        out = []
+        for p in range(1, len(ids)):
+            entry = entries[p] or {}
+            value = entry.get(str(ids[p]))
+            if not isinstance(value, dict) or not isinstance(value.get("logprob"), (int, float)):
+                raise RemoteTeacherError(f"{self.field}: prompt_logprobs[{p}] lacks the prompt's token {ids[p]}")
+            out.append(float(value["logprob"]))
+        return out
+
+    def token_logprobs(self, tokens: torch.Tensor, labels: torch.Tensor,
+                       loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[b, s] float32 log pi_T(labels[i, t] | tokens[i, :t + 1]) for every row, up to its last
+        ``loss_mask`` position (the whole row without a mask); 0 elsewhere. Rows are scored
+        concurrently, at most ``max_concurrent_requests`` in flight."""
+        if tokens.shape != labels.shape:
+            raise ValueError(f"tokens {tuple(tokens.shape)} vs labels {tuple(labels.shape)}")
+        b, s = tokens.shape
+        toks, labs = tokens.cpu().tolist(), labels.cpu().tolist()
+        if loss_mask is None:
+            ends = [s] * b
+        else:
+            mask = loss_mask.bool().cpu()
+            pos = torch.arange(1, s + 1).expand(b, s)
+            ends = (pos * mask).max(dim=1).values.tolist()
+        jobs = {i: toks[i][:n] + [labs[i][n - 1]] for i, n in enumerate(ends) if n > 0}
+        results = dict(zip(jobs, self._pool.map(self.sequence_logprobs, jobs.values())))
+        out = torch.zeros(b, s, dtype=torch.float32)
+        for i, values in results.items():
+            out[i, :len(values)] = torch.tensor(values, dtype=torch.float32)
+        return out.to(tokens.device)
+
+    def _post(self, url: str, body: dict) -> dict:
+        import httpx
+
+        delay, last = 0.25, ""
+        for attempt in range(self.retries + 1):
+            self.requests += 1
+            try:
+                reply = self._client.post(url, json=body)
+            except httpx.HTTPError as exc:
+                last = _reason(exc)
+            else:
+                if reply.status_code == 200:
+                    return _json(reply)
+                last = f"HTTP {reply.status_code}: {_error_message(reply)}"
+                if reply.status_code not in _RETRY_STATUS:
+                    break
+            if attempt < self.retries:
+                time.sleep(delay)
+                delay *= 2
+        raise RemoteTeacherError(f"{self.field}: POST {url} failed ({last})")
+
+
+def _json(reply) -> dict:
+    try:
+        value = reply.json()
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _error_message(reply) -> str:
+    err = _json(reply).get("error")
+    message = err.get("message") if isinstance(err, dict) else None
+    return " ".join(str(message or reply.text[:200]).split())
+
+
+def _reason(exc: Exception) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _length(value) -> str:
+    return str(len(value)) if isinstance(value, list) else "no"
