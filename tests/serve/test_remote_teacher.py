@@ -134,3 +134,39 @@ def test_unreachable_teacher_endpoint_exits_2_with_one_line(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"opd.teachers.far.endpoint: cannot reach http://127.0.0.1:{port}/v1/models" in lines[0]
+
+
+def test_opd_trainer_step_is_the_same_with_the_teacher_served(tmp_path):
+    """Through the trainer (`megatron-s2 train` of recipes/phases/opd_addition.yaml, one step): the
+    same teacher checkpoint in process, then behind `megatron-s2 serve`'s app — same rollouts
+    (seeded), same teacher log-probs, loss, OPD advantage and gradient norm (~15 s)."""
+    import json
+
+    from megatron_s2.cli import main
+    from megatron_s2.inference.cli import load_model
+    from megatron_s2.inference.config import EngineConfig
+    from megatron_s2.serve import ServeConfig, ServerThread, build_state
+
+    quiet = ["logging.progress_bar=false", "logging.tensorboard=false"]
+    teacher = tmp_path / "teacher"
+    assert main(["train", str(RECIPES / "phases" / "sft_addition.yaml"), "training.train_steps=2",
+                 "schedule.warmup_steps=1", "schedule.decay_start_step=1", "schedule.decay_end_step=2",
+                 "checkpoint.save_interval=2", *quiet, "--run-dir", str(teacher)]) == 0
+    model, tokenizer, description = load_model(str(teacher), "cpu")
+    state = build_state(model, tokenizer, description, ServeConfig(), EngineConfig(max_num_seqs=8, max_model_len=128),
+                        model_name="teacher")
+    opd = ["training.train_steps=1", "training.global_batch_size=4", "training.micro_batch_size=4",
+           "opd.rollout.group_size=2", "opd.rollout.batch_groups=2", "opd.rollout.max_in_flight=4",
+           "opd.rollout.environment.eval_prompts=8", "checkpoint.save_interval=0", *quiet]
+    metrics = {}
+    with ServerThread(state) as server:
+        for kind, where in (("local", f"checkpoint: {teacher}/checkpoints"), ("remote", f"endpoint: '{server.url}/v1'")):
+            assert main(["train", str(RECIPES / "phases" / "opd_addition.yaml"), *opd,
+                         f"opd.teachers=[{{name: teacher, domains: [default], {where}}}]",
+                         "--run-dir", str(tmp_path / kind)]) == 0
+            metrics[kind] = json.loads((tmp_path / kind / "metrics.jsonl").read_text().splitlines()[0])
+    local, remote = metrics["local"], metrics["remote"]
+    assert local["policy_logprob"] == remote["policy_logprob"]  # the same rollouts
+    assert local["opd_advantage"] != 0.0
+    for key in ("teacher_logprob", "opd_advantage", "loss", "grad_norm"):
+        assert abs(local[key] - remote[key]) < 1e-5, (key, local[key], remote[key])

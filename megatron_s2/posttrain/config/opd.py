@@ -79,9 +79,6 @@ class TeacherConfig:
         positive("request_timeout_s", self.request_timeout_s)
         if self.max_concurrent_requests < 1:
             raise ConfigError(f"max_concurrent_requests: must be >= 1, got {self.max_concurrent_requests}")
-        if self.endpoint and not self.endpoint.startswith(("http://", "https://")):
-            raise ConfigError(f"endpoint: teacher '{self.name}' needs an http(s) URL such as http://host:8000/v1, "
-                              f"got {self.endpoint!r}")
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,8 @@ class Evaluator:
                 acc[0] += total
                 acc[1] += count
         for key, (total, count) in sorted(sums.items()):
-            out[f"eval_{key}"] = total / max(count, 1.0)
+            if count > 0:  # nothing measured (every teacher remote): no metric rather than a 0
+                out[f"eval_{key}"] = total / count
         return out
 
     def _teacher_metrics(self, items: list[EvalItem], pool, domain_of, groups) -> dict[str, list[float]]:
