@@ -82,11 +82,14 @@ class TeacherPool:
 
     @torch.no_grad()
     def token_logprobs(self, tokens: torch.Tensor, labels: torch.Tensor, domains: Sequence[str], tp,
-                       loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+                       loss_mask: torch.Tensor | None = None, replica: ParallelGroups | None = None) -> torch.Tensor:
         """Sampled-token teacher log-probs [b, s] float32 (walkthrough Eq. 33's log pi_T of every
         label) from each row's domain teacher at its temperature: in process through the
         vocabulary shard, or from a remote teacher's prompt log-probs (0 after the row's last
-        ``loss_mask`` label, which the advantage never reads)."""
+        ``loss_mask`` label, which the advantage never reads), requested once per data-parallel
+        replica (``replica``: the trainer's groups; every rank of a replica holds this batch)."""
+        from megatron_s2.posttrain.opd.remote_teacher import once_per_replica
+
         names = [self.domain_teacher[d] for d in domains]
         out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
         for name in sorted(set(names)):
@@ -94,7 +97,8 @@ class TeacherPool:
             toks, labs = tokens.index_select(0, rows), labels.index_select(0, rows)
             if name in self.remote:
                 mask = None if loss_mask is None else loss_mask.index_select(0, rows)
-                part = self.remote[name].token_logprobs(toks, labs, mask)
+                teacher = self.remote[name]
+                part = once_per_replica(lambda: teacher.token_logprobs(toks, labs, mask), tuple(toks.shape), replica)
             else:
                 logits = full_logits(self.teachers[name], toks) / self.temperatures[name]
                 part = token_log_probs(logits, labs, tp, 1.0)

@@ -296,7 +296,7 @@ class PosttrainTrainer(Trainer):
             mb["teacher_logits"] = self.teachers.logits(mb["tokens"], domains)
         else:  # in-process or remote teachers, row by row
             mb["teacher_logprobs"] = self.teachers.token_logprobs(mb["tokens"], mb["labels"], domains, tp,
-                                                                  loss_mask=mb["loss_mask"])
+                                                                  loss_mask=mb["loss_mask"], replica=self.groups)
 
     def _rollout_rates(self, stats, t_rollout: float, tokens: int, t_train: float) -> dict[str, float]:
         local = torch.tensor([stats.generated_tokens if self.topology.leader else 0, stats.engine_time_s

@@ -23,6 +23,10 @@ row's last ``loss_mask`` position; 0 after it), so :func:`opd_advantages` consum
 At start-up (:meth:`RemoteTeacher.connect`) the endpoint is checked once — reachable, serving
 a model, returning prompt log-probs — or the trainer exits 2 with one line naming
 ``opd.teachers.<name>.endpoint``.
+
+Every rank of a data-parallel replica (tensor x context x pipeline) holds the same micro-batch;
+:func:`once_per_replica` lets only the replica's first rank send the requests and broadcasts
+the log-probs (and a failure, so that no rank waits forever) to the others.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 
 from megatron_s2.config.schema import ConfigError
 
-__all__ = ["RemoteTeacher", "RemoteTeacherError"]
+__all__ = ["RemoteTeacher", "RemoteTeacherError", "once_per_replica"]
 
 _RETRY_STATUS = {429, 502, 503, 504}
 
@@ -164,6 +168,41 @@ class RemoteTeacher:
                 time.sleep(delay)
                 delay *= 2
         raise RemoteTeacherError(f"{self.field}: POST {url} failed ({last})")
+
+
+def once_per_replica(fetch, shape: tuple[int, int], groups) -> torch.Tensor:
+    """``fetch()`` ([b, s] float32) on the replica's first rank (tp = cp = pp rank 0), broadcast
+    down pipeline, context and tensor groups in that order (each group's source already holds
+    it); a failure of ``fetch`` is raised on every rank of the replica. ``groups``: the
+    trainer's ParallelGroups (None: this rank alone)."""
+    tp, cp, pp = (groups.tp, groups.cp, groups.pp) if groups is not None else (None, None, None)
+    if groups is None or not (tp.active or cp.active or pp.active):
+        return fetch()
+    import torch.distributed as dist
+
+    from megatron_s2.posttrain.train_batch import g_device
+
+    leader = tp.rank == 0 and cp.rank == 0 and pp.rank == 0
+    buf = torch.zeros(shape[0] * shape[1] + 1, dtype=torch.float32)
+    failure = None
+    if leader:
+        try:
+            buf[1:] = fetch().float().cpu().flatten()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the others have heard of it
+            failure, buf[0] = exc, 1.0
+    buf = buf.to(g_device(groups))
+    if tp.rank == 0 and cp.rank == 0 and pp.active:
+        dist.broadcast(buf, src=pp.ranks[0], group=pp.pg)
+    if tp.rank == 0 and cp.active:
+        dist.broadcast(buf, src=cp.ranks[0], group=cp.pg)
+    if tp.active:
+        dist.broadcast(buf, src=tp.ranks[0], group=tp.pg)
+    buf = buf.cpu()
+    if buf[0] != 0:
+        if failure is not None:
+            raise failure
+        raise RemoteTeacherError("a remote teacher failed on this replica's first rank (its error says why)")
+    return buf[1:].view(shape)
 
 
 def _json(reply) -> dict:
