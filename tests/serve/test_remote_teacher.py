@@ -170,3 +170,22 @@ def test_opd_trainer_step_is_the_same_with_the_teacher_served(tmp_path):
     assert local["opd_advantage"] != 0.0
     for key in ("teacher_logprob", "opd_advantage", "loss", "grad_norm"):
         assert abs(local[key] - remote[key]) < 1e-5, (key, local[key], remote[key])
+
+
+def test_a_teacher_that_fails_mid_run_halts_with_one_line(loaded, server):
+    from megatron_s2.training.finite import TrainingHalted
+
+    tokens, labels = torch.zeros(1, 300, dtype=torch.long), torch.ones(1, 300, dtype=torch.long)
+    remote = RemoteTeacher("t", f"{server.url}/v1").connect()
+    before = remote.requests
+    with pytest.raises(TrainingHalted, match=r"^opd\.teachers\.t\.endpoint: POST .*/v1/completions failed \(HTTP 400: "
+                                             r"prompt: This model's maximum context length is 256 tokens"):
+        remote.token_logprobs(tokens, labels)  # a refusal is not retried
+    assert remote.requests - before == 1
+    remote.close()
+    gone = start_server(loaded)
+    remote = RemoteTeacher("t", f"{gone.url}/v1", retries=1).connect()
+    gone.stop()
+    with pytest.raises(TrainingHalted, match=r"^opd\.teachers\.t\.endpoint: POST .* failed \(ConnectError"):
+        remote.token_logprobs(tokens[:, :5], labels[:, :5])
+    remote.close()

@@ -37,14 +37,16 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from megatron_s2.config.schema import ConfigError
+from megatron_s2.training.finite import TrainingHalted
 
 __all__ = ["RemoteTeacher", "RemoteTeacherError", "once_per_replica"]
 
 _RETRY_STATUS = {429, 502, 503, 504}
 
 
-class RemoteTeacherError(RuntimeError):
-    """A remote teacher failed during training (after its retries); the message is one line."""
+class RemoteTeacherError(TrainingHalted):
+    """A remote teacher failed during training (after its retries): the run stops with one line
+    naming the teacher's field, exit code 1 (its last committed checkpoint resumes it)."""
 
 
 class RemoteTeacher:
