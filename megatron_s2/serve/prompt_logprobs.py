@@ -65,7 +65,7 @@ def _score(model, prompt: list[int], k: int, temperature: float):
     target = tokens[0, 1:len(prompt)]
     chosen = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     ranks = (logp > chosen.unsqueeze(-1)).sum(-1) + 1
-    top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], target[:, None][:, :0])
+    top_v, top_i = logp.topk(k, dim=-1)
     return chosen.cpu(), ranks.cpu(), top_i.cpu(), top_v.cpu()
 
 

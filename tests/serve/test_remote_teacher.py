@@ -81,7 +81,7 @@ def opd_step(student, pool: TeacherPool, groups) -> tuple[torch.Tensor, dict, to
 def test_remote_teacher_gives_the_in_process_teacher_s_opd_step(server, teacher, loaded):
     model, _, _ = loaded
     groups = model.groups
-    remote = RemoteTeacher("t", f"{server.url}/v1", max_concurrent_requests=2).connect()
+    remote = RemoteTeacher("t", f"{server.url}/v1", max_concurrent_requests=2).connect(model.config.vocab_size)
     try:
         assert remote.model == "tiny"
         student = build_model(model.config, seed=5)
@@ -114,7 +114,11 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def test_endpoint_checked_once_at_start_up(server):
+def test_endpoint_checked_once_at_start_up(server, loaded):
+    vocab = loaded[0].config.vocab_size
+    with pytest.raises(ConfigError, match=rf"^opd\.teachers\.small\.endpoint: .* refuses the student's token id {vocab}"
+                                          r" .*; a teacher must share the student's tokenizer"):
+        RemoteTeacher("small", f"{server.url}/v1").connect(vocab_size=vocab + 1)
     port = _closed_port()
     with pytest.raises(ConfigError, match=rf"^opd\.teachers\.far\.endpoint: cannot reach http://127\.0\.0\.1:{port}/v1/"
                                           r"models \(ConnectError"):

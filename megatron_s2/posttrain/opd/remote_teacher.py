@@ -69,9 +69,10 @@ class RemoteTeacher:
         self.requests = 0
 
     # ---- start-up ----------------------------------------------------------------------------
-    def connect(self) -> "RemoteTeacher":
-        """Check once that the endpoint serves a model and returns prompt log-probs; ConfigError
-        (exit 2, one line naming the field) otherwise."""
+    def connect(self, vocab_size: int | None = None) -> "RemoteTeacher":
+        """Check once that the endpoint serves a model and returns prompt log-probs (and, given
+        the student's ``vocab_size``, accepts its largest token id: a teacher shares the
+        tokenizer); ConfigError (exit 2, one line naming the field) otherwise."""
         import httpx
 
         url = f"{self.base_url}/models"
@@ -97,6 +98,13 @@ class RemoteTeacher:
             self.close()
             raise ConfigError(f"{self.field}: {self.base_url} returned {len(probe)} prompt log-probs for a 2-token "
                               "prompt (expected 1); the server's prompt_logprobs do not follow vLLM's layout")
+        if vocab_size:
+            try:
+                self.sequence_logprobs([0, vocab_size - 1])
+            except RemoteTeacherError as exc:
+                self.close()
+                raise ConfigError(f"{self.field}: {self.base_url} refuses the student's token id {vocab_size - 1} "
+                                  f"({exc}); a teacher must share the student's tokenizer") from None
         return self
 
     def close(self) -> None:
