@@ -144,7 +144,8 @@ class PosttrainTrainer(Trainer):
             if t.endpoint:  # sampled_token only (config); checked once here: exit 2 naming the field
                 remote[t.name] = RemoteTeacher(t.name, t.endpoint, temperature=t.temperature,
                                                timeout_s=t.request_timeout_s,
-                                               max_concurrent_requests=t.max_concurrent_requests
+                                               max_concurrent_requests=t.max_concurrent_requests,
+                                               rows_per_request=t.rows_per_request
                                                ).connect(vocab_size=self.recipe.model.vocab_size)
                 self.log(f"opd: teacher '{t.name}' at {t.endpoint} (model {remote[t.name].model})")
             if t.checkpoint:

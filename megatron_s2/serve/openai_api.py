@@ -170,7 +170,7 @@ async def completions(state: ServerState, request):
         f.fail("prompt_logprobs", "not returned when streaming; set stream: false")
     scored = None
     if scoring is not None:  # before any engine request: a failure leaves nothing to abort
-        scored = [await prompt_logprobs(state, p, scoring) for p in prompts]
+        scored = await prompt_logprobs(state, prompts, scoring)
     stop = f.strings("stop")
     rid, created = new_id("cmpl"), int(time.time())
     gen = Generation(state.backend, rid, request, state.config.disconnect_poll_s)

@@ -10,8 +10,9 @@ not among them); the first position is ``null`` (nothing predicts it). ``rank`` 
 completion (vLLM's places).
 
 The values come from **one full forward of the prompt** on the engine's model (the same
-whole-sequence forward the trainer runs, log-softmax in fp32), run on the engine's driver
-thread between two steps (:meth:`EngineBackend.run`), so they equal an in-process model's
+whole-sequence forward the trainer runs, log-softmax in fp32; the prompts of one request
+right-padded into batched forwards of at most ``max_model_len`` tokens), run on the engine's
+driver thread between two steps (:meth:`EngineBackend.run`), so they equal an in-process model's
 log-probabilities of the same tokens. That is what an on-policy-distillation teacher served
 over HTTP returns (walkthrough Ch. 8, Eq. 33: the teacher's log-prob of each sampled student
 token; ``megatron_s2.posttrain.opd.remote_teacher``).
@@ -55,18 +56,35 @@ def read_prompt_logprobs(f: Fields, max_logprobs: int) -> PromptLogprobs | None:
 
 
 @torch.no_grad()
-def _score(model, prompt: list[int], k: int, temperature: float):
-    """(log-prob of each prompt token from position 1, its rank, top-k ids, top-k log-probs)."""
+def _score(model, prompts: list[list[int]], k: int, temperature: float, max_tokens: int) -> list[tuple]:
+    """Per prompt: (log-prob of each prompt token from position 1, its rank, top-k ids, top-k
+    log-probs). Prompts are right-padded into forwards of at most ``max_tokens`` tokens (at least
+    one prompt each); the model is causal, so padding after a prompt changes none of its values."""
     if model.groups.tp.size > 1:  # the server holds every layer on one rank (serve/server.py)
         raise RequestFailed("prompt_logprobs: the served model is split over tensor-parallel ranks; serve it on one")
-    tokens = torch.tensor([prompt], dtype=torch.long, device=next(model.parameters()).device)
-    logits = model(tokens, ForwardContext.create(tokens, model.plan))[0, :len(prompt) - 1].float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    target = tokens[0, 1:len(prompt)]
-    chosen = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    ranks = (logp > chosen.unsqueeze(-1)).sum(-1) + 1
-    top_v, top_i = logp.topk(k, dim=-1)
-    return chosen.cpu(), ranks.cpu(), top_i.cpu(), top_v.cpu()
+    device = next(model.parameters()).device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[tuple | None] = [None] * len(prompts)
+    start = 0
+    while start < len(order):
+        stop = start + 1
+        while stop < len(order) and (stop + 1 - start) * len(prompts[order[stop]]) <= max_tokens:
+            stop += 1
+        chunk = order[start:stop]
+        width = len(prompts[chunk[-1]])
+        tokens = torch.zeros(len(chunk), width, dtype=torch.long, device=device)
+        for row, i in enumerate(chunk):
+            tokens[row, :len(prompts[i])] = torch.tensor(prompts[i], dtype=torch.long, device=device)
+        logits = model(tokens, ForwardContext.create(tokens, model.plan))[:, :-1].float()
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        chosen = logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+        ranks = (logp > chosen.unsqueeze(-1)).sum(-1) + 1
+        top_v, top_i = logp.topk(k, dim=-1)
+        for row, i in enumerate(chunk):
+            n = len(prompts[i]) - 1
+            out[i] = (chosen[row, :n].cpu(), ranks[row, :n].cpu(), top_i[row, :n].cpu(), top_v[row, :n].cpu())
+        start = stop
+    return out
 
 
 def _format(tokenizer, prompt: list[int], scored, k: int) -> list[dict | None]:
@@ -86,14 +104,15 @@ def _format(tokenizer, prompt: list[int], scored, k: int) -> list[dict | None]:
     return out
 
 
-async def prompt_logprobs(state, prompt: list[int], request: PromptLogprobs) -> list[dict | None]:
-    """The ``prompt_logprobs`` list of one prompt (module docstring), computed on the driver thread."""
+async def prompt_logprobs(state, prompts: list[list[int]], request: PromptLogprobs) -> list[list[dict | None]]:
+    """The ``prompt_logprobs`` list of each prompt (module docstring), computed on the driver
+    thread in batched forwards of at most ``max_model_len`` tokens."""
     model = state.backend.engine.model
     try:
-        scored = await state.backend.run(_score, model, prompt, request.k, request.temperature)
+        scored = await state.backend.run(_score, model, prompts, request.k, request.temperature, state.max_model_len)
     except HTTPError:
         raise
     except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
         raise RequestFailed(f"prompt_logprobs: the forward of the prompt failed ({type(exc).__name__}: {exc}); "
                             "other requests are unaffected") from None
-    return _format(state.tokenizer, prompt, scored, request.k)
+    return [_format(state.tokenizer, p, sc, request.k) for p, sc in zip(prompts, scored)]

@@ -106,7 +106,7 @@ async def generate(state: ServerState, request):
     routing = state.config.return_routed_experts or sp.bool("return_routed_experts")
     scoring = read_prompt_logprobs(sp, state.config.max_logprobs)
     rid = f.str("request_id") or new_id("gen")
-    scored = None if scoring is None else await prompt_logprobs(state, prompt, scoring)
+    scored = None if scoring is None else (await prompt_logprobs(state, [prompt], scoring))[0]
     gen = Generation(state.backend, new_id(rid), request, state.config.disconnect_poll_s)
     for j in range(n):
         params = build_sampling(sp, prompt_len=len(prompt), max_model_len=state.max_model_len,

@@ -78,6 +78,9 @@ def test_completions_top_k_ranks_and_temperature(server, in_process, loaded):
     entries = out["choices"][0]["prompt_logprobs"]
     assert entries[0] is None and len(entries) == len(ids)
     assert out["choices"][1]["prompt_logprobs"][0] is None and len(out["choices"][1]["prompt_logprobs"]) == 5
+    # the two prompts went through one right-padded forward: the shorter one's values are unchanged
+    assert torch.allclose(actual(out["choices"][1]["prompt_logprobs"], SEQUENCES[1]), in_process_logprobs(in_process)[1],
+                          atol=1e-5, rtol=0)
     for p in range(1, len(ids)):
         entry, row = entries[p], logp[p - 1]
         top = row.topk(3).indices.tolist()
@@ -109,3 +112,13 @@ def test_completions_top_k_ranks_and_temperature(server, in_process, loaded):
 def test_refusals_name_the_field(server, path, body, field):
     out = post(server, path, body, status=400)
     assert out["error"]["param"] == field, out
+
+
+def test_prompts_split_into_forwards_of_bounded_tokens_score_the_same(loaded):
+    from megatron_s2.serve.prompt_logprobs import _score
+
+    model = loaded[0]
+    whole = _score(model, SEQUENCES, 2, 1.0, max_tokens=1000)  # one forward of 3 x 10 tokens
+    split = _score(model, SEQUENCES, 2, 1.0, max_tokens=8)  # one prompt per forward (each longer than 8 / 2)
+    for a, b in zip(whole, split):
+        assert torch.allclose(a[0], b[0], atol=1e-5, rtol=0) and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])

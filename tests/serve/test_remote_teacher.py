@@ -81,7 +81,8 @@ def opd_step(student, pool: TeacherPool, groups) -> tuple[torch.Tensor, dict, to
 def test_remote_teacher_gives_the_in_process_teacher_s_opd_step(server, teacher, loaded):
     model, _, _ = loaded
     groups = model.groups
-    remote = RemoteTeacher("t", f"{server.url}/v1", max_concurrent_requests=2).connect(model.config.vocab_size)
+    remote = RemoteTeacher("t", f"{server.url}/v1", max_concurrent_requests=2, rows_per_request=2
+                           ).connect(model.config.vocab_size)
     try:
         assert remote.model == "tiny"
         student = build_model(model.config, seed=5)
@@ -91,7 +92,7 @@ def test_remote_teacher_gives_the_in_process_teacher_s_opd_step(server, teacher,
         before = remote.requests
         lp_local, out_local, g_local = opd_step(student, local, groups)
         lp_far, out_far, g_far = opd_step(student, far, groups)
-        assert remote.requests - before == 3  # one request per row with loss tokens (row 2 has none)
+        assert remote.requests - before == 2  # 3 rows with loss tokens (row 2 has none), 2 per request
         lp_mixed, out_mixed, g_mixed = opd_step(student, mixed, groups)
     finally:
         remote.close()

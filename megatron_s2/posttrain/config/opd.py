@@ -54,8 +54,8 @@ class TeacherConfig:
     endpoint: str = ""
     """Remote teacher (sampled_token mode only): OpenAI-compatible base URL, e.g.
     ``http://teacher:8000/v1`` of ``megatron-s2 serve <teacher checkpoint> --port 8000`` (or vLLM),
-    whose ``/completions`` returns vLLM's ``prompt_logprobs``; each training row is scored by one
-    request (``max_tokens: 1``, ``prompt_logprobs: 0``). Checked once at start-up."""
+    whose ``/completions`` returns vLLM's ``prompt_logprobs``; training rows are scored as token-id
+    prompts (``max_tokens: 1``, ``prompt_logprobs: 0``). Checked once at start-up."""
     temperature: float = 1.0
     """Temperature of the teacher's distribution: log softmax(logits / T). A remote teacher's
     server applies it (``prompt_logprobs_temperature``, honoured by ``megatron-s2 serve``; vLLM
@@ -64,6 +64,8 @@ class TeacherConfig:
     """Remote teacher: seconds one scoring request may take before it fails (after retries the step fails)."""
     max_concurrent_requests: int = 8
     """Remote teacher: scoring requests in flight at once (rows of a micro-batch are scored concurrently)."""
+    rows_per_request: int = 8
+    """Remote teacher: training rows (token-id prompts) per scoring request; the server scores them together."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -79,6 +81,8 @@ class TeacherConfig:
         positive("request_timeout_s", self.request_timeout_s)
         if self.max_concurrent_requests < 1:
             raise ConfigError(f"max_concurrent_requests: must be >= 1, got {self.max_concurrent_requests}")
+        if self.rows_per_request < 1:
+            raise ConfigError(f"rows_per_request: must be >= 1, got {self.rows_per_request}")
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,11 @@ O(H) payload of worked example 24, not the O(H V) distribution. So a teacher nee
 the trainer's process: any server with vLLM's ``prompt_logprobs`` returns exactly that number
 when it is handed the whole sequence (prompt + student response) as a token-id prompt.
 
-:class:`RemoteTeacher` POSTs, per training row, ``/completions`` with ``prompt`` = the row's
-token ids (used verbatim: no re-tokenisation, no BOS added), ``max_tokens: 1`` (the minimum a
-completion generates; greedy), ``prompt_logprobs: 0`` (the actual token only) and, for a
+:class:`RemoteTeacher` POSTs ``/completions`` with ``prompt`` = the token ids of up to
+``rows_per_request`` training rows (a list of token-id lists, used verbatim: no
+re-tokenisation, no BOS added; ``megatron-s2 serve`` scores them in one batched forward),
+``max_tokens: 1`` (the minimum a completion generates; greedy), ``prompt_logprobs: 0`` (the
+actual token only) and, for a
 teacher temperature other than 1, ``prompt_logprobs_temperature: T`` — **the server applies
 the temperature** (it holds the logits; ``log_softmax(logits / T)`` of one token cannot be
 rebuilt from that token's log-prob alone). ``megatron-s2 serve`` honours it; a vLLM server
@@ -53,13 +55,13 @@ class RemoteTeacher:
     """One teacher behind an OpenAI-compatible ``base_url`` (``http://host:port/v1``)."""
 
     def __init__(self, name: str, base_url: str, *, temperature: float = 1.0, timeout_s: float = 60.0,
-                 max_concurrent_requests: int = 8, retries: int = 3):
+                 max_concurrent_requests: int = 8, rows_per_request: int = 8, retries: int = 3):
         import httpx
 
         self.name, self.base_url = name, base_url.rstrip("/")
         self.temperature, self.timeout_s, self.retries = float(temperature), float(timeout_s), int(retries)
         self.field = f"opd.teachers.{name}.endpoint"
-        self.max_concurrent_requests = int(max_concurrent_requests)
+        self.max_concurrent_requests, self.rows_per_request = int(max_concurrent_requests), int(rows_per_request)
         self._client = httpx.Client(timeout=httpx.Timeout(self.timeout_s),
                                     limits=httpx.Limits(max_connections=self.max_concurrent_requests,
                                                         max_keepalive_connections=self.max_concurrent_requests))
@@ -114,26 +116,35 @@ class RemoteTeacher:
     # ---- scoring -------------------------------------------------------------------------------
     def sequence_logprobs(self, ids: list[int]) -> list[float]:
         """log pi_T(ids[p] | ids[:p]) for p = 1 .. len(ids) - 1 (one request)."""
-        body = {"prompt": [int(t) for t in ids], "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+        return self.batch_logprobs([ids])[0]
+
+    def batch_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
+        """:meth:`sequence_logprobs` of several sequences in one request (a list of token-id
+        prompts; choice i answers prompt i, as in vLLM)."""
+        body = {"prompt": [[int(t) for t in ids] for ids in seqs], "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": 0}
         if self.model is not None:
             body["model"] = self.model
         if self.temperature != 1.0:
             body["prompt_logprobs_temperature"] = self.temperature
         reply = self._post(f"{self.base_url}/completions", body)
-        try:
-            entries = reply["choices"][0]["prompt_logprobs"]
-        except (KeyError, IndexError, TypeError):
-            raise RemoteTeacherError(f"{self.field}: the response has no choices[0].prompt_logprobs") from None
-        if not isinstance(entries, list) or len(entries) != len(ids):
-            raise RemoteTeacherError(f"{self.field}: prompt_logprobs has {_length(entries)} entries for a prompt of "
-                                     f"{len(ids)} tokens")
+        choices = reply.get("choices")
+        if not isinstance(choices, list) or len(choices) != len(seqs):
+            raise RemoteTeacherError(f"{self.field}: {_length(choices)} choices for {len(seqs)} prompts")
+        by_index = {c.get("index"): c for c in choices if isinstance(c, dict)}
         out = []
-        for p in range(1, len(ids)):
-            entry = entries[p] or {}
-            value = entry.get(str(ids[p]))
-            if not isinstance(value, dict) or not isinstance(value.get("logprob"), (int, float)):
-                raise RemoteTeacherError(f"{self.field}: prompt_logprobs[{p}] lacks the prompt's token {ids[p]}")
-            out.append(float(value["logprob"]))
+        for i, ids in enumerate(seqs):
+            entries = (by_index.get(i) or {}).get("prompt_logprobs")
+            if not isinstance(entries, list) or len(entries) != len(ids):
+                raise RemoteTeacherError(f"{self.field}: choices[{i}].prompt_logprobs has {_length(entries)} entries "
+                                         f"for a prompt of {len(ids)} tokens")
+            values = []
+            for p in range(1, len(ids)):
+                value = (entries[p] or {}).get(str(ids[p]))
+                if not isinstance(value, dict) or not isinstance(value.get("logprob"), (int, float)):
+                    raise RemoteTeacherError(f"{self.field}: prompt_logprobs[{p}] lacks the prompt's token {ids[p]}")
+                values.append(float(value["logprob"]))
+            out.append(values)
         return out
 
     def token_logprobs(self, tokens: torch.Tensor, labels: torch.Tensor,
@@ -151,11 +162,14 @@ class RemoteTeacher:
             mask = loss_mask.bool().cpu()
             pos = torch.arange(1, s + 1).expand(b, s)
             ends = (pos * mask).max(dim=1).values.tolist()
-        jobs = {i: toks[i][:n] + [labs[i][n - 1]] for i, n in enumerate(ends) if n > 0}
-        results = dict(zip(jobs, self._pool.map(self.sequence_logprobs, jobs.values())))
+        rows = [i for i, n in enumerate(ends) if n > 0]
+        seqs = [toks[i][:ends[i]] + [labs[i][ends[i] - 1]] for i in rows]
+        k = self.rows_per_request
+        chunks = [seqs[j:j + k] for j in range(0, len(seqs), k)]
+        values = [v for part in self._pool.map(self.batch_logprobs, chunks) for v in part]
         out = torch.zeros(b, s, dtype=torch.float32)
-        for i, values in results.items():
-            out[i, :len(values)] = torch.tensor(values, dtype=torch.float32)
+        for i, v in zip(rows, values):
+            out[i, :len(v)] = torch.tensor(v, dtype=torch.float32)
         return out.to(tokens.device)
 
     def _post(self, url: str, body: dict) -> dict:
