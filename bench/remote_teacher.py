@@ -5,6 +5,8 @@ flight), side by side in one run; also the largest |difference| of the log-probs
 
     python bench/remote_teacher.py runs/sft_addition            # any run / checkpoint directory
     python bench/remote_teacher.py runs/sft_addition --rows 32 --length 128 --concurrency 1 4 8
+    python bench/remote_teacher.py                              # a 1-step tiny SFT checkpoint, made here
+    python bench/remote_teacher.py --smoke                      # seconds: 4 rows x 16 tokens
 
 The server scores rows one forward at a time on its engine's driver thread, so on a CPU the
 remote path costs about the sum of per-row forwards plus HTTP; its point is a teacher that does
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,12 +42,30 @@ def timed(fn, repeats: int) -> tuple[float, torch.Tensor]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("checkpoint")
+    ap.add_argument("checkpoint", nargs="?", help="run / checkpoint directory (default: a 1-step tiny SFT made "
+                                                   "in a temporary directory; timings do not depend on the weights)")
+    ap.add_argument("--smoke", action="store_true", help="4 rows x 16 tokens, 2 in flight, once")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--length", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    if args.smoke:
+        args.rows, args.length, args.concurrency, args.repeats = 4, 16, [2], 1
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.checkpoint is None:
+            from megatron_s2.cli import main as cli
+
+            args.checkpoint = str(Path(tmp) / "teacher")
+            recipe = Path(__file__).resolve().parents[1] / "recipes" / "phases" / "sft_addition.yaml"
+            if cli(["train", str(recipe), "training.train_steps=1", "schedule.warmup_steps=0",
+                    "schedule.decay_start_step=1", "schedule.decay_end_step=2", "checkpoint.save_interval=1",
+                    "logging.progress_bar=false", "logging.tensorboard=false", "--run-dir", args.checkpoint]) != 0:
+                raise SystemExit("bench/remote_teacher.py: the 1-step SFT checkpoint failed")
+        run(args)
+
+
+def run(args) -> None:
     torch.manual_seed(0)
     model, tokenizer, description = load_model(args.checkpoint, "cpu")
     vocab = model.config.vocab_size
