@@ -122,3 +122,25 @@ def test_prompts_split_into_forwards_of_bounded_tokens_score_the_same(loaded):
     split = _score(model, SEQUENCES, 2, 1.0, max_tokens=8)  # one prompt per forward (each longer than 8 / 2)
     for a, b in zip(whole, split):
         assert torch.allclose(a[0], b[0], atol=1e-5, rtol=0) and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+
+
+def test_scoring_between_engine_steps_leaves_generation_unchanged(server, in_process):
+    """Prompt scoring runs on the engine's driver thread between steps: a seeded generation
+    interleaved with scoring requests is the one it is alone, and the scores are exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = {"token_ids": SEQUENCES[0], "sampling_params": {"max_tokens": 24, "temperature": 1.0, "seed": 7,
+                                                           "logprobs": 0, "ignore_eos": True}}
+    alone = post(server, "/inference/v1/generate", gen)["choices"][0]
+    score = {"prompt": SEQUENCES, "max_tokens": 1, "prompt_logprobs": 0}
+    with ThreadPoolExecutor(4) as pool:
+        mixed = pool.submit(post, server, "/inference/v1/generate", gen)
+        scores = [pool.submit(post, server, "/v1/completions", score) for _ in range(6)]
+        mixed = mixed.result()["choices"][0]
+        scores = [s.result() for s in scores]
+    assert mixed["token_ids"] == alone["token_ids"]
+    assert [e["logprob"] for e in mixed["logprobs"]["content"]] == [e["logprob"] for e in alone["logprobs"]["content"]]
+    ref = in_process_logprobs(in_process)
+    for out in scores:
+        for choice, ids, expected in zip(out["choices"], SEQUENCES, ref):
+            assert torch.allclose(actual(choice["prompt_logprobs"], ids), expected, atol=1e-5, rtol=0)

@@ -109,6 +109,25 @@ def test_remote_teacher_gives_the_in_process_teacher_s_opd_step(server, teacher,
     assert torch.allclose(g_far, g_local, atol=1e-6) and torch.allclose(g_mixed, g_local, atol=1e-6)
 
 
+
+def test_remote_teacher_temperature_is_applied_by_the_server(server, teacher, loaded):
+    groups = loaded[0].groups
+    mb = micro_batch()
+    mask = mb["loss_mask"].bool()
+    local = TeacherPool({"t": teacher}, {"math": "t", "swe": "t"}, {"t": 0.5})
+    remote = RemoteTeacher("t", f"{server.url}/v1", temperature=0.5).connect()
+    try:
+        far = TeacherPool({}, {"math": "r", "swe": "r"}, {"r": 0.5}, {"r": remote})
+        hot = far.token_logprobs(mb["tokens"], mb["labels"], DOMAINS, groups.tp, loss_mask=mb["loss_mask"])
+    finally:
+        remote.close()
+    ref = local.token_logprobs(mb["tokens"], mb["labels"], DOMAINS, groups.tp)
+    assert torch.allclose(hot[mask], ref[mask], atol=1e-5, rtol=0)
+    plain = TeacherPool({"t": teacher}, {"math": "t", "swe": "t"}, {"t": 1.0})
+    assert not torch.allclose(hot[mask], plain.token_logprobs(mb["tokens"], mb["labels"], DOMAINS, groups.tp)[mask],
+                              atol=1e-3)
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
