@@ -193,7 +193,8 @@ class EngineBackend:
         for entry in sinks.values():
             _put(entry, EngineUnavailable(f"the inference engine stopped: {reason}; restart the server"))
         for _, _, loop, future in tasks:
-            _resolve(loop, future, None, EngineUnavailable(f"the inference engine stopped: {reason}; restart the server"))
+            _resolve(loop, future, None,
+                     EngineUnavailable(f"the inference engine stopped: {reason}; restart the server"))
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result, error) -> None:

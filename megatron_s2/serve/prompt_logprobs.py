@@ -11,7 +11,7 @@ completion (vLLM's places).
 
 The values come from **one full forward of the prompt** on the engine's model (the same
 whole-sequence forward the trainer runs, log-softmax in fp32; the prompts of one request
-right-padded into batched forwards of at most ``max_model_len`` tokens), run on the engine's
+right-padded into batched forwards of at most ``ServeConfig.prompt_logprobs_tokens``), run on the engine's
 driver thread between two steps (:meth:`EngineBackend.run`), so they equal an in-process model's
 log-probabilities of the same tokens. That is what an on-policy-distillation teacher served
 over HTTP returns (walkthrough Ch. 8, Eq. 33: the teacher's log-prob of each sampled student
@@ -106,10 +106,11 @@ def _format(tokenizer, prompt: list[int], scored, k: int) -> list[dict | None]:
 
 async def prompt_logprobs(state, prompts: list[list[int]], request: PromptLogprobs) -> list[list[dict | None]]:
     """The ``prompt_logprobs`` list of each prompt (module docstring), computed on the driver
-    thread in batched forwards of at most ``max_model_len`` tokens."""
+    thread in batched forwards of at most ``ServeConfig.prompt_logprobs_tokens`` tokens."""
     model = state.backend.engine.model
     try:
-        scored = await state.backend.run(_score, model, prompts, request.k, request.temperature, state.max_model_len)
+        scored = await state.backend.run(_score, model, prompts, request.k, request.temperature,
+                                         state.config.prompt_logprobs_tokens)
     except HTTPError:
         raise
     except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on

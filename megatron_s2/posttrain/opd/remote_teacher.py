@@ -83,7 +83,8 @@ class RemoteTeacher:
         except httpx.HTTPError as exc:
             self.close()
             raise ConfigError(f"{self.field}: cannot reach {url} ({_reason(exc)}); start the teacher's server "
-                              "(megatron-s2 serve <teacher checkpoint> --port N) and give its http://host:N/v1") from None
+                              "(megatron-s2 serve <teacher checkpoint> --port N) and give its http://host:N/v1"
+                              ) from None
         models = _json(reply).get("data") if reply.status_code == 200 else None
         if not models or not isinstance(models, list) or not isinstance(models[0], dict) or "id" not in models[0]:
             self.close()
