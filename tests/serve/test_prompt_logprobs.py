@@ -139,7 +139,9 @@ def test_scoring_between_engine_steps_leaves_generation_unchanged(server, in_pro
         mixed = mixed.result()["choices"][0]
         scores = [s.result() for s in scores]
     assert mixed["token_ids"] == alone["token_ids"]
-    assert [e["logprob"] for e in mixed["logprobs"]["content"]] == [e["logprob"] for e in alone["logprobs"]["content"]]
+    # the scoring requests' own 1-token generations share engine steps with it: float rounding only
+    assert torch.allclose(torch.tensor([e["logprob"] for e in mixed["logprobs"]["content"]]),
+                          torch.tensor([e["logprob"] for e in alone["logprobs"]["content"]]), atol=1e-5, rtol=0)
     ref = in_process_logprobs(in_process)
     for out in scores:
         for choice, ids, expected in zip(out["choices"], SEQUENCES, ref):
