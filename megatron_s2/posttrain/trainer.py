@@ -44,7 +44,6 @@ from megatron_s2.posttrain.envs import build_environment
 from megatron_s2.posttrain.frozen import TeacherPool, full_logits, load_frozen_model
 from megatron_s2.posttrain.losses import PosttrainObjective
 from megatron_s2.posttrain.metrics import rollout_metrics
-from megatron_s2.posttrain.opd.remote_teacher import RemoteTeacher
 from megatron_s2.posttrain.orchestrator import Orchestrator
 from megatron_s2.posttrain.rollout.engine_backend import EngineBackend
 from megatron_s2.posttrain.rollout.engines import engine_configs, engine_max_model_len
@@ -139,6 +138,8 @@ class PosttrainTrainer(Trainer):
         self.model.train()
 
     def _setup_teachers(self) -> TeacherPool:
+        from megatron_s2.posttrain.opd.remote_teacher import RemoteTeacher
+
         cfg, models, owner, temps, remote = self.section, {}, {}, {}, {}
         for t in cfg.teachers:
             if t.endpoint:  # sampled_token only (config); checked once here: exit 2 naming the field
