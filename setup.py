@@ -27,6 +27,9 @@ install_requires = [
     "transformers==5.24.0",
     "datasets==5.2.0",
     "Jinja2>=3.1",
+    # OPD teachers over an OpenAI-compatible endpoint (posttrain/opd/remote_teacher.py); the
+    # version the tests ran with (openai pulls the same).
+    "httpx>=0.27",
 ]
 
 extras_require = {

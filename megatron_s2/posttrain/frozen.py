@@ -9,7 +9,10 @@ student, it only has to share the tokenizer (the vocabulary size is checked) —
 copies its slices of the checkpoint's full tensors (their ShardSpecs).
 
 :class:`TeacherPool` routes each training row to the teacher of its dataset's domain; switching
-teacher per sample is a different forward over resident weights, never a reload.
+teacher per sample is a different forward over resident weights, never a reload. Sampled-token
+OPD teachers may also be remote (:class:`~megatron_s2.posttrain.opd.remote_teacher.RemoteTeacher`,
+an OpenAI-compatible endpoint returning prompt log-probs); :meth:`TeacherPool.token_logprobs`
+mixes both kinds row by row, in one layout.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.model import V41Model
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.sharding import shard_spec, slice_of
+from megatron_s2.posttrain.vocab_parallel import token_log_probs
 from megatron_s2.training.model_builder import attach_token_map
 
 __all__ = ["load_frozen_model", "full_logits", "TeacherPool"]
@@ -68,11 +72,38 @@ def full_logits(model: V41Model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 class TeacherPool:
-    """In-process teachers by name, and the teacher of every domain."""
+    """Teachers by name — in-process models and remote endpoints — and the teacher of every domain."""
 
     def __init__(self, teachers: Mapping[str, V41Model], domain_teacher: Mapping[str, str],
-                 temperatures: Mapping[str, float]):
+                 temperatures: Mapping[str, float], remote: Mapping | None = None):
         self.teachers, self.domain_teacher, self.temperatures = dict(teachers), dict(domain_teacher), dict(temperatures)
+        self.remote = dict(remote or {})
+        """Remote teachers (RemoteTeacher) by name: sampled-token log-probs only, no logits."""
+
+    @torch.no_grad()
+    def token_logprobs(self, tokens: torch.Tensor, labels: torch.Tensor, domains: Sequence[str], tp,
+                       loss_mask: torch.Tensor | None = None, replica: ParallelGroups | None = None) -> torch.Tensor:
+        """Sampled-token teacher log-probs [b, s] float32 (walkthrough Eq. 33's log pi_T of every
+        label) from each row's domain teacher at its temperature: in process through the
+        vocabulary shard, or from a remote teacher's prompt log-probs (0 after the row's last
+        ``loss_mask`` label, which the advantage never reads), requested once per data-parallel
+        replica (``replica``: the trainer's groups; every rank of a replica holds this batch)."""
+        from megatron_s2.posttrain.opd.remote_teacher import once_per_replica
+
+        names = [self.domain_teacher[d] for d in domains]
+        out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        for name in sorted(set(names)):
+            rows = torch.tensor([i for i, n in enumerate(names) if n == name], device=tokens.device)
+            toks, labs = tokens.index_select(0, rows), labels.index_select(0, rows)
+            if name in self.remote:
+                mask = None if loss_mask is None else loss_mask.index_select(0, rows)
+                teacher = self.remote[name]
+                part = once_per_replica(lambda: teacher.token_logprobs(toks, labs, mask), tuple(toks.shape), replica)
+            else:
+                logits = full_logits(self.teachers[name], toks) / self.temperatures[name]
+                part = token_log_probs(logits, labs, tp, 1.0)
+            out.index_copy_(0, rows, part.to(out.dtype))
+        return out
 
     def logits(self, tokens: torch.Tensor, domains: Sequence[str]) -> torch.Tensor:
         """Teacher logits shard [b, s, V/tp] of each row, from its domain's teacher (at the

@@ -160,12 +160,17 @@ class PosttrainTrainer(Trainer):
         self.model.train()
 
     def _setup_teachers(self) -> TeacherPool:
-        cfg, models, owner, temps = self.section, {}, {}, {}
-        remote = [t.name for t in cfg.teachers if t.endpoint]
-        if remote:  # config accepts them (issue 14); the trainer does not reach endpoints yet
-            raise ConfigError(f"opd.teachers.{remote[0]}.endpoint: teachers over an endpoint are not supported by "
-                              "the trainer yet; give the teacher a checkpoint (loaded in process)")
+        from megatron_s2.posttrain.opd.remote_teacher import RemoteTeacher
+
+        cfg, models, owner, temps, remote = self.section, {}, {}, {}, {}
         for t in cfg.teachers:
+            if t.endpoint:  # sampled_token only (config); checked once here: exit 2 naming the field
+                remote[t.name] = RemoteTeacher(t.name, t.endpoint, temperature=t.temperature,
+                                               timeout_s=t.request_timeout_s,
+                                               max_concurrent_requests=t.max_concurrent_requests,
+                                               rows_per_request=t.rows_per_request
+                                               ).connect(vocab_size=self.recipe.model.vocab_size)
+                self.log(f"opd: teacher '{t.name}' at {t.endpoint} (model {remote[t.name].model})")
             if t.checkpoint:
                 models[t.name] = load_frozen_model(t.checkpoint, self.rollout_groups, vocab_size=self.recipe.model.vocab_size,
                                                    tokenizer=self.tokenizer, what=f"opd.teachers.{t.name}.checkpoint",
@@ -181,7 +186,7 @@ class PosttrainTrainer(Trainer):
         if missing:
             raise ConfigError(f"opd.teachers: no teacher supervises domain(s) {missing}; add them to a teacher's "
                               "domains or set rollout.datasets[*].domain")
-        return TeacherPool(models, owner, temps)
+        return TeacherPool(models, owner, temps, remote)
 
     def _setup_reference(self):
         if not self.section.loss.has_term("reference_kl"):
@@ -314,11 +319,11 @@ class PosttrainTrainer(Trainer):
         if self.teachers is None:
             return
         domains = [self.domain_of[d] for d in mb.pop("domains")]
-        logits = self.teachers.logits(mb["tokens"], domains)
         if self.section.mode == "full_vocab":
-            mb["teacher_logits"] = logits
-        else:
-            mb["teacher_logprobs"] = token_log_probs(logits, mb["labels"], tp, 1.0)
+            mb["teacher_logits"] = self.teachers.logits(mb["tokens"], domains)
+        else:  # in-process or remote teachers, row by row
+            mb["teacher_logprobs"] = self.teachers.token_logprobs(mb["tokens"], mb["labels"], domains, tp,
+                                                                  loss_mask=mb["loss_mask"], replica=self.groups)
 
     def _rollout_rates(self, stats, t_rollout: float, tokens: int, t_train: float) -> dict[str, float]:
         local = torch.tensor([stats.generated_tokens if self.topology.leader else 0, stats.engine_time_s

@@ -18,6 +18,10 @@ Failure behaviour — a server never hangs a client:
 * the client disconnects (streaming or not) → :meth:`Generation.events` notices within
   ``disconnect_poll_s`` and aborts every engine request of the generation, which frees their
   KV state at the next step.
+
+:meth:`EngineBackend.run` runs other work on the model (the full forward of prompt
+log-probabilities) on the same driver thread, between two engine steps and never while the
+engine is paused for a weight update, so it always sees one version of the weights.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class EngineBackend:
         self._stop = False
         self._error: str | None = None
         self._thread: threading.Thread | None = None
+        self._tasks: list[tuple] = []
         self.counters = {"submitted": 0, "finished": 0, "aborted": 0, "refused_queue_full": 0, "failed": 0}
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -117,6 +122,18 @@ class EngineBackend:
         self.counters["submitted"] += 1
         self._work.set()
 
+    async def run(self, fn, *args):
+        """``fn(*args)`` on the driver thread between engine steps (not while paused); its
+        result, or its exception, is delivered to the caller's event loop."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            if not self.alive:
+                raise EngineUnavailable(f"the inference engine is not running ({self.error}); restart the server")
+            self._tasks.append((fn, args, loop, future))
+        self._work.set()
+        return await future
+
     def abort(self, engine_id: str) -> None:
         if engine_id in self._sinks:
             self.counters["aborted"] += 1
@@ -141,6 +158,8 @@ class EngineBackend:
         engine = self.engine
         while not self._stop:
             self._work.clear()
+            if self._tasks and not engine.paused:
+                self._run_tasks()
             if not engine.has_work():
                 self._work.wait(self.idle_wait_s)
                 continue
@@ -154,13 +173,43 @@ class EngineBackend:
             if paused:
                 self._work.wait(self.idle_wait_s)
 
+    def _run_tasks(self) -> None:
+        with self._lock:
+            tasks, self._tasks = self._tasks, []
+        for fn, args, loop, future in tasks:
+            try:
+                result, error = fn(*args), None
+            except Exception as exc:  # noqa: BLE001 - delivered to the request that asked
+                log.exception("a task on the inference engine's model failed")
+                result, error = None, exc
+            _resolve(loop, future, result, error)
+
     def _fail_all(self, reason: str) -> None:
         with self._lock:
             if self._error is None:
                 self._error = reason
             sinks, self._sinks = self._sinks, {}
+            tasks, self._tasks = self._tasks, []
         for entry in sinks.values():
             _put(entry, EngineUnavailable(f"the inference engine stopped: {reason}; restart the server"))
+        for _, _, loop, future in tasks:
+            _resolve(loop, future, None,
+                     EngineUnavailable(f"the inference engine stopped: {reason}; restart the server"))
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result, error) -> None:
+    def settle():
+        if future.done():  # the request was cancelled (its client left)
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the request's event loop is closed: nobody is listening
+        pass
 
 
 def _put(entry: tuple[asyncio.AbstractEventLoop, asyncio.Queue, int], item) -> None:

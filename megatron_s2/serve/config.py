@@ -31,6 +31,10 @@ class ServeConfig:
     """Largest ``n`` (choices per prompt) a request may ask for."""
     max_logprobs: int = 20
     """Largest number of top log-probs per position a request may ask for (as OpenAI)."""
+    prompt_logprobs_tokens: int = 8192
+    """Tokens (prompts x padded length) of one ``prompt_logprobs`` forward: a request's prompts
+    are scored together up to this; the fp32 logits take about this x vocab x 8 bytes (a longer
+    prompt is scored alone)."""
     max_stops: int = 128
     """Largest number of entries of ``stop`` and of ``stop_token_ids`` (each is checked after
     every generated token, on the engine's thread that every client shares)."""
@@ -49,6 +53,8 @@ class ServeConfig:
             raise ConfigError(f"max_n: must be >= 1, got {self.max_n}")
         if self.max_logprobs < 0:
             raise ConfigError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
+        if self.prompt_logprobs_tokens < 1:
+            raise ConfigError(f"prompt_logprobs_tokens: must be >= 1, got {self.prompt_logprobs_tokens}")
         if self.max_stops < 1:
             raise ConfigError(f"max_stops: must be >= 1, got {self.max_stops}")
         if self.max_body_bytes < 1024:

@@ -14,7 +14,9 @@ Token-in / token-out, so a trainer never re-tokenises text:
   choice (every chunk when streaming), the ``prompt_token_ids`` (per choice for completions,
   at the top for chat, as vLLM places them) and our extension ``policy_versions``: the policy
   version of the weights that produced each token (report §5.2.3);
-* ``return_tokens_as_token_ids: true`` names tokens ``token_id:N`` in log-prob records.
+* ``return_tokens_as_token_ids: true`` names tokens ``token_id:N`` in log-prob records;
+* ``prompt_logprobs: k`` (vLLM's extra field; completions, not streamed) adds
+  ``choices[i].prompt_logprobs`` (:mod:`megatron_s2.serve.prompt_logprobs`).
 
 The log-prob of a sampled token is the engine's: under the distribution it was sampled from
 (temperature, top-k, top-p applied; the raw model distribution when greedy).
@@ -32,6 +34,7 @@ from megatron_s2.serve.backend import ClientDisconnected, Generation
 from megatron_s2.serve.chat import chat_prompt_ids
 from megatron_s2.serve.errors import HTTPError
 from megatron_s2.serve.fields import Fields, check_token_ids, read_json_object
+from megatron_s2.serve.prompt_logprobs import prompt_logprobs, read_prompt_logprobs
 from megatron_s2.serve.sampling import build_sampling, refuse_unsupported_sampling
 from megatron_s2.serve.state import SSE_DONE, ServerState, new_id, sse
 from megatron_s2.serve.text import TextStream, chat_logprobs, completion_logprobs
@@ -162,6 +165,12 @@ async def completions(state: ServerState, request):
     # tokenising (and template rendering below) runs on a worker thread: the tokenizer releases
     # the GIL, so a long text does not stall the event loop that serves every other client
     prompts = await run_in_threadpool(_completion_prompts, f, state)
+    scoring = read_prompt_logprobs(f, state.config.max_logprobs)
+    if scoring is not None and opts.stream:
+        f.fail("prompt_logprobs", "not returned when streaming; set stream: false")
+    scored = None
+    if scoring is not None:  # before any engine request: a failure leaves nothing to abort
+        scored = await prompt_logprobs(state, prompts, scoring)
     stop = f.strings("stop")
     rid, created = new_id("cmpl"), int(time.time())
     gen = Generation(state.backend, rid, request, state.config.disconnect_poll_s)
@@ -191,6 +200,8 @@ async def completions(state: ServerState, request):
                       "finish_reason": reason, "stop_reason": why}
             if opts.token_ids:
                 choice.update(prompt_token_ids=r.prompt_token_ids, token_ids=r.token_ids, policy_versions=r.versions)
+            if scored is not None:
+                choice["prompt_logprobs"] = scored[tag // opts.n]
             choices.append(choice)
         usage = _usage([prompts[t // opts.n] for t in tags], sum(len(done[t].token_ids) for t in tags))
         return JSONResponse({**base, "choices": choices, "usage": usage})
@@ -238,6 +249,10 @@ async def chat_completions(state: ServerState, request):
     state.check_model(f)
     opts = _Options(f, state, chat=True)
     reasons_of = _reasons(state, f)
+    for key in ("prompt_logprobs", "prompt_logprobs_temperature"):
+        if f.has(key):
+            f.fail(key, "prompt log-probs are returned by /v1/completions and /inference/v1/generate; send the "
+                        "rendered token ids there")
     if f.has("tools") and f.raw("tools") != []:
         f.fail("tools", "tool calls are not parsed by this server; render tools client-side (renderers) and call "
                         "/inference/v1/generate")

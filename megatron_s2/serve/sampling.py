@@ -2,7 +2,8 @@
 
 The OpenAI endpoints and the token endpoint's ``sampling_params`` share the vLLM field names
 (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stop_token_ids``,
-``ignore_eos``, ``logprobs``, ``n``). Context length, as vLLM: a prompt of ``max_model_len``
+``ignore_eos``, ``logprobs``, ``n``; ``prompt_logprobs`` is read by
+:mod:`megatron_s2.serve.prompt_logprobs`). Context length, as vLLM: a prompt of ``max_model_len``
 tokens or more is refused with "This model's maximum context length is N tokens ..."; without
 ``max_tokens`` a legacy completion generates 16 tokens (OpenAI's default) and a chat or token
 request up to the end of the context; on the OpenAI endpoints a
@@ -41,7 +42,6 @@ def refuse_unsupported_sampling(f: Fields) -> None:
     f.refuse_unless_default("logit_bias", {}, "logit biases are not implemented")
     f.refuse_unless_default("bad_words", [], "banned words are not implemented")
     f.refuse_unless_default("allowed_token_ids", [], "restricting the vocabulary is not implemented")
-    f.refuse_unless_default("prompt_logprobs", 0, "prompt log-probs are not returned")
 
 
 def build_sampling(f: Fields, *, prompt_len: int, max_model_len: int, vocab_size: int, logprobs: int,

@@ -21,7 +21,8 @@ Response::
                                      "start": int} | null,
                   "policy_versions": [int, ...]}],
      "usage": {"prompt_tokens", "completion_tokens", "total_tokens"},
-     "prompt_logprobs": null, "kv_transfer_params": null}
+     "prompt_logprobs": [null, {"<id>": {"logprob", "rank", "decoded_token"}, ...}, ...] | null,
+     "kv_transfer_params": null}
 
 ``logprobs`` is present when ``sampling_params.logprobs`` is given (renderers always sends 1):
 one entry per completion token, named ``token_id:<id>`` as renderers checks. ``routed_experts``
@@ -33,7 +34,9 @@ expert ids (``dtype``; ``int16`` when a position has no record, -1: a decoder-bo
 prefix-cache position); ``"data"`` is the object's first key, as renderers' fast parser expects.
 It is returned when the server runs with ``--enable-return-routed-experts`` or the request sets
 ``return_routed_experts``. ``policy_versions`` (our extension) is the policy version of the
-weights that produced each token (§5.2.3).
+weights that produced each token (§5.2.3). ``prompt_logprobs`` is returned when
+``sampling_params.prompt_logprobs`` is given (:mod:`megatron_s2.serve.prompt_logprobs`; with
+``max_tokens: 1`` a request scores a whole sequence, as a remote OPD teacher does).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from fastapi.responses import JSONResponse
 from megatron_s2.inference.request import CompletedRequest
 from megatron_s2.serve.backend import ClientDisconnected, Generation
 from megatron_s2.serve.fields import Fields, read_json_object
+from megatron_s2.serve.prompt_logprobs import prompt_logprobs, read_prompt_logprobs
 from megatron_s2.serve.sampling import build_sampling, refuse_unsupported_sampling
 from megatron_s2.serve.state import ServerState, new_id
 from megatron_s2.serve.text import chat_logprobs
@@ -55,10 +59,10 @@ __all__ = ["generate", "encode_routed_experts"]
 # vLLM SamplingParams fields this endpoint understands (honoured, or checked to be neutral).
 _SAMPLING_FIELDS = {
     "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
-    "routed_experts_prompt_start", "return_routed_experts",
+    "routed_experts_prompt_start", "return_routed_experts", "prompt_logprobs", "prompt_logprobs_temperature",
     # neutral values only (refuse_unsupported_sampling)
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "bad_words",
-    "allowed_token_ids", "prompt_logprobs",
+    "allowed_token_ids",
     # text-only options: the token endpoint returns no text
     "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "detokenize",
     "output_kind", "truncate_prompt_tokens",
@@ -100,7 +104,9 @@ async def generate(state: ServerState, request):
     if start >= len(prompt):
         sp.fail("routed_experts_prompt_start", f"must be smaller than the prompt length {len(prompt)}")
     routing = state.config.return_routed_experts or sp.bool("return_routed_experts")
+    scoring = read_prompt_logprobs(sp, state.config.max_logprobs)
     rid = f.str("request_id") or new_id("gen")
+    scored = None if scoring is None else (await prompt_logprobs(state, [prompt], scoring))[0]
     gen = Generation(state.backend, new_id(rid), request, state.config.disconnect_poll_s)
     for j in range(n):
         params = build_sampling(sp, prompt_len=len(prompt), max_model_len=state.max_model_len,
@@ -133,4 +139,4 @@ async def generate(state: ServerState, request):
     return JSONResponse({"request_id": rid, "prompt_token_ids": prompt, "choices": choices,
                          "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion,
                                    "total_tokens": len(prompt) + completion},
-                         "prompt_logprobs": None, "kv_transfer_params": None})
+                         "prompt_logprobs": scored, "kv_transfer_params": None})

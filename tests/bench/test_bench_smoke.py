@@ -29,6 +29,7 @@ EXPECTED = {
     "kernels.py": ["sparse_attention", "speedup"],
     "decode.py": ["decode", "MLA"],
     "bounded_replay.py": ["KL mean", "prefill GFLOP", "train-aware replay on", "train-aware replay off"],
+    "remote_teacher.py": ["in process", "endpoint, 2 in flight"],
 }
 
 

@@ -5,6 +5,8 @@ Two modes (the rollout source is the student in both — on-policy):
 * ``sampled_token`` (walkthrough Ch. 8, Eq. 31-36): the advantage of each sampled token is
   sg[log pi_T - log pi_prox] (Eq. 33), the loss is the shared truncated-importance-weighted
   policy-gradient term (Eq. 34-36), teachers are chosen per domain with weights lambda_d.
+  A teacher is loaded in process (``checkpoint``) or reached over an OpenAI-compatible
+  ``endpoint`` that returns prompt log-probs (``megatron-s2 serve``, vLLM); both kinds mix.
 * ``full_vocab`` (report §5.2.4): reverse KL over the full vocabulary against one of several
   teachers sharing the tokenizer (possibly of another architecture/size), chosen per sample.
 
@@ -14,7 +16,7 @@ Example::
       mode: sampled_token
       teachers:
         - {name: reasoning, domains: [math, science], checkpoint: runs/rl_reasoning/checkpoints}
-        - {name: agentic, domains: [swe], endpoint: http://teacher:8000/v1}
+        - {name: agentic, domains: [swe], endpoint: http://teacher:8000/v1}   # megatron-s2 serve / vLLM
       domain_weights: {math: 1.0, science: 1.0, swe: 0.5}
       proximal: snapshot
       rollout: {group_size: 1, max_in_flight: 64, batch_groups: 64}
@@ -50,9 +52,20 @@ class TeacherConfig:
     model: str = ""
     """In-process teacher: model recipe (name in recipes/models or path) if it differs from the student's."""
     endpoint: str = ""
-    """Remote teacher: OpenAI-compatible base URL returning prompt log-probabilities (sampled_token mode only)."""
+    """Remote teacher (sampled_token mode only): OpenAI-compatible base URL, e.g.
+    ``http://teacher:8000/v1`` of ``megatron-s2 serve <teacher checkpoint> --port 8000`` (or vLLM),
+    whose ``/completions`` returns vLLM's ``prompt_logprobs``; training rows are scored as token-id
+    prompts (``max_tokens: 1``, ``prompt_logprobs: 0``). Checked once at start-up."""
     temperature: float = 1.0
-    """Temperature of the teacher's distribution."""
+    """Temperature of the teacher's distribution: log softmax(logits / T). A remote teacher's
+    server applies it (``prompt_logprobs_temperature``, honoured by ``megatron-s2 serve``; vLLM
+    returns T = 1 prompt log-probs, so keep 1.0 with a vLLM teacher)."""
+    request_timeout_s: float = 60.0
+    """Remote teacher: seconds one scoring request may take before it fails (after retries the step fails)."""
+    max_concurrent_requests: int = 8
+    """Remote teacher: scoring requests in flight at once (rows of a micro-batch are scored concurrently)."""
+    rows_per_request: int = 8
+    """Remote teacher: training rows (token-id prompts) per scoring request; the server scores them together."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -65,6 +78,11 @@ class TeacherConfig:
         if self.model and not self.checkpoint:
             raise ConfigError(f"model: teacher '{self.name}' names a model recipe but no checkpoint to load into it")
         positive("temperature", self.temperature)
+        positive("request_timeout_s", self.request_timeout_s)
+        if self.max_concurrent_requests < 1:
+            raise ConfigError(f"max_concurrent_requests: must be >= 1, got {self.max_concurrent_requests}")
+        if self.rows_per_request < 1:
+            raise ConfigError(f"rows_per_request: must be >= 1, got {self.rows_per_request}")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ are several. With teachers (OPD):
   student moves toward the teacher; the teacher's own value is ``eval_teacher_logprob_teacher``);
 * ``eval_kl_to_teacher`` — the full-vocabulary reverse KL(student || teacher) per token along the
   student's own held-out responses (report §5.2.4's objective, measured off-policy of training).
+
+Both need the teacher's model in process; domains whose teacher is remote (an endpoint) are
+left out of these two metrics (accuracy is still measured on them).
 """
 
 from __future__ import annotations
@@ -167,7 +170,8 @@ class Evaluator:
                 acc[0] += total
                 acc[1] += count
         for key, (total, count) in sorted(sums.items()):
-            out[f"eval_{key}"] = total / max(count, 1.0)
+            if count > 0:  # nothing measured (every teacher remote): no metric rather than a 0
+                out[f"eval_{key}"] = total / count
         return out
 
     def _teacher_metrics(self, items: list[EvalItem], pool, domain_of, groups) -> dict[str, list[float]]:
@@ -178,6 +182,8 @@ class Evaluator:
                "kl_to_teacher": [0.0, 0.0]}
         for name in sorted({domain_of[it.dataset] for it in items}):
             teacher_name = pool.domain_teacher[name]
+            if teacher_name not in pool.teachers:  # a remote teacher: no greedy answers or full distribution here
+                continue
             model_t = pool.teachers[teacher_name]
             chosen = [it for it in items if domain_of[it.dataset] == name]
             rows = [(it.prompt, answers[(it.dataset, it.index)]) for it in chosen]
