@@ -124,6 +124,21 @@ def test_trajectory_file_epochs_and_one_line_errors(tmp_path):
         assert str(err.value).startswith("opd.sft_warmup.data: ") and "\n" not in str(err.value)
 
 
+
+def test_trajectory_file_refuses_binary_pickled_and_hostile_lines_in_one_line(tmp_path):
+    """A pickle, random bytes, non-UTF-8 text or absurd JSON nesting is a one-line ConfigError
+    (never a UnicodeDecodeError/RecursionError traceback, never unpickled); a BOM is accepted."""
+    import pickle
+    cases = {"pickle": pickle.dumps({"tokens": [1, 2], "loss_mask": [0, 1]}), "latin1": b'{"tokens": [1, 2], "x": "\xe9"}\n',
+             "deep": b"[" * 100000 + b"\n"}
+    for case, raw in cases.items():
+        (tmp_path / case).write_bytes(raw)
+        with pytest.raises(ConfigError, match=r"line 1: not") as err:
+            TrajectoryFile(tmp_path / case, vocab_size=128, max_tokens=17, seed=0)
+        assert str(err.value).startswith("opd.sft_warmup.data: ") and "\n" not in str(err.value)
+    (tmp_path / "bom").write_bytes(b'\xef\xbb\xbf{"tokens": [1, 2], "loss_mask": [0, 1]}\n')
+    assert TrajectoryFile(tmp_path / "bom", vocab_size=128, max_tokens=17, seed=0).rows == [([1, 2], [0, 1])]
+
 @pytest.mark.parametrize("overrides, match", [
     (["opd.sft_warmup.steps=-1"], r"^opd\.sft_warmup\.steps: must be >= 0"),
     (["opd.sft_warmup.steps=30"], r"^opd\.sft_warmup\.steps: 30 warm-up steps exceed training\.train_steps = 20"),
