@@ -158,3 +158,19 @@ def test_verifiers_recipes_refuse_what_is_not_supported_yet():
     with pytest.raises(ConfigError, match="train_aware_replay"):
         load_recipe(str(RECIPE), ["rl.rollout.engine.decoder_bounded_replay=true",
                                   "rl.rollout.engine.train_aware_replay=true"])
+
+
+def test_verifiers_build_errors_name_the_field_and_a_broken_plugin(tmp_path):
+    """An unknown taskset field names the field (not pydantic's "1 validation error for ..."); a plugin
+    with a syntax error is a one-line ConfigError naming the file and line, not a traceback."""
+    from megatron_s2.posttrain.config.environment import EnvironmentConfig
+    from megatron_s2.posttrain.envs.vf_env import VerifiersEnvironment
+    with pytest.raises(ConfigError, match=r"taskset\.bogus_field: Extra inputs") as err:
+        VerifiersEnvironment("d", EnvironmentConfig(kind="verifiers", taskset={"id": "megatron_s2_tasks",
+                                                                               "bogus_field": 3}), None)
+    assert "\n" not in str(err.value)
+    (tmp_path / "broken_ts_r14.py").write_text("def load_taskset(:\n")
+    with pytest.raises(ConfigError, match=r"syntax error in .*broken_ts_r14\.py:1") as err:
+        VerifiersEnvironment("d", EnvironmentConfig(kind="verifiers", taskset={"id": "broken_ts_r14"},
+                                                    plugin_path=str(tmp_path)), None)
+    assert "\n" not in str(err.value)
