@@ -153,6 +153,13 @@ def test_bad_warmup_settings_are_one_line_errors(overrides, match):
     assert "\n" not in str(err.value)
 
 
+def test_a_missing_trajectory_file_is_refused_when_the_recipe_loads(tmp_path):
+    """At load (so `launch` refuses it before starting ranks, one line, exit 2), not first in the trainer."""
+    with pytest.raises(ConfigError, match=r"^opd\.sft_warmup\.data: .*none\.jsonl is not a file") as err:
+        load_recipe(OPD, ["opd.sft_warmup.steps=1", f"opd.sft_warmup.data={tmp_path / 'none.jsonl'}"])
+    assert "\n" not in str(err.value)
+    load_recipe(OPD, ["opd.sft_warmup.steps=0", f"opd.sft_warmup.data={tmp_path / 'none.jsonl'}"])  # unused: fine
+
 def test_cli_refuses_a_missing_trajectory_file_with_exit_2_and_one_line(tmp_path, teacher):
     proc = subprocess.run([sys.executable, "-m", "megatron_s2.cli", "train", str(OPD), *SMALL, "opd.sft_warmup.steps=1",
                            f"opd.sft_warmup.data={tmp_path / 'none.jsonl'}",
