@@ -174,3 +174,12 @@ def test_verifiers_build_errors_name_the_field_and_a_broken_plugin(tmp_path):
         VerifiersEnvironment("d", EnvironmentConfig(kind="verifiers", taskset={"id": "broken_ts_r14"},
                                                     plugin_path=str(tmp_path)), None)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("agent", ["{max_turns: 0}", "{max_output_tokens: -1}", "{max_turns: two}"])
+def test_an_agent_cap_below_one_is_refused_at_load(agent):
+    """verifiers accepts max_turns: 0, then every trace has no model turn and training died mid-run
+    with 'the trace has no trainable branch' (a traceback)."""
+    with pytest.raises(ConfigError, match=r"^rl\.rollout\.environment\.agent\.max_\w+: must be an integer >= 1") as err:
+        load_recipe(str(RECIPE), [f"rl.rollout.environment.agent={agent}"])
+    assert "\n" not in str(err.value)
