@@ -183,3 +183,14 @@ def test_an_agent_cap_below_one_is_refused_at_load(agent):
     with pytest.raises(ConfigError, match=r"^rl\.rollout\.environment\.agent\.max_\w+: must be an integer >= 1") as err:
         load_recipe(str(RECIPE), [f"rl.rollout.environment.agent={agent}"])
     assert "\n" not in str(err.value)
+
+
+def test_a_prompt_longer_than_the_engine_context_is_a_one_line_config_error(tmp_path):
+    """seq_length below the rendered prompt: every episode failed with a ProviderError and the run
+    died with a RuntimeError traceback; now a ConfigError (exit 2) naming training.seq_length."""
+    recipe = load_recipe(str(RECIPE), [*SMALL, "training.seq_length=24", "rl.rollout.max_new_tokens=2"])
+    trainer = PosttrainTrainer(recipe, tmp_path / "run", log=lambda *a: None)
+    with pytest.raises(ConfigError, match=r"^training\.seq_length: .*context length.*raise training\.seq_length") as err:
+        trainer.train()
+    assert "\n" not in str(err.value)
+    assert trainer.backend.server is None  # closed on the way out

@@ -257,6 +257,10 @@ class VerifiersBackend:
         episode = run.future.result()
         if not episode.ok:
             err = episode.last_error or next((t.last_error for t in episode.traces if t.last_error), None)
+            if err and "context length" in (err.message or ""):  # the run's settings, not the environment
+                raise ConfigError(f"training.seq_length: {where}: {str(err.message).strip().splitlines()[0].rstrip('.')}; raise "
+                                  "training.seq_length (the engine holds seq_length + 1 tokens) or shorten the "
+                                  "taskset's prompts")
             raise RuntimeError(f"{where} failed: {err.type}: {err.message}" if err else f"{where} failed")
         if len(episode.traces) != 1:
             raise RuntimeError(f"{where} has {len(episode.traces)} traces; one agent per episode is trained so far")
