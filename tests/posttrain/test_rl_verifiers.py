@@ -194,3 +194,17 @@ def test_a_prompt_longer_than_the_engine_context_is_a_one_line_config_error(tmp_
         trainer.train()
     assert "\n" not in str(err.value)
     assert trainer.backend.server is None  # closed on the way out
+
+
+def test_episodes_reach_the_loopback_server_with_a_proxy_in_the_environment(tmp_path, monkeypatch):
+    """http_proxy / ALL_PROXY set (as on many clusters) sent the episodes' loopback requests to the
+    proxy: every episode failed with APIConnectionError."""
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("NO_PROXY", "example.org")
+    monkeypatch.setenv("no_proxy", "example.org")
+    recipe = load_recipe(str(RECIPE), [*SMALL, "training.train_steps=1"])
+    result = PosttrainTrainer(recipe, tmp_path / "run", log=lambda *a: None).train()
+    assert result.final_step == 1
+    import os
+    assert os.environ["NO_PROXY"].split(",") == ["example.org", "127.0.0.1", "localhost"]

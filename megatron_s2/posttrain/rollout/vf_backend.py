@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import shutil
 import tempfile
 import threading
@@ -64,6 +65,17 @@ def episode_loop() -> asyncio.AbstractEventLoop:
             _LOOP = asyncio.new_event_loop()
             threading.Thread(target=_LOOP.run_forever, name="megatron-s2-verifiers", daemon=True).start()
         return _LOOP
+
+
+def _bypass_proxies_for_loopback() -> None:
+    """The episodes' HTTP hops (harness -> verifiers' interception server -> our server) are all on
+    127.0.0.1, but httpx (and the harness subprocesses, which inherit the environment) send them to
+    ``http_proxy`` / ``ALL_PROXY`` when those are set, as on many clusters: every episode then fails
+    with a connection error. Loopback is added to ``NO_PROXY`` / ``no_proxy`` (other entries kept)."""
+    for var in ("NO_PROXY", "no_proxy"):
+        hosts = [h.strip() for h in os.environ.get(var, "").split(",") if h.strip()]
+        if "*" not in hosts:
+            os.environ[var] = ",".join(hosts + [h for h in ("127.0.0.1", "localhost") if h not in hosts])
 
 
 @dataclass
@@ -111,6 +123,7 @@ class VerifiersBackend:
         from megatron_s2.serve.backend import EngineBackend as ServeDriver
         from megatron_s2.serve.state import ServerState
 
+        _bypass_proxies_for_loopback()
         self._tokenizer_dir = tempfile.mkdtemp(prefix="megatron-s2-vf-tokenizer-")
         self.tokenizer.save(self._tokenizer_dir)  # renderers loads the run's tokenizer (its chat template)
         state = ServerState(ServeDriver(self.engine), self.tokenizer,
