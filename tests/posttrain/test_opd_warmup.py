@@ -124,6 +124,21 @@ def test_trajectory_file_epochs_and_one_line_errors(tmp_path):
         assert str(err.value).startswith("opd.sft_warmup.data: ") and "\n" not in str(err.value)
 
 
+
+def test_trajectory_file_refuses_binary_pickled_and_hostile_lines_in_one_line(tmp_path):
+    """A pickle, random bytes, non-UTF-8 text or absurd JSON nesting is a one-line ConfigError
+    (never a UnicodeDecodeError/RecursionError traceback, never unpickled); a BOM is accepted."""
+    import pickle
+    cases = {"pickle": pickle.dumps({"tokens": [1, 2], "loss_mask": [0, 1]}), "latin1": b'{"tokens": [1, 2], "x": "\xe9"}\n',
+             "deep": b"[" * 100000 + b"\n"}
+    for case, raw in cases.items():
+        (tmp_path / case).write_bytes(raw)
+        with pytest.raises(ConfigError, match=r"line 1: not") as err:
+            TrajectoryFile(tmp_path / case, vocab_size=128, max_tokens=17, seed=0)
+        assert str(err.value).startswith("opd.sft_warmup.data: ") and "\n" not in str(err.value)
+    (tmp_path / "bom").write_bytes(b'\xef\xbb\xbf{"tokens": [1, 2], "loss_mask": [0, 1]}\n')
+    assert TrajectoryFile(tmp_path / "bom", vocab_size=128, max_tokens=17, seed=0).rows == [([1, 2], [0, 1])]
+
 @pytest.mark.parametrize("overrides, match", [
     (["opd.sft_warmup.steps=-1"], r"^opd\.sft_warmup\.steps: must be >= 0"),
     (["opd.sft_warmup.steps=30"], r"^opd\.sft_warmup\.steps: 30 warm-up steps exceed training\.train_steps = 20"),
@@ -137,6 +152,13 @@ def test_bad_warmup_settings_are_one_line_errors(overrides, match):
         load_recipe(OPD, overrides)
     assert "\n" not in str(err.value)
 
+
+def test_a_missing_trajectory_file_is_refused_when_the_recipe_loads(tmp_path):
+    """At load (so `launch` refuses it before starting ranks, one line, exit 2), not first in the trainer."""
+    with pytest.raises(ConfigError, match=r"^opd\.sft_warmup\.data: .*none\.jsonl is not a file") as err:
+        load_recipe(OPD, ["opd.sft_warmup.steps=1", f"opd.sft_warmup.data={tmp_path / 'none.jsonl'}"])
+    assert "\n" not in str(err.value)
+    load_recipe(OPD, ["opd.sft_warmup.steps=0", f"opd.sft_warmup.data={tmp_path / 'none.jsonl'}"])  # unused: fine
 
 def test_cli_refuses_a_missing_trajectory_file_with_exit_2_and_one_line(tmp_path, teacher):
     proc = subprocess.run([sys.executable, "-m", "megatron_s2.cli", "train", str(OPD), *SMALL, "opd.sft_warmup.steps=1",

@@ -152,3 +152,53 @@ def test_verifiers_recipes_refuse_what_is_not_supported_yet():
     with pytest.raises(ConfigError, match="train_aware_replay"):
         load_recipe(str(RECIPE), ["rl.rollout.engine.decoder_bounded_replay=true",
                                   "rl.rollout.engine.train_aware_replay=true"])
+
+
+def test_verifiers_build_errors_name_the_field_and_a_broken_plugin(tmp_path):
+    """An unknown taskset field names the field (not pydantic's "1 validation error for ..."); a plugin
+    with a syntax error is a one-line ConfigError naming the file and line, not a traceback."""
+    from megatron_s2.posttrain.config.environment import EnvironmentConfig
+    from megatron_s2.posttrain.envs.vf_env import VerifiersEnvironment
+    with pytest.raises(ConfigError, match=r"taskset\.bogus_field: Extra inputs") as err:
+        VerifiersEnvironment("d", EnvironmentConfig(kind="verifiers", taskset={"id": "megatron_s2_tasks",
+                                                                               "bogus_field": 3}), None)
+    assert "\n" not in str(err.value)
+    (tmp_path / "broken_ts_r14.py").write_text("def load_taskset(:\n")
+    with pytest.raises(ConfigError, match=r"syntax error in .*broken_ts_r14\.py:1") as err:
+        VerifiersEnvironment("d", EnvironmentConfig(kind="verifiers", taskset={"id": "broken_ts_r14"},
+                                                    plugin_path=str(tmp_path)), None)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("agent", ["{max_turns: 0}", "{max_output_tokens: -1}", "{max_turns: two}"])
+def test_an_agent_cap_below_one_is_refused_at_load(agent):
+    """verifiers accepts max_turns: 0, then every trace has no model turn and training died mid-run
+    with 'the trace has no trainable branch' (a traceback)."""
+    with pytest.raises(ConfigError, match=r"^rl\.rollout\.environment\.agent\.max_\w+: must be an integer >= 1") as err:
+        load_recipe(str(RECIPE), [f"rl.rollout.environment.agent={agent}"])
+    assert "\n" not in str(err.value)
+
+
+def test_a_prompt_longer_than_the_engine_context_is_a_one_line_config_error(tmp_path):
+    """seq_length below the rendered prompt: every episode failed with a ProviderError and the run
+    died with a RuntimeError traceback; now a ConfigError (exit 2) naming training.seq_length."""
+    recipe = load_recipe(str(RECIPE), [*SMALL, "training.seq_length=24", "rl.rollout.max_new_tokens=2"])
+    trainer = PosttrainTrainer(recipe, tmp_path / "run", log=lambda *a: None)
+    with pytest.raises(ConfigError, match=r"^training\.seq_length: .*context length.*raise training\.seq_length") as err:
+        trainer.train()
+    assert "\n" not in str(err.value)
+    assert trainer.backend.server is None  # closed on the way out
+
+
+def test_episodes_reach_the_loopback_server_with_a_proxy_in_the_environment(tmp_path, monkeypatch):
+    """http_proxy / ALL_PROXY set (as on many clusters) sent the episodes' loopback requests to the
+    proxy: every episode failed with APIConnectionError."""
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("NO_PROXY", "example.org")
+    monkeypatch.setenv("no_proxy", "example.org")
+    recipe = load_recipe(str(RECIPE), [*SMALL, "training.train_steps=1"])
+    result = PosttrainTrainer(recipe, tmp_path / "run", log=lambda *a: None).train()
+    assert result.final_step == 1
+    import os
+    assert os.environ["NO_PROXY"].split(",") == ["example.org", "127.0.0.1", "localhost"]

@@ -95,6 +95,11 @@ class EnvironmentConfig:
                               f"kind: verifiers or remove them (kind is '{self.kind}')")
         if self.max_concurrent < 0:
             raise ConfigError(f"max_concurrent: must be >= 0 (0 = rollout.max_in_flight), got {self.max_concurrent}")
+        for cap in ("max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens"):  # verifiers' limits
+            value = self.agent.get(cap) if isinstance(self.agent, dict) else None
+            if value is not None and (type(value) is not int or value < 1):
+                raise ConfigError(f"agent.{cap}: must be an integer >= 1, got {value!r} (a cap below 1 refuses the "
+                                  "agent's first model turn, so no trace has anything to train); raise it or remove it")
         if not 0 <= self.seed < 2 ** 63:
             raise ConfigError(f"seed: must be a non-negative integer below 2**63, got {self.seed}")
 

@@ -7,6 +7,8 @@ line naming the field and the fix.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from megatron_s2.config.schema import ConfigError
 
 __all__ = ["check_posttrain_recipe", "posttrain_section"]
@@ -58,6 +60,11 @@ def check_posttrain_recipe(recipe) -> None:
         raise ConfigError(f"opd.sft_warmup.steps: {section.sft_warmup.steps} warm-up steps exceed training.train_steps = "
                           f"{t.train_steps} (the warm-up steps are the phase's first steps); raise train_steps or "
                           "lower sft_warmup.steps")
+    warmup_data = section.sft_warmup.data if kind == "opd" and section.sft_warmup.steps else ""
+    if warmup_data and not Path(warmup_data).is_file():  # at load: `launch` refuses it before starting ranks
+        raise ConfigError(f"opd.sft_warmup.data: {warmup_data} is not a file; give a JSON-lines file of teacher "
+                          "trajectories ({\"tokens\": [...], \"loss_mask\": [...]} per line) or data: '' to "
+                          "generate them")
 
 
 def _check_verifiers(recipe, section, kind: str) -> None:

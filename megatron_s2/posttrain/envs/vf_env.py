@@ -36,6 +36,23 @@ def _add_path(folder: Path) -> None:
         sys.path.insert(0, str(folder))
 
 
+def _first_line(exc: BaseException) -> str:
+    """The one line that says what is wrong: a pydantic error's first field and message (its own
+    first line is only "1 validation error for SingleAgentEnvConfig"), a plugin's syntax error's
+    file:line, else the exception's first line."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            e = errors()[0]
+            return f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}"
+        except Exception:  # noqa: BLE001 - fall back to the text
+            pass
+    if isinstance(exc, SyntaxError):
+        return f"syntax error in {exc.filename}:{exc.lineno}"
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class VerifiersEnvironment(Environment):
     """A verifiers taskset x agent; prompts = its tasks (module docstring)."""
 
@@ -52,8 +69,8 @@ class VerifiersEnvironment(Environment):
         try:
             self.env = vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset=dict(config.taskset), agent=agent))
             self.tasks = list(self.env.taskset)
-        except (ImportError, ValueError, TypeError, KeyError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        except (ImportError, ValueError, TypeError, KeyError, SyntaxError) as exc:
+            first = _first_line(exc)
             raise ConfigError(f"{what}.taskset: verifiers cannot build the environment {config.taskset.get('id')!r} "
                               f"({first}); check the taskset id / config, agent and plugin_path") from None
         if not self.tasks:

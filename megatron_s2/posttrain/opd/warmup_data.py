@@ -201,8 +201,13 @@ class TrajectoryFile:
             raise ConfigError(f"{self.FIELD}: {path} is not a file; give a JSON-lines file of teacher trajectories "
                               "({\"tokens\": [...], \"loss_mask\": [...]} per line) or data: '' to generate them")
         self.rows: list[tuple[list[int], list[int]]] = []
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
+        with open(path, "rb") as f:  # bytes: a binary file (e.g. a pickle) is refused per line, never decoded
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8-sig")  # -sig: a leading BOM (Windows editors) is no error
+                except UnicodeDecodeError:
+                    raise ConfigError(f"{self.FIELD}: {path} line {n}: not UTF-8 text (a binary or pickled file?); "
+                                      "give JSON lines {\"tokens\": [...], \"loss_mask\": [...]}") from None
                 if line.strip():
                     self.rows.append(self._parse(path, n, line, vocab_size, max_tokens))
         if not self.rows:
@@ -213,7 +218,7 @@ class TrajectoryFile:
         where = f"{self.FIELD}: {path} line {n}"
         try:
             obj = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: hostile nesting
             raise ConfigError(f"{where}: not JSON; each line is {{\"tokens\": [...], \"loss_mask\": [...]}}") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("tokens"), list) or not isinstance(obj.get("loss_mask"), list):
             raise ConfigError(f"{where}: needs the lists 'tokens' and 'loss_mask'")

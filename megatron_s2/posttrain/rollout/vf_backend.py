@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import shutil
 import tempfile
 import threading
@@ -64,6 +65,17 @@ def episode_loop() -> asyncio.AbstractEventLoop:
             _LOOP = asyncio.new_event_loop()
             threading.Thread(target=_LOOP.run_forever, name="megatron-s2-verifiers", daemon=True).start()
         return _LOOP
+
+
+def _bypass_proxies_for_loopback() -> None:
+    """The episodes' HTTP hops (harness -> verifiers' interception server -> our server) are all on
+    127.0.0.1, but httpx (and the harness subprocesses, which inherit the environment) send them to
+    ``http_proxy`` / ``ALL_PROXY`` when those are set, as on many clusters: every episode then fails
+    with a connection error. Loopback is added to ``NO_PROXY`` / ``no_proxy`` (other entries kept)."""
+    for var in ("NO_PROXY", "no_proxy"):
+        hosts = [h.strip() for h in os.environ.get(var, "").split(",") if h.strip()]
+        if "*" not in hosts:
+            os.environ[var] = ",".join(hosts + [h for h in ("127.0.0.1", "localhost") if h not in hosts])
 
 
 @dataclass
@@ -111,6 +123,7 @@ class VerifiersBackend:
         from megatron_s2.serve.backend import EngineBackend as ServeDriver
         from megatron_s2.serve.state import ServerState
 
+        _bypass_proxies_for_loopback()
         self._tokenizer_dir = tempfile.mkdtemp(prefix="megatron-s2-vf-tokenizer-")
         self.tokenizer.save(self._tokenizer_dir)  # renderers loads the run's tokenizer (its chat template)
         state = ServerState(ServeDriver(self.engine), self.tokenizer,
@@ -257,6 +270,10 @@ class VerifiersBackend:
         episode = run.future.result()
         if not episode.ok:
             err = episode.last_error or next((t.last_error for t in episode.traces if t.last_error), None)
+            if err and "context length" in (err.message or ""):  # the run's settings, not the environment
+                raise ConfigError(f"training.seq_length: {where}: {str(err.message).strip().splitlines()[0].rstrip('.')}; raise "
+                                  "training.seq_length (the engine holds seq_length + 1 tokens) or shorten the "
+                                  "taskset's prompts")
             raise RuntimeError(f"{where} failed: {err.type}: {err.message}" if err else f"{where} failed")
         if len(episode.traces) != 1:
             raise RuntimeError(f"{where} has {len(episode.traces)} traces; one agent per episode is trained so far")
