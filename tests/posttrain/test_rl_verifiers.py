@@ -154,6 +154,18 @@ def test_verifiers_recipes_refuse_what_is_not_supported_yet():
                                   "rl.rollout.engine.train_aware_replay=true"])
 
 
+def test_an_opd_warmup_that_would_generate_on_a_verifiers_environment_is_refused_at_load():
+    """The warm-up's teacher generation plays token-level episodes, which a verifiers
+    environment does not have: refused at load unless trajectories come from a file."""
+    opd = ROOT / "recipes" / "phases" / "opd_addition.yaml"
+    overrides = ["data.tokenizer=recipes/tokenizers/tiny-bpe", "model.vocab_size=512", "model.engram_pad_id=2",
+                 "opd.rollout.environment={kind: verifiers, taskset: {id: megatron_s2_tasks, task_name: addition}}",
+                 "opd.eval.interval=0", "opd.eval.at_start=false", "training.seq_length=96"]
+    load_recipe(str(opd), overrides)  # without the warm-up: accepted
+    with pytest.raises(ConfigError, match=r"opd\.sft_warmup\.data: the warm-up generates"):
+        load_recipe(str(opd), [*overrides, "opd.sft_warmup.steps=1"])
+
+
 def test_verifiers_build_errors_name_the_field_and_a_broken_plugin(tmp_path):
     """An unknown taskset field names the field (not pydantic's "1 validation error for ..."); a plugin
     with a syntax error is a one-line ConfigError naming the file and line, not a traceback."""

@@ -45,3 +45,12 @@ def start_server(loaded, name="tiny", serve=None, **engine) -> ServerThread:
     state = build_state(model, tokenizer, description, serve or ServeConfig(disconnect_poll_s=0.05), engine_config,
                         model_name=name)
     return ServerThread(state).start()
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    """A server with the default settings, one per test module (modules that need other
+    settings define their own ``server``)."""
+    srv = start_server(loaded)
+    yield srv
+    srv.stop()

@@ -19,13 +19,6 @@ RTI = {"return_token_ids": True}
 
 
 @pytest.fixture(scope="module")
-def server(loaded):
-    srv = start_server(loaded)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 

@@ -31,13 +31,6 @@ DOMAINS = ["math", "swe", "math", "swe"]
 
 
 @pytest.fixture(scope="module")
-def server(loaded):
-    srv = start_server(loaded)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
 def teacher(run_dir, loaded):
     model, tokenizer, _ = loaded
     return load_frozen_model(run_dir, model.groups, vocab_size=model.config.vocab_size, tokenizer=tokenizer,

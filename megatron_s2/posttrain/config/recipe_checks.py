@@ -73,6 +73,11 @@ def _check_verifiers(recipe, section, kind: str) -> None:
         raise ConfigError(f"{kind}.eval: held-out evaluation of a verifiers environment is not supported yet; set "
                           f"{kind}.eval.interval: 0 and {kind}.eval.at_start: false (evaluate with `vf eval` against "
                           "`megatron-s2 serve`)")
+    warmup = getattr(section, "sft_warmup", None)
+    if warmup is not None and warmup.steps and not warmup.data:
+        raise ConfigError("opd.sft_warmup.data: the warm-up generates teacher trajectories with token-level episodes, "
+                          "which a verifiers environment does not have; give a JSON-lines file of trajectories "
+                          "(tokens + loss_mask) or set sft_warmup.steps: 0")
     effort = getattr(section, "effort", None)
     if effort is not None and effort.enabled:
         raise ConfigError(f"{kind}.effort.levels: effort-conditioned prompts cannot be injected into a verifiers "
