@@ -37,7 +37,7 @@ from tests.models.conftest import load_model_recipe  # noqa: E402
 
 def model_for(name: str, checkpoint: str | None):
     if checkpoint:
-        from megatron_s2.inference.cli import load_model
+        from megatron_s2.inference.weights import load_model
 
         return load_model(checkpoint)[0]
     cfg = load_model_recipe(name)
@@ -80,12 +80,12 @@ def main(argv=None) -> int:
 def train_aware_table(args) -> None:
     from megatron_s2.config.data import TaskDifficulty
     from megatron_s2.data.tokenizer import CharTokenizer
-    from megatron_s2.posttrain.config.environment import EnvironmentConfig
+    from megatron_s2.config.posttrain.environment import EnvironmentConfig
     from megatron_s2.posttrain.envs import TaskEnvironment
     from megatron_s2.posttrain.rollout.replay_mismatch import measure_replay_mismatch
 
     if args.checkpoint:
-        from megatron_s2.inference.cli import load_model
+        from megatron_s2.inference.weights import load_model
 
         model, tokenizer = load_model(args.checkpoint)[:2]
     else:

@@ -344,7 +344,7 @@ class _Sized:
 def _zero1_buckets(entries: list[ParamEntry], layout: ParallelLayout, g: int, grad_bucket_mb: float
                    ) -> tuple[float, int]:
     """(padded bytes of one pass over all buckets, number of buckets) of ZeRO-1 in a group of g."""
-    from megatron_s2.parallel.distributed_optimizer import assign_owners, owner_buckets
+    from megatron_s2.optim.distributed_optimizer import assign_owners, owner_buckets
 
     owners = assign_owners([(e.name, _Sized(e.local_numel(layout))) for e in entries], g)
     per_owner = [[e.local_numel(layout) for e in entries if owners[e.name] == r] for r in range(g)]

@@ -99,7 +99,7 @@ class OurStage(nn.Module):
         self.global_tokens: torch.Tensor | None = None
 
     def forward(self, *payload, labels, loss_mask, doc_ids, position_ids, tokens=None):
-        from megatron_s2.training.step import make_context
+        from megatron_s2.pipeline.step import make_context
 
         model, rt, stage = self.model, self.rt, self.stage
         if rt.is_first(stage):
@@ -201,7 +201,7 @@ def _run_task(rank: int, world: int, task: dict, base: list[str], out_dir: str) 
     import torch.distributed as dist
 
     from megatron_s2.config.recipe import load_recipe
-    from megatron_s2.training.step import StepInputs
+    from megatron_s2.pipeline.step import StepInputs
     from megatron_s2.training.trainer import Trainer
     from tests.parallel.parity import RECIPE
 

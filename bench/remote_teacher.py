@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_s2.inference.cli import load_model  # noqa: E402
-from megatron_s2.inference.config import EngineConfig  # noqa: E402
+from megatron_s2.inference.weights import load_model  # noqa: E402
+from megatron_s2.config.engine import EngineConfig  # noqa: E402
 from megatron_s2.posttrain.frozen import TeacherPool, load_frozen_model  # noqa: E402
 from megatron_s2.posttrain.opd.remote_teacher import RemoteTeacher  # noqa: E402
 from megatron_s2.serve import ServeConfig, ServerThread, build_state  # noqa: E402

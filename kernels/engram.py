@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_s2.kernels.dispatch import use_triton
-from megatron_s2.models.v41.quant import fake_quant_fp8
+from megatron_s2.kernels.quantize import fake_quant_reference
 
 __all__ = ["FP8_ROW_BLOCK", "fp8_row_block", "engram_rows_reference", "engram_rows"]
 
@@ -51,7 +51,7 @@ def engram_rows_reference(ids: torch.Tensor, weight: torch.Tensor, fp8: bool) ->
     """Rows ``weight[ids]`` ``[*ids.shape, width]``, FP8 fake-quantised (straight-through) when
     ``fp8``: the oracle of the Triton kernel."""
     rows = F.embedding(ids, weight)
-    return fake_quant_fp8(rows, fp8_row_block(weight.size(1))) if fp8 else rows
+    return fake_quant_reference(rows, "fp8", fp8_row_block(weight.size(1))) if fp8 else rows
 
 
 def engram_rows(ids: torch.Tensor, weight: torch.Tensor, fp8: bool) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from megatron_s2.kernels.dispatch import use_triton
 from megatron_s2.kernels.sparse_attention import chunk_rows
-from megatron_s2.models.v41.precision import wide
+from megatron_s2.kernels.precision import wide
 
 __all__ = ["indexer_scores", "indexer_scores_reference", "indexer_gathered_scores",
            "indexer_gathered_scores_reference", "masked_indexer_scores"]

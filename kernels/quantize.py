@@ -2,7 +2,8 @@
 :mod:`megatron_s2.kernels.triton.quant` on CUDA tensors, the PyTorch references elsewhere.
 
 * ``fake_quant_*`` — quantise-dequantise with the straight-through gradient, the training
-  (QAT) view; the reference is :mod:`megatron_s2.models.v41.quant`.
+  (QAT) view: ``x + (dequantize(x) - x).detach()``; the reference ``dequantize_*`` is in
+  :mod:`megatron_s2.kernels.quant_formats` (one quantiser per format, shared with packing).
 * ``pack_*`` / ``unpack_*`` — the packed storage formats of the KV cache; the reference is
   :mod:`megatron_s2.kernels.quant_formats`.
 
@@ -15,31 +16,43 @@ import torch
 
 from megatron_s2.kernels import quant_formats as formats
 from megatron_s2.kernels.dispatch import use_triton
-from megatron_s2.models.v41 import quant as reference
 
-__all__ = ["fake_quant_fp4_e4m3", "fake_quant_mxfp4", "fake_quant_fp8", "pack_fp4_e4m3", "unpack_fp4_e4m3",
+__all__ = ["fake_quant_reference", "fake_quant_fp4_e4m3", "fake_quant_mxfp4", "fake_quant_fp8", "pack_fp4_e4m3", "unpack_fp4_e4m3",
            "pack_mxfp4", "unpack_mxfp4", "pack_fp8", "unpack_fp8"]
 
 
-def _fake(x: torch.Tensor, fmt: str, block: int, ref) -> torch.Tensor:
+def _straight_through(x: torch.Tensor, deq: torch.Tensor) -> torch.Tensor:
+    """The forward sees the quantised values, the backward is the straight-through identity."""
+    return x + (deq.to(x.dtype) - x).detach()
+
+
+def fake_quant_reference(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+    """The PyTorch path of ``fake_quant_<fmt>`` whatever the device (the kernels' oracle)."""
+    return _straight_through(x, formats.DEQUANTIZE[fmt](x, block))
+
+
+def _fake(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
     if not use_triton(x):
-        return ref(x, block)
+        return fake_quant_reference(x, fmt, block)
     from megatron_s2.kernels.triton.quant import quantize_triton
 
     deq, _, _ = quantize_triton(x.detach(), fmt, block)
-    return x + (deq - x).detach()  # the reference's straight-through step, same arithmetic
+    return _straight_through(x, deq)
 
 
 def fake_quant_fp4_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
-    return _fake(x, "fp4_e4m3", block, reference.fake_quant_fp4_e4m3)
+    """E2M1 values, one E4M3 scale per ``block`` channels, no global scale (main KV, §2.4.4)."""
+    return _fake(x, "fp4_e4m3", block)
 
 
 def fake_quant_mxfp4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    return _fake(x, "mxfp4", block, reference.fake_quant_mxfp4)
+    """E2M1 values, one E8M0 (power-of-two, rounded up) scale per ``block`` channels (indexer)."""
+    return _fake(x, "mxfp4", block)
 
 
 def fake_quant_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    return _fake(x, "fp8", block, reference.fake_quant_fp8)
+    """E4M3 values, one power-of-two scale per ``block`` channels (SWA KV, Engram rows, §2.4.4)."""
+    return _fake(x, "fp8", block)
 
 
 def _pack(x: torch.Tensor, fmt: str, block: int, ref):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from megatron_s2.kernels.dispatch import use_triton
-from megatron_s2.models.v41.precision import wide
+from megatron_s2.kernels.precision import wide
 
 __all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_eager", "chunk_rows"]
 

@@ -12,7 +12,7 @@ Job directory (= the run directory ``training.run_dir``)::
     <run_dir>/slurm/job-<jobid>.out    batch shell output, all restarts appended
     <run_dir>/logs/restart<N>/rank<r>.log   one log per rank and restart (node<n>.log under torchrun)
     <run_dir>/config.yaml, metrics.jsonl, checkpoints/   written by the trainer
-    <run_dir>/FINISHED, PREEMPTED      how the last attempt ended (megatron_s2.training.markers)
+    <run_dir>/FINISHED, PREEMPTED      how the last attempt ended (megatron_s2.runtime.markers)
     <run_dir>/run.lock                 held while a run uses the directory
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_s2.config.launcher import LauncherConfig
-from megatron_s2.training.markers import FINISHED_MARKER, PREEMPTED_MARKER, is_finished
+from megatron_s2.runtime.markers import FINISHED_MARKER, PREEMPTED_MARKER, is_finished
 
 __all__ = ["JobSpec", "JobDir", "trainer_command", "rank_python", "FINISHED_MARKER", "PREEMPTED_MARKER"]
 

@@ -25,8 +25,8 @@ from megatron_s2.launcher.pipeline import chain_from, is_pipeline_file, load_pip
 from megatron_s2.launcher.preflight import LaunchPlan, plan_launch
 from megatron_s2.launcher.sbatch_script import render_sbatch_script, srun_line
 from megatron_s2.launcher.slurm import SlurmError, cancel, sbatch_argv, submit
-from megatron_s2.training.markers import extension_hint, finished_step
-from megatron_s2.training.run_lock import LOCK_TOKEN_ENV, RunLock
+from megatron_s2.runtime.markers import extension_hint, finished_step
+from megatron_s2.runtime.run_lock import LOCK_TOKEN_ENV, RunLock
 
 __all__ = ["PreparedRun", "prepare_runs", "launch_local", "launch_slurm", "apply_launcher_flags"]
 

@@ -10,7 +10,7 @@ rank 0's output is also echoed to the console. The launcher then watches the ran
   and the launcher exits non-zero naming the rank, its exit code or signal and the tail
   of its log. Nothing waits on a collective that can never complete;
 - SIGTERM / SIGUSR1 sent to the launcher are forwarded to every rank (their
-  :class:`~megatron_s2.launcher.preemption.PreemptionGuard` saves and exits 75); Ctrl-C is
+  :class:`~megatron_s2.runtime.preemption.PreemptionGuard` saves and exits 75); Ctrl-C is
   forwarded as SIGTERM, a second Ctrl-C kills the ranks;
 - ranks are started with ``PR_SET_PDEATHSIG``, so they die if the launcher is killed, and with
   the preemption signals blocked until their guard handles them (no window at start-up in
@@ -35,7 +35,7 @@ from typing import TextIO
 from megatron_s2.launcher.environment import rank_environment
 from megatron_s2.launcher.job import JobSpec
 from megatron_s2.config.launcher import PREEMPTION_SIGNALS
-from megatron_s2.launcher.preemption import EXIT_PREEMPTED, signal_number
+from megatron_s2.runtime.preemption import EXIT_PREEMPTED, signal_number
 
 __all__ = ["LocalRun", "describe_exit", "free_port"]
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.parallel.layout import ParallelLayout
-from megatron_s2.training.run_checks import HostMemory, check_run_inputs
+from megatron_s2.runtime.host_memory import HostMemory
+from megatron_s2.training.run_checks import check_run_inputs
 
 __all__ = ["LaunchPlan", "plan_launch"]
 
@@ -80,4 +81,7 @@ def plan_launch(recipe: RecipeConfig, *, local: bool, visible_gpus: int | None =
     # where the ranks will run: this machine in local mode; compute nodes are unknown here).
     host = HostMemory.detect(nproc, gpus=bool(cfg.gpus_per_node)) if local else None
     check_run_inputs(recipe, cfg.nodes * nproc, host, ranks_here=local)
+    from megatron_s2.posttrain.checks import check_registered_names
+
+    check_registered_names(recipe)  # rl/opd: registry names (the post-training code, not the recipe loader)
     return LaunchPlan(cfg.nodes, nproc, cfg.gpus_per_node, layout)

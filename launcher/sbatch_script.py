@@ -31,8 +31,8 @@ import shlex
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.launcher.job import FINISHED_MARKER, PREEMPTED_MARKER, JobSpec, rank_python
-from megatron_s2.launcher.preemption import EXIT_PREEMPTED
-from megatron_s2.launcher.rendezvous import SLURM_PORT_BASE, SLURM_PORT_SPAN
+from megatron_s2.runtime.preemption import EXIT_PREEMPTED
+from megatron_s2.runtime.rendezvous import SLURM_PORT_BASE, SLURM_PORT_SPAN
 
 __all__ = ["render_sbatch_script", "sbatch_directives", "srun_line", "directive_word"]
 
@@ -118,7 +118,7 @@ def _environment_block(job: JobSpec) -> list[str]:
 
 def _rendezvous_block(job: JobSpec) -> list[str]:
     if job.launcher.mode != "torchrun":
-        return ["# Ranks find rank 0 themselves (megatron_s2.launcher.bootstrap: SLURM variables).", ""]
+        return ["# Ranks find rank 0 themselves (megatron_s2.runtime.bootstrap: SLURM variables).", ""]
     return [
         "# torchrun rendezvous on the first node (its NodeAddr when the name does not resolve).",
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',

@@ -129,7 +129,7 @@ def part_kernel_parity(ctx: Context) -> dict:
     from megatron_s2.kernels.triton.indexer import indexer_scores_triton
     from megatron_s2.kernels.triton.quant import dequantize_triton, quantize_triton
     from megatron_s2.kernels.triton.sparse_attention import sparse_attention_triton
-    from megatron_s2.models.v41 import quant as fake
+    from megatron_s2.kernels.quantize import fake_quant_reference
 
     dev = torch.device(ctx.device)
     g = torch.Generator().manual_seed(0)
@@ -167,15 +167,16 @@ def part_kernel_parity(ctx: Context) -> dict:
     mismatches = {}
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dev, dtype)
-        for fmt, pack, unpack, fq in (("fp4_e4m3", qf.pack_fp4_e4m3, qf.unpack_fp4_e4m3, fake.fake_quant_fp4_e4m3),
-                                      ("mxfp4", qf.pack_mxfp4, qf.unpack_mxfp4, fake.fake_quant_mxfp4),
-                                      ("fp8", qf.pack_fp8, qf.unpack_fp8, fake.fake_quant_fp8)):
+        for fmt, pack, unpack, block in (("fp4_e4m3", qf.pack_fp4_e4m3, qf.unpack_fp4_e4m3, 16),
+                                         ("mxfp4", qf.pack_mxfp4, qf.unpack_mxfp4, 32),
+                                         ("fp8", qf.pack_fp8, qf.unpack_fp8, 32)):
             deq, codes, scales = quantize_triton(xd, fmt, packed=True)
             rc, rs = pack(xd)
             bad = int((codes.view(torch.uint8) != rc.view(torch.uint8)).sum())
             bad += int((scales.view(torch.uint8) != rs.view(torch.uint8)).sum())
             bad += int((dequantize_triton(codes, scales, fmt).view(torch.int32) != unpack(rc, rs).view(torch.int32)).sum())
-            bad += int(((xd + (deq - xd)).view(torch.uint8) != fq(xd).contiguous().view(torch.uint8)).sum())
+            bad += int(((xd + (deq - xd)).view(torch.uint8)
+                        != fake_quant_reference(xd, fmt, block).contiguous().view(torch.uint8)).sum())
             mismatches[f"{fmt}_{str(dtype)[6:]}"] = bad
     figures["quant_mismatched_bytes"] = mismatches
     checks.append(check("FP4 / MXFP4 / FP8 quantisers bit-identical", sum(mismatches.values()) == 0,
@@ -252,7 +253,7 @@ def _train_losses(model: str, device: str, run_dir: Path, extra: list[str], step
     model, whose Muon step costs minutes on a CPU)."""
     import torch
 
-    from megatron_s2.training.grad_finalize import clip_grads
+    from megatron_s2.parallel.grad_finalize import clip_grads
     from megatron_s2.training.trainer import Trainer
 
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,7 +1,7 @@
 """Engram row gather + FP8 fake quantisation in Triton, forward and backward.
 
 Oracle: :func:`megatron_s2.kernels.engram.engram_rows_reference` (``F.embedding`` followed by
-:func:`megatron_s2.models.v41.quant.fake_quant_fp8`), bit for bit in the forward; the
+:func:`megatron_s2.kernels.quantize.fake_quant_fp8`), bit for bit in the forward; the
 backward equals the embedding backward (summation in token order, float32).
 
 Forward: the ``N`` looked-up rows are cut into ``N * W / B`` scale blocks of ``B`` channels

@@ -1,7 +1,7 @@
 """FP4 (E2M1 + E4M3 scale), MXFP4 (E2M1 + E8M0 scale) and FP8 (E4M3 + E8M0 scale) in Triton.
 
 Oracles, bit for bit: :mod:`megatron_s2.kernels.quant_formats` (packed bytes) and the
-fake-quantisers of :mod:`megatron_s2.models.v41.quant` (dequantised values). One kernel
+reference quantisers of :mod:`megatron_s2.kernels.quant_formats` (dequantised values). One kernel
 quantises a tile of ``BLOCK_R`` scale blocks and writes any of: the dequantised values
 (fake quantisation), the packed codes, the scale bytes. Rounding is done with integer and
 exactly-representable float arithmetic so that it does not depend on the GPU's conversion

@@ -63,7 +63,7 @@ from megatron_s2.checkpoint.sharded_state import (
     rng_targets,
 )
 from megatron_s2.checkpoint.store import CheckpointStore, is_step_dir, verify_checkpoint
-from megatron_s2.training.finite import first_non_finite
+from megatron_s2.runtime.finite import first_non_finite
 
 __all__ = ["CheckpointManager", "LoadedCheckpoint"]
 

@@ -89,7 +89,7 @@ def read_full_tensors(step_dir: Path, prefixes: tuple[str, ...] = (MODEL_PREFIX,
 def write_full_tensors(tensors: dict[str, torch.Tensor], manifest: Manifest, root: Path) -> Path:
     """Write ``tensors`` (key -> full tensor) as committed step ``manifest.step`` under ``root``
     (the commit protocol of :mod:`.store`; existing checkpoints there are kept)."""
-    from megatron_s2.training.finite import first_non_finite
+    from megatron_s2.runtime.finite import first_non_finite
 
     bad = first_non_finite(tensors.items())
     if bad:  # never committed non-finite, whoever writes (import, reshard)

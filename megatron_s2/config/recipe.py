@@ -44,7 +44,7 @@ from megatron_s2.config.parallel import ParallelConfig
 from megatron_s2.config.phase import PhaseConfig
 from megatron_s2.config.schema import ConfigError, apply_override, from_mapping, to_mapping
 from megatron_s2.config.training import TrainingConfig
-from megatron_s2.posttrain.config import OPDConfig, RLConfig
+from megatron_s2.config.posttrain import OPDConfig, RLConfig
 
 __all__ = ["RecipeConfig", "load_recipe", "MODELS_DIR", "RECIPES_DIR"]
 
@@ -82,7 +82,7 @@ class RecipeConfig:
     """On-policy distillation (phase.kind: opd): teachers, rollout, loss (megatron_s2/posttrain)."""
 
     def __post_init__(self) -> None:
-        from megatron_s2.posttrain.config.recipe_checks import check_posttrain_recipe
+        from megatron_s2.config.posttrain.recipe_checks import check_posttrain_recipe
 
         check_posttrain_recipe(self)
         # The optimisers apply lr x lr_mult in the parameters' floating-point type: a product

@@ -9,7 +9,7 @@ SWA rings), ``kv_step`` (the attention layers' cache hooks), ``runner`` (one for
 ``weights`` (checkpoints), ``cli``.
 """
 
-from megatron_s2.inference.config import EngineConfig
+from megatron_s2.config.engine import EngineConfig
 from megatron_s2.inference.engine import InferenceEngine
 from megatron_s2.inference.request import (
     CompletedRequest,

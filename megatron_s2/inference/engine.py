@@ -50,8 +50,9 @@ import torch
 from torch import nn
 
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.inference.config import EngineConfig
-from megatron_s2.inference.kv_store import GlobalKVStore, OutOfPages, SequenceKV, SWAStore, kv_cache_bytes
+from megatron_s2.config.engine import EngineConfig
+from megatron_s2.inference.kv_store import GlobalKVStore, OutOfPages, SequenceKV, SWAStore
+from megatron_s2.models.v41.accounting import kv_cache_bytes
 from megatron_s2.inference.request import (
     CompletedRequest,
     FinishReason,
@@ -433,7 +434,7 @@ def _free_bytes(device: torch.device) -> tuple[int, str] | None:
         free, _ = torch.cuda.mem_get_info(device)
         return free, f"is free on {device}"
     if device.type == "cpu":
-        from megatron_s2.training.run_checks import HostMemory
+        from megatron_s2.runtime.host_memory import HostMemory
 
         host = HostMemory.detect(1, gpus=False)
         return (int(host.bytes_per_rank), "of host memory is available") if host else None

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_s2.config.model import ModelConfig
-from megatron_s2.inference.kv_formats import VectorFormat, vector_format
+from megatron_s2.kernels.kv_formats import VectorFormat, vector_format
 
-__all__ = ["OutOfPages", "PagePool", "GlobalKVStore", "SWAStore", "SequenceKV", "kv_cache_bytes"]
+__all__ = ["OutOfPages", "PagePool", "GlobalKVStore", "SWAStore", "SequenceKV"]
 
 
 class OutOfPages(RuntimeError):
@@ -136,18 +136,6 @@ class GlobalKVStore:
     def bytes_per_token(self) -> float:
         """Bytes of allocated global KV per token of context (all Full layers)."""
         return self.buffer_bytes() / (self.num_pages * self.page_tokens)
-
-
-def kv_cache_bytes(config: ModelConfig, engine) -> int:
-    """Bytes the engine's :class:`GlobalKVStore` and :class:`SWAStore` will allocate for the
-    ``EngineConfig`` ``engine`` — computed without allocating, so an impossible size is refused
-    before the zeroed buffers take the host down."""
-    main = vector_format(config.fp4_main_kv, "fp4_e4m3", config.head_dim).bytes_per_vector
-    index = vector_format(config.fp4_indexer, "mxfp4", config.index_head_dim).bytes_per_vector
-    per_page = sum((engine.page_tokens // s.compress_ratio) * (main + index) for s in config.plan if s.computes_main_kv)
-    swa = vector_format(config.fp8_swa_kv, "fp8", config.head_dim).bytes_per_vector
-    per_slot = len(config.plan) * config.window_size * swa
-    return engine.pages_for(config) * per_page + (engine.max_num_seqs + engine.swa_pool_slots) * per_slot
 
 
 class SWAStore:

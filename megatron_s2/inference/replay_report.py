@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_s2.inference.config import EngineConfig
+from megatron_s2.config.engine import EngineConfig
 from megatron_s2.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
 from megatron_s2.inference.request import Request
 from megatron_s2.inference.runner import ForwardRow, ModelRunner

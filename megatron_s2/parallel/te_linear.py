@@ -1,5 +1,6 @@
-"""Transformer Engine GEMM backend: the parallel linears and experts with TE GEMMs under
-``fp8_autocast`` (``model.transformer_impl: transformer_engine``).
+"""Transformer Engine GEMM backend: the parallel linears with TE GEMMs under
+``fp8_autocast`` (``model.transformer_impl: transformer_engine``); a family's experts build on the
+same helpers (e.g. :mod:`megatron_s2.models.v41.moe.te_experts`).
 
 Like the native FP8 classes, each class subclasses our module and overrides only ``gemm``:
 the parameter (ours: same name, shape, ShardSpec, initialisation, checkpoint entry) and the
@@ -12,9 +13,6 @@ delayed scaling) is therefore not checkpointed: it is rebuilt within ``amax_hist
 steps after a restart.
 
 * :class:`TELinearMixin` -> ``te.pytorch.Linear`` for replicated / column / row linears;
-* :class:`TEGroupedExperts` -> ``te.pytorch.GroupedLinear`` (one grouped GEMM per projection
-  over this rank's experts, ``m_splits`` = tokens per expert); :class:`TESharedExpert` ->
-  ``te.pytorch.Linear``.
 
 Every TE call runs under ``te.pytorch.fp8_autocast(enabled, fp8_recipe)`` with the recipe of
 ``model.fp8`` (:func:`te_recipe`); with ``recipe: none`` TE runs in the compute dtype. The FP32
@@ -30,10 +28,9 @@ import contextlib
 import torch
 
 from megatron_s2.config.fp8 import FP8Config
-from megatron_s2.models.v41.moe.experts import GroupedExperts, SharedExpert
 from megatron_s2.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
-__all__ = ["te_recipe", "te_linear_classes", "te_expert_classes"]
+__all__ = ["te_recipe", "te_autocast", "adopt_parameters", "bind_recipe", "te_linear_classes"]
 
 
 def te_recipe(fp8: FP8Config):
@@ -51,7 +48,7 @@ def te_recipe(fp8: FP8Config):
     return te_recipes.Float8BlockScaling(fp8_format=te_recipes.Format.E4M3)
 
 
-def _autocast(fp8: FP8Config, recipe):
+def te_autocast(fp8: FP8Config, recipe):
     import transformer_engine.pytorch as te
 
     if not fp8.enabled:
@@ -59,7 +56,7 @@ def _autocast(fp8: FP8Config, recipe):
     return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
 
 
-def _adopt(te_module, names_and_params):
+def adopt_parameters(te_module, names_and_params):
     """Make ``te_module`` use our parameters instead of the ones it created."""
     for name, param in names_and_params:
         delattr(te_module, name)
@@ -79,70 +76,16 @@ class TELinearMixin:
             out_f, in_f = self.weight.shape
             te_mod = te.Linear(in_f, out_f, bias=False, params_dtype=self.weight.dtype, device=self.weight.device,
                                parallel_mode=None)
-            _adopt(te_mod, [("weight", self.weight)])
+            adopt_parameters(te_mod, [("weight", self.weight)])
             object.__setattr__(self, "_te_module", te_mod)  # outside the module tree
         return te_mod
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
-        with _autocast(self.fp8_config, self._te_recipe):
+        with te_autocast(self.fp8_config, self._te_recipe):
             return self._te()(x.to(self.weight.dtype))
 
 
-class TEGroupedExperts(GroupedExperts):
-    fp8_config = FP8Config()
-    _te_recipe = None
-
-    def _grouped(self, name: str):
-        key = f"_te_{name}"
-        te_mod = self.__dict__.get(key)
-        if te_mod is None:
-            import transformer_engine.pytorch as te
-
-            p = getattr(self, name)
-            te_mod = te.GroupedLinear(p.size(0), p.size(2), p.size(1), bias=False, params_dtype=p.dtype,
-                                      device=p.device, parallel_mode=None)
-            _adopt(te_mod, [(f"weight{i}", None) for i in range(p.size(0))])
-            object.__setattr__(self, key, te_mod)
-        return te_mod
-
-    def _grouped_gemm(self, name: str, x: torch.Tensor, splits: list[int]) -> torch.Tensor:
-        te_mod, p = self._grouped(name), getattr(self, name)
-        for i in range(p.size(0)):  # views of our 3-D parameter, re-taken every call (autograd)
-            te_mod.__dict__[f"weight{i}"] = p[i]
-        with _autocast(self.fp8_config, self._te_recipe):
-            return te_mod(x, splits)
-
-    def forward(self, tokens: torch.Tensor, probs: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        from megatron_s2.models.v41.moe.experts import swiglu
-
-        if len(tokens_per_expert) != self.num_local_experts or sum(tokens_per_expert) != tokens.size(0):
-            raise ValueError(f"expert token counts {tokens_per_expert} do not match {tokens.size(0)} rows "
-                             f"for {self.num_local_experts} local experts")
-        x = tokens.to(self.w1.dtype)
-        h = swiglu(self._grouped_gemm("w1", x, tokens_per_expert), self._grouped_gemm("w3", x, tokens_per_expert),
-                   self.swiglu_limit, probs.unsqueeze(-1))
-        return self._grouped_gemm("w2", h.to(self.w2.dtype), tokens_per_expert).to(tokens.dtype)
-
-
-class TESharedExpert(SharedExpert):
-    fp8_config = FP8Config()
-    _te_recipe = None
-
-    def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        key = f"_te_{id(weight)}"
-        te_mod = self.__dict__.get(key)
-        if te_mod is None:
-            import transformer_engine.pytorch as te
-
-            te_mod = te.Linear(weight.size(1), weight.size(0), bias=False, params_dtype=weight.dtype,
-                               device=weight.device, parallel_mode=None)
-            _adopt(te_mod, [("weight", weight)])
-            object.__setattr__(self, key, te_mod)
-        with _autocast(self.fp8_config, self._te_recipe):
-            return te_mod(x)
-
-
-def _bind(classes, fp8: FP8Config):
+def bind_recipe(classes, fp8: FP8Config):
     recipe = te_recipe(fp8)
     return tuple(type(f"TE{cls.__name__.removeprefix('TE')}", (cls,), {"fp8_config": fp8, "_te_recipe": recipe})
                  for cls in classes)
@@ -152,9 +95,4 @@ def te_linear_classes(fp8: FP8Config) -> tuple[type, type, type]:
     """(replicated, column, row) linears with TE GEMMs under the recipe of ``fp8``."""
     bases = [type(f"TE{cls.__name__}", (TELinearMixin, cls), {})
              for cls in (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)]
-    return _bind(bases, fp8)
-
-
-def te_expert_classes(fp8: FP8Config) -> tuple[type, type]:
-    """(routed, shared) experts with TE grouped / plain GEMMs."""
-    return _bind((TEGroupedExperts, TESharedExpert), fp8)
+    return bind_recipe(bases, fp8)

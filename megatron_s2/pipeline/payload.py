@@ -33,6 +33,7 @@ import torch
 
 from megatron_s2.config.layer_plan import LayerPlan, SharedStateKind as K
 from megatron_s2.config.model import ModelConfig
+from megatron_s2.parallel.p2p import PayloadField
 
 __all__ = ["PayloadModes", "PayloadField", "PayloadSpec", "payload_keys"]
 
@@ -43,21 +44,6 @@ StateKey = tuple[int, K]
 class PayloadModes:
     index_k: Literal["send", "shadow"] = "send"
     candidates: Literal["send", "shadow"] = "send"
-
-
-@dataclass(frozen=True)
-class PayloadField:
-    name: str                    # "x", "pre" or "<producer>:<kind>"
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
 
 
 def payload_keys(plan: LayerPlan, cut: int, modes: PayloadModes) -> list[StateKey]:

@@ -4,7 +4,7 @@
 convention; nothing here imports the loop back): without pipeline parallelism a plain loop
 over micro-batches (:func:`forward_backward_no_pipelining`), with it 1F1B or interleaved 1F1B
 over the rank's :class:`~megatron_s2.pipeline.stage.PipelineRuntime`. Every schedule takes
-``(model, StepInputs)`` and returns a ``StepResult`` (:mod:`megatron_s2.training.step`).
+``(model, StepInputs)`` and returns a ``StepResult`` (:mod:`megatron_s2.pipeline.step`).
 
 The order of work on each rank follows megatron-core's schedules (warm-up forwards, steady
 one-forward-one-backward, cool-down backwards; with ``v`` virtual stages per rank micro-batches
@@ -28,9 +28,9 @@ import torch
 
 from megatron_s2.models.v41.engram import EngramPrefetch
 from megatron_s2.parallel import mappings
-from megatron_s2.pipeline.p2p import BACKWARD, FORWARD
-from megatron_s2.training.losses import global_token_count, micro_batch_objective
-from megatron_s2.training.step import StepInputs, StepResult, make_context, reduce_metrics
+from megatron_s2.parallel.p2p import BACKWARD, FORWARD
+from megatron_s2.pipeline.losses import global_token_count, micro_batch_objective
+from megatron_s2.pipeline.step import StepInputs, StepResult, make_context, reduce_metrics
 
 if TYPE_CHECKING:
     from megatron_s2.pipeline.stage import PipelineRuntime

@@ -21,11 +21,11 @@ from megatron_s2.config.layer_plan import SharedStateKind as K
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.v41.attention.visibility import entry_doc_ids
 from megatron_s2.models.v41.model import V41Model
-from megatron_s2.models.v41.quant import fake_quant_fp4_e4m3
+from megatron_s2.kernels.quantize import fake_quant_fp4_e4m3
 from megatron_s2.models.v41.rope import apply_rope, rope_frequencies
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.layout import ParallelLayout
-from megatron_s2.pipeline.p2p import PipelineTransport
+from megatron_s2.parallel.p2p import PipelineTransport
 from megatron_s2.pipeline.payload import PayloadModes, PayloadSpec, payload_keys
 from megatron_s2.pipeline.shadows import ShadowSet, shadow_components
 

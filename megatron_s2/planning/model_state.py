@@ -10,7 +10,7 @@ The optimiser side replays the runtime's decisions on those parameters:
   Sinkhorn-balanced update keep one momentum buffer; AdamW keeps two moments and a float32
   ``step`` scalar;
 * ZeRO-1 (``parallel.distributed_optimizer``): state only for the parameters this rank owns,
-  with the owner assignment of :class:`~megatron_s2.parallel.distributed_optimizer.DistributedOptimizer`
+  with the owner assignment of :class:`~megatron_s2.optim.distributed_optimizer.DistributedOptimizer`
   (:func:`assign_owners` over each reduction group — data x context for dense parameters,
   expert-data for experts, Engram replicas for table partitions);
 * frozen parameters (``phase.freeze``) have neither gradients nor optimiser state;
@@ -148,8 +148,8 @@ def _shadow_replicas(cfg: ModelConfig, layout: ParallelLayout, rank: int, modes)
 def _zero1_owned(trainable: dict, layout: ParallelLayout, rank: int, worst: bool) -> set[str]:
     """Names whose optimiser state ``rank`` keeps under ZeRO-1 (the runtime's owner rule); with
     ``worst`` the owned set of the most loaded rank of the same pipeline stage and model shard."""
-    from megatron_s2.parallel.distributed_optimizer import assign_owners
-    from megatron_s2.training.grad_finalize import reduction_group
+    from megatron_s2.optim.distributed_optimizer import assign_owners
+    from megatron_s2.parallel.grad_finalize import reduction_group
 
     table = group_table(layout)
     groups = layout_groups(layout, rank)

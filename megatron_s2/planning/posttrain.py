@@ -11,8 +11,8 @@ The training state and activations of ``phase.kind: rl | opd`` are those of any 
   ``apply_precision_map`` (``params_dtype`` matrices, float32 islands), counted on a meta
   skeleton of that layout;
 * the **KV cache of each engine** — the rollout engine and the held-out evaluation engine build
-  their own page pool and SWA rings (:func:`~megatron_s2.posttrain.rollout.engines.engine_configs`),
-  sized by :func:`~megatron_s2.inference.kv_store.kv_cache_bytes`, the function with which the
+  their own page pool and SWA rings (:func:`~megatron_s2.config.posttrain.engines.engine_configs`),
+  sized by :func:`~megatron_s2.models.v41.accounting.kv_cache_bytes`, the function with which the
   engine refuses a cache that does not fit. Pages are not sharded by tensor parallelism (one
   latent KV vector per token and layer), so every rank holds its replica's whole pool;
 * **frozen models** (:mod:`megatron_s2.posttrain.frozen`) — OPD in-process teachers and the
@@ -104,10 +104,10 @@ def posttrain_resident(recipe: RecipeConfig, layout: ParallelLayout, rank: int) 
     """``{label: bytes}`` of what ``rank`` holds for rollouts and frozen models (module docstring);
     empty for pretrain / sft phases."""
     from megatron_s2.checkpoint.hf.skeleton import layout_groups
-    from megatron_s2.inference.kv_store import kv_cache_bytes
-    from megatron_s2.posttrain.config.recipe_checks import posttrain_section
-    from megatron_s2.posttrain.rollout.engines import engine_configs
-    from megatron_s2.posttrain.rollout.weights import rollout_placement
+    from megatron_s2.models.v41.accounting import kv_cache_bytes
+    from megatron_s2.config.posttrain.recipe_checks import posttrain_section
+    from megatron_s2.config.posttrain.engines import engine_configs
+    from megatron_s2.parallel.rollout_layout import rollout_placement
 
     section = posttrain_section(recipe)
     if section is None:

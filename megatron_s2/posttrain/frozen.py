@@ -28,7 +28,6 @@ from megatron_s2.models.v41.model import V41Model
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.sharding import shard_spec, slice_of
 from megatron_s2.posttrain.vocab_parallel import token_log_probs
-from megatron_s2.training.model_builder import attach_token_map
 
 __all__ = ["load_frozen_model", "full_logits", "TeacherPool"]
 
@@ -46,7 +45,7 @@ def load_frozen_model(path: str | Path, groups: ParallelGroups, *, vocab_size: i
                           "reference must share the policy's tokenizer")
     model = V41Model(cfg, groups).to(device)
     model.apply_precision_map()
-    attach_token_map(model, tokenizer.compressed_token_map(num_ids=cfg.vocab_size))
+    model.set_token_map(tokenizer.compressed_token_map(num_ids=cfg.vocab_size))
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, target in model.state_dict().items():

@@ -6,7 +6,7 @@ The trainer's forward produces this rank's vocabulary shard of the logits ``[b, 
 into the scalar to backpropagate. :func:`global_normalisers` computes, once per global batch
 and over the data-parallel group, the counts the aggregation divides by, so the sum of the
 micro-batch objectives over micro-batches and ranks is the global objective whatever the
-split (the same contract as :mod:`megatron_s2.training.losses`).
+split (the same contract as :mod:`megatron_s2.pipeline.losses`).
 """
 
 from __future__ import annotations

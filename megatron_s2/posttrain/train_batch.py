@@ -6,9 +6,9 @@ groups to every rank); each data-parallel rank collates its contiguous share int
 versions, advantages, R3 records). Aggregation weights (token mean, sequence mean, fixed) are
 computed here from the *global* counts, before any context-parallel split, so the sum of the
 micro-batch objectives over micro-batches, data- and context-parallel ranks is the global
-objective whatever the layout (the contract of :mod:`megatron_s2.training.losses`).
+objective whatever the layout (the contract of :mod:`megatron_s2.pipeline.losses`).
 
-:class:`PosttrainLoss` is the ``loss_fn`` of :class:`~megatron_s2.training.step.StepInputs`: on
+:class:`PosttrainLoss` is the ``loss_fn`` of :class:`~megatron_s2.pipeline.step.StepInputs`: on
 the last pipeline stage it turns the logits shard into the walkthrough's objective (Eq. 29 / 36,
 or the full-vocabulary KL of report §5.2.4) through
 :class:`~megatron_s2.posttrain.losses.PosttrainObjective`, and keeps (sum, count) statistics for

@@ -39,7 +39,8 @@ from megatron_s2.models.v41.model import V41Model
 from megatron_s2.parallel.context_parallel import split_micro_batch
 from megatron_s2.parallel.setup import build_groups
 from megatron_s2.posttrain.advantages import AdvantagePipeline, GroupRollouts
-from megatron_s2.posttrain.config.recipe_checks import posttrain_section
+from megatron_s2.config.posttrain.recipe_checks import posttrain_section
+from megatron_s2.posttrain.checks import check_registered_names
 from megatron_s2.posttrain.envs import build_environment
 from megatron_s2.posttrain.frozen import TeacherPool, full_logits, load_frozen_model
 from megatron_s2.posttrain.losses import PosttrainObjective
@@ -47,17 +48,17 @@ from megatron_s2.posttrain.metrics import rollout_metrics
 from megatron_s2.posttrain.opd.warmup import SftWarmup
 from megatron_s2.posttrain.orchestrator import Orchestrator
 from megatron_s2.posttrain.rollout.engine_backend import EngineBackend
-from megatron_s2.posttrain.rollout.engines import engine_configs, engine_max_model_len
+from megatron_s2.config.posttrain.engines import engine_configs, engine_max_model_len
 from megatron_s2.posttrain.rollout.evaluation import Evaluator
 from megatron_s2.posttrain.rollout.replicas import replica_topology
-from megatron_s2.posttrain.rollout.weights import WeightTransfer, rollout_placement
+from megatron_s2.parallel.rollout_layout import rollout_placement
+from megatron_s2.posttrain.rollout.weights import WeightTransfer
 from megatron_s2.posttrain.train_batch import PosttrainLoss, build_micro_batches, g_device, split_routing_for_cp
 from megatron_s2.posttrain.vocab_parallel import token_log_probs
 from megatron_s2.runtime.device import build_on, to_device
-from megatron_s2.training.grad_finalize import finalize_model_grads
+from megatron_s2.parallel.grad_finalize import finalize_model_grads
 from megatron_s2.training.metrics import truncate_jsonl
-from megatron_s2.training.model_builder import attach_token_map
-from megatron_s2.training.step import StepInputs
+from megatron_s2.pipeline.step import StepInputs
 from megatron_s2.training.trainer import Trainer
 
 __all__ = ["PosttrainTrainer"]
@@ -82,6 +83,7 @@ class _OrchestratorState:
 
 class PosttrainTrainer(Trainer):
     def __init__(self, recipe, run_dir, *, rank: int = 0, world_size: int = 1, guard=None, log=print, device=None):
+        check_registered_names(recipe)  # before the model is built
         super().__init__(recipe, run_dir, rank=rank, world_size=world_size, guard=guard, log=log, device=device)
         self.kind = recipe.phase.kind
         self.section = section = posttrain_section(recipe)
@@ -131,7 +133,7 @@ class PosttrainTrainer(Trainer):
                 self.rollout_model = V41Model(recipe.model, self.rollout_groups)
             self.rollout_model.to(self.device)
             self.rollout_model.apply_precision_map()
-            attach_token_map(self.rollout_model, self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
+            self.rollout_model.set_token_map(self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
             self.rollout_model.eval().requires_grad_(False)
             self.transfer = WeightTransfer(self.model, self.rollout_model, rank=self.rank, world_size=self.world_size)
         self.log(f"rollout: {self.placement.reason}")

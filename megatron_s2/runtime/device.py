@@ -2,7 +2,7 @@
 
 Every rank computes on exactly one device, decided here from the communication backend the
 recipe asks for (``parallel.backend``) and the launcher's rank environment (``LOCAL_RANK``,
-exported by :mod:`megatron_s2.launcher.bootstrap` whatever started the rank):
+exported by :mod:`megatron_s2.runtime.bootstrap` whatever started the rank):
 
 =============  ===============================  ==========================================
 backend        device                           when

@@ -1,7 +1,7 @@
 """Configuration of the HTTP server (one dataclass, validated at construction).
 
 The engine's own settings (concurrency, queue bound, ``max_model_len``, KV tiers) live in
-:class:`~megatron_s2.inference.config.EngineConfig`; this one holds what only the server has.
+:class:`~megatron_s2.config.engine.EngineConfig`; this one holds what only the server has.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import threading
 import time
 
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.inference.config import EngineConfig
+from megatron_s2.config.engine import EngineConfig
 from megatron_s2.inference.engine import InferenceEngine
 from megatron_s2.serve.backend import EngineBackend
 from megatron_s2.serve.config import ServeConfig

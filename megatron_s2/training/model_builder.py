@@ -9,14 +9,7 @@ from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.pipeline.payload import PayloadModes
 from megatron_s2.pipeline.stage import PipelineRuntime, build_pipeline_model
 
-__all__ = ["build_stage_model", "attach_token_map"]
-
-
-def attach_token_map(model, token_map: list[int] | None) -> None:
-    """Give every Engram module the tokenizer's compressed-token map (§2.4.2)."""
-    for module in model.modules():
-        if hasattr(module, "set_compressed_token_map"):
-            module.set_compressed_token_map(token_map)
+__all__ = ["build_stage_model"]
 
 
 def build_stage_model(recipe: RecipeConfig, layout: ParallelLayout, groups: ParallelGroups, rank: int,
@@ -29,6 +22,6 @@ def build_stage_model(recipe: RecipeConfig, layout: ParallelLayout, groups: Para
         modes = PayloadModes(recipe.parallel.payload_index_k, recipe.parallel.payload_candidates)
         model, pipeline = build_pipeline_model(recipe.model, layout, groups, rank, seed=recipe.training.seed,
                                                modes=modes)
-    attach_token_map(model, token_map)
+    model.set_token_map(token_map)
     model.set_recompute(recipe.parallel.recompute)
     return model, pipeline

@@ -27,22 +27,23 @@ from megatron_s2.models.v41.precision import describe_fp8, describe_precision
 from megatron_s2.optim import build_optimizer, describe_param_groups
 from megatron_s2.optim.lr_schedule import LRSchedule
 from megatron_s2.parallel.context_parallel import split_micro_batch
-from megatron_s2.parallel.distributed_optimizer import DistributedOptimizer
+from megatron_s2.optim.distributed_optimizer import DistributedOptimizer
 from megatron_s2.parallel.layout import ParallelLayout
-from megatron_s2.parallel.optimizer_shards import optimizer_shard_groups
+from megatron_s2.optim.optimizer_shards import optimizer_shard_groups
 from megatron_s2.parallel.setup import build_groups
 from megatron_s2.parallel.sharding import name_seed
 from megatron_s2.pipeline.schedules import get_forward_backward_func
 from megatron_s2.runtime.device import build_on, check_device_backend, process_device, to_device
-from megatron_s2.training.finite import NonFiniteGuard
-from megatron_s2.training.grad_finalize import clip_grads, finalize_model_grads
-from megatron_s2.training.markers import (FINISHED_MARKER, clear_preempted, extension_hint, finished_step,
+from megatron_s2.runtime.finite import NonFiniteGuard
+from megatron_s2.parallel.grad_finalize import clip_grads, finalize_model_grads
+from megatron_s2.runtime.markers import (FINISHED_MARKER, clear_preempted, extension_hint, finished_step,
                                           write_finished, write_preempted)
 from megatron_s2.training.metrics import MetricsLogger, device_peak_tflops
 from megatron_s2.training.model_builder import build_stage_model
-from megatron_s2.training.run_checks import HostMemory, check_run_inputs
+from megatron_s2.runtime.host_memory import HostMemory
+from megatron_s2.training.run_checks import check_run_inputs
 from megatron_s2.training.rng import rng_state, seed_everything, set_rng_state
-from megatron_s2.training.step import StepInputs
+from megatron_s2.pipeline.step import StepInputs
 
 __all__ = ["Trainer", "TrainResult"]
 

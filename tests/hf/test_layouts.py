@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megatron_s2.checkpoint.hf.checkpoint_io import read_back_as_layout, read_full_state
-from megatron_s2.checkpoint.hf.cli import main as hf_main
+from megatron_s2.cli import main as cli_main
 from tests.parallel.spawn import run_distributed
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pretrain_tiny.yaml"
@@ -76,8 +76,8 @@ def test_initial_checkpoints_read_as_the_single_rank_model(runs, layout):
 def test_trained_checkpoint_converts_across_layouts(runs, tmp_path):
     trained = read_full_state(runs / "tp2_sp")
     assert trained.step == 1 and "tp=2+sp" in trained.layout
-    assert hf_main(["export", str(runs / "tp2_sp"), str(tmp_path / "hf"), "--no-progress"]) == 0
-    assert hf_main(["import", str(tmp_path / "hf"), str(tmp_path / "pp2"), "parallel.pp=2", "parallel.vpp=2",
+    assert cli_main(["checkpoint", "export", str(runs / "tp2_sp"), str(tmp_path / "hf"), "--no-progress"]) == 0
+    assert cli_main(["checkpoint", "import", str(tmp_path / "hf"), str(tmp_path / "pp2"), "parallel.pp=2", "parallel.vpp=2",
                     "--no-progress"]) == 0
     imported = read_full_state(tmp_path / "pp2")
     assert "pp=2 vpp=2" in imported.layout and imported.world_size == 2
@@ -85,7 +85,7 @@ def test_trained_checkpoint_converts_across_layouts(runs, tmp_path):
     for name, t in trained.state.items():
         assert torch.equal(imported.state[name], t) and torch.equal(as_pp2[name], t), name
     # the same Hugging Face checkpoint on one rank: the trainer loads it, same loss as TP2
-    assert hf_main(["import", str(tmp_path / "hf"), str(tmp_path / "one"), "--no-progress"]) == 0
+    assert cli_main(["checkpoint", "import", str(tmp_path / "hf"), str(tmp_path / "one"), "--no-progress"]) == 0
     trainer = _trainer(0, 1, [f"checkpoint.load={tmp_path / 'one'}", "checkpoint.load_optimizer=false"],
                        tmp_path / "single")
     assert trainer.restore()

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.inference import EngineConfig, InferenceEngine
-from megatron_s2.inference.kv_store import kv_cache_bytes
+from megatron_s2.models.v41.accounting import kv_cache_bytes
 from megatron_s2.models.v41.model import build_model
 
 

@@ -18,7 +18,6 @@ from megatron_s2.config.recipe import load_recipe
 from megatron_s2.data.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer
 from megatron_s2.data.tokenizer_checks import record_run_tokenizer
 from megatron_s2.models.v41.model import build_model
-from megatron_s2.training.model_builder import attach_token_map
 from tests.parallel.parity import RECIPE
 
 PROMPT = "Hello, world"
@@ -41,7 +40,7 @@ def greedy(run_dir, n):
     tok = CharTokenizer()
     recipe = load_recipe(RECIPE, ["parallel.tp=1", "parallel.pp=1"])
     model = build_model(recipe.model, seed=5).eval()
-    attach_token_map(model, tok.compressed_token_map(num_ids=recipe.model.vocab_size))
+    model.set_token_map(tok.compressed_token_map(num_ids=recipe.model.vocab_size))
     ids = [tok.bos_id] + tok.encode(PROMPT)
     out = []
     with torch.no_grad():

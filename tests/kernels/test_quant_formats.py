@@ -5,7 +5,7 @@ import torch
 
 from megatron_s2.kernels.quant_formats import (pack_fp4_e4m3, pack_fp8, pack_mxfp4, packed_bytes, unpack_fp4_e4m3,
                                                unpack_fp8, unpack_mxfp4)
-from megatron_s2.models.v41.quant import fake_quant_fp4_e4m3, fake_quant_fp8, fake_quant_mxfp4
+from megatron_s2.kernels.quantize import fake_quant_fp4_e4m3, fake_quant_fp8, fake_quant_mxfp4
 
 FORMATS = {
     "fp4_e4m3": (pack_fp4_e4m3, unpack_fp4_e4m3, fake_quant_fp4_e4m3, 16),

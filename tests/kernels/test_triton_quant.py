@@ -1,5 +1,5 @@
 """Triton FP4 E2M1/E4M3, MXFP4 and FP8 quantisers: bit-identical to the packed-format
-references (kernels/quant_formats.py) and to the fake-quantisers (models/v41/quant.py),
+references (kernels/quant_formats.py) and to the reference fake-quantisers (kernels/quantize.py),
 including ties, zeros, signed zeros, subnormal E4M3 scales and bfloat16 inputs."""
 
 from __future__ import annotations
@@ -9,16 +9,15 @@ import torch
 
 from megatron_s2.kernels import quant_formats as formats
 from megatron_s2.kernels import quantize
-from megatron_s2.models.v41 import quant as fake
 from tests.kernels.conftest import require_triton
 
 require_triton()
 from megatron_s2.kernels.triton.quant import dequantize_triton, quantize_triton  # noqa: E402
 
 CASES = {
-    "fp4_e4m3": (formats.pack_fp4_e4m3, formats.unpack_fp4_e4m3, fake.fake_quant_fp4_e4m3),
-    "mxfp4": (formats.pack_mxfp4, formats.unpack_mxfp4, fake.fake_quant_mxfp4),
-    "fp8": (formats.pack_fp8, formats.unpack_fp8, fake.fake_quant_fp8),
+    "fp4_e4m3": (formats.pack_fp4_e4m3, formats.unpack_fp4_e4m3, lambda x: quantize.fake_quant_reference(x, "fp4_e4m3", 16)),
+    "mxfp4": (formats.pack_mxfp4, formats.unpack_mxfp4, lambda x: quantize.fake_quant_reference(x, "mxfp4", 32)),
+    "fp8": (formats.pack_fp8, formats.unpack_fp8, lambda x: quantize.fake_quant_reference(x, "fp8", 32)),
 }
 
 

@@ -21,8 +21,8 @@ ALLREDUCE = PAYLOADS / "allreduce.py"
 RECIPES = Path(__file__).resolve().parent / "recipes"
 
 requires_trainer = pytest.mark.skipif(
-    importlib.util.find_spec("megatron_s2.training.entry") is None,
-    reason="needs the trainer (megatron_s2.training.entry, `megatron-s2 train`), not in this build")
+    importlib.util.find_spec("megatron_s2.cli.train") is None,
+    reason="needs the trainer (megatron_s2.cli.train, `megatron-s2 train`), not in this build")
 
 
 def expected_loss(steps: int, world: int) -> float:

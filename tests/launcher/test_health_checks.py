@@ -12,9 +12,9 @@ import pytest
 from launcher_helpers import PAYLOADS
 
 from megatron_s2.config.launcher import LauncherConfig
-from megatron_s2.launcher.bootstrap import DistInfo
-from megatron_s2.launcher.gpu_inventory import query_inventory
-from megatron_s2.launcher.health import RankTiming, find_outliers, health_checks_enabled, run_health_checks
+from megatron_s2.runtime.bootstrap import DistInfo
+from megatron_s2.runtime.gpu_inventory import query_inventory
+from megatron_s2.runtime.health import RankTiming, find_outliers, health_checks_enabled, run_health_checks
 
 DRIVER = PAYLOADS / "local_driver.py"
 

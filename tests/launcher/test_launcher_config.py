@@ -15,7 +15,7 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.launcher.cli import launcher_flags
 from megatron_s2.launcher.environment import parse_env_flags, rank_environment
 from megatron_s2.launcher.launch import apply_launcher_flags
-from megatron_s2.launcher.preemption import EXIT_PREEMPTED, PreemptionGuard
+from megatron_s2.runtime.preemption import EXIT_PREEMPTED, PreemptionGuard
 
 RECIPE = RECIPES / "tiny_4rank.yaml"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from launcher_helpers import PAYLOADS, RESUMABLE, expected_loss
 
-from megatron_s2.launcher.preemption import EXIT_PREEMPTED
+from megatron_s2.runtime.preemption import EXIT_PREEMPTED
 
 DRIVER = PAYLOADS / "local_driver.py"
 

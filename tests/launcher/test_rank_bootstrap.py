@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from launcher_helpers import ALLREDUCE
 
-from megatron_s2.launcher.bootstrap import init_distributed
-from megatron_s2.launcher.rendezvous import detect_source, discover, expand_hostlist, slurm_port
+from megatron_s2.runtime.bootstrap import init_distributed
+from megatron_s2.runtime.rendezvous import detect_source, discover, expand_hostlist, slurm_port
 
 
 def records(out_dir: Path, world: int) -> list[dict]:

@@ -13,7 +13,7 @@ import pytest
 from launcher_helpers import RECIPES
 
 from megatron_s2.cli import main
-from megatron_s2.training.run_lock import RunLock
+from megatron_s2.runtime.run_lock import RunLock
 
 RECIPE = str(RECIPES / "tiny_4rank.yaml")
 pytestmark = pytest.mark.usefixtures("no_cluster")

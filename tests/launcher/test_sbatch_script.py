@@ -11,7 +11,7 @@ import pytest
 from launcher_helpers import RECIPES, RESUMABLE, payload_job, run_script_with_stubs, sbatch_options
 
 from megatron_s2.cli import main
-from megatron_s2.launcher.preemption import EXIT_PREEMPTED
+from megatron_s2.runtime.preemption import EXIT_PREEMPTED
 from megatron_s2.launcher.sbatch_script import render_sbatch_script
 
 pytestmark = pytest.mark.usefixtures("no_cluster")

@@ -11,7 +11,7 @@ import json
 import pytest
 from launcher_helpers import RESUMABLE, expected_loss, payload_job
 
-from megatron_s2.launcher.preemption import EXIT_PREEMPTED
+from megatron_s2.runtime.preemption import EXIT_PREEMPTED
 from megatron_s2.launcher.sbatch_script import render_sbatch_script
 from megatron_s2.launcher.slurm import submit
 

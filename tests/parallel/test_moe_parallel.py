@@ -39,7 +39,7 @@ from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.parallel.placement import placement_of
 from megatron_s2.parallel.setup import build_groups
 from megatron_s2.parallel.sharding import shard_spec, slice_of
-from megatron_s2.training.grad_finalize import finalize_model_grads
+from megatron_s2.parallel.grad_finalize import finalize_model_grads
 from tests.parallel.spawn import free_port
 
 WORLD = 4

@@ -15,7 +15,7 @@ from megatron_s2.models.v41.model import V41Model
 from megatron_s2.models.v41.parallel_plan import PLAN, Rule, apply_plan, describe_plan
 from megatron_s2.parallel.groups import Group, ParallelGroups
 from megatron_s2.parallel.placement import Replicas, Style, mark_param, placement_of
-from megatron_s2.training.grad_finalize import reduction_group, replication
+from megatron_s2.parallel.grad_finalize import reduction_group, replication
 from tests.parallel.parity import BASE, RECIPE
 
 

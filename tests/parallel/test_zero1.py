@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_s2.parallel.distributed_optimizer import DistributedOptimizer, owner_buckets
+from megatron_s2.optim.distributed_optimizer import DistributedOptimizer, owner_buckets
 from megatron_s2.parallel.groups import Group, ParallelGroups
 from tests.parallel.spawn import run_distributed
 

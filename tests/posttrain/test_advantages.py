@@ -23,7 +23,7 @@ from megatron_s2.posttrain.advantages import (
     std_normalize,
     token_advantages,
 )
-from megatron_s2.posttrain.config import AdvantageConfig, GepoConfig, LengthRegularizationConfig
+from megatron_s2.config.posttrain import AdvantageConfig, GepoConfig, LengthRegularizationConfig
 
 WE14_REWARDS = [1, 1, 1, 0, 1, 0, 1, 1]
 WE16_LENGTHS = [900, 1200, 1500, 2400, 3000, 5000]

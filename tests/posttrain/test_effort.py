@@ -18,7 +18,7 @@ from megatron_s2.posttrain.advantages import (
     with_effort,
 )
 from megatron_s2.posttrain.advantages.effort import level_spacing
-from megatron_s2.posttrain.config import AdvantageConfig, EffortConfig
+from megatron_s2.config.posttrain import AdvantageConfig, EffortConfig
 
 LEVELS = (25, 50, 75, 100)
 

@@ -10,7 +10,7 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.data.tokenizer import CharTokenizer
 from megatron_s2.inference import EngineConfig, InferenceEngine
 from megatron_s2.models.v41.model import build_model
-from megatron_s2.posttrain.config.environment import EnvironmentConfig, EvaluationConfig
+from megatron_s2.config.posttrain.environment import EnvironmentConfig, EvaluationConfig
 from megatron_s2.posttrain.envs import TaskEnvironment
 from megatron_s2.posttrain.rollout.evaluation import Evaluator
 from megatron_s2.posttrain.rollout.replicas import ReplicaTopology

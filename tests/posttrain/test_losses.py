@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron_s2.posttrain.config import LossConfig, LossTermConfig
+from megatron_s2.config.posttrain import LossConfig, LossTermConfig
 from megatron_s2.posttrain.losses import (
     LOSS_TERMS,
     TOKEN_MASKS,

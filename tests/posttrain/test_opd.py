@@ -12,7 +12,7 @@ import torch
 
 from megatron_s2.models.v41.model import build_model
 from megatron_s2.parallel.groups import Group
-from megatron_s2.posttrain.config import LossConfig, LossTermConfig
+from megatron_s2.config.posttrain import LossConfig, LossTermConfig
 from megatron_s2.posttrain.losses import LossInputs, PosttrainObjective, aggregation_weights
 from megatron_s2.posttrain.opd import TeacherPool, domain_token_weights, opd_advantages
 from megatron_s2.posttrain.vocab_parallel import token_log_probs, vocab_parallel_kl

@@ -274,7 +274,7 @@ def test_each_prompt_is_answered_by_its_domains_teacher_greedily():
     from megatron_s2.data.tokenizer import CharTokenizer
     from megatron_s2.inference import EngineConfig
     from megatron_s2.models.v41.model import build_model
-    from megatron_s2.posttrain.config.environment import EnvironmentConfig
+    from megatron_s2.config.posttrain.environment import EnvironmentConfig
     from megatron_s2.posttrain.envs import TaskEnvironment
     from megatron_s2.posttrain.frozen import TeacherPool, full_logits
     from megatron_s2.posttrain.opd.warmup_data import TeacherGenerator

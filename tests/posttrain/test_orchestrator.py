@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_s2.posttrain.advantages import AdvantagePipeline, GroupRollouts
-from megatron_s2.posttrain.config import AdvantageConfig, DatasetSlotConfig, RolloutConfig, ShortSampleDiscardConfig
+from megatron_s2.config.posttrain import AdvantageConfig, DatasetSlotConfig, RolloutConfig, ShortSampleDiscardConfig
 from megatron_s2.posttrain.losses import staleness_mask
 from megatron_s2.posttrain.orchestrator import Orchestrator
 from tests.posttrain.sim_engine import PromptList, SimulatedEngine
@@ -257,7 +257,7 @@ def _paused_state(orch, engine):
 
 
 def test_effort_levels_expand_groups_into_subgroups():
-    from megatron_s2.posttrain.config import EffortConfig
+    from megatron_s2.config.posttrain import EffortConfig
 
     effort = EffortConfig(levels=(50, 100), samples_per_level=2, k0=0.2, l_norm=10.0)
     cfg = RolloutConfig(group_size=4, max_in_flight=8, batch_groups=2, max_staleness=-1)

@@ -13,7 +13,7 @@ from megatron_s2.models.v41.model import build_model
 from megatron_s2.parallel.groups import Group
 from megatron_s2.posttrain.advantages import AdvantagePipeline, GroupRollouts
 from megatron_s2.posttrain.batch import collate
-from megatron_s2.posttrain.config import AdvantageConfig, LossConfig, RolloutConfig
+from megatron_s2.config.posttrain import AdvantageConfig, LossConfig, RolloutConfig
 from megatron_s2.posttrain.losses import PosttrainObjective
 from megatron_s2.posttrain.orchestrator import Orchestrator
 from megatron_s2.posttrain.step import global_normalisers, micro_batch_objective

@@ -15,7 +15,7 @@ from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.model import build_model
 from megatron_s2.parallel.groups import Group
 from megatron_s2.posttrain.batch import collate
-from megatron_s2.posttrain.config import LossConfig
+from megatron_s2.config.posttrain import LossConfig
 from megatron_s2.posttrain.losses import PosttrainObjective
 from megatron_s2.posttrain.orchestrator import RolloutSample
 from megatron_s2.posttrain.step import global_normalisers, micro_batch_objective

@@ -169,7 +169,7 @@ def test_an_opd_warmup_that_would_generate_on_a_verifiers_environment_is_refused
 def test_verifiers_build_errors_name_the_field_and_a_broken_plugin(tmp_path):
     """An unknown taskset field names the field (not pydantic's "1 validation error for ..."); a plugin
     with a syntax error is a one-line ConfigError naming the file and line, not a traceback."""
-    from megatron_s2.posttrain.config.environment import EnvironmentConfig
+    from megatron_s2.config.posttrain.environment import EnvironmentConfig
     from megatron_s2.posttrain.envs.vf_env import VerifiersEnvironment
     with pytest.raises(ConfigError, match=r"taskset\.bogus_field: Extra inputs") as err:
         VerifiersEnvironment("d", EnvironmentConfig(kind="verifiers", taskset={"id": "megatron_s2_tasks",

@@ -33,7 +33,8 @@ def delta(name: str, shape, k: int) -> torch.Tensor:
 def _worker(rank, world, out_dir):
     from megatron_s2.parallel.layout import ParallelLayout
     from megatron_s2.parallel.setup import build_groups
-    from megatron_s2.posttrain.rollout.weights import WeightTransfer, rollout_placement
+    from megatron_s2.parallel.rollout_layout import rollout_placement
+    from megatron_s2.posttrain.rollout.weights import WeightTransfer
     from megatron_s2.training.model_builder import build_stage_model
 
     for name, overrides in LAYOUTS.items():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_s2.cli import main
-from megatron_s2.inference.config import EngineConfig
+from megatron_s2.config.engine import EngineConfig
 from megatron_s2.serve import ServeConfig, ServerThread, build_state
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "v41" / "tiny_pretrain.yaml"
 TRAIN = ["training.train_steps=3", "training.seq_length=32", "training.global_batch_size=4",
@@ -34,7 +34,7 @@ def run_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def loaded(run_dir):
     """(model, tokenizer, description) of the trained checkpoint, as ``megatron-s2 serve`` loads it."""
-    from megatron_s2.inference.cli import load_model
+    from megatron_s2.inference.weights import load_model
 
     return load_model(str(run_dir), "cpu")
 

@@ -16,7 +16,7 @@ import torch
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.models.v41.model import build_model
-from megatron_s2.posttrain.config import LossConfig, LossTermConfig
+from megatron_s2.config.posttrain import LossConfig, LossTermConfig
 from megatron_s2.posttrain.frozen import TeacherPool, load_frozen_model
 from megatron_s2.posttrain.losses import PosttrainObjective, aggregation_weights
 from megatron_s2.posttrain.opd.remote_teacher import RemoteTeacher
@@ -160,8 +160,8 @@ def test_opd_trainer_step_is_the_same_with_the_teacher_served(tmp_path):
     import json
 
     from megatron_s2.cli import main
-    from megatron_s2.inference.cli import load_model
-    from megatron_s2.inference.config import EngineConfig
+    from megatron_s2.inference.weights import load_model
+    from megatron_s2.config.engine import EngineConfig
     from megatron_s2.serve import ServeConfig, ServerThread, build_state
 
     quiet = ["logging.progress_bar=false", "logging.tensorboard=false"]
@@ -190,7 +190,7 @@ def test_opd_trainer_step_is_the_same_with_the_teacher_served(tmp_path):
 
 
 def test_a_teacher_that_fails_mid_run_halts_with_one_line(loaded, server):
-    from megatron_s2.training.finite import TrainingHalted
+    from megatron_s2.runtime.finite import TrainingHalted
 
     tokens, labels = torch.zeros(1, 300, dtype=torch.long), torch.ones(1, 300, dtype=torch.long)
     remote = RemoteTeacher("t", f"{server.url}/v1").connect()

@@ -17,7 +17,7 @@ import torch
 from megatron_s2.checkpoint import CheckpointStore
 from megatron_s2.checkpoint.offline import read_full_tensors
 from megatron_s2.config.recipe import load_recipe
-from megatron_s2.training.finite import NonFiniteStep
+from megatron_s2.runtime.finite import NonFiniteStep
 from megatron_s2.training.trainer import Trainer
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pretrain_tiny.yaml"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from megatron_s2.cli import main
-from megatron_s2.training.run_lock import LOCK_FILE, RunDirLocked, RunLock
+from megatron_s2.runtime.run_lock import LOCK_FILE, RunDirLocked, RunLock
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pretrain_tiny.yaml"
 SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=0", "training.seq_length=32",

@@ -18,8 +18,6 @@ released checkpoint imports (FP8/FP4 weights are dequantised) and produces the s
 """
 
 from megatron_s2.checkpoint.hf.convert import export_model_state, import_model_state, load_hf_checkpoint
-from megatron_s2.checkpoint.hf.cli import export_checkpoint, import_checkpoint
 from megatron_s2.checkpoint.hf.v41_bridge import V41_REGISTRY
 
-__all__ = ["export_model_state", "import_model_state", "load_hf_checkpoint", "export_checkpoint",
-           "import_checkpoint", "V41_REGISTRY"]
+__all__ = ["export_model_state", "import_model_state", "load_hf_checkpoint", "V41_REGISTRY"]

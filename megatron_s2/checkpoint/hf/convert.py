@@ -34,7 +34,7 @@ from megatron_s2.checkpoint.hf.v41_bridge import V41_REGISTRY
 from megatron_s2.config.model import ModelConfig
 
 __all__ = ["CONFIG_FILE", "DEFAULT_MAX_SHARD_BYTES", "ExportResult", "export_model_state", "import_model_state",
-           "load_hf_checkpoint", "check_state", "hf_tokenizer_dir", "check_compressed_vocab"]
+           "load_hf_checkpoint", "check_state", "check_compressed_vocab"]
 
 CONFIG_FILE = "config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3
@@ -163,15 +163,6 @@ def load_hf_checkpoint(hf_dir: str | Path, *, progress: bool = True, registry: M
     with tqdm(total=len(expected), desc="import", unit="tensor", disable=not progress) as bar:
         state, report = registry.import_state(TensorSource(reader), expected, ConversionContext(cfg), progress=bar)
     return cfg, state, report
-
-
-def hf_tokenizer_dir(hf_dir: str | Path) -> Path | None:
-    """``hf_dir`` when it holds tokenizer files (Hugging Face ``tokenizer.json`` or our
-    ``char_tokenizer.json``), else None."""
-    from megatron_s2.data.tokenizer import CHAR_TOKENIZER_FILE
-
-    directory = Path(hf_dir)
-    return directory if any((directory / n).is_file() for n in ("tokenizer.json", CHAR_TOKENIZER_FILE)) else None
 
 
 def check_compressed_vocab(hf_dir: str | Path, tokenizer) -> None:

@@ -117,11 +117,10 @@ def model_logits(cfg: ModelConfig, state: dict[str, torch.Tensor], input_ids: to
     """Float32 logits of the single-rank model holding ``state``, hashing Engram n-grams
     through ``token_map`` (the tokenizer's compressed token map; None = identity)."""
     from megatron_s2.models.v41.model import V41Model
-    from megatron_s2.training.model_builder import attach_token_map
 
     model = V41Model(cfg)
     model.load_state_dict(state, strict=True)
-    attach_token_map(model, token_map)
+    model.set_token_map(token_map)
     model.eval()
     return model(input_ids).float()
 

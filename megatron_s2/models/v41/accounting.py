@@ -19,11 +19,12 @@ from dataclasses import asdict, dataclass
 
 from megatron_s2.config.layer_plan import CSA2Mode, LayerSpec
 from megatron_s2.config.model import ModelConfig
+from megatron_s2.kernels.kv_formats import vector_format
 from megatron_s2.models.v41.engram.hashing import EngramHasher
 from megatron_s2.models.v41.engram.table import padded_rows
 
 __all__ = ["ParamCounts", "count_parameters", "kv_bytes", "decode_flops_per_token", "train_flops_per_token",
-           "account", "fp4_bytes", "fp8_bytes"]
+           "account", "fp4_bytes", "fp8_bytes", "kv_cache_bytes"]
 
 
 def fp4_bytes(channels: int, block: int) -> float:
@@ -197,3 +198,15 @@ def account(c: ModelConfig) -> dict:
         "decode_flops_1m": decode_flops_per_token(c, 1 << 20),
         "breakdown": {"params": asdict(counts), "kv": kv},
     }
+
+
+def kv_cache_bytes(config: ModelConfig, engine) -> int:
+    """Bytes the engine's :class:`GlobalKVStore` and :class:`SWAStore` will allocate for the
+    ``EngineConfig`` ``engine`` — computed without allocating, so an impossible size is refused
+    before the zeroed buffers take the host down."""
+    main = vector_format(config.fp4_main_kv, "fp4_e4m3", config.head_dim).bytes_per_vector
+    index = vector_format(config.fp4_indexer, "mxfp4", config.index_head_dim).bytes_per_vector
+    per_page = sum((engine.page_tokens // s.compress_ratio) * (main + index) for s in config.plan if s.computes_main_kv)
+    swa = vector_format(config.fp8_swa_kv, "fp8", config.head_dim).bytes_per_vector
+    per_slot = len(config.plan) * config.window_size * swa
+    return engine.pages_for(config) * per_page + (engine.max_num_seqs + engine.swa_pool_slots) * per_slot

@@ -77,6 +77,12 @@ class V41Model(nn.Module):
                 x, pre = block(x, pre, ctx)
         return x, pre
 
+    def set_token_map(self, token_map: list[int] | None) -> None:
+        """Give every Engram module the tokenizer's compressed-token map (§2.4.2); None = identity."""
+        for module in self.modules():
+            if hasattr(module, "set_compressed_token_map"):
+                module.set_compressed_token_map(token_map)
+
     def set_recompute(self, mode: str) -> None:
         """Activation recomputation: none, full (whole blocks, shared-state aware) or selective
         (the regions of the parallel plan's ``SELECTIVE_RECOMPUTE``: attention core, routed experts)."""

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from megatron_s2.models.init import constant_init
-from megatron_s2.models.v41.precision import wide
+from megatron_s2.kernels.precision import wide
 from megatron_s2.parallel.placement import mark_param
 
 __all__ = ["RMSNorm", "rms_norm"]

@@ -28,7 +28,7 @@ experiments and for parity tests in bfloat16; the float32 islands below stay flo
 
 **Float32 islands** (never cast to ``compute_dtype``): RoPE, RMSNorm, the MoE router and its
 correction biases, the mHC coefficients and Sinkhorn mixing, the attention softmax, the
-Engram gate and the LM head / cross-entropy compute in at least float32 (:func:`wide`; float64
+Engram gate and the LM head / cross-entropy compute in at least float32 (:func:`megatron_s2.kernels.precision.wide`; float64
 inputs stay float64 so gradient checks run in double precision), and their parameters are
 never stored in bfloat16 (:data:`~megatron_s2.models.v41.model.V41Model.FP32_PARAMS`).
 """
@@ -38,11 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["wide", "set_gemm_dtype", "describe_precision"]
-
-
-def wide(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float64 else t.float()
+__all__ = ["set_gemm_dtype", "describe_precision", "describe_fp8"]
 
 
 def set_gemm_dtype(model: nn.Module, dtype: torch.dtype) -> None:

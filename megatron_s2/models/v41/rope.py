@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from megatron_s2.models.v41.precision import wide
+from megatron_s2.kernels.precision import wide
 
 __all__ = ["rope_frequencies", "apply_rope"]
 

@@ -109,7 +109,7 @@ class TransformerEngineProvider(LocalProvider):
         return LinearSubmodules(*te_linear_classes(fp8))
 
     def experts(self) -> tuple[type, type]:
-        from megatron_s2.parallel.te_linear import te_expert_classes
+        from megatron_s2.models.v41.moe.te_experts import te_expert_classes
 
         return te_expert_classes(self.fp8 if self.fp8.experts else FP8Config())
 

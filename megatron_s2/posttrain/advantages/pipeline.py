@@ -30,7 +30,7 @@ from megatron_s2.posttrain.advantages.group import GROUP_ESTIMATORS, as_rewards,
 from megatron_s2.posttrain.advantages.length import adaptive_length_regularization
 
 if TYPE_CHECKING:
-    from megatron_s2.posttrain.config.advantage import AdvantageConfig, EffortConfig
+    from megatron_s2.config.posttrain.advantage import AdvantageConfig, EffortConfig
 
 __all__ = ["GroupRollouts", "GroupAdvantages", "AdvantagePipeline", "ADVANTAGE_TRANSFORMS"]
 

@@ -78,7 +78,7 @@ class TaskEnvironment(Environment):
     episode_type = _TaskEpisode
 
     def __init__(self, name: str, config, tokenizer: Tokenizer):
-        """``config``: an :class:`~megatron_s2.posttrain.config.environment.EnvironmentConfig`."""
+        """``config``: an :class:`~megatron_s2.config.posttrain.environment.EnvironmentConfig`."""
         self.name, self.config, self.tokenizer = name, config, tokenizer
         self.task = build_task(config.task, config.difficulty)
         self.max_turns = config.max_turns

@@ -11,7 +11,7 @@ The recipe chooses (``loss.aggregation``):
 The weights are computed once per global batch from the loss mask — *before* numerical masks
 (BKL, staleness, ratio) — so the objective is a plain ``sum(weight * mask * loss)`` over
 micro-batches and data-parallel ranks whose gradient does not depend on the split, like
-:mod:`megatron_s2.training.losses` does for cross-entropy. A token removed by a numerical
+:mod:`megatron_s2.pipeline.losses` does for cross-entropy. A token removed by a numerical
 mask contributes zero without re-normalising the others.
 """
 

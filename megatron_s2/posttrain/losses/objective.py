@@ -32,7 +32,7 @@ from megatron_s2.posttrain.losses.masks import bkl_mask, ratio_mask, staleness_m
 from megatron_s2.posttrain.losses.terms import LOSS_TERMS, LossInputs
 
 if TYPE_CHECKING:
-    from megatron_s2.posttrain.config.loss import LossConfig
+    from megatron_s2.config.posttrain.loss import LossConfig
 
 __all__ = ["TOKEN_MASKS", "register_token_mask", "ObjectiveResult", "PosttrainObjective"]
 
@@ -97,7 +97,7 @@ class ObjectiveResult:
 
 
 class PosttrainObjective:
-    """Masks x terms x aggregation, from a :class:`~megatron_s2.posttrain.config.loss.LossConfig`."""
+    """Masks x terms x aggregation, from a :class:`~megatron_s2.config.posttrain.loss.LossConfig`."""
 
     def __init__(self, config: "LossConfig", max_staleness: int = -1):
         self.config, self.max_staleness = config, max_staleness

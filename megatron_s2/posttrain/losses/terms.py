@@ -30,7 +30,7 @@ from megatron_s2.posttrain.losses.importance import truncated_importance_weight
 from megatron_s2.posttrain.vocab_parallel import vocab_parallel_entropy, vocab_parallel_kl
 
 if TYPE_CHECKING:
-    from megatron_s2.posttrain.config.loss import LossConfig, LossTermConfig
+    from megatron_s2.config.posttrain.loss import LossConfig, LossTermConfig
 
 __all__ = ["LossInputs", "LOSS_TERMS", "register_loss_term", "policy_gradient_token_loss", "reference_kl_token"]
 

@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.training.finite import TrainingHalted
+from megatron_s2.runtime.finite import TrainingHalted
 
 __all__ = ["RemoteTeacher", "RemoteTeacherError", "once_per_replica"]
 

@@ -96,7 +96,7 @@ class Orchestrator:
                  effort_levels: Sequence[int] = (), samples_per_level: int = 0,
                  group_filter: Callable[[list[RolloutSample]], bool] | None = None,
                  scorer: Callable[[RolloutSample], float] | None = None):
-        """``config``: a :class:`~megatron_s2.posttrain.config.RolloutConfig`; ``sources``: the
+        """``config``: a :class:`~megatron_s2.config.posttrain.RolloutConfig`; ``sources``: the
         prompt datasets by name (every ``config.datasets`` entry, or one entry when the list is
         empty); ``group_filter``: False drops a complete group (DAPO, e.g.
         ``AdvantagePipeline.informative``); ``scorer``: reward of a sample the backend did not score."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_s2.launcher.bootstrap import init_distributed, shutdown_distributed
+from megatron_s2.runtime.bootstrap import init_distributed, shutdown_distributed
 
 out_dir, source = Path(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else "auto")
 info = init_distributed(backend="gloo", source=source)

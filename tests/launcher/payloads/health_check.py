@@ -6,8 +6,8 @@
 import sys
 from pathlib import Path
 
-from megatron_s2.launcher.bootstrap import init_distributed, shutdown_distributed
-from megatron_s2.launcher.health import run_health_checks
+from megatron_s2.runtime.bootstrap import init_distributed, shutdown_distributed
+from megatron_s2.runtime.health import run_health_checks
 
 run_dir = Path(sys.argv[1])
 info = init_distributed(backend="gloo")

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_s2.launcher.bootstrap import init_distributed, shutdown_distributed
-from megatron_s2.launcher.preemption import EXIT_PREEMPTED, PreemptionGuard
-from megatron_s2.training.markers import write_preempted
+from megatron_s2.runtime.bootstrap import init_distributed, shutdown_distributed
+from megatron_s2.runtime.preemption import EXIT_PREEMPTED, PreemptionGuard
+from megatron_s2.runtime.markers import write_preempted
 
 
 def main() -> int:

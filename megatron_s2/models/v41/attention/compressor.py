@@ -24,7 +24,7 @@ from torch import nn
 
 from megatron_s2.config.model import ModelConfig
 from megatron_s2.models.v41.norm import RMSNorm
-from megatron_s2.models.v41.precision import wide
+from megatron_s2.kernels.precision import wide
 from megatron_s2.parallel.linear import ReplicatedLinear, _LocalGemm, _linear
 
 __all__ = ["Compressor", "pool_groups"]

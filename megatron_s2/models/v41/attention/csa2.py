@@ -68,7 +68,7 @@ from megatron_s2.models.v41.attention.visibility import entry_doc_ids, truncate_
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.parallel_plan import apply_plan
-from megatron_s2.models.v41.precision import wide
+from megatron_s2.kernels.precision import wide
 from megatron_s2.kernels import fake_quant_fp4_e4m3, fake_quant_fp8
 from megatron_s2.models.v41.rope import apply_rope, rope_frequencies
 from megatron_s2.models.v41.spec import LinearSubmodules

@@ -38,7 +38,7 @@ from megatron_s2.models.v41.attention.selection import topk_newest_on_ties
 from megatron_s2.models.v41.attention.visibility import compressed_visible
 from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.parallel_plan import apply_plan
-from megatron_s2.models.v41.precision import wide
+from megatron_s2.kernels.precision import wide
 from megatron_s2.kernels import fake_quant_mxfp4
 from megatron_s2.models.v41.rope import apply_rope
 from megatron_s2.parallel import mappings

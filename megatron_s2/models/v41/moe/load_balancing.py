@@ -30,7 +30,7 @@ are all-reduced so the value equals the single-rank one. The sums have an identi
 backward: every rank of the split adds the same loss value but backpropagates only its own
 tokens' share, and the gradient finaliser *sums* those shares (the router weight is placed
 tp-partial -> summed over tp; dense gradients summed over dp x cp, see
-``megatron_s2.training.grad_finalize``), which gives exactly the single-rank gradient.
+``megatron_s2.parallel.grad_finalize``), which gives exactly the single-rank gradient.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Start torch.distributed in a rank process, whoever launched it.
 
 ``init_distributed()`` is the first thing a rank does: it discovers its rank, the world and
-rank 0's address (:mod:`megatron_s2.launcher.rendezvous`: torchrun, mpirun, srun, or a
+rank 0's address (:mod:`megatron_s2.runtime.rendezvous`: torchrun, mpirun, srun, or a
 single process), picks the backend and the rank's device in one place
 (:func:`megatron_s2.runtime.device.resolve_rank_device`: nccl <=> the GPU of its local rank,
 gloo <=> CPU), makes that GPU the current device, initialises the default process group and exports the torchrun-style
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_s2.launcher.rendezvous import Rendezvous, discover
+from megatron_s2.runtime.rendezvous import Rendezvous, discover
 from megatron_s2.runtime.device import resolve_rank_device
 
 __all__ = ["DistInfo", "init_distributed", "shutdown_distributed", "resolve_backend"]
@@ -71,7 +71,7 @@ def init_distributed(backend: str = "auto", source: str = "auto") -> DistInfo:
     """Initialise the default process group from the launch environment; idempotent.
 
     ``backend``: auto, nccl or gloo. ``source``: auto (see
-    :mod:`~megatron_s2.launcher.rendezvous`) or one of torchrun, mpi, slurm, single.
+    :mod:`~megatron_s2.runtime.rendezvous`) or one of torchrun, mpi, slurm, single.
     A single process (no launcher) gets no process group and backend "none", and the device
     the backend table gives it (its GPU with ``auto``/``nccl`` when one is visible, else CPU).
     The timeout of collectives defaults to torch's, or ``$MEGATRON_S2_DIST_TIMEOUT_S``.

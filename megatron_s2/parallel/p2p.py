@@ -16,13 +16,36 @@ blocked in receives is accumulated per rank — the measured pipeline bubble.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_s2.pipeline.payload import PayloadSpec
+__all__ = ["PipelineTransport", "PayloadField", "FORWARD", "BACKWARD"]
 
-__all__ = ["PipelineTransport"]
+
+@dataclass(frozen=True)
+class PayloadField:
+    """One tensor of a message between pipeline stages: the receiver allocates from this."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+class MessageSpec(Protocol):
+    """What the transport needs of a payload description (e.g. a family's ``PayloadSpec``)."""
+
+    fields: Sequence[PayloadField]
 
 FORWARD, BACKWARD = 0, 1
 ALIGN = 16  # bytes; every field starts at a multiple, so any dtype can view its slice
@@ -61,7 +84,7 @@ class PipelineTransport:
         self.pending.append((dist.isend(buf, self.ranks[dst_pp], tag=self._tag(mb, chunk, direction)), buf))
         self.messages_sent += 1
 
-    def recv(self, spec: PayloadSpec, src_pp: int, mb: int, chunk: int, direction: int) -> list[torch.Tensor]:
+    def recv(self, spec: MessageSpec, src_pp: int, mb: int, chunk: int, direction: int) -> list[torch.Tensor]:
         fields = [f for f in spec.fields if direction == FORWARD or f.requires_grad]
         offsets, size = _layout(fields)
         buf = torch.empty(size, dtype=torch.uint8, device=self.device)

@@ -21,13 +21,13 @@ __all__ = ["main", "build_parser"]
 
 # (module, description) in the order shown by --help.
 _SUBCOMMANDS = (
-    "megatron_s2.training.entry",      # train
+    "megatron_s2.cli.train",      # train
     "megatron_s2.launcher.cli",        # launch
     "megatron_s2.tools.account",       # account
-    "megatron_s2.checkpoint.cli",      # checkpoint
+    "megatron_s2.cli.checkpoint",      # checkpoint
     "megatron_s2.tools.plan",          # plan
-    "megatron_s2.inference.cli",       # generate
-    "megatron_s2.serve.cli",           # serve
+    "megatron_s2.cli.generate",       # generate
+    "megatron_s2.cli.serve",           # serve
 )
 
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["train"]:
         # A rank may be signalled (preemption warning, scancel --signal, Ctrl-C) while the
         # imports below take seconds: record it from now on instead of dying by it.
-        from megatron_s2.launcher.preemption import catch_early
+        from megatron_s2.runtime.preemption import catch_early
 
         early = catch_early()
     try:
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     from megatron_s2.checkpoint.format import CheckpointError
     from megatron_s2.data.errors import DataError
-    from megatron_s2.training.finite import TrainingHalted
+    from megatron_s2.runtime.finite import TrainingHalted
 
     parser = build_parser()
     # `section.key=value` overrides may come before or after the flags.

@@ -3,7 +3,7 @@
 Nodes that hang at start-up or run at half speed cost a whole job. After
 ``init_distributed`` every rank runs a short sniff test: a timed GEMM on its device and
 timed ``all_reduce`` / ``all_gather`` on the default group. Per-rank times and each node's
-NVML inventory (:mod:`~megatron_s2.launcher.gpu_inventory`) are gathered; a rank slower
+NVML inventory (:mod:`~megatron_s2.runtime.gpu_inventory`) are gathered; a rank slower
 than ``outlier_factor`` x the median of a measurement is named by rank and host. Hard
 problems (uncorrected ECC errors, fewer GPUs than ranks on a node) make ``report.ok``
 false; outliers are warnings for the operator (the trainer decides what to do).
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_s2.config.launcher import LauncherConfig
-from megatron_s2.launcher.bootstrap import DistInfo
-from megatron_s2.launcher.gpu_inventory import NodeInventory, query_inventory
+from megatron_s2.runtime.bootstrap import DistInfo
+from megatron_s2.runtime.gpu_inventory import NodeInventory, query_inventory
 
 __all__ = ["RankTiming", "Outlier", "HealthReport", "run_health_checks", "maybe_run_health_checks",
            "health_checks_enabled", "find_outliers"]

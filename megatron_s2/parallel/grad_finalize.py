@@ -14,7 +14,7 @@ Each rank's loss is already normalised by the *global* token count (see losses.p
 reduction is a plain SUM. Gradients of the same reduction group are flattened into buckets of
 ``bucket_mb`` MiB so that one collective moves many tensors. With ZeRO-1 (``zero1``) the
 replicas' sum is a reduce-scatter to each parameter's owner instead of an all-reduce
-(:mod:`megatron_s2.parallel.distributed_optimizer`).
+(:mod:`megatron_s2.optim.distributed_optimizer`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def finalize_model_grads(params: list[torch.nn.Parameter], groups: ParallelGroup
                          zero1=None) -> None:
     """Sum the gradients as the placements say: tp-partial ones over tp, then every gradient
     over its replicas (all-reduced, or reduce-scattered to its owner by ``zero1``, a
-    :class:`~megatron_s2.parallel.distributed_optimizer.DistributedOptimizer`)."""
+    :class:`~megatron_s2.optim.distributed_optimizer.DistributedOptimizer`)."""
     bucket_bytes = int(bucket_mb * 2 ** 20)
     with_grad = [p for p in params if p.grad is not None]
     if groups.tp.active:

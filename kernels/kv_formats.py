@@ -11,7 +11,7 @@ any, flag off      —                       float32 (the value the forward comp
 
 A vector is a tuple of *parts* (codes, scales), each stored in its own buffer with the same
 leading shape, so a page or ring of vectors is a tuple of tensors. The model's forward applies
-the matching fake quantiser (:mod:`megatron_s2.models.v41.quant`) to the values it hands the
+the matching fake quantiser (:mod:`megatron_s2.kernels.quantize`) to the values it hands the
 cache; packing those already-quantised values reproduces them bit for bit on unpacking (the
 grids are closed under re-quantisation; ``tests/inference/test_kv_storage.py`` checks it), so
 decode reads exactly what the full forward attends to.

@@ -6,11 +6,11 @@ naming the field and the fix, non-finite numbers rejected). Not yet wired into
 ``from_mapping(RLConfig, tree["rl"], "rl")``.
 """
 
-from megatron_s2.posttrain.config.advantage import AdvantageConfig, EffortConfig, GepoConfig, LengthRegularizationConfig
-from megatron_s2.posttrain.config.loss import LossConfig, LossTermConfig
-from megatron_s2.posttrain.config.opd import OPDConfig, SftWarmupConfig, TeacherConfig
-from megatron_s2.posttrain.config.rl import RLConfig
-from megatron_s2.posttrain.config.rollout import DatasetSlotConfig, RolloutConfig, ShortSampleDiscardConfig
+from megatron_s2.config.posttrain.advantage import AdvantageConfig, EffortConfig, GepoConfig, LengthRegularizationConfig
+from megatron_s2.config.posttrain.loss import LossConfig, LossTermConfig
+from megatron_s2.config.posttrain.opd import OPDConfig, SftWarmupConfig, TeacherConfig
+from megatron_s2.config.posttrain.rl import RLConfig
+from megatron_s2.config.posttrain.rollout import DatasetSlotConfig, RolloutConfig, ShortSampleDiscardConfig
 
 __all__ = [
     "AdvantageConfig", "EffortConfig", "GepoConfig", "LengthRegularizationConfig", "LossConfig", "LossTermConfig",

@@ -10,7 +10,7 @@ the same step, saves a checkpoint and exits with :data:`EXIT_PREEMPTED`. The bat
 then requeues the job, which resumes from that checkpoint.
 
 A checkpoint saved on preemption is announced to the batch script by the ``PREEMPTED`` marker
-in the run directory (:mod:`megatron_s2.training.markers`), written after the save committed
+in the run directory (:mod:`megatron_s2.runtime.markers`), written after the save committed
 and before any rank exits: exit codes alone do not survive ``srun --kill-on-bad-exit`` or
 torchrun.
 

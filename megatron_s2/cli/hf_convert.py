@@ -1,11 +1,9 @@
 """Entry points of ``megatron-s2 checkpoint export`` / ``checkpoint import``.
 
-The checkpoint command (``megatron_s2/checkpoint/cli.py``) wires two sub-commands with::
+The checkpoint command (``megatron_s2/cli/checkpoint.py``) wires two sub-commands with::
 
     p = sub.add_parser("export", ...); add_export_arguments(p); p.set_defaults(func=export_checkpoint)
     p = sub.add_parser("import", ...); add_import_arguments(p); p.set_defaults(func=import_checkpoint)
-
-and ``python -m megatron_s2.checkpoint.hf export|import ...`` runs the same code standalone.
 
 ``export <ckpt_dir> <hf_dir>``: gathers the full model state of a committed checkpoint saved
 with any layout, writes the Hugging Face directory *with the tokenizer the checkpoint was
@@ -30,8 +28,9 @@ import sys
 from pathlib import Path
 
 from megatron_s2.config.schema import ConfigError
+from megatron_s2.data.tokenizer import CHAR_TOKENIZER_FILE
 
-__all__ = ["add_export_arguments", "add_import_arguments", "export_checkpoint", "import_checkpoint", "main",
+__all__ = ["add_export_arguments", "add_import_arguments", "export_checkpoint", "import_checkpoint",
            "parse_size", "refusals", "run_refusing"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
@@ -102,6 +101,13 @@ def _source_tokenizer(args, directory: Path, *, required: bool, what: str):
     return None
 
 
+def hf_tokenizer_dir(hf_dir: str | Path) -> Path | None:
+    """``hf_dir`` when it holds tokenizer files (Hugging Face ``tokenizer.json`` or our
+    ``char_tokenizer.json``), else None."""
+    directory = Path(hf_dir)
+    return directory if any((directory / n).is_file() for n in ("tokenizer.json", CHAR_TOKENIZER_FILE)) else None
+
+
 def _tokenizer_files(tokenizer) -> dict[str, bytes]:
     import tempfile
 
@@ -167,7 +173,7 @@ def import_checkpoint(args: argparse.Namespace) -> int:
     from megatron_s2.checkpoint.hf.verify import VerificationReport, check_reference_logits, compare_states
     from megatron_s2.config.recipe import load_recipe
     from megatron_s2.data.tokenizer_checks import RUN_TOKENIZER_DIR, check_tokenizer_fits
-    from megatron_s2.checkpoint.hf.convert import check_compressed_vocab, hf_tokenizer_dir
+    from megatron_s2.checkpoint.hf.convert import check_compressed_vocab
 
     out = Path(args.ckpt_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -202,24 +208,6 @@ def import_checkpoint(args: argparse.Namespace) -> int:
     compare_states(state, read_back_as_layout(path, recipe, world), None, report)
     _print_report(f"verification (import -> checkpoint -> read as {world} ranks)", report)
     return 0 if report.passed else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_s2.checkpoint.hf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("export", help="our checkpoint -> Hugging Face safetensors")
-    add_export_arguments(p)
-    p.set_defaults(func=export_checkpoint)
-    p = sub.add_parser("import", help="Hugging Face safetensors -> our checkpoint")
-    add_import_arguments(p)
-    p.set_defaults(func=import_checkpoint)
-    args = parser.parse_args(argv)
-    try:
-        return run_refusing(args.func, args, f"checkpoint {args.command}")
-    except ConfigError as exc:
-        print(f"checkpoint {args.command}: configuration error: {exc}", file=sys.stderr)
-        return ConfigError.exit_code
 
 
 def refusals() -> tuple[type[BaseException], ...]:

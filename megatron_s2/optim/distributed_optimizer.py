@@ -20,7 +20,7 @@ Per rank a ring all-reduce of N bytes sends 2(g-1)/g N; reduce-scatter + all-gat
 (g-1)/g (N + padding) each — plain data parallelism's wire, where the former all-reduce +
 broadcast of the updated parameters cost 1.5x (``bench/comm_volume.py`` prints the ratio).
 Non-owners drop their gradients after the reduce-scatter, so clipping sees each reduced
-gradient once per owner (:func:`~megatron_s2.training.grad_finalize.clip_grads` with ``zero1``).
+gradient once per owner (:func:`~megatron_s2.parallel.grad_finalize.clip_grads` with ``zero1``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_s2.parallel.groups import Group, ParallelGroups
-from megatron_s2.training.grad_finalize import reduction_group
+from megatron_s2.parallel.grad_finalize import reduction_group
 
 __all__ = ["DistributedOptimizer", "assign_owners", "owner_buckets"]
 

@@ -2,7 +2,7 @@
 
 ``<checkpoint>`` is a run directory, its ``checkpoints/`` directory, a step directory or a
 Hugging Face export — the same resolution and tokenizer as ``megatron-s2 generate``
-(:func:`megatron_s2.inference.cli.load_model`). The served model id defaults to the path as
+(:func:`megatron_s2.inference.weights.load_model`). The served model id defaults to the path as
 given. Bad input (a missing checkpoint, a port in use, a host that is not this machine's, an
 out-of-range option) exits with code 2 and one line naming the option, before the model loads
 where it can.
@@ -20,7 +20,7 @@ __all__ = ["register", "serve_command"]
 
 
 def _engine_config(args: argparse.Namespace):
-    from megatron_s2.inference.config import EngineConfig
+    from megatron_s2.config.engine import EngineConfig
 
     try:
         return EngineConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
@@ -36,7 +36,7 @@ def serve_command(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ModuleNotFoundError as exc:
         raise ConfigError(f"serve: the server needs {exc.name}; pip install -e '.[serve]'") from None
-    from megatron_s2.inference.cli import load_model
+    from megatron_s2.inference.weights import load_model
     from megatron_s2.serve.config import ServeConfig
     from megatron_s2.serve.server import bind_socket, build_state, serve_forever
 

@@ -10,7 +10,7 @@ owns its own pools (:class:`~megatron_s2.inference.kv_store.GlobalKVStore` and
 
 from __future__ import annotations
 
-from megatron_s2.inference import EngineConfig
+from megatron_s2.config.engine import EngineConfig
 
 __all__ = ["engine_max_model_len", "engine_configs"]
 
@@ -23,7 +23,7 @@ def engine_max_model_len(recipe, rollout) -> int:
 
 def engine_configs(recipe, rollout) -> dict[str, EngineConfig]:
     """``{"rollout": ..., "eval": ...}``: the engine configurations of a post-training rank for the
-    ``rollout`` section (:class:`~megatron_s2.posttrain.config.rollout` of ``rl`` / ``opd``)."""
+    ``rollout`` section (:class:`~megatron_s2.config.posttrain.rollout` of ``rl`` / ``opd``)."""
     engine = rollout.engine
     common = dict(max_model_len=engine_max_model_len(recipe, rollout), prefill_chunk=engine.prefill_chunk,
                   max_prefill_tokens=max(engine.prefill_chunk, 1024), page_tokens=engine.page_tokens,

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.posttrain.config.checks import positive
-from megatron_s2.posttrain.config.environment import EnvironmentConfig, RolloutEngineConfig
+from megatron_s2.config.posttrain.checks import positive
+from megatron_s2.config.posttrain.environment import EnvironmentConfig, RolloutEngineConfig
 
 __all__ = ["DatasetSlotConfig", "ShortSampleDiscardConfig", "RolloutConfig"]
 

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.posttrain.config.checks import positive
-from megatron_s2.posttrain.config.loss import LossConfig
-from megatron_s2.posttrain.config.rl import check_staleness_pairing
-from megatron_s2.posttrain.config.environment import EvaluationConfig
-from megatron_s2.posttrain.config.rollout import RolloutConfig
+from megatron_s2.config.posttrain.checks import positive
+from megatron_s2.config.posttrain.loss import LossConfig
+from megatron_s2.config.posttrain.rl import check_staleness_pairing
+from megatron_s2.config.posttrain.environment import EvaluationConfig
+from megatron_s2.config.posttrain.rollout import RolloutConfig
 
 __all__ = ["TeacherConfig", "SftWarmupConfig", "OPDConfig"]
 

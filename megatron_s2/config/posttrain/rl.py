@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.posttrain.config.advantage import AdvantageConfig, EffortConfig
-from megatron_s2.posttrain.config.loss import LossConfig
-from megatron_s2.posttrain.config.environment import EvaluationConfig
-from megatron_s2.posttrain.config.rollout import RolloutConfig
+from megatron_s2.config.posttrain.advantage import AdvantageConfig, EffortConfig
+from megatron_s2.config.posttrain.loss import LossConfig
+from megatron_s2.config.posttrain.environment import EvaluationConfig
+from megatron_s2.config.posttrain.rollout import RolloutConfig
 
 __all__ = ["RLConfig", "check_staleness_pairing"]
 

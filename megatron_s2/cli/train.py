@@ -9,7 +9,7 @@ directory's ``config.yaml``, which reproduces that run on its own.
 Rank 0 holds the run directory's lock (``run.lock``, :mod:`.run_lock`) for the whole run, so
 a second run on the same directory is refused naming this one. Preemption signals and Ctrl-C
 are caught from the first line of ``megatron_s2.cli.main`` on: the run saves at the end of the
-step and exits 75 (:mod:`megatron_s2.launcher.preemption`).
+step and exits 75 (:mod:`megatron_s2.runtime.preemption`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from megatron_s2.config.recipe import load_recipe
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.parallel.layout import ParallelLayout
-from megatron_s2.training.run_lock import hold_run_dir
+from megatron_s2.runtime.run_lock import hold_run_dir
 
 __all__ = ["register", "run", "main"]
 
@@ -37,9 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_s2.launcher.bootstrap import init_distributed, shutdown_distributed
-    from megatron_s2.launcher.health import maybe_run_health_checks
-    from megatron_s2.launcher.preemption import EXIT_PREEMPTED, PreemptionGuard
+    from megatron_s2.runtime.bootstrap import init_distributed, shutdown_distributed
+    from megatron_s2.runtime.health import maybe_run_health_checks
+    from megatron_s2.runtime.preemption import EXIT_PREEMPTED, PreemptionGuard
 
     recipe = load_recipe(args.recipe, list(args.overrides))
     if args.run_dir:  # a path, not YAML: never parsed as an override value

@@ -22,7 +22,6 @@ Exit codes: 0 success, 1 invalid or corrupted checkpoint, 2 usage or configurati
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 
@@ -30,9 +29,6 @@ from megatron_s2.checkpoint.format import COMMIT, CheckpointError
 from megatron_s2.checkpoint.store import CheckpointStore, is_step_dir
 
 __all__ = ["register"]
-
-_HF = "megatron_s2.checkpoint.hf"
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("checkpoint", help="inspect, verify, reshard and convert checkpoints",
@@ -152,30 +148,11 @@ def _reshard(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- Hugging Face conversion (another package; loaded when present) ----------------------------
+# ---- Hugging Face conversion (megatron_s2/cli/hf_convert.py) ---------------------------------------
 def _add_hf(cmds, name: str, help_text: str, add_args: str, entry: str) -> None:
+    from megatron_s2.cli import hf_convert
+
     q = cmds.add_parser(name, help=help_text)
-    try:
-        module = importlib.import_module(f"{_HF}.cli")
-        getattr(module, add_args)(q)
-    except Exception as exc:  # conversion package absent or broken: keep the rest of the CLI usable
-        q.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-        q.set_defaults(func=lambda _args, _why=exc: _hf_missing(name, _why))
-        return
-    q.set_defaults(func=lambda a: _call_hf(entry, a))
-
-
-def _call_hf(entry: str, args: argparse.Namespace) -> int:
-    try:
-        module = importlib.import_module(_HF)
-    except ImportError as exc:
-        return _hf_missing(entry.split("_")[0], exc)
-    from megatron_s2.checkpoint.hf.cli import run_refusing
-
-    return run_refusing(getattr(module, entry), args, f"checkpoint {entry.split('_')[0]}")
-
-
-def _hf_missing(name: str, why: Exception) -> int:
-    print(f"megatron-s2 checkpoint {name}: Hugging Face conversion is not available in this build "
-          f"({_HF}: {type(why).__name__}: {why})", file=sys.stderr)
-    return 2
+    getattr(hf_convert, add_args)(q)
+    q.set_defaults(func=lambda a: hf_convert.run_refusing(getattr(hf_convert, entry), a,
+                                                          f"checkpoint {entry.split('_')[0]}"))

@@ -12,52 +12,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 from megatron_s2.config.schema import ConfigError
 
-__all__ = ["register", "load_model", "generate_command"]
-
-
-def load_model(path: str, device: str | None = None):
-    """(model in eval mode on ``device``, tokenizer, description) of a checkpoint, one rank.
-
-    ``device`` defaults to this process's device (:func:`megatron_s2.runtime.device.process_device`:
-    its GPU when one is visible, else CPU); the weights are read on the host and copied there."""
-    from megatron_s2.inference.weights import load_tokenizer, read_checkpoint
-    from megatron_s2.models.v41.model import V41Model
-    from megatron_s2.runtime.device import build_on, process_device
-    from megatron_s2.training.model_builder import attach_token_map
-
-    loaded = read_checkpoint(path)
-    tokenizer = load_tokenizer(loaded.directory)
-    cfg = loaded.model_config
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ConfigError(f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size={cfg.vocab_size}")
-    if (loaded.directory / "config.json").is_file():  # an export states its tokenizer's Engram map size
-        from megatron_s2.checkpoint.hf.convert import check_compressed_vocab
-
-        check_compressed_vocab(loaded.directory, tokenizer)
-    try:
-        dev = torch.device(device) if device else process_device()
-    except RuntimeError as exc:
-        raise ConfigError(f"--device: {exc}") from None
-    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
-        raise ConfigError(f"--device: {dev} is not available on this machine (visible GPUs: "
-                          f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}); use cpu or another GPU")
-    with build_on(dev):
-        model = V41Model(cfg)
-    model.to(dev)  # host-computed buffers (RoPE frequencies) follow
-    missing, unexpected = model.load_state_dict(loaded.state, strict=False)
-    if missing or unexpected:
-        raise ConfigError(f"checkpoint: {loaded.description} does not match model '{cfg.name}' "
-                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    attach_token_map(model, tokenizer.compressed_token_map(num_ids=cfg.vocab_size))
-    return model.eval(), tokenizer, loaded.description
+__all__ = ["register", "generate_command"]
 
 
 def generate_command(args: argparse.Namespace) -> int:
     from megatron_s2.inference import EngineConfig, InferenceEngine, PromptTooLong, SamplingParams
+    from megatron_s2.inference.weights import load_model
 
     if not args.prompt:
         raise ConfigError("--prompt: give the text to continue, e.g. --prompt 'Once upon a time'")
