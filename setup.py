@@ -62,5 +62,10 @@ setup(
     install_requires=install_requires,
     extras_require=extras_require,
     include_package_data=True,
-    entry_points={"console_scripts": ["megatron-s2=megatron_s2.cli:main"]},
+    entry_points={
+        "console_scripts": ["megatron-s2=megatron_s2.cli:main"],
+        # Model families by name (``model.family`` in a recipe; megatron_s2/config/model_schema.py).
+        # A package outside megatron_s2 registers its own family under this group the same way.
+        "megatron_s2.model_families": ["v41 = megatron_s2.models.v41"],
+    },
 )

@@ -3,7 +3,7 @@ against a full prefill, on the tiny and small models (random weights unless a ch
 given — the KL of random weights says little about a trained model's; the FLOPs ratio does
 not depend on the weights).
 
-Variants (see :mod:`megatron_s2.inference.replay_report`): Decoder SWA Bounded Replay (decoder
+Variants (see :mod:`megatron_s2.tools.replay_report`): Decoder SWA Bounded Replay (decoder
 over the last W prompt tokens), Encoder SWA Bounded Replay (a cached global-KV prefix, SWA
 state missing: the last W prefix tokens replayed with the suffix), and both.
 
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_s2.inference.replay_report import measure_bounded_replay  # noqa: E402
+from megatron_s2.tools.replay_report import measure_bounded_replay  # noqa: E402
 from megatron_s2.models.v41.model import build_model  # noqa: E402
 from tests.models.conftest import load_model_recipe  # noqa: E402
 

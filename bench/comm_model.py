@@ -93,8 +93,8 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from megatron_s2.config.layer_plan import CSA2Mode
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.layer_plan import CSA2Mode
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.config.optimizer import OptimizerConfig, ParamGroupRule
 from megatron_s2.models.v41.accounting import count_parameters, engram_rows
 from megatron_s2.optim.param_groups import match_rule
@@ -137,7 +137,7 @@ class ParamEntry:
         return self.tp_partial == "always" or (self.tp_partial == "sp" and layout.sequence_parallel)
 
 
-def param_table(c: ModelConfig, rules: tuple[ParamGroupRule, ...] | None = None) -> list[ParamEntry]:
+def param_table(c: V41Config, rules: tuple[ParamGroupRule, ...] | None = None) -> list[ParamEntry]:
     """Every trainable tensor of the model (pp = 1) under its ``named_parameters()`` name, derived
     from the config and the layer plan; the update rule comes from the optimiser's rule table
     (``rules``, default table if None). The total is checked against ``accounting.count_parameters``."""
@@ -226,7 +226,7 @@ def group_sizes(layout: ParallelLayout) -> dict[str, int]:
             "world": layout.world_size}
 
 
-def analytic_volume(c: ModelConfig, layout: ParallelLayout, geo: Geometry, *, sinkhorn_iters: int = 11,
+def analytic_volume(c: V41Config, layout: ParallelLayout, geo: Geometry, *, sinkhorn_iters: int = 11,
                     grad_bucket_mb: float = 25.0, rules: tuple[ParamGroupRule, ...] | None = None) -> list[Term]:
     """Per-rank per-step payload bytes of every collective, by group (module docstring)."""
     if layout.pp > 1 or layout.cp > 1:
@@ -353,7 +353,7 @@ def _zero1_buckets(entries: list[ParamEntry], layout: ParallelLayout, g: int, gr
     return g * sum(widths) * F32, len(buckets)
 
 
-def estimate_memory(c: ModelConfig, layout: ParallelLayout, rules: tuple[ParamGroupRule, ...] | None = None
+def estimate_memory(c: V41Config, layout: ParallelLayout, rules: tuple[ParamGroupRule, ...] | None = None
                     ) -> dict[str, float]:
     """Per-rank bytes of parameters, gradients and optimiser state (module docstring)."""
     sizes = group_sizes(layout)

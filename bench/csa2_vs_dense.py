@@ -151,7 +151,7 @@ def build(impl: str, args):
     import yaml
     from torch import nn
 
-    from megatron_s2.config.model import ModelConfig
+    from megatron_s2.models.v41.config import V41Config
     from megatron_s2.config.schema import from_mapping
     from megatron_s2.models.init import initialize_parameters
     from megatron_s2.models.v41.attention.csa2 import CSA2Attention
@@ -159,7 +159,7 @@ def build(impl: str, args):
     from megatron_s2.parallel.groups import ParallelGroups
 
     dtype = getattr(torch, args.dtype)
-    cfg = from_mapping(ModelConfig, yaml.safe_load(Path(args.model).read_text()))
+    cfg = from_mapping(V41Config, yaml.safe_load(Path(args.model).read_text()))
     if args.no_qat:
         cfg = cfg.replace(fp4_main_kv=False, fp8_swa_kv=False, fp4_indexer=False)
     d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
@@ -335,10 +335,10 @@ def main(argv=None) -> int:
 
     import yaml
 
-    from megatron_s2.config.model import ModelConfig
+    from megatron_s2.models.v41.config import V41Config
     from megatron_s2.config.schema import from_mapping
 
-    cfg = from_mapping(ModelConfig, yaml.safe_load(Path(args.model).read_text()))
+    cfg = from_mapping(V41Config, yaml.safe_load(Path(args.model).read_text()))
     spec = cfg.plan[args.layer]
     first = rows[0][1]
     qat = "off" if args.no_qat else (f"fp8_swa_kv={cfg.fp8_swa_kv} fp4_main_kv={cfg.fp4_main_kv} "

@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_s2.inference import EngineConfig, InferenceEngine, SamplingParams  # noqa: E402
-from megatron_s2.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore  # noqa: E402
-from megatron_s2.inference.runner import ForwardRow, ModelRunner  # noqa: E402
+from megatron_s2.models.v41.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore  # noqa: E402
+from megatron_s2.models.v41.inference.runner import ForwardRow, ModelRunner  # noqa: E402
 from megatron_s2.models.v41.accounting import kv_bytes  # noqa: E402
 from megatron_s2.models.v41.model import build_model  # noqa: E402
 from tests.models.conftest import load_model_recipe  # noqa: E402

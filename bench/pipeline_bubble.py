@@ -116,7 +116,7 @@ class OurStage(nn.Module):
             received, aux_in = list(payload[:-1]), payload[-1]
             x, pre = received[0], received[1]
             rt.import_states(stage, spec, received, ctx)
-        x, pre = model.run_layers(x, pre, ctx, layer_ids=rt.stage_layers[stage])
+        x, pre = model.run_layers((x, pre), ctx, layer_ids=rt.stage_layers[stage])
         aux = ctx.total_aux_loss()
         aux = (aux / self.num_micro_global).reshape(1) if aux is not None else torch.zeros(1)
         if aux_in is not None:
@@ -124,7 +124,7 @@ class OurStage(nn.Module):
         if rt.is_last(stage):
             token_loss = model.loss(model.head(x, pre), labels)
             return ((token_loss * loss_mask).sum() / self.global_tokens + aux).reshape(())
-        return (*rt.export(stage, x, pre, ctx, mb), aux)
+        return (*rt.export(stage, (x, pre), ctx, mb), aux)
 
 
 def _meta(spec) -> tuple[torch.Tensor, ...]:
@@ -282,7 +282,7 @@ def worker(rank: int, world: int, tasks: list[dict], base: list[str], out_dir: s
 # ---- analytic payload table -------------------------------------------------------------------------
 def payload_rows(cfg, *, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False) -> list[dict]:
     """Every cut of ``cfg``'s plan: fields and bytes per micro-batch, send vs shadow replicas."""
-    from megatron_s2.pipeline.payload import PayloadModes, PayloadSpec
+    from megatron_s2.models.v41.pipeline.payload import PayloadModes, PayloadSpec
 
     stream = seq // tp if sequence_parallel else seq
     rows = []

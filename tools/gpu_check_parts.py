@@ -354,7 +354,7 @@ def part_main_recipe(ctx: Context) -> dict:
 
 # ---- MFU of one flagship-shaped layer --------------------------------------------------------------
 def load_model_config(name: str):
-    """``recipes/models/<name>.yaml`` as a ModelConfig."""
+    """``recipes/models/<name>.yaml`` as a V41Config."""
     from megatron_s2.config.recipe import load_recipe
 
     return load_recipe(ROOT / "recipes" / "pretrain_tiny.yaml", [f"model={name}"]).model
@@ -362,7 +362,7 @@ def load_model_config(name: str):
 
 def _flagship_layer(smoke: bool, fp8: bool):
     from megatron_s2.config.fp8 import FP8Config
-    from megatron_s2.config.model import LayerGroupSpec
+    from megatron_s2.models.v41.config import LayerGroupSpec
 
     base = load_model_config("tiny" if smoke else "flagship")
     fp8_cfg = FP8Config(recipe="blockwise", experts=True, attention=False, block=16 if smoke else 128) if fp8 else FP8Config()

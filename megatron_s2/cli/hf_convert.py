@@ -119,16 +119,16 @@ def _tokenizer_files(tokenizer) -> dict[str, bytes]:
 def export_checkpoint(args: argparse.Namespace) -> int:
     from megatron_s2.checkpoint.hf.checkpoint_io import read_full_state
     from megatron_s2.checkpoint.hf.convert import export_model_state, load_hf_checkpoint
-    from megatron_s2.checkpoint.hf.v41_bridge import V41_REGISTRY
+    from megatron_s2.models.family import family_of
     from megatron_s2.checkpoint.hf.verify import (VERIFICATION_FILE, VerificationReport, check_reference_logits,
                                                   compare_states, reference_logits)
     from megatron_s2.data.tokenizer import load_tokenizer
     from megatron_s2.data.tokenizer_checks import check_tokenizer_fits, find_checkpoint_tokenizer
 
-    if args.show_mapping:
-        print(V41_REGISTRY.describe())
     loaded = read_full_state(args.ckpt_dir)
     cfg = loaded.recipe.model
+    if args.show_mapping:
+        print(family_of(cfg).hf.registry.describe())
     tokenizer = _source_tokenizer(args, find_checkpoint_tokenizer(loaded.path), required=True,
                                   what=f"checkpoint export: {loaded.path}")
     check_tokenizer_fits(tokenizer, cfg, "of the checkpoint")
@@ -143,7 +143,7 @@ def export_checkpoint(args: argparse.Namespace) -> int:
     result = export_model_state(loaded.state, cfg, args.hf_dir, dtype=args.dtype,
                                 max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress,
                                 extra_files=extra, private=args.private,
-                                compressed_vocab_size=tokenizer.compressed_vocab_size)
+                                tokenizer=tokenizer)
     print(f"wrote {result.tensors} tensors in {len(result.files)} files ({result.dtype}) to {result.directory}")
     if result.elided:
         print(f"  {len(result.elided)} tensors equal to their reference-format substitute were not written "
@@ -182,7 +182,7 @@ def import_checkpoint(args: argparse.Namespace) -> int:
                               "import into a new directory (a run's own checkpoints and tokenizer are never mixed "
                               "with an import)")
     cfg, state, imported = load_hf_checkpoint(args.hf_dir, progress=not args.no_progress)
-    tokenizer = _source_tokenizer(args, hf_tokenizer_dir(args.hf_dir), required=bool(cfg.engram_layers),
+    tokenizer = _source_tokenizer(args, hf_tokenizer_dir(args.hf_dir), required=cfg.uses_token_map,
                                   what=f"checkpoint import: {args.hf_dir}")
     if tokenizer is not None:
         check_tokenizer_fits(tokenizer, cfg, "of the checkpoint")
@@ -215,7 +215,7 @@ def refusals() -> tuple[type[BaseException], ...]:
     impossible target. A verification that fails after writing is exit 1."""
     from megatron_s2.checkpoint.format import CheckpointError
     from megatron_s2.checkpoint.hf.gather import ShardError
-    from megatron_s2.checkpoint.hf.registry import ConversionError
+    from megatron_s2.models.family.mapping_registry import ConversionError
     from megatron_s2.checkpoint.hf.safetensors_io import UnsafeCheckpointError
 
     return (CheckpointError, ConversionError, ShardError, UnsafeCheckpointError, FileExistsError,

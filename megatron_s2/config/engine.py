@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_s2.config.model import ModelConfig
 from megatron_s2.config.schema import ConfigError
 
 __all__ = ["EngineConfig"]
@@ -65,23 +64,9 @@ class EngineConfig:
         if self.swa_pool_ttl_s <= 0:
             raise ConfigError(f"swa_pool_ttl_s: must be positive, got {self.swa_pool_ttl_s}")
 
-    def check_model(self, model: ModelConfig) -> None:
-        """Errors for settings the model cannot honour."""
-        ratios = sorted({s.compress_ratio for s in model.plan if s.computes_main_kv})
-        bad = [m for m in ratios if self.page_tokens % m]
-        if bad:
-            raise ConfigError(f"page_tokens: {self.page_tokens} is not a multiple of the compression ratio(s) {bad}; "
-                              f"choose a multiple of {ratios[-1] if ratios else 1}")
-        if self.decoder_bounded_replay:
-            if not model.has_decoder:
-                raise ConfigError("decoder_bounded_replay: the model has no CED decoder (num_encoder_layers = num_layers)")
-            for s in model.plan:
-                if s.computes_main_kv and not s.is_encoder and not s.uses_encoder_output:
-                    raise ConfigError(f"decoder_bounded_replay: decoder layer {s.index} compresses its own hidden "
-                                      "state, so its global KV needs the decoder over every prompt token; set "
-                                      "decoder_bounded_replay: false")
-
-    def pages_for(self, model: ModelConfig) -> int:
+    @property
+    def num_pages_total(self) -> int:
+        """Global-KV pages of the pool: ``num_pages``, or derived from the request capacity."""
         per_request = -(-self.max_model_len // self.page_tokens)
         if self.num_pages:
             if self.num_pages < 1 + per_request:

@@ -38,7 +38,7 @@ from megatron_s2.config.checkpoint import CheckpointConfig
 from megatron_s2.config.data import DataConfig
 from megatron_s2.config.launcher import LauncherConfig
 from megatron_s2.config.logging import LoggingConfig
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.config.model_schema import ModelSchema
 from megatron_s2.config.optimizer import OptimizerConfig, ScheduleConfig
 from megatron_s2.config.parallel import ParallelConfig
 from megatron_s2.config.phase import PhaseConfig
@@ -56,8 +56,8 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 @dataclass(frozen=True)
 class RecipeConfig:
-    model: ModelConfig
-    """The backbone (recipes/models/*.yaml)."""
+    model: ModelSchema
+    """The model (recipes/models/*.yaml); ``model.family`` selects its schema (default v41)."""
     phase: PhaseConfig = field(default_factory=PhaseConfig)
     """What is trained and with which loss."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -138,6 +138,9 @@ def from_mapping(cls: type, data: Mapping[str, Any] | None, path: str = "") -> A
         data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path or cls.__name__}: expected a mapping, got {data!r}")
+    resolve = getattr(cls, "resolve_schema", None)  # a base whose subclass the mapping selects (model.family)
+    if resolve is not None:
+        cls = resolve(data, path or "model")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}

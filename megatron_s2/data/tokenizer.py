@@ -12,7 +12,7 @@ The character tokenizer's ids are fixed and deterministic:
 ====  =========  ==========================================================
 id    token      role
 ====  =========  ==========================================================
-0     ``<pad>``  padding; also the Engram "no history" id (ModelConfig.engram_pad_id = 0)
+0     ``<pad>``  padding; also the Engram "no history" id (V41Config.engram_pad_id = 0)
 1     ``<bos>``  begins every document
 2     ``<eos>``  ends every document
 3     ``<sep>``  separates prompt from answer

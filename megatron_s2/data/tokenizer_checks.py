@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.config.model_schema import ModelSchema
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -35,15 +35,12 @@ RUN_TOKENIZER_DIR = "tokenizer"
 """Folder (in a run directory, a checkpoints directory or an export) holding the tokenizer files."""
 
 
-def check_tokenizer_fits(tokenizer: Tokenizer, model: ModelConfig, name: str = "data.tokenizer") -> None:
+def check_tokenizer_fits(tokenizer: Tokenizer, model: ModelSchema, name: str = "data.tokenizer") -> None:
     """Raise ConfigError unless ``model`` can be trained on ``tokenizer``'s ids."""
     if tokenizer.vocab_size > model.vocab_size:
         raise ConfigError(f"model.vocab_size: {model.vocab_size} is smaller than the {tokenizer.vocab_size} ids of "
                           f"the tokenizer {name}; set model.vocab_size >= {tokenizer.vocab_size}")
-    if model.engram_layers and model.engram_pad_id != tokenizer.pad_id:
-        raise ConfigError(f"model.engram_pad_id: {model.engram_pad_id} is not the pad token of the tokenizer {name} "
-                          f"({tokenizer.pad_id}); Engram fills n-gram slots before a document with the pad token, "
-                          f"set model.engram_pad_id={tokenizer.pad_id}")
+    model.check_tokenizer(tokenizer.vocab_size, tokenizer.pad_id, name)  # the family's own rules
 
 
 def record_run_tokenizer(tokenizer: Tokenizer, run_dir: str | os.PathLike) -> Path:

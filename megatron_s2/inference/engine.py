@@ -51,8 +51,8 @@ from torch import nn
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.config.engine import EngineConfig
-from megatron_s2.inference.kv_store import GlobalKVStore, OutOfPages, SequenceKV, SWAStore
-from megatron_s2.models.v41.accounting import kv_cache_bytes
+from megatron_s2.models.family import family_of
+from megatron_s2.models.family.engine import Chunk, OutOfPages
 from megatron_s2.inference.request import (
     CompletedRequest,
     FinishReason,
@@ -62,9 +62,7 @@ from megatron_s2.inference.request import (
     RequestHandle,
     RequestOutput,
 )
-from megatron_s2.inference.runner import ForwardRow, ModelRunner
 from megatron_s2.inference.sampling import SamplingParams, sample_next
-from megatron_s2.inference.tiers import KVTiers
 
 __all__ = ["InferenceEngine"]
 
@@ -77,7 +75,7 @@ class InferenceEngine:
         unless ``ignore_eos``; ``detokenize`` is needed for stop strings."""
         self.config = config = config or EngineConfig()
         cfg = model.config
-        config.check_model(cfg)
+        family = family_of(cfg)
         if set(model.layer_ids) != set(range(cfg.num_layers)):  # a pipeline stage holds a subset
             raise ConfigError("inference needs every layer on each rank: use a layout with pp: 1")
         if model.groups.sequence.sp or model.groups.cp.active:
@@ -88,11 +86,9 @@ class InferenceEngine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.detokenize = detokenize
         self.policy_version = policy_version
-        _check_kv_fits(cfg, config, self.device)
-        self.global_kv = GlobalKVStore(cfg, config.pages_for(cfg), config.page_tokens, self.device)
-        self.swa = SWAStore(cfg, config.max_num_seqs + config.swa_pool_slots, self.device)
-        self.runner = ModelRunner(model, self.global_kv, self.swa)
-        self.tiers = KVTiers(config, cfg, self.global_kv, self.swa)
+        _check_state_fits(family.engine_cache_bytes(cfg, config), config, self.device)
+        # the family's per-request state (caches, tiers) and its one forward over a batch of chunks
+        self.executor = family.executor(model, config, self.device)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -239,14 +235,14 @@ class InferenceEngine:
             self._admit()
             plan = self._schedule()
             version = self.policy_version
-            for rows, reqs in self._forwards(plan):
+            for chunks, reqs in self._forwards(plan):
                 record_routing = any(r.params.record_routing for r in reqs)
                 record_topk = any(r.params.record_indexer_topk for r in reqs)
                 # a forward that raises is the engine's failure (the device, the batch): it propagates
-                results = self.runner.forward(rows, record_routing=record_routing, record_topk=record_topk)
-                for req, row, res in zip(reqs, rows, results):
+                results = self.executor.forward(chunks, record_routing=record_routing, record_topk=record_topk)
+                for req, chunk, res in zip(reqs, chunks, results):
                     try:
-                        self._advance(req, row, res, version)
+                        self._advance(req, chunk, res, version)
                     except Exception as exc:  # noqa: BLE001 - this request's sampling / stop check
                         self._fail(req, exc, outputs)
             for req in list(self.running):
@@ -300,11 +296,10 @@ class InferenceEngine:
 
     # ---- admission and scheduling -----------------------------------------------------------------
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_num_seqs and self.swa.free:
+        while self.waiting and len(self.running) < self.config.max_num_seqs and self.executor.can_admit():
             req = self.waiting.popleft()
             self._uncount()
-            req.kv = SequenceKV(self.swa.allocate())
-            self.tiers.admit(req)  # prefix-cache / SWA-pool reuse and the bounded-replay starts
+            self.executor.admit(req)  # its cache state (and any cached prefix it resumes from)
             self.running.append(req)
 
     def _schedule(self) -> list[tuple[Request, int]]:
@@ -318,17 +313,14 @@ class InferenceEngine:
                     plan.append((req, 1))
                 elif budget > 0:
                     n = min(todo, self.config.prefill_chunk, budget)
-                    n = self.tiers.limit_chunk(req, n)
+                    n = self.executor.limit_chunk(req, n)
                     plan.append((req, n))
                     budget -= n
-            need = sum(self._new_pages(req, n) for req, n in plan)
-            if need <= self.global_kv.pool.num_free or len(self.running) <= 1:
+            need = sum(self.executor.pages_needed(req, n) for req, n in plan)
+            if need <= self.executor.free_pages() or len(self.running) <= 1:
                 return plan
-            if not self.tiers.reclaim():  # drop SWA snapshots before preempting requests
+            if not self.executor.reclaim():  # drop cached snapshots before preempting requests
                 self._preempt(self.running[-1])
-
-    def _new_pages(self, req: Request, n: int) -> int:
-        return max(0, -(-(req.num_computed + n) // self.config.page_tokens) - len(req.kv.pages))
 
     def _preempt(self, req: Request) -> None:
         """Out of pages: drop the newest request's cache; it re-runs its tokens when readmitted."""
@@ -344,19 +336,13 @@ class InferenceEngine:
         for group in ([p for p in plan if p[1] == 1], [p for p in plan if p[1] > 1]):
             if not group:
                 continue
-            rows, reqs = [], []
-            for req, n in group:
-                start = req.num_computed
-                wants = "last" if start + n == len(req.tokens) else "none"
-                history = req.tokens[max(0, start - self.runner.history):start]
-                rows.append(ForwardRow(req.kv, req.tokens[start:start + n], start, history, logits=wants,
-                                       decoder_from=req.decoder_from))
-                reqs.append(req)
-            yield rows, reqs
+            chunks = [Chunk(req, req.num_computed, n, "last" if req.num_computed + n == len(req.tokens) else "none")
+                      for req, n in group]
+            yield chunks, [req for req, _ in group]
 
     # ---- after the forward ---------------------------------------------------------------------
-    def _advance(self, req: Request, row: ForwardRow, res, version: int) -> None:
-        start, n = row.start, len(row.tokens)
+    def _advance(self, req: Request, chunk: Chunk, res, version: int) -> None:
+        start, n = chunk.start, chunk.length
         req.num_computed = start + n
         out = req.output()
         if res.routing is not None and req.params.record_routing:
@@ -365,7 +351,7 @@ class InferenceEngine:
         if res.topk and req.params.record_indexer_topk:
             out.indexer_topk = res.topk
             out.fed_positions = range(start, start + n)
-        self.tiers.after_forward(req)
+        self.executor.after_forward(req)
         if res.logits is None:
             return
         tok = sample_next(res.logits, req.params, req.generator)
@@ -408,21 +394,13 @@ class InferenceEngine:
         self.running.remove(req)
 
     def _release(self, req: Request, snapshot: bool = True) -> None:
-        """Free the request's cache state now (after offering it to the KV tiers)."""
-        if req.kv is None:
-            return
-        if snapshot:
-            self.tiers.on_finish(req)
-        for page in req.kv.pages:
-            self.global_kv.pool.release(page)
-        self.swa.release(req.kv.swa_slot)
-        req.kv = None
+        """Free the request's cache state now (after offering it to the cache tiers)."""
+        self.executor.release(req, snapshot=snapshot)
 
     # ---- observability ----------------------------------------------------------------------------
     def stats(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting), "policy_version": self.policy_version,
-                "free_pages": self.global_kv.pool.num_free, "free_swa_slots": len(self.swa.free),
-                "kv_bytes_per_token": self.global_kv.bytes_per_token(), "swa_bytes_per_request": self.swa.bytes_per_slot()}
+                **self.executor.stats()}
 
 
 __all__ += ["OutOfPages"]
@@ -441,10 +419,9 @@ def _free_bytes(device: torch.device) -> tuple[int, str] | None:
     return None
 
 
-def _check_kv_fits(model_config, config: EngineConfig, device: torch.device) -> None:
-    """A KV cache larger than the device's free memory is a ConfigError naming the options,
-    not a zeroing of pages that ends in the OOM killer (exit 137, no message)."""
-    needed = kv_cache_bytes(model_config, config)
+def _check_state_fits(needed: int, config: EngineConfig, device: torch.device) -> None:
+    """A cache larger than the device's free memory is a ConfigError naming the options, not a
+    zeroing of pages that ends in the OOM killer (exit 137, no message)."""
     free = _free_bytes(device)
     if free is None or needed <= free[0]:
         return

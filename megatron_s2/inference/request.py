@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_s2.inference.kv_store import SequenceKV
 from megatron_s2.inference.sampling import SamplingParams
 
 __all__ = ["FinishReason", "QueueFull", "PromptTooLong", "RequestOutput", "CompletedRequest", "RequestHandle",
@@ -106,7 +105,7 @@ class CompletedRequest:
         """The recorded routing as a training-side :class:`RoutingReplay` (REPLAY mode) for a
         forward over the fed tokens (prompt + generated - 1, batch of one); ``layer_ids``: the
         model's layers in the order of the record (``model.layer_ids``)."""
-        from megatron_s2.models.v41.moe.routing_replay import RoutingMode, RoutingReplay
+        from megatron_s2.models.family.routing_replay import RoutingMode, RoutingReplay
 
         if self.routed_experts is None:
             raise ValueError("routing_replay: the request was not run with record_routing=True")
@@ -175,11 +174,8 @@ class Request:
     num_generated: int = 0
     num_computed: int = 0
     """Tokens whose state is in the cache (the next chunk starts here)."""
-    kv: SequenceKV | None = None
-    decoder_from: int = 0
-    """Decoder layers run on positions >= this (decoder bounded replay of the prompt)."""
-    hashed_pages: int = 0
-    """Leading complete pages already indexed in the prefix cache."""
+    kv: object | None = None
+    """The model executor's per-request state (caches), while admitted."""
     pending: RequestOutput | None = None
 
     def __post_init__(self) -> None:

@@ -16,7 +16,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.config.model_schema import ModelSchema
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.parallel.sharding import shard_spec, slice_of
 
@@ -25,7 +25,7 @@ __all__ = ["LoadedCheckpoint", "read_checkpoint", "load_weights_into", "load_tok
 
 @dataclass
 class LoadedCheckpoint:
-    model_config: ModelConfig
+    model_config: ModelSchema
     state: dict[str, torch.Tensor]
     """Full (unsharded) tensors by parameter / buffer name."""
     directory: Path
@@ -95,7 +95,7 @@ def load_weights_into(model: nn.Module, source: nn.Module | Mapping[str, torch.T
         target.copy_(value.to(device=target.device, dtype=target.dtype))
 
 
-def _check_same_model(mine: ModelConfig, theirs: ModelConfig, where: str) -> None:
+def _check_same_model(mine: ModelSchema, theirs: ModelSchema, where: str) -> None:
     a, b = mine.replace(name=""), theirs.replace(name="")
     if a != b:
         diff = [k for k in a.__dataclass_fields__ if getattr(a, k) != getattr(b, k)]
@@ -132,7 +132,7 @@ def load_model(path: str, device: str | None = None):
 
     ``device`` defaults to this process's device (:func:`megatron_s2.runtime.device.process_device`:
     its GPU when one is visible, else CPU); the weights are read on the host and copied there."""
-    from megatron_s2.models.v41.model import V41Model
+    from megatron_s2.models.family import family_of
     from megatron_s2.runtime.device import build_on, process_device
 
     loaded = read_checkpoint(path)
@@ -152,7 +152,7 @@ def load_model(path: str, device: str | None = None):
         raise ConfigError(f"--device: {dev} is not available on this machine (visible GPUs: "
                           f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}); use cpu or another GPU")
     with build_on(dev):
-        model = V41Model(cfg)
+        model = family_of(cfg).build_model(cfg)
     model.to(dev)  # host-computed buffers (RoPE frequencies) follow
     missing, unexpected = model.load_state_dict(loaded.state, strict=False)
     if missing or unexpected:

@@ -21,7 +21,7 @@ from functools import cached_property
 from itertools import product
 from typing import TYPE_CHECKING
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.config.model_schema import ModelSchema
 from megatron_s2.config.parallel import ParallelConfig
 from megatron_s2.config.schema import ConfigError
 
@@ -84,7 +84,7 @@ class ParallelLayout:
         t, p = recipe.training, recipe.parallel
         layout = cls.build(p, recipe.model, world_size, seq_length=t.seq_length,
                            global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
-        window = recipe.model.window_size
+        window = recipe.model.layout_requirements().cp_min_chunk
         if p.cp > 1 and t.seq_length // (2 * p.cp) < window:  # context_parallel.window_keys_with_halo
             raise ConfigError(f"training.seq_length: {t.seq_length} tokens make 2*cp = {2 * p.cp} context-parallel "
                               f"chunks of {t.seq_length // (2 * p.cp)}, shorter than the attention window ({window}) "
@@ -92,18 +92,21 @@ class ParallelLayout:
         return layout
 
     @classmethod
-    def build(cls, parallel: ParallelConfig, model: ModelConfig, world_size: int, *,
+    def build(cls, parallel: ParallelConfig, model: ModelSchema, world_size: int, *,
               seq_length: int | None = None, global_batch_size: int | None = None,
               micro_batch_size: int | None = None) -> "ParallelLayout":
         p = parallel
         m = model
-        _divides(p.tp, m.num_attention_heads, f"{m.num_attention_heads} query heads not divisible by tp={p.tp}", "parallel.tp")
-        _divides(p.tp, m.index_num_heads, f"{m.index_num_heads} indexer heads not divisible by tp={p.tp}", "parallel.tp")
-        _divides(p.tp, m.o_groups, f"{m.o_groups} output-projection groups not divisible by tp={p.tp}", "parallel.tp")
-        _divides(p.tp, m.vocab_size, f"vocabulary of {m.vocab_size} not divisible by tp={p.tp}", "parallel.tp")
-        _divides(p.tp, m.moe_ffn_hidden_size, f"shared-expert width {m.moe_ffn_hidden_size} not divisible by tp={p.tp}", "parallel.tp")
-        _divides(p.ep, m.num_routed_experts, f"ep={p.ep} does not divide {m.num_routed_experts} routed experts", "parallel.ep")
-        _divides(p.etp, m.moe_ffn_hidden_size, f"expert width {m.moe_ffn_hidden_size} not divisible by etp={p.etp}", "parallel.etp")
+        need = m.layout_requirements()  # the family's parallel plan: what each dimension must divide
+        for count, what in need.tp:
+            _divides(p.tp, count, f"{count} {what} not divisible by tp={p.tp}", "parallel.tp")
+        if not need.experts and (p.ep > 1 or p.etp > 1):
+            raise ConfigError(f"parallel.ep: the model has no routed experts; set ep and etp to 1 (got ep={p.ep}, "
+                              f"etp={p.etp})")
+        for count, what in need.ep:
+            _divides(p.ep, count, f"ep={p.ep} does not divide {count} {what}", "parallel.ep")
+        for count, what in need.etp:
+            _divides(p.etp, count, f"{count} {what} not divisible by etp={p.etp}", "parallel.etp")
         mp = p.tp * p.pp * p.cp
         if p.dp:
             if world_size != mp * p.dp:
@@ -123,7 +126,7 @@ class ParallelLayout:
         if (dp * p.cp) % p.engram_parallel:
             raise ConfigError(f"parallel.engram_parallel: {p.engram_parallel} must divide dp*cp = {dp * p.cp} "
                               "(Engram rows are partitioned over replicas of the same model shard)")
-        if p.engram_parallel > 1 and not m.engram_layers:
+        if p.engram_parallel > 1 and not need.engram:
             raise ConfigError("parallel.engram_parallel: the model has no Engram layers; set it to 1")
         stages = cls._split_layers(p, m)
         if seq_length is not None:
@@ -144,7 +147,7 @@ class ParallelLayout:
                    p.distributed_optimizer, stages)
 
     @staticmethod
-    def _split_layers(p: ParallelConfig, m: ModelConfig) -> tuple[tuple[int, ...], ...]:
+    def _split_layers(p: ParallelConfig, m: ModelSchema) -> tuple[tuple[int, ...], ...]:
         n_stages = p.pp * p.vpp
         if p.pipeline_layers:
             total = sum(p.pipeline_layers)

@@ -3,7 +3,7 @@
 :func:`get_forward_backward_func` is the selector the training loop imports (megatron-core's
 convention; nothing here imports the loop back): without pipeline parallelism a plain loop
 over micro-batches (:func:`forward_backward_no_pipelining`), with it 1F1B or interleaved 1F1B
-over the rank's :class:`~megatron_s2.pipeline.stage.PipelineRuntime`. Every schedule takes
+over the rank's :class:`~megatron_s2.models.v41.pipeline.stage.PipelineRuntime`. Every schedule takes
 ``(model, StepInputs)`` and returns a ``StepResult`` (:mod:`megatron_s2.pipeline.step`).
 
 The order of work on each rank follows megatron-core's schedules (warm-up forwards, steady
@@ -26,14 +26,13 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from megatron_s2.models.v41.engram import EngramPrefetch
 from megatron_s2.parallel import mappings
 from megatron_s2.parallel.p2p import BACKWARD, FORWARD
 from megatron_s2.pipeline.losses import global_token_count, micro_batch_objective
 from megatron_s2.pipeline.step import StepInputs, StepResult, make_context, reduce_metrics
 
 if TYPE_CHECKING:
-    from megatron_s2.pipeline.stage import PipelineRuntime
+    from megatron_s2.pipeline.runtime import PipelineRuntime
 
 __all__ = ["get_forward_backward_func", "forward_backward_no_pipelining", "forward_backward_pipelined",
            "schedule_order"]
@@ -51,9 +50,9 @@ def get_forward_backward_func(layout, pipeline: "PipelineRuntime | None" = None)
     return functools.partial(forward_backward_pipelined, runtime=pipeline)
 
 
-def _prefetch_engram(model, inputs: StepInputs) -> EngramPrefetch | None:
-    """Rows of every Engram layer on this rank for the step's whole local batch (§3.1.3)."""
-    return EngramPrefetch.for_step(model, inputs.micro_batches, lambda mb: make_context(model, mb))
+def _prepare_step(model, inputs: StepInputs):
+    """The family's once-per-step work over the whole local batch (V4.1: Engram rows, §3.1.3)."""
+    return model.prepare_step(inputs.micro_batches, lambda mb: make_context(model, mb))
 
 
 def forward_backward_no_pipelining(model, inputs: StepInputs) -> StepResult:
@@ -61,9 +60,9 @@ def forward_backward_no_pipelining(model, inputs: StepInputs) -> StepResult:
     tokens = global_token_count(inputs.micro_batches, groups.dp_cp)
     loss_sum = torch.zeros((), device=tokens.device)
     metric_sums: dict[str, torch.Tensor] = {}
-    engram_rows = _prefetch_engram(model, inputs)
+    step_state = _prepare_step(model, inputs)
     for mb in inputs.micro_batches:
-        ctx = make_context(model, mb, inputs.routing, engram_rows)
+        ctx = make_context(model, mb, inputs.routing, step_state)
         if inputs.loss_fn is not None:  # post-training objective on the logits
             objective, summed = inputs.loss_fn(model, model(mb["tokens"], ctx), mb, ctx)
             aux = ctx.total_aux_loss()
@@ -77,8 +76,8 @@ def forward_backward_no_pipelining(model, inputs: StepInputs) -> StepResult:
         loss_sum = loss_sum + summed
         for name, value in list(ctx.aux_losses.items()) + [(f"{k}_raw", v) for k, v in ctx.aux_metrics.items()]:
             metric_sums[name] = metric_sums.get(name, 0) + value.detach()
-    if engram_rows is not None:
-        engram_rows.return_grads()
+    if step_state is not None:
+        step_state.finish()
     loss = mappings.all_reduce_sum(loss_sum.reshape(1), groups.dp_cp)
     return StepResult(float(loss) / float(tokens), int(tokens), reduce_metrics(metric_sums, groups, inputs.num_micro_global))
 
@@ -89,11 +88,13 @@ class _Unit:
     input_grad_mask: list[bool]
     outputs: list[torch.Tensor] | None   # exported tensors (None on the last stage)
     objective: torch.Tensor | None       # loss + aux of the last stage, aux of the others
+    num_hidden: int = 1                  # leading message fields that are the hidden state
 
     def state_bytes(self) -> int:
         """Shared-state tensors this in-flight micro-batch keeps alive at the stage boundary
-        (payload fields beyond the streams, received and sent)."""
-        held = list(self.inputs[2:]) + list((self.outputs or [])[2:])
+        (payload fields beyond the hidden state, received and sent)."""
+        h = self.num_hidden
+        held = list(self.inputs[h:]) + list((self.outputs or [])[h:])
         return sum(t.numel() * t.element_size() for t in held)
 
 
@@ -136,16 +137,16 @@ def forward_backward_pipelined(model, inputs: StepInputs, *, runtime: "PipelineR
     loss_sum = torch.zeros((), device=tokens.device)
     metric_sums: dict[str, torch.Tensor] = {}
     transport = rt.transport
-    engram_rows = _prefetch_engram(model, inputs)
+    step_state = _prepare_step(model, inputs)
     for op, vi, k in order:
         stage = rt.stages[vi]
         mb = mbs[k]
         if op == "F":
-            ctx = make_context(model, mb, inputs.routing, engram_rows)
+            ctx = make_context(model, mb, inputs.routing, step_state)
             rt.request_exports(stage, ctx)
             inputs_f: list[torch.Tensor] = []
             if rt.is_first(stage):
-                x, pre = model.embed(mb["tokens"])
+                hidden = model.embed(mb["tokens"])
                 spec = None
             else:
                 spec = rt.spec_for(stage, mb)
@@ -153,31 +154,32 @@ def forward_backward_pipelined(model, inputs: StepInputs, *, runtime: "PipelineR
                 for t, f in zip(received, spec.fields):
                     if f.requires_grad:
                         t.requires_grad_(True)
-                x, pre = received[0], received[1]
+                hidden = tuple(received[:rt.num_hidden])
                 rt.import_states(stage, spec, received, ctx)
                 inputs_f = received
-            x, pre = model.run_layers(x, pre, ctx, layer_ids=rt.stage_layers[stage])
+            hidden = model.run_layers(hidden, ctx, layer_ids=rt.stage_layers[stage])
             aux = ctx.total_aux_loss()
             for name, value in list(ctx.aux_losses.items()) + [(f"{n}_raw", v) for n, v in ctx.aux_metrics.items()]:
                 metric_sums[name] = metric_sums.get(name, 0) + value.detach()
             if rt.is_last(stage):
                 if inputs.loss_fn is not None:  # post-training objective on the logits
-                    objective, summed = inputs.loss_fn(model, model.head(x, pre), mb, ctx)
+                    objective, summed = inputs.loss_fn(model, model.head(*hidden), mb, ctx)
                     if aux is not None:
                         objective = objective + aux / inputs.num_micro_global
                 else:
-                    token_loss = model.loss(model.head(x, pre), mb["labels"])
+                    token_loss = model.loss(model.head(*hidden), mb["labels"])
                     objective, summed = micro_batch_objective(token_loss, mb["loss_mask"], tokens, aux,
                                                               inputs.num_micro_global)
                 loss_sum = loss_sum + summed
-                units[(vi, k)] = _Unit(inputs_f, [f.requires_grad for f in spec.fields] if spec else [], None, objective)
+                units[(vi, k)] = _Unit(inputs_f, [f.requires_grad for f in spec.fields] if spec else [], None, objective,
+                                       rt.num_hidden)
             else:
-                outputs = rt.export(stage, x, pre, ctx, mb)
+                outputs = rt.export(stage, hidden, ctx, mb)
                 transport.send(outputs, rt.pp_of_stage(stage + 1), k, (vi + (1 if rt.pp_of_stage(stage) == rt.p - 1 else 0)),
                                FORWARD)
                 aux_obj = aux / inputs.num_micro_global if aux is not None else None
                 units[(vi, k)] = _Unit(inputs_f, [f.requires_grad for f in spec.fields] if spec else [],
-                                       outputs, aux_obj)
+                                       outputs, aux_obj, rt.num_hidden)
         else:
             unit = units.pop((vi, k))
             if rt.is_last(stage):
@@ -204,10 +206,10 @@ def forward_backward_pipelined(model, inputs: StepInputs, *, runtime: "PipelineR
         live = sum(u.state_bytes() for u in units.values())
         rt.peak_state_bytes = max(rt.peak_state_bytes, live)
         rt.peak_in_flight = max(rt.peak_in_flight, len(units))
-    if engram_rows is not None:
-        engram_rows.return_grads()
+    if step_state is not None:
+        step_state.finish()
     transport.flush()
-    rt.shadows.sync_grads()
+    rt.sync_grads()
     # the step's tail: loss and every metric in one tensor, one all-reduce per group
     names = _metric_names(rt, metric_sums, groups)
     local = torch.stack([loss_sum.float().reshape(()),

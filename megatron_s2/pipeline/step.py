@@ -15,7 +15,6 @@ from typing import Callable
 
 import torch
 
-from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import ParallelGroups
 
@@ -42,18 +41,9 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)  # aux losses/diagnostics, global means
 
 
-def make_context(model, mb: dict[str, torch.Tensor], routing=None, engram_rows=None) -> ForwardContext:
-    if routing is None:
-        routing = mb.get("routing")  # per-micro-batch replay (post-training R3)
-    ctx = ForwardContext.create(mb["tokens"], model.plan, positions=mb.get("position_ids"),
-                                doc_ids=mb.get("doc_ids"), image_mask=mb.get("image_mask"), routing=routing)
-    ctx.engram_rows = engram_rows
-    ctx.swa_from = mb.get("swa_from")
-    if "full_tokens" in mb:  # context-parallel chunk of a longer sequence
-        ctx.full_input_ids = mb["full_tokens"]
-        ctx.full_doc_ids = mb.get("full_doc_ids")
-        ctx.full_image_mask = mb.get("full_image_mask")
-    return ctx
+def make_context(model, mb: dict[str, torch.Tensor], routing=None, step_state=None):
+    """The forward context of one micro-batch: the family model's own (``model.make_context``)."""
+    return model.make_context(mb, routing=routing, step_state=step_state)
 
 
 def reduce_metrics(sums: dict[str, torch.Tensor], groups: ParallelGroups, num_micro_global: int) -> dict[str, float]:

@@ -22,7 +22,7 @@ from megatron_s2.config.parallel import ParallelConfig
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.parallel.layout import ParallelLayout
-from megatron_s2.planning.comm import comm_volume
+from megatron_s2.models.family import family_of
 from megatron_s2.planning.memory import rank_memory, representative_ranks
 from megatron_s2.planning.schedule import bubble_fraction, timeline
 
@@ -99,7 +99,7 @@ def _evaluate(recipe: RecipeConfig, layout: ParallelLayout, gpu_mem: float | Non
         worst_mem = max(worst_mem, mem.total)
         expert = mem.state.parameters.get("moe routed experts", 0)
         dense = mem.state.gradients - expert
-        vol = comm_volume(recipe, layout, mem.pp_rank, dense, expert)
+        vol = family_of(recipe.model).memory_model(recipe.model).comm_volume(recipe, layout, mem.pp_rank, dense, expert)
         if vol.total >= worst_comm:
             worst_comm, parts = vol.total, vol.parts
     m = recipe.training.global_batch_size // (recipe.training.micro_batch_size * layout.dp)

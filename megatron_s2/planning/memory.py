@@ -8,10 +8,10 @@ reports the most loaded one:
   (:mod:`.model_state`; exact, ZeRO-1 ownership and frozen parameters included);
 * saved activations — the sum over the micro-batches the rank holds at the peak of its
   1F1B / interleaved schedule (:mod:`.schedule` replays ``schedule_order``) of each virtual
-  stage's per-layer estimate (:mod:`.activations`), the LM head on the last stage;
-* pipeline payload buffers — the shared states received with the hidden state
-  (``PayloadSpec``: CSA2 main KV, index K, top-k, candidates) and the full payload
-  sent to the next stage, kept by every in-flight micro-batch until its backward;
+  stage's per-layer estimate (the family's ``memory_model``), the LM head on the last stage;
+* pipeline payload buffers — the states received with the hidden state (the family's cut
+  messages; V4.1: CSA2 main KV, index K, top-k, candidates) and the full payload sent to the
+  next stage, kept by every in-flight micro-batch until its backward;
 * transients — the largest short-lived working set (logits gradient, attention scores);
 * Engram — table partition, its gradient and its optimiser state (also inside the above);
 * RL / OPD phases (``phase.kind: rl | opd``): what the co-located rollout keeps resident beside
@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_s2.config.recipe import RecipeConfig
-from megatron_s2.checkpoint.hf.skeleton import group_table, pp_rank_of
+from megatron_s2.models.family.base import RankShape
 from megatron_s2.parallel.layout import ParallelLayout
-from megatron_s2.planning.activations import RankShape, head_activations, layer_activations, transient_bytes
+from megatron_s2.parallel.offline_groups import group_table, pp_rank_of
 from megatron_s2.planning.model_state import ModelStateBytes, model_state_bytes
 from megatron_s2.planning.posttrain import posttrain_resident
 from megatron_s2.planning.schedule import peak_inflight
@@ -88,35 +88,13 @@ def representative_ranks(layout: ParallelLayout) -> list[int]:
     return list(group_table(layout)["pp"][0])
 
 
-def _modes(recipe: RecipeConfig):
-    from megatron_s2.pipeline.payload import PayloadModes
-
-    return PayloadModes(recipe.parallel.payload_index_k, recipe.parallel.payload_candidates)
-
-
-def _payload_bytes(recipe: RecipeConfig, layout: ParallelLayout, stage: int, shape: RankShape) -> float:
-    """Inbound shared states (beyond the streams) + the whole outbound payload of ``stage``."""
-    from megatron_s2.pipeline.payload import PayloadSpec
-
-    cfg = recipe.model
-    local = int(shape.tokens // shape.batch)
-    stream = int(shape.stream_tokens // shape.batch)
-    total = 0.0
-    if stage > 0:
-        spec = PayloadSpec.build(cfg, cfg.plan, layout.stage_layers[stage][0], _modes(recipe), batch=shape.batch,
-                                 local_seq=local, full_seq=shape.seq, stream_seq=stream, tp_size=shape.tp)
-        total += spec.state_bytes()
-    if stage < len(layout.stage_layers) - 1:
-        spec = PayloadSpec.build(cfg, cfg.plan, layout.stage_layers[stage + 1][0], _modes(recipe), batch=shape.batch,
-                                 local_seq=local, full_seq=shape.seq, stream_seq=stream, tp_size=shape.tp)
-        total += spec.nbytes
-    return total
-
-
 def rank_memory(recipe: RecipeConfig, layout: ParallelLayout, rank: int, *, worst_zero1: bool = False) -> RankMemory:
     """Memory of ``rank`` (``worst_zero1``: with the optimiser state of its most loaded
     ZeRO-1 peer, so that one rank per stage bounds the whole stage)."""
+    from megatron_s2.models.family import family_of
+
     cfg, t = recipe.model, recipe.training
+    terms = family_of(cfg).memory_model(cfg)
     pp_rank = pp_rank_of(layout, rank)
     shape = RankShape(t.micro_batch_size, t.seq_length, layout.tp, layout.cp, layout.ep, layout.etp,
                       layout.sequence_parallel)
@@ -127,26 +105,26 @@ def rank_memory(recipe: RecipeConfig, layout: ParallelLayout, rank: int, *, wors
     for vi, stage in enumerate(stages):
         saved = 0.0
         for layer in layout.stage_layers[stage]:
-            acts = layer_activations(cfg, cfg.plan[layer], shape, recipe.parallel.recompute)
+            acts = terms.layer_activations(layer, shape, recipe.parallel.recompute)
             saved += acts.total
             for k, v in acts.parts.items():
                 parts[k] = parts.get(k, 0.0) + v
         if stage == last:
-            head = head_activations(cfg, shape)
+            head = terms.head_activations(shape)
             saved += head
             parts["lm head + logits"] = parts.get("lm head + logits", 0.0) + head
         unit_saved[vi] = saved
-        unit_payload[vi] = _payload_bytes(recipe, layout, stage, shape) if layout.pp > 1 else 0.0
+        unit_payload[vi] = terms.payload_bytes(layout, stage, shape, recipe.parallel) if layout.pp > 1 else 0.0
     peak_saved, inflight = peak_inflight(layout.pp, layout.vpp, m, pp_rank, unit_saved)
     peak_payload, _ = peak_inflight(layout.pp, layout.vpp, m, pp_rank, unit_payload)
     # component split of the saved peak: in proportion to one micro-batch of every virtual stage
     one_each = sum(unit_saved.values()) or 1.0
     parts = {k: v * peak_saved / one_each for k, v in parts.items()}
     state = model_state_bytes(cfg, layout, rank, recipe.optimizer, freeze=recipe.phase.freeze,
-                              payload_modes=_modes(recipe), zero1_worst=worst_zero1)
+                              parallel=recipe.parallel, zero1_worst=worst_zero1)
     layers = [layer for s in stages for layer in layout.stage_layers[s]]
     return RankMemory(rank, pp_rank, layers, state, peak_saved, parts, peak_payload,
-                      transient_bytes(cfg, shape, last in stages), inflight, m,
+                      terms.transient_bytes(shape, last in stages), inflight, m,
                       posttrain_resident(recipe, layout, rank))
 
 

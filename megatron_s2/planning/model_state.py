@@ -1,7 +1,7 @@
 """Parameters, gradients and optimiser state of one rank — counted, not estimated.
 
 The rank's parameters come from a skeleton of the model it builds (meta storage, the real
-module code and ShardSpecs: :mod:`megatron_s2.checkpoint.hf.skeleton`), so TP/EP/ETP splits,
+module code and ShardSpecs: :mod:`megatron_s2.models.family.skeleton`), so TP/EP/ETP splits,
 vocabulary shards, Engram row partitions and pipeline placement are exactly the runtime's.
 The optimiser side replays the runtime's decisions on those parameters:
 
@@ -26,10 +26,11 @@ from fnmatch import fnmatch
 
 import torch
 
-from megatron_s2.checkpoint.hf.skeleton import (SkeletonMode, group_table, layout_groups, model_skeleton, pp_rank_of,
-                                                stage_model_kwargs)
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.config.model_schema import ModelSchema
 from megatron_s2.config.optimizer import OptimizerConfig
+from megatron_s2.config.parallel import ParallelConfig
+from megatron_s2.models.family.skeleton import model_skeleton
+from megatron_s2.parallel.offline_groups import group_table, layout_groups, stage_model_kwargs
 from megatron_s2.parallel.layout import ParallelLayout
 
 __all__ = ["ModelStateBytes", "model_state_bytes", "component_of"]
@@ -82,7 +83,7 @@ def _nbytes(p: torch.Tensor) -> int:
 _SKELETONS: dict[tuple, object] = {}
 
 
-def _full_skeleton(cfg: ModelConfig, key: tuple, groups):
+def _full_skeleton(cfg: ModelSchema, key: tuple, groups):
     """All layers, embedding and head for the group sizes/ranks in ``key`` (the only thing
     module constructors read), shared by every layout and stage with the same key."""
     if (cfg, key) not in _SKELETONS:
@@ -102,7 +103,7 @@ class _Subset:
         return iter(self._named.items())
 
 
-def _stage_state(cfg: ModelConfig, layout: ParallelLayout, rank: int) -> tuple[dict, dict]:
+def _stage_state(cfg: ModelSchema, layout: ParallelLayout, rank: int) -> tuple[dict, dict]:
     """(parameters, persistent buffers) by name held by ``rank`` — a filter of the cached
     all-layer skeleton by the rank's stage layers (see ``build_pipeline_model``)."""
     groups = layout_groups(layout, rank)
@@ -121,28 +122,6 @@ def _stage_state(cfg: ModelConfig, layout: ParallelLayout, rank: int) -> tuple[d
     params = {n: p for n, p in model.named_parameters() if keep(n)}
     buffers = {n: b for n, b in model.state_dict(keep_vars=True).items() if keep(n) and n not in params}
     return params, buffers
-
-
-def _shadow_replicas(cfg: ModelConfig, layout: ParallelLayout, rank: int, modes) -> list[tuple[torch.Tensor, bool]]:
-    """(parameter, receives gradients) of the shadow replicas this rank holds."""
-    if layout.pp == 1:
-        return []
-    from megatron_s2.models.v41.attention.indexer import IndexKeyProjection, Indexer
-    from megatron_s2.pipeline.payload import payload_keys
-    from megatron_s2.pipeline.shadows import shadow_components
-
-    pp_rank = pp_rank_of(layout, rank)
-    groups = layout_groups(layout, rank)
-    comps = shadow_components(cfg.plan, layout.stage_layers, lambda s: s % layout.pp,
-                              lambda cut: payload_keys(cfg.plan, cut, modes))
-    out = []
-    with SkeletonMode():
-        for c in comps:
-            if pp_rank in c.holders and pp_rank != c.owner_pp:
-                module = (IndexKeyProjection(cfg, groups.tp) if c.kind == "index_key"
-                          else Indexer(cfg, groups.tp))
-                out += [(p, c.grads) for p in module.parameters()]
-    return out
 
 
 def _zero1_owned(trainable: dict, layout: ParallelLayout, rank: int, worst: bool) -> set[str]:
@@ -171,12 +150,13 @@ def _zero1_owned(trainable: dict, layout: ParallelLayout, rank: int, worst: bool
     return max((owned_by(r) for r in sorted(peers)), key=lambda names: sum(sizes[n] for n in names))
 
 
-def model_state_bytes(cfg: ModelConfig, layout: ParallelLayout, rank: int, optimizer: OptimizerConfig, *,
-                      freeze: tuple[str, ...] = (), payload_modes=None, zero1_worst: bool = False) -> ModelStateBytes:
+def model_state_bytes(cfg: ModelSchema, layout: ParallelLayout, rank: int, optimizer: OptimizerConfig, *,
+                      freeze: tuple[str, ...] = (), parallel: ParallelConfig | None = None,
+                      zero1_worst: bool = False) -> ModelStateBytes:
     """Bytes of parameters, buffers, gradients and optimiser state held by ``rank`` (with
     ``zero1_worst``: the optimiser state of the most loaded ZeRO-1 peer of ``rank``)."""
+    from megatron_s2.models.family import family_of
     from megatron_s2.optim.param_groups import assign_param_groups
-    from megatron_s2.pipeline.payload import PayloadModes
 
     params, buffers = _stage_state(cfg, layout, rank)
     out = ModelStateBytes()
@@ -185,8 +165,8 @@ def model_state_bytes(cfg: ModelConfig, layout: ParallelLayout, rank: int, optim
         comp = component_of(name)
         out.parameters[comp] = out.parameters.get(comp, 0) + _nbytes(p)
     out.buffers = sum(_nbytes(b) for b in buffers.values())
-    out.shadow_parameters = sum(_nbytes(p) for p, _ in _shadow_replicas(cfg, layout, rank,
-                                                                        payload_modes or PayloadModes()))
+    shadows = family_of(cfg).memory_model(cfg).shadow_parameters(layout, rank, parallel or ParallelConfig())
+    out.shadow_parameters = sum(_nbytes(p) for p, _ in shadows)
     out.gradients = sum(_nbytes(p) for p in trainable.values())
     owned = _zero1_owned(trainable, layout, rank, zero1_worst) if layout.distributed_optimizer else set(trainable)
     frozen_model = set(params) - set(trainable)

@@ -12,7 +12,7 @@ The training state and activations of ``phase.kind: rl | opd`` are those of any 
   skeleton of that layout;
 * the **KV cache of each engine** — the rollout engine and the held-out evaluation engine build
   their own page pool and SWA rings (:func:`~megatron_s2.config.posttrain.engines.engine_configs`),
-  sized by :func:`~megatron_s2.models.v41.accounting.kv_cache_bytes`, the function with which the
+  sized by the family's ``engine_cache_bytes``, the function with which the
   engine refuses a cache that does not fit. Pages are not sharded by tensor parallelism (one
   latent KV vector per token and layer), so every rank holds its replica's whole pool;
 * **frozen models** (:mod:`megatron_s2.posttrain.frozen`) — OPD in-process teachers and the
@@ -31,9 +31,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.config.model_schema import ModelSchema
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.parallel.layout import ParallelLayout
 
@@ -43,10 +41,10 @@ __all__ = ["posttrain_resident", "frozen_model_bytes", "checkpoint_model_config"
 _BYTES: dict[tuple, int] = {}
 
 
-def frozen_model_bytes(cfg: ModelConfig, groups) -> int:
+def frozen_model_bytes(cfg: ModelSchema, groups) -> int:
     """Bytes of a whole model (every layer) held by the rank of ``groups``, stored as the rollout
     model and frozen models store it (``apply_precision_map``): parameters and buffers."""
-    from megatron_s2.checkpoint.hf.skeleton import model_skeleton
+    from megatron_s2.models.family.skeleton import model_skeleton
 
     key = (cfg, groups.sequence_parallel) + tuple((getattr(groups, f).size, getattr(groups, f).rank)
                                                   for f in ("tp", "ep", "etp", "engram"))
@@ -58,7 +56,7 @@ def frozen_model_bytes(cfg: ModelConfig, groups) -> int:
     return _BYTES[key]
 
 
-def checkpoint_model_config(path: str | Path) -> ModelConfig | None:
+def checkpoint_model_config(path: str | Path) -> ModelSchema | None:
     """The architecture saved with a checkpoint (a sharded run / checkpoints / step directory, or
     a Hugging Face export), read without its tensors; None when there is none readable."""
     from megatron_s2.checkpoint.format import CheckpointError
@@ -67,9 +65,10 @@ def checkpoint_model_config(path: str | Path) -> ModelConfig | None:
     path = Path(path)
     try:
         if (path / "config.json").is_file():
-            from megatron_s2.checkpoint.hf.hf_config import config_from_hf
+            from megatron_s2.models.family.hf import family_for_hf_config
 
-            return config_from_hf(json.loads((path / "config.json").read_text()))
+            data = json.loads((path / "config.json").read_text())
+            return family_for_hf_config(data).hf.config_from_hf(data)
         from megatron_s2.checkpoint.offline import resolve_step_dir
         from megatron_s2.checkpoint.store import read_manifest
 
@@ -79,7 +78,7 @@ def checkpoint_model_config(path: str | Path) -> ModelConfig | None:
         return None
 
 
-def _frozen_config(recipe: RecipeConfig, path: str, model_ref: str = "") -> tuple[ModelConfig, str]:
+def _frozen_config(recipe: RecipeConfig, path: str, model_ref: str = "") -> tuple[ModelSchema, str]:
     """(architecture, where it came from) of a frozen model loaded from ``path``."""
     cfg = checkpoint_model_config(path) if path else None
     if cfg is not None:
@@ -91,20 +90,20 @@ def _frozen_config(recipe: RecipeConfig, path: str, model_ref: str = "") -> tupl
         from megatron_s2.config.recipe import _resolve_model
         from megatron_s2.config.schema import from_mapping
 
-        return from_mapping(ModelConfig, _resolve_model(model_ref, Path.cwd()), f"model {model_ref}"), \
+        return from_mapping(ModelSchema, _resolve_model(model_ref, Path.cwd()), f"model {model_ref}"), \
             f"model {model_ref} assumed: {why}"
     return recipe.model, f"policy's model assumed: {why}"
 
 
-def _dtype(cfg: ModelConfig) -> str:
+def _dtype(cfg: ModelSchema) -> str:
     return "bf16+fp32 islands" if cfg.params_dtype == "bfloat16" else "fp32"
 
 
 def posttrain_resident(recipe: RecipeConfig, layout: ParallelLayout, rank: int) -> dict[str, float]:
     """``{label: bytes}`` of what ``rank`` holds for rollouts and frozen models (module docstring);
     empty for pretrain / sft phases."""
-    from megatron_s2.checkpoint.hf.skeleton import layout_groups
-    from megatron_s2.models.v41.accounting import kv_cache_bytes
+    from megatron_s2.parallel.offline_groups import layout_groups
+    from megatron_s2.models.family import family_of
     from megatron_s2.config.posttrain.recipe_checks import posttrain_section
     from megatron_s2.config.posttrain.engines import engine_configs
     from megatron_s2.parallel.rollout_layout import rollout_placement
@@ -120,8 +119,8 @@ def posttrain_resident(recipe: RecipeConfig, layout: ParallelLayout, rank: int) 
     if not placement.shared:
         out[f"rollout weight copy ({where}; {_dtype(recipe.model)})"] = frozen_model_bytes(recipe.model, groups)
     for name, engine in engine_configs(recipe, section.rollout).items():
-        label = f"{engine.max_num_seqs} seqs x {engine.max_model_len} tokens, {engine.pages_for(recipe.model)} pages"
-        out[f"{name} engine KV ({label})"] = kv_cache_bytes(recipe.model, engine)
+        label = f"{engine.max_num_seqs} seqs x {engine.max_model_len} tokens, {engine.num_pages_total} pages"
+        out[f"{name} engine KV ({label})"] = family_of(recipe.model).engine_cache_bytes(recipe.model, engine)
     if recipe.phase.kind == "opd":
         for t in section.teachers:
             if t.checkpoint:

@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from megatron_s2.models.v41.moe.routing_replay import RoutingReplay
+from megatron_s2.models.family.routing_replay import RoutingReplay
 from megatron_s2.posttrain.advantages.session_credit import segment_advantages
 from megatron_s2.posttrain.orchestrator.sample import RolloutSample
 from megatron_s2.posttrain.routing import RoutingRecord

@@ -23,8 +23,7 @@ from typing import Mapping, Sequence
 import torch
 
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.models.v41.context import ForwardContext
-from megatron_s2.models.v41.model import V41Model
+from megatron_s2.models.family import family_of
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.sharding import shard_spec, slice_of
 from megatron_s2.posttrain.vocab_parallel import token_log_probs
@@ -33,7 +32,7 @@ __all__ = ["load_frozen_model", "full_logits", "TeacherPool"]
 
 
 def load_frozen_model(path: str | Path, groups: ParallelGroups, *, vocab_size: int, tokenizer, what: str,
-                      device: torch.device | str = "cpu") -> V41Model:
+                      device: torch.device | str = "cpu") -> torch.nn.Module:
     """The model saved at ``path`` (run / checkpoints / step directory or Hugging Face export),
     this rank's slices, evaluation mode, no gradients."""
     from megatron_s2.inference.weights import read_checkpoint
@@ -43,7 +42,7 @@ def load_frozen_model(path: str | Path, groups: ParallelGroups, *, vocab_size: i
     if cfg.vocab_size != vocab_size:
         raise ConfigError(f"{what}: {path} has vocab_size {cfg.vocab_size}, the policy {vocab_size}; a teacher or "
                           "reference must share the policy's tokenizer")
-    model = V41Model(cfg, groups).to(device)
+    model = family_of(cfg).build_model(cfg, groups).to(device)
     model.apply_precision_map()
     model.set_token_map(tokenizer.compressed_token_map(num_ids=cfg.vocab_size))
     params = dict(model.named_parameters())
@@ -59,21 +58,21 @@ def load_frozen_model(path: str | Path, groups: ParallelGroups, *, vocab_size: i
 
 
 @torch.no_grad()
-def full_logits(model: V41Model, tokens: torch.Tensor) -> torch.Tensor:
+def full_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """This rank's vocabulary shard of the logits [b, s, V/tp] of a whole-model forward (the
     sequence padded to a multiple of tp for the tensor-parallel MoE token split)."""
     s = tokens.size(1)
     pad = -s % model.groups.tp.size
     if pad:
         tokens = torch.cat([tokens, tokens.new_zeros(tokens.size(0), pad)], dim=1)
-    logits = model(tokens, ForwardContext.create(tokens, model.plan))
+    logits = model(tokens, model.make_context({"tokens": tokens}))
     return logits[:, :s].float()
 
 
 class TeacherPool:
     """Teachers by name — in-process models and remote endpoints — and the teacher of every domain."""
 
-    def __init__(self, teachers: Mapping[str, V41Model], domain_teacher: Mapping[str, str],
+    def __init__(self, teachers: Mapping[str, torch.nn.Module], domain_teacher: Mapping[str, str],
                  temperatures: Mapping[str, float], remote: Mapping | None = None):
         self.teachers, self.domain_teacher, self.temperatures = dict(teachers), dict(domain_teacher), dict(temperatures)
         self.remote = dict(remote or {})

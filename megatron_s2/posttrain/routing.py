@@ -8,7 +8,7 @@ training forward replays it so that trainer and sampler evaluate the same sparse
 ("TITO preserves the sampled token sequence, R3 the conditional computation path").
 
 A :class:`RoutingRecord` is one sample's record, aligned to its tokens: for each MoE layer
-(global layer number, as :class:`~megatron_s2.models.v41.moe.routing_replay.RoutingReplay`
+(global layer number, as :class:`~megatron_s2.models.family.routing_replay.RoutingReplay`
 keys them) an int32 ``[n, topk]`` tensor for positions ``[start, start + n)``, plus the policy
 version that routed each position. A position is routed when it is *fed* to the model: the
 prompt at prefill, each generated token at the next decode step. The last sampled token is
@@ -30,7 +30,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from megatron_s2.models.v41.moe.routing_replay import RoutingMode, RoutingReplay
+from megatron_s2.models.family.routing_replay import RoutingMode, RoutingReplay
 
 __all__ = ["RoutingRecord"]
 

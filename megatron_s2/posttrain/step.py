@@ -1,7 +1,7 @@
 """The post-training objective of one micro-batch, from model logits — the seam the trainer calls.
 
 The trainer's forward produces this rank's vocabulary shard of the logits ``[b, s, V/tp]``
-(with the batch's R3 replay in the :class:`~megatron_s2.models.v41.context.ForwardContext`);
+(with the batch's R3 replay in the family model's forward context);
 :func:`micro_batch_objective` turns them and a :class:`~megatron_s2.posttrain.batch.PosttrainBatch`
 into the scalar to backpropagate. :func:`global_normalisers` computes, once per global batch
 and over the data-parallel group, the counts the aggregation divides by, so the sum of the

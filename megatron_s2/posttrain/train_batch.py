@@ -32,7 +32,7 @@ from megatron_s2.posttrain.losses.terms import LossInputs
 from megatron_s2.posttrain.opd.sampled_token import opd_advantages
 from megatron_s2.posttrain.orchestrator import RolloutSample
 from megatron_s2.posttrain.vocab_parallel import token_log_probs
-from megatron_s2.models.v41.moe.routing_replay import RoutingMode, RoutingReplay
+from megatron_s2.models.family.routing_replay import RoutingMode, RoutingReplay
 
 __all__ = ["build_micro_batches", "split_routing_for_cp", "PosttrainLoss", "TERM_STATS"]
 

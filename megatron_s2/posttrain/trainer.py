@@ -35,11 +35,11 @@ import torch
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.inference import InferenceEngine
-from megatron_s2.models.v41.model import V41Model
 from megatron_s2.parallel.context_parallel import split_micro_batch
 from megatron_s2.parallel.setup import build_groups
 from megatron_s2.posttrain.advantages import AdvantagePipeline, GroupRollouts
 from megatron_s2.config.posttrain.recipe_checks import posttrain_section
+from megatron_s2.models.family import family_of
 from megatron_s2.posttrain.checks import check_registered_names
 from megatron_s2.posttrain.envs import build_environment
 from megatron_s2.posttrain.frozen import TeacherPool, full_logits, load_frozen_model
@@ -130,7 +130,7 @@ class PosttrainTrainer(Trainer):
         else:
             self.rollout_groups = build_groups(self.placement.layout)
             with build_on(self.device):
-                self.rollout_model = V41Model(recipe.model, self.rollout_groups)
+                self.rollout_model = family_of(recipe.model).build_model(recipe.model, self.rollout_groups)
             self.rollout_model.to(self.device)
             self.rollout_model.apply_precision_map()
             self.rollout_model.set_token_map(self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))

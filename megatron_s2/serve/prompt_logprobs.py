@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import torch
 
-from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.serve.errors import HTTPError, RequestFailed
 from megatron_s2.serve.fields import Fields
 from megatron_s2.serve.text import finite_logprob, token_text
@@ -75,7 +74,7 @@ def _score(model, prompts: list[list[int]], k: int, temperature: float, max_toke
         tokens = torch.zeros(len(chunk), width, dtype=torch.long, device=device)
         for row, i in enumerate(chunk):
             tokens[row, :len(prompts[i])] = torch.tensor(prompts[i], dtype=torch.long, device=device)
-        logits = model(tokens, ForwardContext.create(tokens, model.plan))[:, :-1].float()
+        logits = model(tokens, model.make_context({"tokens": tokens}))[:, :-1].float()
         logp = torch.log_softmax(logits / temperature, dim=-1)
         chosen = logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
         ranks = (logp > chosen.unsqueeze(-1)).sum(-1) + 1

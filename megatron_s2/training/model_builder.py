@@ -1,27 +1,37 @@
-"""Build the model (or this rank's pipeline stages) for a recipe and a layout."""
+"""Build the model of this rank (or its pipeline stages) for a recipe and a layout, through the
+recipe's model family (:func:`megatron_s2.models.family.family_of`)."""
 
 from __future__ import annotations
 
 from megatron_s2.config.recipe import RecipeConfig
-from megatron_s2.models.v41.model import V41Model
+from megatron_s2.models.family import family_of
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.layout import ParallelLayout
-from megatron_s2.pipeline.payload import PayloadModes
-from megatron_s2.pipeline.stage import PipelineRuntime, build_pipeline_model
+from megatron_s2.pipeline.runtime import PipelineRuntime
 
-__all__ = ["build_stage_model"]
+__all__ = ["build_stage_model", "stage_kwargs"]
+
+
+def stage_kwargs(layout: ParallelLayout, pp_rank: int) -> dict:
+    """``layers`` / ``pre_process`` / ``post_process`` of the model object of pipeline rank
+    ``pp_rank``: the union of its (virtual) stages (empty without pipelining)."""
+    if layout.pp == 1:
+        return {}
+    stages = layout.stages_of_rank(pp_rank)
+    return {"layers": [layer for s in stages for layer in layout.stage_layers[s]],
+            "pre_process": 0 in stages, "post_process": len(layout.stage_layers) - 1 in stages}
 
 
 def build_stage_model(recipe: RecipeConfig, layout: ParallelLayout, groups: ParallelGroups, rank: int,
-                      token_map: list[int] | None = None) -> tuple[V41Model, PipelineRuntime | None]:
-    """(the model of this rank's stages, its pipeline runtime or None without pipelining)."""
-    pipeline = None
-    if layout.pp == 1:
-        model = V41Model(recipe.model, groups).init_weights(recipe.training.seed)
-    else:
-        modes = PayloadModes(recipe.parallel.payload_index_k, recipe.parallel.payload_candidates)
-        model, pipeline = build_pipeline_model(recipe.model, layout, groups, rank, seed=recipe.training.seed,
-                                               modes=modes)
+                      token_map: list[int] | None = None):
+    """(the model of this rank's stages, initialised from ``training.seed``; its pipeline
+    runtime, or None without pipelining). The model itself knows nothing of the pipeline."""
+    family = family_of(recipe.model)
+    pp_rank = layout.coords(rank)["pp"]
+    model = family.build_model(recipe.model, groups, **stage_kwargs(layout, pp_rank)).init_weights(recipe.training.seed)
     model.set_token_map(token_map)
     model.set_recompute(recipe.parallel.recompute)
-    return model, pipeline
+    if layout.pp == 1:
+        return model, None
+    payloads = family.stage_payloads(model, layout, groups, pp_rank, recipe.parallel)
+    return model, PipelineRuntime(model, layout, groups, pp_rank, payloads)

@@ -117,9 +117,9 @@ def check_memory(recipe: RecipeConfig, world_size: int, host: HostMemory | None)
 
 
 def check_backend(recipe: RecipeConfig) -> None:
-    """``model.transformer_impl: transformer_engine`` needs Transformer Engine importable where
-    the ranks run, and ``MEGATRON_S2_KERNELS`` must name a mode (refused before the run
-    directory is touched or ranks are started)."""
+    """The model family's own start-up checks (e.g. ``model.transformer_impl: transformer_engine``
+    needs Transformer Engine importable where the ranks run), and ``MEGATRON_S2_KERNELS`` must
+    name a mode (refused before the run directory is touched or ranks are started)."""
     from megatron_s2.kernels.dispatch import kernel_mode
 
     if kernel_mode() == "triton":
@@ -129,10 +129,9 @@ def check_backend(recipe: RecipeConfig) -> None:
 
         if not torch.cuda.is_available():  # every tensor will be on the CPU: the same check, before the run
             use_triton(torch.empty(0))
-    if recipe.model.transformer_impl == "transformer_engine":
-        from megatron_s2.models.v41.spec import get_provider
+    from megatron_s2.models.family import family_of
 
-        get_provider("transformer_engine")  # BackendUnavailable is a ConfigError naming the field and fix
+    family_of(recipe.model).check_recipe(recipe)
 
 
 def check_run_inputs(recipe: RecipeConfig, world_size: int, host: HostMemory | None,

@@ -22,8 +22,7 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.data import batch_fingerprint, build_data_iterator
 from megatron_s2.data.errors import DataError
 from megatron_s2.data.tokenizer_checks import check_checkpoint_tokenizer, record_run_tokenizer
-from megatron_s2.models.v41.accounting import train_flops_per_token
-from megatron_s2.models.v41.precision import describe_fp8, describe_precision
+from megatron_s2.models.family import family_of
 from megatron_s2.optim import build_optimizer, describe_param_groups
 from megatron_s2.optim.lr_schedule import LRSchedule
 from megatron_s2.parallel.context_parallel import split_micro_batch
@@ -200,21 +199,20 @@ class Trainer:
         return result
 
     def apply_gradients(self, loss: float | None = None) -> float:
-        """Clip, optimiser step, then the once-per-step MoE correction-bias update. A
+        """Clip, optimiser step, then the model's once-per-step update (the MoE correction biases). A
         non-finite loss or gradient norm stops the run or skips the update
         (``training.non_finite``, :mod:`.finite`)."""
         grad_norm = clip_grads(self.params, self.recipe.optimizer.clip_grad, self.groups, zero1=self.zero1 is not None)
         if not self.non_finite.admit(self.step + 1, loss, float(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
-            for router in self.model.routers():  # this step's loads must not move the biases
-                router.tokens_per_expert.zero_()
+            self.model.after_optimizer_step(skipped=True)  # this step's statistics (expert loads) are dropped
             self.step += 1
             return float(grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.pipeline is not None:
-            self.pipeline.shadows.refresh()  # replicas follow their owners (§3.1.2)
-        self.model.update_expert_bias()
+            self.pipeline.refresh()  # replicas follow their owners (§3.1.2)
+        self.model.after_optimizer_step(skipped=False)  # e.g. the MoE correction-bias update (§2.1.1)
         self.step += 1
         return float(grad_norm)
 
@@ -244,13 +242,11 @@ class Trainer:
                 self.log(f"rank 0 holds layers {self.model.layer_ids[0]}-{self.model.layer_ids[-1]} "
                          "(its shard of the model is listed below)")
             self.log(describe_param_groups(self.model, self.recipe.optimizer))
-            self.log(f"device: {self.device}; " + describe_precision(self.recipe.model.params_dtype,
-                                                                     self.recipe.model.compute_dtype))
-            m = self.recipe.model
-            fp8_line = describe_fp8(self.model, m.fp8, m.transformer_impl, m.compute_dtype)
-            if fp8_line:
-                self.log(fp8_line)
-        flops = train_flops_per_token(self.recipe.model, t.seq_length)
+            lines = family_of(self.recipe.model).describe(self.model, self.recipe.model)
+            self.log(f"device: {self.device}; " + lines[0])
+            for line in lines[1:]:
+                self.log(line)
+        flops = family_of(self.recipe.model).train_flops_per_token(self.recipe.model, t.seq_length)
         metrics = MetricsLogger(self.run_dir, enabled=self.is_main, total_steps=t.train_steps,
                                 log_interval=self.recipe.logging.log_interval,
                                 tensorboard=self.recipe.logging.tensorboard,

@@ -9,23 +9,23 @@ import pytest
 import torch
 import yaml
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.config.schema import from_mapping
 
 MODELS = Path(__file__).resolve().parents[2] / "recipes" / "models"
 
 
-def load_model(name: str, **changes) -> ModelConfig:
-    cfg = from_mapping(ModelConfig, yaml.safe_load((MODELS / f"{name}.yaml").read_text()), "model")
+def load_model(name: str, **changes) -> V41Config:
+    cfg = from_mapping(V41Config, yaml.safe_load((MODELS / f"{name}.yaml").read_text()), "model")
     return cfg.replace(**changes) if changes else cfg
 
 
 @pytest.fixture(scope="session")
-def tiny_cfg() -> ModelConfig:
+def tiny_cfg() -> V41Config:
     return load_model("tiny")
 
 
-def trained_state(cfg: ModelConfig, seed: int = 7) -> dict[str, torch.Tensor]:
+def trained_state(cfg: V41Config, seed: int = 7) -> dict[str, torch.Tensor]:
     """An initialised state whose router biases have moved away from their initial values (as
     after training), so no tensor equals its import substitute."""
     from megatron_s2.models.v41.model import build_model

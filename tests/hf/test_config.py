@@ -1,4 +1,4 @@
-"""config.json <-> ModelConfig: lossless round trip, release spellings, refusals."""
+"""config.json <-> V41Config: lossless round trip, release spellings, refusals."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatron_s2.checkpoint.hf.hf_config import MODELARGS_ALIASES, config_from_hf, config_to_hf
+from megatron_s2.models.v41.hf.config_json import MODELARGS_ALIASES, config_from_hf, config_to_hf
 from megatron_s2.config.schema import ConfigError
 from tests.hf.conftest import load_model
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_s2.checkpoint.hf.context import ConversionContext
-from megatron_s2.checkpoint.hf.registry import ConversionError
-from megatron_s2.checkpoint.hf.skeleton import skeleton_state
-from megatron_s2.checkpoint.hf.v41_bridge import V41_REGISTRY
-from megatron_s2.config.layer_plan import CSA2Mode
+from megatron_s2.models.v41.hf.context import ConversionContext
+from megatron_s2.models.family.mapping_registry import ConversionError
+from megatron_s2.models.family.skeleton import skeleton_state
+from megatron_s2.models.v41.hf.mapping import V41_REGISTRY
+from megatron_s2.models.v41.layer_plan import CSA2Mode
 from tests.hf.conftest import load_model
 
 EXTENSIONS = ("ffn.gate.bias_vl",)

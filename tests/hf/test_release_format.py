@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megatron_s2.checkpoint.hf.context import ConversionContext
+from megatron_s2.models.v41.hf.context import ConversionContext
 from megatron_s2.checkpoint.hf.convert import load_hf_checkpoint
 from megatron_s2.checkpoint.hf.quant import dequantize, quantize_fp4, quantize_fp8
-from megatron_s2.checkpoint.hf.v41_bridge import V41_REGISTRY
+from megatron_s2.models.v41.hf.mapping import V41_REGISTRY
 from megatron_s2.checkpoint.hf.verify import fixed_inputs, logits_divergence, model_logits
 from tests.hf.conftest import load_model, trained_state
 

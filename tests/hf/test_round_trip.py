@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_s2.checkpoint.hf.convert import export_model_state, import_model_state, load_hf_checkpoint
-from megatron_s2.checkpoint.hf.registry import ConversionError
+from megatron_s2.models.family.mapping_registry import ConversionError
 from megatron_s2.checkpoint.hf.safetensors_io import INDEX_FILE
 from megatron_s2.checkpoint.hf.verify import (VERIFICATION_FILE, VerificationReport, check_reference_logits,
                                               compare_states, fixed_inputs, logits_divergence, model_logits,

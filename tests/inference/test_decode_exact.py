@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_s2.config.model import LayerGroupSpec
-from megatron_s2.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
-from megatron_s2.inference.runner import ForwardRow, ModelRunner
+from megatron_s2.models.v41.config import LayerGroupSpec
+from megatron_s2.models.v41.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
+from megatron_s2.models.v41.inference.runner import ForwardRow, ModelRunner
 from megatron_s2.models.v41.attention.selection import topk_newest_on_ties
 from megatron_s2.models.v41.model import build_model
 from tests.inference.conftest import quantised

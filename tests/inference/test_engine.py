@@ -17,7 +17,7 @@ from megatron_s2.inference import (EngineConfig, FinishReason, InferenceEngine, 
 from megatron_s2.inference.sampling import sampling_log_probs
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.model import build_model
-from megatron_s2.models.v41.moe.routing_replay import RoutingMode, RoutingReplay
+from megatron_s2.models.family.routing_replay import RoutingMode, RoutingReplay
 
 PROMPTS = [list(range(5, 5 + n)) for n in (13, 5, 20, 9, 3)]
 

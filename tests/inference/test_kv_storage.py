@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megatron_s2.kernels.kv_formats import VectorFormat
-from megatron_s2.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
-from megatron_s2.inference.runner import ForwardRow, ModelRunner
+from megatron_s2.models.v41.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
+from megatron_s2.models.v41.inference.runner import ForwardRow, ModelRunner
 from megatron_s2.models.v41.accounting import account
 from megatron_s2.models.v41.model import build_model
 from megatron_s2.kernels.quantize import fake_quant_fp4_e4m3, fake_quant_fp8, fake_quant_mxfp4

@@ -19,7 +19,7 @@ import torch
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.inference import EngineConfig, InferenceEngine, SamplingParams
-from megatron_s2.inference.replay_report import measure_bounded_replay
+from megatron_s2.tools.replay_report import measure_bounded_replay
 from megatron_s2.models.v41.model import build_model
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)

@@ -12,29 +12,29 @@ import pytest
 import torch
 import yaml
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.config.schema import from_mapping
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "models"
 
 
-def load_model_recipe(name: str) -> ModelConfig:
-    return from_mapping(ModelConfig, yaml.safe_load((RECIPES / f"{name}.yaml").read_text()))
+def load_model_recipe(name: str) -> V41Config:
+    return from_mapping(V41Config, yaml.safe_load((RECIPES / f"{name}.yaml").read_text()))
 
 
 @pytest.fixture(scope="session")
-def tiny_cfg() -> ModelConfig:
+def tiny_cfg() -> V41Config:
     """recipes/models/tiny.yaml: every layer mode, m=2 and m=1, CED, hierarchical indexer."""
     return load_model_recipe("tiny")
 
 
 @pytest.fixture(scope="session")
-def small_cfg() -> ModelConfig:
+def small_cfg() -> V41Config:
     return load_model_recipe("small")
 
 
 @pytest.fixture(scope="session")
-def flagship_cfg() -> ModelConfig:
+def flagship_cfg() -> V41Config:
     return load_model_recipe("flagship")
 
 
@@ -43,7 +43,7 @@ def make_model():
     """``make_model(cfg, seed=0)`` -> an initialised V41Model in float32."""
     from megatron_s2.models.v41.model import build_model
 
-    def make(cfg: ModelConfig, seed: int = 0):
+    def make(cfg: V41Config, seed: int = 0):
         torch.manual_seed(seed)
         return build_model(cfg, seed=seed)
 
@@ -58,7 +58,7 @@ def make_attention():
     from megatron_s2.models.v41.attention.csa2 import CSA2Attention
     from megatron_s2.parallel.groups import ParallelGroups
 
-    def make(cfg: ModelConfig, layer: int, seed: int = 0) -> CSA2Attention:
+    def make(cfg: V41Config, layer: int, seed: int = 0) -> CSA2Attention:
         attn = CSA2Attention(cfg, cfg.plan[layer], ParallelGroups.single())
         initialize_parameters(attn, seed, cfg.init_std)
         return attn
@@ -71,7 +71,7 @@ def make_ctx():
     """``make_ctx(cfg, ids, doc_ids=None, routing=None)`` -> a fresh ForwardContext."""
     from megatron_s2.models.v41.context import ForwardContext
 
-    def make(cfg: ModelConfig, ids: torch.Tensor, doc_ids: torch.Tensor | None = None, routing=None):
+    def make(cfg: V41Config, ids: torch.Tensor, doc_ids: torch.Tensor | None = None, routing=None):
         return ForwardContext.create(ids, cfg.plan, doc_ids=doc_ids, routing=routing)
 
     return make

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_s2.models.v41.moe.routing_replay import RoutingMode, RoutingReplay
+from megatron_s2.models.family.routing_replay import RoutingMode, RoutingReplay
 
 
 def _ids(cfg, b=2, s=32, seed=0):
@@ -205,11 +205,11 @@ def test_a_pipeline_cut_needs_exactly_the_crossing_states(tiny_cfg, make_model, 
     with torch.no_grad():
         whole = model(ids, make_ctx(tiny_cfg, ids))
         first = make_ctx(tiny_cfg, ids)
-        x, pre = model.run_layers(*model.embed(ids), first, range(cut))
+        x, pre = model.run_layers(model.embed(ids), first, range(cut))
         payload = first.shared.export(tiny_cfg.plan.crossing(cut))
         second = make_ctx(tiny_cfg, ids)
         second.shared.import_states(payload, below=cut)
-        x, pre = model.run_layers(x, pre, second, range(cut, tiny_cfg.num_layers))
+        x, pre = model.run_layers((x, pre), second, range(cut, tiny_cfg.num_layers))
         split = model.head(x, pre)
     assert first.shared.held() == sorted(payload, key=lambda k: (k[0], k[1].value))
     assert second.shared.held() == []

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_s2.config.layer_plan import CSA2Mode, SharedStateKind as K
+from megatron_s2.models.v41.layer_plan import CSA2Mode, SharedStateKind as K
 from megatron_s2.kernels.sparse_attention import sparse_attention_reference
 from megatron_s2.models.init import initialize_parameters
 from megatron_s2.models.v41.attention import csa2 as csa2_module

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_s2.config.model import LayerGroupSpec, ModelConfig
+from megatron_s2.models.v41.config import LayerGroupSpec, V41Config
 from megatron_s2.models.init import initialize_parameters
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.engram import (
@@ -25,7 +25,7 @@ from megatron_s2.parallel.groups import Group
 from megatron_s2.parallel.sharding import ShardSpec, init_from_full, shard_spec
 
 
-def tiny_config(**overrides) -> ModelConfig:
+def tiny_config(**overrides) -> V41Config:
     base = dict(vocab_size=128, hidden_size=16, num_encoder_layers=4, layer_groups=(LayerGroupSpec(modes=("swa",) * 4),),
                 num_attention_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16,
                 window_size=8, index_num_heads=2, index_head_dim=32, index_topk=6, candidate_topk_blocks=0,
@@ -33,7 +33,7 @@ def tiny_config(**overrides) -> ModelConfig:
                 engram_ngram_orders=(2, 3, 4), engram_num_heads=2, engram_dim_per_order=64, engram_table_size=97,
                 engram_pad_id=3, fp8_swa_kv=False, fp4_indexer=False, init_std=0.02)
     base.update(overrides)
-    return ModelConfig(**base)
+    return V41Config(**base)
 
 
 def random_batch(b: int, s: int, vocab: int, seed: int):
@@ -240,7 +240,7 @@ def test_gradcheck_gate():
     assert torch.autograd.gradcheck(lambda *a: engram_gate(*a, 1e-20), (h, key, weight))
 
 
-def make_engram(cfg: ModelConfig, layer: int = 1, seed: int = 0) -> Engram:
+def make_engram(cfg: V41Config, layer: int = 1, seed: int = 0) -> Engram:
     module = Engram(cfg, layer)
     initialize_parameters(module, seed, cfg.init_std)
     return module

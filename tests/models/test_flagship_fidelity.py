@@ -15,9 +15,9 @@ import json
 
 import pytest
 
-from megatron_s2.checkpoint.hf.hf_config import config_from_hf, config_to_hf
+from megatron_s2.models.v41.hf.config_json import config_from_hf, config_to_hf
 
-# (config.json text_config key, its released value, our ModelConfig field)
+# (config.json text_config key, its released value, our V41Config field)
 RELEASED = [
     ("compress_rope_theta", 160000, "compress_rope_theta"),
     ("rope_scaling.original_max_position_embeddings", 65536, "rope_scaling_original_seq_len"),

@@ -1,4 +1,4 @@
-"""The per-layer CSA2 plan (report §2.2, §2.3.1, §2.3.2, §4.2.1) derived from ModelConfig.
+"""The per-layer CSA2 plan (report §2.2, §2.3.1, §2.3.2, §4.2.1) derived from V41Config.
 
 * the flagship recipe reproduces §4.2.1 exactly, layer by layer;
 * impossible plans are ConfigErrors that name the problem, never silently adjusted;
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_s2.config.layer_plan import CSA2Mode, SharedStateKind as K
-from megatron_s2.config.model import LayerGroupSpec
+from megatron_s2.models.v41.layer_plan import CSA2Mode, SharedStateKind as K
+from megatron_s2.models.v41.config import LayerGroupSpec
 from megatron_s2.config.schema import ConfigError
 
 FULL, REINDEX, REUSE, SWA = CSA2Mode.FULL, CSA2Mode.REINDEX, CSA2Mode.REUSE, CSA2Mode.SWA

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron_s2.config.model import LayerGroupSpec, ModelConfig
+from megatron_s2.models.v41.config import LayerGroupSpec, V41Config
 from megatron_s2.models.init import initialize_parameters
 from megatron_s2.models.v41.mhc import (
     HyperConnection,
@@ -24,17 +24,17 @@ from megatron_s2.parallel.groups import Group, ParallelGroups
 from megatron_s2.parallel.placement import placement_of
 
 
-def tiny_config(**overrides) -> ModelConfig:
+def tiny_config(**overrides) -> V41Config:
     base = dict(vocab_size=128, hidden_size=16, num_encoder_layers=2, layer_groups=(LayerGroupSpec(modes=("swa", "swa")),),
                 num_attention_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16,
                 window_size=8, index_num_heads=2, index_head_dim=32, index_topk=6, candidate_topk_blocks=0,
                 num_routed_experts=4, moe_topk=2, moe_ffn_hidden_size=32, hc_mult=4, engram_layers=(),
                 fp8_swa_kv=False, fp4_indexer=False, init_std=0.02)
     base.update(overrides)
-    return ModelConfig(**base)
+    return V41Config(**base)
 
 
-def make_hc(config: ModelConfig, seed: int = 0, groups: ParallelGroups | None = None) -> HyperConnection:
+def make_hc(config: V41Config, seed: int = 0, groups: ParallelGroups | None = None) -> HyperConnection:
     hc = HyperConnection(config, groups)
     initialize_parameters(hc, seed, config.init_std)
     return hc

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_s2.config.model import LayerGroupSpec, ModelConfig
+from megatron_s2.models.v41.config import LayerGroupSpec, V41Config
 from megatron_s2.models.init import initialize_parameters
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.moe import (
@@ -32,12 +32,12 @@ from megatron_s2.parallel.placement import Replicas, placement_of
 HIDDEN, EXPERTS, TOPK, FFN = 16, 8, 2, 8
 
 
-def tiny_config(**overrides) -> ModelConfig:
+def tiny_config(**overrides) -> V41Config:
     fields = dict(name="moe-test", hidden_size=HIDDEN, layer_groups=(LayerGroupSpec(modes=("swa",)),),
                   num_encoder_layers=1, engram_layers=(), num_routed_experts=EXPERTS, moe_topk=TOPK,
                   moe_ffn_hidden_size=FFN, init_std=0.3, moe_seq_aux_loss_coeff=0.01)
     fields.update(overrides)
-    return ModelConfig(**fields)
+    return V41Config(**fields)
 
 
 def make_layer(seed: int = 0, **overrides) -> MoELayer:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_s2.config.layer_plan import SharedStateKind as K
+from megatron_s2.models.v41.layer_plan import SharedStateKind as K
 from megatron_s2.kernels.quant_formats import E2M1_MAX, E4M3_MAX, FP4_MAIN_KV_MAX, ceil_pow2, round_e2m1
 from megatron_s2.kernels.quantize import fake_quant_fp4_e4m3, fake_quant_fp8, fake_quant_mxfp4
 from megatron_s2.models.v41.rope import apply_rope

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_s2.config.model import LayerGroupSpec, ModelConfig
+from megatron_s2.models.v41.config import LayerGroupSpec, V41Config
 from megatron_s2.models.init import initialize_parameters
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.engram import Engram
@@ -46,9 +46,9 @@ CP_CHUNKS = {0: (0, 3), 1: (1, 2)}  # 2*cp load-balanced chunks, rank r holds r 
 REL_TOL = 1e-6
 
 
-def config() -> ModelConfig:
+def config() -> V41Config:
     # table_size 509: the layer's 6 tables hold ~3.1k rows, so both partitions are addressed.
-    return ModelConfig(vocab_size=128, hidden_size=16, num_encoder_layers=4, layer_groups=(LayerGroupSpec(modes=("swa",) * 4),),
+    return V41Config(vocab_size=128, hidden_size=16, num_encoder_layers=4, layer_groups=(LayerGroupSpec(modes=("swa",) * 4),),
                        num_attention_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16,
                        window_size=8, index_num_heads=2, index_head_dim=32, index_topk=6, candidate_topk_blocks=0,
                        num_routed_experts=4, moe_topk=2, moe_ffn_hidden_size=32, hc_mult=4, engram_layers=(1, LAYER),
@@ -56,7 +56,7 @@ def config() -> ModelConfig:
                        engram_pad_id=2, engram_fp8_tables=True, fp8_swa_kv=False, fp4_indexer=False, init_std=0.02)
 
 
-def union_data(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def union_data(cfg: V41Config) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(SEED)
     image = torch.rand(B, S, generator=g) < 0.1
     image[1, 5:8] = True
@@ -71,7 +71,7 @@ def cp_positions(rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in CP_CHUNKS[rank]])
 
 
-def local_view(kind: str, rank: int, data: dict, cfg: ModelConfig):
+def local_view(kind: str, rank: int, data: dict, cfg: V41Config):
     """(x, probe, ctx) of ``rank`` in layout ``kind``."""
     plan = cfg.plan
     if kind == "dp":
@@ -89,7 +89,7 @@ def local_view(kind: str, rank: int, data: dict, cfg: ModelConfig):
     return data["x"].chunk(WORLD, 1)[rank], data["probe"].chunk(WORLD, 1)[rank], ctx
 
 
-def run_engram(cfg: ModelConfig, groups: ParallelGroups, x, probe, ctx) -> dict:
+def run_engram(cfg: V41Config, groups: ParallelGroups, x, probe, ctx) -> dict:
     module = Engram(cfg, LAYER, groups, compressed_token_map=TOKEN_MAP)
     initialize_parameters(module, SEED, cfg.init_std)
     x = x.clone().requires_grad_(True)
@@ -100,7 +100,7 @@ def run_engram(cfg: ModelConfig, groups: ParallelGroups, x, probe, ctx) -> dict:
     return dict(out=out.detach(), x_grad=x.grad, grads=grads, flags=flags)
 
 
-def run_mhc(cfg: ModelConfig, groups: ParallelGroups, x, probe) -> dict:
+def run_mhc(cfg: V41Config, groups: ParallelGroups, x, probe) -> dict:
     hc = HyperConnection(cfg, groups)
     initialize_parameters(hc, SEED, cfg.init_std)
     x = x.clone().requires_grad_(True)

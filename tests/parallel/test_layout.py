@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.config.parallel import ParallelConfig
 from megatron_s2.config.schema import ConfigError, from_mapping
 from megatron_s2.parallel.layout import ParallelLayout, rank_groups
@@ -15,8 +15,8 @@ from megatron_s2.parallel.layout import ParallelLayout, rank_groups
 MODELS = Path(__file__).resolve().parents[2] / "recipes" / "models"
 
 
-def model(name: str) -> ModelConfig:
-    return from_mapping(ModelConfig, yaml.safe_load((MODELS / f"{name}.yaml").read_text()))
+def model(name: str) -> V41Config:
+    return from_mapping(V41Config, yaml.safe_load((MODELS / f"{name}.yaml").read_text()))
 
 
 BAD = [

@@ -62,12 +62,12 @@ def test_compressor_stacked_projection_matches_two():
 
     import yaml
 
-    from megatron_s2.config.model import ModelConfig
+    from megatron_s2.models.v41.config import V41Config
     from megatron_s2.config.schema import from_mapping
     from megatron_s2.models.v41.attention.compressor import Compressor
 
     tiny = Path(__file__).resolve().parents[2] / "recipes" / "models" / "tiny.yaml"
-    cfg = from_mapping(ModelConfig, yaml.safe_load(tiny.read_text()))
+    cfg = from_mapping(V41Config, yaml.safe_load(tiny.read_text()))
     d, hd = cfg.hidden_size, cfg.head_dim
     comp = Compressor(cfg, ratio=2)
     g = torch.Generator().manual_seed(1)

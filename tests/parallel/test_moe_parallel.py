@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_s2.config.model import LayerGroupSpec, ModelConfig
+from megatron_s2.models.v41.config import LayerGroupSpec, V41Config
 from megatron_s2.config.parallel import ParallelConfig
 from megatron_s2.models.init import initialize_parameters
 from megatron_s2.models.v41.context import ForwardContext
@@ -58,8 +58,8 @@ LAYOUTS = {
 }
 
 
-def model_config() -> ModelConfig:
-    return ModelConfig(name="moe-parallel-test", hidden_size=HIDDEN, layer_groups=(LayerGroupSpec(modes=("swa",)),),
+def model_config() -> V41Config:
+    return V41Config(name="moe-parallel-test", hidden_size=HIDDEN, layer_groups=(LayerGroupSpec(modes=("swa",)),),
                        num_encoder_layers=1, engram_layers=(), num_routed_experts=EXPERTS, moe_topk=TOPK,
                        moe_ffn_hidden_size=FFN, init_std=0.3, moe_seq_aux_loss_coeff=0.05)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_s2.parallel.layout import ParallelLayout
-from megatron_s2.planning.comm import comm_volume
+from megatron_s2.models.v41.comm import comm_volume
 from megatron_s2.planning.layouts import enumerate_layouts, rank_layouts
 from tests.planning.helpers import recipe
 

@@ -22,7 +22,7 @@ from megatron_s2.data.tokenizer import CharTokenizer
 from megatron_s2.inference import EngineConfig, InferenceEngine
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.model import build_model
-from megatron_s2.models.v41.moe.routing_replay import RoutingMode, RoutingReplay
+from megatron_s2.models.family.routing_replay import RoutingMode, RoutingReplay
 from megatron_s2.config.posttrain.environment import EnvironmentConfig
 from megatron_s2.posttrain.envs import Environment, Episode, EpisodeStep, TaskEnvironment
 from megatron_s2.posttrain.orchestrator import SampleRequest

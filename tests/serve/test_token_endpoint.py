@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_s2.models.v41.context import ForwardContext
-from megatron_s2.models.v41.moe.routing_replay import RoutingMode, RoutingReplay
+from megatron_s2.models.family.routing_replay import RoutingMode, RoutingReplay
 from megatron_s2.serve import ServeConfig
 from tests.serve.conftest import start_server
 

@@ -22,7 +22,7 @@ from renderers.client import generate
 
 import verifiers.v1 as vf
 from megatron_s2.models.v41.context import ForwardContext
-from megatron_s2.models.v41.moe.routing_replay import RoutingMode, RoutingReplay
+from megatron_s2.models.family.routing_replay import RoutingMode, RoutingReplay
 from megatron_s2.serve import ServeConfig
 from tests.serve.conftest import start_server
 

@@ -32,7 +32,7 @@ import torch
 from megatron_s2.checkpoint.dcp_io import GlobalShard, load_shards
 from megatron_s2.checkpoint.format import MODEL_PREFIX, step_name
 from megatron_s2.checkpoint.hf.gather import assemble
-from megatron_s2.checkpoint.hf.skeleton import rank_skeleton_state
+from megatron_s2.models.family.skeleton import rank_skeleton_state
 from megatron_s2.checkpoint.offline import read_model_state, resolve_step_dir, write_model_state
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.config.schema import apply_override, from_mapping, to_mapping

@@ -1,8 +1,8 @@
 """Full (unsharded) model state <-> Hugging Face checkpoint directory.
 
-:func:`export_model_state` writes ``config.json`` (:mod:`.hf_config`), sharded safetensors and
-``model.safetensors.index.json`` (:mod:`.safetensors_io`) through the mapping table
-(:mod:`.v41_bridge`); the directory is assembled under a temporary name and renamed into
+:func:`export_model_state` writes ``config.json`` (the model family's Hugging Face adapter,
+:mod:`megatron_s2.models.family.hf`), sharded safetensors and ``model.safetensors.index.json``
+(:mod:`.safetensors_io`) through the family's mapping table; the directory is assembled under a temporary name and renamed into
 place, so a crash never leaves a half-written checkpoint under the requested name.
 :func:`import_model_state` reads such a directory — ours or the released one (FP8/FP4
 weights are dequantised) — into our full state for the config it describes, checking every
@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megatron_s2.checkpoint.hf.context import ConversionContext
-from megatron_s2.checkpoint.hf.hf_config import config_from_hf, config_to_hf
-from megatron_s2.checkpoint.hf.registry import ConversionError, ImportReport, MappingRegistry, TensorSource
 from megatron_s2.checkpoint.hf.safetensors_io import SafetensorsReader, write_sharded
-from megatron_s2.checkpoint.hf.skeleton import skeleton_state
-from megatron_s2.checkpoint.hf.v41_bridge import V41_REGISTRY
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.checkpoint.hf.tensor_source import TensorSource
+from megatron_s2.config.model_schema import ModelSchema
+from megatron_s2.models.family import family_of
+from megatron_s2.models.family.hf import family_for_hf_config
+from megatron_s2.models.family.mapping_registry import ConversionError, ImportReport, MappingRegistry
+from megatron_s2.models.family.skeleton import skeleton_state
 
 __all__ = ["CONFIG_FILE", "DEFAULT_MAX_SHARD_BYTES", "ExportResult", "export_model_state", "import_model_state",
            "load_hf_checkpoint", "check_state", "check_compressed_vocab"]
@@ -51,7 +51,7 @@ class ExportResult:
     dtype: str = "float32"
 
 
-def check_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+def check_state(state: dict[str, torch.Tensor], cfg: ModelSchema) -> None:
     """Refuse a state whose names or shapes differ from the model ``cfg`` describes."""
     expected = skeleton_state(cfg)
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
@@ -70,18 +70,18 @@ def _target_dtype(view: torch.Tensor, keep_fp32: bool, dtype: torch.dtype | None
     return dtype
 
 
-def export_model_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, *,
+def export_model_state(full_state: dict[str, torch.Tensor], cfg: ModelSchema, out_dir: str | Path, *,
                        dtype: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                       progress: bool = True, registry: MappingRegistry = V41_REGISTRY,
+                       progress: bool = True, registry: MappingRegistry | None = None,
                        extra_files: dict[str, bytes] | None = None, private: bool = False,
-                       compressed_vocab_size: int | None = None) -> ExportResult:
+                       tokenizer=None) -> ExportResult:
     """Write ``full_state`` of model ``cfg`` as a Hugging Face checkpoint in ``out_dir``.
 
     ``dtype``: None keeps each tensor's dtype (lossless); "bfloat16"/"float16"/"float32" casts
     floating tensors except those the reference keeps in float32 (mHC, sinks, router biases).
     ``out_dir`` must not exist or be empty. ``extra_files`` (the tokenizer files, the
-    verification logits) are written beside the weights; ``compressed_vocab_size`` (of the
-    tokenizer's Engram map) is recorded in ``text_config`` as the release does. Files and
+    verification logits) are written beside the weights; what the family records about the
+    ``tokenizer`` goes into ``config.json`` (V4.1: the Engram map's size, as the release does). Files and
     the directory get the usual modes of this process's umask (e.g. 0644 / 0755), or owner-only
     0600 / 0700 with ``private``.
     """
@@ -92,8 +92,9 @@ def export_model_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig, ou
         raise ValueError(f"dtype: choose one of {sorted(_DTYPES)} or None, got {dtype!r}")
     target = _DTYPES.get(dtype) if dtype else None
     check_state(full_state, cfg)
-    ctx = ConversionContext(cfg)
-    views, elided = registry.export_views(full_state, ctx)
+    adapter = family_of(cfg).hf
+    registry = registry or adapter.registry
+    views, elided = registry.export_views(full_state, adapter.context(cfg))
     dtypes = {name: _target_dtype(v, m.keep_fp32, target) for name, (v, m) in views.items()}
     plan = [(name, v.numel() * torch.empty((), dtype=dtypes[name]).element_size()) for name, (v, _) in views.items()]
 
@@ -116,9 +117,8 @@ def export_model_state(full_state: dict[str, torch.Tensor], cfg: ModelConfig, ou
         for d in dtypes.values():
             counts[str(d).replace("torch.", "")] = counts.get(str(d).replace("torch.", ""), 0) + 1
         main_dtype = max(counts, key=counts.get)
-        config = config_to_hf(cfg, main_dtype)
-        if compressed_vocab_size is not None and cfg.engram_layers:
-            config["text_config"]["engram_compressed_vocab_size"] = compressed_vocab_size
+        config = adapter.config_to_hf(cfg, main_dtype)
+        adapter.annotate_export(config, cfg, tokenizer)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
@@ -146,8 +146,8 @@ def _set_modes(directory: Path, private: bool) -> None:
     directory.chmod(dir_mode)
 
 
-def load_hf_checkpoint(hf_dir: str | Path, *, progress: bool = True, registry: MappingRegistry = V41_REGISTRY
-                       ) -> tuple[ModelConfig, dict[str, torch.Tensor], ImportReport]:
+def load_hf_checkpoint(hf_dir: str | Path, *, progress: bool = True, registry: MappingRegistry | None = None
+                       ) -> tuple[ModelSchema, dict[str, torch.Tensor], ImportReport]:
     """(config, full state, report) of a Hugging Face checkpoint directory."""
     directory = Path(hf_dir)
     config_path = directory / CONFIG_FILE
@@ -157,29 +157,25 @@ def load_hf_checkpoint(hf_dir: str | Path, *, progress: bool = True, registry: M
         data = json.loads(config_path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise ConversionError(f"{config_path}: not valid JSON ({exc})") from None
-    cfg = config_from_hf(data)
+    adapter = family_for_hf_config(data).hf
+    cfg = adapter.config_from_hf(data)
     reader = SafetensorsReader(directory)
     expected = skeleton_state(cfg)
     with tqdm(total=len(expected), desc="import", unit="tensor", disable=not progress) as bar:
-        state, report = registry.import_state(TensorSource(reader), expected, ConversionContext(cfg), progress=bar)
+        state, report = (registry or adapter.registry).import_state(TensorSource(reader), expected,
+                                                                    adapter.context(cfg), progress=bar)
     return cfg, state, report
 
 
 def check_compressed_vocab(hf_dir: str | Path, tokenizer) -> None:
-    """The released config states ``engram_compressed_vocab_size``; the tokenizer's map must
-    have exactly that many ids, or every hash multiplier differs (reference behaviour)."""
-    from megatron_s2.config.schema import ConfigError
-
+    """A tokenizer the checkpoint's ``config.json`` rules out (the family decides what it states;
+    V4.1: ``engram_compressed_vocab_size`` must equal the tokenizer's compressed token map, or
+    every Engram hash multiplier differs)."""
     data = json.loads((Path(hf_dir) / CONFIG_FILE).read_text())
-    text = data.get("text_config", data)
-    stated = text.get("engram_compressed_vocab_size") if isinstance(text, dict) else None
-    if stated is not None and int(stated) != tokenizer.compressed_vocab_size:
-        raise ConfigError(f"{hf_dir}: config.json states engram_compressed_vocab_size={stated}, but the tokenizer's "
-                          f"compressed token map has {tokenizer.compressed_vocab_size} ids; use the tokenizer the "
-                          "checkpoint was trained with")
+    family_for_hf_config(data).hf.check_tokenizer(data, tokenizer, str(hf_dir))
 
 
-def import_model_state(hf_dir: str | Path, *, progress: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def import_model_state(hf_dir: str | Path, *, progress: bool = False) -> tuple[ModelSchema, dict[str, torch.Tensor]]:
     """(config, full state) of a Hugging Face checkpoint directory."""
     cfg, state, _ = load_hf_checkpoint(hf_dir, progress=progress)
     return cfg, state

@@ -30,8 +30,8 @@ import torch
 from safetensors.torch import save as save_bytes
 
 from megatron_s2.checkpoint.hf.safetensors_io import SIDECAR_PREFIX, check_safetensors_file, open_safetensors
-from megatron_s2.checkpoint.hf.skeleton import skeleton_state
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.family.skeleton import skeleton_state
+from megatron_s2.config.model_schema import ModelSchema
 
 __all__ = ["VERIFICATION_FILE", "DEFAULT_VERIFY_MAX_PARAMS", "VERIFICATION_TEXT", "LogitsCheck", "VerificationReport",
            "fixed_inputs", "text_inputs", "model_logits", "logits_divergence", "reference_logits",
@@ -81,7 +81,7 @@ class VerificationReport:
         return out
 
 
-def num_params(cfg: ModelConfig) -> int:
+def num_params(cfg: ModelSchema) -> int:
     return sum(torch.Size(i.full_shape).numel() for i in skeleton_state(cfg).values())
 
 
@@ -94,12 +94,12 @@ VERIFICATION_TEXT = (
 kinds, so that the Engram compressed token map (case and whitespace folding) matters."""
 
 
-def fixed_inputs(cfg: ModelConfig, batch: int = 2, seq: int = 32, seed: int = 20240731) -> torch.Tensor:
+def fixed_inputs(cfg: ModelSchema, batch: int = 2, seq: int = 32, seed: int = 20240731) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
 
 
-def text_inputs(tokenizer, cfg: ModelConfig, batch: int = 2, seq: int = 32) -> torch.Tensor:
+def text_inputs(tokenizer, cfg: ModelSchema, batch: int = 2, seq: int = 32) -> torch.Tensor:
     """``[batch, seq]`` ids of :data:`VERIFICATION_TEXT` encoded by ``tokenizer`` (repeated to
     length, one row per offset), each row starting with bos."""
     ids = tokenizer.encode(VERIFICATION_TEXT)
@@ -112,13 +112,13 @@ def text_inputs(tokenizer, cfg: ModelConfig, batch: int = 2, seq: int = 32) -> t
 
 
 @torch.no_grad()
-def model_logits(cfg: ModelConfig, state: dict[str, torch.Tensor], input_ids: torch.Tensor,
+def model_logits(cfg: ModelSchema, state: dict[str, torch.Tensor], input_ids: torch.Tensor,
                  token_map: list[int] | None = None) -> torch.Tensor:
-    """Float32 logits of the single-rank model holding ``state``, hashing Engram n-grams
-    through ``token_map`` (the tokenizer's compressed token map; None = identity)."""
-    from megatron_s2.models.v41.model import V41Model
+    """Float32 logits of the single-rank model holding ``state``, with the tokenizer's compressed
+    token map ``token_map`` where the family uses one (Engram n-grams; None = identity)."""
+    from megatron_s2.models.family import family_of
 
-    model = V41Model(cfg)
+    model = family_of(cfg).build_model(cfg, portable=True)
     model.load_state_dict(state, strict=True)
     model.set_token_map(token_map)
     model.eval()
@@ -133,7 +133,7 @@ def logits_divergence(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, floa
     return max_abs, max(kl, 0.0)
 
 
-def reference_logits(cfg: ModelConfig, state: dict[str, torch.Tensor], *, lossless: bool, tokenizer=None,
+def reference_logits(cfg: ModelSchema, state: dict[str, torch.Tensor], *, lossless: bool, tokenizer=None,
                      max_params: int = DEFAULT_VERIFY_MAX_PARAMS) -> tuple[bytes | None, str | None]:
     """(verification file contents, None) or (None, reason the logits cannot be computed).
 
@@ -151,7 +151,7 @@ def reference_logits(cfg: ModelConfig, state: dict[str, torch.Tensor], *, lossle
     return save_bytes({"input_ids": ids, "logits": logits}, metadata=meta), None
 
 
-def check_reference_logits(cfg: ModelConfig, state: dict[str, torch.Tensor], hf_dir: str | Path, *,
+def check_reference_logits(cfg: ModelSchema, state: dict[str, torch.Tensor], hf_dir: str | Path, *,
                            token_map: list[int] | None = None,
                            max_params: int = DEFAULT_VERIFY_MAX_PARAMS) -> tuple[LogitsCheck | None, str | None]:
     """Compare the logits of ``state`` (Engram hashing through ``token_map``) with those

@@ -2,7 +2,7 @@
 
 Used by ``megatron-s2 account`` (sizing a model before booking a cluster), by the trainer
 for model TFLOP/s (sparse attention counted as sparse, not dense) and by memory planning.
-Every count is derived from :class:`ModelConfig` and the layer plan — the same objects the
+Every count is derived from :class:`V41Config` and the layer plan — the same objects the
 model is built from — and a test checks the parameter counts against instantiated models.
 
 KV formats (§2.4.4, §3.2.1): the main (compressed) KV is FP4 E2M1 with one E4M3 scale per 16
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from megatron_s2.config.layer_plan import CSA2Mode, LayerSpec
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.layer_plan import CSA2Mode, LayerSpec
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.kernels.kv_formats import vector_format
 from megatron_s2.models.v41.engram.hashing import EngramHasher
 from megatron_s2.models.v41.engram.table import padded_rows
 
 __all__ = ["ParamCounts", "count_parameters", "kv_bytes", "decode_flops_per_token", "train_flops_per_token",
-           "account", "fp4_bytes", "fp8_bytes", "kv_cache_bytes"]
+           "account", "report_lines", "fp4_bytes", "fp8_bytes", "kv_cache_bytes"]
 
 
 def fp4_bytes(channels: int, block: int) -> float:
@@ -56,7 +56,7 @@ class ParamCounts:
         return self.backbone + self.engram
 
 
-def _attention_params(c: ModelConfig, s: LayerSpec) -> int:
+def _attention_params(c: V41Config, s: LayerSpec) -> int:
     d, h, hd = c.hidden_size, c.num_attention_heads, c.head_dim
     n = c.q_lora_rank * (d + 1) + c.q_lora_rank * h * hd + d * hd + hd
     n += h if c.attn_sink else 0
@@ -69,22 +69,22 @@ def _attention_params(c: ModelConfig, s: LayerSpec) -> int:
     return n
 
 
-def _expert_params(c: ModelConfig) -> int:
+def _expert_params(c: V41Config) -> int:
     return 3 * c.hidden_size * c.moe_ffn_hidden_size
 
 
-def engram_rows(c: ModelConfig, layer: int) -> int:
+def engram_rows(c: V41Config, layer: int) -> int:
     """Rows of the layer's concatenated table (all prime-sized tables, padded for partitioning)."""
     return padded_rows(EngramHasher.from_config(c).num_rows(layer))
 
 
-def engram_module_params(c: ModelConfig, layer: int) -> int:
+def engram_module_params(c: V41Config, layer: int) -> int:
     rows = engram_rows(c, layer)
     n_in = c.engram_num_tables * c.engram_head_dim
     return rows * c.engram_head_dim + n_in * c.hidden_size * (c.hc_mult + 1) + 2 * c.hc_mult * c.hidden_size
 
 
-def count_parameters(c: ModelConfig, layers: list[int] | None = None, *, pre_process: bool = True,
+def count_parameters(c: V41Config, layers: list[int] | None = None, *, pre_process: bool = True,
                      post_process: bool = True) -> ParamCounts:
     plan = c.plan
     ids = range(c.num_layers) if layers is None else layers
@@ -107,7 +107,7 @@ def count_parameters(c: ModelConfig, layers: list[int] | None = None, *, pre_pro
     )
 
 
-def kv_bytes(c: ModelConfig) -> dict[str, float]:
+def kv_bytes(c: V41Config) -> dict[str, float]:
     """Per-token global KV bytes by component and per-request SWA state bytes."""
     main_entry = fp4_bytes(c.head_dim, 16) if c.fp4_main_kv else fp8_bytes(c.head_dim)
     index_entry = fp4_bytes(c.index_head_dim, 32) if c.fp4_indexer else fp8_bytes(c.index_head_dim)
@@ -128,7 +128,7 @@ def kv_bytes(c: ModelConfig) -> dict[str, float]:
     }
 
 
-def _matmul_params(c: ModelConfig, counts: ParamCounts, active_experts: bool) -> int:
+def _matmul_params(c: V41Config, counts: ParamCounts, active_experts: bool) -> int:
     """Parameters that take part in a matrix product for one token (embedding rows and
     Engram tables are lookups, not products)."""
     experts = counts.moe_routed * c.moe_topk // c.num_routed_experts if active_experts else counts.moe_routed
@@ -136,7 +136,7 @@ def _matmul_params(c: ModelConfig, counts: ParamCounts, active_experts: bool) ->
     return counts.head + counts.attention + experts + counts.moe_other + counts.mhc + counts.engram - engram_tables
 
 
-def _attention_flops(c: ModelConfig, context: int) -> float:
+def _attention_flops(c: V41Config, context: int) -> float:
     """Attention + indexer FLOPs of one query at position ``context - 1``."""
     flops = 0.0
     h, hd = c.num_attention_heads, c.head_dim
@@ -154,12 +154,12 @@ def _attention_flops(c: ModelConfig, context: int) -> float:
     return flops
 
 
-def decode_flops_per_token(c: ModelConfig, context: int) -> float:
+def decode_flops_per_token(c: V41Config, context: int) -> float:
     counts = count_parameters(c)
     return 2 * _matmul_params(c, counts, True) + _attention_flops(c, context)
 
 
-def train_flops_per_token(c: ModelConfig, seq_length: int) -> float:
+def train_flops_per_token(c: V41Config, seq_length: int) -> float:
     """Forward + backward FLOPs per trained token (3x forward), attention averaged over the
     positions of a sequence of ``seq_length`` tokens."""
     counts = count_parameters(c)
@@ -169,7 +169,7 @@ def train_flops_per_token(c: ModelConfig, seq_length: int) -> float:
     return 3 * (2 * _matmul_params(c, counts, True) + attn)
 
 
-def account(c: ModelConfig) -> dict:
+def account(c: V41Config) -> dict:
     counts = count_parameters(c)
     routed_inactive = counts.moe_routed - counts.moe_routed * c.moe_topk // c.num_routed_experts
     decode = counts.backbone - routed_inactive
@@ -200,7 +200,7 @@ def account(c: ModelConfig) -> dict:
     }
 
 
-def kv_cache_bytes(config: ModelConfig, engine) -> int:
+def kv_cache_bytes(config: V41Config, engine) -> int:
     """Bytes the engine's :class:`GlobalKVStore` and :class:`SWAStore` will allocate for the
     ``EngineConfig`` ``engine`` — computed without allocating, so an impossible size is refused
     before the zeroed buffers take the host down."""
@@ -209,4 +209,37 @@ def kv_cache_bytes(config: ModelConfig, engine) -> int:
     per_page = sum((engine.page_tokens // s.compress_ratio) * (main + index) for s in config.plan if s.computes_main_kv)
     swa = vector_format(config.fp8_swa_kv, "fp8", config.head_dim).bytes_per_vector
     per_slot = len(config.plan) * config.window_size * swa
-    return engine.pages_for(config) * per_page + (engine.max_num_seqs + engine.swa_pool_slots) * per_slot
+    return engine.num_pages_total * per_page + (engine.max_num_seqs + engine.swa_pool_slots) * per_slot
+
+
+def _human(n: float, unit: str = "") -> str:
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{suffix}{unit}"
+    return f"{n:.0f}{unit}"
+
+
+def report_lines(a: dict) -> list[str]:
+    """``megatron-s2 account``'s lines for the figures of :func:`account`."""
+    kv = a["breakdown"]["kv"]
+    p = a["breakdown"]["params"]
+    lines = [
+        f"model: {a['model']}",
+        f"backbone parameters           {a['backbone_params']:>20,}  ({_human(a['backbone_params'])})",
+        f"  embedding / head            {p['embedding']:>20,} / {p['head']:,}",
+        f"  attention (CSA2 + SWA)      {p['attention']:>20,}",
+        f"  MoE routed experts          {p['moe_routed']:>20,}",
+        f"  MoE router + shared expert  {p['moe_other']:>20,}",
+        f"  mHC + norms                 {p['mhc'] + p['norms']:>20,}",
+        f"Engram parameters             {a['engram_params']:>20,}  ({_human(a['engram_params'])})",
+        f"activated params / token, decode   {a['activated_params_decode']:>14,}  ({_human(a['activated_params_decode'])})",
+        f"activated params / token, prefill  {a['activated_params_prefill']:>14,}  ({_human(a['activated_params_prefill'])})",
+        f"global KV bytes / token (HBM)      {a['global_kv_bytes_per_token']:>14,.1f}",
+        f"  main KV   [{kv['main_kv_format']}]  {kv['main_kv_bytes_per_token']:>10,.1f}",
+        f"  index K   [{kv['index_k_format']}]  {kv['index_k_bytes_per_token']:>8,.1f}",
+        f"persistent KV bytes / token        {a['persistent_kv_bytes_per_token']:>14,.1f}  (SWA KV not persisted)",
+        f"SWA state bytes / request [{kv['swa_kv_format']}]  {a['swa_state_bytes_per_request']:,.0f}",
+        f"decode FLOPs / token @ 4K          {a['decode_flops_4k']:>14.4g}",
+        f"decode FLOPs / token @ 1M          {a['decode_flops_1m']:>14.4g}",
+    ]
+    return lines

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron_s2.config.layer_plan import LayerSpec
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.layer_plan import LayerSpec
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.mhc import collapse
 from megatron_s2.models.v41.parallel_plan import apply_plan
@@ -30,7 +30,7 @@ __all__ = ["V41Block"]
 class V41Block(nn.Module):
     PLAN_SECTION = "block"
 
-    def __init__(self, config: ModelConfig, spec: LayerSpec, groups: ParallelGroups, submodules: BlockSubmodules):
+    def __init__(self, config: V41Config, spec: LayerSpec, groups: ParallelGroups, submodules: BlockSubmodules):
         super().__init__()
         self.config, self.spec = config, spec
         self.layer_number = spec.index

@@ -16,19 +16,19 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from megatron_s2.config.layer_plan import LayerPlan
+from megatron_s2.models.v41.layer_plan import LayerPlan
 from megatron_s2.models.v41.shared_state import SharedStateRegistry
 
 if TYPE_CHECKING:
     from megatron_s2.models.v41.engram.prefetch import EngramPrefetch
-    from megatron_s2.models.v41.moe.routing_replay import RoutingReplay
+    from megatron_s2.models.family.routing_replay import RoutingReplay
 
 __all__ = ["AttentionCache", "ForwardContext"]
 
 
 class AttentionCache(Protocol):
     """Cached attention state of the requests in an incremental-decode step (implemented by
-    :class:`megatron_s2.inference.kv_step.KVCacheStep`). The attention forward calls it at the
+    :class:`megatron_s2.models.v41.inference.kv_step.KVCacheStep`). The attention forward calls it at the
     two places where keys come from earlier tokens; everything else is the training path."""
 
     def window(self, attn, kv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -50,7 +50,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.models.init import constant_init, normal_init
 from megatron_s2.models.v41.parallel_plan import apply_plan
 from megatron_s2.parallel.groups import ParallelGroups
@@ -184,7 +184,7 @@ class HyperConnection(nn.Module):
 
     PLAN_SECTION = "mhc"
 
-    def __init__(self, config: ModelConfig, groups: ParallelGroups | None = None):
+    def __init__(self, config: V41Config, groups: ParallelGroups | None = None):
         super().__init__()
         groups = groups or ParallelGroups.single()
         n, d = config.hc_mult, config.hidden_size

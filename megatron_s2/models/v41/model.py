@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.models.init import initialize_parameters
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.mhc import collapse, expand_embedding, one_hot_pre
@@ -33,7 +33,7 @@ __all__ = ["V41Model", "build_model"]
 class V41Model(nn.Module):
     PLAN_SECTION = "model"
 
-    def __init__(self, config: ModelConfig, groups: ParallelGroups | None = None, *,
+    def __init__(self, config: V41Config, groups: ParallelGroups | None = None, *,
                  layers: Iterable[int] | None = None, pre_process: bool = True, post_process: bool = True,
                  provider: LocalProvider | None = None):
         super().__init__()
@@ -67,8 +67,10 @@ class V41Model(nn.Module):
         x = expand_embedding(h, self.config.hc_mult)
         return x, one_hot_pre(x)
 
-    def run_layers(self, x: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext,
+    def run_layers(self, hidden: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext,
                    layer_ids: Iterable[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(streams, input mix) through this rank's layers ``layer_ids`` (default: all it holds)."""
+        x, pre = hidden
         for i in (self.layer_ids if layer_ids is None else layer_ids):
             block = self.layers[str(i)]
             if self.recompute == "full" and self.training and torch.is_grad_enabled():
@@ -105,20 +107,47 @@ class V41Model(nn.Module):
         """Logits shard [b, s, V/tp], or the per-token loss [b, s] when ``labels`` is given."""
         if ctx is None:
             ctx = ForwardContext.create(input_ids, self.plan)
-        x, pre = self.embed(input_ids)
-        x, pre = self.run_layers(x, pre, ctx)
-        logits = self.head(x, pre)
+        logits = self.head(*self.run_layers(self.embed(input_ids), ctx))
         return logits if labels is None else self.loss(logits, labels)
 
     # ---- training hooks ---------------------------------------------------------------------
+    def make_context(self, micro_batch: dict[str, torch.Tensor], *, routing=None, step_state=None) -> ForwardContext:
+        """The forward context of one micro-batch: positions, packed-document ids, image mask,
+        routing replay (R3: the batch's own ``routing`` entry unless given), the step's Engram
+        rows and, under context parallelism, the whole sequence's ``full_*`` views."""
+        mb = micro_batch
+        if routing is None:
+            routing = mb.get("routing")  # per-micro-batch replay (post-training R3)
+        ctx = ForwardContext.create(mb["tokens"], self.plan, positions=mb.get("position_ids"),
+                                    doc_ids=mb.get("doc_ids"), image_mask=mb.get("image_mask"), routing=routing)
+        ctx.engram_rows = step_state
+        ctx.swa_from = mb.get("swa_from")
+        if "full_tokens" in mb:  # context-parallel chunk of a longer sequence
+            ctx.full_input_ids = mb["full_tokens"]
+            ctx.full_doc_ids = mb.get("full_doc_ids")
+            ctx.full_image_mask = mb.get("full_image_mask")
+        return ctx
+
+    def prepare_step(self, micro_batches: list[dict], make_context):
+        """Engram rows of every Engram layer on this rank for the step's whole local batch
+        (§3.1.3: one exchange per step); None without Engram layers here."""
+        from megatron_s2.models.v41.engram import EngramPrefetch
+
+        return EngramPrefetch.for_step(self, micro_batches, make_context)
+
     def routers(self) -> list:
         from megatron_s2.models.v41.moe.router import TopKRouter
 
         return [m for m in self.modules() if isinstance(m, TopKRouter)]
 
-    def update_expert_bias(self) -> None:
-        """Aux-loss-free balancing: one correction-bias update per optimiser step (§2.1.1),
-        text and image biases from their own loads; one collective for all routers."""
+    def after_optimizer_step(self, skipped: bool) -> None:
+        """Aux-loss-free balancing: one correction-bias update per optimiser step (§2.1.1), text
+        and image biases from their own loads, one collective for all routers; a skipped step
+        (non-finite loss) drops its loads so that they cannot move the biases."""
+        if skipped:
+            for router in self.routers():
+                router.tokens_per_expert.zero_()
+            return
         from megatron_s2.models.v41.moe import update_expert_biases
 
         update_expert_biases(self.routers(), self.config.moe_bias_update_rate)
@@ -145,5 +174,5 @@ class V41Model(nn.Module):
                 p.data = p.data.to(dtype)
 
 
-def build_model(config: ModelConfig, groups: ParallelGroups | None = None, *, seed: int = 0, **kwargs) -> V41Model:
+def build_model(config: V41Config, groups: ParallelGroups | None = None, *, seed: int = 0, **kwargs) -> V41Model:
     return V41Model(config, groups, **kwargs).init_weights(seed)

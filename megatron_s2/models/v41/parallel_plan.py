@@ -31,7 +31,7 @@ from enum import Enum
 
 from torch import nn
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.placement import ParamPlacement, Replicas, Style, shard_spec
 
@@ -131,7 +131,7 @@ def _expected_cuts(rule: Rule, groups: ParallelGroups) -> list[tuple[int, int]]:
 
 
 def _place(name: str, param: nn.Parameter, rule: Rule, section: str, groups: ParallelGroups,
-           config: ModelConfig | None) -> ParamPlacement:
+           config: V41Config | None) -> ParamPlacement:
     spec = shard_spec(param)
     got = [(d, c) for d, _, c in spec.splits if c > 1]
     want = _expected_cuts(rule, groups)
@@ -149,7 +149,7 @@ def _place(name: str, param: nn.Parameter, rule: Rule, section: str, groups: Par
     return ParamPlacement(spec, rule.style, partial, _REPLICAS.get(rule.style, Replicas.DATA), heads, planned=True)
 
 
-def apply_plan(module: nn.Module, groups: ParallelGroups | None = None, config: ModelConfig | None = None) -> None:
+def apply_plan(module: nn.Module, groups: ParallelGroups | None = None, config: V41Config | None = None) -> None:
     """Place every parameter ``module`` owns by the section ``type(module).PLAN_SECTION``.
 
     Submodules with a section of their own placed themselves when they were built and are

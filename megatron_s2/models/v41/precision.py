@@ -2,7 +2,7 @@
 RMSNorm, MoE router, recurrent states and the LM head"; V4.1 report §2.4.4, §4.2.1) and how
 master weights work with the hybrid optimiser.
 
-Two dtypes of :class:`~megatron_s2.config.model.ModelConfig` decide it:
+Two dtypes of :class:`~megatron_s2.models.v41.config.V41Config` decide it:
 
 * ``compute_dtype`` — the dtype of the residual streams and of every matrix product of a
   linear layer or expert (:func:`set_gemm_dtype`): the GEMM casts its weight to it at use.

@@ -23,7 +23,7 @@ from typing import Iterable
 
 import torch
 
-from megatron_s2.config.layer_plan import LayerPlan, SharedStateKind
+from megatron_s2.models.v41.layer_plan import LayerPlan, SharedStateKind
 
 __all__ = ["SharedStateRegistry", "MissingSharedState"]
 

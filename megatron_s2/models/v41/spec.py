@@ -27,9 +27,9 @@ try:
         from megatron.core.transformer.spec_utils import ModuleSpec, build_module
     MODULE_SPEC_SOURCE = "megatron-core"
 except Exception as _exc:  # not installed (GPU container with --no-deps) or not importable with this torch
-    from megatron_s2.models.v41.module_spec import ModuleSpec, build_module
+    from megatron_s2.models.family.module_spec import ModuleSpec, build_module
 
-    MODULE_SPEC_SOURCE = f"megatron_s2.models.v41.module_spec (megatron-core: {type(_exc).__name__}: {_exc})"
+    MODULE_SPEC_SOURCE = f"megatron_s2.models.family.module_spec (megatron-core: {type(_exc).__name__}: {_exc})"
 
 __all__ = ["ModuleSpec", "build_module", "LocalProvider", "TransformerEngineProvider", "BackendUnavailable", "get_provider",
            "BlockSubmodules", "LinearSubmodules", "block_spec"]

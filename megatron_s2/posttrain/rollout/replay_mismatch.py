@@ -19,7 +19,6 @@ from typing import Sequence
 import torch
 
 from megatron_s2.inference import EngineConfig, InferenceEngine
-from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.parallel.groups import Group
 from megatron_s2.posttrain.envs.base import Environment
 from megatron_s2.posttrain.orchestrator import RolloutSample, SampleRequest
@@ -69,7 +68,7 @@ def trainer_logprobs(model, sample: RolloutSample, *, train_aware: bool) -> torc
     its recorded routing; the decoder's SWA truncated at ``replay_start`` when ``train_aware``)."""
     ids = torch.tensor(sample.tokens)
     x, labels = ids[:-1].unsqueeze(0), ids[1:].unsqueeze(0)
-    ctx = ForwardContext.create(x, model.plan, routing=sample.routing.to_replay())
+    ctx = model.make_context({"tokens": x}, routing=sample.routing.to_replay())
     if train_aware:
         ctx.swa_from = torch.tensor([sample.replay_start])
     with torch.no_grad():

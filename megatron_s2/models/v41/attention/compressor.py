@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.kernels.precision import wide
 from megatron_s2.parallel.linear import ReplicatedLinear, _LocalGemm, _linear
@@ -40,7 +40,7 @@ def pool_groups(kv: torch.Tensor, gate: torch.Tensor, ratio: int) -> torch.Tenso
 
 
 class Compressor(nn.Module):
-    def __init__(self, config: ModelConfig, ratio: int, *, linears=None):
+    def __init__(self, config: V41Config, ratio: int, *, linears=None):
         super().__init__()
         linear = linears.replicated_linear if linears is not None else ReplicatedLinear
         self.ratio = ratio

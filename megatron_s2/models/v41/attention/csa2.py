@@ -3,7 +3,7 @@
 Every layer computes its own query and its own sliding-window (SWA) KV from its own hidden
 state. A CSA2 layer additionally attends to top-k entries of a compressed main KV, in the
 same softmax as the window (§2.3). How it obtains main KV, index K and top-k depends on its
-statically assigned mode (§2.3.1; plan in :mod:`megatron_s2.config.layer_plan`):
+statically assigned mode (§2.3.1; plan in :mod:`megatron_s2.models.v41.layer_plan`):
 
 =========  ===================================  ===========================  ===============
 mode       main KV                              index K                      top-k
@@ -57,8 +57,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megatron_s2.config.layer_plan import CSA2Mode, LayerSpec, SharedStateKind as K
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.layer_plan import CSA2Mode, LayerSpec, SharedStateKind as K
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.kernels import sparse_attention
 from megatron_s2.kernels.sparse_attention import chunk_rows
 from megatron_s2.models.init import constant_init
@@ -86,7 +86,7 @@ head_dim`` elements (4 MiB in float32) and at most 1024 rows (:meth:`CSA2Attenti
 class CSA2Attention(nn.Module):
     PLAN_SECTION = "attention"
 
-    def __init__(self, config: ModelConfig, spec: LayerSpec, groups: ParallelGroups,
+    def __init__(self, config: V41Config, spec: LayerSpec, groups: ParallelGroups,
                  linears: LinearSubmodules | None = None):
         super().__init__()
         L = linears or LinearSubmodules()

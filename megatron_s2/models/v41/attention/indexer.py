@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.kernels.indexer import indexer_gathered_scores, indexer_scores
 from megatron_s2.kernels.sparse_attention import CHUNK_ELEMENTS, chunk_rows
 from megatron_s2.models.v41.attention.candidates import select_candidate_blocks
@@ -53,7 +53,7 @@ class IndexKeyProjection(nn.Module):
 
     PLAN_SECTION = "index_key"
 
-    def __init__(self, config: ModelConfig, tp: Group | None = None, linears=None):
+    def __init__(self, config: V41Config, tp: Group | None = None, linears=None):
         super().__init__()
         linear = linears.replicated_linear if linears is not None else ReplicatedLinear
         self.linear = linear(config.head_dim, config.index_head_dim)
@@ -79,7 +79,7 @@ class IndexerSelection:
 class Indexer(nn.Module):
     PLAN_SECTION = "indexer"
 
-    def __init__(self, config: ModelConfig, tp: Group, linears=None):
+    def __init__(self, config: V41Config, tp: Group, linears=None):
         super().__init__()
         column = linears.column_parallel_linear if linears is not None else ColumnParallelLinear
         replicated = linears.replicated_linear if linears is not None else ReplicatedLinear

@@ -29,7 +29,7 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.config import V41Config
 
 __all__ = ["EngramHasher", "engram_primes", "hash_multipliers", "is_prime", "next_unused_prime"]
 
@@ -134,7 +134,7 @@ class EngramHasher:
         self._device_cache: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
 
     @classmethod
-    def from_config(cls, config: ModelConfig, compressed_token_map: list[int] | None = None) -> EngramHasher:
+    def from_config(cls, config: V41Config, compressed_token_map: list[int] | None = None) -> EngramHasher:
         return cls(layer_ids=config.engram_layers, ngram_orders=config.engram_ngram_orders,
                    num_heads=config.engram_num_heads, table_size=config.engram_table_size,
                    pad_id=config.engram_pad_id, vocab_size=config.vocab_size,

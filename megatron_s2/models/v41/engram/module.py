@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.models.init import constant_init
 from megatron_s2.models.v41.engram.hashing import EngramHasher
 from megatron_s2.models.v41.engram.table import EngramTable
@@ -66,7 +66,7 @@ class Engram(nn.Module):
 
     PLAN_SECTION = "engram"
 
-    def __init__(self, config: ModelConfig, layer_number: int, groups: ParallelGroups | None = None,
+    def __init__(self, config: V41Config, layer_number: int, groups: ParallelGroups | None = None,
                  compressed_token_map: list[int] | None = None):
         super().__init__()
         if layer_number not in config.engram_layers:

@@ -110,6 +110,10 @@ class EngramPrefetch:
 
     # ---- after the backbone backward -----------------------------------------------------------
     @torch.no_grad()
+    def finish(self) -> None:
+        """After the step's last backward (the family-model ``prepare_step`` protocol)."""
+        self.return_grads()
+
     def return_grads(self) -> None:
         """Send the buffered row gradients to their owners and add them to the partitions'
         gradients (one all-to-all for every layer)."""

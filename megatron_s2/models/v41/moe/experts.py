@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.models.init import normal_init
 from megatron_s2.parallel.groups import Group, ParallelGroups
 from megatron_s2.parallel.placement import mark_param
@@ -56,7 +56,7 @@ class GroupedExperts(nn.Module):
     gemm_dtype: torch.dtype | None = None
     """Dtype of the expert GEMMs (the model's compute_dtype); None = the weights' dtype."""
 
-    def __init__(self, config: ModelConfig, ep: Group, etp: Group):
+    def __init__(self, config: V41Config, ep: Group, etp: Group):
         super().__init__()
         num_experts, ffn, hidden = config.num_routed_experts, config.moe_ffn_hidden_size, config.hidden_size
         if num_experts % ep.size:
@@ -101,7 +101,7 @@ class SharedExpert(nn.Module):
     gemm_dtype: torch.dtype | None = None
     """Dtype of the expert GEMMs (the model's compute_dtype); None = the weights' dtype."""
 
-    def __init__(self, config: ModelConfig, groups: ParallelGroups):
+    def __init__(self, config: V41Config, groups: ParallelGroups):
         super().__init__()
         tp = groups.tp
         ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size

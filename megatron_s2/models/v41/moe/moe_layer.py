@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.moe.experts import GroupedExperts, SharedExpert
 from megatron_s2.models.v41.moe.load_balancing import sequence_balance_loss
@@ -54,7 +54,7 @@ __all__ = ["MoELayer"]
 class MoELayer(nn.Module):
     PLAN_SECTION = "moe"
 
-    def __init__(self, config: ModelConfig, layer_number: int, groups: ParallelGroups,
+    def __init__(self, config: V41Config, layer_number: int, groups: ParallelGroups,
                  experts: type = GroupedExperts, shared_expert: type = SharedExpert):
         """``experts`` / ``shared_expert``: the classes the provider picked (spec.py)."""
         super().__init__()

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.models.init import normal_init
 from megatron_s2.models.v41.moe.load_balancing import expert_bias_update, update_expert_biases
 from megatron_s2.parallel.groups import ParallelGroups
@@ -63,7 +63,7 @@ class RoutingDecision:
 
 
 class TopKRouter(nn.Module):
-    def __init__(self, config: ModelConfig, groups: ParallelGroups):
+    def __init__(self, config: V41Config, groups: ParallelGroups):
         super().__init__()
         self.num_experts, self.topk = config.num_routed_experts, config.moe_topk
         self.norm_topk_prob, self.route_scale = config.moe_norm_topk_prob, config.moe_route_scale

@@ -1,4 +1,4 @@
-"""The per-layer attention plan of the backbone, derived from :class:`ModelConfig`.
+"""The per-layer attention plan of the backbone, derived from :class:`V41Config`.
 
 CSA2 (report §2.3.1) statically assigns every layer one of three modes; the first layers are
 pure sliding-window attention (§2.1). A layer in
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from megatron_s2.config.schema import ConfigError
 
 if TYPE_CHECKING:
-    from megatron_s2.config.model import ModelConfig
+    from megatron_s2.models.v41.config import V41Config
 
 __all__ = ["CSA2Mode", "LayerSpec", "LayerPlan", "SharedStateKind"]
 
@@ -173,7 +173,7 @@ class LayerPlan:
         return "\n".join(rows)
 
     @staticmethod
-    def from_config(cfg: "ModelConfig") -> "LayerPlan":
+    def from_config(cfg: "V41Config") -> "LayerPlan":
         return _build_plan(cfg.layer_groups, cfg.num_encoder_layers, tuple(cfg.engram_layers),
                            cfg.candidate_topk_blocks > 0)
 

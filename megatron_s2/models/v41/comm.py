@@ -24,28 +24,14 @@ the terms that grow with the model and the batch and drops scalars:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from megatron_s2.config.layer_plan import CSA2Mode
+from megatron_s2.models.v41.layer_plan import CSA2Mode
 from megatron_s2.config.recipe import RecipeConfig
+from megatron_s2.models.family.base import CommVolume
 from megatron_s2.parallel.layout import ParallelLayout
 
-__all__ = ["CommVolume", "comm_volume"]
+__all__ = ["comm_volume"]
 
 F = 4  # bytes per element (float32 activations and gradients)
-
-
-@dataclass
-class CommVolume:
-    parts: dict[str, float] = field(default_factory=dict)
-
-    def add(self, kind: str, nbytes: float) -> None:
-        if nbytes:
-            self.parts[kind] = self.parts.get(kind, 0.0) + nbytes
-
-    @property
-    def total(self) -> float:
-        return sum(self.parts.values())
 
 
 def _ring(g: int) -> float:
@@ -62,7 +48,7 @@ def comm_volume(recipe: RecipeConfig, layout: ParallelLayout, pp_rank: int, grad
 
     ``grad_bytes`` / ``expert_grad_bytes``: the rank's dense / expert gradient bytes (from
     the model-state count), reduced over data x context / expert-data parallelism."""
-    from megatron_s2.pipeline.payload import PayloadModes, PayloadSpec
+    from megatron_s2.models.v41.pipeline.payload import PayloadModes, PayloadSpec
 
     c, t, out = recipe.model, recipe.training, CommVolume()
     m = t.global_batch_size // (t.micro_batch_size * layout.dp)

@@ -9,8 +9,9 @@ index, Hugging Face side only: our experts are grouped 3-D tensors).
 * :class:`DirectMapping` — one tensor, renamed.
 * :class:`GroupedExpertMapping` — our ``[E, ...]`` grouped expert tensor <-> ``E`` per-expert
   tensors (split on export, stacked on import).
-* :class:`PaddedRowsMapping` — our Engram table padded to a layout-independent row multiple
-  <-> the reference's unpadded ``[rows, dim]`` table.
+
+A family adds its own mapping classes beside these (e.g. the V4.1 Engram table's padded rows,
+:mod:`megatron_s2.models.v41.hf.mapping`).
 
 Tensor/expert/etc. parallel splits are *not* rules here: the gather before export and the
 scatter after import go through each tensor's ShardSpec (:mod:`.gather`), which the model
@@ -32,15 +33,24 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from megatron_s2.checkpoint.hf.context import ConversionContext
 
-__all__ = ["Bindings", "ImportFallback", "ParamMapping", "DirectMapping", "GroupedExpertMapping",
-           "PaddedRowsMapping", "compile_pattern"]
+
+class ConversionContext(Protocol):
+    """What a mapping may ask about the model while converting (a family's adapter builds it)."""
+
+    cfg: Any
+    """The model's config (the family's ModelSchema)."""
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (:class:`GroupedExpertMapping`)."""
+
+__all__ = ["Bindings", "ConversionContext", "ImportFallback", "ParamMapping", "DirectMapping", "GroupedExpertMapping",
+           "compile_pattern"]
 
 Bindings = dict[str, int]
 _PLACEHOLDER = re.compile(r"\{(layer|expert)\}")
@@ -130,39 +140,13 @@ class GroupedExpertMapping(ParamMapping):
                              "Hugging Face pattern only")
 
     def hf_names(self, bindings, ctx):
-        return [self.hf.format(**bindings, expert=e) for e in range(ctx.cfg.num_routed_experts)]
+        return [self.hf.format(**bindings, expert=e) for e in range(ctx.num_experts)]
 
     def to_hf(self, tensor, bindings, ctx):
-        if tensor.size(0) != ctx.cfg.num_routed_experts:
+        if tensor.size(0) != ctx.num_experts:
             raise ValueError(f"{self.megatron_name(bindings)}: {tensor.size(0)} experts, the config has "
-                             f"{ctx.cfg.num_routed_experts}")
+                             f"{ctx.num_experts}")
         return {self.hf.format(**bindings, expert=e): tensor[e] for e in range(tensor.size(0))}
 
     def from_hf(self, tensors, bindings, ctx, full_shape):
         return torch.stack([tensors[n] for n in self.hf_names(bindings, ctx)], dim=0)
-
-
-@dataclass(frozen=True)
-class PaddedRowsMapping(ParamMapping):
-    """Our Engram table ``[padded rows, dim]`` <-> the reference's ``[rows, dim]``.
-
-    Padding rows are never addressed and stay zero; export refuses a table whose padding is
-    not zero (something wrote to it outside the model), import pads with zeros.
-    """
-
-    def to_hf(self, tensor, bindings, ctx):
-        rows = ctx.engram_rows(bindings["layer"])
-        if tensor[rows:].any():
-            raise ValueError(f"{self.megatron_name(bindings)}: padding rows {rows}..{tensor.size(0) - 1} are not zero; "
-                             "they are never addressed by the model, so the table was modified outside it")
-        return {self.hf.format(**bindings): tensor[:rows]}
-
-    def from_hf(self, tensors, bindings, ctx, full_shape):
-        (tensor,) = tensors.values()
-        rows = ctx.engram_rows(bindings["layer"])
-        if tensor.size(0) != rows:
-            raise ValueError(f"{self.hf.format(**bindings)}: {tensor.size(0)} rows, the config's Engram hashing "
-                             f"addresses {rows}")
-        out = tensor.new_zeros((full_shape[0], *tensor.shape[1:]))
-        out[:rows] = tensor
-        return out

@@ -5,7 +5,7 @@ is paged like vLLM's block tables: a *page* covers ``page_tokens`` consecutive t
 request, i.e. ``page_tokens / m`` entries of every Full layer of ratio m, stored in that
 layer's buffers at the same page id. One page table per request therefore addresses all
 layers, and a page of a shared prompt prefix can be shared by many requests (the prefix
-cache, :mod:`.prefix_cache`). Page 0 is reserved, all zeros, and pads short page tables.
+cache, :mod:`.tiers`). Page 0 is reserved, all zeros, and pads short page tables.
 
 **SWA state** (§3.2.1: never persisted with the global KV) is one *slot* per running
 request: a ring of the last ``window_size`` SWA KV vectors of every layer, position p at ring
@@ -18,71 +18,15 @@ Bytes are those of the allocated buffers (:meth:`GlobalKVStore.bytes_per_token`,
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.kernels.kv_formats import VectorFormat, vector_format
+from megatron_s2.models.family.engine import OutOfPages, PagePool
 
 __all__ = ["OutOfPages", "PagePool", "GlobalKVStore", "SWAStore", "SequenceKV"]
-
-
-class OutOfPages(RuntimeError):
-    """No free page and no evictable cached page: the scheduler must wait or preempt."""
-
-
-class PagePool:
-    """Page ids with reference counts; unreferenced pages that hold a cached prefix stay
-    resident (LRU) until a new allocation needs them (§3.2.1: global KV under LRU)."""
-
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self.refs = [0] * num_pages
-        self.free = list(range(num_pages - 1, 0, -1))  # page 0 is the reserved zero page
-        self.page_hash: dict[int, int] = {}            # page -> prefix hash (cached pages)
-        self.by_hash: dict[int, int] = {}              # prefix hash -> page
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached pages with refs == 0, LRU first
-
-    def allocate(self) -> int:
-        if self.free:
-            page = self.free.pop()
-        elif self.evictable:
-            page, _ = self.evictable.popitem(last=False)
-            del self.by_hash[self.page_hash.pop(page)]
-        else:
-            raise OutOfPages("the KV page pool is exhausted")
-        self.refs[page] = 1
-        return page
-
-    def retain(self, page: int) -> None:
-        if self.refs[page] == 0:
-            self.evictable.pop(page, None)
-        self.refs[page] += 1
-
-    def release(self, page: int) -> None:
-        self.refs[page] -= 1
-        if self.refs[page] == 0:
-            if page in self.page_hash:
-                self.evictable[page] = None  # stays cached, newest at the end
-            else:
-                self.free.append(page)
-
-    def register(self, page: int, prefix_hash: int) -> None:
-        """Mark a full page as holding the prefix ``prefix_hash`` (first writer wins)."""
-        if prefix_hash in self.by_hash or page in self.page_hash:
-            return
-        self.page_hash[page] = prefix_hash
-        self.by_hash[prefix_hash] = page
-
-    def lookup(self, prefix_hash: int) -> int | None:
-        return self.by_hash.get(prefix_hash)
-
-    @property
-    def num_free(self) -> int:
-        """Pages an allocation can still obtain (free + evictable cached)."""
-        return len(self.free) + len(self.evictable)
 
 
 @dataclass(frozen=True)
@@ -95,7 +39,7 @@ class _LayerGeometry:
 class GlobalKVStore:
     """Main-KV and index-K pages of every Full layer (formats from the model's QAT flags)."""
 
-    def __init__(self, config: ModelConfig, num_pages: int, page_tokens: int, device: torch.device):
+    def __init__(self, config: V41Config, num_pages: int, page_tokens: int, device: torch.device):
         self.page_tokens, self.num_pages, self.device = page_tokens, num_pages, device
         self.main_format = vector_format(config.fp4_main_kv, "fp4_e4m3", config.head_dim)
         self.index_format = vector_format(config.fp4_indexer, "mxfp4", config.index_head_dim)
@@ -141,7 +85,7 @@ class GlobalKVStore:
 class SWAStore:
     """Ring buffers of the last ``window_size`` SWA KV vectors of every layer, one slot per request."""
 
-    def __init__(self, config: ModelConfig, num_slots: int, device: torch.device):
+    def __init__(self, config: V41Config, num_slots: int, device: torch.device):
         self.window, self.num_slots = config.window_size, num_slots
         self.format: VectorFormat = vector_format(config.fp8_swa_kv, "fp8", config.head_dim)
         self.rings = {spec.index: self.format.allocate((num_slots, config.window_size), device)
@@ -186,6 +130,10 @@ class SequenceKV:
     """Full layer -> tokens its compressor has consumed (entries = kv_tokens // m)."""
     partial: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     """Full layer -> compressor projections (kv, gate) [p, hd] of the incomplete block (p < m)."""
+    decoder_from: int = 0
+    """Decoder layers run on positions >= this (decoder bounded replay of the prompt, §3.2.2)."""
+    hashed_pages: int = 0
+    """Leading complete pages already indexed in the prefix cache."""
     swa_from: tuple[int, int] = (0, 0)
     """First position whose SWA KV exists, for encoder and decoder layers (§3.2.2 bounded replay:
     a query at i attends to SWA keys in [max(s, i-W+1), i]); 0 = exact state."""

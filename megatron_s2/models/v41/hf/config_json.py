@@ -1,10 +1,10 @@
-"""``config.json`` <-> :class:`ModelConfig`.
+"""``config.json`` <-> :class:`V41Config`.
 
 Written layout::
 
     {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
      "torch_dtype": ..., "text_config": {...},            # Hugging Face spelling
-     "megatron_s2": {"format_version": 1, "model": {...}}} # our ModelConfig, lossless
+     "megatron_s2": {"format_version": 1, "model": {...}}} # our V41Config, lossless
 
 ``text_config`` describes the architecture in the spelling of the release's ``config.json``
 (as reproduced by public fixtures of DeepSeek-V4.1-Flash; the top-level structure and the
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_s2.config.layer_plan import CSA2Mode
-from megatron_s2.config.model import LayerGroupSpec, ModelConfig
+from megatron_s2.models.v41.layer_plan import CSA2Mode
+from megatron_s2.models.v41.config import LayerGroupSpec, V41Config
 from megatron_s2.config.schema import ConfigError, from_mapping, to_mapping
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "FORMAT_VERSION", "MODELARGS_ALIASES", "config_to_hf", "config_from_hf",
@@ -52,7 +52,7 @@ _ROPE_ALIASES = {"rope_factor": "factor", "beta_fast": "beta_fast", "beta_slow":
                  "original_seq_len": "original_max_position_embeddings"}
 
 
-def text_config(cfg: ModelConfig) -> dict[str, Any]:
+def text_config(cfg: V41Config) -> dict[str, Any]:
     """The architecture in the release's ``text_config`` spelling."""
     from megatron_s2.models.v41.engram.hashing import EngramHasher
 
@@ -90,7 +90,7 @@ def text_config(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def config_to_hf(cfg: ModelConfig, torch_dtype: str) -> dict[str, Any]:
+def config_to_hf(cfg: V41Config, torch_dtype: str) -> dict[str, Any]:
     return {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "torch_dtype": torch_dtype,
         "text_config": text_config(cfg),
@@ -141,7 +141,7 @@ def _layer_groups(text: dict) -> tuple[tuple[LayerGroupSpec, ...], int, int]:
     return tuple(groups), encoder, cand
 
 
-def _from_text(text: dict, name: str) -> ModelConfig:
+def _from_text(text: dict, name: str) -> V41Config:
     text = _normalise(text)
     if float(text.get("gate_temp", 1.0)) != 1.0:
         raise ConfigError(f"config.json: gate_temp={text['gate_temp']} is not supported (the router has no temperature)")
@@ -177,12 +177,12 @@ def _from_text(text: dict, name: str) -> ModelConfig:
         engram_fp8_tables=True, fp4_main_kv=True, fp8_swa_kv=True, fp4_indexer=True,
         norm_eps=_need(text, "rms_norm_eps"),
     )
-    cfg = from_mapping(ModelConfig, to_mapping(fields), "model")
+    cfg = from_mapping(V41Config, to_mapping(fields), "model")
     _check_derived(cfg, text, cand)
     return cfg
 
 
-def _check_derived(cfg: ModelConfig, text: dict, cand: int) -> None:
+def _check_derived(cfg: V41Config, text: dict, cand: int) -> None:
     plan = cfg.plan
     ours = next((s.index for s in plan if s.is_candidate_source), -1)
     if cand >= 0 and ours != cand:
@@ -206,8 +206,8 @@ def _check_derived(cfg: ModelConfig, text: dict, cand: int) -> None:
                               "address different rows")
 
 
-def config_from_hf(data: dict[str, Any]) -> ModelConfig:
-    """ModelConfig of a ``config.json`` (ours, the release's nested form, or ModelArgs' flat form)."""
+def config_from_hf(data: dict[str, Any]) -> V41Config:
+    """V41Config of a ``config.json`` (ours, the release's nested form, or ModelArgs' flat form)."""
     if not isinstance(data, dict):
         raise ConfigError("config.json: expected a JSON object")
     block = data.get("megatron_s2")
@@ -216,7 +216,7 @@ def config_from_hf(data: dict[str, Any]) -> ModelConfig:
         if int(block.get("format_version", 0)) > FORMAT_VERSION:
             raise ConfigError(f"config.json: megatron_s2 format_version {block.get('format_version')} is newer "
                               f"than this reader ({FORMAT_VERSION})")
-        cfg = from_mapping(ModelConfig, block.get("model"), "megatron_s2.model")
+        cfg = from_mapping(V41Config, block.get("model"), "megatron_s2.model")
         if text is not None:
             expected = text_config(cfg)
             for key, value in _normalise(text).items():

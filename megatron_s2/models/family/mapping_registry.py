@@ -19,42 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_s2.checkpoint.hf.context import ConversionContext
-from megatron_s2.checkpoint.hf.param_mapping import Bindings, ParamMapping
-from megatron_s2.checkpoint.hf.quant import dequantize, is_quantized
+from megatron_s2.models.family.param_mapping import Bindings, ConversionContext, ParamMapping
 
-__all__ = ["ConversionError", "ImportReport", "MappingRegistry", "TensorSource"]
+__all__ = ["ConversionError", "ImportReport", "MappingRegistry"]
 
 
 class ConversionError(ValueError):
     """A state that the mapping table cannot convert faithfully."""
-
-
-class TensorSource:
-    """Hugging Face tensors by name, dequantised, with a record of what was read."""
-
-    def __init__(self, reader):
-        self.reader = reader
-        self.used: set[str] = set()
-        self.dequantized = 0
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.reader
-
-    def get(self, name: str) -> torch.Tensor:
-        tensor = self.reader.get(name)
-        self.used.add(name)
-        scale_name = name[: -len("weight")] + "scale" if name.endswith("weight") else None
-        if is_quantized(tensor.dtype):
-            if scale_name is None or scale_name not in self.reader:
-                raise ConversionError(f"'{name}' is stored as {tensor.dtype} without a '{scale_name}' tensor")
-            self.used.add(scale_name)
-            self.dequantized += 1
-            return dequantize(tensor, self.reader.get(scale_name))
-        if scale_name is not None and scale_name in self.reader:
-            raise ConversionError(f"'{name}' ({tensor.dtype}) has a '{scale_name}' companion, but only FP8 E4M3 and "
-                                  "packed FP4 weights are scaled in this format")
-        return tensor
 
 
 @dataclass
@@ -123,7 +94,7 @@ class MappingRegistry:
         return views, elided
 
     # ---- import ------------------------------------------------------------------------------
-    def import_state(self, source: TensorSource, expected: Mapping[str, "object"], ctx: ConversionContext,
+    def import_state(self, source, expected: Mapping[str, "object"], ctx: ConversionContext,
                      progress=None) -> tuple[dict[str, torch.Tensor], ImportReport]:
         """Our full state for the ``expected`` names (``name -> TensorInfo`` of a skeleton)."""
         report = ImportReport()

@@ -22,13 +22,40 @@ Reference tensors outside the backbone are skipped on import and listed in the r
 
 from __future__ import annotations
 
-from megatron_s2.checkpoint.hf.param_mapping import (DirectMapping, GroupedExpertMapping, ImportFallback,
-                                                     PaddedRowsMapping)
-from megatron_s2.checkpoint.hf.registry import MappingRegistry
+from dataclasses import dataclass
 
-__all__ = ["V41_REGISTRY", "v41_mappings", "SKIPPED_HF_PREFIXES"]
+from megatron_s2.models.family.param_mapping import DirectMapping, GroupedExpertMapping, ImportFallback, ParamMapping
+from megatron_s2.models.family.mapping_registry import MappingRegistry
+
+__all__ = ["V41_REGISTRY", "v41_mappings", "SKIPPED_HF_PREFIXES", "PaddedRowsMapping"]
 
 L = "layers.{layer}."
+
+
+@dataclass(frozen=True)
+class PaddedRowsMapping(ParamMapping):
+    """Our Engram table ``[padded rows, dim]`` <-> the reference's ``[rows, dim]``.
+
+    Padding rows are never addressed and stay zero; export refuses a table whose padding is
+    not zero (something wrote to it outside the model), import pads with zeros.
+    """
+
+    def to_hf(self, tensor, bindings, ctx):
+        rows = ctx.engram_rows(bindings["layer"])
+        if tensor[rows:].any():
+            raise ValueError(f"{self.megatron_name(bindings)}: padding rows {rows}..{tensor.size(0) - 1} are not zero; "
+                             "they are never addressed by the model, so the table was modified outside it")
+        return {self.hf.format(**bindings): tensor[:rows]}
+
+    def from_hf(self, tensors, bindings, ctx, full_shape):
+        (tensor,) = tensors.values()
+        rows = ctx.engram_rows(bindings["layer"])
+        if tensor.size(0) != rows:
+            raise ValueError(f"{self.hf.format(**bindings)}: {tensor.size(0)} rows, the config's Engram hashing "
+                             f"addresses {rows}")
+        out = tensor.new_zeros((full_shape[0], *tensor.shape[1:]))
+        out[:rows] = tensor
+        return out
 
 
 def _always(ctx, b) -> str | None:

@@ -31,8 +31,8 @@ from typing import Literal
 
 import torch
 
-from megatron_s2.config.layer_plan import LayerPlan, SharedStateKind as K
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.layer_plan import LayerPlan, SharedStateKind as K
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.parallel.p2p import PayloadField
 
 __all__ = ["PayloadModes", "PayloadField", "PayloadSpec", "payload_keys"]
@@ -73,7 +73,7 @@ class PayloadSpec:
     fields: list[PayloadField] = field(default_factory=list)
 
     @classmethod
-    def build(cls, cfg: ModelConfig, plan: LayerPlan, cut: int, modes: PayloadModes, *, batch: int,
+    def build(cls, cfg: V41Config, plan: LayerPlan, cut: int, modes: PayloadModes, *, batch: int,
               local_seq: int, full_seq: int, stream_seq: int, tp_size: int) -> "PayloadSpec":
         """``local_seq``: queries held by this rank (CP chunk); ``stream_seq``: tokens of the
         streams on this rank (local_seq / tp under sequence parallelism)."""

@@ -4,7 +4,7 @@
   has all its entries) is indexed by a hash chained over the token ids of every page up to it,
   so a page stands for the whole prefix it ends. Pages stay cached after their request
   finishes and are evicted least-recently-used only when an allocation needs them
-  (:class:`~megatron_s2.inference.kv_store.PagePool`). A new request reuses the longest chain
+  (:class:`~megatron_s2.models.family.engine.PagePool`). A new request reuses the longest chain
   of cached pages of its prompt: the whole cached prefix (leaving at least one prompt token to
   process).
 * **Short-TTL SWA pool.** SWA state (every layer's ring, the compressor's partial blocks and
@@ -26,26 +26,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from megatron_s2.config.model import ModelConfig
-from megatron_s2.inference.kv_store import GlobalKVStore, SWAStore
+from megatron_s2.models.v41.config import V41Config
+from megatron_s2.models.family.engine import prefix_hashes
+from megatron_s2.models.v41.inference.kv_store import GlobalKVStore, SWAStore
 
-__all__ = ["KVTiers", "prefix_hashes"]
-
-
-def prefix_hashes(tokens: list[int], page_tokens: int, pages: int) -> list[bytes]:
-    """Chained digests of the first ``pages`` complete pages of ``tokens``."""
-    out, parent = [], b""
-    for i in range(pages):
-        chunk = array("q", tokens[i * page_tokens:(i + 1) * page_tokens]).tobytes()
-        parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
-        out.append(parent)
-    return out
+__all__ = ["KVTiers"]
 
 
 @dataclass
@@ -61,7 +50,7 @@ class _Snapshot:
 
 
 class KVTiers:
-    def __init__(self, config, model: ModelConfig, global_kv: GlobalKVStore, swa: SWAStore):
+    def __init__(self, config, model: V41Config, global_kv: GlobalKVStore, swa: SWAStore):
         self.config, self.model = config, model
         self.global_kv, self.swa, self.pool = global_kv, swa, global_kv.pool
         self.page_tokens, self.window = config.page_tokens, model.window_size
@@ -74,7 +63,7 @@ class KVTiers:
         replay), or a fresh prefill; and where the decoder starts (decoder replay)."""
         self.expire()
         seq, tokens = req.kv, req.tokens
-        req.num_computed, req.hashed_pages = 0, 0
+        req.num_computed, seq.hashed_pages = 0, 0
         if self.config.prefix_caching:
             snap = self._snapshot_for(tokens)
             if snap is not None:
@@ -82,11 +71,11 @@ class KVTiers:
             else:
                 self._prefix_hit(req)
         p = len(tokens)
-        req.decoder_from = 0
+        req.kv.decoder_from = 0
         if self.config.decoder_bounded_replay:
             start = max(req.num_computed, p - self.window)
             if start > req.num_computed:
-                req.decoder_from = start
+                req.kv.decoder_from = start
                 seq.swa_from = (seq.swa_from[0], max(seq.swa_from[1], start))
 
     def _prefix_hit(self, req) -> None:
@@ -109,7 +98,7 @@ class KVTiers:
         start = max(0, hit - self.window)
         seq.swa_from = (start, start)
         req.num_computed = start
-        req.hashed_pages = len(pages)
+        req.kv.hashed_pages = len(pages)
         self.hits["prefix_pages"] += len(pages)
         self.hits["encoder_replays"] += 1
 
@@ -128,11 +117,11 @@ class KVTiers:
             return
         seq, t = req.kv, self.page_tokens
         complete = min(seq.kv_tokens.values(), default=req.num_computed) // t
-        done = getattr(req, "hashed_pages", 0)
+        done = seq.hashed_pages
         if complete > done:
             for i, h in enumerate(prefix_hashes(req.tokens, t, complete)[done:], start=done):
                 self.pool.register(seq.pages[i], h)
-            req.hashed_pages = complete
+            req.kv.hashed_pages = complete
         if (self.config.swa_pool_slots and req.num_generated == 0
                 and req.num_computed == len(req.prompt) - 1):
             self._snapshot(req)
@@ -180,7 +169,7 @@ class KVTiers:
         seq.partial = {k: tuple(None if x is None else x.clone() for x in v) for k, v in snap.partial.items()}
         seq.swa_from = snap.swa_from
         req.num_computed = n
-        req.hashed_pages = full
+        req.kv.hashed_pages = full
         self.snapshots.move_to_end(snap.tokens)
         self.hits["swa_snapshots"] += 1
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_s2.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
+from megatron_s2.models.v41.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
 from megatron_s2.models.v41.attention.visibility import window_indices
 
 __all__ = ["KVCacheStep"]

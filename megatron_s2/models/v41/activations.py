@@ -57,71 +57,28 @@ streams and gated products.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from megatron_s2.config.layer_plan import CSA2Mode, LayerSpec
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.family.base import FLOAT_BYTES, LayerActivations, RankShape
+from megatron_s2.models.v41.layer_plan import CSA2Mode, LayerSpec
+from megatron_s2.models.v41.config import V41Config
 
 __all__ = ["RankShape", "LayerActivations", "layer_activations", "head_activations", "transient_bytes",
            "FLOAT_BYTES"]
 
-FLOAT_BYTES = 4
 INT64 = 2.0   # int64 index in float32 elements
 BOOL = 0.25
 
 
-@dataclass(frozen=True)
-class RankShape:
-    """Where one micro-batch sits on one rank."""
-
-    batch: int
-    seq: int            # full sequence length
-    tp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-    sequence_parallel: bool = False
-    training: bool = True
-
-    @property
-    def tokens(self) -> float:
-        """Local queries: the rank's context chunk."""
-        return self.batch * self.seq / self.cp
-
-    @property
-    def stream_tokens(self) -> float:
-        return self.tokens / self.tp if self.sequence_parallel else self.tokens
-
-    @property
-    def moe_tokens(self) -> float:
-        """Tokens this rank routes (the MoE layer routes a disjoint 1/tp of them)."""
-        return self.tokens / self.tp
-
-
-@dataclass
-class LayerActivations:
-    layer: int
-    parts: dict[str, float] = field(default_factory=dict)   # component -> bytes
-
-    @property
-    def total(self) -> float:
-        return sum(self.parts.values())
-
-    def add(self, name: str, elements: float) -> None:
-        self.parts[name] = self.parts.get(name, 0.0) + elements * FLOAT_BYTES
-
-
-def _mhc_sublayer(c: ModelConfig) -> float:
+def _mhc_sublayer(c: V41Config) -> float:
     n, d = c.hc_mult, c.hidden_size
     return n * d + 2 * c.mhc_mix_dim + 2 * n * n + 4 * n + d + 1
 
 
-def _entries(c: ModelConfig, spec: LayerSpec, r: RankShape) -> float:
+def _entries(c: V41Config, spec: LayerSpec, r: RankShape) -> float:
     """Compressed entries of the whole sequence of one micro-batch (gathered over CP)."""
     return r.batch * (r.seq // spec.compress_ratio) if spec.is_csa2 else 0.0
 
 
-def layer_activations(c: ModelConfig, spec: LayerSpec, r: RankShape, recompute: str = "none") -> LayerActivations:
+def layer_activations(c: V41Config, spec: LayerSpec, r: RankShape, recompute: str = "none") -> LayerActivations:
     """Saved-for-backward bytes of layer ``spec`` for one micro-batch on one rank."""
     out = LayerActivations(spec.index)
     T, Tsp, Tm = r.tokens, r.stream_tokens, r.moe_tokens
@@ -176,13 +133,13 @@ def layer_activations(c: ModelConfig, spec: LayerSpec, r: RankShape, recompute: 
     return out
 
 
-def head_activations(c: ModelConfig, r: RankShape) -> float:
+def head_activations(c: V41Config, r: RankShape) -> float:
     """Final collapse, norm, LM head input and the vocabulary shard of the logits (bytes)."""
     n, d = c.hc_mult, c.hidden_size
     return FLOAT_BYTES * (r.stream_tokens * (n * d + n + 2 * d + 1) + r.tokens * (d + c.vocab_size / r.tp))
 
 
-def transient_bytes(c: ModelConfig, r: RankShape, is_last_stage: bool) -> float:
+def transient_bytes(c: V41Config, r: RankShape, is_last_stage: bool) -> float:
     """Largest short-lived working set on top of the saved activations: the logits' gradient
     and softmax temporaries on the last stage, else one layer's attention scores chunk."""
     chunk = min(r.tokens, 1024)

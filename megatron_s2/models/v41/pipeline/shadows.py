@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_s2.config.layer_plan import SharedStateKind as K
-from megatron_s2.config.model import ModelConfig
+from megatron_s2.models.v41.layer_plan import SharedStateKind as K
+from megatron_s2.models.v41.config import V41Config
 from megatron_s2.models.v41.attention.indexer import IndexKeyProjection, Indexer
 from megatron_s2.parallel.groups import ParallelGroups
 
@@ -44,7 +44,7 @@ class ShadowComponent:
 
 
 class ShadowSet:
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, components: list[ShadowComponent],
+    def __init__(self, cfg: V41Config, groups: ParallelGroups, components: list[ShadowComponent],
                  pp_rank: int, model: nn.Module):
         self.cfg, self.groups, self.components, self.pp_rank = cfg, groups, components, pp_rank
         self.model = model

@@ -19,15 +19,16 @@ context parallelism are not used for inference.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from megatron_s2.config.layer_plan import SharedStateKind as K
-from megatron_s2.inference.kv_step import KVCacheStep
-from megatron_s2.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
+from megatron_s2.models.v41.layer_plan import SharedStateKind as K
+from megatron_s2.models.v41.inference.kv_step import KVCacheStep
+from megatron_s2.models.v41.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
 from megatron_s2.models.v41.context import ForwardContext
-from megatron_s2.models.v41.moe.routing_replay import RoutingMode, RoutingReplay
+from megatron_s2.models.family.engine import RowOutput
+from megatron_s2.models.family.routing_replay import RoutingMode, RoutingReplay
 from megatron_s2.models.v41.shared_state import SharedStateRegistry
 from megatron_s2.parallel import mappings
 
@@ -50,16 +51,6 @@ class ForwardRow:
     bounded replay, "all" covers only the tokens the decoder ran on (from ``decoder_from``)."""
     decoder_from: int = 0
     """Decoder layers run only on positions >= this (decoder bounded replay)."""
-
-
-@dataclass
-class RowOutput:
-    logits: torch.Tensor | None = None
-    """[V] (last) or [s, V] (all), float32, full vocabulary."""
-    routing: torch.Tensor | None = None
-    """[s, num_layers, moe_topk] int32 expert ids per token and layer (-1: layer not run)."""
-    topk: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Indexing layer -> [s, index_topk] entry ids each token attended (-1 = none)."""
 
 
 class _RecordingRegistry(SharedStateRegistry):
@@ -94,13 +85,13 @@ class ModelRunner:
             self._ensure_pages(row.seq, row.start + len(row.tokens))
         ids, pos, valid, prefix = self._batch(rows, [0] * len(rows))
         ctx = self._context(rows, ids, pos, valid, prefix, record_routing, record_topk)
-        x, pre = self.model.embed(ids)
+        hidden = self.model.embed(ids)
         split = [max(0, min(len(r.tokens), r.decoder_from - r.start)) for r in rows]
         if not any(split) or not self.decoder_ids:
-            x, pre = self.model.run_layers(x, pre, ctx)
+            x, pre = self.model.run_layers(hidden, ctx)
             views = [(ctx, list(range(len(rows))), [0] * len(rows), x, pre)]
         else:
-            views = self._bounded_decoder(rows, ctx, x, pre, split, record_routing, record_topk)
+            views = self._bounded_decoder(rows, ctx, *hidden, split, record_routing, record_topk)
         return self._outputs(rows, views, record_routing, record_topk)
 
     # ---- batch construction -----------------------------------------------------------------------
@@ -136,7 +127,7 @@ class ModelRunner:
 
     # ---- decoder bounded replay (§3.2.2) ---------------------------------------------------------
     def _bounded_decoder(self, rows, ctx, x, pre, split, record_routing, record_topk):
-        x, pre = self.model.run_layers(x, pre, ctx, self.encoder_ids)
+        x, pre = self.model.run_layers((x, pre), ctx, self.encoder_ids)
         for i in self.decoder_ids:  # global KV of every chunk token (CED: from H_{L/2})
             block = self.model.layers[str(i)]
             if block.attention.spec.computes_main_kv:
@@ -157,7 +148,7 @@ class ModelRunner:
                  + torch.arange(ids.size(1), device=self.device)).clamp_max(x.size(1) - 1)
         rows_t = torch.tensor(keep, device=self.device).unsqueeze(1)
         dctx = self._context(sub, ids, pos, valid, prefix, record_routing, record_topk)
-        xd, pred = self.model.run_layers(x[rows_t, index], pre[rows_t, index], dctx, self.decoder_ids)
+        xd, pred = self.model.run_layers((x[rows_t, index], pre[rows_t, index]), dctx, self.decoder_ids)
         views.append((dctx, keep, offsets, xd, pred))
         return views
 

@@ -27,11 +27,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_s2.config.engine import EngineConfig
-from megatron_s2.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
+from megatron_s2.models.v41.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
 from megatron_s2.inference.request import Request
-from megatron_s2.inference.runner import ForwardRow, ModelRunner
+from megatron_s2.models.v41.inference.runner import ForwardRow, ModelRunner
 from megatron_s2.inference.sampling import SamplingParams
-from megatron_s2.inference.tiers import KVTiers
+from megatron_s2.models.v41.inference.tiers import KVTiers
 
 __all__ = ["ReplayMeasurement", "measure_bounded_replay"]
 
@@ -52,7 +52,7 @@ class _Setup:
         cfg = model.config
         device = next(model.parameters()).device
         self.config = config
-        self.global_kv = GlobalKVStore(cfg, config.pages_for(cfg), config.page_tokens, device)
+        self.global_kv = GlobalKVStore(cfg, config.num_pages_total, config.page_tokens, device)
         self.swa = SWAStore(cfg, 4, device)
         self.runner = ModelRunner(model, self.global_kv, self.swa)
         self.tiers = KVTiers(config, cfg, self.global_kv, self.swa)

@@ -6,7 +6,7 @@ is silent (attention sink, RoPE thetas, score function, norm epsilon, scale form
 semantics follow the public reference inference implementation so that released checkpoints
 can be imported. Validation happens at construction; the per-layer plan (SWA / Full /
 Reindex / Reuse, compression ratio, encoder vs decoder, candidate source, Engram hosts) is
-derived and validated in :mod:`megatron_s2.config.layer_plan`.
+derived and validated in :mod:`megatron_s2.models.v41.layer_plan`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_s2.config.fp8 import FP8Config
+from megatron_s2.config.model_schema import LayoutRequirements, ModelSchema
 from megatron_s2.config.schema import ConfigError
 
-__all__ = ["LayerGroupSpec", "ModelConfig"]
+__all__ = ["LayerGroupSpec", "V41Config", "CONFIG_CLASS"]
 
 AttentionMode = Literal["swa", "full", "reindex", "reuse"]
 
@@ -53,11 +54,11 @@ class LayerGroupSpec:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """The V4.1-Flash-style Causal Encoder-Decoder MoE backbone (report §2, §4.2.1)."""
+class V41Config(ModelSchema):
+    """The V4.1-Flash-style Causal Encoder-Decoder MoE backbone (report §2, §4.2.1), ``family: v41``.
 
-    name: str = "custom"
-    """Free-form model name, printed in logs and stored in checkpoints."""
+    ``family``, ``name``, ``params_dtype`` and ``compute_dtype`` come from :class:`ModelSchema`;
+    the fields redeclared here keep their place there and take the flagship's defaults."""
 
     # ---- sizes -------------------------------------------------------------------------
     vocab_size: int = 129280
@@ -175,11 +176,6 @@ class ModelConfig:
     """FP8 (E4M3, one power-of-two scale per 32) fake quantisation of the SWA KV (§2.4.4)."""
     fp4_indexer: bool = True
     """MXFP4 (E2M1, E8M0 scale per 32) fake quantisation of indexer Q and K (V4 QAT)."""
-    params_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Storage dtype of parameters."""
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Activation dtype of matrix products; RoPE, RMSNorm, the MoE router, mHC
-    coefficients and the LM head always run in float32 (precision map)."""
     norm_eps: float = 1.0e-20
     """RMSNorm epsilon (reference value)."""
     init_std: float = 0.006
@@ -243,7 +239,7 @@ class ModelConfig:
         self.fp8.check_backend(self.transformer_impl)
         # The layer plan validates mode/ratio/producer relations; build it now so that an
         # impossible plan fails at construction, never later.
-        from megatron_s2.config.layer_plan import LayerPlan
+        from megatron_s2.models.v41.layer_plan import LayerPlan
 
         LayerPlan.from_config(self)
 
@@ -284,9 +280,32 @@ class ModelConfig:
 
     @property
     def plan(self):
-        from megatron_s2.config.layer_plan import LayerPlan
+        from megatron_s2.models.v41.layer_plan import LayerPlan
 
         return LayerPlan.from_config(self)
 
-    def replace(self, **changes) -> "ModelConfig":
+    def layout_requirements(self) -> LayoutRequirements:
+        return LayoutRequirements(
+            tp=((self.num_attention_heads, "query heads"), (self.index_num_heads, "indexer heads"),
+                (self.o_groups, "output-projection groups"), (self.vocab_size, "vocabulary entries"),
+                (self.moe_ffn_hidden_size, "shared-expert width")),
+            ep=((self.num_routed_experts, "routed experts"),),
+            etp=((self.moe_ffn_hidden_size, "expert width"),),
+            cp_min_chunk=self.window_size, engram=bool(self.engram_layers), experts=True)
+
+    def check_tokenizer(self, vocab_size: int, pad_id: int | None, name: str) -> None:
+        if self.engram_layers and self.engram_pad_id != pad_id:
+            raise ConfigError(f"model.engram_pad_id: {self.engram_pad_id} is not the pad token of the tokenizer {name} "
+                              f"({pad_id}); Engram fills n-gram slots before a document with the pad token, "
+                              f"set model.engram_pad_id={pad_id}")
+
+    @property
+    def uses_token_map(self) -> bool:
+        """Engram hashes n-grams of the tokenizer's compressed token map (§2.4.2)."""
+        return bool(self.engram_layers)
+
+    def replace(self, **changes) -> "V41Config":
         return dataclasses.replace(self, **changes)
+
+
+CONFIG_CLASS = V41Config

@@ -1,0 +1,280 @@
+"""The one interface between generic code and a model family.
+
+A family (``megatron_s2/models/<family>/``, or any package named by ``model.family``) owns its
+model, its parallel plan (the PLAN of :class:`~megatron_s2.parallel.placement.ParamPlacement`),
+its Hugging Face adapter, its accounting, its inference state and its recipe schema. Generic
+code — trainer, pipeline schedules, checkpoints and HF conversion, planner, inference engine,
+server, post-training — reaches it only through :func:`~megatron_s2.models.family.family_of`
+and the objects below, never by importing the family's package.
+
+What a family provides
+======================
+
+:class:`ModelFamily` (the module ``<package>.family`` defines ``FAMILY``):
+
+* :meth:`~ModelFamily.build_model` — the model of one rank: all layers, or the union of a
+  pipeline rank's stages (``layers`` / ``pre_process`` / ``post_process``, megatron-core's
+  convention). The module satisfies :class:`FamilyModel`.
+* :meth:`~ModelFamily.stage_payloads` — under pipeline parallelism, what crosses each cut
+  beyond the hidden state (:class:`StagePayloads`; the generic
+  :class:`~megatron_s2.pipeline.runtime.PipelineRuntime` moves it).
+* :attr:`~ModelFamily.hf` — the Hugging Face adapter (:class:`~megatron_s2.models.family.hf.HFAdapter`).
+* :meth:`~ModelFamily.account` / :meth:`~ModelFamily.memory_model` — ``megatron-s2 account`` and
+  the per-layer terms of ``megatron-s2 plan memory``.
+* :meth:`~ModelFamily.executor` — the engine-side state of one inference engine and its one
+  incremental forward (:class:`~megatron_s2.models.family.engine.ModelExecutor`).
+
+Naming convention (read by the skeleton, the planner and pipeline stage filters): parameters
+of the embedding live under ``embedding.``, of layer ``i`` under ``layers.<i>.`` (global
+index, so names do not depend on the layout), everything else belongs to the last stage.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
+
+import torch
+from torch import nn
+
+from megatron_s2.config.model_schema import ModelSchema
+
+if TYPE_CHECKING:
+    from megatron_s2.config.engine import EngineConfig
+    from megatron_s2.models.family.engine import ModelExecutor
+    from megatron_s2.models.family.hf import HFAdapter
+    from megatron_s2.parallel.groups import ParallelGroups
+    from megatron_s2.parallel.layout import ParallelLayout
+
+__all__ = ["ModelFamily", "FamilyModel", "StagePayloads", "MemoryModel", "RankShape", "LayerActivations", "FLOAT_BYTES", "CommVolume",
+           "AccountReport"]
+
+
+class FamilyModel(Protocol):
+    """What generic code calls on a family's model (an ``nn.Module``) during training and scoring.
+
+    A forward of one stage is ``embed`` (first stage) -> ``run_layers`` -> ``head`` (last stage);
+    the hidden state between them is a tuple of tensors (one for a plain residual stream; the
+    V4.1 backbone carries its mHC streams and input mix). ``forward(tokens, ctx)`` chains them."""
+
+    config: ModelSchema
+    groups: "ParallelGroups"
+
+    @property
+    def layer_ids(self) -> list[int]: ...
+
+    def make_context(self, micro_batch: dict[str, torch.Tensor], *, routing=None, step_state=None,
+                     positions=None, doc_ids=None) -> Any:
+        """The forward context of one micro-batch (``tokens``, optional ``position_ids``,
+        ``doc_ids``, context-parallel ``full_*`` views). It carries the family's auxiliary losses
+        (``total_aux_loss()``, ``aux_losses``, ``aux_metrics``) and, when given, a routing replay."""
+
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+    def run_layers(self, hidden: tuple[torch.Tensor, ...], ctx, layer_ids: Iterable[int] | None = None
+                   ) -> tuple[torch.Tensor, ...]: ...
+
+    def head(self, *hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary shard of the logits, float32."""
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy [b, s] (vocabulary-parallel)."""
+
+    def prepare_step(self, micro_batches: list[dict], make_context) -> Any:
+        """Work done once per optimiser step for all micro-batches (None when there is none);
+        the returned object's ``finish()`` runs after the last backward."""
+
+    def after_optimizer_step(self, skipped: bool) -> None:
+        """Once per optimiser step (e.g. the auxiliary-loss-free expert-bias update)."""
+
+    def set_recompute(self, mode: str) -> None: ...
+
+    def set_token_map(self, token_map: list[int] | None) -> None: ...
+
+    def init_weights(self, seed: int) -> "FamilyModel": ...
+
+
+class StagePayloads(abc.ABC):
+    """A family's part of a pipeline cut: the message entering each stage beyond the hidden
+    state, its export from the producing stage and import into the consuming one, and any
+    replicated components (shadows) whose gradients and parameters must be synchronised."""
+
+    num_hidden: int = 1
+    """Leading fields of every message that are the hidden state (``run_layers``' tuple)."""
+
+    @abc.abstractmethod
+    def spec_for(self, stage: int, micro_batch: dict) -> Any:
+        """The message entering ``stage`` (``.fields``: :class:`~megatron_s2.parallel.p2p.PayloadField`)."""
+
+    @abc.abstractmethod
+    def export(self, stage: int, hidden: tuple[torch.Tensor, ...], ctx, micro_batch: dict) -> list[torch.Tensor]:
+        """The tensors leaving ``stage`` in the order of ``spec_for(stage + 1)``."""
+
+    @abc.abstractmethod
+    def import_states(self, stage: int, spec, tensors: list[torch.Tensor], ctx) -> None:
+        """Hand the received states (beyond the hidden state) to ``ctx`` before ``stage`` runs."""
+
+    def request_exports(self, stage: int, ctx) -> None:
+        """Tell ``ctx`` which states ``stage`` must keep for the next stage (default: nothing)."""
+
+    def refresh(self) -> None:
+        """After each optimiser step: replicas take their owners' parameters."""
+
+    def sync_grads(self) -> None:
+        """After the last backward of a step: replica gradients flow to their owners."""
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """Where one micro-batch sits on one rank: what per-layer activation estimates depend on."""
+
+    batch: int
+    seq: int            # full sequence length
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sequence_parallel: bool = False
+    training: bool = True
+
+    @property
+    def tokens(self) -> float:
+        """Local queries: the rank's context chunk."""
+        return self.batch * self.seq / self.cp
+
+    @property
+    def stream_tokens(self) -> float:
+        """Tokens of the residual stream on this rank (split over tp under sequence parallelism)."""
+        return self.tokens / self.tp if self.sequence_parallel else self.tokens
+
+    @property
+    def moe_tokens(self) -> float:
+        """Tokens this rank routes (an MoE layer routes a disjoint 1/tp of them)."""
+        return self.tokens / self.tp
+
+
+FLOAT_BYTES = 4
+
+
+@dataclass
+class LayerActivations:
+    """Bytes one layer saves for its backward, by component."""
+
+    layer: int
+    parts: dict[str, float] = field(default_factory=dict)   # component -> bytes
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def add(self, name: str, elements: float) -> None:
+        """Add ``elements`` float32 elements to component ``name``."""
+        self.parts[name] = self.parts.get(name, 0.0) + elements * FLOAT_BYTES
+
+
+@dataclass
+class CommVolume:
+    """Wire bytes of one optimiser step on one rank, by process-group kind (tp, ep, dp, pp, cp, ...)."""
+
+    parts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: float) -> None:
+        if nbytes:
+            self.parts[kind] = self.parts.get(kind, 0.0) + nbytes
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+class MemoryModel(abc.ABC):
+    """The family's terms of the per-rank memory plan (``megatron-s2 plan memory``); the generic
+    planner adds model state from the skeleton, the pipeline schedule's in-flight micro-batches
+    and what post-training keeps resident."""
+
+    @abc.abstractmethod
+    def layer_activations(self, layer: int, shape: RankShape, recompute: str) -> LayerActivations: ...
+
+    @abc.abstractmethod
+    def head_activations(self, shape: RankShape) -> float: ...
+
+    @abc.abstractmethod
+    def transient_bytes(self, shape: RankShape, last_stage: bool) -> float: ...
+
+    def payload_bytes(self, layout: "ParallelLayout", stage: int, shape: RankShape, parallel) -> float:
+        """Inbound shared states + the whole outbound message of ``stage`` (pipeline buffers)."""
+        return 0.0
+
+    @abc.abstractmethod
+    def comm_volume(self, recipe, layout: "ParallelLayout", pp_rank: int, grad_bytes: float,
+                    expert_grad_bytes: float = 0.0) -> "CommVolume":
+        """Wire bytes of one step on a rank of pipeline stage ``pp_rank`` (``grad_bytes`` /
+        ``expert_grad_bytes``: its dense / expert gradients, from the model-state count)."""
+
+    def shadow_parameters(self, layout: "ParallelLayout", rank: int, parallel) -> list[tuple[torch.Tensor, bool]]:
+        """(meta parameter, receives gradients) of the replicas ``rank`` holds (pipeline shadows)."""
+        return []
+
+
+@dataclass
+class AccountReport:
+    """``megatron-s2 account``: figures by key (``--json``) and the lines printed for people."""
+
+    figures: dict
+    lines: list[str]
+
+
+class ModelFamily(abc.ABC):
+    """A model family (module docstring). Stateless: one instance, ``FAMILY``, per package."""
+
+    name: str
+    config_class: type[ModelSchema]
+
+    # ---- model -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def build_model(self, cfg: ModelSchema, groups: "ParallelGroups | None" = None, *,
+                    layers: Iterable[int] | None = None, pre_process: bool = True, post_process: bool = True,
+                    portable: bool = False) -> nn.Module:
+        """The (uninitialised) model of one rank; ``portable``: leaf modules that need no optional
+        backend (e.g. Transformer Engine) but hold the same parameters — for skeletons and conversion."""
+
+    def stage_payloads(self, model: nn.Module, layout: "ParallelLayout", groups: "ParallelGroups", pp_rank: int,
+                       parallel) -> StagePayloads:
+        """The pipeline cut messages of this rank's stages (``parallel``: the recipe's ParallelConfig);
+        by default only the hidden state crosses a cut."""
+        from megatron_s2.models.family.pipeline import HiddenOnlyPayloads
+
+        return HiddenOnlyPayloads(model, layout, groups)
+
+    def check_recipe(self, recipe) -> None:
+        """Refuse, with a ConfigError naming the field, what this family cannot run (backends,
+        parallel settings); called before any rank starts and by every rank at start-up."""
+
+    def describe(self, model: nn.Module, cfg: ModelSchema) -> list[str]:
+        """Start-up log lines about precision and kernels."""
+        return [f"precision: parameters {cfg.params_dtype}, compute {cfg.compute_dtype}"]
+
+    # ---- accounting and planning --------------------------------------------------------
+    @abc.abstractmethod
+    def account(self, cfg: ModelSchema) -> AccountReport: ...
+
+    @abc.abstractmethod
+    def train_flops_per_token(self, cfg: ModelSchema, seq_length: int) -> float: ...
+
+    @abc.abstractmethod
+    def memory_model(self, cfg: ModelSchema) -> MemoryModel: ...
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def hf(self) -> "HFAdapter": ...
+
+    # ---- inference -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def executor(self, model: nn.Module, config: "EngineConfig", device: torch.device) -> "ModelExecutor":
+        """The engine-side state (KV cache, recurrent state, ...) of one inference engine over ``model``."""
+
+    @abc.abstractmethod
+    def engine_cache_bytes(self, cfg: ModelSchema, config: "EngineConfig") -> int:
+        """Bytes :meth:`executor` allocates for ``config``, computed without allocating."""

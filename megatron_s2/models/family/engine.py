@@ -1,0 +1,156 @@
+"""The engine side of a family: what one inference engine caches per request, and one forward.
+
+The engine core (:class:`megatron_s2.inference.engine.InferenceEngine`) works on token ids:
+it queues, admits, schedules chunks, samples and finishes requests, and knows nothing of
+attention. A family's :class:`ModelExecutor` (``ModelFamily.executor``) owns the per-request
+state kinds its layers need — the V4.1 backbone's compressed global KV pages, SWA rings and KV
+tiers; a dense transformer's paged KV — and runs the model over a batch of request chunks.
+
+Shared building blocks for executors live here too: :class:`PagePool` (page ids with reference
+counts and an LRU of cached prefix pages, vLLM's block pool), :func:`prefix_hashes` and the
+row / output records of one forward.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["ModelExecutor", "Chunk", "RowOutput", "PagePool", "OutOfPages", "prefix_hashes"]
+
+
+class OutOfPages(RuntimeError):
+    """No free page and no evictable cached page: the scheduler must wait or preempt."""
+
+
+@dataclass
+class Chunk:
+    """One request's tokens in one forward: ``request.tokens[start:start + length]``."""
+
+    request: Any
+    """The engine's request (``tokens``, ``num_computed``, ``kv``: this executor's state)."""
+    start: int
+    length: int
+    logits: str = "last"
+    """Logits to return: "last" (of the chunk's last token), "all" or "none"."""
+
+
+@dataclass
+class RowOutput:
+    logits: torch.Tensor | None = None
+    """[V] (last) or [s, V] (all), float32, full vocabulary."""
+    routing: torch.Tensor | None = None
+    """[s, num_layers, top_k] int32 expert ids per token and layer (-1: layer not run)."""
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Family-specific per-layer selections (V4.1: the indexer's top-k entry ids per token)."""
+
+
+class ModelExecutor(abc.ABC):
+    """Per-request model state of one engine and the forward over it."""
+
+    @abc.abstractmethod
+    def can_admit(self) -> bool:
+        """A new request can get its per-request state now."""
+
+    @abc.abstractmethod
+    def admit(self, request) -> None:
+        """Give ``request`` its state (``request.kv``); may resume a cached prefix by raising
+        ``request.num_computed``."""
+
+    @abc.abstractmethod
+    def release(self, request, *, snapshot: bool = True) -> None:
+        """Free the request's state now (``snapshot``: offer it to the cache tiers first)."""
+
+    @abc.abstractmethod
+    def pages_needed(self, request, tokens: int) -> int:
+        """New pages that ``tokens`` more tokens of ``request`` would take."""
+
+    @abc.abstractmethod
+    def free_pages(self) -> int: ...
+
+    def limit_chunk(self, request, tokens: int) -> int:
+        """The chunk length the state allows (e.g. a replay boundary); default: unchanged."""
+        return tokens
+
+    def after_forward(self, request) -> None:
+        """After a chunk of ``request`` ran (e.g. index full prefix pages)."""
+
+    def reclaim(self) -> bool:
+        """Free memory held for reuse (snapshots) before requests are preempted; True if any."""
+        return False
+
+    @abc.abstractmethod
+    def forward(self, chunks: list[Chunk], *, record_routing: bool = False, record_topk: bool = False
+                ) -> list[RowOutput]: ...
+
+    @abc.abstractmethod
+    def stats(self) -> dict: ...
+
+
+class PagePool:
+    """Page ids with reference counts; unreferenced pages that hold a cached prefix stay
+    resident (LRU) until a new allocation needs them (report §3.2.1: global KV under LRU)."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self.refs = [0] * num_pages
+        self.free = list(range(num_pages - 1, 0, -1))  # page 0 is the reserved zero page
+        self.page_hash: dict[int, bytes] = {}           # page -> prefix hash (cached pages)
+        self.by_hash: dict[bytes, int] = {}             # prefix hash -> page
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached pages with refs == 0, LRU first
+
+    def allocate(self) -> int:
+        if self.free:
+            page = self.free.pop()
+        elif self.evictable:
+            page, _ = self.evictable.popitem(last=False)
+            del self.by_hash[self.page_hash.pop(page)]
+        else:
+            raise OutOfPages("the KV page pool is exhausted")
+        self.refs[page] = 1
+        return page
+
+    def retain(self, page: int) -> None:
+        if self.refs[page] == 0:
+            self.evictable.pop(page, None)
+        self.refs[page] += 1
+
+    def release(self, page: int) -> None:
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            if page in self.page_hash:
+                self.evictable[page] = None  # stays cached, newest at the end
+            else:
+                self.free.append(page)
+
+    def register(self, page: int, prefix_hash: bytes) -> None:
+        """Mark a full page as holding the prefix ``prefix_hash`` (first writer wins)."""
+        if prefix_hash in self.by_hash or page in self.page_hash:
+            return
+        self.page_hash[page] = prefix_hash
+        self.by_hash[prefix_hash] = page
+
+    def lookup(self, prefix_hash: bytes) -> int | None:
+        return self.by_hash.get(prefix_hash)
+
+    @property
+    def num_free(self) -> int:
+        """Pages an allocation can still obtain (free + evictable cached)."""
+        return len(self.free) + len(self.evictable)
+
+
+def prefix_hashes(tokens: list[int], page_tokens: int, pages: int) -> list[bytes]:
+    """Chained digests of the first ``pages`` complete pages of ``tokens`` (a page's digest
+    stands for the whole prefix it ends)."""
+    out, parent = [], b""
+    for i in range(pages):
+        chunk = array("q", tokens[i * page_tokens:(i + 1) * page_tokens]).tobytes()
+        parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
+        out.append(parent)
+    return out
