@@ -7,7 +7,6 @@ without a training run.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
