@@ -100,6 +100,3 @@ def _main(argv: list[str]) -> int:
               "again (the newest committed checkpoint is intact)", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

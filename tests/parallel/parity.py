@@ -39,14 +39,18 @@ def _shards(named, attr: str):
     return out
 
 
-def run_layout(rank: int, world: int, overrides: list[str], out_dir: str) -> None:
+def run_layout(rank: int, world: int, overrides: list[str], out_dir: str, recipe_path: Path = RECIPE,
+               base: list[str] = BASE) -> None:
+    """Three optimiser steps of ``recipe_path`` (default: the V4.1 ``tiny`` pretraining recipe) under
+    ``base + overrides`` on this rank; the record goes to ``out_dir/rank<r>.pt``."""
     from megatron_s2.training.trainer import Trainer
 
     run_dir = Path(out_dir) / "run"
-    recipe = load_recipe(RECIPE, [*BASE, *overrides, f"training.run_dir={run_dir}"])
+    recipe = load_recipe(recipe_path, [*base, *overrides, f"training.run_dir={run_dir}"])
     trainer = Trainer(recipe, run_dir, rank=rank, world_size=world, log=lambda *a, **k: None)
     record: dict = {"losses": [], "grad_norms": [], "shadow_divergence": []}
     pipeline = trainer.pipeline
+    shadows = getattr(pipeline.payloads, "shadows", None) if pipeline is not None else None  # V4.1 (§3.1.2)
     for step in range(STEPS):
         trainer.schedule.apply(trainer.optimizer, trainer.step)
         result = trainer.compute_gradients(trainer.data.next_step())
@@ -54,11 +58,12 @@ def run_layout(rank: int, world: int, overrides: list[str], out_dir: str) -> Non
             record["grads"] = _shards(trainer.model.named_parameters(), "grad")
         record["losses"].append(result.loss)
         record["grad_norms"].append(trainer.apply_gradients())
-        if pipeline is not None:
-            record["shadow_divergence"].append(pipeline.shadows.max_divergence())
+        if shadows is not None:
+            record["shadow_divergence"].append(shadows.max_divergence())
+    if shadows is not None:
+        record["shadows"] = sorted(f"{c.owner_layer}:{c.kind}" for c in shadows.components)
+        record["replicas"] = sorted(f"{k[0]}:{k[1]}" for k in shadows.replicas)
     if pipeline is not None:
-        record["shadows"] = sorted(f"{c.owner_layer}:{c.kind}" for c in pipeline.shadows.components)
-        record["replicas"] = sorted(f"{k[0]}:{k[1]}" for k in pipeline.shadows.replicas)
         record["peak_state_bytes"] = pipeline.peak_state_bytes
         record["peak_in_flight"] = pipeline.peak_in_flight
     inner = getattr(trainer.optimizer, "inner", trainer.optimizer)
@@ -138,22 +143,24 @@ def assert_close(full: dict, ref: dict, what: str, rtol: float, *, floor: float 
 
 
 # ---- shared test scaffolding -----------------------------------------------------------------
-def _run_named_layouts(rank: int, world: int, root: str, layouts: dict[str, list[str]]) -> None:
+def _run_named_layouts(rank: int, world: int, root: str, layouts: dict[str, list[str]], recipe_path: Path,
+                       base: list[str]) -> None:
     for name, overrides in layouts.items():
         out = Path(root) / name
         out.mkdir(parents=True, exist_ok=True)
-        run_layout(rank, world, overrides, str(out))
+        run_layout(rank, world, overrides, str(out), recipe_path, base)
 
 
-def run_layouts(root: Path, world: int, layouts: dict[str, list[str]], references: dict[str, list[str]] | None = None):
+def run_layouts(root: Path, world: int, layouts: dict[str, list[str]], references: dict[str, list[str]] | None = None,
+                *, recipe_path: Path = RECIPE, base: list[str] = BASE):
     """Run the single-rank reference(s), then every layout on ``world`` spawned ranks (one spawn
     for the whole module). Returns (root, reference record)."""
     from tests.parallel.spawn import run_distributed
 
     for name, overrides in {"reference": [], **(references or {})}.items():
         (root / name).mkdir(parents=True, exist_ok=True)
-        run_layout(0, 1, overrides, str(root / name))
-    run_distributed(world, _run_named_layouts, str(root), layouts)
+        run_layout(0, 1, overrides, str(root / name), recipe_path, base)
+    run_distributed(world, _run_named_layouts, str(root), layouts, recipe_path, base)
     return root, load_records(root / "reference", 1)[0]
 
 

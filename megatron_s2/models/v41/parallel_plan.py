@@ -10,11 +10,9 @@ the sequence dimension (SP / CP entry, gather, halo) belong to
 :class:`~megatron_s2.parallel.sequence.SequenceSharding`.
 
 Each section belongs to one module class (its ``PLAN_SECTION``), which applies it at the end
-of its constructor with :func:`apply_plan`: the result is a typed
-:class:`~megatron_s2.parallel.placement.ParamPlacement` on every parameter, which gradient
-finalisation, clipping, ZeRO-1, the optimiser and checkpoints read. Applying a rule checks
-that the shard the module allocated is the one the rule's style describes, and a parameter
-without a rule is an error that names it.
+of its constructor with :func:`apply_plan` (the generic applier,
+:mod:`megatron_s2.parallel.plan`): the result is a typed
+:class:`~megatron_s2.parallel.placement.ParamPlacement` on every parameter.
 
 Why the tp-partial ones are partial — ``TP.ALWAYS``: the attention latents (q_down, window KV,
 compressor, index keys) are computed once per rank and feed only the local heads; the router
@@ -25,35 +23,15 @@ coefficient predictors and Engram run on the sequence-sharded streams under SP.
 
 from __future__ import annotations
 
-import fnmatch
-from dataclasses import dataclass
-from enum import Enum
-
 from torch import nn
 
 from megatron_s2.models.v41.config import V41Config
+from megatron_s2.parallel import plan as _plan
 from megatron_s2.parallel.groups import ParallelGroups
-from megatron_s2.parallel.placement import ParamPlacement, Replicas, Style, shard_spec
+from megatron_s2.parallel.plan import TP, Rule
+from megatron_s2.parallel.placement import Style
 
 __all__ = ["TP", "Rule", "PLAN", "SELECTIVE_RECOMPUTE", "apply_plan", "plan_rule", "describe_plan"]
-
-
-class TP(Enum):
-    """When a replicated parameter's gradient is a partial sum over tp."""
-
-    NEVER = "never"
-    UNDER_SP = "under_sp"  # fed the sequence-sharded streams
-    ALWAYS = "always"      # fed tp-split tokens or the local heads' share, with or without SP
-
-
-@dataclass(frozen=True)
-class Rule:
-    style: Style = Style.REPLICATED
-    partial: TP = TP.NEVER
-    head_rows: str | None = None
-    """Config field giving the rows per head: the parameter stacks rows / that many heads."""
-    width_dim: int = 1
-    """Experts only: the FFN-width dimension cut over etp (W1/W3 [E, F, d]: 1; W2 [E, d, F]: 2)."""
 
 
 R, COL, ROW = Style.REPLICATED, Style.COLUMN, Style.ROW
@@ -111,73 +89,16 @@ SELECTIVE_RECOMPUTE = {
 """Block submodules that checkpoint a region under ``parallel.recompute: selective`` (regions
 without shared state or collectives inside, so the recomputation repeats nothing else)."""
 
-_REPLICAS = {Style.EXPERTS: Replicas.EXPERT_DATA, Style.ENGRAM_ROWS: Replicas.ENGRAM}
-
 
 def plan_rule(section: str, name: str) -> Rule | None:
     """The rule of parameter ``name`` (relative to the section's module), or None."""
-    for pattern, rule in PLAN[section].items():
-        if fnmatch.fnmatchcase(name, pattern):
-            return rule
-    return None
-
-
-def _expected_cuts(rule: Rule, groups: ParallelGroups) -> list[tuple[int, int]]:
-    """(dim, count) of the cuts the rule's style makes (count-1 cuts omitted)."""
-    cuts = {Style.REPLICATED: [], Style.COLUMN: [(0, groups.tp.size)], Style.ROW: [(1, groups.tp.size)],
-            Style.EXPERTS: [(0, groups.ep.size), (rule.width_dim, groups.etp.size)],
-            Style.ENGRAM_ROWS: [(0, groups.engram.size)]}[rule.style]
-    return [(d, c) for d, c in cuts if c > 1]
-
-
-def _place(name: str, param: nn.Parameter, rule: Rule, section: str, groups: ParallelGroups,
-           config: V41Config | None) -> ParamPlacement:
-    spec = shard_spec(param)
-    got = [(d, c) for d, _, c in spec.splits if c > 1]
-    want = _expected_cuts(rule, groups)
-    if got != want:
-        raise ValueError(f"parallel plan '{section}': '{name}' is planned {rule.style.value} ({want}) but the module "
-                         f"allocated the shard {spec.splits} of {spec.full_shape}")
-    partial = groups.tp.active and (rule.partial is TP.ALWAYS or (rule.partial is TP.UNDER_SP and groups.sequence.sp))
-    heads = None
-    if rule.head_rows is not None:
-        per_head = getattr(config, rule.head_rows)
-        if param.shape[0] % per_head:
-            raise ValueError(f"parallel plan '{section}': '{name}' has {param.shape[0]} rows, not a multiple of "
-                             f"{rule.head_rows}={per_head}")
-        heads = param.shape[0] // per_head
-    return ParamPlacement(spec, rule.style, partial, _REPLICAS.get(rule.style, Replicas.DATA), heads, planned=True)
+    return _plan.plan_rule(PLAN, section, name)
 
 
 def apply_plan(module: nn.Module, groups: ParallelGroups | None = None, config: V41Config | None = None) -> None:
-    """Place every parameter ``module`` owns by the section ``type(module).PLAN_SECTION``.
-
-    Submodules with a section of their own placed themselves when they were built and are
-    skipped; every other parameter must match a rule of this section."""
-    section = type(module).PLAN_SECTION
-    groups = groups or ParallelGroups.single()
-
-    def walk(mod: nn.Module, prefix: str):
-        for name, param in mod.named_parameters(recurse=False):
-            yield prefix + name, param
-        for child_name, child in mod.named_children():
-            if getattr(type(child), "PLAN_SECTION", None) is None:
-                yield from walk(child, f"{prefix}{child_name}.")
-
-    for name, param in walk(module, ""):
-        rule = plan_rule(section, name)
-        if rule is None:
-            raise ValueError(f"parallel plan '{section}' has no rule for '{name}' of {type(module).__name__}; add one "
-                             "to megatron_s2/models/v41/parallel_plan.py")
-        param.placement = _place(name, param, rule, section, groups, config)
+    """Place every parameter ``module`` owns by its section of :data:`PLAN` (:func:`megatron_s2.parallel.plan.apply_plan`)."""
+    _plan.apply_plan(PLAN, module, groups, config, source="megatron_s2/models/v41/parallel_plan.py")
 
 
 def describe_plan() -> str:
-    """The plan as a table (one line per rule), e.g. for ``megatron-s2 plan`` output or docs."""
-    lines = [f"{'section':<10} {'parameter':<34} {'style':<12} {'tp-partial':<10} head rows"]
-    for section, rules in PLAN.items():
-        for pattern, rule in rules.items():
-            lines.append(f"{section:<10} {pattern:<34} {rule.style.value:<12} {rule.partial.value:<10} "
-                         f"{rule.head_rows or '-'}")
-    return "\n".join(lines)
-
+    return _plan.describe_plan(PLAN)
