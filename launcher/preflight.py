@@ -17,7 +17,6 @@ from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.runtime.host_memory import HostMemory
-from megatron_s2.training.run_checks import check_run_inputs
 
 __all__ = ["LaunchPlan", "plan_launch"]
 
@@ -80,6 +79,8 @@ def plan_launch(recipe: RecipeConfig, *, local: bool, visible_gpus: int | None =
     # Every other check the trainer makes at start-up, from the same function (memory only
     # where the ranks will run: this machine in local mode; compute nodes are unknown here).
     host = HostMemory.detect(nproc, gpus=bool(cfg.gpus_per_node)) if local else None
+    from megatron_s2.training.run_checks import check_run_inputs  # torch: only when a launch is checked
+
     check_run_inputs(recipe, cfg.nodes * nproc, host, ranks_here=local)
     from megatron_s2.posttrain.checks import check_registered_names
 

@@ -29,8 +29,7 @@ from megatron_s2.checkpoint.format import (
            CheckpointError,
            Manifest,
 )
-from megatron_s2.checkpoint.manager import CheckpointManager, LoadedCheckpoint
-from megatron_s2.checkpoint.store import CheckpointStore, verify_checkpoint
+from typing import Any
 
 __all__ = [
            "COMMIT",
@@ -43,3 +42,16 @@ __all__ = [
            "Manifest",
            "verify_checkpoint",
 ]
+
+_LAZY = {"CheckpointManager": "manager", "LoadedCheckpoint": "manager", "CheckpointStore": "store",
+         "verify_checkpoint": "store"}
+
+
+def __getattr__(name: str) -> Any:
+    """The manager and store (torch.distributed.checkpoint) load on first use, so that importing
+    ``megatron_s2.checkpoint.format`` (errors, names) costs nothing."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"megatron_s2.checkpoint.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'megatron_s2.checkpoint' has no attribute {name!r}")

@@ -26,10 +26,10 @@ import platform
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_s2.checkpoint.async_save import BackgroundWriter
 from megatron_s2.checkpoint.collectives import (
@@ -38,12 +38,6 @@ from megatron_s2.checkpoint.collectives import (
     checkpoint_group,
     gather_objects,
     group_rank,
-)
-from megatron_s2.checkpoint.dcp_io import (
-    GlobalShard,
-    load_shards,
-    read_index,
-    save_shards,
 )
 from megatron_s2.checkpoint.format import (
     DCP_METADATA,
@@ -54,16 +48,11 @@ from megatron_s2.checkpoint.format import (
     Manifest,
     sha256_file,
 )
-from megatron_s2.checkpoint.sharded_state import (
-    model_shards,
-    optimizer_shards,
-    optimizer_targets,
-    rng_from_tensors,
-    rng_shards,
-    rng_targets,
-)
 from megatron_s2.checkpoint.store import CheckpointStore, is_step_dir, verify_checkpoint
 from megatron_s2.runtime.finite import first_non_finite
+
+if TYPE_CHECKING:
+    from megatron_s2.checkpoint.dcp_io import GlobalShard
 
 __all__ = ["CheckpointManager", "LoadedCheckpoint"]
 
@@ -105,6 +94,8 @@ class CheckpointManager:
         """Save ``state`` (model, optimizer, data, rng) as step ``step``; returns the step
         directory. With ``async_save`` and ``blocking=False`` the write continues in the
         background after a snapshot and the directory appears when it is committed."""
+        from megatron_s2.checkpoint.sharded_state import model_shards, optimizer_shards, rng_shards
+
         self.wait()
         background = self.writer is not None and not blocking
         shards = model_shards(state["model"], snapshot=background)
@@ -144,6 +135,8 @@ class CheckpointManager:
         _raise(agree_on_error(error, self.group))
 
     def _write(self, step: int, shards: dict[str, GlobalShard], manifest: Manifest) -> None:
+        from megatron_s2.checkpoint.dcp_io import save_shards  # torch.distributed.checkpoint: on use
+
         error = None
         if self.rank == 0:
             try:
@@ -219,6 +212,9 @@ class CheckpointManager:
     def load(self, path: Path, model, optimizer=None) -> LoadedCheckpoint:
         """Fill ``model`` (and ``optimizer``'s state) from the checkpoint at ``path``, whatever
         layout wrote it. Refuses uncommitted, corrupted or incompatible checkpoints."""
+        from megatron_s2.checkpoint.dcp_io import load_shards, read_index  # torch.distributed.checkpoint: on use
+        from megatron_s2.checkpoint.sharded_state import model_shards, optimizer_targets, rng_from_tensors, rng_targets
+
         self.wait()
         path = Path(path)
         manifest = verify_checkpoint(path, self.group)
@@ -268,6 +264,8 @@ class CheckpointManager:
 
 
 def _check_model(targets: dict[str, GlobalShard], index, path: Path) -> str | None:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     stored = index.state_dict_metadata
     for fqn, shard in targets.items():
         md = stored.get(fqn)

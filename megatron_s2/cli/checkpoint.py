@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 
 from megatron_s2.checkpoint.format import COMMIT, CheckpointError
-from megatron_s2.checkpoint.store import CheckpointStore, is_step_dir
 
 __all__ = ["register"]
 
@@ -63,6 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 # ---- inspect / verify --------------------------------------------------------------------------
 def _target(path: str) -> tuple[Path, bool] | None:
     """(path, is a single step directory), or None after printing why ``path`` is neither."""
+    from megatron_s2.checkpoint.store import CheckpointStore, is_step_dir
+
     p = Path(path)
     if not p.is_dir():
         print(f"megatron-s2 checkpoint: {p}: no such directory", file=sys.stderr)
@@ -116,6 +117,8 @@ def _verify(args: argparse.Namespace) -> int:
         lines, ok = verify_lines(path, values)
         print("\n".join(lines))
         return 0 if ok else 1
+    from megatron_s2.checkpoint.store import CheckpointStore
+
     store = CheckpointStore(path, log=lambda m: print(f"note: {m}"))
     ok = True
     for step_dir in store.step_dirs():

@@ -28,7 +28,6 @@ import sys
 from pathlib import Path
 
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.data.tokenizer import CHAR_TOKENIZER_FILE
 
 __all__ = ["add_export_arguments", "add_import_arguments", "export_checkpoint", "import_checkpoint",
            "parse_size", "refusals", "run_refusing"]
@@ -104,6 +103,8 @@ def _source_tokenizer(args, directory: Path, *, required: bool, what: str):
 def hf_tokenizer_dir(hf_dir: str | Path) -> Path | None:
     """``hf_dir`` when it holds tokenizer files (Hugging Face ``tokenizer.json`` or our
     ``char_tokenizer.json``), else None."""
+    from megatron_s2.data.tokenizer import CHAR_TOKENIZER_FILE
+
     directory = Path(hf_dir)
     return directory if any((directory / n).is_file() for n in ("tokenizer.json", CHAR_TOKENIZER_FILE)) else None
 

@@ -17,38 +17,30 @@ Map of the package (each module's docstring has the details):
 * :mod:`.sample_order` — epoch-seeded shuffling and weighted blending of packed rows.
 * :mod:`.loader` — :func:`build_data_iterator`, the trainer's entry point.
 
-Only :mod:`.loader` needs torch; it is imported on first use of its names so that
-``tools/preprocess_data.py`` and config validation start without loading torch.
+Every name below is imported with its module on first use, so that ``tools/preprocess_data.py``,
+the command line and config validation start without loading torch.
 """
 
+import importlib
 from typing import Any
 
-from megatron_s2.data.documents import DocumentStore, InMemoryDocuments, render_prompt_answer, render_text
-from megatron_s2.data.errors import DataError
-from megatron_s2.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
-from megatron_s2.data.jsonl import PreprocessStats, preprocess_jsonl
-from megatron_s2.data.packing import PackedRows, best_fit_pack
-from megatron_s2.data.sample_order import BlendedSampleOrder
-from megatron_s2.data.synthetic import build_synthetic_documents, generate_task_documents, sample_problems
-from megatron_s2.data.tasks import TASK_REGISTRY, Task, TaskSample, build_task, build_tasks
-from megatron_s2.data.tokenizer import CharTokenizer, Tokenizer, build_tokenizer, load_tokenizer
-
-__all__ = [
-    "DataError", "Tokenizer", "CharTokenizer", "build_tokenizer", "load_tokenizer",
-    "Task", "TaskSample", "TASK_REGISTRY", "build_task", "build_tasks",
-    "DocumentStore", "InMemoryDocuments", "render_prompt_answer", "render_text",
-    "sample_problems", "generate_task_documents", "build_synthetic_documents",
-    "PackedRows", "best_fit_pack", "BlendedSampleOrder",
-    "IndexedDataset", "IndexedDatasetWriter", "PreprocessStats", "preprocess_jsonl",
-    "DataIterator", "build_data_iterator", "batch_fingerprint", "load_document_stores",
-]
-
-_LOADER_NAMES = {"DataIterator", "batch_fingerprint", "build_data_iterator", "load_document_stores"}
+_MODULE_OF = {
+    "DocumentStore": "documents", "InMemoryDocuments": "documents", "render_prompt_answer": "documents",
+    "render_text": "documents", "DataError": "errors", "IndexedDataset": "indexed_dataset",
+    "IndexedDatasetWriter": "indexed_dataset", "PreprocessStats": "jsonl", "preprocess_jsonl": "jsonl",
+    "PackedRows": "packing", "best_fit_pack": "packing", "BlendedSampleOrder": "sample_order",
+    "build_synthetic_documents": "synthetic", "generate_task_documents": "synthetic", "sample_problems": "synthetic",
+    "TASK_REGISTRY": "tasks", "Task": "tasks", "TaskSample": "tasks", "build_task": "tasks", "build_tasks": "tasks",
+    "CharTokenizer": "tokenizer", "Tokenizer": "tokenizer", "build_tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer", "DataIterator": "loader", "batch_fingerprint": "loader",
+    "build_data_iterator": "loader", "load_document_stores": "loader",
+}
+__all__ = sorted(_MODULE_OF)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LOADER_NAMES:
-        from megatron_s2.data import loader
-
-        return getattr(loader, name)
+    """Names load with their module on first use: importing ``megatron_s2.data.errors`` (or
+    validating a config) does not load the tokenizers, numpy or torch."""
+    if name in _MODULE_OF:
+        return getattr(importlib.import_module(f"megatron_s2.data.{_MODULE_OF[name]}"), name)
     raise AttributeError(f"module 'megatron_s2.data' has no attribute {name!r}")

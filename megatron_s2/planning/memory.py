@@ -88,9 +88,11 @@ def representative_ranks(layout: ParallelLayout) -> list[int]:
     return list(group_table(layout)["pp"][0])
 
 
-def rank_memory(recipe: RecipeConfig, layout: ParallelLayout, rank: int, *, worst_zero1: bool = False) -> RankMemory:
+def rank_memory(recipe: RecipeConfig, layout: ParallelLayout, rank: int, *, worst_zero1: bool = False,
+                skeleton=None) -> RankMemory:
     """Memory of ``rank`` (``worst_zero1``: with the optimiser state of its most loaded
-    ZeRO-1 peer, so that one rank per stage bounds the whole stage)."""
+    ZeRO-1 peer, so that one rank per stage bounds the whole stage; ``skeleton``: the rank's own
+    meta model, see :func:`~megatron_s2.planning.model_state.model_state_bytes`)."""
     from megatron_s2.models.family import family_of
 
     cfg, t = recipe.model, recipe.training
@@ -121,7 +123,7 @@ def rank_memory(recipe: RecipeConfig, layout: ParallelLayout, rank: int, *, wors
     one_each = sum(unit_saved.values()) or 1.0
     parts = {k: v * peak_saved / one_each for k, v in parts.items()}
     state = model_state_bytes(cfg, layout, rank, recipe.optimizer, freeze=recipe.phase.freeze,
-                              parallel=recipe.parallel, zero1_worst=worst_zero1)
+                              parallel=recipe.parallel, zero1_worst=worst_zero1, skeleton=skeleton)
     layers = [layer for s in stages for layer in layout.stage_layers[s]]
     return RankMemory(rank, pp_rank, layers, state, peak_saved, parts, peak_payload,
                       terms.transient_bytes(shape, last in stages), inflight, m,

@@ -152,13 +152,19 @@ def _zero1_owned(trainable: dict, layout: ParallelLayout, rank: int, worst: bool
 
 def model_state_bytes(cfg: ModelSchema, layout: ParallelLayout, rank: int, optimizer: OptimizerConfig, *,
                       freeze: tuple[str, ...] = (), parallel: ParallelConfig | None = None,
-                      zero1_worst: bool = False) -> ModelStateBytes:
+                      zero1_worst: bool = False, skeleton=None) -> ModelStateBytes:
     """Bytes of parameters, buffers, gradients and optimiser state held by ``rank`` (with
-    ``zero1_worst``: the optimiser state of the most loaded ZeRO-1 peer of ``rank``)."""
+    ``zero1_worst``: the optimiser state of the most loaded ZeRO-1 peer of ``rank``).
+    ``skeleton``: the rank's own model on the meta device (the trainer's, before it materialises
+    it), instead of one built here."""
     from megatron_s2.models.family import family_of
     from megatron_s2.optim.param_groups import assign_param_groups
 
-    params, buffers = _stage_state(cfg, layout, rank)
+    if skeleton is not None:
+        params = dict(skeleton.named_parameters())
+        buffers = {n: b for n, b in skeleton.state_dict(keep_vars=True).items() if n not in params}
+    else:
+        params, buffers = _stage_state(cfg, layout, rank)
     out = ModelStateBytes()
     trainable = {n: p for n, p in params.items() if not any(fnmatch(n, pat) for pat in freeze)}
     for name, p in params.items():

@@ -3,8 +3,11 @@ recipe's model family (:func:`megatron_s2.models.family.family_of`)."""
 
 from __future__ import annotations
 
+import torch
+
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.models.family import family_of
+from megatron_s2.models.family.skeleton import SkeletonMode, materialize
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.pipeline.runtime import PipelineRuntime
@@ -23,12 +26,22 @@ def stage_kwargs(layout: ParallelLayout, pp_rank: int) -> dict:
 
 
 def build_stage_model(recipe: RecipeConfig, layout: ParallelLayout, groups: ParallelGroups, rank: int,
-                      token_map: list[int] | None = None):
-    """(the model of this rank's stages, initialised from ``training.seed``; its pipeline
-    runtime, or None without pipelining). The model itself knows nothing of the pipeline."""
+                      token_map: list[int] | None = None, *, device: torch.device | None = None, plan_memory=None):
+    """(the model of this rank's stages on ``device`` (default: the current default device),
+    initialised from ``training.seed``; its pipeline runtime, or None without pipelining). The
+    model itself knows nothing of the pipeline.
+
+    The model is constructed once: on the meta device first, where ``plan_memory(model)`` (the
+    trainer's start-up memory check) counts it before any storage exists, then given real
+    storage in place and initialised."""
     family = family_of(recipe.model)
     pp_rank = layout.coords(rank)["pp"]
-    model = family.build_model(recipe.model, groups, **stage_kwargs(layout, pp_rank)).init_weights(recipe.training.seed)
+    with SkeletonMode():
+        model = family.build_model(recipe.model, groups, **stage_kwargs(layout, pp_rank))
+    if plan_memory is not None:
+        plan_memory(model)
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    materialize(model, device).init_weights(recipe.training.seed)
     model.set_token_map(token_map)
     model.set_recompute(recipe.parallel.recompute)
     if layout.pp == 1:

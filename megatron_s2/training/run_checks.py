@@ -27,7 +27,7 @@ from megatron_s2.data.errors import DataError
 
 from megatron_s2.runtime.host_memory import GiB, HostMemory
 
-__all__ = ["HostMemory", "check_run_inputs", "check_run_dir", "check_data", "check_memory"]
+__all__ = ["HostMemory", "check_run_inputs", "check_run_dir", "check_data", "check_memory", "check_rank_memory"]
 
 
 
@@ -87,12 +87,35 @@ def check_data(recipe: RecipeConfig, tokenizer) -> None:
 
 
 def check_memory(recipe: RecipeConfig, world_size: int, host: HostMemory | None) -> None:
-    """Refuse a run whose per-rank memory plan exceeds what this host offers each rank."""
+    """Refuse a run whose per-rank memory plan exceeds what this host offers each rank (the
+    most loaded rank of the plan of every pipeline stage: ``launch`` before any rank starts)."""
     if host is None or not recipe.training.memory_check:
         return
     from megatron_s2.planning.memory import estimate_memory
 
-    peak = estimate_memory(recipe, world_size).peak
+    _refuse_if_over(recipe, estimate_memory(recipe, world_size).peak, host)
+
+
+def check_rank_memory(recipe: RecipeConfig, layout, rank: int, skeleton, host: HostMemory | None) -> None:
+    """Inside a rank, before its model gets storage: this rank's plan, counted on its own model
+    built on the meta device (``skeleton``, which the trainer then materialises: the model is
+    constructed once per start). Every rank agrees on the outcome (the most loaded rank's plan
+    decides), so a refusal ends them all with the same one line."""
+    if host is None or not recipe.training.memory_check:
+        return
+    from megatron_s2.planning.memory import rank_memory
+
+    mine = rank_memory(recipe, layout, rank, skeleton=skeleton)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (mine.total / host.bytes_per_rank, mine))
+        mine = max(everyone, key=lambda pair: pair[0])[1]
+    _refuse_if_over(recipe, mine, host)
+
+
+def _refuse_if_over(recipe: RecipeConfig, peak, host: HostMemory) -> None:
     if peak.total <= host.bytes_per_rank:
         return
     t = recipe.training

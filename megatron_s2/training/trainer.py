@@ -40,7 +40,7 @@ from megatron_s2.runtime.markers import (FINISHED_MARKER, clear_preempted, exten
 from megatron_s2.training.metrics import MetricsLogger, device_peak_tflops
 from megatron_s2.training.model_builder import build_stage_model
 from megatron_s2.runtime.host_memory import HostMemory
-from megatron_s2.training.run_checks import check_run_inputs
+from megatron_s2.training.run_checks import check_rank_memory, check_run_inputs
 from megatron_s2.training.rng import rng_state, seed_everything, set_rng_state
 from megatron_s2.pipeline.step import StepInputs
 
@@ -72,13 +72,15 @@ class Trainer:
         seed_everything(t.seed, t.deterministic)
         self.layout = ParallelLayout.from_recipe(recipe, world_size)
         self.groups = build_groups(self.layout)
-        # The checks `megatron-s2 launch` also runs (run dir, tokenizer, data files, memory).
-        self.tokenizer = check_run_inputs(recipe, world_size, HostMemory.for_this_rank(), self.run_dir)
+        # The checks `megatron-s2 launch` also runs (run dir, tokenizer, data files); memory is
+        # planned on this rank's own model while it is still on the meta device (built once).
+        self.tokenizer = check_run_inputs(recipe, world_size, None, self.run_dir)
+        host = HostMemory.for_this_rank()
         with build_on(self.device):  # parameters, buffers and what modules build at construction
             self.model, self.pipeline = build_stage_model(
                 recipe, self.layout, self.groups, rank,
-                self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size))
-        self.model.to(self.device)  # host-computed buffers (RoPE frequencies) follow
+                self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size), device=self.device,
+                plan_memory=lambda skeleton: check_rank_memory(recipe, self.layout, rank, skeleton, host))
         self._freeze(recipe.phase.freeze)
         row_groups, matrix_shards = optimizer_shard_groups(self.model, self.groups, recipe.optimizer)
         self.optimizer = build_optimizer(self.model, recipe.optimizer, row_groups=row_groups,

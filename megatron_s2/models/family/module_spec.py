@@ -1,13 +1,13 @@
-"""``ModuleSpec`` / ``build_module`` where megatron-core cannot be imported.
+"""``ModuleSpec`` / ``build_module``: megatron-core's layer-spec convention, without importing it.
 
-The layer specs follow megatron-core's convention (``megatron.core.transformer.spec_utils``),
-and megatron-core is a dependency (setup.py). A GPU container installed with
-``pip install -e . --no-deps`` may lack it, or carry a build that does not import against its
-torch; the backbone then uses these two names, which implement the part of the convention
-the specs use: a spec names a module class, constructor ``params`` and ``submodules``;
+The layer specs follow megatron-core's convention (``megatron.core.transformer.spec_utils``):
+a spec names a module class, constructor ``params`` and ``submodules``;
 ``build_module(spec_or_class, *args, **kwargs)`` instantiates the class with the params, the
-submodules (when given) and the call's arguments. :data:`megatron_s2.models.v41.spec.MODULE_SPEC_SOURCE`
-says which one is in use (``tools/gpu_check.py`` reports it).
+submodules (when given) and the call's arguments. megatron-core stays a dependency (setup.py),
+but importing ``megatron.core`` costs seconds (it probes Transformer Engine and pulls
+``torch._inductor``) in every rank and CLI call, for two small names; these implement exactly the
+part of the convention the specs use, and tests/models/test_module_spec.py checks them against
+megatron-core's own on the same specs.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from megatron_s2.config.model_schema import ModelSchema
@@ -29,19 +30,62 @@ from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.parallel.offline_groups import layout_groups, stage_model_kwargs
 from megatron_s2.parallel.sharding import ShardSpec, shard_spec
 
-__all__ = ["SkeletonMode", "TensorInfo", "model_skeleton", "skeleton_state", "rank_skeleton_state"]
+__all__ = ["SkeletonMode", "TensorInfo", "model_skeleton", "skeleton_state", "rank_skeleton_state", "materialize"]
 
 _FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones, torch.full})
+_FILL = "_skeleton_fill"
 
 
 class SkeletonMode(TorchFunctionMode):
-    """Allocate uninitialised parameter/buffer storage on the ``meta`` device."""
+    """Allocate uninitialised parameter/buffer storage on the ``meta`` device (each meta tensor
+    remembers its factory's fill value, so that :func:`materialize` can give buffers theirs)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func in _FACTORIES and kwargs.get("device") is None:
             kwargs["device"] = "meta"
+            out = func(*args, **kwargs)
+            fill = {torch.zeros: 0, torch.ones: 1}.get(func)
+            if func is torch.full:
+                fill = kwargs.get("fill_value", args[1] if len(args) > 1 else None)
+            setattr(out, _FILL, fill)
+            return out
         return func(*args, **kwargs)
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """Give a skeleton real storage on ``device``, in place: parameters uninitialised (the
+    family's ``init_weights`` fills them) with their placements and other attributes kept, meta
+    buffers their constructor's fill value (zeros / ones / full), computed buffers moved.
+
+    Building on ``meta`` first lets a rank plan its memory on the very model it then trains,
+    instead of constructing the model twice (issue 19: one construction per start)."""
+    fresh: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in fresh:  # a parameter shared by two modules stays shared
+                if param.is_meta:
+                    new = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                       requires_grad=param.requires_grad)
+                    new.__dict__.update(param.__dict__)
+                else:
+                    new = param
+                fresh[id(param)] = new
+            module._parameters[name] = fresh[id(param)]
+        for name, buf in list(module._buffers.items()):
+            if buf is None:
+                continue
+            if buf.is_meta:
+                fill = getattr(buf, _FILL, None)
+                new = (torch.empty(buf.shape, dtype=buf.dtype, device=device) if fill is None
+                       else torch.full(buf.shape, fill, dtype=buf.dtype, device=device))
+            else:
+                new = buf.to(device)
+            module._buffers[name] = new
+    return model.to(device)
 
 
 @dataclass(frozen=True)

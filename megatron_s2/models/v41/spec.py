@@ -1,7 +1,8 @@
 """Layer specs of the V4.1 backbone (megatron-core ``ModuleSpec`` convention).
 
-A :class:`~megatron.core.transformer.spec_utils.ModuleSpec` names the block class and its
-submodules; a *provider* supplies the leaf classes (linears, norms). The local provider is
+A :class:`~megatron_s2.models.family.module_spec.ModuleSpec` (megatron-core's convention,
+``megatron.core.transformer.spec_utils``; ours, so that building a model does not import
+megatron-core and its Transformer Engine probes) names the block class and its submodules; a *provider* supplies the leaf classes (linears, norms). The local provider is
 pure PyTorch and runs on CPU and GPU. A Transformer Engine provider fills the same slots
 with TE modules (FP8 on NVIDIA GPUs); it is selected by ``model.transformer_impl``, and
 ``model.fp8`` picks FP8 GEMM subclasses (native blockwise FP8 under the local provider, TE
@@ -13,26 +14,18 @@ layer. TE is optional at import time: asking for it where it is not importable i
 from __future__ import annotations
 
 import importlib.util
-import warnings
 from dataclasses import dataclass, field
 
 from megatron_s2.config.fp8 import FP8Config
 from megatron_s2.config.schema import ConfigError
+from megatron_s2.models.family.module_spec import ModuleSpec, build_module
 from megatron_s2.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
-try:
-    with warnings.catch_warnings():  # megatron-core warns at import when TE/apex are absent
-        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-        warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-        from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-    MODULE_SPEC_SOURCE = "megatron-core"
-except Exception as _exc:  # not installed (GPU container with --no-deps) or not importable with this torch
-    from megatron_s2.models.family.module_spec import ModuleSpec, build_module
-
-    MODULE_SPEC_SOURCE = f"megatron_s2.models.family.module_spec (megatron-core: {type(_exc).__name__}: {_exc})"
-
-__all__ = ["ModuleSpec", "build_module", "LocalProvider", "TransformerEngineProvider", "BackendUnavailable", "get_provider",
+__all__ = ["ModuleSpec", "build_module", "MODULE_SPEC_SOURCE", "LocalProvider", "TransformerEngineProvider", "BackendUnavailable", "get_provider",
            "BlockSubmodules", "LinearSubmodules", "block_spec"]
+
+
+MODULE_SPEC_SOURCE = "megatron_s2.models.family.module_spec (megatron-core's ModuleSpec convention)"
 
 
 class BackendUnavailable(ConfigError, RuntimeError):
