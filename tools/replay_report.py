@@ -73,7 +73,7 @@ class _Setup:
                 n = min(chunk, len(req.tokens) - start)
                 wants = "last" if start + n == len(req.tokens) else "none"
                 row = ForwardRow(req.kv, req.tokens[start:start + n], start, req.tokens[:start], logits=wants,
-                                 decoder_from=req.decoder_from)
+                                 decoder_from=req.kv.decoder_from)
                 out = self.runner.forward([row])[0]
                 req.num_computed = start + n
                 self.tiers.after_forward(req)
