@@ -23,8 +23,11 @@ naming the file.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from megatron_s2.config.schema import ConfigError
@@ -171,10 +174,11 @@ def export_checkpoint(args: argparse.Namespace) -> int:
 def import_checkpoint(args: argparse.Namespace) -> int:
     from megatron_s2.checkpoint.hf.checkpoint_io import read_back_as_layout, recipe_with_model, write_full_state
     from megatron_s2.checkpoint.hf.convert import load_hf_checkpoint
-    from megatron_s2.checkpoint.hf.verify import VerificationReport, check_reference_logits, compare_states
+    from megatron_s2.checkpoint.hf.convert import check_compressed_vocab
+    from megatron_s2.checkpoint.hf.verify import (VerificationFailed, VerificationReport, check_reference_logits,
+                                                  compare_states)
     from megatron_s2.config.recipe import load_recipe
     from megatron_s2.data.tokenizer_checks import RUN_TOKENIZER_DIR, check_tokenizer_fits
-    from megatron_s2.checkpoint.hf.convert import check_compressed_vocab
 
     out = Path(args.ckpt_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -197,18 +201,48 @@ def import_checkpoint(args: argparse.Namespace) -> int:
     world = args.world_size or par.model_parallel_size() * max(par.dp, 1)
     report = VerificationReport()
     token_map = tokenizer.compressed_token_map(cfg.vocab_size) if tokenizer is not None else None
-    if not args.no_verify:
+    if not args.no_verify:  # before anything is written: a checkpoint is never committed unverified
         report.logits, report.logits_skipped = check_reference_logits(cfg, state, args.hf_dir, token_map=token_map,
                                                                       max_params=_max_params(args))
-    path = write_full_state(state, recipe, args.ckpt_dir, world_size=world, source=str(Path(args.hf_dir).resolve()))
-    if tokenizer is not None:
-        tokenizer.save(Path(args.ckpt_dir) / RUN_TOKENIZER_DIR)
+        if report.logits is not None and not report.logits.passed:
+            raise VerificationFailed(_logits_failure(report.logits, args.hf_dir))
+    # Written beside the target and renamed into place once read back intact: an interrupted or
+    # failed import leaves no checkpoint under the requested name.
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent if out.parent.exists() else None))
+    try:
+        written = write_full_state(state, recipe, staging, world_size=world, source=str(Path(args.hf_dir).resolve()))
+        if tokenizer is not None:
+            tokenizer.save(staging / RUN_TOKENIZER_DIR)
+        if not args.no_verify:
+            compare_states(state, read_back_as_layout(written, recipe, world), None, report)
+            if not report.passed:
+                raise VerificationFailed(f"verification failed: the written shards read back as {world} ranks differ "
+                                         f"({'; '.join(report.tensor_mismatches[:2])}); nothing was written")
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    path = out / written.relative_to(staging)
     print(f"wrote {path} for {world} ranks; train from it with: checkpoint.load={path} checkpoint.load_optimizer=false")
-    if args.no_verify:
-        return 0
-    compare_states(state, read_back_as_layout(path, recipe, world), None, report)
-    _print_report(f"verification (import -> checkpoint -> read as {world} ranks)", report)
-    return 0 if report.passed else 1
+    if not args.no_verify:
+        _print_report(f"verification (import -> checkpoint -> read as {world} ranks)", report)
+    return 0
+
+
+def _logits_failure(check, hf_dir) -> str:
+    """One line: what failed, the likely cause, that nothing was written and how to override."""
+    from megatron_s2.checkpoint.hf.convert import read_config_json
+
+    cause = ""
+    if check.differing_fields:
+        cause = f"; the model config.json describes differs from the exporter's in {', '.join(check.differing_fields)}"
+        if "megatron_s2" not in read_config_json(hf_dir):
+            cause += (" (config.json has no megatron_s2 block, so the release format's semantics apply: restore the "
+                      "block written by the export)")
+    return (f"verification failed: the imported model does not reproduce the exporter's logits "
+            f"(max |diff| {check.max_abs_diff:.3e}, KL {check.kl:.3e}){cause}; nothing was written "
+            "(--no-verify imports it anyway)")
 
 
 def refusals() -> tuple[type[BaseException], ...]:
@@ -224,9 +258,15 @@ def refusals() -> tuple[type[BaseException], ...]:
 
 
 def run_refusing(func, args: argparse.Namespace, command: str) -> int:
-    """``func(args)``, with every refusal printed as one line and exit code 2."""
+    """``func(args)``, with every refusal printed as one line and exit code 2 (a failed
+    verification: one line, exit code 1)."""
+    from megatron_s2.checkpoint.hf.verify import VerificationFailed
+
     try:
         return int(func(args) or 0)
+    except VerificationFailed as exc:
+        print(f"megatron-s2 {command}: {exc}", file=sys.stderr)
+        return VerificationFailed.exit_code
     except refusals() as exc:
         print(f"megatron-s2 {command}: {exc}", file=sys.stderr)
         return 2

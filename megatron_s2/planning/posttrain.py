@@ -28,7 +28,6 @@ and the weight transfer's bucket (transient, at most ``bucket_mb``).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from megatron_s2.config.model_schema import ModelSchema
@@ -65,9 +64,10 @@ def checkpoint_model_config(path: str | Path) -> ModelSchema | None:
     path = Path(path)
     try:
         if (path / "config.json").is_file():
+            from megatron_s2.checkpoint.hf.convert import read_config_json
             from megatron_s2.models.family.hf import family_for_hf_config
 
-            data = json.loads((path / "config.json").read_text())
+            data = read_config_json(path)
             return family_for_hf_config(data).hf.config_from_hf(data)
         from megatron_s2.checkpoint.offline import resolve_step_dir
         from megatron_s2.checkpoint.store import read_manifest

@@ -122,3 +122,57 @@ def test_import_into_an_existing_run_is_refused_and_changes_nothing(ckpt, hf_dir
         _refused(capsys, ["checkpoint", "import", str(hf_dir), str(target), "--no-progress", "--no-verify"],
                  str(target), "not empty")
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+
+
+# ---- issue 19: hostile imports are refused before anything is committed ------------------------
+@pytest.fixture(scope="module")
+def verified_hf_dir(ckpt, tmp_path_factory) -> Path:
+    """An export carrying its verification logits (the exporter's model and the char tokenizer)."""
+    out = tmp_path_factory.mktemp("hf_verified") / "export"
+    assert main(["checkpoint", "export", str(ckpt), str(out), "--no-progress", "--tokenizer", "char"]) == 0
+    return out
+
+
+def test_a_deeply_nested_config_is_refused(hf_dir, tmp_path, capsys):
+    nested = _copy(hf_dir, tmp_path / "nested")
+    (nested / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    _refused(capsys, ["checkpoint", "import", str(nested), str(tmp_path / "c"), "--no-progress"],
+             str(nested / "config.json"), "nest")
+    assert not (tmp_path / "c").exists()
+
+
+def _retype(directory: Path, dtype) -> str:
+    """Store the first floating tensor of the first shard as ``dtype``; returns its name."""
+    from safetensors.torch import load_file, save_file
+
+    shard = sorted(directory.glob("model-*.safetensors"))[0]
+    tensors = load_file(shard)
+    name = next(n for n, t in tensors.items() if t.is_floating_point() and t.dim() == 2)
+    tensors[name] = tensors[name].to(dtype)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return name
+
+
+def test_an_integer_tensor_where_floats_are_expected_is_refused(verified_hf_dir, tmp_path, capsys):
+    import torch
+
+    bad = _copy(verified_hf_dir, tmp_path / "int32")
+    name = _retype(bad, torch.int32)
+    _refused(capsys, ["checkpoint", "import", str(bad), str(tmp_path / "c"), "--no-progress"], name, "int32")
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def test_a_verification_failure_commits_nothing(verified_hf_dir, tmp_path, capsys):
+    """Without our megatron_s2 block the release format's semantics apply (QAT paths on), which
+    the exporter's model did not run: the stored logits are not reproduced, so nothing is written."""
+    stripped = _copy(verified_hf_dir, tmp_path / "no_block")
+    config = json.loads((stripped / "config.json").read_text())
+    config.pop("megatron_s2")
+    (stripped / "config.json").write_text(json.dumps(config))
+    target = tmp_path / "c"
+    code = main(["checkpoint", "import", str(stripped), str(target), "--no-progress"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 1 and len(err) == 1, err
+    assert "verification failed" in err[0] and "fp4_main_kv" in err[0] and "nothing was written" in err[0]
+    assert not target.exists() or not any(target.iterdir())
+    assert main(["checkpoint", "import", str(stripped), str(target), "--no-progress", "--no-verify"]) == 0

@@ -34,7 +34,7 @@ from megatron_s2.models.family.mapping_registry import ConversionError, ImportRe
 from megatron_s2.models.family.skeleton import skeleton_state
 
 __all__ = ["CONFIG_FILE", "DEFAULT_MAX_SHARD_BYTES", "ExportResult", "export_model_state", "import_model_state",
-           "load_hf_checkpoint", "check_state", "check_compressed_vocab"]
+           "load_hf_checkpoint", "read_config_json", "check_state", "check_compressed_vocab"]
 
 CONFIG_FILE = "config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3
@@ -146,17 +146,32 @@ def _set_modes(directory: Path, private: bool) -> None:
     directory.chmod(dir_mode)
 
 
+def read_config_json(hf_dir: str | Path) -> dict:
+    """The ``config.json`` of a Hugging Face directory as a mapping; a ConversionError naming the
+    file for anything else (missing, unreadable, not UTF-8, not JSON, nested beyond reason, not
+    an object)."""
+    path = Path(hf_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{Path(hf_dir)}: no {CONFIG_FILE}; the architecture cannot be determined")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ConversionError(f"{path}: nested too deeply to be a model config; give the checkpoint's own "
+                              f"{CONFIG_FILE}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConversionError(f"{path}: not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise ConversionError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def load_hf_checkpoint(hf_dir: str | Path, *, progress: bool = True, registry: MappingRegistry | None = None
                        ) -> tuple[ModelSchema, dict[str, torch.Tensor], ImportReport]:
     """(config, full state, report) of a Hugging Face checkpoint directory."""
     directory = Path(hf_dir)
-    config_path = directory / CONFIG_FILE
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{directory}: no {CONFIG_FILE}; the architecture cannot be determined")
-    try:
-        data = json.loads(config_path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ConversionError(f"{config_path}: not valid JSON ({exc})") from None
+    data = read_config_json(directory)
     adapter = family_for_hf_config(data).hf
     cfg = adapter.config_from_hf(data)
     reader = SafetensorsReader(directory)
@@ -171,7 +186,7 @@ def check_compressed_vocab(hf_dir: str | Path, tokenizer) -> None:
     """A tokenizer the checkpoint's ``config.json`` rules out (the family decides what it states;
     V4.1: ``engram_compressed_vocab_size`` must equal the tokenizer's compressed token map, or
     every Engram hash multiplier differs)."""
-    data = json.loads((Path(hf_dir) / CONFIG_FILE).read_text())
+    data = read_config_json(hf_dir)
     family_for_hf_config(data).hf.check_tokenizer(data, tokenizer, str(hf_dir))
 
 

@@ -23,6 +23,7 @@ skipped and the report says so (the tensor comparison still runs).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,8 +33,9 @@ from safetensors.torch import save as save_bytes
 from megatron_s2.checkpoint.hf.safetensors_io import SIDECAR_PREFIX, check_safetensors_file, open_safetensors
 from megatron_s2.models.family.skeleton import skeleton_state
 from megatron_s2.config.model_schema import ModelSchema
+from megatron_s2.config.schema import to_mapping
 
-__all__ = ["VERIFICATION_FILE", "DEFAULT_VERIFY_MAX_PARAMS", "VERIFICATION_TEXT", "LogitsCheck", "VerificationReport",
+__all__ = ["VerificationFailed", "VERIFICATION_FILE", "DEFAULT_VERIFY_MAX_PARAMS", "VERIFICATION_TEXT", "LogitsCheck", "VerificationReport",
            "fixed_inputs", "text_inputs", "model_logits", "logits_divergence", "reference_logits",
            "check_reference_logits", "compare_states"]
 
@@ -43,6 +45,12 @@ LOSSLESS_TOL = (1e-4, 1e-7)   # (max |logit diff|, KL) for exports that keep eve
 LOSSY_TOL = (float("inf"), 1e-2)
 
 
+class VerificationFailed(ValueError):
+    """A conversion whose result does not reproduce its source (exit 1, one line, nothing committed)."""
+
+    exit_code = 1
+
+
 @dataclass
 class LogitsCheck:
     max_abs_diff: float
@@ -50,6 +58,9 @@ class LogitsCheck:
     tokens: int
     atol: float
     kl_tol: float
+    differing_fields: list[str] = field(default_factory=list)
+    """Model-config fields in which the exporter's model (stored with the logits) differs from the
+    one being checked: the likely cause of a failure."""
 
     @property
     def passed(self) -> bool:
@@ -147,7 +158,8 @@ def reference_logits(cfg: ModelSchema, state: dict[str, torch.Tensor], *, lossle
     ids = fixed_inputs(cfg) if tokenizer is None else text_inputs(tokenizer, cfg)
     token_map = None if tokenizer is None else tokenizer.compressed_token_map(cfg.vocab_size)
     logits = model_logits(cfg, state, ids, token_map)
-    meta = {"model": cfg.name, "lossless": "true" if lossless else "false"}
+    meta = {"model": cfg.name, "lossless": "true" if lossless else "false",
+            "model_config": json.dumps(to_mapping(cfg), sort_keys=True)}  # the exporter's model, for diagnosis
     return save_bytes({"input_ids": ids, "logits": logits}, metadata=meta), None
 
 
@@ -164,12 +176,26 @@ def check_reference_logits(cfg: ModelSchema, state: dict[str, torch.Tensor], hf_
         return None, f"{n:,} parameters exceed the verification limit of {max_params:,}"
     check_safetensors_file(path)
     with open_safetensors(path) as f:
-        lossless = (f.metadata() or {}).get("lossless") == "true"
+        meta = f.metadata() or {}
         stored = {k: f.get_tensor(k) for k in ("input_ids", "logits")}
+    lossless = meta.get("lossless") == "true"
     got = model_logits(cfg, state, stored["input_ids"], token_map)
     max_abs, kl = logits_divergence(stored["logits"], got)
     atol, kl_tol = LOSSLESS_TOL if lossless else LOSSY_TOL
-    return LogitsCheck(max_abs, kl, stored["input_ids"].numel(), atol, kl_tol), None
+    return LogitsCheck(max_abs, kl, stored["input_ids"].numel(), atol, kl_tol,
+                       _differing_fields(meta.get("model_config"), cfg)), None
+
+
+def _differing_fields(exported: str | None, cfg: ModelSchema) -> list[str]:
+    if not exported:
+        return []
+    try:
+        theirs = json.loads(exported)
+    except (ValueError, RecursionError):
+        return []
+    ours = to_mapping(cfg)
+    ignore = {"name", "init_std"}  # neither changes the logits
+    return sorted(k for k in set(ours) | set(theirs) if k not in ignore and ours.get(k) != theirs.get(k))
 
 
 def compare_states(source: dict[str, torch.Tensor], converted: dict[str, torch.Tensor],

@@ -119,6 +119,11 @@ class MappingRegistry:
             if tuple(tensor.shape) != tuple(info.full_shape):
                 raise ConversionError(f"{name}: the checkpoint gives shape {tuple(tensor.shape)} "
                                       f"({', '.join(names[:2])}), the config expects {tuple(info.full_shape)}")
+            if info.dtype.is_floating_point and not tensor.is_floating_point():
+                # casting integer codes to floats would invent weights (int32 ones become 0, 1, 2...)
+                raise ConversionError(f"{names[0]}: stored as {str(tensor.dtype).replace('torch.', '')}, but "
+                                      f"'{name}' is a {str(info.dtype).replace('torch.', '')} weight; the file is "
+                                      "not a checkpoint of this model (or was written wrongly)")
             state[name] = tensor.to(info.dtype)
             if progress is not None:
                 progress.update(1)
