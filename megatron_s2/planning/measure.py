@@ -157,7 +157,7 @@ def _optimizer_state_tensors(optimizer):
 def _replica_params(pipeline) -> list[torch.nn.Parameter]:
     if pipeline is None:
         return []
-    return [p for replica in pipeline.shadows.replicas.values() for p in replica.parameters()]
+    return pipeline.payloads.replica_parameters()
 
 
 def measure_step(trainer, *, track_allocations: bool = False) -> MeasuredStep:

@@ -12,30 +12,23 @@ from pathlib import Path
 
 import torch
 
-from megatron_s2.config.recipe import load_recipe
-from tests.parallel.parity import BASE, RECIPE, _shards
+from tests.parallel.parity import BASE, _shards
+from tests.tiny_runs import tiny_recipe, tiny_train, tiny_trainer
 
 __all__ = ["opt_state_names", "recipe", "save_record", "shards", "train", "trainer"]
 
 
 def recipe(run_dir: Path, overrides: list[str]):
-    return load_recipe(RECIPE, [*BASE, *overrides, f"training.run_dir={run_dir}"])
+    return tiny_recipe(overrides, base=BASE, run_dir=run_dir)
 
 
 def trainer(rank: int, world: int, run_dir: Path, overrides: list[str], logs: list | None = None):
-    from megatron_s2.training.trainer import Trainer
-
-    log = (lambda *a, **k: logs.append(" ".join(str(x) for x in a))) if logs is not None else (lambda *a, **k: None)
-    return Trainer(recipe(run_dir, overrides), run_dir, rank=rank, world_size=world, log=log)
+    return tiny_trainer(rank, world, run_dir, overrides, base=BASE, logs=logs)
 
 
 def train(rank: int, world: int, run_dir: Path, overrides: list[str]) -> dict:
-    """Run ``Trainer.train()``; return losses, token fingerprints, rank-0 log lines, the trainer."""
-    logs: list[str] = []
-    t = trainer(rank, world, run_dir, overrides, logs)
-    result = t.train()
-    return {"losses": result.losses, "fingerprints": result.fingerprints, "logs": logs, "trainer": t,
-            "final_step": result.final_step}
+    """Run ``Trainer.train()`` (:func:`tests.tiny_runs.tiny_train` with the parity overrides)."""
+    return tiny_train(rank, world, run_dir, overrides, base=BASE)
 
 
 def shards(t) -> dict:

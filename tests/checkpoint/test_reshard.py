@@ -53,7 +53,7 @@ def _source(rank: int, world: int, root: str) -> None:
     t = run["trainer"]
     save_record(Path(root) / "source", rank, {
         "losses": run["losses"], "params": shards(t), "buffers": buffers(t), "opt_state": opt_state_names(t),
-        "replicas": sorted(f"{k[0]}:{k[1]}" for k in t.pipeline.shadows.replicas)})
+        "replicas": sorted(f"{k[0]}:{k[1]}" for k in t.pipeline.payloads.shadows.replicas)})
 
 
 def _targets(rank: int, world: int, root: str) -> None:

@@ -22,6 +22,7 @@ import torch
 from megatron_s2.checkpoint.hf.checkpoint_io import read_back_as_layout, read_full_state
 from megatron_s2.cli import main as cli_main
 from tests.parallel.spawn import run_distributed
+from tests.tiny_runs import tiny_trainer
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pretrain_tiny.yaml"
 BASE = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=0", "training.seq_length=32", "training.global_batch_size=4",
@@ -35,11 +36,7 @@ LAYOUTS = {
 
 
 def _trainer(rank, world, overrides, run_dir):
-    from megatron_s2.config.recipe import load_recipe
-    from megatron_s2.training.trainer import Trainer
-
-    recipe = load_recipe(RECIPE, [*BASE, *overrides, f"training.run_dir={run_dir}"])
-    return Trainer(recipe, Path(run_dir), rank=rank, world_size=world, log=lambda *a, **k: None)
+    return tiny_trainer(rank, world, run_dir, overrides, base=BASE)
 
 
 def _worker(rank, world, root):

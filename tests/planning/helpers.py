@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pretrain_tiny.yaml"
+from tests.tiny_runs import TINY_RECIPE as RECIPE  # noqa: F401 (the planning tests name it)
+from tests.tiny_runs import tiny_recipe, tiny_trainer
 BASE = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=0", "training.seq_length=64", "training.micro_batch_size=2",
         "training.global_batch_size=8", "data.num_documents=200", "logging.progress_bar=false",
         "logging.tensorboard=false", "checkpoint.resume=false", "checkpoint.save_at_end=false",
@@ -12,13 +11,8 @@ BASE = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=0", "training.seq_length=
 
 
 def recipe(*overrides: str):
-    from megatron_s2.config.recipe import load_recipe
-
-    return load_recipe(RECIPE, [*BASE, *overrides])
+    return tiny_recipe(overrides, base=BASE)
 
 
 def trainer(rank: int, world: int, overrides: list[str], run_dir):
-    from megatron_s2.training.trainer import Trainer
-
-    r = recipe(*overrides, f"training.run_dir={run_dir}")
-    return Trainer(r, Path(run_dir), rank=rank, world_size=world, log=lambda *a, **k: None)
+    return tiny_trainer(rank, world, run_dir, overrides, base=BASE)

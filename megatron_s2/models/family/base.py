@@ -124,6 +124,10 @@ class StagePayloads(abc.ABC):
     def sync_grads(self) -> None:
         """After the last backward of a step: replica gradients flow to their owners."""
 
+    def replica_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters of the replicas this rank holds (not the model's own; for memory accounting)."""
+        return []
+
 
 @dataclass(frozen=True)
 class RankShape:

@@ -66,6 +66,9 @@ class V41StagePayloads(StagePayloads):
     def sync_grads(self) -> None:
         self.shadows.sync_grads()
 
+    def replica_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for replica in self.shadows.replicas.values() for p in replica.parameters()]
+
     def import_states(self, stage: int, spec: PayloadSpec, tensors: list[torch.Tensor], ctx) -> None:
         first = self.stage_layers[stage][0]
         received = {key: (t.long() if t.dtype == torch.int32 else t) for key, t in zip(spec.keys, tensors[2:])}
