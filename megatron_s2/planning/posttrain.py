@@ -65,7 +65,7 @@ def checkpoint_model_config(path: str | Path) -> ModelSchema | None:
     try:
         if (path / "config.json").is_file():
             from megatron_s2.checkpoint.hf.convert import read_config_json
-            from megatron_s2.models.family.hf import family_for_hf_config
+            from megatron_s2.models.family.registry import family_for_hf_config
 
             data = read_config_json(path)
             return family_for_hf_config(data).hf.config_from_hf(data)

@@ -29,7 +29,7 @@ from megatron_s2.checkpoint.hf.safetensors_io import SafetensorsReader, write_sh
 from megatron_s2.checkpoint.hf.tensor_source import TensorSource
 from megatron_s2.config.model_schema import ModelSchema
 from megatron_s2.models.family import family_of
-from megatron_s2.models.family.hf import family_for_hf_config
+from megatron_s2.models.family.registry import family_for_hf_config
 from megatron_s2.models.family.mapping_registry import ConversionError, ImportReport, MappingRegistry
 from megatron_s2.models.family.skeleton import skeleton_state
 

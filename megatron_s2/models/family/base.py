@@ -16,7 +16,7 @@ What a family provides
   pipeline rank's stages (``layers`` / ``pre_process`` / ``post_process``, megatron-core's
   convention). The module satisfies :class:`FamilyModel`.
 * :meth:`~ModelFamily.stage_payloads` — under pipeline parallelism, what crosses each cut
-  beyond the hidden state (:class:`StagePayloads`; the generic
+  beyond the hidden state (:class:`~megatron_s2.models.family.pipeline.StagePayloads`; the generic
   :class:`~megatron_s2.pipeline.runtime.PipelineRuntime` moves it).
 * :attr:`~ModelFamily.hf` — the Hugging Face adapter (:class:`~megatron_s2.models.family.hf.HFAdapter`).
 * :meth:`~ModelFamily.account` / :meth:`~ModelFamily.memory_model` — ``megatron-s2 account`` and
@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from megatron_s2.config.model_schema import ModelSchema
+from megatron_s2.models.family.pipeline import HiddenOnlyPayloads, StagePayloads
 
 if TYPE_CHECKING:
     from megatron_s2.config.engine import EngineConfig
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from megatron_s2.parallel.groups import ParallelGroups
     from megatron_s2.parallel.layout import ParallelLayout
 
-__all__ = ["ModelFamily", "FamilyModel", "StagePayloads", "MemoryModel", "RankShape", "LayerActivations", "FLOAT_BYTES", "CommVolume",
+__all__ = ["ModelFamily", "FamilyModel", "StagePayloads", "HiddenOnlyPayloads", "MemoryModel", "RankShape", "LayerActivations", "FLOAT_BYTES", "CommVolume",
            "AccountReport"]
 
 
@@ -93,40 +94,6 @@ class FamilyModel(Protocol):
     def set_token_map(self, token_map: list[int] | None) -> None: ...
 
     def init_weights(self, seed: int) -> "FamilyModel": ...
-
-
-class StagePayloads(abc.ABC):
-    """A family's part of a pipeline cut: the message entering each stage beyond the hidden
-    state, its export from the producing stage and import into the consuming one, and any
-    replicated components (shadows) whose gradients and parameters must be synchronised."""
-
-    num_hidden: int = 1
-    """Leading fields of every message that are the hidden state (``run_layers``' tuple)."""
-
-    @abc.abstractmethod
-    def spec_for(self, stage: int, micro_batch: dict) -> Any:
-        """The message entering ``stage`` (``.fields``: :class:`~megatron_s2.parallel.p2p.PayloadField`)."""
-
-    @abc.abstractmethod
-    def export(self, stage: int, hidden: tuple[torch.Tensor, ...], ctx, micro_batch: dict) -> list[torch.Tensor]:
-        """The tensors leaving ``stage`` in the order of ``spec_for(stage + 1)``."""
-
-    @abc.abstractmethod
-    def import_states(self, stage: int, spec, tensors: list[torch.Tensor], ctx) -> None:
-        """Hand the received states (beyond the hidden state) to ``ctx`` before ``stage`` runs."""
-
-    def request_exports(self, stage: int, ctx) -> None:
-        """Tell ``ctx`` which states ``stage`` must keep for the next stage (default: nothing)."""
-
-    def refresh(self) -> None:
-        """After each optimiser step: replicas take their owners' parameters."""
-
-    def sync_grads(self) -> None:
-        """After the last backward of a step: replica gradients flow to their owners."""
-
-    def replica_parameters(self) -> list[torch.nn.Parameter]:
-        """Parameters of the replicas this rank holds (not the model's own; for memory accounting)."""
-        return []
 
 
 @dataclass(frozen=True)
@@ -247,8 +214,6 @@ class ModelFamily(abc.ABC):
                        parallel) -> StagePayloads:
         """The pipeline cut messages of this rank's stages (``parallel``: the recipe's ParallelConfig);
         by default only the hidden state crosses a cut."""
-        from megatron_s2.models.family.pipeline import HiddenOnlyPayloads
-
         return HiddenOnlyPayloads(model, layout, groups)
 
     def check_recipe(self, recipe) -> None:

@@ -11,7 +11,8 @@ the architecture comes from the adapter of the checkpoint's family:
   (:class:`~megatron_s2.models.family.mapping_registry.MappingRegistry`) and
   :meth:`HFAdapter.context`, what its mappings may ask about the model;
 * :meth:`HFAdapter.claims` — whether a ``config.json`` without our block (a released checkpoint)
-  is this family's, so that :func:`family_for_hf_config` finds its reader.
+  is this family's, so that :func:`megatron_s2.models.family.registry.family_for_hf_config` finds
+  its reader.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ import abc
 from typing import Any
 
 from megatron_s2.config.model_schema import ModelSchema
-from megatron_s2.config.schema import ConfigError
 from megatron_s2.models.family.mapping_registry import MappingRegistry
 
-__all__ = ["HFAdapter", "family_for_hf_config", "BLOCK_KEY"]
+__all__ = ["HFAdapter", "BLOCK_KEY"]
 
 BLOCK_KEY = "megatron_s2"
 
@@ -63,24 +63,3 @@ class _DefaultContext:
     @property
     def num_experts(self) -> int:
         return int(getattr(self.cfg, "num_routed_experts", 0))
-
-
-def family_for_hf_config(config: Any):
-    """The family of a ``config.json``: the one our ``megatron_s2`` block names, else the installed
-    family whose adapter claims it."""
-    from megatron_s2.models.family.registry import all_installed_families, get_family
-
-    if not isinstance(config, dict):
-        raise ConfigError("config.json: expected a JSON object")
-    block = config.get(BLOCK_KEY)
-    if isinstance(block, dict) and isinstance(block.get("model"), dict):
-        model = block["model"]
-        return get_family(model.get("family", "v41") if isinstance(model.get("family", "v41"), str) else "",
-                          f"config.json: {BLOCK_KEY}.model.family")
-    families = all_installed_families()
-    for family in families:
-        if family.hf.claims(config):
-            return family
-    kind = config.get("model_type") or config.get("architectures") or "unknown"
-    raise ConfigError(f"config.json: no installed model family reads this architecture ({kind}); installed: "
-                      f"{', '.join(f.name for f in families)}")

@@ -1,4 +1,5 @@
-"""The cut message of a family whose stages share nothing but the hidden state.
+"""What crosses a pipeline cut: the family's part (:class:`StagePayloads`), and the message of a
+family whose stages share nothing but the hidden state.
 
 :class:`HiddenOnlyPayloads` is what :meth:`ModelFamily.stage_payloads` returns unless a family
 sends more (the V4.1 backbone adds its CSA2 shared states): one field, the residual stream
@@ -8,14 +9,49 @@ back. Each field is checked against the expected shape and dtype before it is se
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from megatron_s2.models.family.base import StagePayloads
 from megatron_s2.parallel.p2p import PayloadField
 
-__all__ = ["HiddenOnlyPayloads", "HiddenSpec", "check_outgoing"]
+__all__ = ["StagePayloads", "HiddenOnlyPayloads", "HiddenSpec", "check_outgoing"]
+
+
+class StagePayloads(abc.ABC):
+    """A family's part of a pipeline cut: the message entering each stage beyond the hidden
+    state, its export from the producing stage and import into the consuming one, and any
+    replicated components (shadows) whose gradients and parameters must be synchronised."""
+
+    num_hidden: int = 1
+    """Leading fields of every message that are the hidden state (``run_layers``' tuple)."""
+
+    @abc.abstractmethod
+    def spec_for(self, stage: int, micro_batch: dict) -> Any:
+        """The message entering ``stage`` (``.fields``: :class:`~megatron_s2.parallel.p2p.PayloadField`)."""
+
+    @abc.abstractmethod
+    def export(self, stage: int, hidden: tuple[torch.Tensor, ...], ctx, micro_batch: dict) -> list[torch.Tensor]:
+        """The tensors leaving ``stage`` in the order of ``spec_for(stage + 1)``."""
+
+    @abc.abstractmethod
+    def import_states(self, stage: int, spec, tensors: list[torch.Tensor], ctx) -> None:
+        """Hand the received states (beyond the hidden state) to ``ctx`` before ``stage`` runs."""
+
+    def request_exports(self, stage: int, ctx) -> None:
+        """Tell ``ctx`` which states ``stage`` must keep for the next stage (default: nothing)."""
+
+    def refresh(self) -> None:
+        """After each optimiser step: replicas take their owners' parameters."""
+
+    def sync_grads(self) -> None:
+        """After the last backward of a step: replica gradients flow to their owners."""
+
+    def replica_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters of the replicas this rank holds (not the model's own; for memory accounting)."""
+        return []
 
 
 @dataclass
