@@ -40,8 +40,9 @@ extras_require = {
     # triton: the kernel tests run the Triton kernels on CPU under TRITON_INTERPRET=1.
     # openai / verifiers: the server tests use the real clients (verifiers pulls renderers,
     # transformers and openai); nothing is downloaded at test time.
+    # import-linter: the layer contracts of .importlinter (tests/test_architecture.py).
     "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "mpi4py>=3.1", "matplotlib>=3.7", "triton==3.9.0",
-            "fastapi==0.165.0", "uvicorn==0.54.0", "openai==2.54.0", "verifiers==0.4.0"],
+            "fastapi==0.165.0", "uvicorn==0.54.0", "openai==2.54.0", "verifiers==0.4.0", "import-linter==2.16"],
 }
 
 subpackages = {"launcher": "launcher", "kernels": "kernels", "tools": "tools"}

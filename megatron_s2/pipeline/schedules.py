@@ -3,7 +3,7 @@
 :func:`get_forward_backward_func` is the selector the training loop imports (megatron-core's
 convention; nothing here imports the loop back): without pipeline parallelism a plain loop
 over micro-batches (:func:`forward_backward_no_pipelining`), with it 1F1B or interleaved 1F1B
-over the rank's :class:`~megatron_s2.models.v41.pipeline.stage.PipelineRuntime`. Every schedule takes
+over the rank's :class:`~megatron_s2.pipeline.runtime.PipelineRuntime`. Every schedule takes
 ``(model, StepInputs)`` and returns a ``StepResult`` (:mod:`megatron_s2.pipeline.step`).
 
 The order of work on each rank follows megatron-core's schedules (warm-up forwards, steady

@@ -4,8 +4,8 @@ the held-out evaluation engine, both over the rollout model (the training model 
 :func:`engine_configs` is the one place their :class:`~megatron_s2.inference.EngineConfig` is
 derived from the recipe, so the trainer and ``megatron-s2 plan memory``
 (:mod:`megatron_s2.planning.posttrain`) size the same KV page pools and SWA rings. Each engine
-owns its own pools (:class:`~megatron_s2.models.v41.inference.kv_store.GlobalKVStore` and
-:class:`~megatron_s2.models.v41.inference.kv_store.SWAStore`), allocated when it is built.
+owns its own per-request state (the model family's executor: for V4.1 its KV page pools and SWA
+rings), allocated when it is built.
 """
 
 from __future__ import annotations
