@@ -130,13 +130,15 @@ def launch_local(runs: list[PreparedRun], dry_run: bool = False) -> int:
         if run.finished:
             _say(f"{label}skipping: {run.finished_message()}")
             continue
-        _say(f"{label}{run.plan.describe()}")
         if dry_run:
+            _say(f"{label}{run.plan.describe()}")
             print(shlex.join(run.job.command))
             continue
         # The launcher holds the run directory for its ranks (they inherit it by token), so a
-        # second launch is refused before it rewrites anything here.
+        # second launch is refused before it rewrites anything here — in one line: the plan is
+        # described only once the directory is ours.
         with RunLock(run.job.run_dir, log=_say).acquire("megatron-s2 launch --local") as lock:
+            _say(f"{label}{run.plan.describe()}")
             _write_job_dir(run, "local")
             code = LocalRun(run.job, env={LOCK_TOKEN_ENV: lock.token}).run()
         if code != 0:
