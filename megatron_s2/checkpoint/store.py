@@ -140,10 +140,23 @@ class CheckpointStore:
         return [p for p in self.step_dirs() if (p / COMMIT).is_file()]
 
     def latest_name(self) -> str | None:
+        """The step directory name ``latest`` holds; None (with a note) when it is missing or
+        unusable — unreadable, not text, or not a step name. ``latest`` is only a hint: the
+        newest valid step is found without it."""
         pointer = self.root / LATEST
         if not pointer.is_file():
             return None
-        name = pointer.read_text().strip()
+        try:
+            raw = pointer.read_bytes()
+        except OSError as exc:
+            self.log(f"checkpoint: {pointer} cannot be read ({exc.strerror or exc}); ignored")
+            return None
+        try:
+            name = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:  # a torn write or a file copied over it
+            self.log(f"checkpoint: {pointer} holds {len(raw)} bytes of binary data, not a step directory name; "
+                     "ignored")
+            return None
         if parse_step_name(name) is None:
             self.log(f"checkpoint: {pointer} holds {name[:64]!r}, not a step directory name; ignored")
             return None
