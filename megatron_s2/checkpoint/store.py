@@ -23,6 +23,10 @@ Protocol of one save (every step is durable before the next begins):
    step namespace (``.step_N.deleting``), then emptied: a crash mid-deletion leaves garbage,
    never a committed-looking partial directory.
 
+Leftovers of a crash (``.step_*`` directories) are never loaded; :meth:`CheckpointStore.remove_leftovers`
+deletes them, naming each, when a run starts writing and before every save's free-space check
+(a killed save can hold a whole checkpoint's worth of disk).
+
 A checkpoint is *valid* when ``COMMITTED`` exists, matches the manifest, and every file the
 manifest lists has its recorded size and sha256. :meth:`CheckpointStore.latest_valid` takes the
 step ``latest`` names if it is valid, otherwise the newest valid one, and says which and why.
@@ -218,9 +222,7 @@ class CheckpointStore:
         for path in committed:
             if path not in keep:
                 self.retire(path, rank)
-        for debris in self.root.glob(".step_*"):  # crashed saves; no other save is in flight
-            if debris.is_dir():
-                shutil.rmtree(debris, ignore_errors=True)
+        self.remove_leftovers()
 
     def retire(self, path: Path, rank: int = 0) -> None:
         """Delete a committed checkpoint in an order no crash can turn into a half-deleted
@@ -238,6 +240,29 @@ class CheckpointStore:
         if not self.root.is_dir():
             return []
         return sorted(p for p in self.root.glob(".step_*") if p.is_dir())
+
+    def remove_leftovers(self) -> int:
+        """Delete :meth:`garbage`, naming each directory and the space it held; the bytes freed.
+        Only while no save is in flight (rank 0, between saves): a crashed save's directory
+        can hold a whole checkpoint's worth of disk, which the next run needs."""
+        freed = 0
+        for debris in self.garbage():
+            size = _tree_bytes(debris)
+            shutil.rmtree(debris, ignore_errors=True)
+            freed += size
+            what = "deletion" if debris.name.endswith(".deleting") else "save"
+            self.log(f"checkpoint: removed {debris.name} ({size / 2**20:.1f} MiB), left by an interrupted {what}")
+        return freed
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for child in path.rglob("*"):
+        try:
+            total += child.lstat().st_size if child.is_file() else 0
+        except OSError:
+            pass
+    return total
 
 
 def _remove_tree(path: Path, rank: int) -> None:

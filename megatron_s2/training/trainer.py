@@ -124,6 +124,8 @@ class Trainer:
         if not self.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # A save killed mid-way leaves its directory, which may hold the space the files below need.
+        self.checkpoints.store.remove_leftovers()
         tmp = self.run_dir / ".config.yaml.tmp"
         tmp.write_text(self.recipe.to_yaml())
         tmp.replace(self.run_dir / "config.yaml")

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import types
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_s2.checkpoint.faults import FAULT_ENV
 from megatron_s2.cli import main
 from megatron_s2.config.recipe import RecipeConfig, load_recipe
 from megatron_s2.config.schema import ConfigError, from_mapping
@@ -164,6 +166,32 @@ def test_disk_full_says_so(tmp_path):
     assert "Traceback" not in err, err
     assert result.returncode == 1, err
     assert "disk full" in err.lower() or "no space left" in err.lower(), err
+
+
+@needs_mount_ns
+@pytest.mark.slow
+def test_leftover_of_a_killed_save_does_not_block_the_restart(tmp_path):
+    """A save that died on a full disk left its 6 MiB ``.step_1.tmp`` behind, and the next start on
+    that disk stopped with a "disk full" message that did not mention it. Here the save is killed
+    after its shards were written (fault point ``before_commit``) on a 10 MiB file system that
+    holds one checkpoint, not two: the restart removes the leftover, says so, and saves."""
+    disk, run_dir = tmp_path / "disk", tmp_path / "disk" / "run"
+    disk.mkdir()
+    argv = " ".join([sys.executable, "-m", "megatron_s2.cli", "train", str(RECIPE), *SINGLE, "--run-dir",
+                     str(run_dir)])
+    out = tmp_path / "out"
+    script = (f"mount -t tmpfs -o size=10m tmpfs {disk} || exit 97\n"
+              f"{FAULT_ENV}=before_commit {argv} > {out}0 2>&1; echo $? > {out}0.rc\n"
+              f"{argv} > {out}1 2>&1; echo $? > {out}1.rc\n"
+              f"ls -a {run_dir}/checkpoints > {out}.ls")
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    subprocess.run(["unshare", "-m", "sh", "-c", script], env={**env, "PYTHONUNBUFFERED": "1"}, check=True,
+                   timeout=900)
+    killed, restart = (tmp_path / "out0").read_text(), (tmp_path / "out1").read_text()
+    assert (tmp_path / "out0.rc").read_text().strip() == str(128 + signal.SIGKILL), killed
+    assert (tmp_path / "out1.rc").read_text().strip() == "0", restart
+    assert "Traceback" not in restart and "removed .step_00000001.tmp" in restart, restart
+    assert (tmp_path / "out.ls").read_text().split() == [".", "..", "latest", "step_00000001"]
 
 
 def test_transformer_engine_without_it_exits_2(capsys, tmp_path):
