@@ -112,6 +112,7 @@ def test_replicated_chunks_are_counted_once():
 
 
 @needs_tmpfs
+@pytest.mark.slow
 def test_save_that_cannot_fit_is_refused_before_writing(tmp_path):
     """1 MiB free, 1.3 MiB to write (0.3 MiB of tensor values): refused up front, nothing left."""
     root = tmp_path / "disk" / "checkpoints"
@@ -133,6 +134,7 @@ def test_enospc_during_a_save_leaves_no_partial_directory(tmp_path, monkeypatch)
 
 
 @needs_tmpfs
+@pytest.mark.slow
 def test_leftover_of_a_killed_save_is_removed_and_named(tmp_path):
     """Step 2's save is killed after its shards were written: its 1.3 MiB ``.step_2.tmp`` stays.
     On a 3 MiB disk that already holds step 1, the restarted save of step 2 only fits once the

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from launcher_helpers import PAYLOADS, RESUMABLE, expected_loss
 
 from megatron_s2.runtime.peer_loss import PEER_LOST_NOTE
@@ -79,6 +80,7 @@ def test_killed_rank_fails_the_job_fast_and_is_named(tmp_path):
     assert PEER_LOST_NOTE in (run_dir / "logs" / "restart0" / "rank0.log").read_text()
 
 
+@pytest.mark.slow
 def test_the_failed_rank_is_named_not_the_peers_it_took_down(tmp_path):
     """Rank 1 raises; rank 0, waiting for it in an all-reduce, loses its peer and exits with
     EXIT_PEER_LOST a moment later. Whichever exit the launcher sees first, it names rank 1 and
