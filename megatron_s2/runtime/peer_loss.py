@@ -32,11 +32,13 @@ _SIGNS = {
 
 def lost_peer(exc: BaseException) -> str | None:
     """A one-line reason when ``exc`` (or an exception it was raised from) is a collective that
-    failed because a peer rank is gone; None for any other error."""
+    failed because a peer rank is gone; None for any other error. The backends raise
+    RuntimeErrors (and the checkpoint layer re-raises their text); an OSError saying "broken
+    pipe" or "connection reset" is a socket of this process (a client, a pipe), not a peer."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        text = str(exc)
+        text = "" if isinstance(exc, OSError) else str(exc)
         for sign, backend in _SIGNS.items():
             if sign in text.lower():
                 detail = next((line for line in text.splitlines() if sign in line.lower()), sign).strip()

@@ -129,3 +129,24 @@ def test_sigterm_to_the_launcher_is_forwarded(tmp_path):
     assert "forwarding SIGTERM" in err
     assert "on SIGTERM" in log.read_text()
 
+
+
+def test_peer_loss_is_told_from_other_errors():
+    """What the backends raise when a peer is gone (also wrapped, as the checkpoint layer does);
+    a broken pipe or reset connection of the process's own sockets (OSError) is not a peer."""
+    from megatron_s2.runtime.peer_loss import lost_peer
+
+    gloo = RuntimeError("[/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1215. This is "
+                        "typically caused by a remote worker crashing.")
+    assert lost_peer(gloo) == (f"{PEER_LOST_NOTE} in a collective (gloo: Connection closed by peer "
+                               "[127.0.0.1]:1215); stopping")
+    try:
+        try:
+            raise RuntimeError("NCCL error: remote process exited or there was a network error")
+        except RuntimeError as exc:
+            raise ValueError("checkpoint step 4 not written") from exc
+    except ValueError as wrapped:
+        assert "nccl" in lost_peer(wrapped)
+    assert lost_peer(BrokenPipeError(32, "Broken pipe")) is None
+    assert lost_peer(ConnectionResetError(104, "Connection reset by peer")) is None
+    assert lost_peer(RuntimeError("CUDA out of memory")) is None
