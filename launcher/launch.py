@@ -97,10 +97,10 @@ def prepare_runs(path: str, overrides: list[str], launcher_flags: dict, run_dir:
                           f"{path} or pass --run-dir")
     runs: list[PreparedRun] = []
     phase_dirs: dict[str, str] = {}
-    for entry in pipeline.phases:
+    for index, entry in enumerate(pipeline.phases):
         recipe = load_recipe(entry.recipe, [*entry.overrides, *overrides], phase_dirs=phase_dirs)
         recipe = recipe.replace(launcher=apply_launcher_flags(recipe.launcher, launcher_flags))
-        if runs and entry.from_previous:
+        if pipeline.chained(index):
             recipe = chain_from(recipe, runs[-1].job.run_dir)
         target = Path(os.path.abspath(Path(base) / entry.name))
         runs.append(_prepare(recipe, entry.name, f"{Path(path).stem}-{entry.name}", target, local))

@@ -80,10 +80,19 @@ def test_opd_tiny_finds_its_teacher_under_any_run_dir(tmp_path):
     ([{"name": "../up", "recipe": str(RECIPE)}], {"run_dir": "x"}, "phases.name"),
     ([{"name": "a", "recipe": str(RECIPE), "depends": "b"}], {"run_dir": "x"}, "unknown key 'phases[0].depends'"),
     ([{"name": "a", "recipe": str(RECIPE)}], {}, "needs a parent run directory"),
+    ([{"name": "a", "recipe": str(RECIPE), "from_previous": True}, {"name": "b", "recipe": str(RECIPE)}],
+     {"run_dir": "x"}, "phases[0].from_previous: the first phase"),
 ])
 def test_pipeline_errors_name_the_field(tmp_path, phases, top, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
         prepare_runs(write_pipeline(tmp_path, phases, **top), [], {}, None, local=False)
+
+
+def test_the_first_phase_may_say_from_previous_false(tmp_path):
+    path = write_pipeline(tmp_path, [{"name": "a", "recipe": str(RECIPE), "from_previous": False},
+                                     {"name": "b", "recipe": str(RECIPE)}], run_dir=str(tmp_path / "runs"))
+    first, second = prepare_runs(path, [], {}, None, local=False)
+    assert first.recipe.checkpoint.load == "" and second.recipe.checkpoint.load == str(tmp_path / "runs/a/checkpoints")
 
 
 def test_dry_run_shows_each_phase_and_its_dependency(tmp_path, capsys):
