@@ -16,8 +16,10 @@ A phase with ``from_previous`` (every phase but the first, unless it says ``fals
 (weights only: a new phase starts a fresh optimiser and schedule). Any recipe value or override
 of a phase may name an earlier phase's run directory as ``${phase:<name>}`` (e.g. an OPD teacher:
 ``checkpoint: ${phase:teacher}/checkpoints``), so the pipeline still finds it under ``--run-dir``.
-On SLURM each phase is a job depending on the previous one (``--dependency=afterok:<id>``);
-locally the phases run one after the other.
+Every phase is checked before the first starts: a checkpoint it loads must exist then, unless it
+lies in an earlier phase's run directory (that phase writes it). On SLURM each phase is a job
+depending on the previous one (``--dependency=afterok:<id>``); locally the phases run one after
+the other.
 """
 
 from __future__ import annotations
