@@ -180,14 +180,8 @@ class PosttrainTrainer(Trainer):
             temps[t.name] = t.temperature
             for d in t.domains:
                 owner[d] = t.name
-        self.domain_of = {n: next((d.domain or d.name for d in self.rollout_cfg.datasets if d.name == n), n)
-                          for n in self.rollout_cfg.dataset_names()}
-        if "default" in self.domain_of and "default" not in owner and len(owner) == 1:
-            self.domain_of["default"] = next(iter(owner))
-        missing = sorted({d for d in self.domain_of.values() if d not in owner})
-        if missing:
-            raise ConfigError(f"opd.teachers: no teacher supervises domain(s) {missing}; add them to a teacher's "
-                              "domains or set rollout.datasets[*].domain")
+        # every domain has its teacher (OPDConfig refuses a recipe where one has none)
+        self.domain_of = {n: cfg.dataset_domain(n) for n in self.rollout_cfg.dataset_names()}
         return TeacherPool(models, owner, temps, remote)
 
     def _setup_reference(self):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import yaml
 
+from megatron_s2.cli import main
 from megatron_s2.config.schema import ConfigError, from_mapping, to_mapping
 from megatron_s2.posttrain.advantages import AdvantagePipeline
 from megatron_s2.config.posttrain import OPDConfig, RLConfig
@@ -115,7 +117,7 @@ def test_effort_group_size_consistency_accepts_matching_size():
 
 @pytest.mark.parametrize("patch,match", [
     ({"teachers": []}, r"opd\.teachers: at least one teacher"),
-    ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c", "endpoint": "u"}]},
+    ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c", "endpoint": "http://t:8000/v1"}]},
      r"opd\.teachers\[0\]\.checkpoint: teacher 'a' needs exactly one"),
     ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c"}, {"name": "b", "domains": ["x"], "checkpoint": "d"}]},
      r"domain 'x' is supervised by both 'a' and 'b'"),
@@ -123,16 +125,23 @@ def test_effort_group_size_consistency_accepts_matching_size():
      r"opd\.domain_weights: domain 'y' has no teacher"),
     ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c"}], "domain_weights": {"x": math.nan}},
      r"opd\.domain_weights\.x: must be a finite number"),
-    ({"teachers": [{"name": "a", "domains": ["x"], "endpoint": "u"}], "mode": "full_vocab",
+    ({"teachers": [{"name": "a", "domains": ["x"], "endpoint": "http://t:8000/v1"}], "mode": "full_vocab",
       "loss": {"terms": [{"kind": "full_vocab_kl"}]}}, r"full_vocab mode needs every teacher's full distribution"),
     ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c"}], "mode": "full_vocab"},
      r"opd\.loss\.terms: full_vocab mode needs a 'full_vocab_kl' term"),
     ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c"}], "rollout": {"datasets": [{"name": "y"}]}},
      r"opd\.rollout\.datasets\.y: its domain 'y' has no teacher"),
-    ({"teachers": [{"name": "a", "domains": ["x"], "endpoint": "u"}], "sft_warmup": {"steps": 5}},
+    ({"teachers": [{"name": "a", "domains": ["x"], "endpoint": "http://t:8000/v1"}], "sft_warmup": {"steps": 5}},
      r"opd\.sft_warmup\.data: teacher 'a' is an endpoint"),
     ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c"}], "sft_warmup": {"steps": -1}},
      r"opd\.sft_warmup\.steps: must be >= 0"),
+    ({"teachers": [{"name": "a", "domains": ["x"], "endpoint": "not a url"}]},
+     r"^opd\.teachers\[0\]\.endpoint: teacher 'a': 'not a url' is not an http\(s\) URL"),
+    ({"teachers": [{"name": "a", "domains": ["x"], "endpoint": "teacher:8000/v1"}]}, r"teachers\[0\]\.endpoint"),
+    ({"teachers": [{"name": "a", "domains": ["math", "code"], "checkpoint": "c"}]},
+     r"^opd\.teachers: the prompts of rollout\.environment are domain 'default', which no teacher supervises"),
+    ({"teachers": [{"name": "a", "domains": ["math"], "checkpoint": "c"}, {"name": "b", "domains": ["code"],
+                                                                         "checkpoint": "d"}]}, r"domain 'default'"),
 ])
 def test_opd_errors_name_the_field_and_fix(patch, match):
     with pytest.raises(ConfigError, match=match):
@@ -143,3 +152,57 @@ def test_full_vocab_mode_with_explicit_terms():
     cfg = from_mapping(OPDConfig, {"mode": "full_vocab", "teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c"}],
                                    "loss": {"terms": [{"kind": "full_vocab_kl"}], "masks": []}}, "opd")
     assert cfg.loss.has_term("full_vocab_kl") and not cfg.loss.has_term("policy_gradient")
+
+
+def test_the_default_dataset_goes_to_the_only_domains_teacher():
+    one = from_mapping(OPDConfig, {"teachers": [{"name": "a", "domains": ["math"], "checkpoint": "c"}]}, "opd")
+    assert one.dataset_domain("default") == "math"
+    own = from_mapping(OPDConfig, {"teachers": [{"name": "a", "domains": ["default", "math"], "checkpoint": "c"}]}, "opd")
+    assert own.dataset_domain("default") == "default"
+    named = from_mapping(OPDConfig, {"teachers": [{"name": "a", "domains": ["math"], "checkpoint": "c"}],
+                                     "rollout": {"datasets": [{"name": "gsm", "domain": "math"}]}}, "opd")
+    assert named.dataset_domain("gsm") == "math"
+
+
+# ---- refused before any rank starts: `launch --local` (pre-flight) and `train` (before the model) ----
+RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "phases"
+RL, OPD = str(RECIPES / "rl_addition.yaml"), str(RECIPES / "opd_addition.yaml")
+
+
+def _teacher(**where: str) -> str:
+    fields = ", ".join(f'{k}: "{v}"' for k, v in where.items())
+    return f"opd.teachers=[{{name: t, domains: [default], {fields}}}]"
+
+
+# (recipe, overrides, words of the one-line error); {file} is an existing file, {none} a missing path
+REFUSED = {
+    "endpoint": (OPD, [_teacher(endpoint="not a url")], ["opd.teachers[0].endpoint", "not an http(s) URL"]),
+    "default_domain": (OPD, ["opd.teachers=[{name: t, domains: [math, code], checkpoint: x}]"],
+                       ["opd.teachers", "domain 'default'"]),
+    "eval_prompts": (RL, ["rl.rollout.environment.eval_prompts=0"],
+                     ["rl.rollout.environment.eval_prompts", "rl.eval.interval=0"]),
+}
+
+
+@pytest.mark.parametrize("command", ["launch", "train"])
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_posttrain_inputs_are_refused_before_any_rank_starts(case, command, capsys, tmp_path):
+    """Each was refused only inside the rank, after `[launch] started` (exit 2 but 7-9 lines, some
+    naming the wrong key: "page_tokens", "checkpoint"), or not at all: PromptTooLong traceback
+    (exit 1), accuracy 0.000 logged. Now one line naming the key, before a rank starts (launch)
+    or the model is built (train), and the run directory stays untouched."""
+    recipe, overrides, words = REFUSED[case]
+    afile = tmp_path / "a_file"
+    afile.write_text("not a checkpoint")
+    overrides = [o.replace("{file}", str(afile)).replace("{none}", str(tmp_path / "none")) for o in overrides]
+    run_dir = tmp_path / "run"
+    argv = [command, recipe, *overrides, "--run-dir", str(run_dir)]
+    code = main([*argv, "--local", "--dry-run"] if command == "launch" else argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert code == 2, err
+    assert "[launch] started" not in err and not run_dir.exists()
+    for word in words:
+        assert word in lines[0], lines[0]
+
