@@ -6,7 +6,8 @@ then builds the very :class:`~megatron_s2.parallel.layout.ParallelLayout` the tr
 build, with the batch geometry, so every divisibility rule is checked at submit time, then
 :func:`~megatron_s2.training.run_checks.check_run_inputs`, the trainer's own start-up checks
 (run directory, tokenizer against vocabulary, data files, ``checkpoint.load``, memory on this
-host in local mode).
+host in local mode), and for rl / opd phases
+:func:`~megatron_s2.posttrain.checks.check_posttrain_inputs`.
 Every error is a :class:`ConfigError` (exit code 2) naming the field and the fix.
 """
 
@@ -84,8 +85,9 @@ def plan_launch(recipe: RecipeConfig, *, local: bool, visible_gpus: int | None =
     host = HostMemory.detect(nproc, gpus=bool(cfg.gpus_per_node)) if local else None
     from megatron_s2.training.run_checks import check_run_inputs  # torch: only when a launch is checked
 
-    check_run_inputs(recipe, cfg.nodes * nproc, host, ranks_here=local, pending=pending)
-    from megatron_s2.posttrain.checks import check_registered_names
+    tokenizer = check_run_inputs(recipe, cfg.nodes * nproc, host, ranks_here=local, pending=pending)
+    from megatron_s2.posttrain.checks import check_posttrain_inputs
 
-    check_registered_names(recipe)  # rl/opd: registry names (the post-training code, not the recipe loader)
+    # rl/opd: registry names, engine settings against the model family, frozen-model paths, prompt lengths
+    check_posttrain_inputs(recipe, tokenizer, pending=pending)
     return LaunchPlan(cfg.nodes, nproc, cfg.gpus_per_node, layout)

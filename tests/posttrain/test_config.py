@@ -167,6 +167,7 @@ def test_the_default_dataset_goes_to_the_only_domains_teacher():
 # ---- refused before any rank starts: `launch --local` (pre-flight) and `train` (before the model) ----
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "phases"
 RL, OPD = str(RECIPES / "rl_addition.yaml"), str(RECIPES / "opd_addition.yaml")
+REFERENCE_KL = "rl.loss.terms=[{kind: policy_gradient}, {kind: reference_kl}]"
 
 
 def _teacher(**where: str) -> str:
@@ -176,9 +177,18 @@ def _teacher(**where: str) -> str:
 
 # (recipe, overrides, words of the one-line error); {file} is an existing file, {none} a missing path
 REFUSED = {
+    "page_tokens": (RL, ["rl.rollout.engine.page_tokens=3"], ["rl.rollout.engine.page_tokens", "multiple of 2"]),
+    "reference_missing": (RL, [REFERENCE_KL, "rl.reference_checkpoint={none}"],
+                          ["rl.reference_checkpoint", "does not exist"]),
+    "reference_file": (RL, [REFERENCE_KL, "rl.reference_checkpoint={file}"], ["rl.reference_checkpoint", "is a file"]),
+    "reference_unset": (RL, [REFERENCE_KL], ["rl.reference_checkpoint", "needs a frozen reference"]),
+    "teacher_missing": (OPD, [_teacher(checkpoint="{none}")], ["opd.teachers[0].checkpoint", "does not exist"]),
+    "teacher_file": (OPD, [_teacher(checkpoint="{file}")], ["opd.teachers[0].checkpoint", "is a file"]),
     "endpoint": (OPD, [_teacher(endpoint="not a url")], ["opd.teachers[0].endpoint", "not an http(s) URL"]),
     "default_domain": (OPD, ["opd.teachers=[{name: t, domains: [math, code], checkpoint: x}]"],
                        ["opd.teachers", "domain 'default'"]),
+    "seq_length": (RL, ["training.seq_length=4"], ["training.seq_length", "longest prompt", "at least 12"]),
+    "max_model_len": (RL, ["rl.rollout.engine.max_model_len=6"], ["rl.rollout.engine.max_model_len", "raise it to 13"]),
     "eval_prompts": (RL, ["rl.rollout.environment.eval_prompts=0"],
                      ["rl.rollout.environment.eval_prompts", "rl.eval.interval=0"]),
 }
@@ -206,3 +216,51 @@ def test_posttrain_inputs_are_refused_before_any_rank_starts(case, command, caps
     for word in words:
         assert word in lines[0], lines[0]
 
+
+@pytest.mark.parametrize("tokenizer", ["char", "recipes/tokenizers/tiny-bpe"])
+def test_the_prompt_length_bound_agrees_with_tokenizing_every_prompt(tokenizer):
+    """TaskEnvironment bounds prompts by their text's bytes and tokenizes only those that may
+    reach the limit (a million prompts per rank would take minutes); same answer as tokenizing
+    all, at every limit around the longest prompt, with and without effort instructions."""
+    from megatron_s2.config.posttrain.environment import EnvironmentConfig
+    from megatron_s2.data.tokenizer import CharTokenizer, load_tokenizer
+    from megatron_s2.posttrain.envs import Environment, TaskEnvironment
+
+    tok = CharTokenizer() if tokenizer == "char" else load_tokenizer(Path(__file__).resolve().parents[2] / tokenizer)
+    env = TaskEnvironment("d", EnvironmentConfig(task="sort", num_prompts=64, eval_prompts=16), tok)
+    for efforts in [(None,), (25, 100)]:
+        exact = max(len(env.episode(i, "train", e).prompt_tokens()) for i in range(64) for e in efforts)
+        for limit in range(exact - 2, exact + 3):
+            got = env.longest_prompt_from(limit, "train", efforts)
+            assert got == Environment.longest_prompt_from(env, limit, "train", efforts) == (exact if exact >= limit else 0)
+
+
+def test_evaluation_without_held_out_prompts_is_refused_before_the_model_is_built(capsys, tmp_path):
+    """1-digit additions: 100 distinct prompts, all among the 4000 training prompts, so the
+    held-out set is empty and every evaluation logged accuracy 0.000. Knowing it needs the drawn
+    prompt sets, which the trainer has (the launch pre-flight does not draw a million prompts)."""
+    run_dir = tmp_path / "run"
+    code = main(["train", RL, "rl.rollout.environment.difficulty.addition_max_digits=1", "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "rl.rollout.environment.eval_prompts: every held-out prompt also occurs among the training prompts" in err
+    assert not run_dir.exists()
+
+
+def test_the_launch_pre_flight_draws_prompts_only_when_the_task_bound_does_not_settle_it(monkeypatch):
+    """A flagship recipe has a million prompts (tens of seconds to draw): the task's longest prompt
+    bounds them all, and they are drawn only when that bound reaches max_model_len."""
+    from megatron_s2.config.recipe import load_recipe
+    from megatron_s2.data.tokenizer import CharTokenizer
+    from megatron_s2.posttrain import envs
+    from megatron_s2.posttrain.checks import check_prompts
+
+    drawn = []
+    real = envs.build_environment
+    monkeypatch.setattr(envs, "build_environment", lambda *a, **k: drawn.append(a[0]) or real(*a, **k))
+    check_prompts(load_recipe(RL), CharTokenizer())
+    assert drawn == []
+    check_prompts(load_recipe(RL, ["training.seq_length=10"]), CharTokenizer())  # bound 11 >= 11: drawn, all fit
+    assert drawn == ["default"]
+    with pytest.raises(ConfigError, match=r"^training\.seq_length: the longest prompt .* has 7 tokens"):
+        check_prompts(load_recipe(RL, ["training.seq_length=6"]), CharTokenizer())
