@@ -75,6 +75,7 @@ class Trainer:
         # The checks `megatron-s2 launch` also runs (run dir, tokenizer, data files); memory is
         # planned on this rank's own model while it is still on the meta device (built once).
         self.tokenizer = check_run_inputs(recipe, world_size, None, self.run_dir)
+        self.check_phase_inputs()
         host = HostMemory.for_this_rank()
         with build_on(self.device):  # parameters, buffers and what modules build at construction
             self.model, self.pipeline = build_stage_model(
@@ -104,6 +105,10 @@ class Trainer:
         self.non_finite = NonFiniteGuard(t.non_finite, t.non_finite_max_skips, self.log)
 
     # ---- setup helpers --------------------------------------------------------------------------
+    def check_phase_inputs(self) -> None:
+        """A phase's own start-up checks, after :func:`check_run_inputs` and before the model is
+        built (post-training phases check their engine, frozen models and prompts); none here."""
+
     def build_data(self):
         """The phase's data source; its ``state_dict`` is the checkpoint's ``data`` entry
         (post-training phases supply their rollout orchestrator instead, megatron_s2/posttrain)."""

@@ -118,6 +118,42 @@ def test_missing_data_path(capsys, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("kind, words", [("missing", "does not exist"), ("file", "is a file"),
+                                         ("empty", "holds no committed checkpoint")])
+def test_checkpoint_load_that_holds_no_checkpoint_is_refused_before_training(kind, words, capsys, tmp_path):
+    """`checkpoint.load=/nonexistent` (or a file) was refused only by the checkpoint manager after
+    the model and optimiser were built (inside the ranks under `launch`); now by the start-up
+    checks that `launch` runs too, before the run directory is touched."""
+    path, run_dir = tmp_path / kind, tmp_path / "run"
+    if kind == "file":
+        path.write_text("not a checkpoint")
+    elif kind == "empty":
+        path.mkdir()
+    code = main(["train", str(RECIPE), *SINGLE, f"checkpoint.load={path}", "--run-dir", str(run_dir)])
+    line = _one_line_error(capsys)
+    assert code == 2, line
+    assert line.startswith("megatron-s2 train: configuration error: checkpoint.load: ") and str(path) in line
+    assert words in line
+    assert not run_dir.exists()
+
+
+def test_checkpoint_load_is_not_read_when_the_run_resumes(tmp_path):
+    """A run directory with a committed checkpoint resumes from it and never reads checkpoint.load
+    (a pipeline relaunched after its earlier phase's directory was cleaned up)."""
+    from megatron_s2.training.run_checks import check_checkpoint_load
+
+    recipe = load_recipe(RECIPE, [f"checkpoint.load={tmp_path / 'gone'}"])
+    step = tmp_path / "run" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"^checkpoint\.load: .*gone does not exist"):
+        check_checkpoint_load(recipe, tmp_path / "run")  # nothing committed yet: load is read
+    (step / "COMMITTED").write_text("sha")
+    check_checkpoint_load(recipe, tmp_path / "run")
+    with pytest.raises(ConfigError, match="gone does not exist"):
+        check_checkpoint_load(recipe.replace(checkpoint=dataclasses.replace(recipe.checkpoint, resume=False)),
+                              tmp_path / "run")
+
+
 def test_absurd_seq_length_is_refused_before_allocating(capsys, tmp_path):
     # 10^8 tokens per sequence: the ranks would be OOM-killed (exit 137) building activations.
     code = main(["train", str(RECIPE), *SINGLE, "training.seq_length=100000000", "--run-dir", str(tmp_path / "run")])
