@@ -184,7 +184,7 @@ def test_routing_records_replay_in_the_training_forward(model):
 
 def test_request_state_is_freed_when_it_completes_or_is_aborted(model):
     engine = InferenceEngine(model, engine_config())
-    free_pages, free_slots = engine.global_kv.pool.num_free, len(engine.swa.free)
+    free_pages, free_slots = engine.executor.global_kv.pool.num_free, len(engine.executor.swa.free)
     handles = [engine.submit(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(PROMPTS, (2, 30, 3, 30, 1))]
     seen_finish = {}
     for _ in range(6):
@@ -197,7 +197,7 @@ def test_request_state_is_freed_when_it_completes_or_is_aborted(model):
     while engine.has_work():
         engine.step()
     assert handles[1].result(timeout=0).finish_reason is FinishReason.ABORT
-    assert engine.global_kv.pool.num_free == free_pages and len(engine.swa.free) == free_slots
+    assert engine.executor.global_kv.pool.num_free == free_pages and len(engine.executor.swa.free) == free_slots
     assert not engine.requests and not engine.running and not engine.waiting
 
 
@@ -210,7 +210,7 @@ def test_a_request_whose_stop_check_raises_fails_alone(model):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
 
     engine = InferenceEngine(model, engine_config(), detokenize=detokenize)
-    free_pages, free_slots = engine.global_kv.pool.num_free, len(engine.swa.free)
+    free_pages, free_slots = engine.executor.global_kv.pool.num_free, len(engine.executor.swa.free)
     greedy = SamplingParams(max_tokens=5, temperature=0)
     bad = engine.submit(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, stop=["zz"]))
     good = engine.submit(PROMPTS[1], greedy)
@@ -220,7 +220,7 @@ def test_a_request_whose_stop_check_raises_fails_alone(model):
     assert failed.finish_reason is FinishReason.ERROR and "UnicodeDecodeError" in failed.error
     alone = InferenceEngine(model, engine_config()).generate([PROMPTS[1]], greedy)[0]
     assert good.result(timeout=0).token_ids == alone.token_ids
-    assert engine.global_kv.pool.num_free == free_pages and len(engine.swa.free) == free_slots
+    assert engine.executor.global_kv.pool.num_free == free_pages and len(engine.executor.swa.free) == free_slots
     assert engine.generate([PROMPTS[2]], greedy)[0].finish_reason is FinishReason.LENGTH
 
 
@@ -281,7 +281,7 @@ def test_preemption_under_page_pressure_recomputes_and_keeps_the_tokens(model):
     assert preempted
     for prompt, r in zip(prompts, results):
         assert r.token_ids == full_logits(model, prompt + r.token_ids)[len(prompt) - 1:-1].argmax(-1).tolist()
-    assert engine.global_kv.pool.num_free == 11
+    assert engine.executor.global_kv.pool.num_free == 11
 
 
 def test_update_weights_from_a_checkpoint_directory(model, other_model, tiny_cfg, tmp_path):
