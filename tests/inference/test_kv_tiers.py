@@ -126,9 +126,9 @@ def test_decoder_bounded_replay_runs_the_decoder_over_the_last_window_only(model
     seen = []
     real = eng.executor.runner.model.run_layers
 
-    def spy(x, pre, ctx, layer_ids=None):
+    def spy(hidden, ctx, layer_ids=None):
         seen.append((tuple(layer_ids) if layer_ids is not None else None, int(ctx.kv_cache.valid.sum())))
-        return real(x, pre, ctx, layer_ids)
+        return real(hidden, ctx, layer_ids)
 
     eng.executor.runner.model.run_layers = spy
     try:
