@@ -401,7 +401,11 @@ class PosttrainTrainer(Trainer):
 
     def write_run_files(self) -> None:
         super().write_run_files()
-        if self.is_main:  # records of an attempt that died after its last checkpoint
-            for path in (self.eval_file, self.rollout_file):
-                if path.exists():
-                    truncate_jsonl(path, self.step)
+        if not self.is_main:
+            return
+        # Records of an attempt that died after its last checkpoint. An evaluation at step s >= 1
+        # is written before step s's checkpoint, so it stays; the one at step 0 runs again whenever
+        # the run starts from step 0 (no checkpoint yet), so the dead attempt's copy goes.
+        for path, keep in ((self.rollout_file, self.step), (self.eval_file, self.step if self.step else -1)):
+            if path.exists():
+                truncate_jsonl(path, keep)
