@@ -9,6 +9,7 @@
     path = ckpt.latest_valid()                 # collective; falls back past broken checkpoints
     loaded = ckpt.load(path, model, opt)       # collective; any layout the model was built for
     loaded.step, loaded.data, loaded.rng       # rng is None unless the layout is unchanged
+    loaded.local                               # state["local"] of this rank, likewise
 
 Every rank constructs the manager at the same point (it creates the checkpoint process
 group) and calls ``save`` / ``load`` / ``latest_valid`` together.
@@ -65,6 +66,8 @@ class LoadedCheckpoint:
     manifest: Manifest
     rng: dict | None = None
     """This rank's RNG state; None when the layout changed (or none was stored)."""
+    local: dict | None = None
+    """This rank's ``local`` tensors; None when the layout changed (empty when none were stored)."""
     fresh_optimizer_state: list[str] = field(default_factory=list)
     """Parameters of this rank that had no stored optimiser state."""
 
@@ -92,10 +95,10 @@ class CheckpointManager:
 
     # ---- save ------------------------------------------------------------------------------
     def save(self, step: int, state: dict, metadata: dict, *, blocking: bool = True) -> Path:
-        """Save ``state`` (model, optimizer, data, rng) as step ``step``; returns the step
-        directory. With ``async_save`` and ``blocking=False`` the write continues in the
-        background after a snapshot and the directory appears when it is committed."""
-        from megatron_s2.checkpoint.sharded_state import model_shards, optimizer_shards, rng_shards
+        """Save ``state`` (model, optimizer, data, rng, local: this rank's other tensors) as step
+        ``step``; returns the step directory. With ``async_save`` and ``blocking=False`` the write
+        continues in the background after a snapshot and the directory appears when it is committed."""
+        from megatron_s2.checkpoint.sharded_state import local_shards, model_shards, optimizer_shards, rng_shards
 
         self.wait()
         background = self.writer is not None and not blocking
@@ -104,6 +107,8 @@ class CheckpointManager:
             shards.update(optimizer_shards(state["optimizer"], snapshot=background))
         if state.get("rng") is not None:
             shards.update(rng_shards(state["rng"], self.rank))
+        if state.get("local"):
+            shards.update(local_shards(state["local"], self.rank))
         manifest = Manifest(step=step, world_size=self.world_size, layout=metadata.get("layout", self.layout),
                             config=metadata.get("config", {}), data=state.get("data"),
                             has_optimizer=state.get("optimizer") is not None,
@@ -231,7 +236,14 @@ class CheckpointManager:
         """Fill ``model`` (and ``optimizer``'s state) from the checkpoint at ``path``, whatever
         layout wrote it. Refuses uncommitted, corrupted or incompatible checkpoints."""
         from megatron_s2.checkpoint.dcp_io import load_shards, read_index  # torch.distributed.checkpoint: on use
-        from megatron_s2.checkpoint.sharded_state import model_shards, optimizer_targets, rng_from_tensors, rng_targets
+        from megatron_s2.checkpoint.sharded_state import (
+            local_from_tensors,
+            local_targets,
+            model_shards,
+            optimizer_targets,
+            rng_from_tensors,
+            rng_targets,
+        )
 
         self.wait()
         path = Path(path)
@@ -254,12 +266,14 @@ class CheckpointManager:
         same_layout = (manifest.layout == self.layout and manifest.world_size == self.world_size
                        and manifest.rng_ranks == self.world_size)
         rng = rng_targets(index, self.rank) if same_layout else {}
-        load_shards({**targets, **(opt.shards if opt else {}), **rng}, path, self.group)
+        local = local_targets(index, self.rank) if same_layout else {}
+        load_shards({**targets, **(opt.shards if opt else {}), **rng, **local}, path, self.group)
         if opt:
             opt.apply()
         barrier(self.group)
-        return LoadedCheckpoint(path, manifest, rng_from_tensors(rng) if rng else None,
-                                opt.fresh if opt else [])
+        return LoadedCheckpoint(path, manifest, rng=rng_from_tensors(rng) if rng else None,
+                                fresh_optimizer_state=opt.fresh if opt else [],
+                                local=local_from_tensors(local, self.rank) if same_layout else None)
 
     def _uncovered(self, index, requested: set[str], with_optimizer: bool, path: Path) -> str | None:
         """Stored tensors no rank asked for (a layout that would silently drop state): one

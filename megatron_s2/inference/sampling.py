@@ -7,10 +7,13 @@ importance weights). Greedy decoding (``temperature == 0``) samples from a point
 there the log-prob (and the optional top-N) is reported under the model's unscaled
 distribution ``log_softmax(logits)``, as vLLM does.
 
-Each request owns a ``torch.Generator`` on the model's device, seeded from its ``seed`` (or
-from the engine's seed and the request's arrival number): a request's samples depend only on
-its own logits and seed, not on which other requests share the batch, and the generator state
-survives pause / weight update / resume.
+Each request owns a ``torch.Generator`` on the model's device and a seed (its ``seed``, or one
+derived from the engine's seed and the request's arrival number). The token at position ``i``
+of the request's sequence (prompt included) is drawn with that generator reseeded from
+:func:`position_seed` ``(seed, i)``: a sample depends only on its own logits, seed and position
+— not on which other requests share the batch, nor on how many draws came before it — so a
+request re-submitted with its generated prefix appended (a rollout resumed after a restart,
+report §5.2.1) continues exactly as the uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from megatron_s2.config.schema import ConfigError
 
-__all__ = ["SamplingParams", "SampledToken", "sample_next"]
+__all__ = ["SamplingParams", "SampledToken", "sample_next", "position_seed"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,18 @@ def sampling_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
         drop = order[before >= params.top_p]         # the most likely token is always kept
         scaled = scaled.index_fill(0, drop, float("-inf"))
     return torch.log_softmax(scaled, dim=-1).float()
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """Seed of the draw at ``position`` of a request seeded with ``seed``: SplitMix64's finaliser
+    over both, so neighbouring seeds and positions give unrelated streams."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(position) + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1  # 63 bits: what manual_seed takes on every device
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> SampledToken:

@@ -101,6 +101,7 @@ class PosttrainTrainer(Trainer):
                                          samples_per_level=effort.samples_per_level if effort else 0,
                                          group_filter=group_filter)
         self.data = _OrchestratorState(self)
+        self.pending_caches: dict | None = None
         self.started = False
         self.eval_file = self.run_dir / "eval.jsonl"
         self.rollout_file = self.run_dir / "rollouts.jsonl"
@@ -126,6 +127,18 @@ class PosttrainTrainer(Trainer):
                                                      what=environment_key(kind, rollout, name))
                              for name in rollout.dataset_names()}
         check_posttrain_inputs(self.recipe, self.tokenizer, environments=self.environments)
+
+    def local_state(self) -> dict | None:
+        """The rollout engine's caches of this rank's in-flight samples (saved while it is paused),
+        so that a resumed run continues them bit for bit instead of re-prefilling their prefixes
+        under newer weights than the ones that computed their KV (report §5.2.3)."""
+        if not isinstance(self.backend, EngineBackend):
+            return None
+        return {f"rollout.{k}": v for k, v in self.backend.cache_states().items()}
+
+    def load_local_state(self, tensors: dict | None) -> None:
+        self.pending_caches = None if tensors is None else \
+            {k[len("rollout."):]: v for k, v in tensors.items() if k.startswith("rollout.")}
 
     # ---- set-up ---------------------------------------------------------------------------------------
     def _setup_rollout(self) -> None:
@@ -218,11 +231,19 @@ class PosttrainTrainer(Trainer):
             if state["policy_version"] != self.step:
                 raise ConfigError(f"checkpoint: its orchestrator is at policy version {state['policy_version']}, "
                                   f"the model at step {self.step}; the checkpoint is inconsistent")
+            if self.pending_caches is not None and isinstance(self.backend, EngineBackend):
+                self.backend.load_cache_states(self.pending_caches)
             self.orchestrator.load_state_dict(state)
-            self.data.pending = None
-            ledger = self.orchestrator.ledger
+            self.data.pending = self.pending_caches = None
+            ledger, restored = self.orchestrator.ledger, getattr(self.backend, "restored", None)
+            exact = f" ({restored['exact']} on this rank from their engine state)" if restored else ""
             self.log(f"rollout: orchestrator restored at version {self.step} ({len(self.orchestrator.groups)} open "
-                     f"groups, {self.orchestrator.in_flight} samples in flight, ledger {ledger})")
+                     f"groups, {self.orchestrator.in_flight} samples in flight{exact}, ledger {ledger})")
+            if restored and restored["prefilled"]:
+                self.log(f"rollout: {restored['prefilled']} in-flight samples of this rank are re-prefilled from their "
+                         "tokens (no saved engine state fits them: the layout or the engine settings changed, or "
+                         "the model family cannot save it), so they continue close to, not exactly as, the "
+                         "interrupted run")
         self.started = True
 
     # ---- one step --------------------------------------------------------------------------------------
@@ -380,7 +401,11 @@ class PosttrainTrainer(Trainer):
 
     def write_run_files(self) -> None:
         super().write_run_files()
-        if self.is_main:  # records of an attempt that died after its last checkpoint
-            for path in (self.eval_file, self.rollout_file):
-                if path.exists():
-                    truncate_jsonl(path, self.step)
+        if not self.is_main:
+            return
+        # Records of an attempt that died after its last checkpoint. An evaluation at step s >= 1
+        # is written before step s's checkpoint, so it stays; the one at step 0 runs again whenever
+        # the run starts from step 0 (no checkpoint yet), so the dead attempt's copy goes.
+        for path, keep in ((self.rollout_file, self.step), (self.eval_file, self.step if self.step else -1)):
+            if path.exists():
+                truncate_jsonl(path, keep)

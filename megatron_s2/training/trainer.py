@@ -139,9 +139,17 @@ class Trainer:
     # ---- checkpoint -----------------------------------------------------------------------------
     def state(self) -> dict:
         """What a checkpoint holds: the model and optimiser (sharded tensors), the data
-        iterator's layout-independent state, this rank's RNG states and the step."""
+        iterator's layout-independent state, this rank's RNG states and other rank-local
+        tensors (:meth:`local_state`), and the step."""
         return {"model": self.model, "optimizer": self.optimizer, "data": self.data.state_dict(),
-                "rng": rng_state(), "step": self.step}
+                "rng": rng_state(), "local": self.local_state(), "step": self.step}
+
+    def local_state(self) -> dict | None:
+        """Tensors of this rank only, restored on the same layout (:meth:`load_local_state`)."""
+        return None
+
+    def load_local_state(self, tensors: dict | None) -> None:
+        """What :meth:`local_state` saved; None when the layout changed since."""
 
     def save(self) -> Path:
         if self.checkpoints.last_saved_step == self.step:  # preempted right after an interval save
@@ -180,6 +188,7 @@ class Trainer:
             loaded = self.checkpoints.load(path, self.model, self.optimizer if full else None)
             if full:
                 self.data.load_state_dict(loaded.data)
+                self.load_local_state(loaded.local)
         except (CheckpointError, DataError) as exc:
             raise ConfigError(f"{key}: cannot {'resume' if full else 'initialise'} from {path}: {exc}; run it with "
                               "the recipe it was saved with (its config.yaml), or use a new --run-dir") from None

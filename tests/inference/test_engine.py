@@ -90,6 +90,20 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(model):
     assert batch[1].token_ids != batch[0].token_ids
 
 
+def test_a_request_resubmitted_with_its_generated_prefix_draws_the_same_continuation(model):
+    """A seeded draw depends on (seed, position) only: a request re-submitted after a restart with
+    its first tokens appended to the prompt (an RL rollout resumed from a checkpoint, report
+    §5.2.1) draws the tokens the uninterrupted request drew, although that one had already made
+    the earlier draws."""
+    (whole,) = InferenceEngine(model, engine_config()).generate(
+        [PROMPTS[3]], SamplingParams(max_tokens=10, temperature=1.0, seed=7))
+    for cut in (1, 4):
+        (tail,) = InferenceEngine(model, engine_config()).generate(
+            [PROMPTS[3] + whole.token_ids[:cut]], SamplingParams(max_tokens=10 - cut, temperature=1.0, seed=7))
+        assert tail.token_ids == whole.token_ids[cut:], cut
+        assert torch.allclose(torch.tensor(tail.logprobs), torch.tensor(whole.logprobs[cut:]), atol=1e-5)
+
+
 def test_stop_strings_stop_tokens_and_eos(model):
     text = lambda ids: "".join(chr(97 + t % 26) for t in ids)  # noqa: E731 - a toy detokenizer
     greedy = InferenceEngine(model, engine_config()).generate([PROMPTS[2]], SamplingParams(max_tokens=8, temperature=0))
