@@ -14,7 +14,7 @@ may carry ``reasoning_effort`` (report §5.1.4: an integer 1..100).
 from __future__ import annotations
 
 from megatron_s2.serve.errors import BadRequest
-from megatron_s2.serve.fields import Fields
+from megatron_s2.serve.fields import Fields, shown, shown_text
 
 __all__ = ["has_chat_template", "chat_prompt_ids"]
 
@@ -51,7 +51,8 @@ def _messages(value) -> list[dict]:
             raise BadRequest(f"{where}: must be an object with role and content", param=where)
         role = message.get("role")
         if role not in ROLES:
-            raise BadRequest(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
+            raise BadRequest(f"{where}.role: must be one of {', '.join(ROLES)}, got {shown(role)}",
+                             param=f"{where}.role")
         clean = {"role": role}
         content = message.get("content")
         if content is None and not (role == "assistant" and message.get("tool_calls")):
@@ -80,5 +81,6 @@ def chat_prompt_ids(tokenizer, f: Fields) -> list[int]:
     try:
         ids = tokenizer.apply_chat_template(messages, **options)
     except Exception as exc:  # the template's own refusal (unknown role, bad tool call, ...)
-        raise BadRequest(f"messages: the chat template cannot render them ({exc})", param="messages") from None
+        raise BadRequest(f"messages: the chat template cannot render them ({shown_text(str(exc), 200)})",
+                         param="messages") from None
     return [int(t) for t in ids]
