@@ -13,6 +13,8 @@ may carry ``reasoning_effort`` (report §5.1.4: an integer 1..100).
 
 from __future__ import annotations
 
+from typing import Callable
+
 from megatron_s2.serve.errors import BadRequest
 from megatron_s2.serve.fields import Fields, shown, shown_text
 
@@ -65,9 +67,13 @@ def _messages(value) -> list[dict]:
     return out
 
 
-def chat_prompt_ids(tokenizer, f: Fields) -> list[int]:
+def chat_prompt_ids(tokenizer, f: Fields, refuse_overlong: Callable[[list[str], str], None]) -> list[int]:
     """Token ids of the request's conversation, ending with the assistant generation prompt
-    (``add_generation_prompt``, default true)."""
+    (``add_generation_prompt``, default true).
+
+    The conversation is rendered to text first and ``refuse_overlong`` sees that text before it is
+    tokenised: whatever field holds the bulk (``content``, ``reasoning_content``, tool-call
+    ``arguments``), a chat that cannot fit the context is refused without tokenising megabytes."""
     if not has_chat_template(tokenizer):
         raise BadRequest(f"messages: this model has no chat template (its tokenizer {type(tokenizer).__name__} "
                          "defines none); use /v1/completions with a text or token-id prompt", param="messages")
@@ -78,9 +84,13 @@ def chat_prompt_ids(tokenizer, f: Fields) -> list[int]:
     options = {"add_generation_prompt": f.bool("add_generation_prompt", True)}
     if effort is not None:
         options["reasoning_effort"] = effort
+    refuse_overlong([_render(tokenizer, messages, options, tokenize=False)], "messages")
+    return [int(t) for t in _render(tokenizer, messages, options, tokenize=True)]
+
+
+def _render(tokenizer, messages: list[dict], options: dict, *, tokenize: bool):
     try:
-        ids = tokenizer.apply_chat_template(messages, **options)
+        return tokenizer.apply_chat_template(messages, tokenize=tokenize, **options)
     except Exception as exc:  # the template's own refusal (unknown role, bad tool call, ...)
         raise BadRequest(f"messages: the chat template cannot render them ({shown_text(str(exc), 200)})",
                          param="messages") from None
-    return [int(t) for t in ids]

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from megatron_s2.inference.request import CompletedRequest
+from megatron_s2.inference.sampling import SamplingParams
 from megatron_s2.serve.backend import ClientDisconnected, Generation
 from megatron_s2.serve.chat import chat_prompt_ids
 from megatron_s2.serve.errors import HTTPError
@@ -65,19 +66,33 @@ class _Options:
         refuse_unsupported_sampling(f)
 
 
-def _submit(gen: Generation, state: ServerState, f: Fields, prompts: list[list[int]], opts: _Options,
-            prompt_field: str, max_tokens_keys=("max_tokens",), default_max_tokens: int | None = None) -> None:
+Choice = tuple[int, list[int], SamplingParams]
+"""One engine request of an HTTP request: (choice index, prompt ids, sampling parameters)."""
+
+
+def _choices(state: ServerState, f: Fields, prompts: list[list[int]], opts: _Options, prompt_field: str,
+             max_tokens_keys=("max_tokens",), default_max_tokens: int | None = None) -> list[Choice]:
+    """Every choice's sampling parameters, validated (context length, limits) before the request
+    costs anything: choice ``p * n + j`` is sample ``j`` of prompt ``p``."""
     state.refuse_unqueueable(len(prompts) * opts.n, "n" if len(prompts) == 1 else prompt_field)
-    for p, prompt in enumerate(prompts):
-        for j in range(opts.n):
+    choices = []
+    for prompt_index, prompt in enumerate(prompts):
+        for sample in range(opts.n):
             params = build_sampling(f, prompt_len=len(prompt), max_model_len=state.max_model_len,
                                     vocab_size=state.vocab_size, logprobs=opts.logprobs or 0, strict_total=True,
-                                    prompt_field=prompt_field, seed_offset=j, max_tokens_keys=max_tokens_keys,
+                                    prompt_field=prompt_field, seed_offset=sample, max_tokens_keys=max_tokens_keys,
                                     default_max_tokens=default_max_tokens, max_stops=state.config.max_stops)
-            gen.add(p * opts.n + j, prompt, params)
+            choices.append((prompt_index * opts.n + sample, prompt, params))
+    return choices
+
+
+def _submit(gen: Generation, choices: list[Choice]) -> None:
+    for tag, prompt, params in choices:
+        gen.add(tag, prompt, params)
 
 
 def _usage(prompts: list[list[int]], completion_tokens: int) -> dict:
+    """vLLM's usage: each prompt counted once, however many choices share it."""
     prompt_tokens = sum(len(p) for p in prompts)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -168,13 +183,14 @@ async def completions(state: ServerState, request):
     scoring = read_prompt_logprobs(f, state.config.max_logprobs)
     if scoring is not None and opts.stream:
         f.fail("prompt_logprobs", "not returned when streaming; set stream: false")
+    choices = _choices(state, f, prompts, opts, "prompt", default_max_tokens=16)  # OpenAI's default for completions
     scored = None
-    if scoring is not None:  # before any engine request: a failure leaves nothing to abort
+    if scoring is not None:  # after the checks, before any engine request: a failure leaves nothing to abort
         scored = await prompt_logprobs(state, prompts, scoring)
     stop = f.strings("stop")
     rid, created = new_id("cmpl"), int(time.time())
     gen = Generation(state.backend, rid, request, state.config.disconnect_poll_s)
-    _submit(gen, state, f, prompts, opts, "prompt", default_max_tokens=16)  # OpenAI's default for completions
+    _submit(gen, choices)
     tags = list(range(len(prompts) * opts.n))
     base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     tok = state.tokenizer
@@ -203,7 +219,7 @@ async def completions(state: ServerState, request):
             if scored is not None:
                 choice["prompt_logprobs"] = scored[tag // opts.n]
             choices.append(choice)
-        usage = _usage([prompts[t // opts.n] for t in tags], sum(len(done[t].token_ids) for t in tags))
+        usage = _usage(prompts, sum(len(done[t].token_ids) for t in tags))
         return JSONResponse({**base, "choices": choices, "usage": usage})
 
     async def events():
@@ -226,24 +242,13 @@ async def completions(state: ServerState, request):
             first.discard(tag)
             yield sse({**base, "choices": [choice]})
         if opts.usage_chunk:
-            yield sse({**base, "choices": [], "usage": _usage([prompts[t // opts.n] for t in tags], generated)})
+            yield sse({**base, "choices": [], "usage": _usage(prompts, generated)})
         yield SSE_DONE
 
     return _event_stream(gen, events())
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------
-def _contents(messages: list) -> list[str]:
-    """The text contents of a chat's messages (what the template renders verbatim)."""
-    out = []
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        parts = content if isinstance(content, list) else [content]
-        out += [p if isinstance(p, str) else p.get("text") for p in parts
-                if isinstance(p, str) or (isinstance(p, dict) and isinstance(p.get("text"), str))]
-    return out
-
-
 async def chat_completions(state: ServerState, request):
     f = Fields(await read_json_object(request, state.config.max_body_bytes))
     state.check_model(f)
@@ -258,16 +263,14 @@ async def chat_completions(state: ServerState, request):
                         "/inference/v1/generate")
     f.refuse_unless_default("response_format", {"type": "text"}, "structured output is not implemented")
     messages = f.raw("messages")
-    if isinstance(messages, list):  # the contents alone already too long for the context
-        state.refuse_overlong_text(_contents(messages), "messages")
-        if len(messages) >= state.max_model_len:  # every message renders at least its role marker
-            f.fail("messages", f"{len(messages)} messages cannot fit this model's maximum context length of "
-                               f"{state.max_model_len} tokens; send fewer")
-    prompt = await run_in_threadpool(chat_prompt_ids, state.tokenizer, f)
+    if isinstance(messages, list) and len(messages) >= state.max_model_len:  # each renders at least a role marker
+        f.fail("messages", f"{len(messages)} messages cannot fit this model's maximum context length of "
+                           f"{state.max_model_len} tokens; send fewer")
+    prompt = await run_in_threadpool(chat_prompt_ids, state.tokenizer, f, state.refuse_overlong_text)
     stop = f.strings("stop")
     rid, created = new_id("chatcmpl"), int(time.time())
     gen = Generation(state.backend, rid, request, state.config.disconnect_poll_s)
-    _submit(gen, state, f, [prompt], opts, "messages", ("max_completion_tokens", "max_tokens"))
+    _submit(gen, _choices(state, f, [prompt], opts, "messages", ("max_completion_tokens", "max_tokens")))
     tags = list(range(opts.n))
     base = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
     tok = state.tokenizer

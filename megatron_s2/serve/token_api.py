@@ -106,14 +106,14 @@ async def generate(state: ServerState, request):
     routing = state.config.return_routed_experts or sp.bool("return_routed_experts")
     scoring = read_prompt_logprobs(sp, state.config.max_logprobs)
     rid = f.str("request_id") or new_id("gen")
+    choices = [build_sampling(sp, prompt_len=len(prompt), max_model_len=state.max_model_len, vocab_size=state.vocab_size,
+                              logprobs=logprobs or 0, strict_total=False, prompt_field="token_ids", seed_offset=sample,
+                              record_routing=routing, max_stops=state.config.max_stops)
+               for sample in range(n)]  # checked (context length, limits) before the prompt is scored
     scored = None if scoring is None else (await prompt_logprobs(state, [prompt], scoring))[0]
     gen = Generation(state.backend, new_id(rid), request, state.config.disconnect_poll_s)
-    for j in range(n):
-        params = build_sampling(sp, prompt_len=len(prompt), max_model_len=state.max_model_len,
-                                vocab_size=state.vocab_size, logprobs=logprobs or 0, strict_total=False,
-                                prompt_field="token_ids", seed_offset=j, record_routing=routing,
-                                max_stops=state.config.max_stops)
-        gen.add(j, prompt, params)
+    for sample, params in enumerate(choices):
+        gen.add(sample, prompt, params)
     done = {j: CompletedRequest(f"{rid}-{j}", prompt) for j in range(n)}
     try:
         async for tag, out in gen.events():

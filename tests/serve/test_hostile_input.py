@@ -289,3 +289,65 @@ def test_a_client_that_leaves_mid_upload_is_not_an_error(server):
     assert any("left before" in r.getMessage() for r in records), [r.getMessage() for r in records]
     assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage()[:200] for r in records]
     assert healthy(server)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": [3 + i % 400 for i in range(300)], "max_tokens": 1, "prompt_logprobs": 0}),
+    ("/v1/completions", {"prompt": [[1, 2, 3], [3 + i % 400 for i in range(300)]], "max_tokens": 1,
+                         "prompt_logprobs": 0}),
+    ("/inference/v1/generate", {"token_ids": [3 + i % 400 for i in range(300)],
+                                "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0}}),
+])
+def test_prompt_logprobs_check_the_context_length_before_the_forward(server, monkeypatch, path, body):
+    """30,000 prompt tokens were scored (111 s in which every client stalled, +1.5 GB) before
+    the context-length check answered 400: the check comes first now."""
+    import megatron_s2.serve.prompt_logprobs as scoring
+
+    forwards = []
+    monkeypatch.setattr(scoring, "_score", lambda *args: forwards.append(args) or [])
+    r = post(server, path, {"model": "tiny", **body})
+    assert r.status_code == 400, r.text
+    assert "maximum context length is 256 tokens" in r.json()["error"]["message"]
+    assert not forwards
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "assistant", "content": "ok", "reasoning_content": "thinking " * 40_000},
+    {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": '{"x": "' + "y" * 400_000 + '"}'}}]},
+    {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": {"x": "y" * 400_000}}}]},
+])
+def test_a_chat_over_the_context_is_refused_before_it_is_tokenised_whatever_field_holds_it(server, monkeypatch,
+                                                                                            message):
+    """The over-length pre-check counted only ``content``: 8 MB of reasoning or tool-call
+    arguments were rendered and tokenised (26 s, +1.4 GB) before the 400."""
+    tokenizer = server.state.tokenizer
+    encoded = []
+    original = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text: encoded.append(len(text)) or original(text))
+    chat = [{"role": "user", "content": "hi"}, message, {"role": "user", "content": "and now?"}]
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": chat, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    text = r.json()["error"]["message"]
+    assert text.startswith("messages: This model's maximum context length is 256 tokens") and "at least" in text
+    assert not encoded
+
+
+def test_usage_counts_the_prompt_once_whatever_n(server):
+    """``usage.prompt_tokens`` of /v1/completions was multiplied by ``n``; vLLM counts each
+    prompt once (the choices share it)."""
+    prompts = [[1, 40, 41], [1, 50, 51, 52, 53]]
+    for stream in (False, True):
+        body = {"model": "tiny", "prompt": prompts, "max_tokens": 2, "n": 3, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        r = post(server, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            usage = events[-1]["usage"]
+        else:
+            usage = r.json()["usage"]
+        assert usage["prompt_tokens"] == 3 + 5, usage
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
