@@ -14,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron_s2.cli.flag_errors import built_from_flags
 from megatron_s2.config.schema import ConfigError
 
 __all__ = ["register", "serve_command"]
@@ -22,12 +23,8 @@ __all__ = ["register", "serve_command"]
 def _engine_config(args: argparse.Namespace):
     from megatron_s2.config.engine import EngineConfig
 
-    try:
-        return EngineConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
+    return built_from_flags(EngineConfig, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                             max_model_len=args.max_model_len, prefix_caching=args.prefix_caching, seed=args.seed)
-    except ConfigError as exc:  # name the command-line option, not the dataclass field
-        field, _, rest = str(exc).partition(":")
-        raise ConfigError(f"--{field.replace('_', '-')}:{rest}") from None
 
 
 def serve_command(args: argparse.Namespace) -> int:

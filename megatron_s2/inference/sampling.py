@@ -41,7 +41,7 @@ class SamplingParams:
     top_k: int = 0
     """Keep the k most likely tokens; 0 (or -1) = all."""
     seed: int | None = None
-    """Seed of this request's generator; None = derived from the engine seed."""
+    """Seed of this request's generator, -2**63 .. 2**64-1; None = derived from the engine seed."""
     stop: tuple[str, ...] = ()
     """Stop strings: generation ends once the decoded output contains one (finish reason "stop")."""
     stop_token_ids: tuple[int, ...] = ()
@@ -66,6 +66,8 @@ class SamplingParams:
             raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ConfigError(f"top_k: must be >= 0 (0 or -1 = off), got {self.top_k}")
+        if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 64:
+            raise ConfigError(f"seed: must be in -2**63 .. 2**64-1 (what a torch.Generator takes), got {self.seed}")
         if self.logprobs < 0:
             raise ConfigError(f"logprobs: must be >= 0, got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
