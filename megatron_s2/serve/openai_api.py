@@ -18,8 +18,9 @@ Token-in / token-out, so a trainer never re-tokenises text:
 * ``prompt_logprobs: k`` (vLLM's extra field; completions, not streamed) adds
   ``choices[i].prompt_logprobs`` (:mod:`megatron_s2.serve.prompt_logprobs`).
 
-The log-prob of a sampled token is the engine's: under the distribution it was sampled from
-(temperature, top-k, top-p applied; the raw model distribution when greedy).
+The log-prob values of sampled tokens follow ``ServeConfig.logprobs_mode`` (vLLM's
+``--logprobs-mode``, default ``raw_logprobs``: the model's distribution before temperature, top-k
+and top-p; ``processed_logprobs``: the distribution the token was drawn from).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def _choices(state: ServerState, f: Fields, prompts: list[list[int]], opts: _Opt
             params = build_sampling(f, prompt_len=len(prompt), max_model_len=state.max_model_len,
                                     vocab_size=state.vocab_size, logprobs=opts.logprobs or 0, strict_total=True,
                                     prompt_field=prompt_field, seed_offset=sample, max_tokens_keys=max_tokens_keys,
-                                    default_max_tokens=default_max_tokens, max_stops=state.config.max_stops)
+                                    default_max_tokens=default_max_tokens, max_stops=state.config.max_stops,
+                                    logprobs_mode=state.config.logprobs_mode)
             choices.append((prompt_index * opts.n + sample, prompt, params))
     return choices
 

@@ -47,7 +47,8 @@ def refuse_unsupported_sampling(f: Fields) -> None:
 def build_sampling(f: Fields, *, prompt_len: int, max_model_len: int, vocab_size: int, logprobs: int,
                    strict_total: bool, prompt_field: str, seed_offset: int = 0, record_routing: bool = False,
                    max_tokens_keys: tuple[str, ...] = ("max_tokens",),
-                   default_max_tokens: int | None = None, max_stops: int = 128) -> SamplingParams:
+                   default_max_tokens: int | None = None, max_stops: int = 128,
+                   logprobs_mode: str = "raw_logprobs") -> SamplingParams:
     """The engine's sampling parameters of one choice; without ``max_tokens`` it generates
     ``default_max_tokens`` (None = to the end of the context)."""
     room = check_prompt_length(prompt_len, max_model_len, prompt_field)
@@ -83,6 +84,7 @@ def build_sampling(f: Fields, *, prompt_len: int, max_model_len: int, vocab_size
             stop_token_ids=tuple(stop_ids),
             ignore_eos=f.bool("ignore_eos"),
             logprobs=logprobs,
+            logprobs_mode=logprobs_mode,
             record_routing=record_routing,
         )
     except ConfigError as exc:  # messages start with the field name

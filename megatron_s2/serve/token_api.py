@@ -108,7 +108,8 @@ async def generate(state: ServerState, request):
     rid = f.str("request_id") or new_id("gen")
     choices = [build_sampling(sp, prompt_len=len(prompt), max_model_len=state.max_model_len, vocab_size=state.vocab_size,
                               logprobs=logprobs or 0, strict_total=False, prompt_field="token_ids", seed_offset=sample,
-                              record_routing=routing, max_stops=state.config.max_stops)
+                              record_routing=routing, max_stops=state.config.max_stops,
+                              logprobs_mode=state.config.logprobs_mode)
                for sample in range(n)]  # checked (context length, limits) before the prompt is scored
     scored = None if scoring is None else (await prompt_logprobs(state, [prompt], scoring))[0]
     gen = Generation(state.backend, new_id(rid), request, state.config.disconnect_poll_s)

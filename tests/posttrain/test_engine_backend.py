@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -185,6 +187,26 @@ def test_a_restarted_backend_continues_paused_samples_bit_for_bit_from_their_sav
     assert [s.state_dict() for s in restart(caches)] == [s.state_dict() for s in reference]
     prefilled = restart(None)
     assert [s.logprobs for s in prefilled] != [s.logprobs for s in reference]
+
+
+def test_behaviour_log_probs_are_those_of_the_sampling_distribution():
+    """The loss needs the log-prob of each token under the distribution it was drawn from
+    (temperature applied): the rollout pins ``logprobs_mode="processed_logprobs"``, whatever the
+    engine's or a server's default (vLLM's, and ``megatron-s2 serve``'s, is the raw distribution)."""
+    model = build_model(tiny_config(), seed=5)
+    backend = make_backend(model, {"add": task_env()})
+    backend.submit([dataclasses.replace(request(4, 1, max_new=8), temperature=0.6)])
+    (s,) = drain(backend)
+    ids = torch.tensor(s.tokens)
+    with torch.no_grad():
+        ctx = ForwardContext.create(ids[:-1].unsqueeze(0), model.plan, routing=s.routing.to_replay())
+        logits = model.eval()(ids[:-1].unsqueeze(0), ctx)[0].double()
+    sampled = torch.log_softmax(logits / 0.6, -1).gather(1, ids[1:, None])[:, 0]
+    raw = torch.log_softmax(logits, -1).gather(1, ids[1:, None])[:, 0]
+    mask = torch.tensor(s.policy_mask[1:])
+    behaviour = torch.tensor(s.logprobs[1:], dtype=torch.float64)
+    assert (behaviour - sampled)[mask].abs().max() <= 1e-4
+    assert (behaviour - raw)[mask].abs().max() > 1e-2  # the raw distribution is another number
 
 
 class _EchoEpisode(Episode):

@@ -235,8 +235,9 @@ class EngineBackend:
         # One stream per model call of the episode; the engine keys each draw by the token's position
         # too, so a call restored with its carried prefix continues exactly as it would have.
         seed = (req.seed + 1_000_003 * session.calls) % (2 ** 63)
+        # the loss needs the behaviour log-prob under the distribution each token was drawn from
         params = SamplingParams(max_tokens=min(budget, room), temperature=req.temperature, top_p=req.top_p,
-                                seed=seed, record_routing=self.record_routing)
+                                seed=seed, record_routing=self.record_routing, logprobs_mode="processed_logprobs")
         session.prompt, session.rid, session.carried = list(prompt), rid, carried
         session.call, session.fed_versions = CompletedRequest(rid, list(prompt)), {}
         if session.calls == 0 and carried is None and self.decoder_replay:
