@@ -62,6 +62,9 @@ class SamplingParams:
     """Keep generating after the end-of-sequence token."""
     logprobs: int = 0
     """Also report the top-N log-probs of every generated position (0 = only the sampled token's)."""
+    logprob_token_ids: tuple[int, ...] = ()
+    """Report these tokens' values at every generated position instead of the top-N (vLLM's
+    ``logprob_token_ids``: a fixed label set, e.g. the answer letters of a classifier)."""
     logprobs_mode: str = "processed_logprobs"
     """What the reported values are (module docstring): ``processed_logprobs`` (the sampling
     distribution), ``raw_logprobs``, ``processed_logits`` or ``raw_logits``."""
@@ -73,6 +76,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logprob_token_ids", tuple(int(t) for t in self.logprob_token_ids))
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens: must be >= 1, got {self.max_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -162,7 +166,9 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         token = int(torch.multinomial(logp.exp(), 1, generator=generator))
     values = reported_values(logits, params, logp)
     top = []
-    if params.logprobs:
+    if params.logprob_token_ids:  # a fixed label set, in the order asked (impossible ones included)
+        top = [(token_id, float(values[token_id])) for token_id in params.logprob_token_ids]
+    elif params.logprobs:
         best, ids = values.topk(min(params.logprobs, values.numel()))
         top = [(int(i), float(v)) for i, v in zip(ids, best) if math.isfinite(float(v))]
     return SampledToken(token, float(values[token]), top)

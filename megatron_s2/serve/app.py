@@ -5,8 +5,8 @@ route                      answers
 =========================  =======================================================================
 GET  /v1/models            the served model, with ``max_model_len`` (vLLM's ModelCard extension,
                            which renderers reads for its over-long-prompt pre-flight)
-POST /v1/completions       :func:`megatron_s2.serve.openai_api.completions`
-POST /v1/chat/completions  :func:`megatron_s2.serve.openai_api.chat_completions`
+POST /v1/completions       :func:`megatron_s2.serve.completions_api.completions`
+POST /v1/chat/completions  :func:`megatron_s2.serve.chat_api.chat_completions`
 POST /inference/v1/generate  :func:`megatron_s2.serve.token_api.generate`
 GET  /health               200 while the engine driver runs, 503 with the reason after it died
 GET  /stats                engine and server counters (running / waiting requests, free KV pages,
@@ -35,7 +35,8 @@ from starlette.requests import ClientDisconnect
 
 from megatron_s2.serve.errors import HTTPError, error_body
 from megatron_s2.serve.fields import shown_text
-from megatron_s2.serve.openai_api import chat_completions, completions
+from megatron_s2.serve.chat_api import chat_completions
+from megatron_s2.serve.completions_api import completions
 from megatron_s2.serve.state import ServerState
 from megatron_s2.serve.token_api import generate
 

@@ -8,13 +8,18 @@ or token ids) or render client-side and call ``/inference/v1/generate``.
 Messages are checked before rendering: ``role`` in system / user / assistant / tool, text
 ``content`` (a string or a list of ``{"type": "text"}`` parts), and the assistant fields the
 template reads (``reasoning_content``, ``tool_calls``) passed through. ``chat_template_kwargs``
-may carry ``reasoning_effort`` (report §5.1.4: an integer 1..100).
+may carry ``reasoning_effort`` (report §5.1.4: an integer 1..100). vLLM's rendering fields:
+``add_generation_prompt`` (default true), ``continue_final_message`` (the prompt ends inside the
+last message, so the model continues it: the rendered text is cut after that message's content,
+as transformers does), ``add_special_tokens`` (default false for chat: ``<bos>`` on top of what
+the template writes).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+from megatron_s2.data.hf_tokenizer import HFTokenizer
 from megatron_s2.serve.errors import BadRequest
 from megatron_s2.serve.fields import Fields, shown, shown_text
 
@@ -68,8 +73,7 @@ def _messages(value) -> list[dict]:
 
 
 def chat_prompt_ids(tokenizer, f: Fields, refuse_overlong: Callable[[list[str], str], None]) -> list[int]:
-    """Token ids of the request's conversation, ending with the assistant generation prompt
-    (``add_generation_prompt``, default true).
+    """Token ids of the request's conversation (module docstring).
 
     The conversation is rendered to text first and ``refuse_overlong`` sees that text before it is
     tokenised: whatever field holds the bulk (``content``, ``reasoning_content``, tool-call
@@ -81,11 +85,42 @@ def chat_prompt_ids(tokenizer, f: Fields, refuse_overlong: Callable[[list[str], 
     kwargs = f.object("chat_template_kwargs")
     kwargs.only(set(TEMPLATE_KWARGS))
     effort = kwargs.int("reasoning_effort", None, minimum=1, maximum=100)
+    continue_final = f.bool("continue_final_message")
     options = {"add_generation_prompt": f.bool("add_generation_prompt", True)}
+    if continue_final and options["add_generation_prompt"]:
+        f.fail("continue_final_message", "cannot be combined with add_generation_prompt (true by default); set "
+                                         "add_generation_prompt: false")
     if effort is not None:
         options["reasoning_effort"] = effort
-    refuse_overlong([_render(tokenizer, messages, options, tokenize=False)], "messages")
-    return [int(t) for t in _render(tokenizer, messages, options, tokenize=True)]
+    text = _render(tokenizer, messages, options, tokenize=False)
+    refuse_overlong([text], "messages")
+    if continue_final:
+        ids = tokenizer.encode(_cut_after_final_message(tokenizer, text, messages))
+    else:
+        ids = [int(t) for t in _render(tokenizer, messages, options, tokenize=True)]
+    bos = getattr(tokenizer, "bos_id", None)
+    return ([bos] if f.bool("add_special_tokens") and bos is not None else []) + ids
+
+
+def _cut_after_final_message(tokenizer, text: str, messages: list[dict]) -> str:
+    """The rendered conversation up to the end of the last message's content (what the model
+    continues), as transformers' ``continue_final_message`` cuts it."""
+    if not _renders_text(tokenizer):
+        raise BadRequest(f"continue_final_message: this model's tokenizer ({type(tokenizer).__name__}) renders "
+                         "chats to token ids, not text that can be cut; render client-side and send token ids",
+                         param="continue_final_message")
+    final = messages[-1].get("content") or ""
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise BadRequest("continue_final_message: the last message's content does not appear in the rendered "
+                         "chat (an empty message, or a template that rewrites it)", param="continue_final_message")
+    return text[:at + len(final)]
+
+
+def _renders_text(tokenizer) -> bool:
+    """Whether the rendered chat text encodes back to the template's ids (a Hugging Face
+    template renders text; the character tokenizer renders ids and only spells them)."""
+    return isinstance(tokenizer, HFTokenizer)
 
 
 def _render(tokenizer, messages: list[dict], options: dict, *, tokenize: bool):

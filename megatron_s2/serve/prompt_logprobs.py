@@ -35,7 +35,8 @@ from megatron_s2.serve.errors import HTTPError, RequestFailed
 from megatron_s2.serve.fields import Fields
 from megatron_s2.serve.text import finite_logprob, token_text
 
-__all__ = ["PromptLogprobs", "ScoredPrompt", "read_prompt_logprobs", "prompt_logprobs", "score_prompts"]
+__all__ = ["PromptLogprobs", "ScoredPrompt", "read_prompt_logprobs", "prompt_logprobs", "score_prompts",
+           "format_prompt_logprobs"]
 
 
 class PromptLogprobs:
@@ -69,6 +70,12 @@ class ScoredPrompt(NamedTuple):
     """[len - 1, k] the ``k`` most likely tokens."""
     top_values: torch.Tensor
     """[len - 1, k] their values."""
+
+    def records(self) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+        """Per prompt position, its value and the top (token, value) pairs — None for the first,
+        which nothing predicts — as an echoed prompt's log-prob records list them."""
+        tops = [list(zip(ids, values)) for ids, values in zip(self.top_ids.tolist(), self.top_values.tolist())]
+        return [None, *self.chosen.tolist()], [None, *tops]
 
 
 @torch.no_grad()
@@ -105,7 +112,7 @@ def _score(model, prompts: list[list[int]], k: int, temperature: float, max_toke
     return scored
 
 
-def _format(tokenizer, prompt: list[int], scored: ScoredPrompt, k: int) -> list[dict | None]:
+def format_prompt_logprobs(tokenizer, prompt: list[int], scored: ScoredPrompt, k: int) -> list[dict | None]:
     """vLLM's ``prompt_logprobs`` list of one prompt (module docstring)."""
     entries: list[dict | None] = [None]
     for position in range(1, len(prompt)):
@@ -140,4 +147,4 @@ async def score_prompts(state, prompts: list[list[int]], request: PromptLogprobs
 async def prompt_logprobs(state, prompts: list[list[int]], request: PromptLogprobs) -> list[list[dict | None]]:
     """The ``prompt_logprobs`` list of each prompt (module docstring)."""
     scored = await score_prompts(state, prompts, request)
-    return [_format(state.tokenizer, prompt, values, request.k) for prompt, values in zip(prompts, scored)]
+    return [format_prompt_logprobs(state.tokenizer, prompt, values, request.k) for prompt, values in zip(prompts, scored)]

@@ -64,3 +64,12 @@ def test_logprobs_modes_report_vllms_four_kinds_of_value(greedy):
 def test_an_unknown_logprobs_mode_is_refused():
     with pytest.raises(Exception, match="logprobs_mode: must be one of raw_logprobs"):
         SamplingParams(logprobs_mode="raw")
+
+
+def test_logprob_token_ids_report_a_fixed_label_set_in_order():
+    logits = torch.tensor([3.0, 2.0, 2.5, -1.0, 0.5])
+    params = SamplingParams(temperature=0, logprob_token_ids=(4, 1), logprobs_mode="raw_logprobs")
+    tok = sample_next(logits, params, torch.Generator().manual_seed(0))
+    expected = torch.log_softmax(logits, -1)
+    assert [t for t, _ in tok.top_logprobs] == [4, 1]
+    assert all(math.isclose(v, float(expected[t]), rel_tol=1e-6) for t, v in tok.top_logprobs)
