@@ -92,10 +92,12 @@ def chat_prompt_ids(tokenizer, f: Fields, refuse_overlong: Callable[[list[str], 
                                          "add_generation_prompt: false")
     if effort is not None:
         options["reasoning_effort"] = effort
-    text = _render(tokenizer, messages, options, tokenize=False)
+    text = _render(tokenizer, messages, options, tokenize=False)  # Jinja only: cheap, whatever the size
     refuse_overlong([text], "messages")
     if continue_final:
         ids = tokenizer.encode(_cut_after_final_message(tokenizer, text, messages))
+    elif _renders_text(tokenizer):  # the template's text is what gets tokenised
+        ids = tokenizer.encode(text)
     else:
         ids = [int(t) for t in _render(tokenizer, messages, options, tokenize=True)]
     bos = getattr(tokenizer, "bos_id", None)

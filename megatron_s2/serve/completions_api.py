@@ -81,8 +81,10 @@ class _Echo:
 
     def __init__(self, state: ServerState, prompts: list[list[int]], texts: list[str | None],
                  scored: list[ScoredPrompt] | None, opts: OutputOptions):
-        self.opts = opts
-        self.texts = [text if text is not None else state.tokenizer.decode(prompt, keep_special=opts.keep_special)
+        """``scored``: the prompts' values when ``logprobs`` is asked (None otherwise)."""
+        # a prompt sent as text is echoed as sent (vLLM); token ids are decoded like generated text
+        self.texts = [text if text is not None else
+                      TextStream(state.tokenizer, keep_special=opts.keep_special).push(prompt, last=True)
                       for prompt, text in zip(prompts, texts)]
         self.records = [score.records() for score in scored] if scored is not None else None
 

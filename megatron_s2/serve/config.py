@@ -62,7 +62,8 @@ class ServeConfig:
         if self.max_logprobs < 0:
             raise ConfigError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
         if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ConfigError(f"--logprobs-mode: must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+            raise ConfigError(f"--logprobs-mode: must be one of {', '.join(LOGPROBS_MODES)}, got "
+                              f"{self.logprobs_mode!r}")
         if self.prompt_logprobs_tokens < 1:
             raise ConfigError(f"prompt_logprobs_tokens: must be >= 1, got {self.prompt_logprobs_tokens}")
         if self.max_stops < 1:

@@ -147,4 +147,5 @@ async def score_prompts(state, prompts: list[list[int]], request: PromptLogprobs
 async def prompt_logprobs(state, prompts: list[list[int]], request: PromptLogprobs) -> list[list[dict | None]]:
     """The ``prompt_logprobs`` list of each prompt (module docstring)."""
     scored = await score_prompts(state, prompts, request)
-    return [format_prompt_logprobs(state.tokenizer, prompt, values, request.k) for prompt, values in zip(prompts, scored)]
+    return [format_prompt_logprobs(state.tokenizer, prompt, values, request.k)
+            for prompt, values in zip(prompts, scored)]

@@ -148,11 +148,13 @@ async def generate(state: ServerState, request):
     if scoring is not None and stream:
         sp.fail("prompt_logprobs", "not returned when streaming; set stream: false")
     rid = f.str("request_id") or new_id("gen")
-    choices = [build_sampling(sp, prompt_len=len(prompt), max_model_len=state.max_model_len, vocab_size=state.vocab_size,
-                              logprobs=num_top, strict_total=False, prompt_field="token_ids", seed_offset=sample,
-                              record_routing=routing, max_stops=state.config.max_stops,
-                              logprobs_mode=state.config.logprobs_mode, logprob_token_ids=label_set)
-               for sample in range(n)]  # checked (context length, limits) before the prompt is scored
+    # every choice checked (context length, limits) before the prompt is scored
+    choices = [build_sampling(sp, prompt_len=len(prompt), max_model_len=state.max_model_len,
+                              vocab_size=state.vocab_size, logprobs=num_top, strict_total=False,
+                              prompt_field="token_ids", seed_offset=sample, record_routing=routing,
+                              max_stops=state.config.max_stops, logprobs_mode=state.config.logprobs_mode,
+                              logprob_token_ids=label_set)
+               for sample in range(n)]
     scored = None if scoring is None else (await prompt_logprobs(state, [prompt], scoring))[0]
     gen = Generation(state.backend, new_id(rid), request, state.config.disconnect_poll_s)
     for sample, params in enumerate(choices):
