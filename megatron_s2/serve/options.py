@@ -27,7 +27,7 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "early_stopping": (False, _BEAM),
     "structured_outputs": (None, _STRUCTURED),
     "response_format": ({"type": "text"}, _STRUCTURED),
-    "priority": (0, "requests are served in arrival order (no priority scheduling)"),
+    "priority": (0, "requests are served in arrival order; there is no priority scheduling"),
     "watermarking": (False, "watermarking is not implemented"),
     "repetition_detection": (None, "repetition detection is not implemented; use stop strings or max_tokens"),
     "vllm_xargs": ({}, "no extension of this server reads custom arguments"),

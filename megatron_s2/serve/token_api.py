@@ -125,7 +125,7 @@ async def generate(state: ServerState, request):
         f.fail("token_ids", "the prompt is empty")
     stream = f.bool("stream")
     stream_usage = read_stream_usage(f, stream)
-    f.refuse_unless_default("priority", 0, "requests are served in arrival order (no priority scheduling)")
+    f.refuse_unless_default("priority", 0, "requests are served in arrival order; there is no priority scheduling")
     for key in ("features", "content_parts"):
         f.refuse_unless_default(key, None, "multimodal inputs are not supported")
     f.str("cache_salt")  # accepted: the prefix cache (off by default) is per server
