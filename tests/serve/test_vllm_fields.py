@@ -98,10 +98,11 @@ def test_a_field_the_server_cannot_honour_is_a_400_naming_it(server, path, body,
                          "structured_outputs": None, "length_penalty": 1.0}),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "none", "chat_template": None, "documents": None,
                               "continue_final_message": False, "echo": False}),
-    ("/inference/v1/generate", {"token_ids": [1, 2], "priority": 0, "stream": False}),
+    ("/inference/v1/generate", {"token_ids": [1, 2], "priority": 0, "stream": False,
+                                "sampling_params": {"max_tokens": 2, "skip_special_tokens": True}}),
 ])
 def test_neutral_values_are_accepted(server, path, body):
-    post(server, path, {"max_tokens": 2, **body})
+    post(server, path, {"max_tokens": 2, **body} if "sampling_params" not in body else body)
 
 
 # ---- echo ---------------------------------------------------------------------------------------
