@@ -57,6 +57,7 @@ class _FirstTokenEven(TaskEnvironment):
             return bool(completion) and completion[0] % 2 == 0
 
 
+@pytest.mark.slow
 def test_also_greedy_reports_the_greedy_accuracy_beside_the_sampled_one():
     ev = _evaluator(EvaluationConfig(temperature=1.0, samples_per_prompt=3, also_greedy=True))
     cfg = EnvironmentConfig(kind="task", task="addition", num_prompts=8, eval_prompts=16)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -50,6 +51,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         json.dump({"seen": seen, "calls": len(calls)}, f)
 
 
+@pytest.mark.slow
 def test_remote_teacher_log_probs_are_fetched_once_per_replica(tmp_path):
     run_distributed(4, _worker, str(tmp_path))
     out = {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)}

@@ -145,6 +145,7 @@ def _tp2_check(rank: int, world: int, dtype: torch.dtype) -> None:
             torch.testing.assert_close(gy, ry[..., sl], **tol, msg=lambda m: f"{name} grad q: {m}")
 
 
+@pytest.mark.slow
 def test_tp2_shards_match_single_rank():
     """float64 to 1e-12 and float32 to 2e-6: values and gradients of every shard."""
     run_distributed(2, _tp2_worker)

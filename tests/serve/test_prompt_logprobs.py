@@ -124,6 +124,7 @@ def test_prompts_split_into_forwards_of_bounded_tokens_score_the_same(loaded):
         assert torch.allclose(a[0], b[0], atol=1e-5, rtol=0) and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
 
 
+@pytest.mark.slow
 def test_scoring_between_engine_steps_leaves_generation_unchanged(server, in_process):
     """Prompt scoring runs on the engine's driver thread between steps: a seeded generation
     interleaved with scoring requests is the one it is alone, and the scores are exact."""

@@ -140,6 +140,7 @@ def test_endpoint_checked_once_at_start_up(server, loaded):
         RemoteTeacher("root", server.url).connect()  # the server root, not its /v1
 
 
+@pytest.mark.slow
 def test_unreachable_teacher_endpoint_exits_2_with_one_line(tmp_path):
     port = _closed_port()
     proc = subprocess.run(
@@ -153,6 +154,7 @@ def test_unreachable_teacher_endpoint_exits_2_with_one_line(tmp_path):
     assert f"opd.teachers.far.endpoint: cannot reach http://127.0.0.1:{port}/v1/models" in lines[0]
 
 
+@pytest.mark.slow
 def test_opd_trainer_step_is_the_same_with_the_teacher_served(tmp_path):
     """Through the trainer (`megatron-s2 train` of recipes/phases/opd_addition.yaml, one step): the
     same teacher checkpoint in process, then behind `megatron-s2 serve`'s app — same rollouts
