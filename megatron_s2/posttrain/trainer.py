@@ -184,13 +184,15 @@ class PosttrainTrainer(Trainer):
         from megatron_s2.posttrain.opd.remote_teacher import RemoteTeacher
 
         cfg, models, owner, temps, remote = self.section, {}, {}, {}, {}
+        evaluates = bool(cfg.eval.interval or cfg.eval.at_start)  # its KL reads a served teacher's full distribution
         for i, t in enumerate(cfg.teachers):
             if t.endpoint:  # sampled_token only (config); checked once here: exit 2 naming the field
                 remote[t.name] = RemoteTeacher(t.name, t.endpoint, temperature=t.temperature,
                                                timeout_s=t.request_timeout_s,
                                                max_concurrent_requests=t.max_concurrent_requests,
                                                rows_per_request=t.rows_per_request
-                                               ).connect(vocab_size=self.recipe.model.vocab_size)
+                                               ).connect(vocab_size=self.recipe.model.vocab_size,
+                                                         full_distribution=evaluates)
                 self.log(f"opd: teacher '{t.name}' at {t.endpoint} (model {remote[t.name].model})")
             if t.checkpoint:
                 models[t.name] = load_frozen_model(t.checkpoint, self.rollout_groups, vocab_size=self.recipe.model.vocab_size,
