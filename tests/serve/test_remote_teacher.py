@@ -205,6 +205,9 @@ def test_opd_run_is_the_same_with_the_teacher_served(tmp_path):
     assert opd_l["opd_advantage"] != 0.0
     for key in ("teacher_logprob", "opd_advantage", "loss", "grad_norm"):
         assert abs(opd_l[key] - opd_r[key]) < 1e-5, (key, opd_l[key], opd_r[key])
+    # worked example 24's payload: one float32 value per loss token either way; JSON over HTTP when served
+    assert opd_l["opd_teacher_signal_bytes"] == opd_r["opd_teacher_signal_bytes"] == 4 * opd_l["tokens"] > 0
+    assert "opd_teacher_http_bytes" not in opd_l and opd_r["opd_teacher_http_bytes"] > opd_r["opd_teacher_signal_bytes"]
     assert [e["step"] for e in evals["local"]] == [e["step"] for e in evals["remote"]] == [0, 1, 2]
     for local, remote in zip(evals["local"], evals["remote"]):
         assert local["eval_accuracy"] == remote["eval_accuracy"]
