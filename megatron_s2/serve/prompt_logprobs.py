@@ -121,17 +121,24 @@ def _score(model, prompts: list[list[int]], k: int, temperature: float, max_toke
 
 def format_prompt_logprobs(tokenizer, prompt: list[int], scored: ScoredPrompt, k: int) -> list[dict | None]:
     """vLLM's ``prompt_logprobs`` list of one prompt (module docstring)."""
+    # plain lists and each token's text decoded once: with k = the vocabulary (a teacher's full
+    # distribution) this loop runs positions x V times, and per-element tensor reads dominate it
+    chosen, ranks = scored.chosen.tolist(), scored.ranks.tolist()
+    top_ids, top_values = scored.top_ids.tolist(), scored.top_values.tolist()
+    texts: dict[int, str] = {}
+
+    def text(token: int) -> str:
+        if token not in texts:
+            texts[token] = token_text(tokenizer, token, False)
+        return texts[token]
+
     entries: list[dict | None] = [None]
-    for position in range(1, len(prompt)):
-        row = position - 1
-        token = prompt[position]
-        entry = {str(token): {"logprob": finite_logprob(float(scored.chosen[row])), "rank": int(scored.ranks[row]),
-                              "decoded_token": token_text(tokenizer, token, False)}}
-        for rank in range(k):
-            alternative = int(scored.top_ids[row, rank])
+    for row, token in enumerate(prompt[1:]):
+        entry = {str(token): {"logprob": finite_logprob(chosen[row]), "rank": ranks[row], "decoded_token": text(token)}}
+        for rank, (alternative, value) in enumerate(zip(top_ids[row][:k], top_values[row][:k])):
             if alternative != token:
-                entry[str(alternative)] = {"logprob": finite_logprob(float(scored.top_values[row, rank])),
-                                           "rank": rank + 1, "decoded_token": token_text(tokenizer, alternative, False)}
+                entry[str(alternative)] = {"logprob": finite_logprob(value), "rank": rank + 1,
+                                           "decoded_token": text(alternative)}
         entries.append(entry)
     return entries
 
