@@ -221,10 +221,10 @@ class RemoteTeacher:
         if extra:
             raise ValueError(f"RemoteTeacher.complete: {extra} are not sent to the teacher's server")
         body = {"prompt": [int(t) for t in prompt], "max_tokens": params.max_tokens,
-                "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                "ignore_eos": params.ignore_eos, "return_token_ids": True, **self._model_field()}
-        if params.seed is not None:
-            body["seed"] = params.seed
+                "temperature": params.temperature, "return_token_ids": True, **self._model_field()}
+        for name in ("top_p", "top_k", "ignore_eos", "seed"):  # sent when set (servers differ on neutral values)
+            if getattr(params, name) != getattr(SamplingParams(), name):
+                body[name] = getattr(params, name)
         choices = self._post(f"{self.base_url}/completions", body).get("choices")
         choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
         ids, reason = choice.get("token_ids"), choice.get("finish_reason")
