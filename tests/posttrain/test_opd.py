@@ -146,6 +146,7 @@ def test_full_vocab_opd_moves_tiny_student_toward_teacher(models):
     assert final < 0.85 * losses[0], losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sampled_token", "full_vocab"])
 def test_each_step_reports_its_teacher_signal_payload(tmp_path, mode):
     """metrics.jsonl's ``opd_teacher_signal_bytes`` (worked example 24 as the run measures it):
