@@ -144,8 +144,6 @@ def test_trajectory_file_refuses_binary_pickled_and_hostile_lines_in_one_line(tm
     (["opd.sft_warmup.steps=30"], r"^opd\.sft_warmup\.steps: 30 warm-up steps exceed training\.train_steps = 20"),
     (["opd.sft_warmup.temperature=-1"], r"^opd\.sft_warmup\.temperature: must be"),
     (["opd.sft_warmup.verified_only=true", "opd.sft_warmup.data=x.jsonl"], r"^opd\.sft_warmup\.verified_only: "),
-    (["opd.sft_warmup.steps=2", "opd.teachers=[{name: far, domains: [default], endpoint: 'http://x:1/v1'}]"],
-     r"^opd\.sft_warmup\.data: teacher 'far' is an endpoint"),
 ])
 def test_bad_warmup_settings_are_one_line_errors(overrides, match):
     with pytest.raises(ConfigError, match=match) as err:
