@@ -187,25 +187,37 @@ class Evaluator:
         tp = groups.tp
         student = self.engine.model
         answers = self._teacher_greedy(pool, domain_of)
-        out = {"student_logprob_teacher": [0.0, 0.0], "teacher_logprob_teacher": [0.0, 0.0],
-               "kl_to_teacher": [0.0, 0.0]}
+        metrics = ("student_logprob_teacher", "teacher_logprob_teacher", "kl_to_teacher")
+        out = {key: [0.0, 0.0] for key in metrics}
+        # Every domain's own figures beside the pooled ones when there are several (two experts,
+        # one student: its distance to each teacher is what the distillation moves, Ch. 8)
+        domains = {domain_of[name] for name in self.envs}
         for name in sorted({domain_of[it.dataset] for it in items}):
+            own_keys = [f"{key}_{name}" for key in metrics] if len(domains) > 1 else []
+            for key in own_keys:
+                out[key] = [0.0, 0.0]
+
+            def add(metric: str, pair: tuple[float, float]) -> None:
+                _add(out[metric], pair)
+                if own_keys:
+                    _add(out[f"{metric}_{name}"], pair)
+
             teacher_name = pool.domain_teacher[name]
             temperature = pool.temperatures[teacher_name]
             chosen = [it for it in items if domain_of[it.dataset] == name]
             rows = [(it.prompt, answers[(it.dataset, it.index)]) for it in chosen]
             own = [(it.prompt, it.response) for it in chosen if it.response]
-            _add(out["student_logprob_teacher"], _answer_logprob(student, rows, tp, 1.0))
+            add("student_logprob_teacher", _answer_logprob(student, rows, tp, 1.0))
             if teacher_name in pool.remote:
                 served = pool.remote[teacher_name]
                 if self.topology.leader:  # only the leaders' figures are gathered: one request per replica
-                    _add(out["teacher_logprob_teacher"], _served_answer_logprob(served, rows))
+                    add("teacher_logprob_teacher", _served_answer_logprob(served, rows))
                 shard = _served_distribution_shard(served, self.engine.model_config.vocab_size, tp, groups)
             else:
                 model_t = pool.teachers[teacher_name]
-                _add(out["teacher_logprob_teacher"], _answer_logprob(model_t, rows, tp, temperature))
+                add("teacher_logprob_teacher", _answer_logprob(model_t, rows, tp, temperature))
                 shard = _in_process_shard(model_t, temperature)
-            _add(out["kl_to_teacher"], _answer_kl(student, shard, own, tp))
+            add("kl_to_teacher", _answer_kl(student, shard, own, tp))
         return out
 
     def _teacher_greedy(self, pool, domain_of) -> dict[tuple[str, int], list[int]]:
