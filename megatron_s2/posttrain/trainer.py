@@ -282,7 +282,8 @@ class PosttrainTrainer(Trainer):
         t_rollout = time.perf_counter() - t0
         stats = self.backend.take_stats()
         samples = [s for g in groups for s in g.accepted]
-        extra = rollout_metrics(groups, current_version=self.step, max_staleness=self.rollout_cfg.max_staleness)
+        extra = rollout_metrics(groups, orch.take_outcomes(), current_version=self.step,
+                                max_staleness=self.rollout_cfg.max_staleness)
         t1 = time.perf_counter()
         lr = self.schedule.apply(self.optimizer, self.step)
         http_before = self._teacher_http_bytes()

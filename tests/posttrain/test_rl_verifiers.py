@@ -4,7 +4,8 @@ OpenAI-compatible app, real verifiers 0.4.0 episodes (SingleAgentEnv -> intercep
 TrainClient -> renderers -> /inference/v1/generate) run against it, and every trained sample is
 exactly what the engine generated (each assistant turn's ids = one engine request's output, its
 context = that request's prompt), carries the rubric's reward, the R3 record of every fed position
-and its policy version. The two-turn environment checks the loss mask of a multi-turn session."""
+and its policy version. The two-turn environment checks the loss mask of a multi-turn session.
+The unfiltered rollout metrics cover every episode, the groups dynamic sampling dropped included."""
 
 from __future__ import annotations
 
@@ -14,13 +15,19 @@ from pathlib import Path
 
 import pytest
 
+from megatron_s2.config.posttrain import AdvantageConfig, RolloutConfig
+from megatron_s2.config.posttrain.environment import EnvironmentConfig
 from megatron_s2.config.recipe import load_recipe
 from megatron_s2.config.schema import ConfigError
+from megatron_s2.posttrain.advantages import AdvantagePipeline, GroupRollouts
+from megatron_s2.posttrain.orchestrator import Orchestrator
 from megatron_s2.posttrain.rollout import vf_backend
 from megatron_s2.posttrain.trainer import PosttrainTrainer
+from tests.posttrain.rollout_steps import check_unfiltered_metrics, rollout_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "phases" / "rl_addition_verifiers.yaml"
+PLUGINS = Path(__file__).parent / "vf_plugins"
 SMALL = ["training.train_steps=2", "training.seq_length=96", "training.global_batch_size=4",
          "training.micro_batch_size=4", "rl.rollout.group_size=2", "rl.rollout.batch_groups=2",
          "rl.rollout.max_in_flight=4", "rl.rollout.max_new_tokens=4", "rl.rollout.engine.max_num_seqs=4",
@@ -218,3 +225,45 @@ def test_episodes_reach_the_loopback_server_with_a_proxy_in_the_environment(tmp_
     assert result.final_step == 1
     import os
     assert os.environ["NO_PROXY"].split(",") == ["example.org", "127.0.0.1", "localhost"]
+
+
+def test_unfiltered_rollout_metrics_count_every_episode_of_a_verifiers_environment(monkeypatch):
+    """The verifiers code path (episodes over the in-process server, rubric rewards from traces):
+    rollout_* over every finished episode, the groups DAPO dropped included; trained_* over the
+    trained groups. The parity rubric is recomputed from each trace's reply."""
+    import dataclasses
+
+    from megatron_s2.data.tokenizer import load_tokenizer
+    from megatron_s2.inference import EngineConfig, InferenceEngine
+    from megatron_s2.models.v41.model import build_model
+    from megatron_s2.posttrain.envs.vf_env import VerifiersEnvironment
+    from megatron_s2.posttrain.rollout.replicas import ReplicaTopology
+    from tests.posttrain.tiny import tiny_config
+    from tests.posttrain.vf_plugins.megatron_s2_parity import reply_reward
+
+    tok = load_tokenizer(ROOT / "recipes" / "tokenizers" / "tiny-bpe")
+    model = build_model(dataclasses.replace(tiny_config(), vocab_size=512, engram_pad_id=2), seed=2)
+    model.set_token_map(tok.compressed_token_map(num_ids=512))
+    engine = InferenceEngine(model.eval(), EngineConfig(max_num_seqs=8, max_model_len=96, page_tokens=8),
+                             eos_token_ids=[tok.eos_id])
+    env = VerifiersEnvironment("default", EnvironmentConfig(kind="verifiers", taskset={"id": "megatron_s2_parity"},
+                                                            plugin_path=str(PLUGINS)), tok)
+    backend = vf_backend.VerifiersBackend(engine, {"default": env}, tokenizer=tok, topology=ReplicaTopology.single(),
+                                          layer_ids=model.layer_ids, record_routing=False, max_concurrent=8)
+    replies: dict[int, str] = {}
+    convert = vf_backend.trace_sample
+
+    def keep(trace, sample_id, **kw):
+        replies[sample_id] = trace.last_reply
+        return convert(trace, sample_id, **kw)
+
+    monkeypatch.setattr(vf_backend, "trace_sample", keep)
+    cfg = RolloutConfig(group_size=2, max_in_flight=8, batch_groups=2, max_new_tokens=3, max_staleness=-1)
+    dapo = AdvantagePipeline(AdvantageConfig(dynamic_sampling=True))
+    orch = Orchestrator(cfg, {"default": env}, backend, seed=3,
+                        group_filter=lambda ss: dapo.informative(GroupRollouts.from_samples(ss)))
+    try:
+        steps = rollout_steps(orch, backend, 3)
+    finally:
+        backend.close()
+    check_unfiltered_metrics(orch, steps, lambda s: reply_reward(replies[s.sample_id]))
