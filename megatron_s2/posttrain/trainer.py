@@ -22,7 +22,9 @@ preemption guard, markers and metrics — with a different step. One step (= one
 5. the next step resumes every in-flight sample where it stopped.
 
 Evaluation on held-out prompts (greedy by default) runs before the first step, every
-``eval.interval`` steps and after the last, with a second engine over the same weights.
+``eval.interval`` steps and after the last, with a second engine over the same weights — or, for
+verifiers environments, as episodes of their held-out tasks through the run's own server and
+engine, between steps (:class:`~megatron_s2.posttrain.rollout.evaluation.VerifiersEvaluator`).
 """
 
 from __future__ import annotations
@@ -161,9 +163,10 @@ class PosttrainTrainer(Trainer):
         self.max_model_len = engine_max_model_len(recipe, self.rollout_cfg)
         configs, eos = engine_configs(recipe, self.rollout_cfg), [self.tokenizer.eos_id]
         self.engine = InferenceEngine(self.rollout_model, configs["rollout"], eos_token_ids=eos)
-        self.eval_engine = InferenceEngine(self.rollout_model, configs["eval"], eos_token_ids=eos)
         loader = self._load_rollout_weights if self.transfer else None
+        section = self.section
         if self.rollout_cfg.uses_verifiers:  # episodes over our server on this engine (rollout/vf_backend.py)
+            from megatron_s2.posttrain.rollout.evaluation import VerifiersEvaluator
             from megatron_s2.posttrain.rollout.vf_backend import VerifiersBackend
 
             concurrent = max(e.max_concurrent for e in map(self.rollout_cfg.environment_of,
@@ -172,13 +175,18 @@ class PosttrainTrainer(Trainer):
                                             topology=self.topology, layer_ids=self.rollout_model.layer_ids,
                                             record_routing=engine_cfg.routing_replay, weight_loader=loader,
                                             max_concurrent=concurrent or self.rollout_cfg.max_in_flight)
+            # held-out tasks are played through the same server and engine, between steps
+            self.eval_engine = None
+            self.evaluator = VerifiersEvaluator(self.backend, self.environments, self.topology, section.eval,
+                                                self.rollout_cfg.max_new_tokens)
         else:
             self.backend = EngineBackend(self.engine, self.environments, topology=self.topology,
                                          layer_ids=self.rollout_model.layer_ids,
                                          record_routing=engine_cfg.routing_replay, max_model_len=self.max_model_len,
                                          weight_loader=loader)
-        self.evaluator = Evaluator(self.eval_engine, self.environments, self.topology, self.section.eval,
-                                   self.rollout_cfg.max_new_tokens, self.max_model_len)
+            self.eval_engine = InferenceEngine(self.rollout_model, configs["eval"], eos_token_ids=eos)
+            self.evaluator = Evaluator(self.eval_engine, self.environments, self.topology, section.eval,
+                                       self.rollout_cfg.max_new_tokens, self.max_model_len)
         self.model.train()
 
     def _setup_teachers(self) -> TeacherPool:
@@ -228,7 +236,8 @@ class PosttrainTrainer(Trainer):
         if self.transfer is not None:
             self.transfer()
         self.engine.set_policy_version(self.step)
-        self.eval_engine.set_policy_version(self.step)
+        if self.eval_engine is not None:
+            self.eval_engine.set_policy_version(self.step)
         if self.data.pending is not None:
             state = self.data.pending
             if state["policy_version"] != self.step:

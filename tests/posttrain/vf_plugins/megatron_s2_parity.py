@@ -27,6 +27,8 @@ class ParityTasksetConfig(vf.TasksetConfig):
     """'train': prompts 0, 2, 4 ...; 'eval': prompts 1, 3, 5 ... (never trained on)."""
     count: int = 8
     """Tasks in this taskset."""
+    offset: int = 0
+    """Skip this many prompts of the split (so two configs of one split can overlap partly)."""
 
 
 class ParityTask(vf.Task[vf.TaskData]):
@@ -42,5 +44,6 @@ class ParityTask(vf.Task[vf.TaskData]):
 class ParityTaskset(vf.Taskset[ParityTask, ParityTasksetConfig]):
     def load(self) -> list[ParityTask]:
         first = 0 if self.config.split == "train" else 1
-        return [ParityTask(vf.TaskData(idx=i, prompt=f"Item {2 * i + first}?", system_prompt="Reply."),
-                           self.config.task) for i in range(self.config.count)]
+        c = self.config
+        return [ParityTask(vf.TaskData(idx=i, prompt=f"Item {2 * (i + c.offset) + first}?", system_prompt="Reply."),
+                           c.task) for i in range(c.count)]
