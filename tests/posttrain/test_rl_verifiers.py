@@ -33,6 +33,7 @@ SMALL = ["training.train_steps=2", "training.seq_length=96", "training.global_ba
          "training.micro_batch_size=4", "rl.rollout.group_size=2", "rl.rollout.batch_groups=2",
          "rl.rollout.max_in_flight=4", "rl.rollout.max_new_tokens=4", "rl.rollout.engine.max_num_seqs=4",
          "rl.rollout.environment.max_concurrent=4", "rl.advantage.dynamic_sampling=false",
+         "rl.eval.interval=0", "rl.eval.at_start=false", "rl.rollout.environment.eval_taskset={}",
          "checkpoint.save_interval=0", "logging.progress_bar=false", "logging.tensorboard=false"]
 
 
