@@ -170,13 +170,14 @@ def test_verifiers_recipes_refuse_what_is_not_supported_yet():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["rl.eval.interval=5"], r"^rl\.rollout\.environment\.eval_taskset: evaluation is on \(rl\.eval\.interval=5, "
-                            r"rl\.eval\.at_start=false\) but the verifiers environment declares no held-out tasks; set "
-                            r"eval_taskset .* or rl\.eval\.interval=0 and rl\.eval\.at_start=false$"),
-    (["rl.eval.at_start=true"], r"^rl\.rollout\.environment\.eval_taskset: evaluation is on"),
-    (["rl.eval.interval=-2", "rl.rollout.environment.eval_taskset={split: eval}"],
-     r"^rl\.eval\.interval: must be >= 0 .*got -2$"),
-    (["rl.eval.interval=5", "rl.rollout.environment.eval_taskset={split: train}"],
+    (["rl.rollout.environment.eval_taskset={}"],
+     r"^rl\.rollout\.environment\.eval_taskset: evaluation is on \(rl\.eval\.interval=10, rl\.eval\.at_start=true\) "
+     r"but the verifiers environment declares no held-out tasks; set eval_taskset .* or rl\.eval\.interval=0 and "
+     r"rl\.eval\.at_start=false$"),
+    (["rl.eval.interval=0", "rl.rollout.environment.eval_taskset={}"],
+     r"^rl\.rollout\.environment\.eval_taskset: evaluation is on \(rl\.eval\.interval=0, rl\.eval\.at_start=true\)"),
+    (["rl.eval.interval=-2"], r"^rl\.eval\.interval: must be >= 0 .*got -2$"),
+    (["rl.rollout.environment.eval_taskset={split: train}"],
      r"^rl\.rollout\.environment\.eval_taskset: it names the training taskset itself"),
     (["rl.rollout.environment={kind: task, eval_taskset: {split: eval}}"],
      r"^rl\.rollout\.environment\.taskset: taskset / eval_taskset / agent / plugin_path configure a verifiers"),

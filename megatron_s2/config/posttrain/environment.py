@@ -97,8 +97,8 @@ class EnvironmentConfig:
             raise ConfigError("taskset: a verifiers environment needs the taskset's plugin id; set taskset: {id: "
                               "<id>, ...} (e.g. megatron_s2_tasks)")
         if self.kind != "verifiers" and (self.taskset or self.eval_taskset or self.agent or self.plugin_path):
-            raise ConfigError(f"taskset: taskset / eval_taskset / agent / plugin_path configure a verifiers environment; "
-                              f"set kind: verifiers or remove them (kind is '{self.kind}')")
+            raise ConfigError(f"taskset: taskset / eval_taskset / agent / plugin_path configure a verifiers "
+                              f"environment; set kind: verifiers or remove them (kind is '{self.kind}')")
         if self.eval_taskset and self.held_out_taskset() == dict(self.taskset):
             raise ConfigError("eval_taskset: it names the training taskset itself, so nothing would be held out; give "
                               "the fields that select held-out tasks (e.g. {split: eval, count: 256} for "

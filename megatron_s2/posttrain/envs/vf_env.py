@@ -4,11 +4,13 @@ The environment is built exactly as verifiers builds one for an eval or a prime-
 ``vf.SingleAgentEnv`` over the configured taskset (``environment.taskset``: plugin id + that
 taskset's config) and agent (``environment.agent``: harness, runtime, limits). To the
 orchestrator it is a :class:`~megatron_s2.posttrain.orchestrator.PromptSource`: prompt ``i`` is
-the taskset's task ``i``. A verifiers taskset has no split: the held-out tasks of ``eval`` come
-from a second taskset config (``environment.eval_taskset``, e.g. the embedded tasks'
-``split: eval``) played by the same agent, minus any task whose opening chat is a training task's. Its episodes are run by
+the taskset's task ``i``. Its episodes are run by
 :class:`~megatron_s2.posttrain.rollout.vf_backend.VerifiersBackend` against our server over the
 co-located engine; the rubric (the taskset's ``@vf.reward`` functions) scores them.
+
+A verifiers taskset has no split: the held-out tasks of ``eval`` come from a second taskset config
+(``environment.eval_taskset``, e.g. the embedded tasks' ``split: eval``) played by the same agent,
+minus any task whose opening chat is a training task's (held out = never trained on).
 """
 
 from __future__ import annotations
