@@ -275,6 +275,7 @@ def test_episodes_reach_the_loopback_server_with_a_proxy_in_the_environment(tmp_
     assert os.environ["NO_PROXY"].split(",") == ["example.org", "127.0.0.1", "localhost"]
 
 
+@pytest.mark.slow
 def test_unfiltered_rollout_metrics_count_every_episode_of_a_verifiers_environment(monkeypatch):
     """The verifiers code path (episodes over the in-process server, rubric rewards from traces):
     rollout_* over every finished episode, the groups DAPO dropped included; trained_* over the
