@@ -52,7 +52,7 @@ from megatron_s2.posttrain.orchestrator import Orchestrator
 from megatron_s2.posttrain.rollout.engine_backend import EngineBackend
 from megatron_s2.config.posttrain.engines import engine_configs, engine_max_model_len
 from megatron_s2.posttrain.opd.payload import step_payload_metrics
-from megatron_s2.posttrain.rollout.evaluation import Evaluator
+from megatron_s2.posttrain.rollout.evaluation import Evaluator, VerifiersEvaluator
 from megatron_s2.posttrain.rollout.replicas import replica_topology
 from megatron_s2.parallel.rollout_layout import rollout_placement
 from megatron_s2.posttrain.rollout.weights import WeightTransfer
@@ -164,9 +164,7 @@ class PosttrainTrainer(Trainer):
         configs, eos = engine_configs(recipe, self.rollout_cfg), [self.tokenizer.eos_id]
         self.engine = InferenceEngine(self.rollout_model, configs["rollout"], eos_token_ids=eos)
         loader = self._load_rollout_weights if self.transfer else None
-        section = self.section
         if self.rollout_cfg.uses_verifiers:  # episodes over our server on this engine (rollout/vf_backend.py)
-            from megatron_s2.posttrain.rollout.evaluation import VerifiersEvaluator
             from megatron_s2.posttrain.rollout.vf_backend import VerifiersBackend
 
             concurrent = max(e.max_concurrent for e in map(self.rollout_cfg.environment_of,
@@ -177,7 +175,7 @@ class PosttrainTrainer(Trainer):
                                             max_concurrent=concurrent or self.rollout_cfg.max_in_flight)
             # held-out tasks are played through the same server and engine, between steps
             self.eval_engine = None
-            self.evaluator = VerifiersEvaluator(self.backend, self.environments, self.topology, section.eval,
+            self.evaluator = VerifiersEvaluator(self.backend, self.environments, self.topology, self.section.eval,
                                                 self.rollout_cfg.max_new_tokens)
         else:
             self.backend = EngineBackend(self.engine, self.environments, topology=self.topology,
@@ -185,7 +183,7 @@ class PosttrainTrainer(Trainer):
                                          record_routing=engine_cfg.routing_replay, max_model_len=self.max_model_len,
                                          weight_loader=loader)
             self.eval_engine = InferenceEngine(self.rollout_model, configs["eval"], eos_token_ids=eos)
-            self.evaluator = Evaluator(self.eval_engine, self.environments, self.topology, section.eval,
+            self.evaluator = Evaluator(self.eval_engine, self.environments, self.topology, self.section.eval,
                                        self.rollout_cfg.max_new_tokens, self.max_model_len)
         self.model.train()
 
