@@ -41,8 +41,10 @@ extras_require = {
     # openai / verifiers: the server tests use the real clients (verifiers pulls renderers,
     # transformers and openai); nothing is downloaded at test time.
     # import-linter: the layer contracts of .importlinter (tests/test_architecture.py).
+    # lm-eval: the server's conformance test with EleutherAI's harness (tests/serve/test_lm_eval.py).
     "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "mpi4py>=3.1", "matplotlib>=3.7", "triton==3.9.0",
-            "fastapi==0.165.0", "uvicorn==0.54.0", "openai==2.54.0", "verifiers==0.4.0", "import-linter==2.16"],
+            "fastapi==0.165.0", "uvicorn==0.54.0", "openai==2.54.0", "verifiers==0.4.0", "import-linter==2.16",
+            "lm-eval==0.4.13"],
 }
 
 subpackages = {"launcher": "launcher", "kernels": "kernels", "tools": "tools"}

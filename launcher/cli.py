@@ -10,7 +10,8 @@
 Each flag is the ``launcher:`` field of the same name (``--mount`` is
 ``container_mounts``; ``--env NAME=VALUE`` is ``env_override``, ``--env NAME``
 ``env_passthrough``). Exit codes: 0 success, 2 configuration error (nothing started or
-queued), 75 stopped by preemption (local), otherwise the failing rank's code.
+queued), 75 stopped by preemption (local), 1 a rank failed (local: one line names it, how it
+ended and its log).
 """
 
 from __future__ import annotations

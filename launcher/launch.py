@@ -65,13 +65,15 @@ def apply_launcher_flags(config: LauncherConfig, flags: dict) -> LauncherConfig:
     return dataclasses.replace(config, **changes)
 
 
-def _prepare(recipe: RecipeConfig, phase: str, job_name: str, run_dir: Path, local: bool) -> PreparedRun:
+def _prepare(recipe: RecipeConfig, phase: str, job_name: str, run_dir: Path, local: bool,
+             pending: tuple[str, ...] = ()) -> PreparedRun:
+    """``pending``: run directories of the pipeline's earlier phases (checkpoints there may not exist yet)."""
     training = dataclasses.replace(recipe.training, run_dir=str(run_dir))
     launcher = recipe.launcher
     if not launcher.job_name:
         launcher = dataclasses.replace(launcher, job_name=job_name)
     recipe = recipe.replace(training=training, launcher=launcher)
-    plan = plan_launch(recipe, local=local)
+    plan = plan_launch(recipe, local=local, pending=pending)
     check_passthrough(launcher)
     job = JobSpec(name=launcher.job_name, run_dir=run_dir, command=trainer_command(launcher, run_dir),
                   nodes=plan.nodes, nproc_per_node=plan.nproc_per_node, gpus_per_node=plan.gpus_per_node,
@@ -97,13 +99,16 @@ def prepare_runs(path: str, overrides: list[str], launcher_flags: dict, run_dir:
                           f"{path} or pass --run-dir")
     runs: list[PreparedRun] = []
     phase_dirs: dict[str, str] = {}
-    for entry in pipeline.phases:
+    for index, entry in enumerate(pipeline.phases):
         recipe = load_recipe(entry.recipe, [*entry.overrides, *overrides], phase_dirs=phase_dirs)
         recipe = recipe.replace(launcher=apply_launcher_flags(recipe.launcher, launcher_flags))
-        if runs and entry.from_previous:
+        if pipeline.chained(index):
             recipe = chain_from(recipe, runs[-1].job.run_dir)
         target = Path(os.path.abspath(Path(base) / entry.name))
-        runs.append(_prepare(recipe, entry.name, f"{Path(path).stem}-{entry.name}", target, local))
+        # Checkpoints under an earlier phase's run directory are written before this phase starts;
+        # every other path it loads must exist now (refused before the first phase starts).
+        runs.append(_prepare(recipe, entry.name, f"{Path(path).stem}-{entry.name}", target, local,
+                             pending=tuple(phase_dirs.values())))
         phase_dirs[entry.name] = str(target)
     return runs
 
@@ -130,13 +135,15 @@ def launch_local(runs: list[PreparedRun], dry_run: bool = False) -> int:
         if run.finished:
             _say(f"{label}skipping: {run.finished_message()}")
             continue
-        _say(f"{label}{run.plan.describe()}")
         if dry_run:
+            _say(f"{label}{run.plan.describe()}")
             print(shlex.join(run.job.command))
             continue
         # The launcher holds the run directory for its ranks (they inherit it by token), so a
-        # second launch is refused before it rewrites anything here.
+        # second launch is refused before it rewrites anything here — in one line: the plan is
+        # described only once the directory is ours.
         with RunLock(run.job.run_dir, log=_say).acquire("megatron-s2 launch --local") as lock:
+            _say(f"{label}{run.plan.describe()}")
             _write_job_dir(run, "local")
             code = LocalRun(run.job, env={LOCK_TOKEN_ENV: lock.token}).run()
         if code != 0:

@@ -3,12 +3,17 @@
 Each rank gets torchrun-style variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), its own session (so the whole process
 tree of a rank can be signalled) and a log ``<run_dir>/logs/restart<N>/rank<r>.log``;
-rank 0's output is also echoed to the console. The launcher then watches the ranks:
+rank 0's output is also echoed to the console, each line after a short hold
+(:data:`_ECHO_HOLD_S`). The launcher then watches the ranks:
 
 - a rank that exits non-zero (other than :data:`EXIT_PREEMPTED`) or dies by a signal fails
-  the job at once: the other ranks get SIGTERM, then SIGKILL after ``terminate_grace_s``,
-  and the launcher exits non-zero naming the rank, its exit code or signal and the tail
-  of its log. Nothing waits on a collective that can never complete;
+  the job at once: the launcher prints one line — the rank, its exit code or signal, its log
+  and that log's last line — the other ranks get SIGTERM, then SIGKILL after
+  ``terminate_grace_s``, and the launcher exits 1. Nothing waits on a collective that can
+  never complete. The survivors' reactions stay out of the console: rank 0's lines still on
+  hold are dropped (they are in its log), and so is everything after its line saying it lost
+  a peer (:mod:`megatron_s2.runtime.peer_loss`); a rank that exits ``EXIT_PEER_LOST`` (its
+  collective failed because a peer is gone) is never named while the rank that went first can be;
 - SIGTERM / SIGUSR1 sent to the launcher are forwarded to every rank (their
   :class:`~megatron_s2.runtime.preemption.PreemptionGuard` saves and exits 75); Ctrl-C is
   forwarded as SIGTERM, a second Ctrl-C kills the ranks;
@@ -35,12 +40,18 @@ from typing import TextIO
 from megatron_s2.launcher.environment import rank_environment
 from megatron_s2.launcher.job import JobSpec
 from megatron_s2.config.launcher import PREEMPTION_SIGNALS
+from megatron_s2.runtime.peer_loss import EXIT_PEER_LOST, PEER_LOST_NOTE
 from megatron_s2.runtime.preemption import EXIT_PREEMPTED, signal_number
 
-__all__ = ["LocalRun", "describe_exit", "free_port"]
+__all__ = ["EXIT_RANK_FAILED", "LocalRun", "describe_exit", "free_port"]
+
+EXIT_RANK_FAILED = 1
+"""The launcher's exit code when a rank failed (the rank's own code is in the failure line)."""
 
 _POLL_S = 0.05
-_TAIL_LINES = 20
+_ECHO_HOLD_S = 0.5
+"""How long a line of rank 0 waits before it is echoed: a rank killed by a signal is seen
+within one poll, while the survivors' tracebacks arrive later than that."""
 
 
 def free_port() -> int:
@@ -58,15 +69,19 @@ def describe_exit(returncode: int) -> str:
         except ValueError:
             name = "an unknown signal"
         return f"killed by {name} (signal {-returncode})"
+    if returncode == EXIT_PEER_LOST:
+        return f"exit code {returncode} (lost contact with another rank)"
     return f"exit code {returncode}"
 
 
-def _tail(path: Path, lines: int = _TAIL_LINES) -> list[str]:
+def _last_line(path: Path) -> str | None:
+    """The last non-blank line of a log (None when it is empty or unreadable)."""
     try:
         with open(path, errors="replace") as fh:
-            return list(deque(fh, maxlen=lines))
+            lines = deque((line.strip() for line in fh if line.strip()), maxlen=1)
     except OSError:
-        return []
+        return None
+    return lines[0][:300] if lines else None
 
 
 _HELD_SIGNALS = {signal_number(name) for name in PREEMPTION_SIGNALS}
@@ -103,6 +118,9 @@ class LocalRun:
         self._pending: list[int] = []
         self._interrupts = 0
         self._extra_env = dict(env or {})
+        self._held: deque[tuple[float, str]] = deque()  # rank 0's lines not yet echoed
+        self._held_lock = threading.Lock()
+        self._failed = False
 
     # ---- start ---------------------------------------------------------------------------
     def _start_rank(self, rank: int, base_env: dict[str, str], port: int) -> _Rank:
@@ -120,16 +138,33 @@ class LocalRun:
         return _Rank(rank, process, log)
 
     def _echo(self, entry: _Rank) -> None:
-        """Copy rank 0's output to its log and to the console, line by line."""
+        """Copy rank 0's output to its log at once and, after a hold, to the console (the
+        watcher releases held lines; a failed job drops them)."""
         with open(entry.log, "ab") as sink:
             for line in iter(entry.process.stdout.readline, b""):
                 sink.write(line)
                 sink.flush()
-                try:
-                    self.console.write(line.decode(errors="replace"))
-                    self.console.flush()
-                except (OSError, ValueError):
-                    pass  # console gone: keep logging
+                text = line.decode(errors="replace")
+                with self._held_lock:
+                    if PEER_LOST_NOTE in text:  # rank 0 lost a peer: the job is failing from here on
+                        self._failed = True
+                        self._held.clear()
+                    if not self._failed:
+                        self._held.append((time.monotonic(), text))
+
+    def _release_console(self, hold_s: float = _ECHO_HOLD_S) -> None:
+        """Echo the held lines older than ``hold_s`` (all of them with 0)."""
+        now = time.monotonic()
+        with self._held_lock:
+            lines = []
+            while self._held and now - self._held[0][0] >= hold_s:
+                lines.append(self._held.popleft()[1])
+        if lines:
+            try:
+                self.console.write("".join(lines))
+                self.console.flush()
+            except (OSError, ValueError):
+                pass  # console gone: the log has it all
 
     # ---- signals -------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame) -> None:
@@ -178,37 +213,56 @@ class LocalRun:
                 signum = self._pending.pop(0)
                 self._say(f"forwarding {signal.Signals(signum).name} to all ranks")
                 self._signal_ranks(signum, self._ranks)
-            running = False
-            for entry in self._ranks:
-                if entry.returncode is not None:
-                    continue
-                entry.returncode = entry.process.poll()
-                if entry.returncode is None:
-                    running = True
-                elif entry.returncode not in (0, EXIT_PREEMPTED):
-                    return self._fail(entry)
-            if not running:
+            failed = self._poll()
+            if failed:
+                return self._fail(self._culprit(failed))
+            if all(e.returncode is not None for e in self._ranks):
                 return self._finish()
+            self._release_console()
             time.sleep(_POLL_S)
 
+    def _poll(self) -> list[_Rank]:
+        """Ranks that have failed so far (exited non-zero, not preempted, or killed)."""
+        for entry in self._ranks:
+            if entry.returncode is None:
+                entry.returncode = entry.process.poll()
+        return [e for e in self._ranks if e.returncode is not None and e.returncode not in (0, EXIT_PREEMPTED)]
+
+    def _culprit(self, failed: list[_Rank]) -> _Rank:
+        """The rank whose failure took the others down: one that did not merely lose a peer,
+        killed by a signal before one that exited, lowest rank first. When only lost peers are
+        seen yet, the rank that caused it is waited for (up to ``terminate_grace_s``: a rank
+        that raised may take seconds to exit after its connections closed)."""
+        deadline = time.monotonic() + self.job.launcher.terminate_grace_s
+        while (all(e.returncode == EXIT_PEER_LOST for e in failed) and time.monotonic() < deadline
+               and any(e.returncode is None for e in self._ranks)):
+            time.sleep(_POLL_S)
+            failed = self._poll()
+        return min(failed, key=lambda e: (e.returncode == EXIT_PEER_LOST, e.returncode >= 0, e.rank))
+
     def _fail(self, failed: _Rank) -> int:
+        with self._held_lock:  # the survivors' reactions to the failure stay in their logs
+            self._failed = True
+            self._held.clear()
         others = [e for e in self._ranks if e is not failed and e.process.poll() is None]
-        self._say(f"rank {failed.rank} (pid {failed.process.pid}) failed: {describe_exit(failed.returncode)}; "
-                  f"stopping {len(others)} other ranks")
+        if failed.echo_thread is not None:
+            failed.echo_thread.join(timeout=5)  # its last words reach its log
+        last = _last_line(failed.log)
+        stopping = f"stopping the other {len(others)} rank{'s' if len(others) != 1 else ''}; " if others else ""
+        self._say(f"job failed: rank {failed.rank} (pid {failed.process.pid}) {describe_exit(failed.returncode)}; "
+                  f"{stopping}its log {failed.log} " + (f"ends: {last}" if last else "is empty"))
         self._signal_ranks(signal.SIGTERM, others)
         deadline = time.monotonic() + self.job.launcher.terminate_grace_s
         while any(e.process.poll() is None for e in others) and time.monotonic() < deadline:
             time.sleep(_POLL_S)
         self._signal_ranks(signal.SIGKILL, others)
-        if failed.echo_thread is not None:
-            failed.echo_thread.join(timeout=5)
-        tail = _tail(failed.log)
-        lines = [f"job failed: rank {failed.rank} {describe_exit(failed.returncode)}",
-                 f"last {len(tail)} lines of {failed.log}:"] + ["    " + line.rstrip("\n") for line in tail]
-        print("\n".join(lines), file=sys.stderr, flush=True)
-        return failed.returncode if failed.returncode > 0 else 128 - failed.returncode
+        return EXIT_RANK_FAILED
 
     def _finish(self) -> int:
+        for entry in self._ranks:  # every rank has exited: its output ends soon
+            if entry.echo_thread is not None:
+                entry.echo_thread.join(timeout=5)
+        self._release_console(hold_s=0)
         codes = [e.returncode for e in self._ranks]
         if all(c == 0 for c in codes):
             self._say(f"all {len(codes)} ranks finished")

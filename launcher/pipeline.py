@@ -11,12 +11,15 @@ A pipeline file is a YAML file with a ``phases:`` list (recognised by that key):
         recipe: tiny_sft.yaml
         # from_previous: true (default): start from pretrain's final checkpoint
 
-A phase with ``from_previous`` gets ``checkpoint.load=<previous run_dir>/checkpoints`` and
-``checkpoint.load_optimizer=false`` (weights only: a new phase starts a fresh optimiser and
-schedule). Any recipe value or override of a phase may name an earlier phase's run directory as
-``${phase:<name>}`` (e.g. an OPD teacher: ``checkpoint: ${phase:teacher}/checkpoints``), so the
-pipeline still finds it under ``--run-dir``. On SLURM each phase is a job depending on the previous one
-(``--dependency=afterok:<id>``); locally the phases run one after the other.
+A phase with ``from_previous`` (every phase but the first, unless it says ``false``) gets
+``checkpoint.load=<previous run_dir>/checkpoints`` and ``checkpoint.load_optimizer=false``
+(weights only: a new phase starts a fresh optimiser and schedule). Any recipe value or override
+of a phase may name an earlier phase's run directory as ``${phase:<name>}`` (e.g. an OPD teacher:
+``checkpoint: ${phase:teacher}/checkpoints``), so the pipeline still finds it under ``--run-dir``.
+Every phase is checked before the first starts: a checkpoint it loads must exist then, unless it
+lies in an earlier phase's run directory (that phase writes it). On SLURM each phase is a job
+depending on the previous one (``--dependency=afterok:<id>``); locally the phases run one after
+the other.
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ class PhaseEntry:
     """Recipe file of the phase (relative to the pipeline file)."""
     overrides: tuple[str, ...] = ()
     """``section.key=value`` overrides for this phase only."""
-    from_previous: bool = True
-    """Start from the previous phase's final checkpoint (weights only)."""
+    from_previous: bool | None = None
+    """Start from the previous phase's final checkpoint (weights only); unset = true for every
+    phase but the first, which has no previous phase (true there is an error)."""
 
     def __post_init__(self) -> None:
         if not _PHASE_NAME.fullmatch(self.name):
@@ -71,6 +75,14 @@ class PipelineConfig:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ConfigError(f"phases.name: {', '.join(duplicates)} used twice; phase names must be unique")
+        if self.phases[0].from_previous:
+            raise ConfigError(f"phases[0].from_previous: the first phase ({self.phases[0].name!r}) has no previous "
+                              "phase to start from; remove from_previous, or start it from a checkpoint with "
+                              "overrides: [checkpoint.load=DIR]")
+
+    def chained(self, index: int) -> bool:
+        """Whether phase ``index`` starts from the previous phase's final checkpoint."""
+        return index > 0 and self.phases[index].from_previous is not False
 
 
 def is_pipeline_file(path: str | Path) -> bool:

@@ -5,7 +5,9 @@ An impossible layout found after hours in the queue is the most expensive kind o
 then builds the very :class:`~megatron_s2.parallel.layout.ParallelLayout` the trainer will
 build, with the batch geometry, so every divisibility rule is checked at submit time, then
 :func:`~megatron_s2.training.run_checks.check_run_inputs`, the trainer's own start-up checks
-(run directory, tokenizer against vocabulary, data files, memory on this host in local mode).
+(run directory, tokenizer against vocabulary, data files, ``checkpoint.load``, memory on this
+host in local mode), and for rl / opd phases
+:func:`~megatron_s2.posttrain.checks.check_posttrain_inputs`.
 Every error is a :class:`ConfigError` (exit code 2) naming the field and the fix.
 """
 
@@ -54,11 +56,13 @@ def _ranks_per_node(recipe: RecipeConfig) -> int:
     return world // cfg.nodes
 
 
-def plan_launch(recipe: RecipeConfig, *, local: bool, visible_gpus: int | None = None) -> LaunchPlan:
+def plan_launch(recipe: RecipeConfig, *, local: bool, visible_gpus: int | None = None,
+                pending: tuple[str, ...] = ()) -> LaunchPlan:
     """Rank geometry for ``recipe`` and its validated layout.
 
     ``local``: one machine (nodes must be 1, GPUs must exist here: ``visible_gpus``, default
-    ``torch.cuda.device_count()``).
+    ``torch.cuda.device_count()``). ``pending``: run directories of a pipeline's earlier phases,
+    where checkpoints this phase loads may not exist yet.
     """
     cfg = recipe.launcher
     if local and cfg.nodes != 1:
@@ -81,8 +85,9 @@ def plan_launch(recipe: RecipeConfig, *, local: bool, visible_gpus: int | None =
     host = HostMemory.detect(nproc, gpus=bool(cfg.gpus_per_node)) if local else None
     from megatron_s2.training.run_checks import check_run_inputs  # torch: only when a launch is checked
 
-    check_run_inputs(recipe, cfg.nodes * nproc, host, ranks_here=local)
-    from megatron_s2.posttrain.checks import check_registered_names
+    tokenizer = check_run_inputs(recipe, cfg.nodes * nproc, host, ranks_here=local, pending=pending)
+    from megatron_s2.posttrain.checks import check_posttrain_inputs
 
-    check_registered_names(recipe)  # rl/opd: registry names (the post-training code, not the recipe loader)
+    # rl/opd: registry names, engine settings against the model family, frozen-model paths, prompt lengths
+    check_posttrain_inputs(recipe, tokenizer, pending=pending)
     return LaunchPlan(cfg.nodes, nproc, cfg.gpus_per_node, layout)

@@ -12,6 +12,13 @@ fixed strings of the chat format (the §5.1.4 reasoning-effort line) are always 
 result (``tokenizer.json``, ``tokenizer_config.json`` with the chat template, ``README.md``
 with the command) is what a recipe names in ``data.tokenizer``; training is deterministic, so
 the same command reproduces the files byte for byte. Errors print one line and exit non-zero.
+
+The corpus must hold text (inputs that are all empty are refused: the result would be learnt
+from the chat format's fixed strings alone). BPE stops early when the corpus has no more pairs
+seen ``--min-frequency`` times: a tokenizer that falls short of ``--vocab-size`` is written
+with a note naming the size reached, and refused when it reaches less than half of it — then the
+corpus is far too small for the size asked (or the size has a typo), and a tokenizer several
+times smaller than the recipe expects is not what was meant.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.data.bpe_training import describe, format_texts, iter_texts, synthetic_texts, train_bpe
@@ -63,12 +70,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     sources = [*args.input, *([f"{args.synthetic} synthetic task problems (seed {args.seed})"]
                               if args.synthetic > 0 else [])]
-    texts = itertools.chain(format_texts(), *(iter_texts(p) for p in args.input),
+    documents = {path: 0 for path in args.input}  # counted while the trainer streams them
+    texts = itertools.chain(format_texts(), *(_counted(iter_texts(p), documents, p) for p in args.input),
                             synthetic_texts(args.synthetic, args.seed) if args.synthetic > 0 else ())
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
         out = train_bpe(texts, args.vocab_size, staging, min_frequency=args.min_frequency)
+        _check_corpus(documents, args.synthetic)
+        _check_reached_size(out, args.vocab_size, args.min_frequency)
         different = [n for n in ("tokenizer.json", "tokenizer_config.json") if (output / n).exists()
                      and (output / n).read_bytes() != (out / n).read_bytes()]
         if different or (output.is_dir() and any(output.iterdir()) and not (output / "tokenizer.json").exists()):
@@ -91,6 +101,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {out}: {tokenizer.vocab_size} ids, {tokenizer.compressed_vocab_size} compressed (Engram) ids "
           f"in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def _counted(texts: Iterator[str], counts: dict[str, int], path: str) -> Iterator[str]:
+    for text in texts:
+        counts[path] += 1
+        yield text
+
+
+def _check_corpus(documents: dict[str, int], synthetic: int) -> None:
+    """Refuse a corpus without text; note an empty input among others."""
+    empty = [path for path, count in documents.items() if count == 0]
+    if empty and len(empty) == len(documents) and synthetic <= 0:
+        raise ConfigError(f"--input: {', '.join(empty)} hold{'s' if len(empty) == 1 else ''} no text (0 documents); "
+                          "pass files with text, or add --synthetic N")
+    for path in empty:
+        print(f"train_tokenizer: note: --input {path} holds no text (0 documents)", file=sys.stderr)
+
+
+def _check_reached_size(out: Path, asked: int, min_frequency: int) -> None:
+    """Say when BPE stopped short of ``--vocab-size``; refuse when it is under half of it."""
+    from tokenizers import Tokenizer
+
+    reached = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
+    if reached >= asked:
+        return
+    why = f"the corpus has no more pairs seen --min-frequency={min_frequency} times"
+    if reached * 2 < asked:
+        raise ConfigError(f"--vocab-size: {asked} asked, but {why}: it reaches only {reached} ids; add text or "
+                          f"ask for --vocab-size {reached} or less")
+    print(f"train_tokenizer: note: {reached} ids, not --vocab-size {asked}: {why}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ __all__ = [
     "broadcast_object",
     "checkpoint_group",
     "gather_objects",
+    "gather_to_first",
     "group_rank",
     "group_size",
 ]
@@ -49,6 +50,16 @@ def gather_objects(obj: Any, group) -> list[Any]:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_to_first(obj: Any, group) -> list[Any] | None:
+    """Every rank's ``obj``, in rank order, on the group's first rank (None elsewhere)."""
+    if group is None:
+        return [obj]
+    first = dist.get_global_rank(group, 0)
+    out: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    dist.gather_object(obj, out, dst=first, group=group)
     return out
 
 

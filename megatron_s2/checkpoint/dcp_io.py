@@ -19,6 +19,7 @@ the step directory, and a request for a pickled (``BYTE_IO``) object is refused.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import warnings
@@ -54,7 +55,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.futures import Future
 
-from megatron_s2.checkpoint.faults import crash_point, fault_armed
+from megatron_s2.checkpoint.faults import crash_point, fail_point, fault_armed
 from megatron_s2.checkpoint.format import DCP_METADATA, CheckpointError
 from megatron_s2.checkpoint.safe_pickle import load_dcp_index
 from megatron_s2.parallel.sharding import ShardSpec
@@ -159,10 +160,11 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 class _CrashingStream:
-    """A shard file that dies half-way through its first write (``mid_shard`` fault)."""
+    """A shard file that dies (``mid_shard``) or runs out of space (``enospc_mid_shard``)
+    half-way through its first write."""
 
-    def __init__(self, stream, rank: int):
-        self._stream, self._rank = stream, rank
+    def __init__(self, stream, rank: int, path):
+        self._stream, self._rank, self._path = stream, rank, str(path)
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -170,6 +172,7 @@ class _CrashingStream:
         self._stream.flush()
         os.fsync(self._stream.fileno())
         crash_point("mid_shard", self._rank)
+        fail_point("enospc_mid_shard", self._rank, self._path)
         return self._stream.write(view[max(1, len(view) // 2):])
 
     def __getattr__(self, name):
@@ -184,13 +187,13 @@ class _CrashingFileSystem(FileSystem):
     @contextlib.contextmanager
     def create_stream(self, path, mode):
         with super().create_stream(path, mode) as stream:
-            yield _CrashingStream(stream, self._rank) if str(path).endswith(".distcp") else stream
+            yield _CrashingStream(stream, self._rank, path) if str(path).endswith(".distcp") else stream
 
 
 class _Writer(FileSystemWriter):
     def __init__(self, path: Path, rank: int):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
-        if fault_armed("mid_shard", rank):
+        if fault_armed("mid_shard", rank) or fault_armed("enospc_mid_shard", rank):
             self.fs = _CrashingFileSystem(rank)
 
 
@@ -234,12 +237,16 @@ class _Reader(FileSystemReader):
 
 
 def save_shards(state: dict[str, GlobalShard], directory: Path, group, rank: int) -> None:
-    """Collective over ``group`` (or single-process when None): write ``state`` into ``directory``."""
+    """Collective over ``group`` (or single-process when None): write ``state`` into ``directory``.
+    A rank's full disk is raised as its ``OSError`` (ENOSPC), other failures as CheckpointError."""
     group, no_dist = _dcp_group(group)
     try:
         dcp.save(state, storage_writer=_Writer(directory, rank), planner=_SavePlanner(), process_group=group,
                  no_dist=no_dist)
     except CheckpointException as exc:  # DCP's per-rank failures (a BaseException): surface the first
+        full = _disk_full(exc)
+        if full is not None:
+            raise full from None
         raise CheckpointError(_first_failure(exc, directory)) from None
 
 
@@ -276,6 +283,15 @@ def _dcp_group(group):
             _LOCAL_GROUP = dist.new_group([dist.get_rank()], use_local_synchronization=True)
         return _LOCAL_GROUP, False
     return group, not _distributed(group)
+
+
+def _disk_full(exc: Exception) -> OSError | None:
+    """The ENOSPC error of any rank in DCP's collected failures, if one ran out of space."""
+    for failure in (getattr(exc, "failures", None) or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, OSError) and inner.errno == errno.ENOSPC:
+            return inner
+    return None
 
 
 def _first_failure(exc: Exception, directory: Path) -> str:

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from megatron_s2.checkpoint.dcp_io import read_index
 from megatron_s2.checkpoint.format import (
     COMMIT,
+    LOCAL_PREFIX,
     MODEL_PREFIX,
     OPTIM_PREFIX,
     RNG_PREFIX,
@@ -40,7 +41,8 @@ def _tensor_summary(step_dir: Path) -> list[str]:
     index = read_index(step_dir)
     counts, numel = Counter(), Counter()
     for fqn, md in index.state_dict_metadata.items():
-        kind = next((p[:-1] for p in (MODEL_PREFIX, OPTIM_PREFIX, RNG_PREFIX) if fqn.startswith(p)), "other")
+        kind = next((p[:-1] for p in (MODEL_PREFIX, OPTIM_PREFIX, RNG_PREFIX, LOCAL_PREFIX) if fqn.startswith(p)),
+                    "other")
         if not isinstance(md, TensorStorageMetadata):
             kind = "NOT A TENSOR (refused when loading)"
         counts[kind] += 1

@@ -37,6 +37,7 @@ __all__ = [
     "MODEL_PREFIX",
     "OPTIM_PREFIX",
     "RNG_PREFIX",
+    "LOCAL_PREFIX",
     "CheckpointError",
     "Manifest",
     "fsync_dir",
@@ -53,6 +54,9 @@ COMMIT = "COMMITTED"
 LATEST = "latest"
 DCP_METADATA = ".metadata"
 MODEL_PREFIX, OPTIM_PREFIX, RNG_PREFIX = "model/", "optim/", "rng/"
+LOCAL_PREFIX = "local/"
+"""Other per-rank state restored only at the same layout, like the RNG states (a post-training
+rank's rollout engine caches of its in-flight samples)."""
 _STEP_PREFIX = "step_"
 
 

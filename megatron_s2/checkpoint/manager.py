@@ -9,6 +9,7 @@
     path = ckpt.latest_valid()                 # collective; falls back past broken checkpoints
     loaded = ckpt.load(path, model, opt)       # collective; any layout the model was built for
     loaded.step, loaded.data, loaded.rng       # rng is None unless the layout is unchanged
+    loaded.local                               # state["local"] of this rank, likewise
 
 Every rank constructs the manager at the same point (it creates the checkpoint process
 group) and calls ``save`` / ``load`` / ``latest_valid`` together.
@@ -37,6 +38,7 @@ from megatron_s2.checkpoint.collectives import (
     barrier,
     checkpoint_group,
     gather_objects,
+    gather_to_first,
     group_rank,
 )
 from megatron_s2.checkpoint.format import (
@@ -48,6 +50,7 @@ from megatron_s2.checkpoint.format import (
     Manifest,
     sha256_file,
 )
+from megatron_s2.checkpoint.space import chunk_sizes, committed_size, free_bytes, mib, save_size
 from megatron_s2.checkpoint.store import CheckpointStore, is_step_dir, verify_checkpoint
 from megatron_s2.runtime.finite import first_non_finite
 
@@ -63,6 +66,8 @@ class LoadedCheckpoint:
     manifest: Manifest
     rng: dict | None = None
     """This rank's RNG state; None when the layout changed (or none was stored)."""
+    local: dict | None = None
+    """This rank's ``local`` tensors; None when the layout changed (empty when none were stored)."""
     fresh_optimizer_state: list[str] = field(default_factory=list)
     """Parameters of this rank that had no stored optimiser state."""
 
@@ -83,7 +88,6 @@ class CheckpointManager:
         self.group = checkpoint_group(world_size)
         self.writer = BackgroundWriter() if async_save else None
         self.last_saved_step: int | None = None
-        self._needed = 0
 
     @property
     def root(self) -> Path:
@@ -91,10 +95,10 @@ class CheckpointManager:
 
     # ---- save ------------------------------------------------------------------------------
     def save(self, step: int, state: dict, metadata: dict, *, blocking: bool = True) -> Path:
-        """Save ``state`` (model, optimizer, data, rng) as step ``step``; returns the step
-        directory. With ``async_save`` and ``blocking=False`` the write continues in the
-        background after a snapshot and the directory appears when it is committed."""
-        from megatron_s2.checkpoint.sharded_state import model_shards, optimizer_shards, rng_shards
+        """Save ``state`` (model, optimizer, data, rng, local: this rank's other tensors) as step
+        ``step``; returns the step directory. With ``async_save`` and ``blocking=False`` the write
+        continues in the background after a snapshot and the directory appears when it is committed."""
+        from megatron_s2.checkpoint.sharded_state import local_shards, model_shards, optimizer_shards, rng_shards
 
         self.wait()
         background = self.writer is not None and not blocking
@@ -103,36 +107,46 @@ class CheckpointManager:
             shards.update(optimizer_shards(state["optimizer"], snapshot=background))
         if state.get("rng") is not None:
             shards.update(rng_shards(state["rng"], self.rank))
-        self._check_writable(step, shards)
-        self.last_saved_step = step
+        if state.get("local"):
+            shards.update(local_shards(state["local"], self.rank))
         manifest = Manifest(step=step, world_size=self.world_size, layout=metadata.get("layout", self.layout),
                             config=metadata.get("config", {}), data=state.get("data"),
                             has_optimizer=state.get("optimizer") is not None,
                             rng_ranks=self.world_size if state.get("rng") is not None else 0,
                             info={"model": metadata.get("model", ""), "torch": torch.__version__,
                                   "host": platform.node(), "writers": self.world_size})
+        self._check_writable(step, shards, manifest)
+        self.last_saved_step = step
         if background:
             self.writer.submit(lambda: self._write(step, shards, manifest), f"step {step}")
         else:
             self._write(step, shards, manifest)
         return self.store.step_dir(step)
 
-    def _check_writable(self, step: int, shards: dict[str, GlobalShard]) -> None:
+    def _check_writable(self, step: int, shards: dict[str, GlobalShard], manifest: Manifest) -> None:
         """Collective, before anything is written: no tensor is NaN or infinite (a checkpoint
         is never committed non-finite, so the newest one is always the last good state), and
-        the file system has room for all ranks' shards (a full disk is named, not discovered
-        as a truncated shard)."""
+        the file system has room for what all ranks will write (a full disk is named, not
+        discovered as a truncated shard; :mod:`.space`)."""
         bad = first_non_finite((fqn, shard.local) for fqn, shard in shards.items())
         error = f"checkpoint step {step} not written: '{bad}' holds NaN or infinite values" if bad else None
-        reports = gather_objects((error, sum(_nbytes(s.local) for s in shards.values())), self.group)
-        error = next((e for e, _ in reports if e), None)
-        if error is None and self.rank == 0:
-            self._needed = sum(n for _, n in reports)
-            free = _free_bytes(self.root)
-            if free is not None and free < self._needed:
-                error = (f"checkpoint step {step} not written: disk full ({self._needed / 2**20:.1f} MiB needed, "
-                         f"{free / 2**20:.1f} MiB free under {self.root}); free space or move the run directory")
+        # Chunk sizes go to rank 0 only (as DCP's own save plans do), not to every rank.
+        reports = gather_to_first((error, chunk_sizes(shards)), self.group)
+        if self.rank == 0:
+            error = next((e for e, _ in reports if e), None) or self._check_space(step, [c for _, c in reports],
+                                                                                 manifest)
         _raise(agree_on_error(error, self.group))
+
+    def _check_space(self, step: int, reports: list, manifest: Manifest) -> str | None:
+        self.store.remove_leftovers()  # a crashed save's directory may hold the space this one needs
+        committed = self.store.committed()
+        needed = save_size(reports, committed_size(committed[-1], manifest) if committed else 0)
+        free = free_bytes(self.root)
+        if free is None or free >= needed:
+            return None
+        kept = f", lower checkpoint.keep_last (now {self.store.keep_last})" if len(committed) > 1 else ""
+        return (f"checkpoint step {step} not written: disk full ({mib(needed)} needed, {mib(free)} free under "
+                f"{self.root}); free space{kept} or move the run directory")
 
     def _write(self, step: int, shards: dict[str, GlobalShard], manifest: Manifest) -> None:
         from megatron_s2.checkpoint.dcp_io import save_shards  # torch.distributed.checkpoint: on use
@@ -147,7 +161,8 @@ class CheckpointManager:
         tmp = self.store.tmp_dir(step)
         try:
             save_shards(shards, tmp, self.group, group_rank(self.group))
-        except (CheckpointError, OSError) as exc:
+        except (CheckpointError, OSError) as exc:  # raised on every rank (DCP gathers failures)
+            self._discard(step)
             raise CheckpointError(self._explain_write_failure(step, exc)) from None
         mine = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                 for p in tmp.glob(f"__{group_rank(self.group)}_*.distcp")}
@@ -161,18 +176,26 @@ class CheckpointManager:
                 manifest.files[DCP_METADATA] = {"sha256": sha256_file(meta), "bytes": meta.stat().st_size}
                 self.store.commit(step, manifest, self.rank)
             except (OSError, CheckpointError) as exc:
+                self._discard(step)
                 error = f"checkpoint step {step}: commit failed: {self._explain_write_failure(step, exc)}"
         _raise(agree_on_error(error, self.group))
 
+    def _discard(self, step: int) -> None:
+        """Rank 0 removes a failed save's partial directory: it can never be loaded, and on a
+        full disk it holds the space the next start needs."""
+        if self.rank == 0:
+            shutil.rmtree(self.store.tmp_dir(step), ignore_errors=True)
+
     def _explain_write_failure(self, step: int, exc: Exception) -> str:
-        """The failure of a save in one line; a full disk (which DCP reports as a bad zip
-        position or a short write) is called by its name. The partial directory stays
-        uncommitted (never loaded) and is removed by the next save."""
-        free = _free_bytes(self.root)
+        """The failure of a save in one line; a full disk (which DCP may also report as a bad
+        zip position or a short write) is called by its name, with the checkpoint to resume from."""
+        free = free_bytes(self.root)
         if getattr(exc, "errno", None) == errno.ENOSPC or (free is not None and free < (1 << 20)):
-            where = f" ({free / 2**20:.1f} MiB left under {self.root})" if free is not None else ""
-            return (f"checkpoint step {step} not written: disk full{where}; free space and resume: the newest "
-                    "committed checkpoint is intact")
+            where = f" ({mib(free)} left under {self.root})" if free is not None else ""
+            committed = [p for p in self.store.committed() if p.name != self.store.step_dir(step).name]
+            resume = (f"resume from {committed[-1].name}, which is intact" if committed else
+                      "run again (no checkpoint was committed yet)")
+            return f"checkpoint step {step} not written: disk full{where}; free space and {resume}"
         return str(exc)
 
     def wait(self) -> None:
@@ -213,7 +236,14 @@ class CheckpointManager:
         """Fill ``model`` (and ``optimizer``'s state) from the checkpoint at ``path``, whatever
         layout wrote it. Refuses uncommitted, corrupted or incompatible checkpoints."""
         from megatron_s2.checkpoint.dcp_io import load_shards, read_index  # torch.distributed.checkpoint: on use
-        from megatron_s2.checkpoint.sharded_state import model_shards, optimizer_targets, rng_from_tensors, rng_targets
+        from megatron_s2.checkpoint.sharded_state import (
+            local_from_tensors,
+            local_targets,
+            model_shards,
+            optimizer_targets,
+            rng_from_tensors,
+            rng_targets,
+        )
 
         self.wait()
         path = Path(path)
@@ -236,12 +266,14 @@ class CheckpointManager:
         same_layout = (manifest.layout == self.layout and manifest.world_size == self.world_size
                        and manifest.rng_ranks == self.world_size)
         rng = rng_targets(index, self.rank) if same_layout else {}
-        load_shards({**targets, **(opt.shards if opt else {}), **rng}, path, self.group)
+        local = local_targets(index, self.rank) if same_layout else {}
+        load_shards({**targets, **(opt.shards if opt else {}), **rng, **local}, path, self.group)
         if opt:
             opt.apply()
         barrier(self.group)
-        return LoadedCheckpoint(path, manifest, rng_from_tensors(rng) if rng else None,
-                                opt.fresh if opt else [])
+        return LoadedCheckpoint(path, manifest, rng=rng_from_tensors(rng) if rng else None,
+                                fresh_optimizer_state=opt.fresh if opt else [],
+                                local=local_from_tensors(local, self.rank) if same_layout else None)
 
     def _uncovered(self, index, requested: set[str], with_optimizer: bool, path: Path) -> str | None:
         """Stored tensors no rank asked for (a layout that would silently drop state): one
@@ -278,21 +310,6 @@ def _check_model(targets: dict[str, GlobalShard], index, path: Path) -> str | No
             return (f"{path}: '{fqn[len(MODEL_PREFIX):]}' is stored with global shape {tuple(md.size)}, "
                     f"this model's is {tuple(shard.global_shape)}")
     return None
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _free_bytes(path: Path) -> int | None:
-    """Free bytes of the file system holding ``path`` (or its nearest existing parent)."""
-    path = Path(path)
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
 
 
 def _raise(error: str | None) -> None:

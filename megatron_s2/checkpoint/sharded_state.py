@@ -14,6 +14,8 @@ different slices, comes out of every layout:
   State tensors shaped like the parameter share its ShardSpec; 0-d ones (Adam's step) are
   stored whole.
 * RNG: this rank's generator states (torch, Python, NumPy), under ``rng/<rank>/``.
+* local: other tensors of this rank only (a rollout engine's caches), under ``local/<rank>/``;
+  like the RNG states they are read back only by the same rank of the same layout.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_s2.checkpoint.dcp_io import GlobalShard
 from megatron_s2.checkpoint.format import (
+    LOCAL_PREFIX,
     MODEL_PREFIX,
     OPTIM_PREFIX,
     RNG_PREFIX,
@@ -37,6 +40,9 @@ from megatron_s2.parallel.sharding import shard_spec
 
 __all__ = [
     "OptimizerTargets",
+    "local_from_tensors",
+    "local_shards",
+    "local_targets",
     "model_shards",
     "optimizer_shards",
     "optimizer_targets",
@@ -180,3 +186,26 @@ def rng_from_tensors(shards: dict[str, GlobalShard]) -> dict:
         t = shard.local
         out[fqn.rsplit("/", 1)[1]] = int(t) if t.dim() == 0 and not t.dtype.is_floating_point else t
     return out
+
+
+def local_shards(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, GlobalShard]:
+    out = {}
+    for key, value in tensors.items():
+        t = value.detach().to("cpu", copy=True).contiguous()
+        out[f"{LOCAL_PREFIX}{rank:05d}/{key}"] = GlobalShard(t, tuple(t.shape), (0,) * t.dim())
+    return out
+
+
+def local_targets(index, rank: int) -> dict[str, GlobalShard]:
+    prefix = f"{LOCAL_PREFIX}{rank:05d}/"
+    out = {}
+    for fqn, md in index.state_dict_metadata.items():
+        if fqn.startswith(prefix) and isinstance(md, TensorStorageMetadata):
+            local = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="cpu")
+            out[fqn] = GlobalShard(local, tuple(md.size), (0,) * len(md.size))
+    return out
+
+
+def local_from_tensors(shards: dict[str, GlobalShard], rank: int) -> dict[str, torch.Tensor]:
+    prefix = f"{LOCAL_PREFIX}{rank:05d}/"
+    return {fqn[len(prefix):]: shard.local for fqn, shard in shards.items()}

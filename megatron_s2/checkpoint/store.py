@@ -23,6 +23,10 @@ Protocol of one save (every step is durable before the next begins):
    step namespace (``.step_N.deleting``), then emptied: a crash mid-deletion leaves garbage,
    never a committed-looking partial directory.
 
+Leftovers of a crash (``.step_*`` directories) are never loaded; :meth:`CheckpointStore.remove_leftovers`
+deletes them, naming each, when a run starts writing and before every save's free-space check
+(a killed save can hold a whole checkpoint's worth of disk).
+
 A checkpoint is *valid* when ``COMMITTED`` exists, matches the manifest, and every file the
 manifest lists has its recorded size and sha256. :meth:`CheckpointStore.latest_valid` takes the
 step ``latest`` names if it is valid, otherwise the newest valid one, and says which and why.
@@ -140,10 +144,23 @@ class CheckpointStore:
         return [p for p in self.step_dirs() if (p / COMMIT).is_file()]
 
     def latest_name(self) -> str | None:
+        """The step directory name ``latest`` holds; None (with a note) when it is missing or
+        unusable — unreadable, not text, or not a step name. ``latest`` is only a hint: the
+        newest valid step is found without it."""
         pointer = self.root / LATEST
         if not pointer.is_file():
             return None
-        name = pointer.read_text().strip()
+        try:
+            raw = pointer.read_bytes()
+        except OSError as exc:
+            self.log(f"checkpoint: {pointer} cannot be read ({exc.strerror or exc}); ignored")
+            return None
+        try:
+            name = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:  # a torn write or a file copied over it
+            self.log(f"checkpoint: {pointer} holds {len(raw)} bytes of binary data, not a step directory name; "
+                     "ignored")
+            return None
         if parse_step_name(name) is None:
             self.log(f"checkpoint: {pointer} holds {name[:64]!r}, not a step directory name; ignored")
             return None
@@ -205,9 +222,7 @@ class CheckpointStore:
         for path in committed:
             if path not in keep:
                 self.retire(path, rank)
-        for debris in self.root.glob(".step_*"):  # crashed saves; no other save is in flight
-            if debris.is_dir():
-                shutil.rmtree(debris, ignore_errors=True)
+        self.remove_leftovers()
 
     def retire(self, path: Path, rank: int = 0) -> None:
         """Delete a committed checkpoint in an order no crash can turn into a half-deleted
@@ -225,6 +240,29 @@ class CheckpointStore:
         if not self.root.is_dir():
             return []
         return sorted(p for p in self.root.glob(".step_*") if p.is_dir())
+
+    def remove_leftovers(self) -> int:
+        """Delete :meth:`garbage`, naming each directory and the space it held; the bytes freed.
+        Only while no save is in flight (rank 0, between saves): a crashed save's directory
+        can hold a whole checkpoint's worth of disk, which the next run needs."""
+        freed = 0
+        for debris in self.garbage():
+            size = _tree_bytes(debris)
+            shutil.rmtree(debris, ignore_errors=True)
+            freed += size
+            what = "deletion" if debris.name.endswith(".deleting") else "save"
+            self.log(f"checkpoint: removed {debris.name} ({size / 2**20:.1f} MiB), left by an interrupted {what}")
+        return freed
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for child in path.rglob("*"):
+        try:
+            total += child.lstat().st_size if child.is_file() else 0
+        except OSError:
+            pass
+    return total
 
 
 def _remove_tree(path: Path, rank: int) -> None:

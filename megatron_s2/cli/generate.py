@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_s2.cli.flag_errors import built_from_flags
 from megatron_s2.config.schema import ConfigError
 
 __all__ = ["register", "generate_command"]
@@ -23,13 +24,14 @@ def generate_command(args: argparse.Namespace) -> int:
 
     if not args.prompt:
         raise ConfigError("--prompt: give the text to continue, e.g. --prompt 'Once upon a time'")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+    # every option is checked before the (slow) model load, and an error names its flag
+    params = built_from_flags(SamplingParams, max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+    engine_config = built_from_flags(EngineConfig, max_num_seqs=1, max_model_len=args.max_model_len,
+                                     prefill_chunk=256, max_prefill_tokens=256)
     model, tokenizer, description = load_model(args.checkpoint, args.device)
     prompt = ([tokenizer.bos_id] if args.bos else []) + tokenizer.encode(args.prompt)
-    engine = InferenceEngine(model, EngineConfig(max_num_seqs=1, max_model_len=args.max_model_len,
-                                                 prefill_chunk=256, max_prefill_tokens=256),
-                             eos_token_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+    engine = InferenceEngine(model, engine_config, eos_token_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
     try:
         handle = engine.submit(prompt, params)
     except PromptTooLong as exc:
@@ -63,7 +65,8 @@ def register(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus probability (default 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: fixed engine seed)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed, -2**63 .. 2**64-1 (default: fixed engine seed)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + generated tokens (default 2048)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")

@@ -14,7 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron_s2.cli.flag_errors import built_from_flags
 from megatron_s2.config.schema import ConfigError
+from megatron_s2.config.engine import LOGPROBS_MODES
 
 __all__ = ["register", "serve_command"]
 
@@ -22,12 +24,8 @@ __all__ = ["register", "serve_command"]
 def _engine_config(args: argparse.Namespace):
     from megatron_s2.config.engine import EngineConfig
 
-    try:
-        return EngineConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
+    return built_from_flags(EngineConfig, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                             max_model_len=args.max_model_len, prefix_caching=args.prefix_caching, seed=args.seed)
-    except ConfigError as exc:  # name the command-line option, not the dataclass field
-        field, _, rest = str(exc).partition(":")
-        raise ConfigError(f"--{field.replace('_', '-')}:{rest}") from None
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -41,7 +39,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from megatron_s2.serve.server import bind_socket, build_state, serve_forever
 
     config = ServeConfig(host=args.host, port=args.port, served_model_name=args.served_model_name or "",
-                         return_routed_experts=args.enable_return_routed_experts)
+                         return_routed_experts=args.enable_return_routed_experts, logprobs_mode=args.logprobs_mode)
     engine_config = _engine_config(args)
     if not Path(args.checkpoint).exists():
         raise ConfigError(f"checkpoint: {args.checkpoint} does not exist; give a run, checkpoints, step or Hugging "
@@ -74,6 +72,10 @@ def register(subparsers) -> None:
     p.add_argument("--prefix-caching", action="store_true", help="keep finished prompts' global KV (LRU)")
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="return the MoE routing of every token on /inference/v1/generate (routing replay)")
+    p.add_argument("--logprobs-mode", default="raw_logprobs", choices=list(LOGPROBS_MODES),
+                   help="what log-probs of sampled tokens are, as vLLM's flag: raw_logprobs (default: the model's, "
+                        "before temperature / top-k / top-p), processed_logprobs (the distribution sampled from), "
+                        "raw_logits, processed_logits")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none (default 0)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

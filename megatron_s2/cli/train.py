@@ -9,7 +9,9 @@ directory's ``config.yaml``, which reproduces that run on its own.
 Rank 0 holds the run directory's lock (``run.lock``, :mod:`.run_lock`) for the whole run, so
 a second run on the same directory is refused naming this one. Preemption signals and Ctrl-C
 are caught from the first line of ``megatron_s2.cli.main`` on: the run saves at the end of the
-step and exits 75 (:mod:`megatron_s2.runtime.preemption`).
+step and exits 75 (:mod:`megatron_s2.runtime.preemption`). A rank whose collective fails because
+another rank died prints one line instead of a traceback and exits 76
+(:mod:`megatron_s2.runtime.peer_loss`): its launcher names the rank that died.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_s2.runtime.bootstrap import init_distributed, shutdown_distributed
     from megatron_s2.runtime.health import maybe_run_health_checks
+    from megatron_s2.runtime.peer_loss import EXIT_PEER_LOST, lost_peer
     from megatron_s2.runtime.preemption import EXIT_PREEMPTED, PreemptionGuard
 
     recipe = load_recipe(args.recipe, list(args.overrides))
@@ -48,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     guard = PreemptionGuard.from_config(recipe.launcher).install()
     info = init_distributed(recipe.parallel.backend)
     rank, world = info.rank, info.world_size
+    leave_together = True
     try:
         needed = recipe.parallel.world_size() or recipe.parallel.model_parallel_size()
         # Validate the layout against the model first (an impossible layout is wrong whatever
@@ -73,9 +77,16 @@ def run(args: argparse.Namespace) -> int:
 
             result = Trainer(recipe, run_dir, rank=rank, world_size=world, guard=guard, device=info.device).train()
             return EXIT_PREEMPTED if result.preempted else 0
+    except Exception as exc:
+        reason = lost_peer(exc) if world > 1 else None
+        if reason is None:
+            raise
+        leave_together = False  # the barrier could only fail again, or hang under NCCL
+        print(f"megatron-s2 train: rank {rank}: {reason}", file=sys.stderr, flush=True)
+        return EXIT_PEER_LOST
     finally:
         guard.uninstall()
-        shutdown_distributed()
+        shutdown_distributed(leave_together)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,11 @@ from dataclasses import dataclass
 
 from megatron_s2.config.schema import ConfigError
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "LOGPROBS_MODES"]
+
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+"""vLLM's ``logprobs_mode``: what the reported values of sampled tokens are
+(:mod:`megatron_s2.inference.sampling`; here so that the CLI parser can list them without torch)."""
 
 
 @dataclass(frozen=True)

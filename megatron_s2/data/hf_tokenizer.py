@@ -193,6 +193,9 @@ class HFTokenizer:
 
         Relies on the template rendering a prefix of the conversation as a prefix of the whole
         (true of the V4-style template); a template without that property is an error."""
+        from megatron_s2.data.chat import check_messages
+
+        check_messages(messages, reasoning_effort)  # every message, before any is indexed by role
         texts, marks = [], []  # character offset where each message (and its body) starts
         for i in range(len(messages)):
             before = self.apply_chat_template(messages[:i], reasoning_effort=reasoning_effort, tools=tools,

@@ -73,6 +73,11 @@ class Task(ABC):
     def sample(self, rng: random.Random) -> TaskSample:
         """Draw one problem."""
 
+    @property
+    @abstractmethod
+    def max_prompt_chars(self) -> int:
+        """Characters (ASCII) of the longest prompt :meth:`sample` can draw at this difficulty."""
+
     @abstractmethod
     def solve(self, *operands: str) -> str:
         """The exact answer for the operands parsed from a prompt."""
@@ -111,6 +116,10 @@ class AdditionTask(Task):
         a, b = (str(_random_number(rng, self.max_digits)) for _ in range(2))
         return self._make(f"{a}+{b}", a, b)
 
+    @property
+    def max_prompt_chars(self) -> int:
+        return 2 * self.max_digits + 1
+
     def solve(self, a: str, b: str) -> str:
         return str(int(a) + int(b))
 
@@ -126,6 +135,10 @@ class MultiplicationTask(Task):
     def sample(self, rng: random.Random) -> TaskSample:
         a, b = (str(_random_number(rng, self.max_digits)) for _ in range(2))
         return self._make(f"{a}*{b}", a, b)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return 2 * self.max_digits + 1
 
     def solve(self, a: str, b: str) -> str:
         return str(int(a) * int(b))
@@ -146,6 +159,10 @@ class SortTask(Task):
         items = "".join(rng.choice(symbols) for _ in range(rng.randint(1, self.max_length)))
         return self._make(f"sort:{items}", items)
 
+    @property
+    def max_prompt_chars(self) -> int:
+        return len("sort:") + self.max_length
+
     def solve(self, items: str) -> str:
         return "".join(sorted(items))
 
@@ -161,6 +178,10 @@ class CopyTask(Task):
     def sample(self, rng: random.Random) -> TaskSample:
         text = "".join(rng.choice(_ALPHANUMERIC) for _ in range(rng.randint(1, self.max_length)))
         return self._make(f"{self.name}:{text}", text)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return len(self.name) + 1 + self.max_length
 
     def solve(self, text: str) -> str:
         return text
@@ -208,6 +229,10 @@ class BracketsTask(Task):
             chars[position] = rng.choice([c for c in _BRACKETS if c != chars[position]])
         text = "".join(chars)
         return self._make(f"balanced:{text}", text)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return len("balanced:") + 2 * self.max_pairs
 
     @staticmethod
     def _balanced(rng: random.Random, pairs: int) -> list[str]:

@@ -62,7 +62,7 @@ from megatron_s2.inference.request import (
     RequestHandle,
     RequestOutput,
 )
-from megatron_s2.inference.sampling import SamplingParams, sample_next
+from megatron_s2.inference.sampling import SamplingParams, position_seed, sample_next
 
 __all__ = ["InferenceEngine"]
 
@@ -105,9 +105,13 @@ class InferenceEngine:
     # ---- requests (any thread) -------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None,
-                    on_output: Callable[[RequestOutput], None] | None = None) -> str:
+                    on_output: Callable[[RequestOutput], None] | None = None,
+                    cache_state: dict[str, torch.Tensor] | None = None) -> str:
         """Queue a request; returns its id. Raises :class:`PromptTooLong`, :class:`QueueFull`,
-        ``ValueError`` for token ids outside the vocabulary."""
+        ``ValueError`` for token ids outside the vocabulary. ``cache_state`` (from
+        :meth:`export_cache_state` of an engine of the same configuration, over these prompt
+        tokens) is what the request resumes from at admission instead of a prefill; ``ValueError``
+        when it does not fit."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
@@ -118,6 +122,8 @@ class InferenceEngine:
         if len(prompt) >= self.config.max_model_len:
             raise PromptTooLong(f"prompt_token_ids: {len(prompt)} tokens leave no room to generate within "
                                 f"max_model_len={self.config.max_model_len}")
+        if cache_state is not None:
+            self.check_cache_state(cache_state, len(prompt))
         with self._count_lock:
             if self._accepted >= self.config.max_waiting:
                 raise QueueFull(f"the request queue is full ({self.config.max_waiting} waiting); retry later")
@@ -125,8 +131,9 @@ class InferenceEngine:
         arrival = next(self._ids)
         rid = request_id or f"req-{arrival}"
         seed = params.seed if params.seed is not None else hash((self.config.seed, arrival)) & ((1 << 63) - 1)
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        self._inbox.put(("add", Request(rid, prompt, params, gen, arrival, on_output)))
+        gen = torch.Generator(device=self.device)  # reseeded per token (_advance)
+        self._inbox.put(("add", Request(rid, prompt, params, gen, arrival, on_output, seed=seed,
+                                        cache_state=cache_state)))
         self._notify()
         return rid
 
@@ -142,6 +149,21 @@ class InferenceEngine:
         it gets a final output with finish reason "abort"."""
         self._inbox.put(("abort", request_id))
         self._notify()
+
+    def export_cache_state(self, request_id: str) -> dict[str, torch.Tensor] | None:
+        """The cache state of an admitted request as host tensors (call while paused or between
+        steps); None when it holds none yet (waiting) or the model family cannot export it."""
+        with self._lock:
+            req = self.requests.get(request_id)
+            if req is None or req.kv is None:
+                return None
+            return self.executor.export_state(req)
+
+    def check_cache_state(self, cache_state: dict[str, torch.Tensor], prompt_length: int) -> None:
+        """ValueError unless a request of ``prompt_length`` tokens can resume from ``cache_state``."""
+        covered = self.executor.check_state(cache_state)
+        if not 0 < covered <= prompt_length:
+            raise ValueError(f"cache_state: it covers {covered} tokens, the prompt has {prompt_length}")
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or not self._inbox.empty())
@@ -299,7 +321,11 @@ class InferenceEngine:
         while self.waiting and len(self.running) < self.config.max_num_seqs and self.executor.can_admit():
             req = self.waiting.popleft()
             self._uncount()
-            self.executor.admit(req)  # its cache state (and any cached prefix it resumes from)
+            if req.cache_state is not None:  # resumed after a restart exactly where it stopped
+                self.executor.import_state(req, req.cache_state)
+                req.cache_state = None
+            else:
+                self.executor.admit(req)  # its cache state (and any cached prefix it resumes from)
             self.running.append(req)
 
     def _schedule(self) -> list[tuple[Request, int]]:
@@ -354,6 +380,8 @@ class InferenceEngine:
         self.executor.after_forward(req)
         if res.logits is None:
             return
+        if not req.params.greedy:  # the draw is a function of (seed, position) alone: module docstring
+            req.generator.manual_seed(position_seed(req.seed, len(req.tokens)))
         tok = sample_next(res.logits, req.params, req.generator)
         req.tokens.append(tok.token_id)
         req.num_generated += 1

@@ -177,6 +177,11 @@ class Request:
     kv: object | None = None
     """The model executor's per-request state (caches), while admitted."""
     pending: RequestOutput | None = None
+    seed: int = 0
+    """Seed of the request's random stream: the token at position i is drawn with ``generator``
+    reseeded from (seed, i) (:func:`~megatron_s2.inference.sampling.position_seed`)."""
+    cache_state: dict | None = None
+    """A saved cache state to admit the request with (``InferenceEngine.add_request``)."""
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -1,16 +1,29 @@
 """Sampling parameters and the sampler: temperature, top-k, top-p, per-request seeds, log-probs.
 
-The log-prob reported for a sampled token is taken under the distribution it was *sampled
-from* — logits / temperature, restricted to the top-k and then the top-p nucleus,
-renormalised — which is the behaviour-policy probability an RL trainer needs (§5.2.2
-importance weights). Greedy decoding (``temperature == 0``) samples from a point mass, so
-there the log-prob (and the optional top-N) is reported under the model's unscaled
-distribution ``log_softmax(logits)``, as vLLM does.
+A token is drawn from the *sampling distribution* — logits / temperature, restricted to the
+top-k and then the top-p nucleus, renormalised; greedy decoding (``temperature == 0``) takes the
+arg-max. What is reported for it (and for its top-N alternatives) is vLLM's ``logprobs_mode``:
 
-Each request owns a ``torch.Generator`` on the model's device, seeded from its ``seed`` (or
-from the engine's seed and the request's arrival number): a request's samples depend only on
-its own logits and seed, not on which other requests share the batch, and the generator state
-survives pause / weight update / resume.
+==================== =====================================================================
+``processed_logprobs`` log-probs of the sampling distribution (-inf outside the kept set): the
+                     behaviour-policy probability an RL trainer needs (§5.2.2 importance
+                     weights). The engine's default; post-training pins it.
+``raw_logprobs``     ``log_softmax(logits)`` of the model, before temperature / top-k / top-p
+                     (vLLM's default, and the server's: ``megatron-s2 serve --logprobs-mode``).
+``processed_logits`` ``logits / temperature``, -inf outside the kept set.
+``raw_logits``       the model's logits.
+==================== =====================================================================
+
+Greedy decoding samples from a point mass, so there "processed" is the unscaled distribution
+(``log_softmax(logits)`` / the logits), as vLLM reports it.
+
+Each request owns a ``torch.Generator`` on the model's device and a seed (its ``seed``, or one
+derived from the engine's seed and the request's arrival number). The token at position ``i``
+of the request's sequence (prompt included) is drawn with that generator reseeded from
+:func:`position_seed` ``(seed, i)``: a sample depends only on its own logits, seed and position
+— not on which other requests share the batch, nor on how many draws came before it — so a
+request re-submitted with its generated prefix appended (a rollout resumed after a restart,
+report §5.2.1) continues exactly as the uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -20,9 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_s2.config.engine import LOGPROBS_MODES
 from megatron_s2.config.schema import ConfigError
 
-__all__ = ["SamplingParams", "SampledToken", "sample_next"]
+__all__ = ["SamplingParams", "SampledToken", "sample_next", "position_seed", "LOGPROBS_MODES"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +52,8 @@ class SamplingParams:
     top_k: int = 0
     """Keep the k most likely tokens; 0 (or -1) = all."""
     seed: int | None = None
-    """Seed of this request's generator; None = derived from the engine seed."""
+    """Seed of this request's draws, a 64-bit integer (-2**63 .. 2**64-1); None = derived from the
+    engine seed."""
     stop: tuple[str, ...] = ()
     """Stop strings: generation ends once the decoded output contains one (finish reason "stop")."""
     stop_token_ids: tuple[int, ...] = ()
@@ -47,6 +62,12 @@ class SamplingParams:
     """Keep generating after the end-of-sequence token."""
     logprobs: int = 0
     """Also report the top-N log-probs of every generated position (0 = only the sampled token's)."""
+    logprob_token_ids: tuple[int, ...] = ()
+    """Report these tokens' values at every generated position instead of the top-N (vLLM's
+    ``logprob_token_ids``: a fixed label set, e.g. the answer letters of a classifier)."""
+    logprobs_mode: str = "processed_logprobs"
+    """What the reported values are (module docstring): ``processed_logprobs`` (the sampling
+    distribution), ``raw_logprobs``, ``processed_logits`` or ``raw_logits``."""
     record_routing: bool = False
     """Record the routed experts of every token fed to the model (Rollout Routing Replay, §5.2.1)."""
     record_indexer_topk: bool = False
@@ -55,6 +76,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logprob_token_ids", tuple(int(t) for t in self.logprob_token_ids))
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens: must be >= 1, got {self.max_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -63,8 +85,13 @@ class SamplingParams:
             raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ConfigError(f"top_k: must be >= 0 (0 or -1 = off), got {self.top_k}")
+        if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 64:
+            raise ConfigError(f"seed: must be a 64-bit integer, -2**63 .. 2**64-1 (draws are seeded from its 64 "
+                              f"bits: a longer seed would give another seed's samples), got {self.seed}")
         if self.logprobs < 0:
             raise ConfigError(f"logprobs: must be >= 0, got {self.logprobs}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError("stop: every stop string must be a non-empty string")
 
@@ -77,9 +104,9 @@ class SamplingParams:
 class SampledToken:
     token_id: int
     logprob: float
-    """Log-probability of ``token_id`` under the sampling distribution (module docstring)."""
+    """The reported value of ``token_id`` (``params.logprobs_mode``; module docstring)."""
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
-    """The ``params.logprobs`` most likely (token, log-prob) pairs of that distribution."""
+    """The ``params.logprobs`` largest (token, value) pairs of the same values."""
 
 
 def sampling_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -103,6 +130,33 @@ def sampling_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     return torch.log_softmax(scaled, dim=-1).float()
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """Seed of the draw at ``position`` of a request seeded with ``seed``: SplitMix64's finaliser
+    over both, so neighbouring seeds and positions give unrelated streams."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(position) + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1  # 63 bits: what manual_seed takes on every device
+
+
+def reported_values(logits: torch.Tensor, params: SamplingParams, sampling_logp: torch.Tensor) -> torch.Tensor:
+    """The values [V] reported for a position under ``params.logprobs_mode`` (``sampling_logp``:
+    the position's :func:`sampling_log_probs`, which is the processed log-probs)."""
+    mode = params.logprobs_mode
+    if mode == "processed_logprobs":
+        return sampling_logp
+    if mode == "raw_logprobs":
+        return torch.log_softmax(logits.float(), dim=-1)
+    if mode == "raw_logits":
+        return logits.float()
+    temperature = 1.0 if params.greedy else params.temperature  # processed_logits: what is sampled from
+    outside = torch.isneginf(sampling_logp)  # dropped by top-k / top-p
+    return (logits.double() / temperature).masked_fill(outside, float("-inf")).float()
+
+
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> SampledToken:
     """Draw one token from ``logits`` [V] (full vocabulary, float32)."""
     logp = sampling_log_probs(logits, params)
@@ -110,8 +164,11 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         token = int(logits.argmax())
     else:
         token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+    values = reported_values(logits, params, logp)
     top = []
-    if params.logprobs:
-        values, ids = logp.topk(min(params.logprobs, logp.numel()))
-        top = [(int(i), float(v)) for i, v in zip(ids, values) if math.isfinite(float(v))]
-    return SampledToken(token, float(logp[token]), top)
+    if params.logprob_token_ids:  # a fixed label set, in the order asked (impossible ones included)
+        top = [(token_id, float(values[token_id])) for token_id in params.logprob_token_ids]
+    elif params.logprobs:
+        best, ids = values.topk(min(params.logprobs, values.numel()))
+        top = [(int(i), float(v)) for i, v in zip(ids, best) if math.isfinite(float(v))]
+    return SampledToken(token, float(values[token]), top)

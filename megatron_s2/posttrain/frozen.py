@@ -37,7 +37,10 @@ def load_frozen_model(path: str | Path, groups: ParallelGroups, *, vocab_size: i
     this rank's slices, evaluation mode, no gradients."""
     from megatron_s2.inference.weights import read_checkpoint
 
-    loaded = read_checkpoint(path)
+    try:
+        loaded = read_checkpoint(path)
+    except ConfigError as exc:  # its messages say "checkpoint:"; the recipe key is ``what``
+        raise ConfigError(f"{what}: {str(exc).removeprefix('checkpoint: ')}") from None
     cfg = loaded.model_config
     if cfg.vocab_size != vocab_size:
         raise ConfigError(f"{what}: {path} has vocab_size {cfg.vocab_size}, the policy {vocab_size}; a teacher or "

@@ -38,9 +38,9 @@ from megatron_s2.inference import InferenceEngine
 from megatron_s2.parallel.context_parallel import split_micro_batch
 from megatron_s2.parallel.setup import build_groups
 from megatron_s2.posttrain.advantages import AdvantagePipeline, GroupRollouts
-from megatron_s2.config.posttrain.recipe_checks import posttrain_section
+from megatron_s2.config.posttrain.recipe_checks import environment_key, posttrain_section
 from megatron_s2.models.family import family_of
-from megatron_s2.posttrain.checks import check_registered_names
+from megatron_s2.posttrain.checks import check_posttrain_inputs
 from megatron_s2.posttrain.envs import build_environment
 from megatron_s2.posttrain.frozen import TeacherPool, full_logits, load_frozen_model
 from megatron_s2.posttrain.losses import PosttrainObjective
@@ -83,14 +83,10 @@ class _OrchestratorState:
 
 class PosttrainTrainer(Trainer):
     def __init__(self, recipe, run_dir, *, rank: int = 0, world_size: int = 1, guard=None, log=print, device=None):
-        check_registered_names(recipe)  # before the model is built
         super().__init__(recipe, run_dir, rank=rank, world_size=world_size, guard=guard, log=log, device=device)
         self.kind = recipe.phase.kind
         self.section = section = posttrain_section(recipe)
         self.rollout_cfg = rollout = section.rollout
-        self.environments = {name: build_environment(name, rollout.environment_of(name), self.tokenizer,
-                                                     what=f"{self.kind}.rollout.environment")
-                             for name in rollout.dataset_names()}
         self._setup_rollout()
         self.objective = PosttrainObjective(section.loss, rollout.max_staleness)
         self.advantages = AdvantagePipeline(section.advantage, section.effort) if self.kind == "rl" else None
@@ -105,6 +101,7 @@ class PosttrainTrainer(Trainer):
                                          samples_per_level=effort.samples_per_level if effort else 0,
                                          group_filter=group_filter)
         self.data = _OrchestratorState(self)
+        self.pending_caches: dict | None = None
         self.started = False
         self.eval_file = self.run_dir / "eval.jsonl"
         self.rollout_file = self.run_dir / "rollouts.jsonl"
@@ -120,6 +117,28 @@ class PosttrainTrainer(Trainer):
 
     def build_data(self):
         return None  # replaced by the orchestrator's state once it exists
+
+    def check_phase_inputs(self) -> None:
+        """Before the model is built: the rollout environments (kept), then every check
+        ``megatron-s2 launch`` also runs, and those that need the drawn prompt sets
+        (:func:`~megatron_s2.posttrain.checks.check_posttrain_inputs`)."""
+        kind, rollout = self.recipe.phase.kind, posttrain_section(self.recipe).rollout
+        self.environments = {name: build_environment(name, rollout.environment_of(name), self.tokenizer,
+                                                     what=environment_key(kind, rollout, name))
+                             for name in rollout.dataset_names()}
+        check_posttrain_inputs(self.recipe, self.tokenizer, environments=self.environments)
+
+    def local_state(self) -> dict | None:
+        """The rollout engine's caches of this rank's in-flight samples (saved while it is paused),
+        so that a resumed run continues them bit for bit instead of re-prefilling their prefixes
+        under newer weights than the ones that computed their KV (report §5.2.3)."""
+        if not isinstance(self.backend, EngineBackend):
+            return None
+        return {f"rollout.{k}": v for k, v in self.backend.cache_states().items()}
+
+    def load_local_state(self, tensors: dict | None) -> None:
+        self.pending_caches = None if tensors is None else \
+            {k[len("rollout."):]: v for k, v in tensors.items() if k.startswith("rollout.")}
 
     # ---- set-up ---------------------------------------------------------------------------------------
     def _setup_rollout(self) -> None:
@@ -165,7 +184,7 @@ class PosttrainTrainer(Trainer):
         from megatron_s2.posttrain.opd.remote_teacher import RemoteTeacher
 
         cfg, models, owner, temps, remote = self.section, {}, {}, {}, {}
-        for t in cfg.teachers:
+        for i, t in enumerate(cfg.teachers):
             if t.endpoint:  # sampled_token only (config); checked once here: exit 2 naming the field
                 remote[t.name] = RemoteTeacher(t.name, t.endpoint, temperature=t.temperature,
                                                timeout_s=t.request_timeout_s,
@@ -175,30 +194,23 @@ class PosttrainTrainer(Trainer):
                 self.log(f"opd: teacher '{t.name}' at {t.endpoint} (model {remote[t.name].model})")
             if t.checkpoint:
                 models[t.name] = load_frozen_model(t.checkpoint, self.rollout_groups, vocab_size=self.recipe.model.vocab_size,
-                                                   tokenizer=self.tokenizer, what=f"opd.teachers.{t.name}.checkpoint",
+                                                   tokenizer=self.tokenizer, what=f"opd.teachers[{i}].checkpoint",
                                                    device=self.device)
             temps[t.name] = t.temperature
             for d in t.domains:
                 owner[d] = t.name
-        self.domain_of = {n: next((d.domain or d.name for d in self.rollout_cfg.datasets if d.name == n), n)
-                          for n in self.rollout_cfg.dataset_names()}
-        if "default" in self.domain_of and "default" not in owner and len(owner) == 1:
-            self.domain_of["default"] = next(iter(owner))
-        missing = sorted({d for d in self.domain_of.values() if d not in owner})
-        if missing:
-            raise ConfigError(f"opd.teachers: no teacher supervises domain(s) {missing}; add them to a teacher's "
-                              "domains or set rollout.datasets[*].domain")
+        # every domain has its teacher (OPDConfig refuses a recipe where one has none)
+        self.domain_of = {n: cfg.dataset_domain(n) for n in self.rollout_cfg.dataset_names()}
         return TeacherPool(models, owner, temps, remote)
 
     def _setup_reference(self):
         if not self.section.loss.has_term("reference_kl"):
             return None
-        path = getattr(self.section, "reference_checkpoint", "") or self.recipe.checkpoint.load
-        if not path:
-            raise ConfigError(f"{self.kind}.reference_checkpoint: the reference_kl term needs a frozen reference; set "
-                              "it, or checkpoint.load (the reference is then the weights this phase starts from)")
-        return load_frozen_model(path, self.rollout_groups, vocab_size=self.recipe.model.vocab_size,
-                                 tokenizer=self.tokenizer, what=f"{self.kind}.reference_checkpoint", device=self.device)
+        own = getattr(self.section, "reference_checkpoint", "")  # else the initial weights (checked at start-up)
+        return load_frozen_model(own or self.recipe.checkpoint.load, self.rollout_groups,
+                                 vocab_size=self.recipe.model.vocab_size, tokenizer=self.tokenizer,
+                                 what=f"{self.kind}.reference_checkpoint" if own else "checkpoint.load",
+                                 device=self.device)
 
     # ---- weights -------------------------------------------------------------------------------------
     def _load_rollout_weights(self, version: int) -> None:
@@ -219,11 +231,19 @@ class PosttrainTrainer(Trainer):
             if state["policy_version"] != self.step:
                 raise ConfigError(f"checkpoint: its orchestrator is at policy version {state['policy_version']}, "
                                   f"the model at step {self.step}; the checkpoint is inconsistent")
+            if self.pending_caches is not None and isinstance(self.backend, EngineBackend):
+                self.backend.load_cache_states(self.pending_caches)
             self.orchestrator.load_state_dict(state)
-            self.data.pending = None
-            ledger = self.orchestrator.ledger
+            self.data.pending = self.pending_caches = None
+            ledger, restored = self.orchestrator.ledger, getattr(self.backend, "restored", None)
+            exact = f" ({restored['exact']} on this rank from their engine state)" if restored else ""
             self.log(f"rollout: orchestrator restored at version {self.step} ({len(self.orchestrator.groups)} open "
-                     f"groups, {self.orchestrator.in_flight} samples in flight, ledger {ledger})")
+                     f"groups, {self.orchestrator.in_flight} samples in flight{exact}, ledger {ledger})")
+            if restored and restored["prefilled"]:
+                self.log(f"rollout: {restored['prefilled']} in-flight samples of this rank are re-prefilled from their "
+                         "tokens (no saved engine state fits them: the layout or the engine settings changed, or "
+                         "the model family cannot save it), so they continue close to, not exactly as, the "
+                         "interrupted run")
         self.started = True
 
     # ---- one step --------------------------------------------------------------------------------------
@@ -381,7 +401,11 @@ class PosttrainTrainer(Trainer):
 
     def write_run_files(self) -> None:
         super().write_run_files()
-        if self.is_main:  # records of an attempt that died after its last checkpoint
-            for path in (self.eval_file, self.rollout_file):
-                if path.exists():
-                    truncate_jsonl(path, self.step)
+        if not self.is_main:
+            return
+        # Records of an attempt that died after its last checkpoint. An evaluation at step s >= 1
+        # is written before step s's checkpoint, so it stays; the one at step 0 runs again whenever
+        # the run starts from step 0 (no checkpoint yet), so the dead attempt's copy goes.
+        for path, keep in ((self.rollout_file, self.step), (self.eval_file, self.step if self.step else -1)):
+            if path.exists():
+                truncate_jsonl(path, keep)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_s2.runtime.peer_loss import lost_peer
 from megatron_s2.runtime.rendezvous import Rendezvous, discover
 from megatron_s2.runtime.device import resolve_rank_device
 
@@ -101,17 +102,24 @@ def init_distributed(backend: str = "auto", source: str = "auto") -> DistInfo:
     return _info(rdv, backend, placed.device)
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(leave_together: bool = True) -> None:
     """Leave together and tear the process group down before the interpreter exits.
 
     Call it on every rank at the end of a run (also after a preemption save). Without it
     gloo/NCCL threads may still be running while Python finalises, and a rank that finished
     cleanly can die with SIGABRT ("terminate called without an active exception"), which
-    the launchers must report as a failure.
+    the launchers must report as a failure. ``leave_together=False`` skips the final barrier:
+    for a rank that lost a peer (:mod:`megatron_s2.runtime.peer_loss`), where it could only fail
+    again (gloo) or wait forever (NCCL). A peer found gone at the barrier itself (it died after
+    this rank's last collective) is not this rank's failure: its launcher names that rank.
     """
     if dist.is_available() and dist.is_initialized():
-        if dist.get_world_size() > 1:
-            dist.barrier()
+        if leave_together and dist.get_world_size() > 1:
+            try:
+                dist.barrier()
+            except RuntimeError as exc:
+                if lost_peer(exc) is None:
+                    raise
         dist.destroy_process_group()
 
 

@@ -8,13 +8,20 @@ or token ids) or render client-side and call ``/inference/v1/generate``.
 Messages are checked before rendering: ``role`` in system / user / assistant / tool, text
 ``content`` (a string or a list of ``{"type": "text"}`` parts), and the assistant fields the
 template reads (``reasoning_content``, ``tool_calls``) passed through. ``chat_template_kwargs``
-may carry ``reasoning_effort`` (report §5.1.4: an integer 1..100).
+may carry ``reasoning_effort`` (report §5.1.4: an integer 1..100). vLLM's rendering fields:
+``add_generation_prompt`` (default true), ``continue_final_message`` (the prompt ends inside the
+last message, so the model continues it: the rendered text is cut after that message's content,
+as transformers does), ``add_special_tokens`` (default false for chat: ``<bos>`` on top of what
+the template writes).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
+from megatron_s2.data.hf_tokenizer import HFTokenizer
 from megatron_s2.serve.errors import BadRequest
-from megatron_s2.serve.fields import Fields
+from megatron_s2.serve.fields import Fields, shown, shown_text
 
 __all__ = ["has_chat_template", "chat_prompt_ids"]
 
@@ -51,7 +58,8 @@ def _messages(value) -> list[dict]:
             raise BadRequest(f"{where}: must be an object with role and content", param=where)
         role = message.get("role")
         if role not in ROLES:
-            raise BadRequest(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
+            raise BadRequest(f"{where}.role: must be one of {', '.join(ROLES)}, got {shown(role)}",
+                             param=f"{where}.role")
         clean = {"role": role}
         content = message.get("content")
         if content is None and not (role == "assistant" and message.get("tool_calls")):
@@ -64,9 +72,12 @@ def _messages(value) -> list[dict]:
     return out
 
 
-def chat_prompt_ids(tokenizer, f: Fields) -> list[int]:
-    """Token ids of the request's conversation, ending with the assistant generation prompt
-    (``add_generation_prompt``, default true)."""
+def chat_prompt_ids(tokenizer, f: Fields, refuse_overlong: Callable[[list[str], str], None]) -> list[int]:
+    """Token ids of the request's conversation (module docstring).
+
+    The conversation is rendered to text first and ``refuse_overlong`` sees that text before it is
+    tokenised: whatever field holds the bulk (``content``, ``reasoning_content``, tool-call
+    ``arguments``), a chat that cannot fit the context is refused without tokenising megabytes."""
     if not has_chat_template(tokenizer):
         raise BadRequest(f"messages: this model has no chat template (its tokenizer {type(tokenizer).__name__} "
                          "defines none); use /v1/completions with a text or token-id prompt", param="messages")
@@ -74,11 +85,49 @@ def chat_prompt_ids(tokenizer, f: Fields) -> list[int]:
     kwargs = f.object("chat_template_kwargs")
     kwargs.only(set(TEMPLATE_KWARGS))
     effort = kwargs.int("reasoning_effort", None, minimum=1, maximum=100)
+    continue_final = f.bool("continue_final_message")
     options = {"add_generation_prompt": f.bool("add_generation_prompt", True)}
+    if continue_final and options["add_generation_prompt"]:
+        f.fail("continue_final_message", "cannot be combined with add_generation_prompt (true by default); set "
+                                         "add_generation_prompt: false")
     if effort is not None:
         options["reasoning_effort"] = effort
+    text = _render(tokenizer, messages, options, tokenize=False)  # Jinja only: cheap, whatever the size
+    refuse_overlong([text], "messages")
+    if continue_final:
+        ids = tokenizer.encode(_cut_after_final_message(tokenizer, text, messages))
+    elif _renders_text(tokenizer):  # the template's text is what gets tokenised
+        ids = tokenizer.encode(text)
+    else:
+        ids = [int(t) for t in _render(tokenizer, messages, options, tokenize=True)]
+    bos = getattr(tokenizer, "bos_id", None)
+    return ([bos] if f.bool("add_special_tokens") and bos is not None else []) + ids
+
+
+def _cut_after_final_message(tokenizer, text: str, messages: list[dict]) -> str:
+    """The rendered conversation up to the end of the last message's content (what the model
+    continues), as transformers' ``continue_final_message`` cuts it."""
+    if not _renders_text(tokenizer):
+        raise BadRequest(f"continue_final_message: this model's tokenizer ({type(tokenizer).__name__}) renders "
+                         "chats to token ids, not text that can be cut; render client-side and send token ids",
+                         param="continue_final_message")
+    final = messages[-1].get("content") or ""
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise BadRequest("continue_final_message: the last message's content does not appear in the rendered "
+                         "chat (an empty message, or a template that rewrites it)", param="continue_final_message")
+    return text[:at + len(final)]
+
+
+def _renders_text(tokenizer) -> bool:
+    """Whether the rendered chat text encodes back to the template's ids (a Hugging Face
+    template renders text; the character tokenizer renders ids and only spells them)."""
+    return isinstance(tokenizer, HFTokenizer)
+
+
+def _render(tokenizer, messages: list[dict], options: dict, *, tokenize: bool):
     try:
-        ids = tokenizer.apply_chat_template(messages, **options)
+        return tokenizer.apply_chat_template(messages, tokenize=tokenize, **options)
     except Exception as exc:  # the template's own refusal (unknown role, bad tool call, ...)
-        raise BadRequest(f"messages: the chat template cannot render them ({exc})", param="messages") from None
-    return [int(t) for t in ids]
+        raise BadRequest(f"messages: the chat template cannot render them ({shown_text(str(exc), 200)})",
+                         param="messages") from None

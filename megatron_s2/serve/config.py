@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_s2.config.engine import LOGPROBS_MODES
 from megatron_s2.config.schema import ConfigError
 
 __all__ = ["ServeConfig"]
@@ -31,6 +32,13 @@ class ServeConfig:
     """Largest ``n`` (choices per prompt) a request may ask for."""
     max_logprobs: int = 20
     """Largest number of top log-probs per position a request may ask for (as OpenAI)."""
+    logprobs_mode: str = "raw_logprobs"
+    """What the log-prob values of sampled tokens are — vLLM's ``--logprobs-mode`` and its
+    default: ``raw_logprobs`` (the model's distribution, before temperature / top-k / top-p),
+    ``processed_logprobs`` (the distribution the token was drawn from; what an RL trainer's
+    importance weights need), ``raw_logits`` or ``processed_logits``. Prompt log-probs are raw:
+    log-probs, or logits in the ``*_logits`` modes
+    (:mod:`megatron_s2.inference.sampling`)."""
     prompt_logprobs_tokens: int = 8192
     """Tokens (prompts x padded length) of one ``prompt_logprobs`` forward: a request's prompts
     are scored together up to this; the fp32 logits take about this x vocab x 8 bytes (a longer
@@ -53,6 +61,9 @@ class ServeConfig:
             raise ConfigError(f"max_n: must be >= 1, got {self.max_n}")
         if self.max_logprobs < 0:
             raise ConfigError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"--logprobs-mode: must be one of {', '.join(LOGPROBS_MODES)}, got "
+                              f"{self.logprobs_mode!r}")
         if self.prompt_logprobs_tokens < 1:
             raise ConfigError(f"prompt_logprobs_tokens: must be >= 1, got {self.prompt_logprobs_tokens}")
         if self.max_stops < 1:

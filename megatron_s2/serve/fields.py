@@ -1,10 +1,12 @@
 """Reading request bodies: typed fields with HTTP 400 errors that name the field.
 
-JSON types are checked strictly (``true`` is not an integer, ``"3"`` is not a number), ranges
-are checked where the engine would otherwise fail later, and a field the server cannot honour
-with a value that would change the result is refused (:meth:`Fields.refuse_unless_default`)
-instead of silently ignored. Unknown top-level fields are ignored, as OpenAI and vLLM do;
-unknown ``sampling_params`` keys of the token endpoint are refused (:meth:`Fields.only`).
+JSON types are checked strictly (``true`` is not an integer, ``false`` is not the number 0, ``"3"``
+is not a number, an integer no float can hold is not a finite number), ranges are checked where the
+engine would otherwise fail later, and a field the server cannot honour with a value that would
+change the result is refused (:meth:`Fields.refuse_unless_default`) instead of silently ignored.
+Unknown top-level fields are ignored, as OpenAI and vLLM do; unknown ``sampling_params`` keys of
+the token endpoint are refused (:meth:`Fields.only`). A value quoted back in an error message is
+cut to a few dozen characters (:func:`shown`): a 15 MB wrong value is not echoed whole.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from typing import Any
 
 from megatron_s2.serve.errors import BadRequest, PayloadTooLarge
 
-__all__ = ["Fields", "parse_json_object", "read_json_object"]
+__all__ = ["Fields", "parse_json_object", "read_json_object", "shown", "shown_text", "number"]
+
+_SHOWN_CHARS = 40
+"""Characters of a string (or digits of an integer) an error message quotes back at most."""
 
 
 async def read_json_object(request, max_bytes: int) -> dict:
@@ -42,8 +47,8 @@ def parse_json_object(raw: bytes) -> dict:
     """The request body as a JSON object whose strings are all valid Unicode."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"request body: not valid JSON ({exc})") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of > 4,300 digits
+        raise BadRequest(f"request body: not valid JSON ({shown_text(str(exc), 200)})") from None
     except RecursionError:
         raise BadRequest("request body: JSON nested too deeply") from None
     if not isinstance(body, dict):
@@ -78,6 +83,51 @@ def _kind(value: Any) -> str:
                                          list: "array", dict: "object"}.get(type(value), type(value).__name__)
 
 
+def _digits(value: int) -> int:
+    """Decimal digits of ``value`` without converting it to text (Python refuses past 4,300)."""
+    magnitude = abs(value)
+    estimate = max(1, int(magnitude.bit_length() * 0.30102999566398))  # log10(2)
+    return estimate + (magnitude >= 10 ** estimate)
+
+
+def shown_text(text: str, limit: int = _SHOWN_CHARS) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def shown(value: Any) -> str:
+    """A request value as an error message quotes it: its JSON kind and a short JSON rendering
+    (the first characters of a long string, the size of an array or object)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {json.dumps(value)}"
+    if isinstance(value, int):
+        digits = _digits(value)
+        return f"integer {value}" if digits <= _SHOWN_CHARS else f"an integer of {digits} digits"
+    if isinstance(value, str):
+        if len(value) <= _SHOWN_CHARS:
+            return f"string {json.dumps(value, ensure_ascii=False)}"
+        head = json.dumps(value[:_SHOWN_CHARS], ensure_ascii=False)[:-1]  # without the closing quote
+        return f'string {head}..." ({len(value)} characters)'
+    if isinstance(value, (list, dict)):
+        return f"{_kind(value)} of {len(value)} {'items' if isinstance(value, list) else 'keys'}"
+    return f"{_kind(value)} {json.dumps(value)}"
+
+
+def number(value: int | float) -> str:
+    """A number as an error message quotes it (an integer of hundreds of digits by its size)."""
+    return shown(value).removeprefix("integer ").removeprefix("number ")
+
+
+def _same_kind(value: Any, default: Any) -> bool:
+    """JSON kinds agree (a boolean is not a number; an integer and a float are both numbers)."""
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, (int, float)):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
+
+
 class Fields:
     """Typed access to one JSON object; ``prefix`` names it in errors (``sampling_params.``)."""
 
@@ -107,11 +157,11 @@ class Fields:
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
             else:
-                self.fail(key, f"must be an integer, got {_kind(value)} {value!r}")
+                self.fail(key, f"must be an integer, got {shown(value)}")
         if minimum is not None and value < minimum:
-            self.fail(key, f"must be >= {minimum}, got {value}")
+            self.fail(key, f"must be >= {minimum}, got {number(value)}")
         if maximum is not None and value > maximum:
-            self.fail(key, f"must be <= {maximum}, got {value}")
+            self.fail(key, f"must be <= {maximum}, got {number(value)}")
         return value
 
     def float(self, key: str, default: float | None = None, *, minimum: float | None = None,
@@ -119,9 +169,14 @@ class Fields:
         value = self.body.get(key)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            self.fail(key, f"must be a finite number, got {_kind(value)} {value!r}")
-        value = float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.fail(key, f"must be a finite number, got {shown(value)}")
+        try:
+            value = float(value)  # an integer beyond float range raises OverflowError
+        except OverflowError:
+            self.fail(key, f"must be a finite number, got {shown(value)}")
+        if not math.isfinite(value):
+            self.fail(key, f"must be a finite number, got {shown(value)}")
         if minimum is not None and value < minimum:
             self.fail(key, f"must be >= {minimum}, got {value}")
         if maximum is not None and value > maximum:
@@ -133,7 +188,7 @@ class Fields:
         if value is None:
             return default
         if not isinstance(value, bool):
-            self.fail(key, f"must be true or false, got {_kind(value)} {value!r}")
+            self.fail(key, f"must be true or false, got {shown(value)}")
         return value
 
     def str(self, key: str, default: str | None = None) -> str | None:
@@ -141,7 +196,7 @@ class Fields:
         if value is None:
             return default
         if not isinstance(value, str):
-            self.fail(key, f"must be a string, got {_kind(value)}")
+            self.fail(key, f"must be a string, got {shown(value)}")
         return value
 
     def object(self, key: str) -> "Fields":
@@ -175,15 +230,24 @@ class Fields:
         return check_token_ids(value, vocab_size, name)
 
     def refuse_unless_default(self, key: str, default: Any, why: str) -> None:
-        """Refuse a field this server cannot honour unless it has the value that changes nothing."""
+        """Refuse a field this server cannot honour unless it has the value that changes nothing
+        (of the same JSON kind: ``false`` is not the neutral ``0``)."""
         value = self.body.get(key)
-        if value is not None and value != default and not (isinstance(default, list) and value == []):
+        if value is None:
+            return
+        if default is not None and not _same_kind(value, default):
+            self.fail(key, f"must be {_ARTICLE_KIND.get(_kind(default), _kind(default))}, got {shown(value)}")
+        if value != default and not (isinstance(default, list) and value == []):
             self.fail(key, f"not supported by this server ({why})")
 
     def only(self, allowed: set[str]) -> None:
         unknown = sorted(set(self.body) - allowed)
         if unknown:
-            self.fail(unknown[0], f"unknown field; known fields: {', '.join(sorted(allowed))}")
+            self.fail(shown_text(unknown[0]), f"unknown field; known fields: {', '.join(sorted(allowed))}")
+
+
+_ARTICLE_KIND = {"boolean": "true or false", "integer": "a number", "number": "a number", "string": "a string",
+                 "array": "an array", "object": "an object"}
 
 
 def check_token_ids(value: Any, vocab_size: int, name: str) -> list[int]:
@@ -191,5 +255,6 @@ def check_token_ids(value: Any, vocab_size: int, name: str) -> list[int]:
         raise BadRequest(f"{name}: must be a list of integer token ids", param=name)
     bad = next((t for t in value if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise BadRequest(f"{name}: token id {bad} is outside the vocabulary 0..{vocab_size - 1}", param=name)
+        raise BadRequest(f"{name}: token id {number(bad)} is outside the vocabulary "
+                         f"0..{vocab_size - 1}", param=name)
     return list(value)

@@ -20,10 +20,14 @@ token; ``megatron_s2.posttrain.opd.remote_teacher``).
 Temperature: as in vLLM, the request's sampling ``temperature`` does not change prompt
 log-probabilities; ``prompt_logprobs_temperature`` (default 1.0, the raw distribution; the
 name of vLLM's proposed sampling parameter) returns ``log_softmax(logits / T)`` — a teacher's
-temperature is applied by the server that holds the logits.
+temperature is applied by the server that holds the logits. A server in one of the ``*_logits``
+modes (``--logprobs-mode``) returns the logits (``logits / T``) instead, as vLLM does; ranks are
+the same either way.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -31,7 +35,8 @@ from megatron_s2.serve.errors import HTTPError, RequestFailed
 from megatron_s2.serve.fields import Fields
 from megatron_s2.serve.text import finite_logprob, token_text
 
-__all__ = ["PromptLogprobs", "read_prompt_logprobs", "prompt_logprobs"]
+__all__ = ["PromptLogprobs", "ScoredPrompt", "read_prompt_logprobs", "prompt_logprobs", "score_prompts",
+           "format_prompt_logprobs"]
 
 
 class PromptLogprobs:
@@ -54,65 +59,93 @@ def read_prompt_logprobs(f: Fields, max_logprobs: int) -> PromptLogprobs | None:
     return PromptLogprobs(k, temperature)
 
 
+class ScoredPrompt(NamedTuple):
+    """The values of one prompt's tokens from position 1 on (position 0 has no predecessor)."""
+
+    chosen: torch.Tensor
+    """[len - 1] the value of each prompt token."""
+    ranks: torch.Tensor
+    """[len - 1] its 1-based rank in the vocabulary (1 = most likely)."""
+    top_ids: torch.Tensor
+    """[len - 1, k] the ``k`` most likely tokens."""
+    top_values: torch.Tensor
+    """[len - 1, k] their values."""
+
+    def records(self) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+        """Per prompt position, its value and the top (token, value) pairs — None for the first,
+        which nothing predicts — as an echoed prompt's log-prob records list them."""
+        tops = [list(zip(ids, values)) for ids, values in zip(self.top_ids.tolist(), self.top_values.tolist())]
+        return [None, *self.chosen.tolist()], [None, *tops]
+
+
 @torch.no_grad()
-def _score(model, prompts: list[list[int]], k: int, temperature: float, max_tokens: int) -> list[tuple]:
-    """Per prompt: (log-prob of each prompt token from position 1, its rank, top-k ids, top-k
-    log-probs). Prompts are right-padded into forwards of at most ``max_tokens`` tokens (at least
-    one prompt each); the model is causal, so padding after a prompt changes none of its values."""
+def _score(model, prompts: list[list[int]], k: int, temperature: float, max_tokens: int,
+           as_logits: bool = False) -> list[ScoredPrompt]:
+    """Per prompt, its :class:`ScoredPrompt` (log-probs, or logits when ``as_logits``). Prompts are
+    right-padded into forwards of at most ``max_tokens`` tokens (at least one prompt each); the
+    model is causal, so padding after a prompt changes none of its values."""
     if model.groups.tp.size > 1:  # the server holds every layer on one rank (serve/server.py)
         raise RequestFailed("prompt_logprobs: the served model is split over tensor-parallel ranks; serve it on one")
     device = next(model.parameters()).device
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    out: list[tuple | None] = [None] * len(prompts)
+    by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    scored: list[ScoredPrompt | None] = [None] * len(prompts)
     start = 0
-    while start < len(order):
-        stop = start + 1
-        while stop < len(order) and (stop + 1 - start) * len(prompts[order[stop]]) <= max_tokens:
+    while start < len(by_length):
+        stop = start + 1  # grow the batch while (rows x longest row) fits max_tokens
+        while stop < len(by_length) and (stop + 1 - start) * len(prompts[by_length[stop]]) <= max_tokens:
             stop += 1
-        chunk = order[start:stop]
-        width = len(prompts[chunk[-1]])
-        tokens = torch.zeros(len(chunk), width, dtype=torch.long, device=device)
-        for row, i in enumerate(chunk):
-            tokens[row, :len(prompts[i])] = torch.tensor(prompts[i], dtype=torch.long, device=device)
-        logits = model(tokens, model.make_context({"tokens": tokens}))[:, :-1].float()
-        logp = torch.log_softmax(logits / temperature, dim=-1)
-        chosen = logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
-        ranks = (logp > chosen.unsqueeze(-1)).sum(-1) + 1
-        top_v, top_i = logp.topk(k, dim=-1)
-        for row, i in enumerate(chunk):
-            n = len(prompts[i]) - 1
-            out[i] = (chosen[row, :n].cpu(), ranks[row, :n].cpu(), top_i[row, :n].cpu(), top_v[row, :n].cpu())
+        batch = by_length[start:stop]
+        width = len(prompts[batch[-1]])
+        tokens = torch.zeros(len(batch), width, dtype=torch.long, device=device)
+        for row, index in enumerate(batch):
+            tokens[row, :len(prompts[index])] = torch.tensor(prompts[index], dtype=torch.long, device=device)
+        logits = model(tokens, model.make_context({"tokens": tokens}))[:, :-1].float() / temperature
+        values = logits if as_logits else torch.log_softmax(logits, dim=-1)
+        chosen = values.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+        ranks = (values > chosen.unsqueeze(-1)).sum(-1) + 1
+        top_values, top_ids = values.topk(k, dim=-1)
+        for row, index in enumerate(batch):
+            length = len(prompts[index]) - 1
+            scored[index] = ScoredPrompt(chosen[row, :length].cpu(), ranks[row, :length].cpu(),
+                                         top_ids[row, :length].cpu(), top_values[row, :length].cpu())
         start = stop
-    return out
+    return scored
 
 
-def _format(tokenizer, prompt: list[int], scored, k: int) -> list[dict | None]:
-    chosen, ranks, top_i, top_v = scored
-    out: list[dict | None] = [None]
-    for p in range(1, len(prompt)):
-        entry = {}
-        token = prompt[p]
-        entry[str(token)] = {"logprob": finite_logprob(float(chosen[p - 1])), "rank": int(ranks[p - 1]),
-                             "decoded_token": token_text(tokenizer, token, False)}
-        for r in range(k):
-            t = int(top_i[p - 1, r])
-            if t != token:
-                entry[str(t)] = {"logprob": finite_logprob(float(top_v[p - 1, r])), "rank": r + 1,
-                                 "decoded_token": token_text(tokenizer, t, False)}
-        out.append(entry)
-    return out
+def format_prompt_logprobs(tokenizer, prompt: list[int], scored: ScoredPrompt, k: int) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` list of one prompt (module docstring)."""
+    entries: list[dict | None] = [None]
+    for position in range(1, len(prompt)):
+        row = position - 1
+        token = prompt[position]
+        entry = {str(token): {"logprob": finite_logprob(float(scored.chosen[row])), "rank": int(scored.ranks[row]),
+                              "decoded_token": token_text(tokenizer, token, False)}}
+        for rank in range(k):
+            alternative = int(scored.top_ids[row, rank])
+            if alternative != token:
+                entry[str(alternative)] = {"logprob": finite_logprob(float(scored.top_values[row, rank])),
+                                           "rank": rank + 1, "decoded_token": token_text(tokenizer, alternative, False)}
+        entries.append(entry)
+    return entries
 
 
-async def prompt_logprobs(state, prompts: list[list[int]], request: PromptLogprobs) -> list[list[dict | None]]:
-    """The ``prompt_logprobs`` list of each prompt (module docstring), computed on the driver
-    thread in batched forwards of at most ``ServeConfig.prompt_logprobs_tokens`` tokens."""
+async def score_prompts(state, prompts: list[list[int]], request: PromptLogprobs) -> list[ScoredPrompt]:
+    """Each prompt's values, computed on the driver thread in batched forwards of at most
+    ``ServeConfig.prompt_logprobs_tokens`` tokens."""
     model = state.backend.engine.model
+    as_logits = state.config.logprobs_mode.endswith("_logits")
     try:
-        scored = await state.backend.run(_score, model, prompts, request.k, request.temperature,
-                                         state.config.prompt_logprobs_tokens)
+        return await state.backend.run(_score, model, prompts, request.k, request.temperature,
+                                       state.config.prompt_logprobs_tokens, as_logits)
     except HTTPError:
         raise
     except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
         raise RequestFailed(f"prompt_logprobs: the forward of the prompt failed ({type(exc).__name__}: {exc}); "
                             "other requests are unaffected") from None
-    return [_format(state.tokenizer, p, sc, request.k) for p, sc in zip(prompts, scored)]
+
+
+async def prompt_logprobs(state, prompts: list[list[int]], request: PromptLogprobs) -> list[list[dict | None]]:
+    """The ``prompt_logprobs`` list of each prompt (module docstring)."""
+    scored = await score_prompts(state, prompts, request)
+    return [format_prompt_logprobs(state.tokenizer, prompt, values, request.k)
+            for prompt, values in zip(prompts, scored)]

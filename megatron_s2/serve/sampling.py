@@ -2,7 +2,7 @@
 
 The OpenAI endpoints and the token endpoint's ``sampling_params`` share the vLLM field names
 (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stop_token_ids``,
-``ignore_eos``, ``logprobs``, ``n``; ``prompt_logprobs`` is read by
+``ignore_eos``, ``logprobs``, ``logprob_token_ids``, ``n``; ``prompt_logprobs`` is read by
 :mod:`megatron_s2.serve.prompt_logprobs`). Context length, as vLLM: a prompt of ``max_model_len``
 tokens or more is refused with "This model's maximum context length is N tokens ..."; without
 ``max_tokens`` a legacy completion generates 16 tokens (OpenAI's default) and a chat or token
@@ -10,7 +10,8 @@ request up to the end of the context; on the OpenAI endpoints a
 ``max_tokens`` that does not fit after the prompt is refused, while the token endpoint stops
 such a request at the context end (finish reason "length"). With ``n > 1`` and a ``seed``,
 choice ``j`` samples with ``seed + j`` (vLLM's child requests do the same), so the choices
-differ but the whole response is reproducible.
+differ but the whole response is reproducible (a ``seed`` is a signed 64-bit integer, as vLLM
+takes it).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def refuse_unsupported_sampling(f: Fields) -> None:
 def build_sampling(f: Fields, *, prompt_len: int, max_model_len: int, vocab_size: int, logprobs: int,
                    strict_total: bool, prompt_field: str, seed_offset: int = 0, record_routing: bool = False,
                    max_tokens_keys: tuple[str, ...] = ("max_tokens",),
-                   default_max_tokens: int | None = None, max_stops: int = 128) -> SamplingParams:
+                   default_max_tokens: int | None = None, max_stops: int = 128,
+                   logprobs_mode: str = "raw_logprobs", logprob_token_ids: tuple[int, ...] = ()) -> SamplingParams:
     """The engine's sampling parameters of one choice; without ``max_tokens`` it generates
     ``default_max_tokens`` (None = to the end of the context)."""
     room = check_prompt_length(prompt_len, max_model_len, prompt_field)
@@ -63,7 +65,7 @@ def build_sampling(f: Fields, *, prompt_len: int, max_model_len: int, vocab_size
                              param=f.name(key))
         max_tokens = room
     top_k = f.int("top_k", 0, minimum=-1)
-    seed = f.int("seed", None)
+    seed = f.int("seed", None, minimum=-(1 << 63), maximum=(1 << 63) - 1)  # vLLM's range: a C long
     if seed is not None:
         seed = (seed + seed_offset) & ((1 << 63) - 1)
     stop_ids = f.token_ids("stop_token_ids", vocab_size)
@@ -83,6 +85,8 @@ def build_sampling(f: Fields, *, prompt_len: int, max_model_len: int, vocab_size
             stop_token_ids=tuple(stop_ids),
             ignore_eos=f.bool("ignore_eos"),
             logprobs=logprobs,
+            logprob_token_ids=logprob_token_ids,
+            logprobs_mode=logprobs_mode,
             record_routing=record_routing,
         )
     except ConfigError as exc:  # messages start with the field name

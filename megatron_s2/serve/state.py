@@ -12,7 +12,7 @@ from typing import Any
 from megatron_s2.serve.backend import EngineBackend
 from megatron_s2.serve.config import ServeConfig
 from megatron_s2.serve.errors import BadRequest, NotFound
-from megatron_s2.serve.fields import Fields
+from megatron_s2.serve.fields import Fields, shown_text
 
 __all__ = ["ServerState", "new_id", "sse", "SSE_DONE"]
 
@@ -82,5 +82,6 @@ class ServerState:
         """vLLM answers 404 for a model it does not serve (``model`` may be omitted)."""
         name = f.str("model")
         if name is not None and name != self.model_name:
-            raise NotFound(f"model: the model `{name}` does not exist; this server serves `{self.model_name}`",
+            raise NotFound(f"model: the model `{shown_text(name)}` does not exist; this server serves "
+                           f"`{self.model_name}`",
                            param="model")

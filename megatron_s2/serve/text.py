@@ -6,7 +6,8 @@ character whose remaining bytes are still to come) and, when the request has sto
 the last ``len(longest stop) - 1`` characters (which may become the start of a stop string)
 are held back until the next token or the end. The text of a request that ended on a stop
 string stops before it (the token ids still include the tokens that completed it), as OpenAI
-and vLLM do.
+and vLLM do, or after it with vLLM's ``include_stop_str_in_output``. Special tokens are left out
+of the text unless ``skip_special_tokens: false``.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ class TextStream:
     _WINDOW = 32
     """Tokens decoded again at each step at most (plus the ones since the last fold)."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), *, include_stop: bool = False,
+                 keep_special: bool = False):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.include_stop = include_stop
+        self.keep_special = keep_special
         self.ids: list[int] = []
         self.sent = ""
         self._hold = max((len(s) for s in self.stop), default=1) - 1
@@ -43,10 +47,10 @@ class TextStream:
     def _text(self) -> str:
         """The text of all ids, decoding only the tokens after the folded prefix; the prefix
         grows when an older piece decodes to whole characters consistent with the rest."""
-        tail = _decode(self.tokenizer, self.ids[self._folded:])
+        tail = _decode(self.tokenizer, self.ids[self._folded:], self.keep_special)
         cut = len(self.ids) - self._WINDOW
         if cut - self._folded >= self._WINDOW:
-            piece = _decode(self.tokenizer, self.ids[self._folded:cut])
+            piece = _decode(self.tokenizer, self.ids[self._folded:cut], self.keep_special)
             if piece and not piece.endswith(_PENDING) and tail.startswith(piece):
                 self._folded, self._folded_text = cut, self._folded_text + piece
                 tail = tail[len(piece):]
@@ -76,9 +80,13 @@ class TextStream:
         return delta
 
     def final_text(self) -> str:
-        text = _decode(self.tokenizer, self.ids)
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        return text[:min(cuts)] if cuts else text
+        """All the text, cut before the first stop string (after it with ``include_stop``)."""
+        text = _decode(self.tokenizer, self.ids, self.keep_special)
+        found = [(at, len(stop)) for stop in self.stop if (at := text.find(stop)) >= 0]
+        if not found:
+            return text
+        at, length = min(found)
+        return text[:at + length] if self.include_stop else text[:at]
 
 
 def finite_logprob(value: float) -> float:
@@ -107,16 +115,26 @@ def chat_logprobs(tokenizer, ids: list[int], logprobs: list[float], tops: list[l
     return {"content": content}
 
 
-def completion_logprobs(tokenizer, ids: list[int], logprobs: list[float], tops: list[list[tuple[int, float]]],
-                        num_top: int, as_ids: bool, offset: int = 0) -> dict:
+def completion_logprobs(tokenizer, ids: list[int], logprobs: list[float | None],
+                        tops: list[list[tuple[int, float]] | None], num_top: int, as_ids: bool,
+                        offset: int = 0) -> dict:
     """``choices[i].logprobs`` of a (legacy) completion: ``tokens``, ``token_logprobs``,
-    ``top_logprobs`` (token -> log-prob) and ``text_offset`` (character offset of each token,
-    counted from ``offset``)."""
+    ``top_logprobs`` and ``text_offset`` (character offset of each token, counted from
+    ``offset``). Each ``top_logprobs`` entry maps the token itself and the ``num_top`` most
+    likely ones to their log-probs (up to ``num_top + 1`` entries, as OpenAI and vLLM report
+    them); a position without a value (an echoed prompt's first token) is ``None`` in both."""
     tokens = [token_text(tokenizer, t, as_ids) for t in ids]
     offsets, at = [], offset
     for token_id in ids:
         offsets.append(at)
         at += len(_decode(tokenizer, [token_id]))
-    top_maps = [{token_text(tokenizer, t, as_ids): finite_logprob(v) for t, v in top[:num_top]} for top in tops]
-    return {"tokens": tokens, "token_logprobs": [finite_logprob(v) for v in logprobs],
+    top_maps: list[dict | None] = []
+    for token, value, top in zip(tokens, logprobs, tops):
+        if value is None:
+            top_maps.append(None)
+            continue
+        entry = {token: finite_logprob(value)}
+        entry.update((token_text(tokenizer, t, as_ids), finite_logprob(v)) for t, v in (top or [])[:num_top])
+        top_maps.append(entry)
+    return {"tokens": tokens, "token_logprobs": [None if v is None else finite_logprob(v) for v in logprobs],
             "top_logprobs": top_maps, "text_offset": offsets}

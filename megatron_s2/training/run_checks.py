@@ -7,7 +7,10 @@ refused by the trainer is refused at submit time with the same message:
 1. the run directory: not a file, writable (or creatable);
 2. the tokenizer against the model's vocabulary;
 3. the data files (``data.paths``): present, readable indexes, written with this vocabulary;
-4. memory: the per-rank plan of ``megatron-s2 plan memory`` (:mod:`megatron_s2.planning.memory`)
+4. ``checkpoint.load``: a directory that holds a committed checkpoint (or, in a pipeline, lies in
+   the run directory of an earlier phase, which writes it first); skipped when the run resumes
+   from its own checkpoints instead;
+5. memory: the per-rank plan of ``megatron-s2 plan memory`` (:mod:`megatron_s2.planning.memory`)
    against what this host offers — host memory shared by its CPU ranks, or one GPU per rank.
    Skipped where the host is unknown (``launch --slurm`` submits from a login node) or when
    ``training.memory_check`` is false. The plan leaves out the framework's own overhead, so
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Sequence
 
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.config.schema import ConfigError
@@ -27,8 +31,8 @@ from megatron_s2.data.errors import DataError
 
 from megatron_s2.runtime.host_memory import GiB, HostMemory
 
-__all__ = ["HostMemory", "check_run_inputs", "check_run_dir", "check_data", "check_memory", "check_rank_memory"]
-
+__all__ = ["HostMemory", "check_run_inputs", "check_run_dir", "check_data", "check_checkpoint_load", "check_memory",
+           "check_rank_memory"]
 
 
 def check_run_dir(run_dir: str | Path) -> None:
@@ -84,6 +88,22 @@ def check_data(recipe: RecipeConfig, tokenizer) -> None:
             raise ConfigError(f"data.paths: {prefix}.idx was written with a {dataset.vocab_size}-token vocabulary "
                               f"but the '{recipe.data.tokenizer}' tokenizer has {tokenizer.vocab_size}; "
                               "re-run tools/preprocess_data.py")
+
+
+def check_checkpoint_load(recipe: RecipeConfig, run_dir: str | Path, pending: Sequence[str | Path] = ()) -> None:
+    """``checkpoint.load`` names a loadable checkpoint, unless the run will resume from its own
+    (``checkpoint.resume`` and a committed step in ``run_dir``: ``load`` is then not read) or the
+    path lies in ``pending`` (run directories of earlier phases of a pipeline, module docstring)."""
+    from megatron_s2.checkpoint.locate import checkpoint_problem, may_be_created
+
+    ck = recipe.checkpoint
+    if not ck.load or may_be_created(ck.load, pending):
+        return
+    if ck.resume and checkpoint_problem(run_dir) is None:
+        return
+    problem = checkpoint_problem(ck.load)
+    if problem:
+        raise ConfigError(f"checkpoint.load: {problem}; give a run, checkpoints or step directory of a saved run")
 
 
 def check_memory(recipe: RecipeConfig, world_size: int, host: HostMemory | None) -> None:
@@ -158,14 +178,17 @@ def check_backend(recipe: RecipeConfig) -> None:
 
 
 def check_run_inputs(recipe: RecipeConfig, world_size: int, host: HostMemory | None,
-                     run_dir: str | Path | None = None, *, ranks_here: bool = True):
+                     run_dir: str | Path | None = None, *, ranks_here: bool = True, pending: Sequence[str | Path] = ()):
     """All start-up checks of a run (module docstring); returns the run's tokenizer.
     ``run_dir``: where the run writes (default ``training.run_dir``); ``ranks_here``: the ranks
-    run on this machine (False for a SLURM submission: its compute nodes are not this host)."""
+    run on this machine (False for a SLURM submission: its compute nodes are not this host);
+    ``pending``: run directories of a pipeline's earlier phases, not written yet."""
     if ranks_here:
         check_backend(recipe)
-    check_run_dir(run_dir if run_dir is not None else recipe.training.run_dir)
+    run_dir = run_dir if run_dir is not None else recipe.training.run_dir
+    check_run_dir(run_dir)
     tokenizer = check_tokenizer(recipe)
     check_data(recipe, tokenizer)
+    check_checkpoint_load(recipe, run_dir, pending)
     check_memory(recipe, world_size, host)
     return tokenizer

@@ -75,6 +75,7 @@ class Trainer:
         # The checks `megatron-s2 launch` also runs (run dir, tokenizer, data files); memory is
         # planned on this rank's own model while it is still on the meta device (built once).
         self.tokenizer = check_run_inputs(recipe, world_size, None, self.run_dir)
+        self.check_phase_inputs()
         host = HostMemory.for_this_rank()
         with build_on(self.device):  # parameters, buffers and what modules build at construction
             self.model, self.pipeline = build_stage_model(
@@ -104,6 +105,10 @@ class Trainer:
         self.non_finite = NonFiniteGuard(t.non_finite, t.non_finite_max_skips, self.log)
 
     # ---- setup helpers --------------------------------------------------------------------------
+    def check_phase_inputs(self) -> None:
+        """A phase's own start-up checks, after :func:`check_run_inputs` and before the model is
+        built (post-training phases check their engine, frozen models and prompts); none here."""
+
     def build_data(self):
         """The phase's data source; its ``state_dict`` is the checkpoint's ``data`` entry
         (post-training phases supply their rollout orchestrator instead, megatron_s2/posttrain)."""
@@ -124,6 +129,8 @@ class Trainer:
         if not self.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # A save killed mid-way leaves its directory, which may hold the space the files below need.
+        self.checkpoints.store.remove_leftovers()
         tmp = self.run_dir / ".config.yaml.tmp"
         tmp.write_text(self.recipe.to_yaml())
         tmp.replace(self.run_dir / "config.yaml")
@@ -132,9 +139,17 @@ class Trainer:
     # ---- checkpoint -----------------------------------------------------------------------------
     def state(self) -> dict:
         """What a checkpoint holds: the model and optimiser (sharded tensors), the data
-        iterator's layout-independent state, this rank's RNG states and the step."""
+        iterator's layout-independent state, this rank's RNG states and other rank-local
+        tensors (:meth:`local_state`), and the step."""
         return {"model": self.model, "optimizer": self.optimizer, "data": self.data.state_dict(),
-                "rng": rng_state(), "step": self.step}
+                "rng": rng_state(), "local": self.local_state(), "step": self.step}
+
+    def local_state(self) -> dict | None:
+        """Tensors of this rank only, restored on the same layout (:meth:`load_local_state`)."""
+        return None
+
+    def load_local_state(self, tensors: dict | None) -> None:
+        """What :meth:`local_state` saved; None when the layout changed since."""
 
     def save(self) -> Path:
         if self.checkpoints.last_saved_step == self.step:  # preempted right after an interval save
@@ -173,6 +188,7 @@ class Trainer:
             loaded = self.checkpoints.load(path, self.model, self.optimizer if full else None)
             if full:
                 self.data.load_state_dict(loaded.data)
+                self.load_local_state(loaded.local)
         except (CheckpointError, DataError) as exc:
             raise ConfigError(f"{key}: cannot {'resume' if full else 'initialise'} from {path}: {exc}; run it with "
                               "the recipe it was saved with (its config.yaml), or use a new --run-dir") from None

@@ -136,3 +136,18 @@ def test_async_save_commits_in_background(tmp_path):
     mgr.load(path, target)
     assert not torch.equal(target.proj.weight, model.proj.weight)
     assert (tmp_path / "latest").read_text().strip() == "step_00000001"
+
+
+@pytest.mark.parametrize("pointer", [b"\xff\xfe\x00\x9c step_00000001", b"../../etc/passwd\n", b""],
+                         ids=["binary", "not-a-step-name", "empty"])
+def test_unusable_latest_pointer_is_ignored_with_a_note(tmp_path, pointer):
+    """A binary ``latest`` (a torn or overwritten file) was a UnicodeDecodeError traceback on
+    resume; like any unusable pointer it is ignored, said so, and the newest valid step is used."""
+    notes: list[str] = []
+    mgr, model = CheckpointManager(tmp_path, log=notes.append), Tiny()
+    for step in (1, 2):
+        _save(mgr, step, model)
+    (tmp_path / "latest").write_bytes(pointer)
+    assert mgr.resume_path() == tmp_path / "step_00000002"
+    if pointer:
+        assert len(notes) == 1 and str(tmp_path / "latest") in notes[0] and "ignored" in notes[0], notes

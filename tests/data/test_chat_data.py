@@ -68,6 +68,24 @@ def test_malformed_rows_stop_or_are_counted(bpe, tmp_path):
         in logged[0]
 
 
+@pytest.mark.parametrize("message, reason", [
+    ({"content": "4"}, r"messages\[1\]\.role: None is not one of"),
+    ({"role": "assistant"}, r"messages\[1\]\.content: expected a string"),
+    ("4", r"messages\[1\]: expected an object"),
+])
+def test_a_malformed_later_message_is_named_by_file_and_line(bpe, tmp_path, message, reason):
+    """A message without 'role' after a good one was a KeyError traceback from the chat-template
+    tokenizer (it indexed each message by role before checking it); now the same file:line error
+    as every other malformed record, and counted under on_bad_record=skip."""
+    good = {"messages": [{"role": "user", "content": "1+3"}, {"role": "assistant", "content": "4"}]}
+    path = _write_jsonl(tmp_path / "roles.jsonl", [good, {"messages": [{"role": "user", "content": "1+3"}, message]}])
+    with pytest.raises(DataError, match=r"roles.jsonl:2: " + reason):
+        load_chat_documents([path], bpe)
+    logged = []
+    [store] = load_chat_documents([path], bpe, on_bad_record="skip", log=logged.append)
+    assert len(store) == 1 and "skipped 1 malformed record(s)" in logged[0]
+
+
 def test_sft_iterator_trains_only_assistant_tokens_across_packed_conversations(bpe, tmp_path):
     second = [{"role": "user", "content": "Sort: cba"}, {"role": "assistant", "content": "abc"},
               {"role": "user", "content": "Reverse: ab"}, {"role": "assistant", "content": "ba"}]

@@ -64,6 +64,45 @@ def test_the_preprocess_tool_names_its_own_flags(tmp_path, capsys):
     assert len(err) == 1 and "--input" in err[0] and "none.jsonl" in err[0], err
 
 
+def test_train_tokenizer_refuses_an_empty_corpus(tmp_path, capsys):
+    """Empty input files exited 0 with a 300-id tokenizer learnt from the chat format's fixed
+    strings alone; the corpus holding no text is refused (exit 2, one line, nothing written)."""
+    from tools.train_tokenizer import main
+
+    empty, blank = tmp_path / "empty.txt", tmp_path / "blank.jsonl"
+    empty.write_text("")
+    blank.write_text("\n\n")
+    assert main(["--output", str(tmp_path / "tok"), "--vocab-size", "300", "--input", str(empty),
+                 "--input", str(blank)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--input" in err[0] and "empty.txt" in err[0] and "no text" in err[0], err
+    assert not (tmp_path / "tok").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.jsonl", "empty.txt"]  # no staging left
+
+
+def test_train_tokenizer_says_when_the_corpus_cannot_reach_the_vocab_size(tmp_path, capsys):
+    """--vocab-size 10000000 on a small corpus silently wrote a 330-id tokenizer. Far below the
+    request (under half) it is refused, naming the size reached; a little below it is written
+    with a note naming the size reached."""
+    from tools.train_tokenizer import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat\n" * 20)
+    assert main(["--output", str(tmp_path / "huge"), "--vocab-size", "10000000", "--input", str(corpus)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--vocab-size" in err[0] and "10000000" in err[0], err
+    reached = int(err[0].split(" ids")[0].split()[-1])  # "... reaches only N ids ..."
+    assert 270 <= reached < 400 and not (tmp_path / "huge").exists()
+    assert main(["--output", str(tmp_path / "near"), "--vocab-size", str(reached + 10), "--input", str(corpus)]) == 0
+    captured = capsys.readouterr()
+    assert f"{reached} ids" in captured.out
+    notes = captured.err.strip().splitlines()
+    assert len(notes) == 1 and "note" in notes[0] and f"{reached + 10}" in notes[0] and f"{reached}" in notes[0], notes
+    assert main(["--output", str(tmp_path / "exact"), "--vocab-size", str(reached), "--input", str(corpus)]) == 0
+    assert capsys.readouterr().err == ""
+    assert ((tmp_path / "exact" / "tokenizer.json").read_bytes() == (tmp_path / "near" / "tokenizer.json").read_bytes())
+
+
 def test_train_tokenizer_refusals(tmp_path, capsys):
     """An --output that is a file was a FileExistsError traceback; an --output holding another
     tokenizer was overwritten (runs trained with it then refuse to resume); a missing --input

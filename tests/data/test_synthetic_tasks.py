@@ -85,6 +85,17 @@ def test_difficulty_knobs_bound_the_problems():
         assert len(brackets) % 2 == 0 and 2 <= len(brackets) <= 6
 
 
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_max_prompt_chars_is_the_longest_prompt_a_task_draws(name):
+    """The RL start-up check bounds prompt lengths by it instead of drawing a million prompts: it
+    must never be exceeded, and is reached (so it is not a loose guess)."""
+    difficulty = TaskDifficulty(addition_max_digits=2, sort_max_length=3, string_max_length=4,
+                                brackets_max_length=7, multiplication_max_digits=2)
+    task, rng = build_task(name, difficulty), random.Random(1)
+    lengths = [len(task.sample(rng).prompt.encode("utf-8")) for _ in range(2000)]
+    assert max(lengths) == task.max_prompt_chars
+
+
 def test_brackets_are_half_balanced_and_balance_check_is_exact():
     task = build_task("brackets", TaskDifficulty(brackets_max_length=20))
     rng = random.Random(3)

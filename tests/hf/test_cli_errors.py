@@ -176,3 +176,39 @@ def test_a_verification_failure_commits_nothing(verified_hf_dir, tmp_path, capsy
     assert "verification failed" in err[0] and "fp4_main_kv" in err[0] and "nothing was written" in err[0]
     assert not target.exists() or not any(target.iterdir())
     assert main(["checkpoint", "import", str(stripped), str(target), "--no-progress", "--no-verify"]) == 0
+
+
+def _with_nan(hf_dir: Path, out: Path) -> tuple[Path, str, str]:
+    """A copy of the export with one NaN in one tensor: (directory, tensor name, file name)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    poisoned = _copy(hf_dir, out)
+    shard = sorted(poisoned.glob("model-*.safetensors"))[-1]
+    tensors = load_file(shard)
+    name = sorted(n for n, t in tensors.items() if t.is_floating_point())[-1]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[-1] = float("nan")
+    with safe_open(shard, "pt") as f:
+        metadata = f.metadata()
+    save_file(tensors, shard, metadata=metadata)
+    return poisoned, name, shard.name
+
+
+@pytest.mark.slow
+def test_serve_generate_and_import_refuse_a_non_finite_export(hf_dir, tmp_path, capsys):
+    """An export with a NaN weight: `checkpoint import` refused it, while `serve` started serving it
+    and `generate` printed nothing and exited 0. All three refuse it in one line naming the tensor
+    and its file (serve runs as a process: were it to start serving, the timeout would end it)."""
+    import subprocess
+    import sys
+
+    poisoned, name, shard = _with_nan(hf_dir, tmp_path / "nan")
+    where = [f"'{name}'", shard, "NaN"]
+    _refused(capsys, ["generate", str(poisoned), "--prompt", "hi", "--max-tokens", "2", "--device", "cpu"], *where)
+    _refused(capsys, ["checkpoint", "import", str(poisoned), str(tmp_path / "c"), "--no-progress"], *where)
+    served = subprocess.run([sys.executable, "-m", "megatron_s2.cli", "serve", str(poisoned), "--port", "0",
+                             "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    lines = [line for line in served.stderr.splitlines() if line.strip()]
+    assert served.returncode == 2 and len(lines) == 1, served.stderr
+    assert all(word in lines[0] for word in where), lines[0]

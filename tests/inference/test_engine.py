@@ -90,6 +90,20 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(model):
     assert batch[1].token_ids != batch[0].token_ids
 
 
+def test_a_request_resubmitted_with_its_generated_prefix_draws_the_same_continuation(model):
+    """A seeded draw depends on (seed, position) only: a request re-submitted after a restart with
+    its first tokens appended to the prompt (an RL rollout resumed from a checkpoint, report
+    §5.2.1) draws the tokens the uninterrupted request drew, although that one had already made
+    the earlier draws."""
+    (whole,) = InferenceEngine(model, engine_config()).generate(
+        [PROMPTS[3]], SamplingParams(max_tokens=10, temperature=1.0, seed=7))
+    for cut in (1, 4):
+        (tail,) = InferenceEngine(model, engine_config()).generate(
+            [PROMPTS[3] + whole.token_ids[:cut]], SamplingParams(max_tokens=10 - cut, temperature=1.0, seed=7))
+        assert tail.token_ids == whole.token_ids[cut:], cut
+        assert torch.allclose(torch.tensor(tail.logprobs), torch.tensor(whole.logprobs[cut:]), atol=1e-5)
+
+
 def test_stop_strings_stop_tokens_and_eos(model):
     text = lambda ids: "".join(chr(97 + t % 26) for t in ids)  # noqa: E731 - a toy detokenizer
     greedy = InferenceEngine(model, engine_config()).generate([PROMPTS[2]], SamplingParams(max_tokens=8, temperature=0))
@@ -184,7 +198,7 @@ def test_routing_records_replay_in_the_training_forward(model):
 
 def test_request_state_is_freed_when_it_completes_or_is_aborted(model):
     engine = InferenceEngine(model, engine_config())
-    free_pages, free_slots = engine.global_kv.pool.num_free, len(engine.swa.free)
+    free_pages, free_slots = engine.executor.global_kv.pool.num_free, len(engine.executor.swa.free)
     handles = [engine.submit(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(PROMPTS, (2, 30, 3, 30, 1))]
     seen_finish = {}
     for _ in range(6):
@@ -197,7 +211,7 @@ def test_request_state_is_freed_when_it_completes_or_is_aborted(model):
     while engine.has_work():
         engine.step()
     assert handles[1].result(timeout=0).finish_reason is FinishReason.ABORT
-    assert engine.global_kv.pool.num_free == free_pages and len(engine.swa.free) == free_slots
+    assert engine.executor.global_kv.pool.num_free == free_pages and len(engine.executor.swa.free) == free_slots
     assert not engine.requests and not engine.running and not engine.waiting
 
 
@@ -210,7 +224,7 @@ def test_a_request_whose_stop_check_raises_fails_alone(model):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
 
     engine = InferenceEngine(model, engine_config(), detokenize=detokenize)
-    free_pages, free_slots = engine.global_kv.pool.num_free, len(engine.swa.free)
+    free_pages, free_slots = engine.executor.global_kv.pool.num_free, len(engine.executor.swa.free)
     greedy = SamplingParams(max_tokens=5, temperature=0)
     bad = engine.submit(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, stop=["zz"]))
     good = engine.submit(PROMPTS[1], greedy)
@@ -220,7 +234,7 @@ def test_a_request_whose_stop_check_raises_fails_alone(model):
     assert failed.finish_reason is FinishReason.ERROR and "UnicodeDecodeError" in failed.error
     alone = InferenceEngine(model, engine_config()).generate([PROMPTS[1]], greedy)[0]
     assert good.result(timeout=0).token_ids == alone.token_ids
-    assert engine.global_kv.pool.num_free == free_pages and len(engine.swa.free) == free_slots
+    assert engine.executor.global_kv.pool.num_free == free_pages and len(engine.executor.swa.free) == free_slots
     assert engine.generate([PROMPTS[2]], greedy)[0].finish_reason is FinishReason.LENGTH
 
 
@@ -281,7 +295,7 @@ def test_preemption_under_page_pressure_recomputes_and_keeps_the_tokens(model):
     assert preempted
     for prompt, r in zip(prompts, results):
         assert r.token_ids == full_logits(model, prompt + r.token_ids)[len(prompt) - 1:-1].argmax(-1).tolist()
-    assert engine.global_kv.pool.num_free == 11
+    assert engine.executor.global_kv.pool.num_free == 11
 
 
 def test_update_weights_from_a_checkpoint_directory(model, other_model, tiny_cfg, tmp_path):

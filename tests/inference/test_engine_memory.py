@@ -35,5 +35,5 @@ def test_a_kv_cache_larger_than_memory_is_a_config_error_naming_the_options(mode
 def test_the_estimate_is_what_the_engine_allocates(model):
     config = EngineConfig(max_model_len=256, max_num_seqs=3, prefix_caching=True, swa_pool_slots=2)
     engine = InferenceEngine(model, config)
-    allocated = engine.global_kv.buffer_bytes() + engine.swa.bytes_per_slot() * engine.swa.num_slots
+    allocated = engine.executor.global_kv.buffer_bytes() + engine.executor.swa.bytes_per_slot() * engine.executor.swa.num_slots
     assert kv_cache_bytes(model.config, config) == allocated

@@ -79,18 +79,35 @@ def test_generate_from_a_hugging_face_export(run_dir, tmp_path, capsys):
     assert capsys.readouterr().out.startswith(PROMPT)
 
 
-@pytest.mark.parametrize("args, field", [
+@pytest.mark.parametrize("args, flag", [
     (["/does/not/exist", "--prompt", "x"], "checkpoint"),
-    (["RUN", "--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["RUN", "--prompt", "x", "--temperature", "-1"], "--temperature"),
+    (["RUN", "--prompt", "x", "--temperature", "nan"], "--temperature"),
+    (["RUN", "--prompt", "x", "--top-p", "0"], "--top-p"),
+    (["RUN", "--prompt", "x", "--top-k", "-2"], "--top-k"),
+    (["RUN", "--prompt", "x", "--stop", ""], "--stop"),
     (["RUN", "--prompt", ""], "--prompt"),
-    (["RUN", "--prompt", "x", "--max-tokens", "0"], "max_tokens"),
+    (["RUN", "--prompt", "x", "--max-tokens", "0"], "--max-tokens"),
+    (["RUN", "--prompt", "x", "--seed", str(2 ** 64)], "--seed"),
+    (["RUN", "--prompt", "x", "--seed", str(-2 ** 63 - 1)], "--seed"),
+    (["RUN", "--prompt", "x", "--max-model-len", "0"], "--max-model-len"),
     (["RUN", "--prompt", "x" * 40, "--max-model-len", "20"], "--prompt"),
 ])
-def test_bad_input_exits_2_with_one_line(run_dir, args, field, capsys):
+def test_bad_input_exits_2_with_one_line_naming_the_flag(run_dir, args, flag, capsys):
+    """Range errors named the SamplingParams field (``max_tokens``) instead of the flag, and a
+    seed beyond what a generator takes was a traceback."""
     args = [str(run_dir) if a == "RUN" else a for a in args]
     assert main(["generate", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and field in err[0] and "Traceback" not in err[0]
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].split("configuration error: ", 1)[-1].startswith(f"{flag}: "), err[0]
+
+
+def test_a_seed_at_either_end_of_the_generator_range_is_used(run_dir, capsys):
+    for seed in (2 ** 64 - 1, -2 ** 63):
+        assert main(["generate", str(run_dir), "--prompt", PROMPT, "--max-tokens", "2", "--seed", str(seed),
+                     "--device", "cpu"]) == 0
+        assert capsys.readouterr().out.startswith(PROMPT)
 
 
 def test_console_script_streams(run_dir):

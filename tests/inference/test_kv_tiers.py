@@ -40,13 +40,13 @@ def engine(model, **kw):
                prefix_caching=True)
     eng = InferenceEngine(model, EngineConfig(**{**cfg, **kw}))
     eng.processed = []
-    real = eng.runner.forward
+    real = eng.executor.runner.forward
 
     def counting(rows, **k):
         eng.processed.append(sum(len(r.tokens) for r in rows))
         return real(rows, **k)
 
-    eng.runner.forward = counting
+    eng.executor.runner.forward = counting
     return eng
 
 
@@ -69,11 +69,11 @@ def test_swa_pool_resumes_regeneration_and_next_turn_exactly(model):
     assert first.token_ids == greedy_reference(model, p, 6)[len(p):]
     again = run(eng, [p])[0]                     # regeneration: resumes after token P-1
     assert again.token_ids == first.token_ids
-    assert sum(eng.processed) == 1 + 5 and eng.tiers.hits["swa_snapshots"] == 1
+    assert sum(eng.processed) == 1 + 5 and eng.executor.tiers.hits["swa_snapshots"] == 1
     turn = p + first.token_ids + prompt(7, seed=1)  # next turn: resumes at the end of the output
     second = run(eng, [turn])[0]
     assert second.token_ids == greedy_reference(model, turn, 6)[len(turn):]
-    assert sum(eng.processed) == (len(turn) - (len(p) + 5)) + 5 and eng.tiers.hits["swa_snapshots"] == 2
+    assert sum(eng.processed) == (len(turn) - (len(p) + 5)) + 5 and eng.executor.tiers.hits["swa_snapshots"] == 2
 
 
 def test_two_continuations_of_one_snapshot_do_not_share_the_page_being_filled(model):
@@ -82,7 +82,7 @@ def test_two_continuations_of_one_snapshot_do_not_share_the_page_being_filled(mo
     first = run(eng, [p])[0]
     turns = [p + first.token_ids + prompt(3, seed=s) for s in (5, 6)]
     both = run(eng, turns)
-    assert eng.tiers.hits["swa_snapshots"] == 2
+    assert eng.executor.tiers.hits["swa_snapshots"] == 2
     for t, r in zip(turns, both):
         assert r.token_ids == greedy_reference(model, t, 6)[len(t):]
 
@@ -95,46 +95,46 @@ def test_prefix_hit_without_swa_state_replays_the_window_or_runs_exactly(model):
     run(eng, [p])
     replayed = run(eng, [longer])[0]
     hit = 40  # the 5 pages the first request completed (its 44 processed tokens)
-    assert eng.tiers.hits["encoder_replays"] == 1 and eng.tiers.hits["prefix_pages"] == hit // 8
+    assert eng.executor.tiers.hits["encoder_replays"] == 1 and eng.executor.tiers.hits["prefix_pages"] == hit // 8
     assert sum(eng.processed) == (len(longer) - (hit - w)) + 5
     assert all(math.isfinite(x) for x in replayed.logprobs)
     exact = engine(model, encoder_bounded_replay=False)
     run(exact, [p])
     got = run(exact, [longer])[0]
-    assert sum(exact.processed) == len(longer) + 5 and exact.tiers.hits["encoder_replays"] == 0
+    assert sum(exact.processed) == len(longer) + 5 and exact.executor.tiers.hits["encoder_replays"] == 0
     assert got.token_ids == greedy_reference(model, longer, 6)[len(longer):]
 
 
 def test_snapshots_expire_and_finished_requests_leave_only_evictable_pages(model):
     eng = engine(model, swa_pool_slots=2, swa_pool_ttl_s=0.05)
-    total = eng.global_kv.pool.num_free
+    total = eng.executor.global_kv.pool.num_free
     p = prompt(30)
     run(eng, [p, prompt(17, seed=4)])
-    assert len(eng.tiers.snapshots) == 2 and eng.global_kv.pool.num_free < total
+    assert len(eng.executor.tiers.snapshots) == 2 and eng.executor.global_kv.pool.num_free < total
     time.sleep(0.1)
     run(eng, [p])  # the expired snapshots are dropped at admission; the prefix is still cached
-    assert eng.tiers.hits["swa_snapshots"] == 0 and eng.tiers.hits["encoder_replays"] == 1
+    assert eng.executor.tiers.hits["swa_snapshots"] == 0 and eng.executor.tiers.hits["encoder_replays"] == 1
     time.sleep(0.1)
-    eng.tiers.expire()
-    assert not eng.tiers.snapshots and eng.global_kv.pool.num_free == total
-    assert len(eng.global_kv.pool.evictable) > 0 and len(eng.swa.free) == eng.swa.num_slots
+    eng.executor.tiers.expire()
+    assert not eng.executor.tiers.snapshots and eng.executor.global_kv.pool.num_free == total
+    assert len(eng.executor.global_kv.pool.evictable) > 0 and len(eng.executor.swa.free) == eng.executor.swa.num_slots
 
 
 def test_decoder_bounded_replay_runs_the_decoder_over_the_last_window_only(model):
     w = model.config.window_size
     eng = engine(model, prefix_caching=False, decoder_bounded_replay=True)
     seen = []
-    real = eng.runner.model.run_layers
+    real = eng.executor.runner.model.run_layers
 
-    def spy(x, pre, ctx, layer_ids=None):
+    def spy(hidden, ctx, layer_ids=None):
         seen.append((tuple(layer_ids) if layer_ids is not None else None, int(ctx.kv_cache.valid.sum())))
-        return real(x, pre, ctx, layer_ids)
+        return real(hidden, ctx, layer_ids)
 
-    eng.runner.model.run_layers = spy
+    eng.executor.runner.model.run_layers = spy
     try:
         run(eng, [prompt(37)], SamplingParams(max_tokens=2, temperature=0))
     finally:
-        del eng.runner.model.run_layers
+        del eng.executor.runner.model.run_layers
     decoder = tuple(range(model.config.num_encoder_layers, model.config.num_layers))
     # the decoder saw the last W prompt tokens, then the one decode step (whole-model calls: None)
     assert sum(n for ids, n in seen if ids in (None, decoder)) == w + 1

@@ -36,3 +36,40 @@ def test_a_tiny_temperature_keeps_ties_at_the_maximum():
     logits = torch.tensor([1.0, 3.0, 3.0, 0.0])
     logp = sampling_log_probs(logits, SamplingParams(temperature=1e-300))
     assert torch.allclose(logp.exp(), torch.tensor([0.0, 0.5, 0.5, 0.0]))
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_logprobs_modes_report_vllms_four_kinds_of_value(greedy):
+    """vLLM's ``logprobs_mode``: raw = the model's values, before temperature / top-k / top-p;
+    processed = those the token is drawn from (-inf outside the kept set). The sampled token is
+    the same in every mode; only what is reported differs."""
+    logits = torch.tensor([3.0, 2.0, 2.5, -1.0, 0.5])
+    temperature = 0.0 if greedy else 0.7
+    processed = (logits / (temperature or 1.0)).masked_fill(torch.tensor([False, True, False, True, True])
+                                                            if not greedy else torch.zeros(5, dtype=torch.bool),
+                                                            float("-inf"))
+    expected = {"raw_logprobs": torch.log_softmax(logits, -1), "raw_logits": logits,
+                "processed_logprobs": torch.log_softmax(processed, -1), "processed_logits": processed}
+    tokens = set()
+    for mode, values in expected.items():
+        params = SamplingParams(temperature=temperature, top_k=2, logprobs=2, logprobs_mode=mode, seed=3)
+        tok = sample_next(logits, params, torch.Generator().manual_seed(3))
+        tokens.add(tok.token_id)
+        assert math.isclose(tok.logprob, float(values[tok.token_id]), rel_tol=1e-6), mode
+        assert [t for t, _ in tok.top_logprobs] == [0, 2], mode
+        assert all(math.isclose(v, float(values[t]), rel_tol=1e-6) for t, v in tok.top_logprobs), mode
+    assert len(tokens) == 1
+
+
+def test_an_unknown_logprobs_mode_is_refused():
+    with pytest.raises(Exception, match="logprobs_mode: must be one of raw_logprobs"):
+        SamplingParams(logprobs_mode="raw")
+
+
+def test_logprob_token_ids_report_a_fixed_label_set_in_order():
+    logits = torch.tensor([3.0, 2.0, 2.5, -1.0, 0.5])
+    params = SamplingParams(temperature=0, logprob_token_ids=(4, 1), logprobs_mode="raw_logprobs")
+    tok = sample_next(logits, params, torch.Generator().manual_seed(0))
+    expected = torch.log_softmax(logits, -1)
+    assert [t for t, _ in tok.top_logprobs] == [4, 1]
+    assert all(math.isclose(v, float(expected[t]), rel_tol=1e-6) for t, v in tok.top_logprobs)

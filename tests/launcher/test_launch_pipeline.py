@@ -80,10 +80,39 @@ def test_opd_tiny_finds_its_teacher_under_any_run_dir(tmp_path):
     ([{"name": "../up", "recipe": str(RECIPE)}], {"run_dir": "x"}, "phases.name"),
     ([{"name": "a", "recipe": str(RECIPE), "depends": "b"}], {"run_dir": "x"}, "unknown key 'phases[0].depends'"),
     ([{"name": "a", "recipe": str(RECIPE)}], {}, "needs a parent run directory"),
+    ([{"name": "a", "recipe": str(RECIPE), "from_previous": True}, {"name": "b", "recipe": str(RECIPE)}],
+     {"run_dir": "x"}, "phases[0].from_previous: the first phase"),
 ])
 def test_pipeline_errors_name_the_field(tmp_path, phases, top, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
         prepare_runs(write_pipeline(tmp_path, phases, **top), [], {}, None, local=False)
+
+
+def test_the_first_phase_may_say_from_previous_false(tmp_path):
+    path = write_pipeline(tmp_path, [{"name": "a", "recipe": str(RECIPE), "from_previous": False},
+                                     {"name": "b", "recipe": str(RECIPE)}], run_dir=str(tmp_path / "runs"))
+    first, second = prepare_runs(path, [], {}, None, local=False)
+    assert first.recipe.checkpoint.load == "" and second.recipe.checkpoint.load == str(tmp_path / "runs/a/checkpoints")
+
+
+@pytest.mark.parametrize("mode", ["--local", "--slurm"])
+def test_a_later_phase_that_loads_a_missing_checkpoint_is_refused_before_the_first_starts(mode, tmp_path, capsys):
+    """Phase 1 used to train to completion before phase 2's rank found its checkpoint.load missing.
+    Paths under an earlier phase's run directory (chained, or ``${phase:...}``) are not refused:
+    that phase writes them first."""
+    missing = tmp_path / "nowhere" / "checkpoints"
+    path = write_pipeline(tmp_path, [
+        {"name": "a", "recipe": str(RECIPE)},
+        {"name": "b", "recipe": str(RECIPE), "overrides": ['checkpoint.load="${phase:a}/checkpoints/step_00000004"']},
+        {"name": "c", "recipe": str(RECIPE), "from_previous": False, "overrides": [f"checkpoint.load={missing}"]},
+    ], run_dir=str(tmp_path / "runs"))
+    code = main(["launch", path, mode, "--dry-run"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0] == (f"megatron-s2 launch: configuration error: checkpoint.load: {missing} does not exist; give a "
+                        "run, checkpoints or step directory of a saved run")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_dry_run_shows_each_phase_and_its_dependency(tmp_path, capsys):

@@ -11,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from launcher_helpers import PAYLOADS, RESUMABLE, expected_loss
 
+from megatron_s2.runtime.peer_loss import PEER_LOST_NOTE
 from megatron_s2.runtime.preemption import EXIT_PREEMPTED
 
 DRIVER = PAYLOADS / "local_driver.py"
@@ -48,7 +50,20 @@ def test_ranks_run_with_logs_and_rank0_echo(tmp_path):
     assert json.loads((run_dir / "FINISHED").read_text()) == {"step": 4, "loss": expected_loss(4, 2)}
 
 
+def failure_line(out: str, err: str) -> str:
+    """The launcher's one line about a failed job; nothing else on the console but its progress
+    lines and rank 0's output from before the failure (no survivor's traceback)."""
+    assert "Traceback" not in out + err, out + err
+    assert PEER_LOST_NOTE not in out + err, "a survivor's note stays in its log"
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("[launch] started")]
+    assert len(lines) == 1 and lines[0].startswith("[launch] job failed: "), err
+    return lines[0]
+
+
 def test_killed_rank_fails_the_job_fast_and_is_named(tmp_path):
+    """kill -9 of one rank: the launcher exited 137 and echoed the survivor's gloo traceback
+    (rank 0's console) plus 20 lines of the dead rank's log. Now: exit 1, one line naming the
+    dead rank, how it died, its log and that log's last line; the other rank stopped."""
     run_dir = tmp_path / "run"
     proc = start(run_dir, 2, "--steps", "1000", "--step-time", "0.1", "--die-rank", "1", "--die-at-step", "3")
     log = run_dir / "logs" / "restart0" / "rank1.log"
@@ -57,11 +72,26 @@ def test_killed_rank_fails_the_job_fast_and_is_named(tmp_path):
     out, err = proc.communicate(timeout=60)
     elapsed = time.monotonic() - died
     assert elapsed < 15, f"the job took {elapsed:.1f} s to fail after rank 1 died"
-    assert proc.returncode == 128 + signal.SIGKILL
-    assert "rank 1" in err and "SIGKILL" in err
-    assert "killing myself at step 3" in err, "the tail of the failed rank's log is shown"
+    assert proc.returncode == 1, err
+    line = failure_line(out, err)
+    assert "rank 1 " in line and "SIGKILL" in line and str(log) in line and "killing myself at step 3" in line
     survivor = rank_pid(run_dir / "logs" / "restart0" / "rank0.log")
     assert survivor is not None and not Path(f"/proc/{survivor}").exists(), "rank 0 was left running"
+    assert PEER_LOST_NOTE in (run_dir / "logs" / "restart0" / "rank0.log").read_text()
+
+
+@pytest.mark.slow
+def test_the_failed_rank_is_named_not_the_peers_it_took_down(tmp_path):
+    """Rank 1 raises; rank 0, waiting for it in an all-reduce, loses its peer and exits with
+    EXIT_PEER_LOST a moment later. Whichever exit the launcher sees first, it names rank 1 and
+    its error, not the peer it took down."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, 2, "--steps", "1000", "--step-time", "0.1", "--fail-rank", "1", "--fail-at-step", "3")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    line = failure_line(out, err)
+    assert "rank 1 " in line and "exit code 1" in line and "simulated failure at step 3" in line, line
+    assert "Traceback" in (run_dir / "logs" / "restart0" / "rank1.log").read_text(), "the log keeps the details"
 
 
 def test_signal_to_one_rank_stops_all_at_the_same_step_and_resumes(tmp_path):
@@ -99,3 +129,24 @@ def test_sigterm_to_the_launcher_is_forwarded(tmp_path):
     assert "forwarding SIGTERM" in err
     assert "on SIGTERM" in log.read_text()
 
+
+
+def test_peer_loss_is_told_from_other_errors():
+    """What the backends raise when a peer is gone (also wrapped, as the checkpoint layer does);
+    a broken pipe or reset connection of the process's own sockets (OSError) is not a peer."""
+    from megatron_s2.runtime.peer_loss import lost_peer
+
+    gloo = RuntimeError("[/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1215. This is "
+                        "typically caused by a remote worker crashing.")
+    assert lost_peer(gloo) == (f"{PEER_LOST_NOTE} in a collective (gloo: Connection closed by peer "
+                               "[127.0.0.1]:1215); stopping")
+    try:
+        try:
+            raise RuntimeError("NCCL error: remote process exited or there was a network error")
+        except RuntimeError as exc:
+            raise ValueError("checkpoint step 4 not written") from exc
+    except ValueError as wrapped:
+        assert "nccl" in lost_peer(wrapped)
+    assert lost_peer(BrokenPipeError(32, "Broken pipe")) is None
+    assert lost_peer(ConnectionResetError(104, "Connection reset by peer")) is None
+    assert lost_peer(RuntimeError("CUDA out of memory")) is None

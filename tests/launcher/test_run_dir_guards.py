@@ -26,6 +26,8 @@ def test_launch_refuses_a_run_dir_in_use(mode, tmp_path, capsys):
         code = main(["launch", RECIPE, mode, "--run-dir", str(run_dir)])
         err = capsys.readouterr().err
         assert code == 2, err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1, f"the refusal is one line, not {len(lines)}: {err}"
         assert f"pid {os.getpid()}" in err and "in use by another run" in err and "another run" in err
         assert sorted(p.name for p in run_dir.iterdir()) == ["run.lock"], "the refused launch wrote files"
 

@@ -25,7 +25,7 @@ def model_bytes(model: torch.nn.Module) -> int:
 
 
 def kv_bytes(engine) -> int:
-    stores = (*engine.global_kv.main.values(), *engine.global_kv.index.values(), *engine.swa.rings.values())
+    stores = (*engine.executor.global_kv.main.values(), *engine.executor.global_kv.index.values(), *engine.executor.swa.rings.values())
     return sum(t.numel() * t.element_size() for bufs in stores for t in bufs)
 
 

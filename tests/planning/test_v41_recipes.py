@@ -25,9 +25,9 @@ TOKENS_PER_STEP = 1536 * 65536  # §4.2.2: 100.6M tokens per step
 @pytest.fixture
 def flagship_inputs(tmp_path, monkeypatch):
     """What `launch --slurm` checks on the submit host, as small stand-ins in a working
-    directory: the tokenizer folder and the data files the flagship recipes name (relative
-    paths). The shipped tiny BPE stands in for the release tokenizer (its pad id is the
-    release's Engram pad id, 2)."""
+    directory: the tokenizer folder, the data files and the checkpoints (a committed step
+    directory each) the flagship recipes name (relative paths). The shipped tiny BPE stands in
+    for the release tokenizer (its pad id is the release's Engram pad id, 2)."""
     tok_dir = tmp_path / "checkpoints" / "DeepSeek-V4.1-Flash"
     shutil.copytree(RECIPES_DIR / "tokenizers" / "tiny-bpe", tok_dir)
     text = tmp_path / "docs.jsonl"
@@ -38,6 +38,10 @@ def flagship_inputs(tmp_path, monkeypatch):
     (tmp_path / "data" / "sft").mkdir(parents=True)
     chats = [json.loads(line) for line in (RECIPES_DIR / "data" / "tiny_chat.jsonl").read_text().splitlines()[:8]]
     pq.write_table(pa.Table.from_pylist(chats), tmp_path / "data" / "sft" / "conversations.parquet")
+    for name in ("pretrain_64k", "extend_1m", "sft", "rl", "teachers/math", "teachers/logic"):  # what phases load
+        start = f"checkpoints/{name}" if name.startswith("teachers") else f"runs/v41_flagship/{name}/checkpoints"
+        (tmp_path / start / "step_00000001").mkdir(parents=True)
+        (tmp_path / start / "step_00000001" / "COMMITTED").write_text("stand-in")
     monkeypatch.chdir(tmp_path)
     # The recipes name their clusters' partition; whatever SLURM this machine (or an earlier
     # launcher test's local cluster) knows is not that cluster, so sinfo is pointed at no

@@ -5,13 +5,18 @@ samples, policy version) and RNG streams, so that no prompt is trained twice or 
 
 The audit trail is the run's ``rollouts.jsonl`` (one line per optimiser step: the prompts it
 trained, the prompts dispatched so far, the prompts still open); records written after the last
-checkpoint by the killed attempt are dropped on resume, as metrics are.
+checkpoint by the killed attempt are dropped on resume, as metrics and evaluations are.
+
+Resume is exact: RL and OPD runs killed during step 1's rollout (no checkpoint yet) or right after
+a checkpoint end with the uninterrupted run's weights and optimiser state, bit for bit — each
+in-flight sample continues from its saved engine caches with draws keyed by (seed, position).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "phases" / "rl_addition.yaml"
 SMALL = ["training.seq_length=16", "training.global_batch_size=8", "training.micro_batch_size=8",
@@ -132,3 +138,102 @@ def test_rl_launch_survives_one_rank_of_two_killed(tmp_path):
     resumed = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     _check_every_prompt_trained_once(_records(run_dir), 5, 2)
+
+
+# ---- exact resume: final weights bit for bit ----------------------------------------------------------
+OPD = RECIPE.parent / "opd_addition.yaml"
+# A random initial policy earns no reward, so the RL runs add a small entropy bonus: then every
+# sampled token and log-probability moves the weights, and any divergence shows in them.
+EXACT = {
+    "rl": (RECIPE, [*SMALL, "training.train_steps=3", "rl.rollout.engine.max_num_seqs=5",
+                    "rl.loss.terms=[{kind: policy_gradient}, {kind: entropy, coef: 0.01}]",
+                    "rl.rollout.environment.eval_prompts=2", "rl.eval.samples_per_prompt=1",
+                    "rl.eval.also_greedy=false"]),
+    "opd": (OPD, ["logging.progress_bar=false", "logging.tensorboard=false", "training.train_steps=3",
+                  "training.global_batch_size=4", "training.micro_batch_size=2", "opd.rollout.group_size=1",
+                  "opd.rollout.batch_groups=4", "opd.rollout.max_in_flight=8", "opd.rollout.engine.max_num_seqs=3",
+                  "opd.rollout.environment.num_prompts=64", "opd.rollout.environment.eval_prompts=2",
+                  "opd.eval.interval=0", "checkpoint.save_interval=2", "schedule.lr=3.0e-3", "schedule.min_lr=3.0e-3"]),
+}
+
+
+def _exact_cmd(kind: str, run_dir: Path, teacher: Path) -> list[str]:
+    recipe, args = EXACT[kind]
+    if kind == "opd":
+        args = [*args, f"opd.teachers=[{{name: teacher, domains: [default], checkpoint: {teacher}}}]"]
+    return [sys.executable, "-m", "megatron_s2.cli", "train", str(recipe), *args, "--run-dir", str(run_dir)]
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _checkpoint(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    from megatron_s2.checkpoint.format import MODEL_PREFIX, OPTIM_PREFIX
+    from megatron_s2.checkpoint.offline import read_full_tensors
+
+    _, tensors = read_full_tensors(run_dir / "checkpoints" / f"step_{step:08d}", (MODEL_PREFIX, OPTIM_PREFIX))
+    return tensors
+
+
+def _differing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    assert sorted(got) == sorted(want)
+    return [k for k in want if not torch.equal(got[k], want[k])]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("kind", ["rl", "opd"])
+def test_run_killed_during_a_rollout_and_after_a_checkpoint_ends_bit_for_bit_as_the_uninterrupted_one(kind, tmp_path):
+    """One uninterrupted 3-step run, and one SIGKILLed twice — during step 1's rollout (after the
+    at-start evaluation, before any checkpoint), then, resumed, right after the step-2 checkpoint —
+    and resumed again: every model and optimiser tensor equal to the uninterrupted run's at both
+    checkpoints, the same prompts trained, and the step-0 evaluation recorded once."""
+    teacher = tmp_path / "teacher"
+    if kind == "opd":
+        from megatron_s2.checkpoint.hf.checkpoint_io import write_full_state
+        from megatron_s2.config.recipe import load_recipe
+        from megatron_s2.models.v41.model import V41Model
+
+        recipe = load_recipe(OPD)
+        write_full_state(V41Model(recipe.model).init_weights(7).state_dict(), recipe, teacher)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same kernels in every process
+    ref, run_dir = tmp_path / "ref", tmp_path / "killed"
+    done = subprocess.run(_exact_cmd(kind, ref, teacher), capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    step2 = run_dir / "checkpoints" / "step_00000002" / "COMMITTED"
+    moments = {"during step 1's rollout": lambda: "\n" in _text(run_dir / "eval.jsonl"),
+               "after the step-2 checkpoint": step2.is_file}
+    for moment, reached in moments.items():
+        proc = subprocess.Popen(_exact_cmd(kind, run_dir, teacher), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+        try:
+            deadline = time.monotonic() + 900
+            while not reached():
+                assert proc.poll() is None and time.monotonic() < deadline, f"{moment}: exited {proc.returncode}"
+                time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        if moment.startswith("during"):
+            assert not list((run_dir / "checkpoints").glob("step_*")), "killed too late: step 2 was saved"
+        else:  # the attempt resumed from step 0 went exactly as the uninterrupted run
+            differ = _differing(_checkpoint(run_dir, 2), _checkpoint(ref, 2))
+            assert not differ, f"step 2: {len(differ)} tensors differ, e.g. {differ[:3]}"
+    resumed = subprocess.run(_exact_cmd(kind, run_dir, teacher), capture_output=True, text=True, timeout=900, env=env)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    restored = re.search(r"restored at version 2 .*\((\d+) on this rank from their engine state\)", resumed.stdout)
+    assert restored and int(restored[1]) > 0, resumed.stdout[-3000:]  # partly generated samples were in flight
+    differ = _differing(_checkpoint(run_dir, 3), _checkpoint(ref, 3))
+    assert not differ, f"step 3: {len(differ)} of {len(_checkpoint(ref, 3))} tensors differ, e.g. {differ[:3]}"
+    assert [r["trained"] for r in _jsonl(run_dir / "rollouts.jsonl")] == \
+        [r["trained"] for r in _jsonl(ref / "rollouts.jsonl")]
+    evals = _jsonl(run_dir / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0], f"eval.jsonl holds steps {[e['step'] for e in evals]}"
+    assert evals[0]["eval_accuracy"] == _jsonl(ref / "eval.jsonl")[0]["eval_accuracy"]
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""

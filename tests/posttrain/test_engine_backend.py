@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -149,6 +151,62 @@ def test_snapshot_resumes_from_its_prefix_on_a_fresh_engine():
     lp, _ = forward_logprobs(model, done)
     mask = torch.tensor(done.policy_mask[1:])
     assert (lp - torch.tensor(done.logprobs[1:]))[mask].abs().max() <= 1e-5
+
+
+def test_a_restarted_backend_continues_paused_samples_bit_for_bit_from_their_saved_caches():
+    """Crash-safe partial rollout (report §5.2.3): samples paused mid-generation, the weights
+    swapped (version 1) and the state saved — the snapshot (tokens) and the engine's caches — are
+    continued by a fresh backend exactly as the running one continues them, whatever order they
+    are submitted in. From the tokens alone they would be re-prefilled under version 1, whose KV
+    differs from the version-0 KV the running engine decodes with."""
+    model = build_model(tiny_config(), seed=3)
+    new_weights = build_model(tiny_config(), seed=4).state_dict()
+    envs = {"add": task_env()}
+    running = make_backend(model, envs)
+    running.submit([request(sid, sid, max_new=12) for sid in range(3)])
+    for _ in range(4):  # prefill + a few decode steps under version 0
+        assert running.poll() == []
+    running.pause()
+    with torch.no_grad():
+        model.load_state_dict(new_weights)  # the learner's update, in place
+    running.update_weights(1)
+    partial, caches = running.snapshot(), running.cache_states()
+    assert len(partial) == 3 and all(p.num_generated > 0 for p in partial)
+    running.resume()
+    reference = sorted(drain(running), key=lambda s: s.sample_id)
+
+    def restart(saved):
+        backend = make_backend(model, envs)  # "after a restart": nothing cached
+        backend.update_weights(1)
+        if saved is not None:
+            backend.load_cache_states(saved)
+        backend.submit([request(p.sample_id, p.sample_id, max_new=12, resume_from=p) for p in reversed(partial)])
+        assert backend.restored == ({"exact": 3, "prefilled": 0} if saved else {"exact": 0, "prefilled": 3})
+        return sorted(drain(backend), key=lambda s: s.sample_id)
+
+    assert [s.state_dict() for s in restart(caches)] == [s.state_dict() for s in reference]
+    prefilled = restart(None)
+    assert [s.logprobs for s in prefilled] != [s.logprobs for s in reference]
+
+
+def test_behaviour_log_probs_are_those_of_the_sampling_distribution():
+    """The loss needs the log-prob of each token under the distribution it was drawn from
+    (temperature applied): the rollout pins ``logprobs_mode="processed_logprobs"``, whatever the
+    engine's or a server's default (vLLM's, and ``megatron-s2 serve``'s, is the raw distribution)."""
+    model = build_model(tiny_config(), seed=5)
+    backend = make_backend(model, {"add": task_env()})
+    backend.submit([dataclasses.replace(request(4, 1, max_new=8), temperature=0.6)])
+    (s,) = drain(backend)
+    ids = torch.tensor(s.tokens)
+    with torch.no_grad():
+        ctx = ForwardContext.create(ids[:-1].unsqueeze(0), model.plan, routing=s.routing.to_replay())
+        logits = model.eval()(ids[:-1].unsqueeze(0), ctx)[0].double()
+    sampled = torch.log_softmax(logits / 0.6, -1).gather(1, ids[1:, None])[:, 0]
+    raw = torch.log_softmax(logits, -1).gather(1, ids[1:, None])[:, 0]
+    mask = torch.tensor(s.policy_mask[1:])
+    behaviour = torch.tensor(s.logprobs[1:], dtype=torch.float64)
+    assert (behaviour - sampled)[mask].abs().max() <= 1e-4
+    assert (behaviour - raw)[mask].abs().max() > 1e-2  # the raw distribution is another number
 
 
 class _EchoEpisode(Episode):

@@ -104,8 +104,8 @@ def test_completions_top_k_ranks_and_temperature(server, in_process, loaded):
     ("/v1/completions", {"prompt": [0, 1, 2], "prompt_logprobs_temperature": 0.5}, "prompt_logprobs_temperature"),
     ("/v1/completions", {"prompt": [0, 1, 2], "prompt_logprobs": 0, "prompt_logprobs_temperature": 0},
      "prompt_logprobs_temperature"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0},
-     "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0,
+                              "stream": True}, "prompt_logprobs"),
     ("/inference/v1/generate", {"token_ids": [0, 1], "sampling_params": {"prompt_logprobs": 9}},
      "sampling_params.prompt_logprobs"),
 ])

@@ -138,7 +138,7 @@ def test_a_dead_engine_driver_turns_into_503s(loaded, monkeypatch):
                 def broken(*args, **kwargs):
                     raise RuntimeError("device lost")
 
-                monkeypatch.setattr(engine.runner, "forward", broken)
+                monkeypatch.setattr(engine.executor, "forward", broken)
                 engine.resume()
                 worker.join(timeout=60)
                 events = streamed.read().decode().split("\n\n")

@@ -54,3 +54,23 @@ def test_multi_byte_characters_are_held_until_complete():
     assert len(ids) > len(text) // 2 and tok.decode(ids) == text
     pieces = stream(tok, ids)
     assert "".join(pieces) == text and not any("\ufffd" in piece for piece in pieces)
+
+
+def test_special_tokens_and_stop_strings_in_the_text_on_request():
+    """vLLM's ``skip_special_tokens: false`` keeps special tokens' text; its
+    ``include_stop_str_in_output`` ends the text after the stop string instead of before."""
+    from megatron_s2.data.hf_tokenizer import HFTokenizer
+
+    root = Path(__file__).resolve().parents[2]
+    tok = HFTokenizer(root / "recipes" / "tokenizers" / "tiny-bpe")
+    ids = [tok.bos_id] + tok.encode("one two three") + [tok.eos_id]
+    assert TextStream(tok).push(ids, last=True) == "one two three"
+    kept = TextStream(tok, keep_special=True).push(ids, last=True)
+    assert kept == tok.decode([tok.bos_id], keep_special=True) + "one two three" + tok.decode([tok.eos_id],
+                                                                                               keep_special=True)
+    stopped = [tok.bos_id] + tok.encode("one two")  # the engine stops at the token completing " tw"
+    for chunk in (1, 4):
+        pieces, text = [], TextStream(tok, (" tw",), include_stop=True)
+        for i in range(0, len(stopped), chunk):
+            pieces.append(text.push(stopped[i:i + chunk], last=i + chunk >= len(stopped)))
+        assert "".join(pieces) == "one tw"

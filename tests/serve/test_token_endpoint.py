@@ -88,7 +88,7 @@ def test_n_choices_and_the_context_end(server):
     ({"token_ids": [1, 2], "sampling_params": {"routed_experts_prompt_start": 2}},
      "sampling_params.routed_experts_prompt_start: must be smaller than the prompt length 2"),
     ({"token_ids": [1, 2], "sampling_params": {"min_tokens": 3}}, "sampling_params.min_tokens: not supported"),
-    ({"token_ids": [1, 2], "stream": True}, "stream:"),
+    ({"token_ids": [1, 2], "stream": "yes"}, "stream: must be true or false"),
     ({"token_ids": [1, 2], "sampling_params": "greedy"}, "sampling_params: must be an object"),
 ])
 def test_refusals_name_the_field(server, body, words):

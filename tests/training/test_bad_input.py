@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import types
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_s2.checkpoint.faults import FAULT_ENV
 from megatron_s2.cli import main
 from megatron_s2.config.recipe import RecipeConfig, load_recipe
 from megatron_s2.config.schema import ConfigError, from_mapping
@@ -116,6 +118,42 @@ def test_missing_data_path(capsys, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("kind, words", [("missing", "does not exist"), ("file", "is a file"),
+                                         ("empty", "holds no committed checkpoint")])
+def test_checkpoint_load_that_holds_no_checkpoint_is_refused_before_training(kind, words, capsys, tmp_path):
+    """`checkpoint.load=/nonexistent` (or a file) was refused only by the checkpoint manager after
+    the model and optimiser were built (inside the ranks under `launch`); now by the start-up
+    checks that `launch` runs too, before the run directory is touched."""
+    path, run_dir = tmp_path / kind, tmp_path / "run"
+    if kind == "file":
+        path.write_text("not a checkpoint")
+    elif kind == "empty":
+        path.mkdir()
+    code = main(["train", str(RECIPE), *SINGLE, f"checkpoint.load={path}", "--run-dir", str(run_dir)])
+    line = _one_line_error(capsys)
+    assert code == 2, line
+    assert line.startswith("megatron-s2 train: configuration error: checkpoint.load: ") and str(path) in line
+    assert words in line
+    assert not run_dir.exists()
+
+
+def test_checkpoint_load_is_not_read_when_the_run_resumes(tmp_path):
+    """A run directory with a committed checkpoint resumes from it and never reads checkpoint.load
+    (a pipeline relaunched after its earlier phase's directory was cleaned up)."""
+    from megatron_s2.training.run_checks import check_checkpoint_load
+
+    recipe = load_recipe(RECIPE, [f"checkpoint.load={tmp_path / 'gone'}"])
+    step = tmp_path / "run" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"^checkpoint\.load: .*gone does not exist"):
+        check_checkpoint_load(recipe, tmp_path / "run")  # nothing committed yet: load is read
+    (step / "COMMITTED").write_text("sha")
+    check_checkpoint_load(recipe, tmp_path / "run")
+    with pytest.raises(ConfigError, match="gone does not exist"):
+        check_checkpoint_load(recipe.replace(checkpoint=dataclasses.replace(recipe.checkpoint, resume=False)),
+                              tmp_path / "run")
+
+
 def test_absurd_seq_length_is_refused_before_allocating(capsys, tmp_path):
     # 10^8 tokens per sequence: the ranks would be OOM-killed (exit 137) building activations.
     code = main(["train", str(RECIPE), *SINGLE, "training.seq_length=100000000", "--run-dir", str(tmp_path / "run")])
@@ -164,6 +202,32 @@ def test_disk_full_says_so(tmp_path):
     assert "Traceback" not in err, err
     assert result.returncode == 1, err
     assert "disk full" in err.lower() or "no space left" in err.lower(), err
+
+
+@needs_mount_ns
+@pytest.mark.slow
+def test_leftover_of_a_killed_save_does_not_block_the_restart(tmp_path):
+    """A save that died on a full disk left its 6 MiB ``.step_1.tmp`` behind, and the next start on
+    that disk stopped with a "disk full" message that did not mention it. Here the save is killed
+    after its shards were written (fault point ``before_commit``) on a 10 MiB file system that
+    holds one checkpoint, not two: the restart removes the leftover, says so, and saves."""
+    disk, run_dir = tmp_path / "disk", tmp_path / "disk" / "run"
+    disk.mkdir()
+    argv = " ".join([sys.executable, "-m", "megatron_s2.cli", "train", str(RECIPE), *SINGLE, "--run-dir",
+                     str(run_dir)])
+    out = tmp_path / "out"
+    script = (f"mount -t tmpfs -o size=10m tmpfs {disk} || exit 97\n"
+              f"{FAULT_ENV}=before_commit {argv} > {out}0 2>&1; echo $? > {out}0.rc\n"
+              f"{argv} > {out}1 2>&1; echo $? > {out}1.rc\n"
+              f"ls -a {run_dir}/checkpoints > {out}.ls")
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    subprocess.run(["unshare", "-m", "sh", "-c", script], env={**env, "PYTHONUNBUFFERED": "1"}, check=True,
+                   timeout=900)
+    killed, restart = (tmp_path / "out0").read_text(), (tmp_path / "out1").read_text()
+    assert (tmp_path / "out0.rc").read_text().strip() == str(128 + signal.SIGKILL), killed
+    assert (tmp_path / "out1.rc").read_text().strip() == "0", restart
+    assert "Traceback" not in restart and "removed .step_00000001.tmp" in restart, restart
+    assert (tmp_path / "out.ls").read_text().split() == [".", "..", "latest", "step_00000001"]
 
 
 def test_transformer_engine_without_it_exits_2(capsys, tmp_path):

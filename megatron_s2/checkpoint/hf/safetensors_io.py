@@ -135,6 +135,10 @@ class SafetensorsReader:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def file_of(self, name: str) -> Path:
+        """The safetensors file holding ``name``."""
+        return self._where[name]
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(f"{self.dir}: no tensor '{name}'")

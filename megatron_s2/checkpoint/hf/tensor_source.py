@@ -3,6 +3,10 @@
 :meth:`~megatron_s2.models.family.mapping_registry.MappingRegistry.import_state` pulls tensors from
 a :class:`TensorSource`; afterwards every source tensor must have been read, be a read tensor's
 scale, or lie under a family's documented skipped prefix.
+
+Every tensor is checked to be finite as it is read (after dequantisation), so each reader of an
+export — ``checkpoint import``, ``serve``, ``generate`` — refuses a NaN or infinity naming the
+tensor and its file, before a model is built from it.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 
 from megatron_s2.checkpoint.hf.quant import dequantize, is_quantized
 from megatron_s2.models.family.mapping_registry import ConversionError
+from megatron_s2.runtime.finite import first_non_finite
 
 __all__ = ["TensorSource"]
 
@@ -27,6 +32,13 @@ class TensorSource:
         return name in self.reader
 
     def get(self, name: str) -> torch.Tensor:
+        tensor = self._read(name)
+        if first_non_finite([(name, tensor)]):
+            raise ConversionError(f"{self.reader.file_of(name)}: tensor '{name}' holds NaN or infinite values; "
+                                  "the export is damaged — export it again from a good checkpoint")
+        return tensor
+
+    def _read(self, name: str) -> torch.Tensor:
         tensor = self.reader.get(name)
         self.used.add(name)
         scale_name = name[: -len("weight")] + "scale" if name.endswith("weight") else None

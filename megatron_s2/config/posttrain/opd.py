@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Literal
+from urllib.parse import urlsplit
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.config.posttrain.checks import positive
@@ -37,6 +38,14 @@ from megatron_s2.config.posttrain.environment import EvaluationConfig
 from megatron_s2.config.posttrain.rollout import RolloutConfig
 
 __all__ = ["TeacherConfig", "SftWarmupConfig", "OPDConfig"]
+
+
+def _check_url(teacher: str, url: str) -> None:
+    """An http(s) base URL with a host (the value only; reachability is checked at start-up)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
+        raise ConfigError(f"endpoint: teacher '{teacher}': {url!r} is not an http(s) URL; give the teacher server's "
+                          "base URL, e.g. http://host:8000/v1")
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,8 @@ class TeacherConfig:
                               "or endpoint (OpenAI-compatible URL)")
         if self.model and not self.checkpoint:
             raise ConfigError(f"model: teacher '{self.name}' names a model recipe but no checkpoint to load into it")
+        if self.endpoint:
+            _check_url(self.name, self.endpoint)
         positive("temperature", self.temperature)
         positive("request_timeout_s", self.request_timeout_s)
         if self.max_concurrent_requests < 1:
@@ -170,6 +181,10 @@ class OPDConfig:
             if (slot.domain or slot.name) not in owner:
                 raise ConfigError(f"opd.rollout.datasets.{slot.name}: its domain '{slot.domain or slot.name}' has "
                                   f"no teacher; add it to a teacher's domains or set the dataset's domain")
+        if not self.rollout.datasets and self.dataset_domain("default") not in owner:
+            raise ConfigError(f"opd.teachers: the prompts of rollout.environment are domain 'default', which no "
+                              f"teacher supervises (domains {sorted(owner)}); add 'default' to a teacher's domains, "
+                              "or list rollout.datasets with their domain")
         if self.mode == "full_vocab":
             if not self.loss.has_term("full_vocab_kl"):
                 raise ConfigError("opd.loss.terms: full_vocab mode needs a 'full_vocab_kl' term (report §5.2.4); "
@@ -191,6 +206,18 @@ class OPDConfig:
         if self.sft_warmup.steps and not self.sft_warmup.data and remote:
             raise ConfigError(f"opd.sft_warmup.data: teacher '{remote[0]}' is an endpoint, and the warm-up generates "
                               "with in-process teachers only; give a trajectories file (data) or sft_warmup.steps: 0")
+
+    def dataset_domain(self, dataset: str) -> str:
+        """The domain of a rollout dataset's prompts: its ``domain`` (default: its name). The one
+        dataset of a section without ``rollout.datasets`` is 'default', supervised by the teacher of
+        the only domain when the teachers list exactly one."""
+        for slot in self.rollout.datasets:
+            if slot.name == dataset:
+                return slot.domain or slot.name
+        domains = [d for t in self.teachers for d in t.domains]
+        if dataset == "default" and "default" not in domains and len(domains) == 1:
+            return domains[0]
+        return dataset
 
     def teacher_for(self, domain: str) -> TeacherConfig:
         for t in self.teachers:

@@ -11,12 +11,20 @@ from pathlib import Path
 
 from megatron_s2.config.schema import ConfigError
 
-__all__ = ["check_posttrain_recipe", "posttrain_section"]
+__all__ = ["check_posttrain_recipe", "environment_key", "posttrain_section"]
 
 
 def posttrain_section(recipe):
     """The ``rl`` or ``opd`` section of a post-training recipe (None for pretrain / sft)."""
     return recipe.rl if recipe.phase.kind == "rl" else recipe.opd if recipe.phase.kind == "opd" else None
+
+
+def environment_key(kind: str, rollout, dataset: str) -> str:
+    """The recipe key of a rollout dataset's environment (its own, or the section's default)."""
+    for slot in rollout.datasets:
+        if slot.name == dataset and slot.environment is not None:
+            return f"{kind}.rollout.datasets.{dataset}.environment"
+    return f"{kind}.rollout.environment"
 
 
 def check_posttrain_recipe(recipe) -> None:
@@ -54,6 +62,14 @@ def check_posttrain_recipe(recipe) -> None:
                           f"row of training.seq_length + 1 = {t.seq_length + 1}; lower it or raise seq_length")
     if recipe.phase.freeze:
         raise ConfigError(f"phase.freeze: {kind} phases train the whole policy; remove phase.freeze")
+    if (section.eval.interval or section.eval.at_start) and not rollout.uses_verifiers:  # (verifiers: below)
+        names = rollout.dataset_names()
+        if all(rollout.environment_of(n).eval_prompts == 0 for n in names):
+            # nothing to evaluate would be logged as accuracy 0.000 (a dataset with 0 is left out)
+            keys = dict.fromkeys(f"{environment_key(kind, rollout, n)}.eval_prompts" for n in names)
+            raise ConfigError(f"{', '.join(keys)}: 0 held-out prompts, but evaluation is on ({kind}.eval.interval="
+                              f"{section.eval.interval}, {kind}.eval.at_start={str(section.eval.at_start).lower()}); "
+                              f"set eval_prompts >= 1, or {kind}.eval.interval=0 and {kind}.eval.at_start=false")
     if rollout.uses_verifiers:
         _check_verifiers(recipe, section, kind)
     if kind == "opd" and section.sft_warmup.steps > t.train_steps:

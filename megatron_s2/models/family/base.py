@@ -22,7 +22,8 @@ What a family provides
 * :meth:`~ModelFamily.account` / :meth:`~ModelFamily.memory_model` — ``megatron-s2 account`` and
   the per-layer terms of ``megatron-s2 plan memory``.
 * :meth:`~ModelFamily.executor` — the engine-side state of one inference engine and its one
-  incremental forward (:class:`~megatron_s2.models.family.engine.ModelExecutor`).
+  incremental forward (:class:`~megatron_s2.models.family.engine.ModelExecutor`);
+  :meth:`~ModelFamily.check_engine` — the executor's rules on engine settings, without a model.
 
 Naming convention (read by the skeleton, the planner and pipeline stage filters): parameters
 of the embedding live under ``embedding.``, of layer ``i`` under ``layers.<i>.`` (global
@@ -243,6 +244,11 @@ class ModelFamily(abc.ABC):
     @abc.abstractmethod
     def executor(self, model: nn.Module, config: "EngineConfig", device: torch.device) -> "ModelExecutor":
         """The engine-side state (KV cache, recurrent state, ...) of one inference engine over ``model``."""
+
+    def check_engine(self, cfg: ModelSchema, config: "EngineConfig") -> None:
+        """Refuse, with a ConfigError naming the :class:`~megatron_s2.config.engine.EngineConfig`
+        field, settings :meth:`executor` cannot honour for this model (checked before any rank
+        starts; the executor checks again when it is built). Default: none."""
 
     @abc.abstractmethod
     def engine_cache_bytes(self, cfg: ModelSchema, config: "EngineConfig") -> int:

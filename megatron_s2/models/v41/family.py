@@ -143,6 +143,11 @@ class V41Family(ModelFamily):
 
         return V41Executor(model, config, device)
 
+    def check_engine(self, cfg: V41Config, config) -> None:
+        from megatron_s2.models.v41.inference.executor import check_engine_config
+
+        check_engine_config(config, cfg)  # pages of whole compressed blocks; decoder bounded replay
+
     def engine_cache_bytes(self, cfg: V41Config, config) -> int:
         from megatron_s2.models.v41.accounting import kv_cache_bytes
 

@@ -73,3 +73,12 @@ class Environment(ABC):
 
     def prompt_tokens(self, index: int, effort: int | None = None) -> list[int]:
         return self.episode(index, "train", effort).prompt_tokens()
+
+    def longest_prompt_from(self, limit: int, split: Split = "train", efforts: Sequence[int | None] = (None,)) -> int:
+        """Tokens of the longest first-turn prompt of ``split`` (at each of ``efforts``) when it has
+        ``limit`` tokens or more, else 0 — the start-up check that every prompt leaves the engine
+        room to generate. This default tokenizes every prompt; environments with many prompts
+        override it with a cheaper bound."""
+        longest = max((len(self.episode(i, split, e).prompt_tokens()) for i in range(self.size(split))
+                       for e in efforts), default=0)
+        return longest if longest >= limit else 0

@@ -30,6 +30,16 @@ __all__ = ["TaskEnvironment", "RetryTaskEnvironment", "task_prompts"]
 _EVAL_STREAM = 0x5EED_E7A1
 
 
+_BOUNDARY_SLACK = 4
+"""Tokens a user message may take beyond its UTF-8 bytes where it meets the chat template (a
+pre-token straddling the boundary); the templates of recipes/tokenizers delimit it with special
+tokens, so none in practice."""
+
+
+def _render_user_turn(tokenizer: Tokenizer, text: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+
+
 def task_prompts(task: Task, count: int, seed: int) -> list[TaskSample]:
     rng = random.Random(seed)
     return [task.sample(rng) for _ in range(count)]
@@ -40,12 +50,14 @@ class _TaskEpisode(Episode):
         self.env, self.sample, self.effort = env, sample, effort
         self.turn = 0
 
+    def prompt_text(self) -> str:
+        """The user message: the task's prompt, after the effort instruction when there is one."""
+        return self.sample.prompt if self.effort is None else f"{effort_instruction(self.effort)}\n{self.sample.prompt}"
+
     def prompt_tokens(self) -> list[int]:
-        tok = self.env.tokenizer
-        text = self.sample.prompt if self.effort is None else f"{effort_instruction(self.effort)}\n{self.sample.prompt}"
         # the SFT rendering of a one-turn chat up to the answer (char tokenizer: bos prompt sep;
         # a Hugging Face tokenizer: its chat template with the generation prompt)
-        return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+        return _render_user_turn(self.env.tokenizer, self.prompt_text())
 
     def verify(self, completion: Sequence[int], finish_reason: str) -> bool:
         tok = self.env.tokenizer
@@ -103,6 +115,33 @@ class TaskEnvironment(Environment):
 
     def reference_answer(self, index: int, split: Split) -> list[int]:
         return [*self.tokenizer.encode(self._samples(split)[index].answer), self.tokenizer.eos_id]
+
+    @classmethod
+    def prompt_tokens_at_most(cls, config, tokenizer: Tokenizer, efforts: Sequence[int | None] = (None,)) -> int:
+        """An upper bound on the tokens of every first-turn prompt of an environment of ``config``,
+        from the task's longest prompt text, without drawing the prompt sets (a million take tens
+        of seconds): every token covers at least one byte of the text, so a prompt has at most the
+        empty prompt's tokens + its text's UTF-8 bytes (+ slack at the template boundary)."""
+        task = build_task(config.task, config.difficulty)
+        instruction = max((len(effort_instruction(e).encode("utf-8")) + 1 for e in efforts if e is not None),
+                          default=0)  # "<instruction>\n" before the prompt
+        return len(_render_user_turn(tokenizer, "")) + _BOUNDARY_SLACK + instruction + task.max_prompt_chars
+
+    def longest_prompt_from(self, limit: int, split: Split = "train", efforts: Sequence[int | None] = (None,)) -> int:
+        """As :meth:`Environment.longest_prompt_from`, in well under a second for a million prompts:
+        nothing is tokenized when :meth:`prompt_tokens_at_most` is below ``limit``; otherwise only
+        the prompts whose own bound (the same rule on their text) reaches it."""
+        if self.prompt_tokens_at_most(self.config, self.tokenizer, efforts) < limit:
+            return 0
+        overhead = len(_render_user_turn(self.tokenizer, "")) + _BOUNDARY_SLACK
+        longest = 0
+        for index in range(self.size(split)):
+            for effort in efforts:
+                episode = self.episode_type(self, self._samples(split)[index], effort)
+                text = episode.prompt_text()
+                if overhead + len(text.encode("utf-8")) >= limit:  # may not fit: count exactly
+                    longest = max(longest, len(_render_user_turn(self.tokenizer, text)))
+        return longest if longest >= limit else 0
 
 
 class RetryTaskEnvironment(TaskEnvironment):

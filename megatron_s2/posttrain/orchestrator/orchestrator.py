@@ -345,12 +345,12 @@ class Orchestrator:
         self.backend.pause()
         self.paused = True
         restore = self.config.resume_in_flight == "restore"
+        requests = []  # one submission: the backend puts them back in the order its engine held them
         for gs in state["groups"]:
             group = PromptGroup.from_state_dict(gs)
             partial = {p["sample_id"]: RolloutSample.from_state_dict(p) for p in gs.get("partial", [])}
             in_flight, group.in_flight = group.in_flight, {}
             self.groups[group.group_id] = group
-            requests = []
             for sid, effort in in_flight.items():
                 prefix = partial.get(sid)
                 if prefix is not None and prefix.num_generated and restore and not self._stale(prefix):
@@ -362,5 +362,5 @@ class Orchestrator:
                     self._replace(group, effort)
                 else:  # nothing generated yet: the same attempt starts again
                     requests.append(self._request(group, effort, sid))
-            if requests:
-                self.backend.submit(requests)
+        if requests:
+            self.backend.submit(requests)

@@ -92,6 +92,8 @@ class _Session:
     carried: _Carried | None = None
     replay_start: int = 0
     """Decoder bounded replay start of the first call (report §3.2.2), for train-aware replay."""
+    order: int = 0
+    """When its current call reached the engine (the engine serves calls in that order)."""
 
     @property
     def context(self) -> list[int]:
@@ -119,6 +121,10 @@ class EngineBackend:
         self._finished_calls: list[int] = []
         self._done: list[RolloutSample] = []
         self._seq = 0
+        self._saved: dict[int, tuple[int, dict[str, torch.Tensor] | None]] = {}
+        self.restored = {"exact": 0, "prefilled": 0}
+        """In-flight samples restored after a restart: continued from their saved engine state,
+        or re-prefilled from their tokens (a changed layout or engine: not bit for bit)."""
         self.any_busy = False
         self.stats = RolloutStats()
         self.decoder_replay = bool(engine.config.decoder_bounded_replay)
@@ -130,16 +136,20 @@ class EngineBackend:
         return self.engine.policy_version
 
     def submit(self, requests: Sequence[SampleRequest]) -> None:
+        saved, self._saved = self._saved, {}  # a restart's saved states serve its one resubmission
+        if saved:  # the restored samples reach the engine in the order it held them
+            requests = sorted(requests, key=lambda r: saved[r.sample_id][0] if r.sample_id in saved else len(saved))
         for req in requests:
             if not self.topology.owns(req.sample_id):
                 continue
             env = self.envs[req.dataset]
             session = _Session(req, env.episode(req.index, "train", req.effort), SessionBuilder(req.sample_id))
             self.sessions[req.sample_id] = session
+            _, state = saved.get(req.sample_id, (0, None))
             if req.resume_from is not None and req.resume_from.num_generated:
-                self._restore(session, req.resume_from)
+                self._restore(session, req.resume_from, state)
             else:
-                self._start_call(session, session.episode.prompt_tokens())
+                self._start_call(session, session.episode.prompt_tokens(), cache_state=state)
 
     def poll(self) -> list[RolloutSample]:
         busy = self._step()
@@ -179,8 +189,40 @@ class EngineBackend:
         stats, self.stats = self.stats, RolloutStats()
         return stats
 
+    # ---- exact resume after a restart (report §5.2.3: rollout states persisted) ---------------------
+    def cache_states(self) -> dict[str, torch.Tensor]:
+        """This rank's engine state of the in-flight samples (engine paused): the order in which
+        the engine holds their calls, and each admitted call's cache state. With it a restarted
+        engine continues every sample bit for bit; from the tokens alone it would re-prefill the
+        prefix under the current weights, whose KV the running engine computed under older ones."""
+        if not self.sessions:
+            return {}
+        if not self.engine.paused:
+            raise RuntimeError("cache_states: the engine is running; save between pause and resume")
+        ordered = sorted(self.sessions.values(), key=lambda s: s.order)
+        out = {"order": torch.tensor([s.request.sample_id for s in ordered], dtype=torch.int64)}
+        for s in ordered:
+            state = self.engine.export_cache_state(s.rid)
+            if state is not None:
+                sid = s.request.sample_id
+                out[f"{sid}.length"] = torch.tensor(len(s.prompt) + len(s.call.token_ids))
+                out.update({f"{sid}.{k}": v for k, v in state.items()})
+        return out
+
+    def load_cache_states(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """What :meth:`cache_states` saved, for the next :meth:`submit` (the orchestrator's
+        resubmission of the restored samples)."""
+        states: dict[int, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():
+            sid, _, name = key.partition(".")
+            if name:
+                states.setdefault(int(sid), {})[name] = t
+        order = tensors["order"].tolist() if "order" in tensors else []
+        self._saved = {int(sid): (rank, states.get(int(sid))) for rank, sid in enumerate(order)}
+
     # ---- engine calls ------------------------------------------------------------------------------
-    def _start_call(self, session: _Session, prompt: list[int], carried: _Carried | None = None) -> None:
+    def _start_call(self, session: _Session, prompt: list[int], carried: _Carried | None = None,
+                    cache_state: dict[str, torch.Tensor] | None = None) -> None:
         req = session.request
         budget = req.max_new_tokens - (len(carried.ids) if carried else 0)
         room = self.max_model_len - len(prompt)
@@ -188,18 +230,36 @@ class EngineBackend:
             raise ValueError(f"sample {req.sample_id}: no room to generate ({len(prompt)} context tokens, "
                              f"max_model_len {self.max_model_len}); raise training.seq_length")
         self._seq += 1
+        session.order = self._seq
         rid = f"s{req.sample_id}-c{session.calls}-{self._seq}"
-        # Each call and each restart draws from its own stream (a resumed call must not replay
-        # the random numbers of its first part).
-        seed = (req.seed + 1_000_003 * session.calls + 7919 * (len(carried.ids) if carried else 0)) % (2 ** 63)
+        # One stream per model call of the episode; the engine keys each draw by the token's position
+        # too, so a call restored with its carried prefix continues exactly as it would have.
+        seed = (req.seed + 1_000_003 * session.calls) % (2 ** 63)
+        # the loss needs the behaviour log-prob under the distribution each token was drawn from
         params = SamplingParams(max_tokens=min(budget, room), temperature=req.temperature, top_p=req.top_p,
-                                seed=seed, record_routing=self.record_routing)
+                                seed=seed, record_routing=self.record_routing, logprobs_mode="processed_logprobs")
         session.prompt, session.rid, session.carried = list(prompt), rid, carried
         session.call, session.fed_versions = CompletedRequest(rid, list(prompt)), {}
         if session.calls == 0 and carried is None and self.decoder_replay:
             session.replay_start = max(0, len(prompt) - self.window)  # the engine's rule (tiers.py)
         self._by_rid[rid] = req.sample_id
-        self.engine.add_request(list(prompt), params, request_id=rid, on_output=self._on_output)
+        if carried is not None or cache_state is not None:  # a call restored after a restart
+            cache_state = self._usable(cache_state, prompt)
+        self.engine.add_request(list(prompt), params, request_id=rid, on_output=self._on_output,
+                                cache_state=cache_state)
+
+    def _usable(self, state: dict[str, torch.Tensor] | None, prompt: list[int]) -> dict[str, torch.Tensor] | None:
+        """``state`` if the engine can continue this restored call from it; else None (counted)."""
+        if state is not None and int(state["length"]) == len(prompt):
+            state = {k: v for k, v in state.items() if k != "length"}
+            try:
+                self.engine.check_cache_state(state, len(prompt))
+                self.restored["exact"] += 1
+                return state
+            except ValueError:
+                pass
+        self.restored["prefilled"] += 1
+        return None
 
     def _on_output(self, out) -> None:
         sid = self._by_rid.get(out.request_id)
@@ -301,9 +361,10 @@ class EngineBackend:
                              prompt_uid=req.prompt_uid, dataset=req.dataset, effort=req.effort, routing=routing,
                              spans=spans, process_weights=[1.0] * len(spans), replay_start=session.replay_start)
 
-    def _restore(self, session: _Session, prefix: RolloutSample) -> None:
+    def _restore(self, session: _Session, prefix: RolloutSample, cache_state: dict[str, torch.Tensor] | None) -> None:
         """Continue a checkpointed partial sample: replay its completed calls through the episode,
-        then continue its open call from the prefix (the engine re-prefills it)."""
+        then continue its open call from the prefix — from its saved engine state (exact), or
+        re-prefilled when there is none."""
         spans = list(prefix.spans)
         if not spans:
             raise ValueError(f"sample {prefix.sample_id}: a partial sample without spans cannot be resumed")
@@ -323,4 +384,5 @@ class EngineBackend:
         start, end = spans[-1]
         carried = _Carried(prefix.tokens[start:end], prefix.logprobs[start:end], prefix.versions[start:end],
                            prefix.routing)
-        self._start_call(session, prefix.tokens[:end], carried)
+        session.replay_start = prefix.replay_start
+        self._start_call(session, prefix.tokens[:end], carried, cache_state)

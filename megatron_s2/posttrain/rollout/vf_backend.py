@@ -126,9 +126,12 @@ class VerifiersBackend:
         _bypass_proxies_for_loopback()
         self._tokenizer_dir = tempfile.mkdtemp(prefix="megatron-s2-vf-tokenizer-")
         self.tokenizer.save(self._tokenizer_dir)  # renderers loads the run's tokenizer (its chat template)
-        state = ServerState(ServeDriver(self.engine), self.tokenizer,
-                            ServeConfig(return_routed_experts=self.layer_ids is not None, disconnect_poll_s=0.05),
-                            SERVED_MODEL, "the co-located rollout engine")
+        # logprobs_mode: the loss needs the behaviour log-prob under the distribution each token was
+        # drawn from, not the server's (vLLM's) default of the raw model distribution
+        config = ServeConfig(return_routed_experts=self.layer_ids is not None, disconnect_poll_s=0.05,
+                             logprobs_mode="processed_logprobs")
+        state = ServerState(ServeDriver(self.engine), self.tokenizer, config, SERVED_MODEL,
+                            "the co-located rollout engine")
         state.max_token_bytes  # noqa: B018 - computed once here, not on the first request's turn
         self.server = ServerThread(state, keep_alive_s=3600.0).start()  # see ServerThread
         bridge = all(e.config.renderer == "bridge" for e in self.envs.values())  # one renderer (RolloutConfig)

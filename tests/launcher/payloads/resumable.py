@@ -1,13 +1,16 @@
 """Stand-in trainer for launcher tests: resumable, preemptible, with one collective per step.
 
     resumable.py RUN_DIR [--steps N] [--step-time S] [--die-rank R --die-at-step K]
+                 [--fail-rank R --fail-at-step K]
 
 Every step sleeps ``--step-time`` seconds, all-reduces a value so the ranks stay in lock
 step, and updates a deterministic "loss". After each step it asks the PreemptionGuard
 whether to stop; then rank 0 "checkpoints" (step, loss) to RUN_DIR/checkpoints/state.json,
 writes RUN_DIR/PREEMPTED like the trainer, and every rank exits with EXIT_PREEMPTED. A restart resumes from that file. A completed
 run writes RUN_DIR/FINISHED like the real trainer. Rank 0 appends one JSON line per start
-to RUN_DIR/events.jsonl. ``--die-rank`` makes that rank SIGKILL itself at a step.
+to RUN_DIR/events.jsonl. ``--die-rank`` makes that rank SIGKILL itself at a step,
+``--fail-rank`` raise an exception (exit 1). A rank whose all-reduce fails because a peer is
+gone says so in one line and exits EXIT_PEER_LOST, as ``megatron-s2 train`` does.
 """
 
 import argparse
@@ -24,6 +27,7 @@ import torch.distributed as dist
 from megatron_s2.runtime.bootstrap import init_distributed, shutdown_distributed
 from megatron_s2.runtime.preemption import EXIT_PREEMPTED, PreemptionGuard
 from megatron_s2.runtime.markers import write_preempted
+from megatron_s2.runtime.peer_loss import EXIT_PEER_LOST, lost_peer
 
 
 def main() -> int:
@@ -33,6 +37,8 @@ def main() -> int:
     parser.add_argument("--step-time", type=float, default=0.2)
     parser.add_argument("--die-rank", type=int, default=-1)
     parser.add_argument("--die-at-step", type=int, default=-1)
+    parser.add_argument("--fail-rank", type=int, default=-1)
+    parser.add_argument("--fail-at-step", type=int, default=-1)
     args = parser.parse_args()
 
     guard = PreemptionGuard().install()
@@ -52,9 +58,19 @@ def main() -> int:
         if info.rank == args.die_rank and step == args.die_at_step:
             print(f"rank {info.rank}: killing myself at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if info.rank == args.fail_rank and step == args.fail_at_step:
+            raise RuntimeError(f"rank {info.rank}: simulated failure at step {step}")
         value = torch.tensor([float(info.rank + 1)])
         if info.world_size > 1:
-            dist.all_reduce(value)
+            try:
+                dist.all_reduce(value)
+            except RuntimeError as exc:
+                reason = lost_peer(exc)
+                if reason is None:
+                    raise
+                print(f"rank {info.rank}: {reason}", flush=True)
+                shutdown_distributed(leave_together=False)
+                return EXIT_PEER_LOST
         step += 1
         loss = round(loss * 0.9 + 0.001 * value.item(), 9)
         print(f"step {step} loss {loss}", flush=True)

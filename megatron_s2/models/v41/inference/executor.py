@@ -9,6 +9,10 @@ What the engine caches per request for this family (its *inference state kinds*)
   every layer, one slot per running request, never persisted (§3.2.1);
 * the compressor's partial blocks and the bounded-replay starts (:class:`~.kv_store.SequenceKV`).
 
+A request's state can be exported to host tensors and imported by another engine of the same
+configuration (:meth:`V41Executor.export_state` / :meth:`V41Executor.import_state`), so that a
+rollout resumed after a restart continues every in-flight sample bit for bit (report §5.2.3).
+
 :class:`~.tiers.KVTiers` decides at admission what a request resumes from (prefix pages, an SWA
 snapshot, encoder / decoder SWA Bounded Replay, §3.2.2); :class:`~.runner.ModelRunner` runs one
 incremental forward of the training modules over a batch of chunks.
@@ -88,6 +92,69 @@ class V41Executor(ModelExecutor):
 
     def reclaim(self) -> bool:
         return self.tiers.reclaim()
+
+    # ---- exact resume after a restart (report §5.2.3) --------------------------------------
+    def _buffers(self):
+        """(key, buffer, "pages" | "slot") of every cache buffer: rows are page ids or SWA slots."""
+        for layer in self.global_kv.layers:
+            for i, buf in enumerate((*self.global_kv.main[layer], *self.global_kv.index[layer])):
+                yield f"kv.{layer}.{i}", buf, "pages"
+        for layer, ring in self.swa.rings.items():
+            for i, buf in enumerate(ring):
+                yield f"swa.{layer}.{i}", buf, "slot"
+
+    def export_state(self, request) -> dict[str, torch.Tensor]:
+        """The request's pages and SWA ring (stale slots included: they are masked), the
+        compressor's partial blocks and how far each part reaches."""
+        seq = request.kv
+        pages = torch.tensor(seq.pages, dtype=torch.long, device=self.global_kv.device)
+        # copies (a slot is a view of the live ring, which the engine overwrites when it continues)
+        out = {key: (buf[pages] if rows == "pages" else buf[seq.swa_slot]).to("cpu", copy=True)
+               for key, buf, rows in self._buffers()}
+        out.update({f"kv_tokens.{layer}": torch.tensor(n) for layer, n in seq.kv_tokens.items()})
+        for layer, (kv, gate) in seq.partial.items():
+            for name, t in (("kv", kv), ("gate", gate)):
+                if t is not None:
+                    out[f"partial.{layer}.{name}"] = t.to("cpu", copy=True)
+        out["meta"] = torch.tensor([request.num_computed, len(seq.pages), seq.decoder_from, seq.hashed_pages,
+                                    *seq.swa_from])
+        return out
+
+    def check_state(self, state: dict[str, torch.Tensor]) -> int:
+        if "meta" not in state:
+            raise ValueError("the saved cache state has no 'meta' entry; it was not saved by this engine")
+        for key, buf, rows in self._buffers():
+            got = state.get(key)
+            shape = None if got is None else tuple(got.shape[1:] if rows == "pages" else got.shape)
+            if shape != tuple(buf.shape[1:]) or got.dtype != buf.dtype:
+                raise ValueError(f"the saved cache state's '{key}' ({shape}) does not fit this engine's buffers "
+                                 f"({tuple(buf.shape[1:])}): the model or engine.page_tokens changed")
+        return int(state["meta"][0])
+
+    def import_state(self, request, state: dict[str, torch.Tensor]) -> None:
+        num_computed, num_pages, decoder_from, hashed_pages, swa_enc, swa_dec = state["meta"].tolist()
+        if self.global_kv.pool.num_free < num_pages:  # a smaller page pool than the saving engine's
+            self.admit(request)  # the request re-runs its tokens instead: correct, not bit for bit
+            return
+        seq = SequenceKV(self.swa.allocate())
+        seq.pages = [self.global_kv.pool.allocate() for _ in range(num_pages)]
+        pages = torch.tensor(seq.pages, dtype=torch.long, device=self.global_kv.device)
+        for key, buf, rows in self._buffers():
+            if rows == "pages":
+                buf[pages] = state[key].to(buf.device)
+            else:
+                buf[seq.swa_slot].copy_(state[key])
+        device = self.global_kv.device
+        for key, t in state.items():
+            kind, _, rest = key.partition(".")
+            if kind == "kv_tokens":
+                seq.kv_tokens[int(rest)] = int(t)
+            elif kind == "partial":
+                layer, name = rest.split(".")
+                kv, gate = seq.partial.get(int(layer), (None, None))
+                seq.partial[int(layer)] = (t.to(device), gate) if name == "kv" else (kv, t.to(device))
+        seq.decoder_from, seq.hashed_pages, seq.swa_from = decoder_from, hashed_pages, (swa_enc, swa_dec)
+        request.kv, request.num_computed = seq, num_computed
 
     # ---- one forward ----------------------------------------------------------------------
     def forward(self, chunks: list[Chunk], *, record_routing: bool = False, record_topk: bool = False
