@@ -28,7 +28,7 @@ from megatron_s2.models.family.routing_replay import RoutingMode, RoutingReplay
 from megatron_s2.config.posttrain.environment import EnvironmentConfig
 from megatron_s2.posttrain.envs import Environment, Episode, EpisodeStep, TaskEnvironment
 from megatron_s2.posttrain.orchestrator import SampleRequest
-from megatron_s2.posttrain.rollout.engine_backend import EngineBackend
+from megatron_s2.posttrain.rollout.engine_backend import EngineRolloutBackend
 from megatron_s2.posttrain.rollout.replicas import ReplicaTopology
 from megatron_s2.posttrain.vocab_parallel import token_log_probs
 from megatron_s2.parallel.groups import Group
@@ -44,7 +44,7 @@ def make_backend(model, envs, *, decoder_replay=False, max_model_len=40):
     engine = InferenceEngine(model.eval(), EngineConfig(max_num_seqs=8, max_model_len=max_model_len, page_tokens=8,
                                                        decoder_bounded_replay=decoder_replay),
                              eos_token_ids=[TOK.eos_id])
-    return EngineBackend(engine, envs, topology=ReplicaTopology.single(), layer_ids=model.layer_ids,
+    return EngineRolloutBackend(engine, envs, topology=ReplicaTopology.single(), layer_ids=model.layer_ids,
                          record_routing=True, max_model_len=max_model_len)
 
 
