@@ -55,7 +55,7 @@ def _record_overhead() -> int:
     import torch
 
     buffer = io.BytesIO()
-    torch.save(torch.zeros(1), buffer)
+    torch.save(torch.zeros(1, device="cpu"), buffer)
     return len(buffer.getvalue()) - 4 + 64
 
 

@@ -305,10 +305,17 @@ def run_objective(root: Path, kind: str, frozen: str, world: int, layouts: dict[
 
     recipe, extra = objectives(frozen)[kind]
     (root / "reference").mkdir(parents=True, exist_ok=True)
-    trainer = build_trainer(recipe, extra, root / "reference" / "run", 0, 1)
-    samples = rollout_batch(trainer.model)
-    envelope = noise_envelope(trainer, samples)
-    record = _train(trainer, samples)
+    # one thread, like every spawned rank: multi-threaded CPU kernels (scatter-adds of backward)
+    # sum in an order that varies from run to run, which moved the OPD loss by 1e-4 relative
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = build_trainer(recipe, extra, root / "reference" / "run", 0, 1)
+        samples = rollout_batch(trainer.model)
+        envelope = noise_envelope(trainer, samples)
+        record = _train(trainer, samples)
+    finally:
+        torch.set_num_threads(threads)
     record["envelope"] = envelope
     torch.save(record, root / "reference" / "rank0.pt")
     states = [s.state_dict() for s in samples]
@@ -362,8 +369,13 @@ def check_layout(records: list[dict], ref: dict, layout: str) -> dict[str, float
             worst["grad_norm"] = max(worst.get("grad_norm", 0.0), abs(rec["grad_norms"][step] / ref["grad_norms"][step] - 1))
         # Scalars: the parity tolerance, or ENVELOPE_FACTOR x their noise envelope where larger (the
         # OPD loss and advantage are differences of nearly equal teacher and student log-probs).
+        # The loss is a mean of terms each built from a policy and a frozen log-prob, so it also
+        # may move by a few times the per-token log-prob differences measured above (absolute:
+        # for OPD's ~1e-3 loss that is the larger bound, for RL's O(1) loss it is negligible).
         env = ref["envelope"]
-        assert rec["losses"] == pytest.approx(ref["losses"], rel=max(1e-6, ENVELOPE_FACTOR * env["loss"])), layout
+        lp_noise = ENVELOPE_FACTOR * (worst["logprobs"] + worst["frozen"])
+        assert rec["losses"] == pytest.approx(ref["losses"], rel=max(1e-6, ENVELOPE_FACTOR * env["loss"]),
+                                              abs=lp_noise), layout
         assert rec["grad_norms"] == pytest.approx(ref["grad_norms"], rel=max(1e-5, ENVELOPE_FACTOR * env["grad_norm"]))
         for got_stats, want_stats in zip(rec["stats"], ref["stats"]):
             assert got_stats.keys() == want_stats.keys()
