@@ -1,6 +1,6 @@
 """`megatron-s2 launch`: run a recipe (or a pipeline of recipes) locally or on SLURM.
 
-    megatron-s2 launch <recipe|pipeline.yaml> [section.key=value ...] (--local | --slurm)
+    megatron-s2 launch <recipe|pipeline.yaml> [section.key=value ...] (--local | --slurm | --summary)
         [--nodes N] [--gpus-per-node G] [--nproc-per-node P] [--mode srun|torchrun]
         [--partition P] [--time T] [--account A] [--job-name J] [--sbatch-arg ARG]...
         [--container-image I] [--mount SRC:DST]... [--env NAME[=VALUE]]... [--srun-arg ARG]...
@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from megatron_s2.launcher.environment import parse_env_flags
 from megatron_s2.launcher.launch import launch_local, launch_slurm, prepare_runs
+from megatron_s2.launcher.summary import summarise
 
 __all__ = ["register", "run", "launcher_flags"]
 
@@ -38,6 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--local", action="store_true", help="one process per rank on this machine")
     where.add_argument("--slurm", action="store_true", help="write an sbatch script and submit it")
+    where.add_argument("--summary", action="store_true",
+                       help="print the first and last held-out evaluation of every phase that has run; start nothing")
 
     ranks = p.add_argument_group("ranks")
     ranks.add_argument("--nodes", type=int, help="nodes (SLURM)")
@@ -82,7 +86,11 @@ def launcher_flags(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    runs = prepare_runs(args.recipe, list(args.overrides), launcher_flags(args), args.run_dir, local=args.local)
+    runs = prepare_runs(args.recipe, list(args.overrides), launcher_flags(args), args.run_dir,
+                        local=args.local or args.summary)
+    if args.summary:
+        print(summarise([(run.phase or Path(run.job.run_dir).name, run.job.run_dir) for run in runs]))
+        return 0
     if args.local:
         return launch_local(runs, dry_run=args.dry_run)
     return launch_slurm(runs, dry_run=args.dry_run)

@@ -22,6 +22,7 @@ from megatron_s2.launcher.environment import check_passthrough
 from megatron_s2.launcher.job import JobDir, JobSpec, trainer_command
 from megatron_s2.launcher.local import LocalRun
 from megatron_s2.launcher.pipeline import chain_from, is_pipeline_file, load_pipeline
+from megatron_s2.launcher.summary import summarise
 from megatron_s2.launcher.preflight import LaunchPlan, plan_launch
 from megatron_s2.launcher.sbatch_script import render_sbatch_script, srun_line
 from megatron_s2.launcher.slurm import SlurmError, cancel, sbatch_argv, submit
@@ -148,6 +149,8 @@ def launch_local(runs: list[PreparedRun], dry_run: bool = False) -> int:
             code = LocalRun(run.job, env={LOCK_TOKEN_ENV: lock.token}).run()
         if code != 0:
             return code
+    if len(runs) > 1 and not dry_run:
+        print(summarise([(run.phase, run.job.run_dir) for run in runs]), flush=True)
     return 0
 
 

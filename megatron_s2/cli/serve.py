@@ -39,7 +39,8 @@ def serve_command(args: argparse.Namespace) -> int:
     from megatron_s2.serve.server import bind_socket, build_state, serve_forever
 
     config = ServeConfig(host=args.host, port=args.port, served_model_name=args.served_model_name or "",
-                         return_routed_experts=args.enable_return_routed_experts, logprobs_mode=args.logprobs_mode)
+                         return_routed_experts=args.enable_return_routed_experts, logprobs_mode=args.logprobs_mode,
+                         max_logprobs=args.max_logprobs)
     engine_config = _engine_config(args)
     if not Path(args.checkpoint).exists():
         raise ConfigError(f"checkpoint: {args.checkpoint} does not exist; give a run, checkpoints, step or Hugging "
@@ -76,6 +77,9 @@ def register(subparsers) -> None:
                    help="what log-probs of sampled tokens are, as vLLM's flag: raw_logprobs (default: the model's, "
                         "before temperature / top-k / top-p), processed_logprobs (the distribution sampled from), "
                         "raw_logits, processed_logits")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most log-probs per position a request may ask for, as vLLM's flag (default 20; -1 = the "
+                        "whole vocabulary: prompt_logprobs -1 returns a served OPD teacher's full distribution)")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none (default 0)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

@@ -49,6 +49,7 @@ from megatron_s2.posttrain.opd.warmup import SftWarmup
 from megatron_s2.posttrain.orchestrator import Orchestrator
 from megatron_s2.posttrain.rollout.engine_backend import EngineRolloutBackend
 from megatron_s2.config.posttrain.engines import engine_configs, engine_max_model_len
+from megatron_s2.posttrain.opd.payload import step_payload_metrics
 from megatron_s2.posttrain.rollout.evaluation import Evaluator
 from megatron_s2.posttrain.rollout.replicas import replica_topology
 from megatron_s2.parallel.rollout_layout import rollout_placement
@@ -184,13 +185,15 @@ class PosttrainTrainer(Trainer):
         from megatron_s2.posttrain.opd.remote_teacher import RemoteTeacher
 
         cfg, models, owner, temps, remote = self.section, {}, {}, {}, {}
+        evaluates = bool(cfg.eval.interval or cfg.eval.at_start)  # its KL reads a served teacher's full distribution
         for i, t in enumerate(cfg.teachers):
             if t.endpoint:  # sampled_token only (config); checked once here: exit 2 naming the field
                 remote[t.name] = RemoteTeacher(t.name, t.endpoint, temperature=t.temperature,
                                                timeout_s=t.request_timeout_s,
                                                max_concurrent_requests=t.max_concurrent_requests,
                                                rows_per_request=t.rows_per_request
-                                               ).connect(vocab_size=self.recipe.model.vocab_size)
+                                               ).connect(vocab_size=self.recipe.model.vocab_size,
+                                                         full_distribution=evaluates)
                 self.log(f"opd: teacher '{t.name}' at {t.endpoint} (model {remote[t.name].model})")
             if t.checkpoint:
                 models[t.name] = load_frozen_model(t.checkpoint, self.rollout_groups, vocab_size=self.recipe.model.vocab_size,
@@ -282,7 +285,14 @@ class PosttrainTrainer(Trainer):
         extra = rollout_metrics(groups, current_version=self.step, max_staleness=self.rollout_cfg.max_staleness)
         t1 = time.perf_counter()
         lr = self.schedule.apply(self.optimizer, self.step)
+        http_before = self._teacher_http_bytes()
         result, loss_stats, tokens = self._train_on(samples, groups)
+        if self.kind == "opd":  # worked example 24: what the teacher's signal of this step weighs
+            extra.update(step_payload_metrics(self.section.mode, tokens=tokens,
+                                              vocab_size=self.recipe.model.vocab_size,
+                                              value_bytes=self._signal_value_bytes,
+                                              http_bytes=self._teacher_http_bytes() - http_before,
+                                              served=bool(self.teachers.remote), groups=self.groups))
         grad_norm = self.apply_gradients(result.loss)
         t_train = time.perf_counter() - t1
         orch.finish_update(self.step)  # weights into the engine (version + 1), staleness rule
@@ -346,6 +356,13 @@ class PosttrainTrainer(Trainer):
         else:  # in-process or remote teachers, row by row
             mb["teacher_logprobs"] = self.teachers.token_logprobs(mb["tokens"], mb["labels"], domains, tp,
                                                                   loss_mask=mb["loss_mask"], replica=self.groups)
+        signal = mb.get("teacher_logits", mb.get("teacher_logprobs"))
+        self._signal_value_bytes = signal.element_size()  # the precision the signal is held in
+
+    def _teacher_http_bytes(self) -> int:
+        """Bytes the served teachers have sent this rank so far (0 without any)."""
+        teachers = self.teachers.remote.values() if self.kind == "opd" else ()
+        return sum(t.response_bytes for t in teachers)
 
     def _rollout_rates(self, stats, t_rollout: float, tokens: int, t_train: float) -> dict[str, float]:
         local = torch.tensor([stats.generated_tokens if self.topology.leader else 0, stats.engine_time_s

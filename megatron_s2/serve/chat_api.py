@@ -77,7 +77,7 @@ async def chat_completions(state: ServerState, request):
     _refuse_tool_fields(f)
     reasons_of = finish_reasons(state, f)
     truncation = read_truncation(f, state.max_model_len)
-    asked = read_prompt_logprobs(f, state.config.max_logprobs)
+    asked = read_prompt_logprobs(f, state.max_logprobs, state.vocab_size)
     if asked is not None and opts.stream:
         f.fail("prompt_logprobs", "not returned when streaming; set stream: false")
     messages = f.raw("messages")

@@ -111,7 +111,7 @@ async def completions(state: ServerState, request):
     # tokenising runs on a worker thread: the tokenizer releases the GIL, so a long text does not
     # stall the event loop that serves every other client
     prompts, texts = await run_in_threadpool(_prompts, f, state, truncation)
-    asked = read_prompt_logprobs(f, state.config.max_logprobs)
+    asked = read_prompt_logprobs(f, state.max_logprobs, state.vocab_size)
     if asked is not None and opts.stream:
         f.fail("prompt_logprobs", "not returned when streaming; set stream: false")
     # every check before any work (the scoring forward, engine requests)

@@ -31,7 +31,10 @@ class ServeConfig:
     max_n: int = 64
     """Largest ``n`` (choices per prompt) a request may ask for."""
     max_logprobs: int = 20
-    """Largest number of top log-probs per position a request may ask for (as OpenAI)."""
+    """Largest number of top log-probs per position a request may ask for (default 20, as OpenAI
+    and vLLM's ``--max-logprobs``); -1 = the whole vocabulary (vLLM's "no cap"), which a served
+    OPD teacher needs for the evaluation's full-vocabulary KL (``prompt_logprobs`` = vocabulary
+    size, :mod:`megatron_s2.posttrain.opd.remote_teacher`)."""
     logprobs_mode: str = "raw_logprobs"
     """What the log-prob values of sampled tokens are — vLLM's ``--logprobs-mode`` and its
     default: ``raw_logprobs`` (the model's distribution, before temperature / top-k / top-p),
@@ -59,8 +62,8 @@ class ServeConfig:
             raise ConfigError(f"--port: must be in 0..65535 (0 = any free port), got {self.port}")
         if self.max_n < 1:
             raise ConfigError(f"max_n: must be >= 1, got {self.max_n}")
-        if self.max_logprobs < 0:
-            raise ConfigError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
+        if self.max_logprobs < -1:
+            raise ConfigError(f"--max-logprobs: must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"--logprobs-mode: must be one of {', '.join(LOGPROBS_MODES)}, got "
                               f"{self.logprobs_mode!r}")

@@ -106,12 +106,12 @@ class OutputOptions:
         self.usage = read_stream_usage(f, self.stream)
         if chat:  # logprobs: true + top_logprobs: N
             wants = f.bool("logprobs")
-            top = f.int("top_logprobs", 0, minimum=0, maximum=state.config.max_logprobs)
+            top = f.int("top_logprobs", 0, minimum=0, maximum=state.max_logprobs)
             if top and not wants:
                 f.fail("top_logprobs", "needs logprobs: true")
             self.logprobs = top if wants else None
         else:  # logprobs: N
-            self.logprobs = f.int("logprobs", None, minimum=0, maximum=state.config.max_logprobs)
+            self.logprobs = f.int("logprobs", None, minimum=0, maximum=state.max_logprobs)
         self.logprob_token_ids = self._label_set(f, state, "logprobs: true" if chat else "logprobs (an integer)")
         self.token_ids = f.bool("return_token_ids")
         self.as_ids = f.bool("return_tokens_as_token_ids")
@@ -136,8 +136,8 @@ class OutputOptions:
         ids = check_token_ids(value, state.vocab_size, f.name("logprob_token_ids"))
         if not ids:
             f.fail("logprob_token_ids", "must not be empty; leave it out for the top-N")
-        if len(ids) > state.config.max_logprobs:
-            f.fail("logprob_token_ids", f"at most {state.config.max_logprobs} tokens, got {len(ids)}")
+        if len(ids) > state.max_logprobs:
+            f.fail("logprob_token_ids", f"at most {state.max_logprobs} tokens, got {len(ids)}")
         if self.logprobs is None:
             f.fail("logprob_token_ids", f"needs {needs}")
         return tuple(ids)

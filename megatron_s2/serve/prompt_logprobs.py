@@ -4,8 +4,9 @@ vLLM's semantics (a sampling parameter, on ``/inference/v1/generate``'s ``sampli
 as an extra field of ``/v1/completions``): ``prompt_logprobs: k`` returns, for every prompt
 position, a dict ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` holding the prompt's
 actual token and the ``k`` most likely alternatives (``k + 1`` entries when the actual token is
-not among them); the first position is ``null`` (nothing predicts it). ``rank`` is the token's
-1-based rank in the vocabulary (1 = most likely). Where it goes: the top-level
+not among them; ``-1`` = every token of the vocabulary, up to the server's ``--max-logprobs``:
+a teacher's full distribution); the first position is ``null`` (nothing predicts it). ``rank``
+is the token's 1-based rank in the vocabulary (1 = most likely). Where it goes: the top-level
 ``prompt_logprobs`` of the token endpoint's response, ``choices[i].prompt_logprobs`` of a
 completion (vLLM's places).
 
@@ -47,9 +48,15 @@ class PromptLogprobs:
         self.k, self.temperature = k, temperature
 
 
-def read_prompt_logprobs(f: Fields, max_logprobs: int) -> PromptLogprobs | None:
-    """The request's ``prompt_logprobs`` / ``prompt_logprobs_temperature`` (None: not asked)."""
-    k = f.int("prompt_logprobs", None, minimum=0, maximum=max_logprobs)
+def read_prompt_logprobs(f: Fields, max_logprobs: int, vocab_size: int) -> PromptLogprobs | None:
+    """The request's ``prompt_logprobs`` / ``prompt_logprobs_temperature`` (None: not asked);
+    ``prompt_logprobs: -1`` is the whole vocabulary (vLLM's), allowed up to ``max_logprobs``."""
+    k = f.int("prompt_logprobs", None, minimum=-1)
+    if k == -1:
+        k = vocab_size
+    if k is not None and k > min(max_logprobs, vocab_size):
+        f.fail("prompt_logprobs", f"must be <= {min(max_logprobs, vocab_size)} (this server's --max-logprobs; -1 "
+                                  f"there allows the whole vocabulary of {vocab_size}), got {k}")
     temperature = f.float("prompt_logprobs_temperature", 1.0)
     if temperature <= 0:
         f.fail("prompt_logprobs_temperature", f"must be > 0, got {temperature}")
@@ -121,17 +128,24 @@ def _score_batch(model, prompts: list[list[int]], k: int, temperature: float,
 
 def format_prompt_logprobs(tokenizer, prompt: list[int], scored: ScoredPrompt, k: int) -> list[dict | None]:
     """vLLM's ``prompt_logprobs`` list of one prompt (module docstring)."""
+    # plain lists and each token's text decoded once: with k = the vocabulary (a teacher's full
+    # distribution) this loop runs positions x V times, and per-element tensor reads dominate it
+    chosen, ranks = scored.chosen.tolist(), scored.ranks.tolist()
+    top_ids, top_values = scored.top_ids.tolist(), scored.top_values.tolist()
+    texts: dict[int, str] = {}
+
+    def text(token: int) -> str:
+        if token not in texts:
+            texts[token] = token_text(tokenizer, token, False)
+        return texts[token]
+
     entries: list[dict | None] = [None]
-    for position in range(1, len(prompt)):
-        row = position - 1
-        token = prompt[position]
-        entry = {str(token): {"logprob": finite_logprob(float(scored.chosen[row])), "rank": int(scored.ranks[row]),
-                              "decoded_token": token_text(tokenizer, token, False)}}
-        for rank in range(k):
-            alternative = int(scored.top_ids[row, rank])
+    for row, token in enumerate(prompt[1:]):
+        entry = {str(token): {"logprob": finite_logprob(chosen[row]), "rank": ranks[row], "decoded_token": text(token)}}
+        for rank, (alternative, value) in enumerate(zip(top_ids[row][:k], top_values[row][:k])):
             if alternative != token:
-                entry[str(alternative)] = {"logprob": finite_logprob(float(scored.top_values[row, rank])),
-                                           "rank": rank + 1, "decoded_token": token_text(tokenizer, alternative, False)}
+                entry[str(alternative)] = {"logprob": finite_logprob(value), "rank": rank + 1,
+                                           "decoded_token": text(alternative)}
         entries.append(entry)
     return entries
 

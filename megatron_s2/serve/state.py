@@ -48,6 +48,11 @@ class ServerState:
         return self.backend.engine.model_config.vocab_size
 
     @property
+    def max_logprobs(self) -> int:
+        """``ServeConfig.max_logprobs`` with -1 resolved to the vocabulary size (as vLLM does)."""
+        return self.vocab_size if self.config.max_logprobs == -1 else self.config.max_logprobs
+
+    @property
     def eos_token_id(self) -> int | None:
         return getattr(self.tokenizer, "eos_id", None)
 

@@ -110,8 +110,8 @@ def _label_set(sp: Fields, state: ServerState, logprobs: int | None) -> tuple[in
     if sp.raw("logprob_token_ids") is None:
         return ()
     ids = sp.token_ids("logprob_token_ids", state.vocab_size)
-    if not ids or len(ids) > state.config.max_logprobs:
-        sp.fail("logprob_token_ids", f"must hold 1..{state.config.max_logprobs} token ids, got {len(ids)}")
+    if not ids or len(ids) > state.max_logprobs:
+        sp.fail("logprob_token_ids", f"must hold 1..{state.max_logprobs} token ids, got {len(ids)}")
     if logprobs is None:
         sp.fail("logprob_token_ids", "needs logprobs (an integer)")
     return tuple(ids)
@@ -137,14 +137,14 @@ async def generate(state: ServerState, request):
         prompt = truncation.apply(prompt)
     n = sp.int("n", 1, minimum=1, maximum=state.config.max_n)
     state.refuse_unqueueable(n, "sampling_params.n")
-    logprobs = sp.int("logprobs", None, minimum=0, maximum=state.config.max_logprobs)
+    logprobs = sp.int("logprobs", None, minimum=0, maximum=state.max_logprobs)
     label_set = _label_set(sp, state, logprobs)
     num_top = len(label_set) or (logprobs or 0)
     start = sp.int("routed_experts_prompt_start", 0, minimum=0)
     if start >= len(prompt):
         sp.fail("routed_experts_prompt_start", f"must be smaller than the prompt length {len(prompt)}")
     routing = state.config.return_routed_experts or sp.bool("return_routed_experts")
-    scoring = read_prompt_logprobs(sp, state.config.max_logprobs)
+    scoring = read_prompt_logprobs(sp, state.max_logprobs, state.vocab_size)
     if scoring is not None and stream:
         sp.fail("prompt_logprobs", "not returned when streaming; set stream: false")
     rid = f.str("request_id") or new_id("gen")

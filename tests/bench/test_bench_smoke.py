@@ -48,6 +48,7 @@ def test_every_benchmark_has_a_smoke_run():
     assert _scripts() == sorted(EXPECTED), "add the new bench script to EXPECTED (and give it --smoke)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(EXPECTED))
 def test_benchmark_smoke_run(script):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -67,6 +68,7 @@ def test_benchmark_library_imports():
         sys.path.remove(str(BENCH))
 
 
+@pytest.mark.slow
 def test_csa2_bench_help_and_bad_lengths():
     """`--help` listed `--impls csa2 csa2-selective csa2-ref csa2-eager dense` without saying what
     they are; `--min-seq 4096 --max-seq 1024` crashed with an IndexError traceback after parsing."""

@@ -73,6 +73,7 @@ def killed(base) -> dict[str, tuple[Path, int, str]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_kill_during_save_keeps_latest(killed, case):
     run, returncode, stderr = killed[case]

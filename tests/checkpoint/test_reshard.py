@@ -85,6 +85,7 @@ def results(tmp_path_factory):
     return root, load_records(root / "source", 4)
 
 
+@pytest.mark.slow
 def test_source_checkpoint_holds_owners_only(results):
     root, source = results
     assert any(rec["replicas"] for rec in source), "the source layout must exercise shadow replicas"

@@ -73,6 +73,7 @@ def results(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_resume_is_bit_identical(results, layout):
     records = load_records(results / layout, 2)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from megatron_s2.checkpoint import CheckpointManager, CheckpointStore
@@ -48,6 +49,7 @@ def _save(root: Path, keep: int, first: int, last: int, fault: str = "") -> subp
                           env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_crash_during_rotation_leaves_garbage_not_a_failed_checkpoint(tmp_path, capsys):
     root = tmp_path / "checkpoints"
     assert _save(root, 3, 1, 2).returncode == 0

@@ -58,6 +58,7 @@ def runs(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_initial_checkpoints_read_as_the_single_rank_model(runs, layout):
     from megatron_s2.models.v41.model import build_model
@@ -70,6 +71,7 @@ def test_initial_checkpoints_read_as_the_single_rank_model(runs, layout):
         assert torch.equal(loaded.state[name], t), f"{layout}: {name}"
 
 
+@pytest.mark.slow
 def test_trained_checkpoint_converts_across_layouts(runs, tmp_path):
     trained = read_full_state(runs / "tp2_sp")
     assert trained.step == 1 and "tp=2+sp" in trained.layout

@@ -40,6 +40,7 @@ def trained(tmp_path_factory):
     return trainer, run
 
 
+@pytest.mark.slow
 def test_run_directory_records_the_tokenizer(trained):
     trainer, run = trained
     saved = load_tokenizer(run / "tokenizer")
@@ -51,6 +52,7 @@ def test_run_directory_records_the_tokenizer(trained):
     assert all(h.compressed_vocab == saved.compressed_vocab_size for h in hashers)
 
 
+@pytest.mark.slow
 def test_export_import_reproduces_the_trained_logits_exactly(trained, tmp_path, capsys):
     trainer, run = trained
     assert main(["checkpoint", "export", str(run), str(tmp_path / "hf"), "--no-progress"]) == 0
@@ -85,6 +87,7 @@ def test_export_without_a_tokenizer_is_refused(trained, tmp_path, capsys):
     assert "no tokenizer files found" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_import_with_the_wrong_tokenizer_fails_verification(trained, tmp_path, capsys):
     """An exported directory whose tokenizer was swapped: the stored logits of the trained
     model are not reproduced (the check compares against the trained model, not itself)."""

@@ -110,6 +110,7 @@ def test_a_seed_at_either_end_of_the_generator_range_is_used(run_dir, capsys):
         assert capsys.readouterr().out.startswith(PROMPT)
 
 
+@pytest.mark.slow
 def test_console_script_streams(run_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     exe = Path(sys.executable).with_name("megatron-s2")

@@ -143,6 +143,7 @@ def test_decoder_bounded_replay_runs_the_decoder_over_the_last_window_only(model
         EngineConfig(swa_pool_slots=2)
 
 
+@pytest.mark.slow
 def test_bounded_replay_report_is_computed(tiny_cfg):
     model = build_model(tiny_cfg.replace(init_std=0.1), seed=0).eval()
     toks = prompt(60, seed=9)

@@ -91,6 +91,7 @@ def results(tmp_path_factory):
     return ref, {name: [torch.load(out / f"{name}_rank{r}.pt") for r in range(2)] for name in LAYOUTS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parallel_decode_equals_single_rank(results, layout):
     ref, ranks = results

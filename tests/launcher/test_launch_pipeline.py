@@ -74,6 +74,41 @@ def test_opd_tiny_finds_its_teacher_under_any_run_dir(tmp_path):
     assert teacher.checkpoint == str(tmp_path / "teacher" / "checkpoints")
 
 
+def test_two_experts_tiny_derives_every_phase_from_the_sft_checkpoint(tmp_path):
+    """Walkthrough Ch. 8: both experts, the distilled student and the joint-RL baseline start from
+    the same SFT checkpoint; each domain's teacher is its expert."""
+    runs = prepare_runs(str(RECIPES.parents[2] / "recipes" / "two_experts_tiny.yaml"), [], {}, str(tmp_path), local=True)
+    by_name = {r.phase: r.recipe for r in runs}
+    sft = str(tmp_path / "sft" / "checkpoints")
+    assert [r.phase for r in runs] == ["sft", "expert_addition", "expert_sort", "student", "joint_rl"]
+    assert {name: by_name[name].checkpoint.load for name in by_name if name != "sft"} == dict.fromkeys(
+        ["expert_addition", "expert_sort", "student", "joint_rl"], sft)
+    teachers = {t.name: (t.domains, t.checkpoint) for t in by_name["student"].opd.teachers}
+    assert teachers == {"addition_expert": (("addition",), str(tmp_path / "expert_addition" / "checkpoints")),
+                        "sort_expert": (("sort",), str(tmp_path / "expert_sort" / "checkpoints"))}
+    experts = by_name["expert_addition"].training.train_steps + by_name["expert_sort"].training.train_steps
+    assert by_name["joint_rl"].training.train_steps == experts, "the baseline gets the experts' RL compute"
+    assert {by_name[n].rl.rollout.batch_groups * by_name[n].rl.rollout.group_size
+            for n in ("expert_addition", "expert_sort", "joint_rl")} == {256}
+
+
+def test_summary_prints_first_and_last_evaluation_of_each_phase(tmp_path, capsys):
+    path = two_phases(tmp_path)
+    sft = tmp_path / "runs" / "sft"
+    sft.mkdir(parents=True)
+    rows = [{"step": 10, "eval_accuracy": 0.75, "eval_accuracy_sort": 0.5, "eval_reward": 0.7},
+            {"step": 0, "eval_accuracy": 0.5, "eval_accuracy_sort": 0.25, "eval_reward": 0.4}]
+    # the last line as a run killed mid-write leaves it
+    (sft / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 20, "eval_acc')
+    assert main(["launch", path, "--summary"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["pretrain", "(no", "held-out", "evaluation)"]
+    assert out[2].split() == ["sft", "eval_accuracy", "0.5000", "0", "0.7500", "10"]
+    assert out[3].split() == ["sft", "eval_accuracy_sort", "0.2500", "0", "0.5000", "10"]
+    assert len(out) == 4, "only the held-out metrics of the table (not eval_reward)"
+    assert not (tmp_path / "runs" / "pretrain").exists(), "--summary starts nothing"
+
+
 @pytest.mark.parametrize("phases, top, message", [
     ([], {"run_dir": "x"}, "at least one phase"),
     ([{"name": "a", "recipe": str(RECIPE)}, {"name": "a", "recipe": str(RECIPE)}], {"run_dir": "x"}, "used twice"),

@@ -94,6 +94,7 @@ def test_the_failed_rank_is_named_not_the_peers_it_took_down(tmp_path):
     assert "Traceback" in (run_dir / "logs" / "restart0" / "rank1.log").read_text(), "the log keeps the details"
 
 
+@pytest.mark.slow
 def test_signal_to_one_rank_stops_all_at_the_same_step_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
     steps = 40
@@ -118,6 +119,7 @@ def test_signal_to_one_rank_stops_all_at_the_same_step_and_resumes(tmp_path):
     assert json.loads((run_dir / "FINISHED").read_text()) == {"step": steps, "loss": expected_loss(steps, 2)}
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_is_forwarded(tmp_path):
     run_dir = tmp_path / "run"
     proc = start(run_dir, 2, "--steps", "1000", "--step-time", "0.1")

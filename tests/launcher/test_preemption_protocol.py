@@ -43,6 +43,7 @@ def batch_log(job, job_id: str) -> str:
     return path.read_text() if path.exists() else ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["srun", "torchrun"])
 def test_signal_to_the_job_step_requeues(slurm, tmp_path, mode):
     steps = 40

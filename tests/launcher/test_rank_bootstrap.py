@@ -85,6 +85,7 @@ def test_single_process_needs_no_process_group(monkeypatch):
 
 
 # ---- real launchers ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_mpirun(mpirun, tmp_path):
     result = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable,
                              str(ALLREDUCE), str(tmp_path)], capture_output=True, text=True, timeout=180)
@@ -94,6 +95,7 @@ def test_mpirun(mpirun, tmp_path):
     assert all(r["mpi_rank"] == r["rank"] and r["local_world_size"] == 2 for r in recs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["auto", "mpi"])
 def test_srun_mpi_pmix(slurm, tmp_path, source):
     """srun --mpi=pmix: auto takes the SLURM step variables; forcing mpi goes through mpi4py/PMIx."""
@@ -106,6 +108,7 @@ def test_srun_mpi_pmix(slurm, tmp_path, source):
         assert all(r["mpi_rank"] == r["rank"] for r in recs)
 
 
+@pytest.mark.slow
 def test_srun_two_nodes(slurm2, tmp_path):
     """Two emulated nodes: the head node 'n1' does not resolve, so its SLURM NodeAddr is used."""
     result = slurm2.run(["srun", "-N", "2", "--ntasks-per-node=1", sys.executable, str(ALLREDUCE), str(tmp_path)],

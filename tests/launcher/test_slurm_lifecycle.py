@@ -45,6 +45,7 @@ def preempt_and_finish(cluster, job, steps: int) -> dict:
     return {"job_id": job_id, "batch_log": batch_log}
 
 
+@pytest.mark.slow
 def test_signal_requeue_resume_srun_mode(slurm, tmp_path):
     steps = 40
     job = payload_job(tmp_path / "run", RESUMABLE, "--steps", str(steps), "--step-time", "0.15", max_restarts=2)
@@ -68,6 +69,7 @@ def test_signal_requeue_resume_torchrun_two_nodes(slurm2, tmp_path):
     assert "exited with code" in result["batch_log"]
 
 
+@pytest.mark.slow
 def test_restart_limit_and_finished_marker(slurm, tmp_path):
     # max_restarts=0: a preempted job saves and stops for good (exit 75), no requeue
     job = payload_job(tmp_path / "limited", RESUMABLE, "--steps", "1000", "--step-time", "0.1", max_restarts=0)

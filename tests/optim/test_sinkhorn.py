@@ -172,6 +172,7 @@ def _row_sharded_worker(rank: int, world: int, tmp: str, table: torch.Tensor, gr
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_row_sharded_table_matches_single_rank():
     # Vocabulary- / Engram-parallel tables hold a row shard per rank (§3.1.3): the balanced
     # update and two optimiser steps on the shards equal the single-rank ones.

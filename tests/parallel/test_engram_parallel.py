@@ -179,6 +179,7 @@ def token_slice(kind: str, rank: int, t: torch.Tensor) -> torch.Tensor:
     return t.chunk(WORLD, 1)[rank]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(LAYOUTS))
 def test_outputs_and_input_gradients_match(parallel_results, reference, kind):
     ref = reference["engram"]

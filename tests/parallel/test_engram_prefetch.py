@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -91,6 +92,7 @@ def _worker(rank: int, world: int, out: str) -> None:
                Path(out) / f"rank{rank}.pt")
 
 
+@pytest.mark.slow
 def test_prefetch_equals_per_micro_batch_lookups(tmp_path):
     run_distributed(WORLD, _worker, str(tmp_path))
     for rank in range(WORLD):

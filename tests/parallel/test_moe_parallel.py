@@ -186,6 +186,7 @@ def results(tmp_path_factory):
     return per_rank
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_rank(results, layout):
     for rank in range(WORLD):

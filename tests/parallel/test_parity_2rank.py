@@ -33,6 +33,7 @@ def results(tmp_path_factory):
     return run_layouts(tmp_path_factory.mktemp("parity2"), 2, LAYOUTS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_rank(results, layout):
     root, ref = results

@@ -21,6 +21,7 @@ def results(tmp_path_factory):
     return run_layouts(tmp_path_factory.mktemp("parity4"), 4, LAYOUTS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_rank(results, layout):
     root, ref = results

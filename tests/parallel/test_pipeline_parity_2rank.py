@@ -43,6 +43,7 @@ def results(tmp_path_factory):
     return run_layouts(tmp_path_factory.mktemp("pipeline2"), 2, LAYOUTS, references={"reference_bf16": BF16})
 
 
+@pytest.mark.slow
 def test_bf16_streams_cross_the_cut(results):
     root, _ = results
     ref = load_records(root / "reference_bf16", 1)[0]

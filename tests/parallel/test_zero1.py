@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -87,6 +88,7 @@ def _worker(rank: int, world: int, out: str) -> None:
                 "width": sum(b.width for b in opt.buckets)}, Path(out) / f"rank{rank}.pt")
 
 
+@pytest.mark.slow
 def test_reduce_scatter_to_owners_and_all_gather(tmp_path):
     run_distributed(WORLD, _worker, str(tmp_path))
     recs = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]

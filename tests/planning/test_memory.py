@@ -130,6 +130,7 @@ def measured(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_two_rank_layouts_match_measurement(measured, name):
     r = recipe(*LAYOUTS[name])

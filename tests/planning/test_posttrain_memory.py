@@ -120,6 +120,7 @@ def _sharded_worker(rank, world, out, overrides):
         "eval engine KV": kv_bytes(t.eval_engine), "reference model": model_bytes(t.reference)}))
 
 
+@pytest.mark.slow
 def test_rl_plan_under_tp2_sp_with_an_ep2_rollout_copy(tmp_path):
     """Training TP2 + SP forces a rollout copy, here TP2 x EP2: each rank's shards are planned."""
     import json

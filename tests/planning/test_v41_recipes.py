@@ -52,6 +52,7 @@ def flagship_inputs(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name, nodes", [("flagship_pretrain_64k", 512), ("flagship_extend_1m", 512),
                                          ("flagship_sft", 128), ("flagship_rl", 128), ("flagship_opd", 128)])
+@pytest.mark.slow
 def test_flagship_phase_fits_its_cluster(name, nodes, flagship_inputs):
     recipe = load_recipe(V41 / f"{name}.yaml")
     assert recipe.model.name == "flagship" and recipe.launcher.nodes == nodes and recipe.launcher.gpus_per_node == 8
@@ -82,6 +83,7 @@ def test_pretraining_follows_the_report_schedule():
     assert b.lr_at(0) == a.lr_at(pre.training.train_steps)  # the extension continues the curve
 
 
+@pytest.mark.slow
 def test_pipelines_chain_every_phase(flagship_inputs):
     flagship = prepare_runs(str(V41 / "flagship_pipeline.yaml"), [], {}, None, local=False)
     assert [r.phase for r in flagship] == ["pretrain_64k", "extend_1m", "sft", "rl", "opd"]

@@ -1,13 +1,18 @@
 """End-to-end post-training on CPU through the real CLI (slow): on-policy distillation moves a
-student toward its teacher on held-out prompts, and the RL phase pipeline
-(recipes/rl_tiny.yaml: SFT, then RL) runs under `megatron-s2 launch --local` with held-out
-accuracy measured before and after the RL phase."""
+student toward its teacher on held-out prompts, the served-teacher commands of
+recipes/opd_tiny.yaml's header run as written and give the in-process run's figures, and the RL
+phase pipeline (recipes/rl_tiny.yaml: SFT, then RL) runs under `megatron-s2 launch --local`
+with held-out accuracy measured before and after the RL phase."""
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +55,83 @@ def test_opd_moves_the_student_toward_the_teacher_on_held_out_prompts(tmp_path):
                 "importance_weight_max", "masked_any", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_time_s",
                 "train_time_s", "opd_advantage", "teacher_logprob"):
         assert key in metrics[0], key
+
+
+def _documented_commands(text: str) -> list[str]:
+    """The ``megatron-s2`` command lines of a recipe header (``#   megatron-s2 ...``, with
+    ``\\``-continued lines joined)."""
+    commands, current = [], None
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        body = line[1:].strip()
+        if current is not None:
+            current += " " + body
+        elif line.startswith("#   megatron-s2 "):
+            current = body
+        if current is not None and not current.endswith("\\"):
+            commands.append(current)
+            current = None
+        elif current is not None:
+            current = current[:-1].rstrip()
+    return commands
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_served_teacher_commands_of_the_opd_recipe_run_as_documented(tmp_path):
+    """recipes/opd_tiny.yaml's header, copied: the pipeline, then `megatron-s2 serve` of its teacher
+    and the opd phase again with `opd.teachers=[{... endpoint ...}]` (the README shows the same
+    commands). Shortened only as the header says (its `training.train_steps=N`); the port is a
+    free one instead of the documented 8001. The served run's warm-up and evaluation go through
+    the endpoint, and its eval.jsonl holds the in-process opd phase's distillation metrics."""
+    header = (RECIPES / "opd_tiny.yaml").read_text()
+    commands = _documented_commands(header)
+    assert [c.split()[1] for c in commands] == ["launch", "serve", "train"], commands
+    readme = " ".join((RECIPES.parent / "README.md").read_text().replace("\\\n", " ").split())
+    for command in commands[1:]:
+        assert " ".join(command.split()) in readme, f"README lacks the header's command: {command}"
+    quick = re.search(r"append (\S+=\S+) to\s*#?\s*the launch and train commands", header)
+    assert quick, "the header no longer says how to shorten the commands"
+    launch, serve, train = (shlex.split(c) for c in commands)
+    documented_port = serve[serve.index("--port") + 1]
+    port = str(_free_port())
+    serve[serve.index("--port") + 1] = port
+    assert serve[-1] == "&"  # started in the background
+    train = [a.replace(f":{documented_port}/", f":{port}/") for a in train]
+    assert any(f"127.0.0.1:{port}/v1" in a for a in train)
+    (tmp_path / "recipes").symlink_to(RECIPES)  # the commands' relative paths, run from a scratch directory
+    cli = [sys.executable, "-m", "megatron_s2.cli"]
+    _cli(*launch[1:], quick.group(1), cwd=tmp_path)
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen([*cli, *serve[1:-1]], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while "listening on" not in (tmp_path / "serve.log").read_text():
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.5)
+        _cli(*train[1:], quick.group(1), cwd=tmp_path)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+    runs = tmp_path / "runs" / "opd_tiny"
+    served, in_process = _evals(runs / "opd_served"), _evals(runs / "opd")
+    steps = int(quick.group(1).split("=")[1])
+    assert [e["step"] for e in served] == [e["step"] for e in in_process] == [0, 5, steps]  # before, warm-up, end
+    for a, b in zip(served, in_process):
+        for key in ("eval_student_logprob_teacher", "eval_teacher_logprob_teacher", "eval_kl_to_teacher"):
+            assert abs(a[key] - b[key]) < 1e-5, (a["step"], key, a[key], b[key])
+    metrics = [json.loads(line) for line in (runs / "opd_served" / "metrics.jsonl").read_text().splitlines()]
+    assert [m.get("sft_warmup", 0.0) for m in metrics] == [1.0] * 5 + [0.0] * (steps - 5)
+    assert all(m["warmup_response_tokens"] > 0 for m in metrics[:5])  # the teacher's answers, from its server
+    assert all(m["opd_teacher_http_bytes"] > m["opd_teacher_signal_bytes"] > 0 for m in metrics[5:])
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_s2.config.data import TaskDifficulty
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.data.tokenizer import CharTokenizer
 from megatron_s2.inference import EngineConfig, InferenceEngine
@@ -57,6 +58,7 @@ class _FirstTokenEven(TaskEnvironment):
             return bool(completion) and completion[0] % 2 == 0
 
 
+@pytest.mark.slow
 def test_also_greedy_reports_the_greedy_accuracy_beside_the_sampled_one():
     ev = _evaluator(EvaluationConfig(temperature=1.0, samples_per_prompt=3, also_greedy=True))
     cfg = EnvironmentConfig(kind="task", task="addition", num_prompts=8, eval_prompts=16)
@@ -72,3 +74,30 @@ def test_also_greedy_reports_the_greedy_accuracy_beside_the_sampled_one():
     assert "eval_greedy_accuracy" not in ev.run(0)
     with pytest.raises(ConfigError, match="also_greedy: the evaluation is already greedy"):
         EvaluationConfig(temperature=0.0, also_greedy=True)
+
+
+@pytest.mark.slow
+def test_two_teachers_report_each_domains_distance_beside_the_pooled_one():
+    """Two experts, one student (walkthrough Ch. 8): with one teacher per domain, every teacher
+    metric is reported per domain too, and the pooled value is the token-weighted mean of them."""
+    from megatron_s2.parallel.groups import ParallelGroups
+    from megatron_s2.posttrain.frozen import TeacherPool
+
+    ev = _evaluator(EvaluationConfig(temperature=1.0, samples_per_prompt=2))
+    cfg = EnvironmentConfig(kind="task", task="addition", num_prompts=8, eval_prompts=4)
+    ev.envs = {"add": TaskEnvironment("add", cfg, TOK),
+               "sort": TaskEnvironment("sort", EnvironmentConfig(kind="task", task="sort", num_prompts=8,
+                                                                 eval_prompts=4, difficulty=TaskDifficulty(sort_max_length=4)), TOK)}
+    teachers = {name: build_model(tiny_config(), seed=seed).eval() for name, seed in (("a", 11), ("b", 12))}
+    pool = TeacherPool(teachers, {"add": "a", "sort": "b"}, {"a": 1.0, "b": 1.0})
+    out = ev.run(0, teacher=(pool, {"add": "add", "sort": "sort"}), scorer_groups=ParallelGroups())
+    for metric in ("student_logprob_teacher", "teacher_logprob_teacher", "kl_to_teacher"):
+        pooled, add, sort = (out[f"eval_{metric}{suffix}"] for suffix in ("", "_add", "_sort"))
+        assert min(add, sort) <= pooled <= max(add, sort) and add != sort, (metric, add, sort, pooled)
+    assert out["eval_kl_to_teacher_add"] > 0 and out["eval_kl_to_teacher_sort"] > 0
+    # one domain: no per-domain keys (the pooled value is that domain's)
+    ev.envs = {"add": ev.envs["add"]}
+    ev._teacher_answers = None
+    single = ev.run(0, teacher=(TeacherPool(teachers, {"add": "a"}, {"a": 1.0}), {"add": "add"}),
+                    scorer_groups=ParallelGroups())
+    assert "eval_kl_to_teacher_add" not in single and "eval_kl_to_teacher" in single

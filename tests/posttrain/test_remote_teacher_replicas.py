@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -37,6 +38,8 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
     for name, groups in layouts.items():
         seen[name] = once_per_replica(fetch, (2, 3), groups).tolist()
+    # any shape: the held-out evaluation broadcasts a served teacher's [rows, positions, vocabulary]
+    seen["3d"] = once_per_replica(lambda: fetch().view(1, 2, 3), (1, 2, 3), layouts["tp_pp"]).tolist()
 
     def broken():
         raise RemoteTeacherError("opd.teachers.t.endpoint: POST failed (boom)")
@@ -50,6 +53,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         json.dump({"seen": seen, "calls": len(calls)}, f)
 
 
+@pytest.mark.slow
 def test_remote_teacher_log_probs_are_fetched_once_per_replica(tmp_path):
     run_distributed(4, _worker, str(tmp_path))
     out = {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)}
@@ -57,7 +61,8 @@ def test_remote_teacher_log_probs_are_fetched_once_per_replica(tmp_path):
     for r in range(4):
         assert out[r]["seen"]["tp_pp"] == from_rank(0) and out[r]["seen"]["tp_cp"] == from_rank(0)
         assert out[r]["seen"]["tp_dp"] == from_rank(0 if r < 2 else 2)  # two replicas, two leaders
-    assert [out[r]["calls"] for r in range(4)] == [3, 0, 1, 0]
+        assert out[r]["seen"]["3d"] == [from_rank(0)]
+    assert [out[r]["calls"] for r in range(4)] == [4, 0, 1, 0]
     assert out[0]["seen"]["failure"] == "opd.teachers.t.endpoint: POST failed (boom)"
     for r in (1, 2, 3):
         assert "failed on this replica's first rank" in out[r]["seen"]["failure"]

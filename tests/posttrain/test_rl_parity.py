@@ -418,6 +418,7 @@ def _exercised(ref: dict, kind: str) -> None:
     assert max(envelope.values()) < 2e-3, sorted(envelope.items(), key=lambda kv: -kv[1])[:3]
 
 
+@pytest.mark.slow
 def test_the_rl_batch_exercises_the_importance_weight_the_bkl_mask_and_the_reference_kl(rl_results):
     _, ref = rl_results
     _exercised(ref, "rl")

@@ -82,6 +82,7 @@ def _check_token_in_token_out(samples, traces, calls):
         assert branch.token_ids[:len(s.tokens)] == s.tokens
 
 
+@pytest.mark.slow
 def test_rl_on_a_verifiers_single_turn_environment(tmp_path, monkeypatch):
     trained, traces, calls = _run(tmp_path, monkeypatch, "megatron_s2_single_turn", str(ROOT / "tests/serve/vf_plugins"))
     assert [len(step) for step in trained] == [4, 4]
@@ -96,6 +97,7 @@ def test_rl_on_a_verifiers_single_turn_environment(tmp_path, monkeypatch):
     assert {v for s in trained[1] for v in s.policy_versions} <= {0, 1}  # drained before the update, or after it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("renderer", ["bridge", "default"])
 def test_rl_on_a_verifiers_two_turn_environment_masks_the_environment_tokens(tmp_path, monkeypatch, renderer):
     """With the bridging renderer (megatron_s2/posttrain/envs/vf_renderer.py) the second call's
@@ -127,6 +129,7 @@ def test_rl_on_a_verifiers_two_turn_environment_masks_the_environment_tokens(tmp
         assert sessions < len(samples)  # the tiny model's replies do not survive a re-render
 
 
+@pytest.mark.slow
 def test_resumed_verifiers_run_trains_no_prompt_twice(tmp_path, monkeypatch):
     """Checkpoints store the orchestrator's state; in-flight episodes (no partial traces) start
     again after the restart: every dispatched prompt is trained once, none is skipped."""
@@ -202,6 +205,7 @@ def test_a_prompt_longer_than_the_engine_context_is_a_one_line_config_error(tmp_
     assert trainer.backend.server is None  # closed on the way out
 
 
+@pytest.mark.slow
 def test_episodes_reach_the_loopback_server_with_a_proxy_in_the_environment(tmp_path, monkeypatch):
     """http_proxy / ALL_PROXY set (as on many clusters) sent the episodes' loopback requests to the
     proxy: every episode failed with APIConnectionError."""

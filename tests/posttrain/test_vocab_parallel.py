@@ -109,6 +109,11 @@ def test_forward_and_reverse_kl_worked_example_26():
     assert 1 - rev(pruned) / rev(cover) == pytest.approx(0.74, abs=0.005)  # reverse KL: 74% reduction
     assert 1 - fwd(pruned) / fwd(cover) == pytest.approx(0.42, abs=0.005)  # forward KL: 42%
     assert 0.33 * math.log(0.33 / 0.10) == pytest.approx(0.394, abs=5e-4)
+    # the third component pushed to zero: reverse KL stays bounded (0 ln 0 = 0), forward KL diverges
+    for eps in (1e-4, 1e-8, 1e-12):
+        dropped = _logits([0.5 - eps / 2, 0.5 - eps / 2, eps])
+        assert rev(dropped) == pytest.approx(math.log(0.5 / 0.45), abs=1e-3)
+        assert fwd(dropped) == pytest.approx(0.90 * math.log(0.90) + 0.10 * math.log(0.10 / eps), abs=1e-3)
 
 
 # ---- tp = 2 on gloo against one rank -----------------------------------------------------------------
@@ -145,6 +150,7 @@ def _tp2_check(rank: int, world: int, dtype: torch.dtype) -> None:
             torch.testing.assert_close(gy, ry[..., sl], **tol, msg=lambda m: f"{name} grad q: {m}")
 
 
+@pytest.mark.slow
 def test_tp2_shards_match_single_rank():
     """float64 to 1e-12 and float32 to 2e-6: values and gradients of every shard."""
     run_distributed(2, _tp2_worker)

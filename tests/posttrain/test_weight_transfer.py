@@ -68,6 +68,7 @@ def transferred(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_rollout_model_receives_the_training_weights(transferred, layout):
     recipe = load_recipe(RECIPE)

@@ -87,6 +87,7 @@ def test_n_choices_with_a_seed_differ_and_reproduce(client):
     assert alone.model_extra["token_ids"] == ids[1]
 
 
+@pytest.mark.slow
 def test_concurrent_clients_get_what_they_get_alone(client):
     requests = [dict(model="tiny", prompt=f"request {i}: ", max_tokens=6 + i, temperature=1.0, seed=100 + i,
                      extra_body=RTI) for i in range(6)]
@@ -114,6 +115,7 @@ def test_token_in_token_out_with_the_models_log_probs(client, loaded):
     assert list(c.logprobs.top_logprobs[0]) == list(expected)
 
 
+@pytest.mark.slow
 def test_stop_strings_are_cut_from_the_text(client):
     base = dict(model="tiny", prompt="Stop here", max_tokens=24, temperature=0, extra_body=RTI)
     text = client.completions.create(**base).choices[0].text

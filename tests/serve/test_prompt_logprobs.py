@@ -9,6 +9,7 @@ import httpx
 import pytest
 import torch
 
+from megatron_s2.config.schema import ConfigError
 from megatron_s2.posttrain.frozen import TeacherPool, load_frozen_model
 from megatron_s2.serve import ServeConfig
 from tests.serve.conftest import start_server
@@ -126,6 +127,7 @@ def test_prompts_split_into_forwards_of_bounded_tokens_score_the_same(loaded):
         assert torch.allclose(a[0], b[0], atol=1e-5, rtol=0) and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
 
 
+@pytest.mark.slow
 def test_scoring_between_engine_steps_leaves_generation_unchanged(server, in_process):
     """Prompt scoring runs on the engine's driver thread between steps: a seeded generation
     interleaved with scoring requests is the one it is alone, and the scores are exact."""
@@ -148,3 +150,37 @@ def test_scoring_between_engine_steps_leaves_generation_unchanged(server, in_pro
     for out in scores:
         for choice, ids, expected in zip(out["choices"], SEQUENCES, ref):
             assert torch.allclose(actual(choice["prompt_logprobs"], ids), expected, atol=1e-5, rtol=0)
+
+
+def test_minus_one_returns_the_whole_distribution_when_the_server_allows_it(loaded, server):
+    """vLLM's ``--max-logprobs -1`` and ``prompt_logprobs: -1``: every token of the vocabulary at
+    every position (a served OPD teacher's full distribution), equal to the model's log-softmax;
+    a server with the default cap refuses it naming its flag."""
+    from megatron_s2.cli import build_parser
+
+    model = loaded[0]
+    vocab = model.config.vocab_size
+    ids = SEQUENCES[1]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids]))[0, :-1].float() / 0.5, -1)
+    whole = start_server(loaded, serve=ServeConfig(disconnect_poll_s=0.05, max_logprobs=-1))
+    try:
+        for k in (-1, vocab):
+            out = post(whole, "/v1/completions", {"prompt": ids, "max_tokens": 1, "prompt_logprobs": k,
+                                                  "prompt_logprobs_temperature": 0.5})
+            entries = out["choices"][0]["prompt_logprobs"]
+            for p in range(1, len(ids)):
+                assert sorted(map(int, entries[p])) == list(range(vocab))
+                got = torch.tensor([entries[p][str(t)]["logprob"] for t in range(vocab)])
+                assert torch.allclose(got, logp[p - 1], atol=1e-5, rtol=0)
+                assert sorted(e["rank"] for e in entries[p].values()) == list(range(1, vocab + 1))
+        refused = post(whole, "/v1/completions", {"prompt": ids, "prompt_logprobs": vocab + 1}, status=400)
+        assert refused["error"]["param"] == "prompt_logprobs"
+    finally:
+        whole.stop()
+    refused = post(server, "/v1/completions", {"prompt": ids, "prompt_logprobs": -1}, status=400)["error"]
+    assert refused["message"].startswith(f"prompt_logprobs: must be <= 5 (this server's --max-logprobs; -1 there "
+                                         f"allows the whole vocabulary of {vocab}), got {vocab}"), refused
+    assert build_parser().parse_args(["serve", "ckpt", "--max-logprobs", "-1"]).max_logprobs == -1
+    with pytest.raises(ConfigError, match=r"^--max-logprobs: must be >= 0, or -1 for the whole vocabulary, got -2$"):
+        ServeConfig(max_logprobs=-2)

@@ -138,8 +138,17 @@ def test_endpoint_checked_once_at_start_up(server, loaded):
         RemoteTeacher("far", f"http://127.0.0.1:{port}/v1", timeout_s=5).connect()
     with pytest.raises(ConfigError, match=r"^opd\.teachers\.root\.endpoint: .* answered HTTP 404 without a model list"):
         RemoteTeacher("root", server.url).connect()  # the server root, not its /v1
+    # the evaluation's KL needs the full distribution: a server capped at 20 log-probs is refused
+    with pytest.raises(ConfigError, match=rf"^opd\.teachers\.t\.endpoint: {server.url}/v1 does not return the "
+                                          rf"teacher's full distribution \(POST .*prompt_logprobs: must be <= 20 .*got "
+                                          rf"{vocab}\)\), which the held-out evaluation's eval_kl_to_teacher needs; "
+                                          r"serve the teacher with --max-logprobs -1 .* or turn the evaluation off "
+                                          r"\(opd\.eval\.interval=0 opd\.eval\.at_start=false\)$"):
+        RemoteTeacher("t", f"{server.url}/v1").connect(vocab_size=vocab, full_distribution=True)
+    RemoteTeacher("t", f"{server.url}/v1").connect(vocab_size=vocab).close()  # enough for training
 
 
+@pytest.mark.slow
 def test_unreachable_teacher_endpoint_exits_2_with_one_line(tmp_path):
     port = _closed_port()
     proc = subprocess.run(
@@ -153,10 +162,15 @@ def test_unreachable_teacher_endpoint_exits_2_with_one_line(tmp_path):
     assert f"opd.teachers.far.endpoint: cannot reach http://127.0.0.1:{port}/v1/models" in lines[0]
 
 
-def test_opd_trainer_step_is_the_same_with_the_teacher_served(tmp_path):
-    """Through the trainer (`megatron-s2 train` of recipes/phases/opd_addition.yaml, one step): the
-    same teacher checkpoint in process, then behind `megatron-s2 serve`'s app — same rollouts
-    (seeded), same teacher log-probs, loss, OPD advantage and gradient norm (~15 s)."""
+@pytest.mark.slow
+def test_opd_run_is_the_same_with_the_teacher_served(tmp_path):
+    """Through the trainer (`megatron-s2 train` of recipes/phases/opd_addition.yaml): the same
+    teacher checkpoint in process, then behind `megatron-s2 serve`'s app with --max-logprobs -1 —
+    one SFT warm-up step on the teacher's generated answers (through the endpoint: the same
+    trajectories, so the same loss), one OPD step (same rollouts, teacher log-probs, loss, OPD
+    advantage and gradient norm), and the held-out evaluation before, after the warm-up and at
+    the end reports the same distillation metrics (the student's and the teacher's log-likelihood
+    of the teacher's greedy answers, the full-vocabulary KL) to 1e-5 (~40 s)."""
     import json
 
     from megatron_s2.cli import main
@@ -170,23 +184,37 @@ def test_opd_trainer_step_is_the_same_with_the_teacher_served(tmp_path):
                  "schedule.warmup_steps=1", "schedule.decay_start_step=1", "schedule.decay_end_step=2",
                  "checkpoint.save_interval=2", *quiet, "--run-dir", str(teacher)]) == 0
     model, tokenizer, description = load_model(str(teacher), "cpu")
-    state = build_state(model, tokenizer, description, ServeConfig(), EngineConfig(max_num_seqs=8, max_model_len=128),
-                        model_name="teacher")
-    opd = ["training.train_steps=1", "training.global_batch_size=4", "training.micro_batch_size=4",
-           "opd.rollout.group_size=2", "opd.rollout.batch_groups=2", "opd.rollout.max_in_flight=4",
-           "opd.rollout.environment.eval_prompts=8", "checkpoint.save_interval=0", *quiet]
-    metrics = {}
+    state = build_state(model, tokenizer, description, ServeConfig(max_logprobs=-1),
+                        EngineConfig(max_num_seqs=8, max_model_len=128), model_name="teacher")
+    opd = ["training.train_steps=2", "opd.sft_warmup.steps=1", "training.global_batch_size=4",
+           "training.micro_batch_size=4", "opd.rollout.group_size=2", "opd.rollout.batch_groups=2",
+           "opd.rollout.max_in_flight=4", "opd.rollout.environment.eval_prompts=8", "checkpoint.save_interval=0",
+           *quiet]
+    metrics, evals = {}, {}
     with ServerThread(state) as server:
         for kind, where in (("local", f"checkpoint: {teacher}/checkpoints"), ("remote", f"endpoint: '{server.url}/v1'")):
             assert main(["train", str(RECIPES / "phases" / "opd_addition.yaml"), *opd,
                          f"opd.teachers=[{{name: teacher, domains: [default], {where}}}]",
                          "--run-dir", str(tmp_path / kind)]) == 0
-            metrics[kind] = json.loads((tmp_path / kind / "metrics.jsonl").read_text().splitlines()[0])
-    local, remote = metrics["local"], metrics["remote"]
-    assert local["policy_logprob"] == remote["policy_logprob"]  # the same rollouts
-    assert local["opd_advantage"] != 0.0
+            metrics[kind] = [json.loads(line) for line in (tmp_path / kind / "metrics.jsonl").read_text().splitlines()]
+            evals[kind] = [json.loads(line) for line in (tmp_path / kind / "eval.jsonl").read_text().splitlines()]
+    (warm_l, opd_l), (warm_r, opd_r) = metrics["local"], metrics["remote"]
+    assert warm_l["sft_warmup"] == warm_r["sft_warmup"] == 1.0
+    assert warm_l["loss"] == warm_r["loss"] and warm_l["warmup_response_tokens"] == warm_r["warmup_response_tokens"]
+    assert opd_l["policy_logprob"] == opd_r["policy_logprob"]  # the same rollouts of the same warmed-up student
+    assert opd_l["opd_advantage"] != 0.0
     for key in ("teacher_logprob", "opd_advantage", "loss", "grad_norm"):
-        assert abs(local[key] - remote[key]) < 1e-5, (key, local[key], remote[key])
+        assert abs(opd_l[key] - opd_r[key]) < 1e-5, (key, opd_l[key], opd_r[key])
+    # worked example 24's payload: one float32 value per loss token either way; JSON over HTTP when served
+    assert opd_l["opd_teacher_signal_bytes"] == opd_r["opd_teacher_signal_bytes"] == 4 * opd_l["tokens"] > 0
+    assert "opd_teacher_http_bytes" not in opd_l and opd_r["opd_teacher_http_bytes"] > opd_r["opd_teacher_signal_bytes"]
+    assert [e["step"] for e in evals["local"]] == [e["step"] for e in evals["remote"]] == [0, 1, 2]
+    for local, remote in zip(evals["local"], evals["remote"]):
+        assert local["eval_accuracy"] == remote["eval_accuracy"]
+        for key in ("eval_student_logprob_teacher", "eval_teacher_logprob_teacher", "eval_kl_to_teacher"):
+            assert abs(local[key] - remote[key]) < 1e-5, (local["step"], key, local[key], remote[key])
+        assert local["eval_kl_to_teacher"] > 0 and local["eval_teacher_logprob_teacher"] < 0
+    assert evals["local"][1]["eval_student_logprob_teacher"] != evals["local"][0]["eval_student_logprob_teacher"]
 
 
 def test_a_teacher_that_fails_mid_run_halts_with_one_line(loaded, server):

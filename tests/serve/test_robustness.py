@@ -175,6 +175,7 @@ def test_bad_command_line_input_exits_2_with_one_line(run_dir, capsys):
         taken.close()
 
 
+@pytest.mark.slow
 def test_console_script_serves_a_converted_checkpoint_until_interrupted(run_dir, tmp_path):
     """A researcher's path: export to Hugging Face format, serve the export, chat with it; the
     served model id is the export directory, from which renderers loads the tokenizer."""

@@ -163,6 +163,7 @@ def test_skip_special_tokens_false_keeps_their_text(server, loaded):
 
 
 # ---- text and prompt options -------------------------------------------------------------------
+@pytest.mark.slow
 def test_include_stop_str_in_output_keeps_the_stop_string(server):
     base = {"prompt": "Stop here", "max_tokens": 24, "temperature": 0}
     text = post(server, "/v1/completions", base)["choices"][0]["text"]

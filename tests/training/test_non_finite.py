@@ -58,6 +58,7 @@ def test_diverging_run_stops_and_keeps_its_good_checkpoints(tmp_path):
     assert all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters()), "the NaN update was applied"
 
 
+@pytest.mark.slow
 def test_skip_policy_drops_one_bad_step_and_trains_on(tmp_path):
     logs: list[str] = []
     trainer = _trainer(tmp_path / "run", 5, "training.non_finite=skip", "checkpoint.save_interval=0", logs=logs)

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from megatron_s2.checkpoint import CheckpointStore
 from megatron_s2.cli import main
 
@@ -29,6 +31,7 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_and_exits_like_sigterm(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "megatron_s2.cli", "train", str(RECIPE), *SINGLE,
@@ -52,6 +55,7 @@ def test_ctrl_c_saves_and_exits_like_sigterm(tmp_path):
     assert json.loads((run_dir / "PREEMPTED").read_text())["step"] == steps[-1]
 
 
+@pytest.mark.slow
 def test_refused_resume_leaves_the_run_dir_unchanged_and_extension_is_explained(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["train", str(RECIPE), *SINGLE, "training.train_steps=2", "--run-dir", str(run_dir)]) == 0

@@ -25,6 +25,7 @@ def _train(run_dir: Path, steps: int, *extra: str) -> Trainer:
     return trainer
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical(tmp_path):
     straight = _train(tmp_path / "a", 4, "checkpoint.save_interval=0")
     first = _train(tmp_path / "b", 2, "checkpoint.save_interval=0")
@@ -36,6 +37,7 @@ def test_resume_is_bit_identical(tmp_path):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
 def test_loss_falls_and_metrics_are_written(tmp_path):
     run = tmp_path / "run"
     trainer = _train(run, 24, "schedule.lr=3e-3")

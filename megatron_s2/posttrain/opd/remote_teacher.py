@@ -29,19 +29,40 @@ a model, returning prompt log-probs — or the trainer exits 2 with one line nam
 Every rank of a data-parallel replica (tensor x context x pipeline) holds the same micro-batch;
 :func:`once_per_replica` lets only the replica's first rank send the requests and broadcasts
 the log-probs (and a failure, so that no rank waits forever) to the others.
+
+The same client serves what else a run asks of its teachers, so that a served teacher gives
+what an in-process one gives:
+
+* generation — :meth:`RemoteTeacher.complete` (``/completions`` with a token-id prompt,
+  ``return_token_ids``; greedy at temperature 0, else seeded) and :class:`EndpointEngine`, which
+  drives it like an :class:`~megatron_s2.inference.InferenceEngine` so that the loops that play
+  episodes on an engine (the held-out evaluation's teacher answers, the SFT warm-up's teacher
+  trajectories) play them on the teacher's server unchanged, multi-turn included;
+* the full distribution — :meth:`RemoteTeacher.distributions`: ``prompt_logprobs`` with k = the
+  vocabulary size, every token's log-prob at every position (what the evaluation's
+  full-vocabulary KL needs; worked example 24's O(HV) payload, paid at evaluation only). A
+  server returns it when its cap allows (``megatron-s2 serve --max-logprobs -1``, vLLM's flag of
+  the same name); :meth:`RemoteTeacher.connect` checks that once when the run will need it.
+
+:attr:`RemoteTeacher.response_bytes` counts the bytes of the server's answers (the JSON that
+actually travelled), reported per step as ``opd_teacher_http_bytes``
+(:mod:`~megatron_s2.posttrain.opd.payload`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, NamedTuple
 
 import torch
 
 from megatron_s2.config.schema import ConfigError
+from megatron_s2.inference import FinishReason, RequestOutput, SamplingParams
 from megatron_s2.runtime.finite import TrainingHalted
 
-__all__ = ["RemoteTeacher", "RemoteTeacherError", "once_per_replica"]
+__all__ = ["RemoteTeacher", "RemoteTeacherError", "EndpointEngine", "once_per_replica"]
 
 _RETRY_STATUS = {429, 502, 503, 504}
 
@@ -69,12 +90,15 @@ class RemoteTeacher:
                                         thread_name_prefix=f"teacher-{name}")
         self.model: str | None = None
         self.requests = 0
+        self.response_bytes = 0
+        """Bytes of every answer the server sent (HTTP bodies), for the payload metric."""
 
     # ---- start-up ----------------------------------------------------------------------------
-    def connect(self, vocab_size: int | None = None) -> "RemoteTeacher":
+    def connect(self, vocab_size: int | None = None, full_distribution: bool = False) -> "RemoteTeacher":
         """Check once that the endpoint serves a model and returns prompt log-probs (and, given
         the student's ``vocab_size``, accepts its largest token id: a teacher shares the
-        tokenizer); ConfigError (exit 2, one line naming the field) otherwise."""
+        tokenizer; with ``full_distribution``, returns all ``vocab_size`` of them per position);
+        ConfigError (exit 2, one line naming the field) otherwise."""
         import httpx
 
         url = f"{self.base_url}/models"
@@ -108,6 +132,18 @@ class RemoteTeacher:
                 self.close()
                 raise ConfigError(f"{self.field}: {self.base_url} refuses the student's token id {vocab_size - 1} "
                                   f"({exc}); a teacher must share the student's tokenizer") from None
+        if full_distribution:
+            if not vocab_size:
+                raise ValueError("RemoteTeacher.connect: full_distribution needs the student's vocab_size")
+            try:
+                self.distributions([[0, 0]], vocab_size)
+            except RemoteTeacherError as exc:
+                self.close()
+                why = str(exc).removeprefix(f"{self.field}: ")
+                raise ConfigError(f"{self.field}: {self.base_url} does not return the teacher's full distribution "
+                                  f"({why}), which the held-out evaluation's eval_kl_to_teacher needs; serve the "
+                                  "teacher with --max-logprobs -1 (megatron-s2 serve, vLLM) or turn the evaluation "
+                                  "off (opd.eval.interval=0 opd.eval.at_start=false)") from None
         return self
 
     def close(self) -> None:
@@ -123,22 +159,9 @@ class RemoteTeacher:
         """:meth:`sequence_logprobs` of several sequences in one request (a list of token-id
         prompts; choice i answers prompt i, as in vLLM)."""
         body = {"prompt": [[int(t) for t in ids] for ids in seqs], "max_tokens": 1, "temperature": 0.0,
-                "prompt_logprobs": 0}
-        if self.model is not None:
-            body["model"] = self.model
-        if self.temperature != 1.0:
-            body["prompt_logprobs_temperature"] = self.temperature
-        reply = self._post(f"{self.base_url}/completions", body)
-        choices = reply.get("choices")
-        if not isinstance(choices, list) or len(choices) != len(seqs):
-            raise RemoteTeacherError(f"{self.field}: {_length(choices)} choices for {len(seqs)} prompts")
-        by_index = {c.get("index"): c for c in choices if isinstance(c, dict)}
+                "prompt_logprobs": 0, **self._model_field(), **self._temperature_field()}
         out = []
-        for i, ids in enumerate(seqs):
-            entries = (by_index.get(i) or {}).get("prompt_logprobs")
-            if not isinstance(entries, list) or len(entries) != len(ids):
-                raise RemoteTeacherError(f"{self.field}: choices[{i}].prompt_logprobs has {_length(entries)} entries "
-                                         f"for a prompt of {len(ids)} tokens")
+        for ids, entries in zip(seqs, self._prompt_entries(body, seqs)):
             values = []
             for p in range(1, len(ids)):
                 value = (entries[p] or {}).get(str(ids[p]))
@@ -165,13 +188,92 @@ class RemoteTeacher:
             ends = (pos * mask).max(dim=1).values.tolist()
         rows = [i for i, n in enumerate(ends) if n > 0]
         seqs = [toks[i][:ends[i]] + [labs[i][ends[i] - 1]] for i in rows]
-        k = self.rows_per_request
-        chunks = [seqs[j:j + k] for j in range(0, len(seqs), k)]
-        values = [v for part in self._pool.map(self.batch_logprobs, chunks) for v in part]
+        values = self.score(seqs)
         out = torch.zeros(b, s, dtype=torch.float32)
         for i, v in zip(rows, values):
             out[i, :len(v)] = torch.tensor(v, dtype=torch.float32)
         return out.to(tokens.device)
+
+    def score(self, seqs: list[list[int]]) -> list[list[float]]:
+        """:meth:`sequence_logprobs` of every sequence: ``rows_per_request`` per request, at most
+        ``max_concurrent_requests`` requests in flight."""
+        return [v for part in self._pool.map(self.batch_logprobs, self._chunks(seqs)) for v in part]
+
+    def distributions(self, seqs: list[list[int]], vocab_size: int) -> list[torch.Tensor]:
+        """The teacher's full distribution after every prefix: per sequence a [len - 1, V]
+        float32 tensor whose row p - 1 is log pi_T(. | ids[:p]) over the whole vocabulary (at the
+        teacher's temperature; logits / T from a server in a ``*_logits`` mode, which a KL's
+        log-softmax treats alike). ``prompt_logprobs`` with k = ``vocab_size``."""
+        def one_request(chunk: list[list[int]]) -> list[torch.Tensor]:
+            body = {"prompt": [[int(t) for t in ids] for ids in chunk], "max_tokens": 1, "temperature": 0.0,
+                    "prompt_logprobs": int(vocab_size), **self._model_field(), **self._temperature_field()}
+            return [self._distribution(entries, len(ids), vocab_size, i)
+                    for i, (ids, entries) in enumerate(zip(chunk, self._prompt_entries(body, chunk)))]
+
+        return [d for part in self._pool.map(one_request, self._chunks(seqs)) for d in part]
+
+    def complete(self, prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
+        """One generation from the token-id ``prompt`` (used verbatim): its token ids and finish
+        reason ("stop" / "length"). ``params``: max_tokens, temperature (0 = greedy), top_p,
+        top_k, seed and ignore_eos are sent; the rest must be at their defaults."""
+        extra = [f for f in ("stop", "stop_token_ids", "logprobs", "logprob_token_ids", "record_routing",
+                             "record_indexer_topk") if getattr(params, f) != getattr(SamplingParams(), f)]
+        if extra:
+            raise ValueError(f"RemoteTeacher.complete: {extra} are not sent to the teacher's server")
+        body = {"prompt": [int(t) for t in prompt], "max_tokens": params.max_tokens,
+                "temperature": params.temperature, "return_token_ids": True, **self._model_field()}
+        for name in ("top_p", "top_k", "ignore_eos", "seed"):  # sent when set (servers differ on neutral values)
+            if getattr(params, name) != getattr(SamplingParams(), name):
+                body[name] = getattr(params, name)
+        choices = self._post(f"{self.base_url}/completions", body).get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        ids, reason = choice.get("token_ids"), choice.get("finish_reason")
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids) or reason not in ("stop", "length"):
+            raise RemoteTeacherError(f"{self.field}: a completion without token_ids and a finish_reason of stop or "
+                                     "length (the server must honour vLLM's return_token_ids)")
+        return ids, reason
+
+    def engine(self) -> "EndpointEngine":
+        """This teacher's server, driven like an inference engine (:class:`EndpointEngine`)."""
+        return EndpointEngine(self)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def _chunks(self, seqs: list[list[int]]) -> list[list[list[int]]]:
+        k = self.rows_per_request
+        return [seqs[j:j + k] for j in range(0, len(seqs), k)]
+
+    def _model_field(self) -> dict:
+        return {"model": self.model} if self.model is not None else {}
+
+    def _temperature_field(self) -> dict:
+        # the server applies the teacher's temperature: it holds the logits (module docstring)
+        return {"prompt_logprobs_temperature": self.temperature} if self.temperature != 1.0 else {}
+
+    def _prompt_entries(self, body: dict, seqs: list[list[int]]) -> list[list]:
+        """Each prompt's ``prompt_logprobs`` list from one request (choice i answers prompt i)."""
+        choices = self._post(f"{self.base_url}/completions", body).get("choices")
+        if not isinstance(choices, list) or len(choices) != len(seqs):
+            raise RemoteTeacherError(f"{self.field}: {_length(choices)} choices for {len(seqs)} prompts")
+        by_index = {c.get("index"): c for c in choices if isinstance(c, dict)}
+        out = []
+        for i, ids in enumerate(seqs):
+            entries = (by_index.get(i) or {}).get("prompt_logprobs")
+            if not isinstance(entries, list) or len(entries) != len(ids):
+                raise RemoteTeacherError(f"{self.field}: choices[{i}].prompt_logprobs has {_length(entries)} entries "
+                                         f"for a prompt of {len(ids)} tokens")
+            out.append(entries)
+        return out
+
+    def _distribution(self, entries: list, length: int, vocab_size: int, prompt: int) -> torch.Tensor:
+        rows = []
+        for p in range(1, length):
+            entry = entries[p] if isinstance(entries[p], dict) else {}
+            try:
+                rows.append([float(entry[str(t)]["logprob"]) for t in range(vocab_size)])
+            except (KeyError, TypeError, ValueError):
+                raise RemoteTeacherError(f"{self.field}: choices[{prompt}].prompt_logprobs[{p}] holds {len(entry)} of "
+                                         f"the {vocab_size} tokens") from None
+        return torch.tensor(rows, dtype=torch.float32).view(length - 1, vocab_size)
 
     def _post(self, url: str, body: dict) -> dict:
         import httpx
@@ -184,6 +286,7 @@ class RemoteTeacher:
             except httpx.HTTPError as exc:
                 last = _reason(exc)
             else:
+                self.response_bytes += len(reply.content)
                 if reply.status_code == 200:
                     return _json(reply)
                 last = f"HTTP {reply.status_code}: {_error_message(reply)}"
@@ -195,8 +298,42 @@ class RemoteTeacher:
         raise RemoteTeacherError(f"{self.field}: POST {url} failed ({last})")
 
 
-def once_per_replica(fetch, shape: tuple[int, int], groups) -> torch.Tensor:
-    """``fetch()`` ([b, s] float32) on the replica's first rank (tp = cp = pp rank 0), broadcast
+class _Queued(NamedTuple):
+    prompt: list[int]
+    params: SamplingParams
+    request_id: str
+    on_output: Callable[[RequestOutput], None]
+
+
+class EndpointEngine:
+    """A :class:`RemoteTeacher`'s server behind the part of the
+    :class:`~megatron_s2.inference.InferenceEngine` interface that an episode loop uses:
+    ``add_request`` queues, ``step`` sends every queued request (at most
+    ``max_concurrent_requests`` in flight; the server batches them) and reports each as one
+    finished :class:`~megatron_s2.inference.RequestOutput`, in the order they were added;
+    ``has_work`` says whether any is queued (a callback may queue the episode's next turn)."""
+
+    def __init__(self, teacher: RemoteTeacher):
+        self.teacher = teacher
+        self._queued: list[_Queued] = []
+
+    def add_request(self, prompt: list[int], params: SamplingParams, *, request_id: str,
+                    on_output: Callable[[RequestOutput], None]) -> None:
+        self._queued.append(_Queued(list(prompt), params, request_id, on_output))
+
+    def has_work(self) -> bool:
+        return bool(self._queued)
+
+    def step(self) -> None:
+        batch, self._queued = self._queued, []
+        results = list(self.teacher._pool.map(lambda q: self.teacher.complete(q.prompt, q.params), batch))
+        for queued, (ids, reason) in zip(batch, results):
+            queued.on_output(RequestOutput(queued.request_id, token_ids=ids, finished=True,
+                                           finish_reason=FinishReason(reason)))
+
+
+def once_per_replica(fetch, shape: tuple[int, ...], groups) -> torch.Tensor:
+    """``fetch()`` (float32 of ``shape``) on the replica's first rank (tp = cp = pp rank 0), broadcast
     down pipeline, context and tensor groups in that order (each group's source already holds
     it); a failure of ``fetch`` is raised on every rank of the replica. ``groups``: the
     trainer's ParallelGroups (None: this rank alone)."""
@@ -208,7 +345,7 @@ def once_per_replica(fetch, shape: tuple[int, int], groups) -> torch.Tensor:
     from megatron_s2.posttrain.train_batch import g_device
 
     leader = tp.rank == 0 and cp.rank == 0 and pp.rank == 0
-    buf = torch.zeros(shape[0] * shape[1] + 1, dtype=torch.float32)
+    buf = torch.zeros(math.prod(shape) + 1, dtype=torch.float32)
     failure = None
     if leader:
         try:

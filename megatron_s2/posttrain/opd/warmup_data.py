@@ -11,9 +11,12 @@ beyond the step the checkpoint already holds:
 * :class:`WarmupPrompts` — the training prompts of step ``k``: each row's dataset drawn by the
   rollout datasets' weights (one draw per step, stream ``WARMUP_DATASET``), each dataset read
   in a fresh permutation per epoch (stream ``WARMUP_ORDER``), positions counted over steps;
-* :class:`TeacherGenerator` — the in-process teacher of each row's domain plays the episode on
-  an inference engine built over the teacher's resident weights (rows divided over the rollout
-  replicas, results all-gathered as JSON, so every rank holds the whole global batch);
+* :class:`TeacherGenerator` — the teacher of each row's domain plays the episode: an in-process
+  teacher on an inference engine built over its resident weights, a served one on its server
+  (:class:`~megatron_s2.posttrain.opd.remote_teacher.EndpointEngine`, the same loop; only a
+  replica's first rank asks it, seeded per row and turn like the engine's requests); rows
+  divided over the rollout replicas, results all-gathered as JSON, so every rank holds the
+  whole global batch;
 * :class:`TrajectoryFile` — ``opd.sft_warmup.data``: JSON lines ``{"tokens": [...],
   "loss_mask": [...]}`` (never pickled), read in epoch permutations (stream ``WARMUP_ORDER``).
 """
@@ -114,12 +117,13 @@ class TeacherGenerator:
         self.engine_config, self.eos = engine_config, list(eos_token_ids)
         self.topology, self.temperature = topology, temperature
         self.max_new_tokens, self.max_model_len, self.seed = max_new_tokens, max_model_len, seed
-        self._engines: dict[str, InferenceEngine] = {}
+        self._engines: dict = {}
 
-    def _engine(self, teacher: str) -> InferenceEngine:
-        if teacher not in self._engines:  # built once, over the teacher's resident weights
-            self._engines[teacher] = InferenceEngine(self.pool.teachers[teacher], self.engine_config,
-                                                     eos_token_ids=self.eos)
+    def _engine(self, teacher: str):
+        if teacher not in self._engines:  # built once, over the teacher's resident weights or its server
+            self._engines[teacher] = (self.pool.remote[teacher].engine() if teacher in self.pool.remote else
+                                      InferenceEngine(self.pool.teachers[teacher], self.engine_config,
+                                                      eos_token_ids=self.eos))
         return self._engines[teacher]
 
     def close(self) -> None:
@@ -134,6 +138,8 @@ class TeacherGenerator:
         for j in mine:
             by_teacher.setdefault(self.pool.domain_teacher[self.domain_of[rows[j][0]]], []).append(j)
         for teacher, js in sorted(by_teacher.items()):
+            if teacher in self.pool.remote and not self.topology.leader:
+                continue  # one request per row: only the replica leaders' trajectories are gathered
             played.update(self._play(self._engine(teacher), step, rows, js))
         local = [[j, t.tokens, t.loss_mask, t.correct] for j, t in sorted(played.items())]
         out: dict[int, Trajectory] = {}
@@ -145,7 +151,7 @@ class TeacherGenerator:
             raise RuntimeError(f"sft warm-up: {len(out)} of {len(rows)} trajectories came back from the replicas")
         return [out[j] for j in range(len(rows))]
 
-    def _play(self, engine: InferenceEngine, step: int, rows, js: list[int]) -> dict[int, Trajectory]:
+    def _play(self, engine, step: int, rows, js: list[int]) -> dict[int, Trajectory]:
         """Full episodes (multi-turn included: environment tokens masked) of rows ``js``."""
         state: dict[int, dict] = {}
         outputs: dict[str, list[int]] = {}

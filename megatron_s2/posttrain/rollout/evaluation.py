@@ -15,8 +15,15 @@ are several. With teachers (OPD):
 * ``eval_kl_to_teacher`` — the full-vocabulary reverse KL(student || teacher) per token along the
   student's own held-out responses (report §5.2.4's objective, measured off-policy of training).
 
-Both need the teacher's model in process; domains whose teacher is remote (an endpoint) are
-left out of these two metrics (accuracy is still measured on them).
+The three are the same whether a domain's teacher is in process or served (an endpoint, through
+the training path's client, :class:`~megatron_s2.posttrain.opd.remote_teacher.RemoteTeacher`):
+a served teacher's greedy answers are its server's completions at temperature 0 (the same
+episode loop, :meth:`Evaluator.play`, on an
+:class:`~megatron_s2.posttrain.opd.remote_teacher.EndpointEngine`), its log-probs of them its
+``prompt_logprobs``, and the KL reads its full distribution (``prompt_logprobs`` with k = the
+vocabulary size; the trainer checks at start-up that the server returns it). Only a replica's
+first rank asks the server; the answers reach the replica's other ranks with the all-gather of
+the results, the distributions by broadcast (:func:`once_per_replica`).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch
 from megatron_s2.inference import EngineConfig, EngineDriver, InferenceEngine, SamplingParams
 from megatron_s2.posttrain.envs.base import Environment
 from megatron_s2.posttrain.frozen import full_logits
+from megatron_s2.posttrain.opd.remote_teacher import RemoteTeacher, once_per_replica
 from megatron_s2.posttrain.rollout.replicas import ReplicaTopology, gather_objects
 from megatron_s2.posttrain.vocab_parallel import token_log_probs, vocab_parallel_kl
 
@@ -171,54 +179,84 @@ class Evaluator:
                 acc[0] += total
                 acc[1] += count
         for key, (total, count) in sorted(sums.items()):
-            if count > 0:  # nothing measured (every teacher remote): no metric rather than a 0
+            if count > 0:  # nothing measured (no held-out response at all): no metric rather than a 0
                 out[f"eval_{key}"] = total / count
         return out
 
     def _teacher_metrics(self, items: list[EvalItem], pool, domain_of, groups) -> dict[str, list[float]]:
+        """[total, count] of the three teacher metrics over this replica's ``items`` (module docstring)."""
         tp = groups.tp
         student = self.engine.model
         answers = self._teacher_greedy(pool, domain_of)
-        out = {"student_logprob_teacher": [0.0, 0.0], "teacher_logprob_teacher": [0.0, 0.0],
-               "kl_to_teacher": [0.0, 0.0]}
+        metrics = ("student_logprob_teacher", "teacher_logprob_teacher", "kl_to_teacher")
+        out = {key: [0.0, 0.0] for key in metrics}
+        # Every domain's own figures beside the pooled ones when there are several (two experts,
+        # one student: its distance to each teacher is what the distillation moves, Ch. 8)
+        domains = {domain_of[name] for name in self.envs}
         for name in sorted({domain_of[it.dataset] for it in items}):
+            own_keys = [f"{key}_{name}" for key in metrics] if len(domains) > 1 else []
+            for key in own_keys:
+                out[key] = [0.0, 0.0]
+
+            def add(metric: str, pair: tuple[float, float]) -> None:
+                _add(out[metric], pair)
+                if own_keys:
+                    _add(out[f"{metric}_{name}"], pair)
+
             teacher_name = pool.domain_teacher[name]
-            if teacher_name not in pool.teachers:  # a remote teacher: no greedy answers or full distribution here
-                continue
-            model_t = pool.teachers[teacher_name]
+            temperature = pool.temperatures[teacher_name]
             chosen = [it for it in items if domain_of[it.dataset] == name]
             rows = [(it.prompt, answers[(it.dataset, it.index)]) for it in chosen]
-            for which, model in (("student_logprob_teacher", student), ("teacher_logprob_teacher", model_t)):
-                total, count = _answer_logprob(model, rows, tp, pool.temperatures[teacher_name]
-                                               if which.startswith("teacher") else 1.0)
-                out[which][0] += total
-                out[which][1] += count
             own = [(it.prompt, it.response) for it in chosen if it.response]
-            total, count = _answer_kl(student, model_t, own, tp, pool.temperatures[teacher_name])
-            out["kl_to_teacher"][0] += total
-            out["kl_to_teacher"][1] += count
+            add("student_logprob_teacher", _answer_logprob(student, rows, tp, 1.0))
+            if teacher_name in pool.remote:
+                served = pool.remote[teacher_name]
+                if self.topology.leader:  # only the leaders' figures are gathered: one request per replica
+                    add("teacher_logprob_teacher", _served_answer_logprob(served, rows))
+                shard = _served_distribution_shard(served, self.engine.model_config.vocab_size, tp, groups)
+            else:
+                model_t = pool.teachers[teacher_name]
+                add("teacher_logprob_teacher", _answer_logprob(model_t, rows, tp, temperature))
+                shard = _in_process_shard(model_t, temperature)
+            add("kl_to_teacher", _answer_kl(student, shard, own, tp))
         return out
 
     def _teacher_greedy(self, pool, domain_of) -> dict[tuple[str, int], list[int]]:
         """The teachers' greedy answers to this replica's held-out prompts (computed once: teachers
-        are frozen)."""
+        are frozen). A served teacher's are asked by each replica's first rank and all-gathered."""
         if self._teacher_answers is not None:
             return self._teacher_answers
         answers: dict[tuple[str, int], list[int]] = {}
+        served: list[list] = []
         mine = self.mine()
-        for teacher_name, model in sorted(pool.teachers.items()):
+        for teacher_name in sorted({*pool.teachers, *pool.remote}):
             chosen = [it for it in mine if pool.domain_teacher[domain_of[it[0]]] == teacher_name]
             if not chosen:
                 continue
-            engine = InferenceEngine(model, EngineConfig(max_num_seqs=self.engine.config.max_num_seqs,
-                                                         max_model_len=self.max_model_len, max_waiting=100_000,
-                                                         page_tokens=self.engine.config.page_tokens),
+            if teacher_name in pool.remote:
+                if self.topology.leader:
+                    played = self.play(pool.remote[teacher_name].engine(), chosen, 0.0)
+                    served += [[it.dataset, it.index, it.response] for it in played]
+                continue
+            engine = InferenceEngine(pool.teachers[teacher_name],
+                                     EngineConfig(max_num_seqs=self.engine.config.max_num_seqs,
+                                                  max_model_len=self.max_model_len, max_waiting=100_000,
+                                                  page_tokens=self.engine.config.page_tokens),
                                      eos_token_ids=self.engine.eos_token_ids)
             played = self.play(engine, chosen, 0.0)
             for it in played:
                 answers[(it.dataset, it.index)] = it.response
+        if pool.remote:  # collective on every rank (each replica's leader contributes its answers)
+            for part in gather_objects(served, self.topology):
+                for dataset, index, response in part:
+                    answers[(dataset, index)] = response
         self._teacher_answers = answers
         return answers
+
+
+def _add(acc: list[float], measured: tuple[float, float]) -> None:
+    acc[0] += measured[0]
+    acc[1] += measured[1]
 
 
 def _rows_to_batch(rows: Sequence[tuple[list[int], list[int]]]):
@@ -251,7 +289,10 @@ def _answer_logprob(model, rows, tp, temperature: float, chunk: int = 32) -> tup
 
 
 @torch.no_grad()
-def _answer_kl(student, teacher, rows, tp, temperature: float, chunk: int = 32) -> tuple[float, float]:
+def _answer_kl(student, teacher_shard, rows, tp, chunk: int = 32) -> tuple[float, float]:
+    """Sum and count of the full-vocabulary KL(student || teacher) at every response position of
+    ``rows``; ``teacher_shard(tokens, part)`` gives the teacher's logits (or log-probs) on this
+    rank's vocabulary shard for a chunk's right-padded ``tokens`` [b, s] of rows ``part``."""
     total = count = 0.0
     for i in range(0, len(rows), chunk):
         part = rows[i:i + chunk]
@@ -260,7 +301,42 @@ def _answer_kl(student, teacher, rows, tp, temperature: float, chunk: int = 32) 
         tokens, _, mask = _rows_to_batch(part)
         dev = next(student.parameters()).device
         tokens = tokens.to(dev)
-        kl = vocab_parallel_kl(full_logits(student, tokens), full_logits(teacher, tokens) / temperature, tp).cpu()
+        kl = vocab_parallel_kl(full_logits(student, tokens), teacher_shard(tokens, part).to(dev), tp).cpu()
         total += float((kl * mask).sum())
         count += float(mask.sum())
     return total, count
+
+
+def _in_process_shard(teacher, temperature: float):
+    """``teacher_shard`` of :func:`_answer_kl` for an in-process teacher: its logits / T."""
+    return lambda tokens, rows: full_logits(teacher, tokens) / temperature
+
+
+def _served_answer_logprob(teacher: RemoteTeacher, rows) -> tuple[float, float]:
+    """Sum and count of log pi_T of the answer tokens of ``rows`` (prompt log-probs of prompt +
+    answer, at the teacher's temperature, which its server applies)."""
+    kept = [(p, a) for p, a in rows if a]
+    values = teacher.score([p + a for p, a in kept])
+    total = sum(sum(v[len(p) - 1:]) for (p, _), v in zip(kept, values))
+    return float(total), float(sum(len(a) for _, a in kept))
+
+
+def _served_distribution_shard(teacher: RemoteTeacher, vocab_size: int, tp, groups):
+    """``teacher_shard`` of :func:`_answer_kl` for a served teacher: its full distribution after
+    every prefix of the chunk's rows (asked by the replica's first rank, broadcast to the
+    others), on this rank's vocabulary shard (zeros at padding, which the mask drops)."""
+    part_size = vocab_size // tp.size
+    start = tp.rank * part_size
+
+    def shard(tokens: torch.Tensor, rows) -> torch.Tensor:
+        b, s = tokens.shape
+
+        def fetch() -> torch.Tensor:
+            full = torch.zeros(b, s, vocab_size, dtype=torch.float32)
+            for i, dist in enumerate(teacher.distributions([p + a for p, a in rows], vocab_size)):
+                full[i, :dist.size(0)] = dist
+            return full
+
+        return once_per_replica(fetch, (b, s, vocab_size), groups)[..., start:start + part_size]
+
+    return shard
