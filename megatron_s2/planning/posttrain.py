@@ -10,9 +10,10 @@ The training state and activations of ``phase.kind: rl | opd`` are those of any 
   rollout layout (training tp, ``rollout_ep``, ``rollout_engram_parallel``, pp = cp = 1) after
   ``apply_precision_map`` (``params_dtype`` matrices, float32 islands), counted on a meta
   skeleton of that layout;
-* the **KV cache of each engine** — the rollout engine and the held-out evaluation engine build
-  their own page pool and SWA rings (:func:`~megatron_s2.config.posttrain.engines.engine_configs`),
-  sized by the family's ``engine_cache_bytes``, the function with which the
+* the **KV cache of each engine** — the rollout engine and the held-out evaluation engine (none
+  for verifiers environments, evaluated through the rollout engine) build their own page pool
+  and SWA rings (:func:`~megatron_s2.config.posttrain.engines.engine_configs`), sized by the
+  family's ``engine_cache_bytes``, the function with which the
   engine refuses a cache that does not fit. Pages are not sharded by tensor parallelism (one
   latent KV vector per token and layer), so every rank holds its replica's whole pool;
 * **frozen models** (:mod:`megatron_s2.posttrain.frozen`) — OPD in-process teachers and the

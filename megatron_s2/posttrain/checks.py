@@ -133,19 +133,26 @@ def check_prompts(recipe, tokenizer, environments: Mapping | None = None) -> Non
 
 def check_held_out_prompts(recipe, environments: Mapping) -> None:
     """With evaluation on, some environment has held-out prompts left once those that also occur
-    among its training prompts are dropped (a small task space can leave none: every evaluation
-    would log accuracy 0.000). Needs the drawn prompt sets: run by the trainer, which has them."""
+    among its training prompts are dropped (a small task space, or a verifiers ``eval_taskset``
+    that selects training tasks, can leave none: every evaluation would log accuracy 0.000).
+    Needs the drawn prompt sets: run by the trainer, which has them."""
     section, kind = posttrain_section(recipe), recipe.phase.kind
     rollout = section.rollout
     if not (section.eval.interval or section.eval.at_start):
         return
-    names = [n for n in rollout.dataset_names() if rollout.environment_of(n).kind != "verifiers"]
-    if names and not any(environments[n].size("eval") for n in names):
-        keys = dict.fromkeys(f"{environment_key(kind, rollout, n)}.eval_prompts" for n in names)
-        raise ConfigError(f"{', '.join(keys)}: every held-out prompt also occurs among the training prompts (the "
-                          "task has too few distinct prompts), so evaluation would have nothing to play; lower "
-                          f"num_prompts, make the task harder, or set {kind}.eval.interval=0 and "
-                          f"{kind}.eval.at_start=false")
+    names = rollout.dataset_names()
+    if any(environments[n].size("eval") for n in names):
+        return
+    off = f"{kind}.eval.interval=0 and {kind}.eval.at_start=false"
+    if rollout.uses_verifiers:  # its held-out tasks exist (checked at build), all among the training tasks
+        keys = dict.fromkeys(f"{environment_key(kind, rollout, n)}.eval_taskset" for n in names)
+        raise ConfigError(f"{', '.join(keys)}: every held-out task's opening chat is also a training task's, so "
+                          "evaluation would have nothing to play; select tasks the training taskset does not hold "
+                          f"(e.g. split: eval), or set {off}")
+    keys = dict.fromkeys(f"{environment_key(kind, rollout, n)}.eval_prompts" for n in names)
+    raise ConfigError(f"{', '.join(keys)}: every held-out prompt also occurs among the training prompts (the "
+                      "task has too few distinct prompts), so evaluation would have nothing to play; lower "
+                      f"num_prompts, make the task harder, or set {off}")
 
 
 def _too_long(recipe, kind: str, env_key: str, longest: int, limit: int) -> str:

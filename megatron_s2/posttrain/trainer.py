@@ -22,7 +22,9 @@ preemption guard, markers and metrics — with a different step. One step (= one
 5. the next step resumes every in-flight sample where it stopped.
 
 Evaluation on held-out prompts (greedy by default) runs before the first step, every
-``eval.interval`` steps and after the last, with a second engine over the same weights.
+``eval.interval`` steps and after the last, with a second engine over the same weights — or, for
+verifiers environments, as episodes of their held-out tasks through the run's own server and
+engine, between steps (:class:`~megatron_s2.posttrain.rollout.evaluation.VerifiersEvaluator`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from megatron_s2.posttrain.orchestrator import Orchestrator
 from megatron_s2.posttrain.rollout.engine_backend import EngineRolloutBackend
 from megatron_s2.config.posttrain.engines import engine_configs, engine_max_model_len
 from megatron_s2.posttrain.opd.payload import step_payload_metrics
-from megatron_s2.posttrain.rollout.evaluation import Evaluator
+from megatron_s2.posttrain.rollout.evaluation import Evaluator, VerifiersEvaluator
 from megatron_s2.posttrain.rollout.replicas import replica_topology
 from megatron_s2.parallel.rollout_layout import rollout_placement
 from megatron_s2.posttrain.rollout.weights import WeightTransfer
@@ -161,7 +163,6 @@ class PosttrainTrainer(Trainer):
         self.max_model_len = engine_max_model_len(recipe, self.rollout_cfg)
         configs, eos = engine_configs(recipe, self.rollout_cfg), [self.tokenizer.eos_id]
         self.engine = InferenceEngine(self.rollout_model, configs["rollout"], eos_token_ids=eos)
-        self.eval_engine = InferenceEngine(self.rollout_model, configs["eval"], eos_token_ids=eos)
         loader = self._load_rollout_weights if self.transfer else None
         if self.rollout_cfg.uses_verifiers:  # episodes over our server on this engine (rollout/vf_backend.py)
             from megatron_s2.posttrain.rollout.vf_backend import VerifiersBackend
@@ -172,13 +173,18 @@ class PosttrainTrainer(Trainer):
                                             topology=self.topology, layer_ids=self.rollout_model.layer_ids,
                                             record_routing=engine_cfg.routing_replay, weight_loader=loader,
                                             max_concurrent=concurrent or self.rollout_cfg.max_in_flight)
+            # held-out tasks are played through the same server and engine, between steps
+            self.eval_engine = None
+            self.evaluator = VerifiersEvaluator(self.backend, self.environments, self.topology, self.section.eval,
+                                                self.rollout_cfg.max_new_tokens)
         else:
             self.backend = EngineRolloutBackend(self.engine, self.environments, topology=self.topology,
                                          layer_ids=self.rollout_model.layer_ids,
                                          record_routing=engine_cfg.routing_replay, max_model_len=self.max_model_len,
                                          weight_loader=loader)
-        self.evaluator = Evaluator(self.eval_engine, self.environments, self.topology, self.section.eval,
-                                   self.rollout_cfg.max_new_tokens, self.max_model_len)
+            self.eval_engine = InferenceEngine(self.rollout_model, configs["eval"], eos_token_ids=eos)
+            self.evaluator = Evaluator(self.eval_engine, self.environments, self.topology, self.section.eval,
+                                       self.rollout_cfg.max_new_tokens, self.max_model_len)
         self.model.train()
 
     def _setup_teachers(self) -> TeacherPool:
@@ -228,7 +234,8 @@ class PosttrainTrainer(Trainer):
         if self.transfer is not None:
             self.transfer()
         self.engine.set_policy_version(self.step)
-        self.eval_engine.set_policy_version(self.step)
+        if self.eval_engine is not None:
+            self.eval_engine.set_policy_version(self.step)
         if self.data.pending is not None:
             state = self.data.pending
             if state["policy_version"] != self.step:
@@ -282,7 +289,8 @@ class PosttrainTrainer(Trainer):
         t_rollout = time.perf_counter() - t0
         stats = self.backend.take_stats()
         samples = [s for g in groups for s in g.accepted]
-        extra = rollout_metrics(groups, current_version=self.step, max_staleness=self.rollout_cfg.max_staleness)
+        extra = rollout_metrics(groups, orch.take_outcomes(), current_version=self.step,
+                                max_staleness=self.rollout_cfg.max_staleness)
         t1 = time.perf_counter()
         lr = self.schedule.apply(self.optimizer, self.step)
         http_before = self._teacher_http_bytes()

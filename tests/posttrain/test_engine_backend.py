@@ -10,7 +10,9 @@
   routing covers every fed position;
 * train-aware Decoder SWA Bounded Replay (report §3.2.2): with the engine's decoder replay the
   training forward reproduces the sampled log-probabilities only when it truncates the decoder
-  windows at the replay start.
+  windows at the replay start;
+* the unfiltered rollout metrics of single- and multi-turn task environments cover every episode
+  the engine completed, the groups dynamic sampling dropped included.
 """
 
 from __future__ import annotations
@@ -25,13 +27,16 @@ from megatron_s2.inference import EngineConfig, InferenceEngine
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.model import build_model
 from megatron_s2.models.family.routing_replay import RoutingMode, RoutingReplay
+from megatron_s2.config.posttrain import AdvantageConfig, RolloutConfig
 from megatron_s2.config.posttrain.environment import EnvironmentConfig
-from megatron_s2.posttrain.envs import Environment, Episode, EpisodeStep, TaskEnvironment
-from megatron_s2.posttrain.orchestrator import SampleRequest
+from megatron_s2.posttrain.advantages import AdvantagePipeline, GroupRollouts
+from megatron_s2.posttrain.envs import Environment, Episode, EpisodeStep, RetryTaskEnvironment, TaskEnvironment
+from megatron_s2.posttrain.orchestrator import Orchestrator, SampleRequest
 from megatron_s2.posttrain.rollout.engine_backend import EngineRolloutBackend
 from megatron_s2.posttrain.rollout.replicas import ReplicaTopology
 from megatron_s2.posttrain.vocab_parallel import token_log_probs
 from megatron_s2.parallel.groups import Group
+from tests.posttrain.rollout_steps import check_unfiltered_metrics, rollout_steps
 from tests.posttrain.tiny import tiny_config
 
 TOK = CharTokenizer()
@@ -265,3 +270,59 @@ def test_train_aware_bounded_replay_matches_the_engine():
     assert report.samples > 0 and report.tokens > 0
     assert report.with_max <= 1e-5
     assert report.without_max > 1e-3, "decoder replay changed nothing: the test prompts do not exercise it"
+
+
+def _first_token_even(completion) -> bool:
+    return bool(completion) and completion[0] % 2 == 0
+
+
+class _EvenTask(TaskEnvironment):
+    """Correct when the first generated token id is even: a random model's groups are sometimes
+    uniform (dynamic sampling drops them), sometimes mixed; the reward is recomputable from tokens."""
+
+    class episode_type(TaskEnvironment.episode_type):
+        def verify(self, completion, finish_reason) -> bool:
+            return _first_token_even(completion)
+
+
+class _EvenRetryTask(RetryTaskEnvironment):
+    """Multi-turn: a wrong first answer gets the feedback and a second attempt (reward 1 / turn)."""
+
+    class episode_type(RetryTaskEnvironment.episode_type):
+        def verify(self, completion, finish_reason) -> bool:
+            return _first_token_even(completion)
+
+
+def _single_turn_reward(s) -> float:
+    return float(_first_token_even(s.tokens[s.prompt_length:]))
+
+
+def _retry_reward(s) -> float:
+    """1 / turn of the answer that verified (the session ends there), else 0."""
+    start = s.spans[-1][0]
+    return 1.0 / len(s.spans) if _first_token_even(s.tokens[start:]) else 0.0
+
+
+@pytest.mark.parametrize("kind", ["task", "task_retry"])
+def test_unfiltered_rollout_metrics_count_every_episode_of_task_environments(kind):
+    """rollout_* over every episode the engine completed, the groups DAPO dropped included;
+    trained_* over the trained groups (issue 26: the trained mean of a binary reward under
+    dynamic sampling says nothing about the policy)."""
+    env_cls, reward_of, turns = (_EvenTask, _single_turn_reward, 1) if kind == "task" else \
+        (_EvenRetryTask, _retry_reward, 2)
+    env = env_cls("add", EnvironmentConfig(kind=kind, task="addition", num_prompts=32, eval_prompts=0,
+                                           max_turns=turns), TOK)
+    model = build_model(tiny_config(), seed=9).eval()
+    # every odd id ends a reply, so that a wrong first answer often ends with 'stop' and is retried
+    engine = InferenceEngine(model, EngineConfig(max_num_seqs=8, max_model_len=40, page_tokens=8),
+                             eos_token_ids=[i for i in range(1, tiny_config().vocab_size, 2)])
+    backend = EngineRolloutBackend(engine, {"add": env}, topology=ReplicaTopology.single(), layer_ids=model.layer_ids,
+                                   record_routing=True, max_model_len=40)
+    cfg = RolloutConfig(group_size=2, max_in_flight=8, batch_groups=2, max_new_tokens=3, max_staleness=-1)
+    dapo = AdvantagePipeline(AdvantageConfig(dynamic_sampling=True))
+    orch = Orchestrator(cfg, {"add": env}, backend, seed=3,
+                        group_filter=lambda ss: dapo.informative(GroupRollouts.from_samples(ss)))
+    steps = rollout_steps(orch, backend, 3)
+    check_unfiltered_metrics(orch, steps, reward_of)
+    if kind == "task_retry":  # second attempts happened, and their 1/2 rewards are in the means
+        assert any(reward_of(s) == 0.5 for _, _, returned in steps for s in returned)

@@ -171,6 +171,34 @@ def test_uninformative_groups_are_filtered_and_replaced():
         assert len({s.reward for s in g.accepted}) > 1 and len(g.accepted) == 4
 
 
+def test_outcomes_record_every_completed_group_before_dynamic_sampling_and_survive_a_checkpoint():
+    """The unfiltered rollout metrics' source: every accepted episode's reward (the simulated
+    engine's reward is a known function of the request seed) and every closed group, the filtered
+    ones included; the outcomes not yet taken travel in the orchestrator's state."""
+    from megatron_s2.posttrain.orchestrator import sample_seed
+
+    cfg = RolloutConfig(group_size=4, max_in_flight=16, batch_groups=3, max_staleness=-1)
+    pipe = AdvantagePipeline(AdvantageConfig())
+    keep = lambda samples: pipe.informative(GroupRollouts.from_samples(samples))  # noqa: E731
+    orch, engine = make(cfg, group_filter=keep)
+    accepted = []  # no discards here (no staleness bound, no warm-up): every completion is accepted
+    ingest = orch._ingest
+    orch._ingest = lambda s: (ingest(s), accepted.append(s))
+    while orch.ledger["filtered"] < 2 or not orch.batch_ready():
+        engine.tick()
+        orch.pump()
+    ready = len(orch.ready)
+    orch.begin_training()
+    orch.finish_update(1)
+    state = json.loads(json.dumps(orch.state_dict()))  # what a checkpoint stores (outcomes not taken yet)
+    restored, _ = make(cfg, engine=SimulatedEngine(version=1, in_flight_bound=16), group_filter=keep)
+    restored.load_state_dict(state)
+    for o in (orch.take_outcomes(), restored.take_outcomes()):
+        assert o.rewards == [float((sample_seed(SEED, s.sample_id) // 7) % 2) for s in accepted]
+        assert o.groups == ready + o.filtered and o.filtered == orch.ledger["filtered"] >= 2
+    assert orch.take_outcomes().rewards == [], "taken outcomes must not be counted again"
+
+
 # ---- crash-safe resume -------------------------------------------------------------------------------------
 def _restart(config, seed_sources, kw, at_step, seen=None):
     def after_update(orch, engine, step):

@@ -4,7 +4,9 @@ OpenAI-compatible app, real verifiers 0.4.0 episodes (SingleAgentEnv -> intercep
 TrainClient -> renderers -> /inference/v1/generate) run against it, and every trained sample is
 exactly what the engine generated (each assistant turn's ids = one engine request's output, its
 context = that request's prompt), carries the rubric's reward, the R3 record of every fed position
-and its policy version. The two-turn environment checks the loss mask of a multi-turn session."""
+and its policy version. The two-turn environment checks the loss mask of a multi-turn session.
+The unfiltered rollout metrics cover every episode, the groups dynamic sampling dropped included;
+held-out tasks (``environment.eval_taskset``) are evaluated through the same server into eval.jsonl."""
 
 from __future__ import annotations
 
@@ -14,17 +16,24 @@ from pathlib import Path
 
 import pytest
 
+from megatron_s2.config.posttrain import AdvantageConfig, RolloutConfig
+from megatron_s2.config.posttrain.environment import EnvironmentConfig
 from megatron_s2.config.recipe import load_recipe
 from megatron_s2.config.schema import ConfigError
+from megatron_s2.posttrain.advantages import AdvantagePipeline, GroupRollouts
+from megatron_s2.posttrain.orchestrator import Orchestrator
 from megatron_s2.posttrain.rollout import vf_backend
 from megatron_s2.posttrain.trainer import PosttrainTrainer
+from tests.posttrain.rollout_steps import check_unfiltered_metrics, rollout_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "phases" / "rl_addition_verifiers.yaml"
+PLUGINS = Path(__file__).parent / "vf_plugins"
 SMALL = ["training.train_steps=2", "training.seq_length=96", "training.global_batch_size=4",
          "training.micro_batch_size=4", "rl.rollout.group_size=2", "rl.rollout.batch_groups=2",
          "rl.rollout.max_in_flight=4", "rl.rollout.max_new_tokens=4", "rl.rollout.engine.max_num_seqs=4",
          "rl.rollout.environment.max_concurrent=4", "rl.advantage.dynamic_sampling=false",
+         "rl.eval.interval=0", "rl.eval.at_start=false", "rl.rollout.environment.eval_taskset={}",
          "checkpoint.save_interval=0", "logging.progress_bar=false", "logging.tensorboard=false"]
 
 
@@ -146,8 +155,11 @@ def test_resumed_verifiers_run_trains_no_prompt_twice(tmp_path, monkeypatch):
 
 
 def test_verifiers_recipes_refuse_what_is_not_supported_yet():
-    with pytest.raises(ConfigError, match=r"rl\.eval"):
-        load_recipe(str(RECIPE), ["rl.eval.interval=5"])
+    with pytest.raises(ConfigError, match=r"opd\.eval: the distillation metrics .* set opd\.eval\.interval=0"):
+        load_recipe(str(ROOT / "recipes" / "phases" / "opd_addition.yaml"),
+                    ["data.tokenizer=recipes/tokenizers/tiny-bpe", "model.vocab_size=512", "model.engram_pad_id=2",
+                     "opd.rollout.environment={kind: verifiers, taskset: {id: megatron_s2_tasks}, "
+                     "eval_taskset: {split: eval}}", "opd.eval.interval=5", "training.seq_length=96"])
     with pytest.raises(ConfigError, match="data.tokenizer"):
         load_recipe(str(RECIPE), ["data.tokenizer=char"])
     with pytest.raises(ConfigError, match="taskset"):
@@ -155,6 +167,49 @@ def test_verifiers_recipes_refuse_what_is_not_supported_yet():
     with pytest.raises(ConfigError, match="train_aware_replay"):
         load_recipe(str(RECIPE), ["rl.rollout.engine.decoder_bounded_replay=true",
                                   "rl.rollout.engine.train_aware_replay=true"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rl.rollout.environment.eval_taskset={}"],
+     r"^rl\.rollout\.environment\.eval_taskset: evaluation is on \(rl\.eval\.interval=10, rl\.eval\.at_start=true\) "
+     r"but the verifiers environment declares no held-out tasks; set eval_taskset .* or rl\.eval\.interval=0 and "
+     r"rl\.eval\.at_start=false$"),
+    (["rl.eval.interval=0", "rl.rollout.environment.eval_taskset={}"],
+     r"^rl\.rollout\.environment\.eval_taskset: evaluation is on \(rl\.eval\.interval=0, rl\.eval\.at_start=true\)"),
+    (["rl.eval.interval=-2"], r"^rl\.eval\.interval: must be >= 0 .*got -2$"),
+    (["rl.rollout.environment.eval_taskset={split: train}"],
+     r"^rl\.rollout\.environment\.eval_taskset: it names the training taskset itself"),
+    (["rl.rollout.environment={kind: task, eval_taskset: {split: eval}}"],
+     r"^rl\.rollout\.environment\.taskset: taskset / eval_taskset / agent / plugin_path configure a verifiers"),
+])
+def test_verifiers_evaluation_config_errors_exit_2_with_one_line_before_any_rank_starts(overrides, message, tmp_path,
+                                                                                       capsys):
+    from megatron_s2.cli import main
+
+    code = main(["launch", str(RECIPE), "--local", *overrides, f"training.run_dir={tmp_path / 'run'}"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1, err
+    assert re.search(message, err[0].split("configuration error: ", 1)[1]), err[0]
+    assert not (tmp_path / "run").exists()  # refused before anything started
+
+
+def test_held_out_tasks_that_are_training_tasks_are_dropped_and_none_left_is_refused(tmp_path):
+    """An eval_taskset that (partly) selects training tasks: those are not held out and are dropped;
+    when none is left the trainer refuses to start (one line naming the field)."""
+    from megatron_s2.posttrain.envs.vf_env import VerifiersEnvironment
+    from megatron_s2.config.posttrain.environment import EnvironmentConfig as Env
+
+    env = VerifiersEnvironment("d", Env(kind="verifiers", taskset={"id": "megatron_s2_parity", "count": 4},
+                                        eval_taskset={"offset": 2}, plugin_path=str(PLUGINS)), None)
+    assert [t.data.prompt for t in env.tasks] == ["Item 0?", "Item 2?", "Item 4?", "Item 6?"]
+    assert env.eval_dropped == 2 and [t.data.prompt for t in env.eval_tasks] == ["Item 8?", "Item 10?"]
+    recipe = load_recipe(str(RECIPE), [*SMALL, "rl.eval.interval=1", f"rl.rollout.environment.plugin_path={PLUGINS}",
+                                       "rl.rollout.environment.taskset={id: megatron_s2_parity, count: 4}",
+                                       "rl.rollout.environment.eval_taskset={count: 2}"])
+    with pytest.raises(ConfigError, match=r"^rl\.rollout\.environment\.eval_taskset: every held-out task's opening "
+                                          r"chat is also a training task's") as err:
+        PosttrainTrainer(recipe, tmp_path / "run", log=lambda *a: None)
+    assert "\n" not in str(err.value)
 
 
 def test_an_opd_warmup_that_would_generate_on_a_verifiers_environment_is_refused_at_load():
@@ -218,3 +273,92 @@ def test_episodes_reach_the_loopback_server_with_a_proxy_in_the_environment(tmp_
     assert result.final_step == 1
     import os
     assert os.environ["NO_PROXY"].split(",") == ["example.org", "127.0.0.1", "localhost"]
+
+
+@pytest.mark.slow
+def test_unfiltered_rollout_metrics_count_every_episode_of_a_verifiers_environment(monkeypatch):
+    """The verifiers code path (episodes over the in-process server, rubric rewards from traces):
+    rollout_* over every finished episode, the groups DAPO dropped included; trained_* over the
+    trained groups. The parity rubric is recomputed from each trace's reply."""
+    import dataclasses
+
+    from megatron_s2.data.tokenizer import load_tokenizer
+    from megatron_s2.inference import EngineConfig, InferenceEngine
+    from megatron_s2.models.v41.model import build_model
+    from megatron_s2.posttrain.envs.vf_env import VerifiersEnvironment
+    from megatron_s2.posttrain.rollout.replicas import ReplicaTopology
+    from tests.posttrain.tiny import tiny_config
+    from tests.posttrain.vf_plugins.megatron_s2_parity import reply_reward
+
+    tok = load_tokenizer(ROOT / "recipes" / "tokenizers" / "tiny-bpe")
+    model = build_model(dataclasses.replace(tiny_config(), vocab_size=512, engram_pad_id=2), seed=2)
+    model.set_token_map(tok.compressed_token_map(num_ids=512))
+    engine = InferenceEngine(model.eval(), EngineConfig(max_num_seqs=8, max_model_len=96, page_tokens=8),
+                             eos_token_ids=[tok.eos_id])
+    env = VerifiersEnvironment("default", EnvironmentConfig(kind="verifiers", taskset={"id": "megatron_s2_parity"},
+                                                            plugin_path=str(PLUGINS)), tok)
+    backend = vf_backend.VerifiersBackend(engine, {"default": env}, tokenizer=tok, topology=ReplicaTopology.single(),
+                                          layer_ids=model.layer_ids, record_routing=False, max_concurrent=8)
+    replies: dict[int, str] = {}
+    convert = vf_backend.trace_sample
+
+    def keep(trace, sample_id, **kw):
+        replies[sample_id] = trace.last_reply
+        return convert(trace, sample_id, **kw)
+
+    monkeypatch.setattr(vf_backend, "trace_sample", keep)
+    cfg = RolloutConfig(group_size=2, max_in_flight=8, batch_groups=2, max_new_tokens=3, max_staleness=-1)
+    dapo = AdvantagePipeline(AdvantageConfig(dynamic_sampling=True))
+    orch = Orchestrator(cfg, {"default": env}, backend, seed=3,
+                        group_filter=lambda ss: dapo.informative(GroupRollouts.from_samples(ss)))
+    try:
+        steps = rollout_steps(orch, backend, 3)
+    finally:
+        backend.close()
+    check_unfiltered_metrics(orch, steps, lambda s: reply_reward(replies[s.sample_id]))
+
+
+@pytest.mark.slow
+def test_a_verifiers_run_evaluates_its_held_out_tasks_at_the_interval_into_eval_jsonl(tmp_path, monkeypatch):
+    """eval.interval=2 over 3 steps: eval.jsonl rows before the first update, at step 2 and after
+    the last; each plays every held-out task (the parity taskset's eval split, never trained on)
+    twice at temperature 1 and once greedy, as verifiers episodes through the run's own server and
+    engine; accuracy and reward are the rubric recomputed from those episodes' replies."""
+    from tests.posttrain.vf_plugins.megatron_s2_parity import reply_reward
+
+    played, inside = [], []
+    play, convert = vf_backend.VerifiersBackend.play_held_out, vf_backend.trace_sample
+
+    def play_spy(self, items, **kw):
+        inside.append([])
+        samples = play(self, items, **kw)
+        played.append((list(items), kw["temperature"], samples, inside.pop()))
+        return samples
+
+    def trace_spy(trace, sample_id, **kw):
+        if inside:
+            inside[-1].append(trace)
+        return convert(trace, sample_id, **kw)
+
+    monkeypatch.setattr(vf_backend.VerifiersBackend, "play_held_out", play_spy)
+    monkeypatch.setattr(vf_backend, "trace_sample", trace_spy)
+    _, _, calls = _run(tmp_path, monkeypatch, "megatron_s2_parity", str(PLUGINS), "training.train_steps=3",
+                       "rl.eval.interval=2", "rl.eval.at_start=true", "rl.eval.temperature=1.0",
+                       "rl.eval.samples_per_prompt=2", "rl.eval.also_greedy=true",
+                       "rl.rollout.environment.eval_taskset={split: eval, count: 3}", steps=3)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 2, 3] and len(played) == 2 * len(rows)
+    for row, (sampled, greedy) in zip(rows, zip(played[::2], played[1::2])):
+        items, temperature, samples, traces = sampled
+        assert temperature == 1.0 and items == [("default", i) for i in range(3) for _ in range(2)]
+        assert greedy[1] == 0.0 and greedy[0] == [("default", i) for i in range(3)]
+        assert {t.task.data.prompt for t in traces} == {"Item 1?", "Item 3?", "Item 5?"}  # the eval split
+        assert row["eval_prompts"] == 3 and row["eval_episodes"] == 6
+        rewards = [reply_reward(t.last_reply) for t in traces]
+        assert row["eval_accuracy"] == pytest.approx(sum(rewards) / 6) == pytest.approx(row["eval_reward"])
+        assert row["eval_greedy_accuracy"] == pytest.approx(sum(reply_reward(t.last_reply) for t in greedy[3]) / 3)
+        for s in samples:  # each held-out episode's call was a request of the run's own engine
+            start, end = s.spans[0]
+            assert any(c["prompt"] == s.tokens[:start] and c["ids"] == s.tokens[start:end] for c in calls)
+    metrics = {m["step"]: m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
+    assert metrics[2]["eval_accuracy"] == rows[1]["eval_accuracy"] and "eval_accuracy" not in metrics[1]

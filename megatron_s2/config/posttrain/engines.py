@@ -1,5 +1,6 @@
-"""The two inference engines a post-training rank builds (report §5.2.1): the rollout engine and
-the held-out evaluation engine, both over the rollout model (the training model when shared).
+"""The inference engines a post-training rank builds (report §5.2.1): the rollout engine and the
+held-out evaluation engine (none for verifiers environments), both over the rollout model (the
+training model when shared).
 
 :func:`engine_configs` is the one place their :class:`~megatron_s2.inference.EngineConfig` is
 derived from the recipe, so the trainer and ``megatron-s2 plan memory``
@@ -23,11 +24,15 @@ def engine_max_model_len(recipe, rollout) -> int:
 
 def engine_configs(recipe, rollout) -> dict[str, EngineConfig]:
     """``{"rollout": ..., "eval": ...}``: the engine configurations of a post-training rank for the
-    ``rollout`` section (:class:`~megatron_s2.config.posttrain.rollout` of ``rl`` / ``opd``)."""
+    ``rollout`` section (:class:`~megatron_s2.config.posttrain.rollout` of ``rl`` / ``opd``); no
+    ``eval`` engine with verifiers environments (their held-out tasks are played through the rollout
+    engine's server, :class:`~megatron_s2.posttrain.rollout.evaluation.VerifiersEvaluator`)."""
     engine = rollout.engine
     common = dict(max_model_len=engine_max_model_len(recipe, rollout), prefill_chunk=engine.prefill_chunk,
                   max_prefill_tokens=max(engine.prefill_chunk, 1024), page_tokens=engine.page_tokens,
                   prefix_caching=False, seed=recipe.training.seed, max_num_seqs=engine.max_num_seqs,
                   decoder_bounded_replay=engine.decoder_bounded_replay)
-    return {"rollout": EngineConfig(max_waiting=max(4 * rollout.max_in_flight, 256), **common),
-            "eval": EngineConfig(max_waiting=100_000, **common)}
+    configs = {"rollout": EngineConfig(max_waiting=max(4 * rollout.max_in_flight, 256), **common)}
+    if not rollout.uses_verifiers:  # verifiers environments evaluate through the rollout engine's server
+        configs["eval"] = EngineConfig(max_waiting=100_000, **common)
+    return configs

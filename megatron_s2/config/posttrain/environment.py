@@ -56,6 +56,12 @@ class EnvironmentConfig:
     """verifiers: the taskset config, ``{id: <plugin id>, <that taskset's config fields>}`` (e.g.
     ``{id: megatron_s2_tasks, task_name: addition, split: train, count: 4000}``); its tasks are
     the prompts, its ``@vf.reward`` functions the rubric."""
+    eval_taskset: dict[str, Any] = field(default_factory=dict)
+    """verifiers: the held-out tasks played by ``eval`` (a verifiers taskset has no split of its
+    own): the fields that differ from ``taskset`` — e.g. ``{split: eval, count: 256}``, the embedded
+    tasks' held-out prompts — or a whole taskset config with another ``id``. Tasks whose opening
+    chat is also a training task's are dropped (held-out = never trained on). Needed when
+    evaluation is on; '' / {} = none."""
     agent: dict[str, Any] = field(default_factory=dict)
     """verifiers: the agent (``vf.AgentConfig``): ``harness: {id: <plugin id>, ...}`` (default: the
     taskset's harness), ``runtime`` (default ``{type: subprocess}``: on this host), ``max_turns`` ..."""
@@ -90,9 +96,13 @@ class EnvironmentConfig:
         if self.kind == "verifiers" and not self.taskset.get("id"):
             raise ConfigError("taskset: a verifiers environment needs the taskset's plugin id; set taskset: {id: "
                               "<id>, ...} (e.g. megatron_s2_tasks)")
-        if self.kind != "verifiers" and (self.taskset or self.agent or self.plugin_path):
-            raise ConfigError(f"taskset: taskset / agent / plugin_path configure a verifiers environment; set "
-                              f"kind: verifiers or remove them (kind is '{self.kind}')")
+        if self.kind != "verifiers" and (self.taskset or self.eval_taskset or self.agent or self.plugin_path):
+            raise ConfigError(f"taskset: taskset / eval_taskset / agent / plugin_path configure a verifiers "
+                              f"environment; set kind: verifiers or remove them (kind is '{self.kind}')")
+        if self.eval_taskset and self.held_out_taskset() == dict(self.taskset):
+            raise ConfigError("eval_taskset: it names the training taskset itself, so nothing would be held out; give "
+                              "the fields that select held-out tasks (e.g. {split: eval, count: 256} for "
+                              "megatron_s2_tasks) or another taskset id")
         if self.max_concurrent < 0:
             raise ConfigError(f"max_concurrent: must be >= 0 (0 = rollout.max_in_flight), got {self.max_concurrent}")
         for cap in ("max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens"):  # verifiers' limits
@@ -106,6 +116,15 @@ class EnvironmentConfig:
     @property
     def multi_turn(self) -> bool:
         return self.max_turns > 1
+
+    def held_out_taskset(self) -> dict[str, Any]:
+        """The verifiers taskset config of the held-out tasks: ``eval_taskset`` over ``taskset``
+        (the same plugin), or ``eval_taskset`` alone when it names another id; {} = none."""
+        if not self.eval_taskset:
+            return {}
+        if self.eval_taskset.get("id", self.taskset.get("id")) != self.taskset.get("id"):
+            return dict(self.eval_taskset)
+        return {**self.taskset, **self.eval_taskset}
 
 
 @dataclass(frozen=True)
@@ -178,8 +197,11 @@ class EvaluationConfig:
     accuracy as ``eval_greedy_accuracy`` (the sampled accuracy stays ``eval_accuracy``)."""
 
     def __post_init__(self) -> None:
-        if self.interval < 0 or self.num_prompts < 0:
-            raise ConfigError("interval / num_prompts: must be >= 0")
+        if self.interval < 0:
+            raise ConfigError(f"interval: must be >= 0 (evaluate every this many steps and after the last; 0 = no "
+                              f"periodic evaluation), got {self.interval}")
+        if self.num_prompts < 0:
+            raise ConfigError(f"num_prompts: must be >= 0 (0 = every held-out prompt), got {self.num_prompts}")
         if not self.temperature >= 0:
             raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")
         if self.samples_per_prompt < 1:

@@ -85,10 +85,18 @@ def check_posttrain_recipe(recipe) -> None:
 
 def _check_verifiers(recipe, section, kind: str) -> None:
     """What the verifiers rollout backend (megatron_s2/posttrain/rollout/vf_backend.py) cannot do yet."""
-    if section.eval.interval or section.eval.at_start:
-        raise ConfigError(f"{kind}.eval: held-out evaluation of a verifiers environment is not supported yet; set "
-                          f"{kind}.eval.interval: 0 and {kind}.eval.at_start: false (evaluate with `vf eval` against "
-                          "`megatron-s2 serve`)")
+    rollout, ev = section.rollout, section.eval
+    if ev.interval or ev.at_start:
+        when = f"{kind}.eval.interval={ev.interval}, {kind}.eval.at_start={str(ev.at_start).lower()}"
+        off = f"{kind}.eval.interval=0 and {kind}.eval.at_start=false"
+        if kind == "opd":  # the teacher metrics play the teachers' greedy answers as token-level episodes
+            raise ConfigError(f"opd.eval: the distillation metrics of held-out prompts need token-level episodes, "
+                              f"which a verifiers environment does not have ({when}); set {off}")
+        for name in rollout.dataset_names():
+            if not rollout.environment_of(name).eval_taskset:
+                raise ConfigError(f"{environment_key(kind, rollout, name)}.eval_taskset: evaluation is on ({when}) but "
+                                  "the verifiers environment declares no held-out tasks; set eval_taskset (e.g. "
+                                  f"{{split: eval, count: 256}} for megatron_s2_tasks), or {off}")
     warmup = getattr(section, "sft_warmup", None)
     if warmup is not None and warmup.steps and not warmup.data:
         raise ConfigError("opd.sft_warmup.data: the warm-up generates teacher trajectories with token-level episodes, "

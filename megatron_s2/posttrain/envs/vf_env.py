@@ -7,10 +7,15 @@ orchestrator it is a :class:`~megatron_s2.posttrain.orchestrator.PromptSource`: 
 the taskset's task ``i``. Its episodes are run by
 :class:`~megatron_s2.posttrain.rollout.vf_backend.VerifiersBackend` against our server over the
 co-located engine; the rubric (the taskset's ``@vf.reward`` functions) scores them.
+
+A verifiers taskset has no split: the held-out tasks of ``eval`` come from a second taskset config
+(``environment.eval_taskset``, e.g. the embedded tasks' ``split: eval``) played by the same agent,
+minus any task whose opening chat is a training task's (held out = never trained on).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -57,37 +62,45 @@ class VerifiersEnvironment(Environment):
     """A verifiers taskset x agent; prompts = its tasks (module docstring)."""
 
     def __init__(self, name: str, config, tokenizer, *, what: str = "rollout.environment"):
-        import verifiers.v1 as vf
-
         from megatron_s2.posttrain.envs.vf_tasks import plugin_dir
 
         self.name, self.config, self.tokenizer = name, config, tokenizer
         _add_path(plugin_dir())  # the embedded tasks' id, megatron_s2_tasks
         if config.plugin_path:
             _add_path(resolve_plugin_path(config.plugin_path, f"{what}.plugin_path"))
-        agent = {"runtime": {"type": "subprocess"}, **config.agent}
+        self.env, self.tasks = self._build(config.taskset, f"{what}.taskset")
+        self.eval_env, self.eval_tasks, self.eval_dropped = None, [], 0
+        if config.eval_taskset:  # the same agent on the held-out tasks: a second env, its own interception
+            self.eval_env, tasks = self._build(config.held_out_taskset(), f"{what}.eval_taskset")
+            seen = {_opening(t) for t in self.tasks}
+            self.eval_tasks = [t for t in tasks if _opening(t) not in seen]  # held out = never trained on
+            self.eval_dropped = len(tasks) - len(self.eval_tasks)
+
+    def _build(self, taskset: dict, what: str):
+        import verifiers.v1 as vf
+
+        agent = {"runtime": {"type": "subprocess"}, **self.config.agent}
         try:
-            self.env = vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset=dict(config.taskset), agent=agent))
-            self.tasks = list(self.env.taskset)
+            env = vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset=dict(taskset), agent=agent))
+            tasks = list(env.taskset)
         except (ImportError, ValueError, TypeError, KeyError, SyntaxError) as exc:
             first = _first_line(exc)
-            raise ConfigError(f"{what}.taskset: verifiers cannot build the environment {config.taskset.get('id')!r} "
-                              f"({first}); check the taskset id / config, agent and plugin_path") from None
-        if not self.tasks:
-            raise ConfigError(f"{what}.taskset: the taskset {config.taskset.get('id')!r} has no tasks")
+            raise ConfigError(f"{what}: verifiers cannot build the environment {taskset.get('id')!r} ({first}); check "
+                              "the taskset id / config, agent and plugin_path") from None
+        if not tasks:
+            raise ConfigError(f"{what}: the taskset {taskset.get('id')!r} has no tasks")
+        return env, tasks
 
     def size(self, split: Split) -> int:
-        return len(self.tasks) if split == "train" else 0
+        return len(self.tasks) if split == "train" else len(self.eval_tasks)
 
-    def prompt_messages(self, index: int) -> list[dict]:
+    def env_of(self, split: Split):
+        """``(verifiers env, its tasks)`` of ``split``."""
+        return (self.env, self.tasks) if split == "train" else (self.eval_env, self.eval_tasks)
+
+    def prompt_messages(self, index: int, split: Split = "train") -> list[dict]:
         """The task's opening chat (system prompt + user prompt) as the harness is expected to send it."""
-        data = self.tasks[index].data
-        system = getattr(data, "system_prompt", None)
-        messages = [{"role": "system", "content": system}] if system else []
-        prompt = data.prompt
-        if isinstance(prompt, str):
-            return messages + [{"role": "user", "content": prompt}]
-        return messages + [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in prompt]
+        return _messages(self.env_of(split)[1][index])
 
     def prompt_tokens(self, index: int, effort: int | None = None) -> list[int]:
         """The rendered opening chat (informational: the trained ids come from the trace)."""
@@ -102,3 +115,18 @@ class VerifiersEnvironment(Environment):
 
     def reference_answer(self, index: int, split: Split) -> list[int]:
         raise NotImplementedError("a verifiers taskset has no reference answers for the evaluator")
+
+
+def _messages(task) -> list[dict]:
+    data = task.data
+    system = getattr(data, "system_prompt", None)
+    messages = [{"role": "system", "content": system}] if system else []
+    prompt = data.prompt
+    if isinstance(prompt, str):
+        return messages + [{"role": "user", "content": prompt}]
+    return messages + [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in prompt]
+
+
+def _opening(task) -> str:
+    """A task's opening chat as a comparable key."""
+    return json.dumps(_messages(task), sort_keys=True, default=str)

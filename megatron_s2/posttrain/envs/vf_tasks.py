@@ -29,6 +29,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+import httpx
 from openai import AsyncOpenAI
 
 import verifiers.v1 as vf
@@ -129,7 +130,12 @@ class AskOnceHarness(vf.Harness[vf.HarnessConfig]):
         system, prompt = self.resolve_prompt(data)
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
-        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+        # openai's default 5 s connect timeout failed episodes (and the run) on a loaded 2-core machine
+        # while dozens of episodes opened their connection at once; the endpoint is in-process, so a
+        # slow accept is load, not an outage (verifiers' own clients set no read limit either:
+        # ClientTimeoutConfig)
+        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0,
+                               timeout=httpx.Timeout(None, connect=60.0)) as client:
             await client.chat.completions.create(model=ctx.model, messages=messages)
         return ProgramResult(exit_code=0, stdout="", stderr="")
 

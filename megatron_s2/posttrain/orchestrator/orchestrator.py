@@ -19,7 +19,9 @@ Responsibilities, each from the report:
   ``mask`` mode it is kept and the loss masks its stale tokens.
 * **Group bookkeeping**: a group completes with G accepted samples; DAPO dynamic sampling
   (``group_filter``) drops uninformative groups, which are *replaced* by further prompts and
-  never counted toward a batch.
+  never counted toward a batch. Every completed group's rewards are recorded *before* the filter
+  judges it (:class:`RolloutOutcomes`, :meth:`Orchestrator.take_outcomes`): the unfiltered
+  ``rollout_*`` metrics of :mod:`megatron_s2.posttrain.metrics`.
 * **Crash-safe state** (:meth:`state_dict`): prompt cursors, dispatch counters (the random
   streams), the policy version, open groups with their accepted samples and the partial state
   of in-flight samples, ready groups, and a ledger. After a restart in-flight samples are
@@ -46,7 +48,7 @@ from megatron_s2.posttrain.orchestrator.backend import PromptSource, RolloutBack
 from megatron_s2.posttrain.orchestrator.dispatch import PromptCursor, choose_dataset, sample_seed
 from megatron_s2.posttrain.orchestrator.sample import RolloutSample
 
-__all__ = ["PromptGroup", "Orchestrator", "STATE_VERSION"]
+__all__ = ["PromptGroup", "RolloutOutcomes", "Orchestrator", "STATE_VERSION"]
 
 STATE_VERSION = 1
 
@@ -87,6 +89,38 @@ class PromptGroup:
         return cls(s["group_id"], s["prompt_uid"], s["dataset"], s["index"], list(s["efforts"]),
                    [RolloutSample.from_state_dict(x) for x in s["accepted"]],
                    {int(sid): e for sid, e in s["in_flight"]}, list(s["pending"]))
+
+
+@dataclass
+class RolloutOutcomes:
+    """What the policy's completed episodes scored since the last training step, recorded as they
+    arrive: before dynamic sampling judges their groups (the unfiltered ``rollout_*`` metrics).
+    Attempts dropped by the warm-up or staleness discards are replaced, not scored here (ledger)."""
+
+    rewards: list[float] = field(default_factory=list)
+    """Reward of every accepted episode."""
+    correct: list[bool | None] = field(default_factory=list)
+    """Whether each episode's final answer verified (None where the environment gives no verdict)."""
+    groups: int = 0
+    """Groups completed."""
+    filtered: int = 0
+    """Of which the group filter (DAPO dynamic sampling) dropped as uninformative."""
+    solved: int = 0
+    """Of which every episode earned the same positive reward."""
+
+    def add_episode(self, sample: RolloutSample) -> None:
+        self.rewards.append(float(sample.reward))
+        self.correct.append(sample.correct)
+
+    def add_group(self, group: PromptGroup, kept: bool) -> None:
+        rewards = {s.reward for s in group.accepted}
+        self.groups += 1
+        self.filtered += 0 if kept else 1
+        self.solved += 1 if len(rewards) == 1 and min(rewards) > 0 else 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rewards": list(self.rewards), "correct": list(self.correct), "groups": self.groups,
+                "filtered": self.filtered, "solved": self.solved}
 
 
 class Orchestrator:
@@ -134,6 +168,7 @@ class Orchestrator:
         self.owner: dict[int, int] = {}  # sample_id -> group_id
         self.next_group_id = self.next_sample_id = self.dispatched = 0
         self.completed_total = 0
+        self.outcomes = RolloutOutcomes()  # every episode and group completed since the last take_outcomes()
         self.paused = False
         self.ledger = {"dispatched": 0, "trained": 0, "filtered": 0, "discarded_short": 0, "discarded_stale": 0,
                        "replacements": 0, "completed": 0}
@@ -234,15 +269,23 @@ class Orchestrator:
             raise ValueError(f"sample {sample.sample_id} of prompt {group.prompt_uid} has reward {sample.reward}; "
                              "the verifier must return a finite number")
         group.accepted.append(sample)
+        self.outcomes.add_episode(sample)
         if group.complete:
             self._close(group)
 
     def _close(self, group: PromptGroup) -> None:
-        if self.group_filter is not None and not self.group_filter(list(group.accepted)):
+        kept = self.group_filter is None or bool(self.group_filter(list(group.accepted)))
+        self.outcomes.add_group(group, kept)  # before filtering: the policy's own rewards
+        if not kept:
             self.ledger["filtered"] += 1
             del self.groups[group.group_id]
             return
         self.ready.append(group.group_id)
+
+    def take_outcomes(self) -> RolloutOutcomes:
+        """What every episode and group completed (kept or filtered) since the previous call scored."""
+        outcomes, self.outcomes = self.outcomes, RolloutOutcomes()
+        return outcomes
 
     # ---- training handshake -------------------------------------------------------------------------------
     def batch_ready(self) -> bool:
@@ -319,7 +362,8 @@ class Orchestrator:
                 "cursors": {n: c.state_dict() for n, c in self.cursors.items()},
                 "next_group_id": self.next_group_id, "next_sample_id": self.next_sample_id,
                 "dispatched": self.dispatched, "completed_total": self.completed_total,
-                "groups": groups, "ready": list(self.ready), "ledger": dict(self.ledger)}
+                "groups": groups, "ready": list(self.ready), "ledger": dict(self.ledger),
+                "outcomes": self.outcomes.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore on a fresh orchestrator whose backend runs the checkpoint's weights; in-flight
@@ -342,6 +386,7 @@ class Orchestrator:
         self.dispatched, self.completed_total = state["dispatched"], state["completed_total"]
         self.ledger = dict(state["ledger"])
         self.ready = list(state["ready"])
+        self.outcomes = RolloutOutcomes(**state.get("outcomes", {}))  # absent in older checkpoints
         self.backend.pause()
         self.paused = True
         restore = self.config.resume_in_flight == "restore"

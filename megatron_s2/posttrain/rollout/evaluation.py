@@ -24,6 +24,10 @@ episode loop, :meth:`Evaluator.play`, on an
 vocabulary size; the trainer checks at start-up that the server returns it). Only a replica's
 first rank asks the server; the answers reach the replica's other ranks with the all-gather of
 the results, the distributions by broadcast (:func:`once_per_replica`).
+
+Verifiers environments (:class:`VerifiersEvaluator`) have no token-level episodes: their held-out
+tasks (``environment.eval_taskset``) are played by the rollout backend through the run's own
+server, the same way as training episodes, and give the same ``eval_*`` metrics.
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ from megatron_s2.posttrain.opd.remote_teacher import RemoteTeacher, once_per_rep
 from megatron_s2.posttrain.rollout.replicas import ReplicaTopology, gather_objects
 from megatron_s2.posttrain.vocab_parallel import token_log_probs, vocab_parallel_kl
 
-__all__ = ["Evaluator", "EvalItem"]
+__all__ = ["Evaluator", "VerifiersEvaluator", "EvalItem", "episode_seed"]
+
+_COLUMNS = 9  # of a dataset's row of counts in Evaluator.run
 
 
 @dataclass
@@ -50,10 +56,17 @@ class EvalItem:
     prompt: list[int]
     response: list[int]
     """The first call's completion (single-turn: the whole response)."""
-    correct: bool
+    correct: bool | None
+    """Whether the final answer verified (None: the environment gives no verdict)."""
     reward: float
     generated: int
     truncated: bool
+
+
+def episode_seed(key: int, turn: int = 0) -> int:
+    """The sampling seed of held-out episode ``key``'s model call ``turn``: fixed by position, so
+    that two evaluations draw the same random numbers."""
+    return 1_000_003 * key + turn
 
 
 class Evaluator:
@@ -90,7 +103,7 @@ class Evaluator:
         def call(key: int, context: list[int], turn: int) -> None:
             room = self.max_model_len - len(context)
             params = SamplingParams(max_tokens=max(1, min(self.max_new_tokens, room)), temperature=temperature,
-                                    seed=1_000_003 * key + turn)
+                                    seed=episode_seed(key, turn))
             rid = f"eval-{key}-{turn}"
             sessions[rid] = {"key": key, "context": context, "turn": turn}
             engine.add_request(context, params, request_id=rid, on_output=on_output)
@@ -133,19 +146,23 @@ class Evaluator:
         """Evaluate the engine's current weights; collective over the world."""
         items = self.play(self.engine, self.episodes(), self.config.temperature)
         greedy = self.config.also_greedy and self.config.temperature > 0
+        # per dataset: episodes, correct, reward, generated, truncated, greedy episodes, greedy
+        # correct, judged (episodes with a verdict), greedy judged
         local: dict[str, list[float]] = {}
         for it in items:
-            row = local.setdefault(it.dataset, [0.0] * 7)
+            row = local.setdefault(it.dataset, [0.0] * _COLUMNS)
             row[0] += 1
-            row[1] += float(it.correct)
+            row[1] += float(bool(it.correct))
             row[2] += it.reward
             row[3] += it.generated
             row[4] += float(it.truncated)
+            row[7] += float(it.correct is not None)
         if greedy:  # one greedy episode per prompt besides the sampled ones
             for it in self.play(self.engine, self.mine(), 0.0):
-                row = local.setdefault(it.dataset, [0.0] * 7)
+                row = local.setdefault(it.dataset, [0.0] * _COLUMNS)
                 row[5] += 1
-                row[6] += float(it.correct)
+                row[6] += float(bool(it.correct))
+                row[8] += float(it.correct is not None)
         extra: dict[str, list[float]] = {}
         if teacher is not None:
             extra = self._teacher_metrics(items, *teacher, scorer_groups)
@@ -154,22 +171,26 @@ class Evaluator:
         totals: dict[str, list[float]] = {}
         for part in gathered:
             for name, row in part["rows"].items():
-                acc = totals.setdefault(name, [0.0] * 7)
+                acc = totals.setdefault(name, [0.0] * _COLUMNS)
                 for i, v in enumerate(row):
                     acc[i] += v
         out: dict[str, float] = {}
-        every = [0.0] * 7
+        every = [0.0] * _COLUMNS
+
+        def accuracies(row: list[float], suffix: str) -> None:  # over the episodes with a verdict only
+            if row[7]:
+                out[f"eval_accuracy{suffix}"] = row[1] / row[7]
+            if greedy and row[8]:
+                out[f"eval_greedy_accuracy{suffix}"] = row[6] / row[8]
+
         for name, row in sorted(totals.items()):
             for i, v in enumerate(row):
                 every[i] += v
             if len(totals) > 1:
-                out[f"eval_accuracy_{name}"] = row[1] / max(row[0], 1)
-                if greedy:
-                    out[f"eval_greedy_accuracy_{name}"] = row[6] / max(row[5], 1)
-        if greedy:
-            out["eval_greedy_accuracy"] = every[6] / max(every[5], 1)
+                accuracies(row, f"_{name}")
+        accuracies(every, "")
         n = max(every[0], 1)
-        out.update({"eval_accuracy": every[1] / n, "eval_reward": every[2] / n, "eval_response_length": every[3] / n,
+        out.update({"eval_reward": every[2] / n, "eval_response_length": every[3] / n,
                     "eval_truncation_rate": every[4] / n,
                     "eval_prompts": every[0] / self.config.samples_per_prompt, "eval_episodes": every[0]})
         sums: dict[str, list[float]] = {}
@@ -252,6 +273,31 @@ class Evaluator:
                     answers[(dataset, index)] = response
         self._teacher_answers = answers
         return answers
+
+
+class VerifiersEvaluator(Evaluator):
+    """Held-out evaluation of verifiers environments (``environment.eval_taskset``): the same
+    metrics, each held-out task played as a verifiers episode by the rollout backend — through the
+    run's own server, training client and engine, exactly as the training episodes
+    (:meth:`~megatron_s2.posttrain.rollout.vf_backend.VerifiersBackend.play_held_out`). Accuracy
+    is the rubric's ``correct`` reward (left out when the rubric has none); reward is its weighted
+    sum. No teacher metrics (OPD refuses evaluation on verifiers environments)."""
+
+    def __init__(self, backend, environments: Mapping[str, Environment], topology: ReplicaTopology, config,
+                 max_new_tokens: int):
+        super().__init__(backend.engine, environments, topology, config, max_new_tokens,
+                         max_model_len=backend.engine.config.max_model_len)
+        self.backend = backend
+
+    def play(self, engine: InferenceEngine, items: Sequence[tuple[str, int]], temperature: float) -> list[EvalItem]:
+        samples = self.backend.play_held_out(items, temperature=temperature, max_tokens=self.max_new_tokens,
+                                             seed=episode_seed)
+        out = []
+        for (name, index), s in zip(items, samples):
+            start, end = s.spans[0]
+            out.append(EvalItem(name, index, s.tokens[:start], s.tokens[start:end], s.correct, float(s.reward),
+                                s.num_generated, s.finish_reason == "length"))
+        return out
 
 
 def _add(acc: list[float], measured: tuple[float, float]) -> None:

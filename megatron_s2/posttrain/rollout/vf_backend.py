@@ -23,6 +23,11 @@ staleness rule applies as usual. Consequently :meth:`snapshot` reports no partia
 a checkpoint or a restart the in-flight attempts start again from scratch (never trained twice,
 never skipped). Token-level pause/resume of verifiers traces is not supported yet.
 
+**Held-out evaluation** (``eval.interval``, ``environment.eval_taskset``): between steps, when no
+training episode runs, :meth:`VerifiersBackend.play_held_out` plays held-out tasks through the same
+server, training client and engine (resumed for them if paused for the update), so the evaluation
+sees the policy exactly as rollouts do (:class:`~megatron_s2.posttrain.rollout.evaluation.VerifiersEvaluator`).
+
 Rollout replicas must be single ranks (an HTTP request reaches one rank's engine; a tensor- or
 expert-parallel replica would need its other ranks to step in lockstep). Several data-parallel
 replicas each serve their own engine and run the samples they own; completions are all-gathered
@@ -143,9 +148,12 @@ class VerifiersBackend:
         async def enter():
             self._gate = asyncio.Semaphore(self.max_concurrent)
             for env in self.envs.values():
-                cm = env.env.serving()
-                await cm.__aenter__()
-                self._serving.append(cm)
+                for served in (env.env, env.eval_env):  # the held-out tasks' env, when declared
+                    if served is None:
+                        continue
+                    cm = served.serving()
+                    await cm.__aenter__()
+                    self._serving.append(cm)
 
         asyncio.run_coroutine_threadsafe(enter(), self._loop).result()
 
@@ -236,6 +244,39 @@ class VerifiersBackend:
         stats, self.stats = self.stats, RolloutStats()
         return stats
 
+    # ---- held-out evaluation ------------------------------------------------------------------------------
+    def play_held_out(self, items: Sequence[tuple[str, int]], *, temperature: float, max_tokens: int,
+                      seed: Callable[[int], int]) -> list[RolloutSample]:
+        """Episodes of held-out tasks — ``(dataset, index)`` into each environment's ``eval_tasks`` —
+        through the same server, client and engine as the training episodes, at ``temperature``
+        (0 = greedy), episode ``k`` seeded ``seed(k)``; their samples in order (``correct`` from the
+        rubric's ``correct`` reward, when it has one). Called between steps, when no training
+        episode runs: the engine (paused for the update, or not yet started) serves only these."""
+        import verifiers.v1 as vf
+
+        if self._loop is None:
+            self._start()
+        if any(not run.future.done() for run in self._running.values()):
+            raise RuntimeError("held-out episodes requested while training episodes run; evaluate between steps")
+        paused = self.engine.paused
+        if paused:
+            self.engine.resume()
+        try:
+            futures = []
+            for key, (name, index) in enumerate(items):
+                env, tasks = self.envs[name].env_of("eval")
+                sampling = vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens, seed=seed(key) % (2 ** 63))
+                ctx = vf.ModelContext(model=SERVED_MODEL, client=self.client, sampling=sampling)
+                futures.append(asyncio.run_coroutine_threadsafe(self._episode(env, tasks[index], ctx), self._loop))
+            episodes = [f.result() for f in futures]
+        finally:
+            if paused:
+                self.engine.pause()
+        version = self.engine.policy_version
+        return [trace_sample(_only_trace(episode, f"eval: verifiers episode of held-out task {index} of {name}"), key,
+                             version=version, layer_ids=None)
+                for key, ((name, index), episode) in enumerate(zip(items, episodes))]
+
     # ---- episodes ---------------------------------------------------------------------------------------
     def _launch(self) -> None:
         import verifiers.v1 as vf
@@ -247,7 +288,7 @@ class VerifiersBackend:
             sampling = vf.SamplingConfig(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_new_tokens,
                                          seed=req.seed % (2 ** 63))
             ctx = vf.ModelContext(model=SERVED_MODEL, client=self.client, sampling=sampling)
-            future = asyncio.run_coroutine_threadsafe(self._episode(env, env.tasks[req.index], ctx), self._loop)
+            future = asyncio.run_coroutine_threadsafe(self._episode(env.env, env.tasks[req.index], ctx), self._loop)
             run = self._running[req.sample_id] = _Run(req, version, future)
             future.add_done_callback(lambda _, run=run: self._finished(run))
 
@@ -255,9 +296,9 @@ class VerifiersBackend:
         run.end_version = self.engine.policy_version
         self._wake.set()
 
-    async def _episode(self, env, task, ctx):
+    async def _episode(self, vf_env, task, ctx):
         async with self._gate:
-            return await env.env.run_episode(task, ctx)
+            return await vf_env.run_episode(task, ctx)
 
     def _collect(self) -> int:
         self._wake.clear()
@@ -270,21 +311,27 @@ class VerifiersBackend:
     def _sample(self, run: _Run) -> RolloutSample:
         req = run.request
         where = f"rollout: verifiers episode of sample {req.sample_id} (prompt {req.prompt_uid})"
-        episode = run.future.result()
-        if not episode.ok:
-            err = episode.last_error or next((t.last_error for t in episode.traces if t.last_error), None)
-            if err and "context length" in (err.message or ""):  # the run's settings, not the environment
-                raise ConfigError(f"training.seq_length: {where}: {str(err.message).strip().splitlines()[0].rstrip('.')}; raise "
-                                  "training.seq_length (the engine holds seq_length + 1 tokens) or shorten the "
-                                  "taskset's prompts")
-            raise RuntimeError(f"{where} failed: {err.type}: {err.message}" if err else f"{where} failed")
-        if len(episode.traces) != 1:
-            raise RuntimeError(f"{where} has {len(episode.traces)} traces; one agent per episode is trained so far")
+        trace = _only_trace(run.future.result(), where)
         if run.end_version != run.version:
             raise RuntimeError(f"{where} ran across a weight update (version {run.version} -> {run.end_version}); "
                                "the backend must drain before an update")
-        sample = trace_sample(episode.traces[0], req.sample_id, version=run.version, layer_ids=self.layer_ids)
+        sample = trace_sample(trace, req.sample_id, version=run.version, layer_ids=self.layer_ids)
         sample.group_id, sample.prompt_uid, sample.dataset, sample.effort = (req.group_id, req.prompt_uid,
                                                                              req.dataset, req.effort)
         self.stats.generated_tokens += sample.num_generated
         return sample
+
+
+def _only_trace(episode, where: str):
+    """The one trace of a finished episode; a failed episode is an error (the run's context length:
+    a ConfigError naming training.seq_length)."""
+    if not episode.ok:
+        err = episode.last_error or next((t.last_error for t in episode.traces if t.last_error), None)
+        if err and "context length" in (err.message or ""):  # the run's settings, not the environment
+            raise ConfigError(f"training.seq_length: {where}: {str(err.message).strip().splitlines()[0].rstrip('.')}; "
+                              "raise training.seq_length (the engine holds seq_length + 1 tokens) or shorten the "
+                              "taskset's prompts")
+        raise RuntimeError(f"{where} failed: {err.type}: {err.message}" if err else f"{where} failed")
+    if len(episode.traces) != 1:
+        raise RuntimeError(f"{where} has {len(episode.traces)} traces; one agent per episode is trained so far")
+    return episode.traces[0]
