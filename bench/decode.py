@@ -1,149 +1,228 @@
-"""Inference engine benchmark (issue 12): ratios measured side by side in one run.
+"""Engine decode speed (issue 20): ms per token and ATen operators per decode step, this tree
+against another git revision, side by side in one run.
 
-1. **Per-token decode time with the KV cache vs recomputing the sequence**, at several context
-   lengths: the cache is filled by a chunked prefill, then the median time of one cached
-   decode step is compared with one whole-sequence forward over the context + 1 tokens (what
-   a cache-less decoder pays per token).
-2. **Continuous batching**: tokens/s of 16 concurrent requests (``max_num_seqs=16``) vs the
-   same requests one at a time (``max_num_seqs=1``), greedy, same prompts and lengths.
-3. **KV bytes per token vs a DeepSeek-V3-style MLA cache of the same width** (the report's
-   comparison): ours measured from the allocated page buffers (packed FP4 / MXFP4 formats,
-   the QAT flags switched on), MLA = every layer caching its own ``head_dim`` latent plus a
-   ``rope_head_dim`` RoPE key in BF16 (V3: 61 x (512 + 64) x 2 bytes). SWA state is per
-   request (window x layers), not per token, and printed separately.
+For every (batch, context) pair a worker process per code tree builds the same model (same
+recipe, seed and weights), fills ``batch`` requests with ``context`` prompt tokens by the
+engine's own chunked prefill, and then waits. The parent alternates the trees round by round —
+``--steps`` decode steps on one, then on the other — so both see the same machine load (this
+machine is noisy); a worker sleeps on its pipe while the other runs. Reported per tree: the
+median over rounds of the median step time (one step = one token for each of the ``batch``
+requests), and the ATen operators of one step (torch profiler; operators called by another
+operator are not counted again). ``ratio`` = baseline / this tree (> 1: this tree is faster).
 
-Random weights (the timings and bytes do not depend on them). Prints tables, exits 0.
+The worker uses only the API both trees share (``InferenceEngine``, ``EngineConfig``,
+``SamplingParams``, ``add_request``, ``step``), imports each tree from a staged copy of its
+package layout (``megatron_s2`` + ``kernels`` / ``launcher`` / ``tools``), and runs fp32 on one
+thread by default (``--threads``), as the issue measured. ``--baseline-rev REV`` checks REV out
+into a temporary worktree (removed afterwards).
 
-    python bench/decode.py --smoke                       # seconds: tiny, short contexts
-    python bench/decode.py                               # tiny, contexts 512 2048 8192
-    python bench/decode.py --model small --device cuda   # on a GPU
+    python bench/decode.py --baseline-rev main                  # small, batch 1 8, contexts 512 2048 8192
+    python bench/decode.py --baseline-rev main --contexts 512 2048 --rounds 5
+    python bench/decode.py --smoke                              # tiny, this tree against HEAD, seconds
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
-import time
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_s2.inference import EngineConfig, InferenceEngine, SamplingParams  # noqa: E402
-from megatron_s2.models.v41.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore  # noqa: E402
-from megatron_s2.models.v41.inference.runner import ForwardRow, ModelRunner  # noqa: E402
-from megatron_s2.models.v41.accounting import kv_bytes  # noqa: E402
-from megatron_s2.models.v41.model import build_model  # noqa: E402
-from tests.models.conftest import load_model_recipe  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+SUBPACKAGES = ("kernels", "launcher", "tools")  # installed as megatron_s2.<name> (setup.py)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# ---- worker (runs inside one code tree) ---------------------------------------------------------
+def _stage(tree: Path) -> Path:
+    """A directory whose ``megatron_s2`` is ``tree``'s package with its sub-packages in place
+    (what ``pip install`` makes of the tree), plus ``tests`` for the model recipes."""
+    stage = Path(tempfile.mkdtemp(prefix="megatron-s2-bench-"))
+    package = stage / "megatron_s2"
+    package.mkdir()
+    for entry in (tree / "megatron_s2").iterdir():
+        (package / entry.name).symlink_to(entry)
+    for name in SUBPACKAGES:
+        if (tree / name).is_dir() and not (package / name).exists():
+            (package / name).symlink_to(tree / name)
+    (stage / "tests").symlink_to(tree / "tests")
+    return stage
 
 
-def timed(fn, device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def worker(tree: Path, model: str, batch: int, context: int, max_new: int, threads: int, device: str) -> None:
+    stage = _stage(tree)
+    sys.path.insert(0, str(stage))
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__name__.lower()
+                        and "editable" not in getattr(f, "__name__", "").lower()]
+    import time
+
+    import torch
+
+    from megatron_s2.inference import EngineConfig, InferenceEngine, SamplingParams
+    from megatron_s2.models.v41.model import build_model
+    from tests.models.conftest import load_model_recipe
+
+    import megatron_s2
+    assert Path(megatron_s2.__file__).resolve().parent == (tree / "megatron_s2").resolve(), megatron_s2.__file__
+    torch.set_num_threads(threads)
+    dev = torch.device(device)
+    cfg = load_model_recipe(model).replace(fp4_main_kv=True, fp4_indexer=True, fp8_swa_kv=True)
+    net = build_model(cfg, seed=0).eval().to(dev)
+    engine = InferenceEngine(net, EngineConfig(max_num_seqs=batch, max_model_len=context + max_new + 2,
+                                               prefill_chunk=512, max_prefill_tokens=4096, page_tokens=16))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(batch):
+        prompt = torch.randint(5, cfg.vocab_size, (context,), generator=gen).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True))
+    while engine.waiting or len(engine.running) < batch or any(len(r.tokens) - r.num_computed > 1
+                                                                 for r in engine.running):
+        engine.step()  # the chunked prefill, up to the first decode step
+    for _ in range(2):
+        engine.step()
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def reply(obj):
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    reply({"ready": True})
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "time":
+            times = []
+            for _ in range(int(cmd[1])):
+                sync()
+                t0 = time.perf_counter()
+                engine.step()
+                sync()
+                times.append(time.perf_counter() - t0)
+            reply({"ms": statistics.median(times) * 1e3})
+        elif cmd[0] == "ops":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                engine.step()
+            top = [e for e in prof.events() if e.name.startswith("aten::")
+                   and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))]
+            reply({"ops": len(top)})
+        else:
+            break
+    shutil.rmtree(stage, ignore_errors=True)
 
 
-@torch.no_grad()
-def decode_vs_recompute(model, contexts: list[int], steps: int, device) -> None:
-    cfg = model.config
-    print(f"\n1. per-token decode: KV cache vs recomputing the sequence ({cfg.name}, {device})")
-    print(f"{'context':>8s} {'prefill s':>10s} {'cached ms/tok':>14s} {'recompute ms/tok':>17s} {'speed-up':>9s}")
-    page = 64
-    for n in contexts:
-        g = torch.Generator().manual_seed(n)
-        tokens = torch.randint(5, cfg.vocab_size, (n + steps + 1,), generator=g).tolist()
-        gkv = GlobalKVStore(cfg, 2 + (n + steps + page) // page, page, device)
-        swa = SWAStore(cfg, 1, device)
-        runner = ModelRunner(model, gkv, swa)
-        seq = SequenceKV(swa.allocate())
-        sync(device)
-        t0 = time.perf_counter()
-        for s in range(0, n, 512):
-            runner.forward([ForwardRow(seq, tokens[s:min(n, s + 512)], s, tokens[:s], logits="none")])
-        sync(device)
-        prefill = time.perf_counter() - t0
-        pos = [n]
+# ---- parent -------------------------------------------------------------------------------------
+class Worker:
+    def __init__(self, tree: Path, args, batch: int, context: int):
+        max_new = 2 + 3 + args.rounds * args.steps + 8  # warm-up, ops, timed steps, margin
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(tree), "--model", args.model,
+               "--batch", str(batch), "--context", str(context), "--max-new", str(max_new),
+               "--threads", str(args.threads), "--device", args.device]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     cwd=tree)
 
-        def step():
-            p = pos[0]
-            runner.forward([ForwardRow(seq, tokens[p:p + 1], p, tokens[max(0, p - 8):p])])
-            pos[0] += 1
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a benchmark worker exited (code {self.proc.wait()}); its stderr is above")
+        return json.loads(line)
 
-        cached = timed(step, device, steps)
-        ids = torch.tensor([tokens[:n + 1]], device=device)
-        recompute = timed(lambda: model(ids), device, 2 if n <= 2048 else 1)
-        print(f"{n:8d} {prefill:10.2f} {cached * 1e3:14.2f} {recompute * 1e3:17.1f} {recompute / cached:8.1f}x")
+    def ask(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.read()
 
-
-def batching(model, requests: int, prompt: int, gen: int, device) -> None:
-    cfg = model.config
-    print(f"\n2. continuous batching: {requests} requests x ({prompt} prompt + {gen} generated tokens)")
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(5, cfg.vocab_size, (prompt + (i % 4) * 8,), generator=g).tolist() for i in range(requests)]
-    params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
-    rates = {}
-    for concurrent in (requests, 1):
-        engine = InferenceEngine(model, EngineConfig(max_num_seqs=concurrent, max_model_len=prompt + 32 + gen + 1,
-                                                     prefill_chunk=256, max_prefill_tokens=1024, page_tokens=16))
-        sync(device)
-        t0 = time.perf_counter()
-        done = engine.generate(prompts, params)
-        sync(device)
-        wall = time.perf_counter() - t0
-        tokens = sum(len(d.token_ids) for d in done)
-        rates[concurrent] = tokens / wall
-        print(f"  max_num_seqs={concurrent:3d}: {tokens} tokens in {wall:7.2f} s = {tokens / wall:8.1f} tok/s")
-    print(f"  continuous batching / one at a time: {rates[requests] / rates[1]:.2f}x")
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+        except (BrokenPipeError, ValueError):
+            pass
+        self.proc.wait(timeout=60)
 
 
-def kv_footprint(names: list[str]) -> None:
-    print("\n3. KV cache bytes per token: ours (measured, packed) vs a DeepSeek-V3-style MLA cache of the same width")
-    print(f"{'model':9s} {'ours B/tok':>11s} {'MLA B/tok':>10s} {'MLA / ours':>11s} {'SWA B/request':>14s}")
-    for name in names:
-        cfg = load_model_recipe(name).replace(fp4_main_kv=True, fp4_indexer=True, fp8_swa_kv=True)
-        ratios = sorted({s.compress_ratio for s in cfg.plan if s.computes_main_kv})
-        page = 16 * ratios[-1]
-        ours = GlobalKVStore(cfg, 2, page, torch.device("meta")).bytes_per_token()
-        swa = SWAStore(cfg, 1, torch.device("meta")).bytes_per_slot()
-        mla = cfg.num_layers * (cfg.head_dim + cfg.rope_head_dim) * 2
-        assert ours == kv_bytes(cfg)["global_kv_bytes_per_token"]
-        print(f"{name:9s} {ours:11.1f} {mla:10d} {mla / ours:10.1f}x {swa:14d}")
-    print("  (DeepSeek-V3 itself: 61 layers x (512 + 64) x 2 B = 70272 B/token)")
+@contextmanager
+def checkout(rev: str | None):
+    """A temporary worktree of ``rev`` (None: no baseline)."""
+    if rev is None:
+        yield None
+        return
+    where = Path(tempfile.mkdtemp(prefix="megatron-s2-baseline-"))
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--force", str(where), rev], check=True,
+                   capture_output=True, text=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(where)], capture_output=True)
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def measure(trees: dict[str, Path], args, batch: int, context: int) -> dict[str, dict]:
+    workers = {}
+    try:
+        for name, tree in trees.items():  # built one after the other: the prefill uses every core
+            workers[name] = Worker(tree, args, batch, context)
+            workers[name].read()
+        times = {name: [] for name in trees}
+        for _ in range(args.rounds):
+            for name, w in workers.items():
+                times[name].append(w.ask(f"time {args.steps}")["ms"])
+        return {name: {"ms": statistics.median(times[name]), "ops": w.ask("ops")["ops"]}
+                for name, w in workers.items()}
+    finally:
+        for w in workers.values():
+            w.close()
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="tiny", help="tiny | small (random weights)")
+    ap.add_argument("--baseline-rev", default=None, help="git revision to compare with (e.g. main, a commit)")
+    ap.add_argument("--model", default="small", help="model recipe (random weights): tiny | small")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
-    ap.add_argument("--steps", type=int, default=8, help="decode steps timed per context")
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--gen", type=int, default=32)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--steps", type=int, default=5, help="decode steps per round")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations between the trees")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes: runs in seconds")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--smoke", action="store_true", help="tiny, batch 1 and 2, context 64, against HEAD")
+    ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--max-new", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    if args.worker is not None:
+        worker(args.worker, args.model, args.batch, args.context, args.max_new, args.threads, args.device)
+        return 0
     if args.smoke:
-        args.model, args.contexts, args.steps, args.requests, args.prompt, args.gen = "tiny", [64, 128], 3, 4, 16, 4
-    cfg = load_model_recipe(args.model).replace(fp4_main_kv=True, fp4_indexer=True, fp8_swa_kv=True)
-    model = build_model(cfg, seed=0).eval().to(device)
-    decode_vs_recompute(model, args.contexts, args.steps, device)
-    batching(model, args.requests, args.prompt, args.gen, device)
-    kv_footprint(["tiny", "small", "flagship"])
+        args.model, args.batches, args.contexts, args.steps, args.rounds = "tiny", [1, 2], [64], 2, 2
+        args.baseline_rev = args.baseline_rev or "HEAD"
+    with checkout(args.baseline_rev) as baseline:
+        trees = {"this tree": REPO, **({f"baseline {args.baseline_rev}": baseline} if baseline else {})}
+        print(f"decode step, {args.model}, {args.device}, {args.threads} thread(s); {args.rounds} rounds of "
+              f"{args.steps} steps, trees alternating")
+        head = f"{'batch':>5s} {'context':>7s} {'ms/token':>9s} {'ops/step':>9s}"
+        if baseline:
+            head += f" {'base ms/token':>13s} {'base ops':>9s} {'ratio':>6s} {'ops ratio':>9s}"
+        print(head)
+        for context in args.contexts:
+            for batch in args.batches:
+                got = measure(trees, args, batch, context)
+                ours = got["this tree"]
+                row = f"{batch:5d} {context:7d} {ours['ms']:9.2f} {ours['ops']:9d}"
+                if baseline:
+                    base = got[f"baseline {args.baseline_rev}"]
+                    row += (f" {base['ms']:13.2f} {base['ops']:9d} {base['ms'] / ours['ms']:5.2f}x"
+                            f" {base['ops'] / ours['ops']:8.2f}x")
+                print(row, flush=True)
+        print("ms/token: median step time (one token for each request of the batch); ratio = baseline / this tree")
     return 0
 
 

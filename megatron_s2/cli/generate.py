@@ -19,7 +19,8 @@ __all__ = ["register", "generate_command"]
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    from megatron_s2.inference import EngineConfig, InferenceEngine, PromptTooLong, SamplingParams
+    from megatron_s2.inference import EngineConfig, EngineDriver, InferenceEngine, PromptTooLong, SamplingParams
+    from megatron_s2.inference.detokenizer import IncrementalDetokenizer
     from megatron_s2.inference.weights import load_model
 
     if not args.prompt:
@@ -39,20 +40,18 @@ def generate_command(args: argparse.Namespace) -> int:
     print(f"[{description}]", file=sys.stderr)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
-    ids, shown, last = [], "", None
+    driver, last, generated = EngineDriver(engine), None, 0
+    text = IncrementalDetokenizer(tokenizer.decode, context=prompt)  # a partly decoded character waits
     while engine.has_work():
-        engine.step()
+        driver.step()
         while not handle.empty():
             last = handle.get()
-            ids += last.token_ids
-        text = tokenizer.decode(ids)
-        if text.startswith(shown):  # print what is new (a partly decoded character waits)
-            sys.stdout.write(text[len(shown):])
-            sys.stdout.flush()
-            shown = text
-    sys.stdout.write("\n")
+            generated += len(last.token_ids)
+            sys.stdout.write(text.push(last.token_ids))
+        sys.stdout.flush()
+    sys.stdout.write(text.flush() + "\n")
     reason = last.finish_reason.value if last is not None and last.finish_reason else "?"
-    print(f"[{len(ids)} tokens, finish reason: {reason}]", file=sys.stderr)
+    print(f"[{generated} tokens, finish reason: {reason}]", file=sys.stderr)
     return 0
 
 

@@ -1,15 +1,16 @@
-"""Inference for the V4.1 backbone: exact KV-cached decode through the training modules and
-parallel groups, the report's packed KV formats and KV tiers (§2.4.4, §3.2), continuous
-batching with token-level interruption and per-token policy versions (§5.2.3).
+"""Inference: continuous batching with token-level interruption and per-token policy versions
+(report §5.2.3) over a model family's exact KV-cached executor (V4.1's: ``models/v41/inference``,
+its packed KV formats and tiers, §2.4.4, §3.2).
 
-Entry points: :class:`InferenceEngine` (+ :class:`EngineConfig`, :class:`SamplingParams`),
-``megatron-s2 generate``. Module map: ``kv_formats`` (packed vectors), ``kv_store`` (pages,
-SWA rings), ``kv_step`` (the attention layers' cache hooks), ``runner`` (one forward),
-``tiers`` (prefix cache, SWA pool, bounded replay), ``sampling``, ``request``, ``engine``,
-``weights`` (checkpoints), ``cli``.
+Entry points: :class:`InferenceEngine` (the token-level core, + :class:`EngineConfig`,
+:class:`SamplingParams`), :class:`EngineDriver` (the one loop that runs it: server, rollouts,
+``generate``). Module map: ``engine`` (admission, scheduling, sampling, stops), ``driver``,
+``request``, ``sampling``, ``detokenizer`` (incremental text and stop strings), ``weights``
+(weight updates from checkpoints).
 """
 
 from megatron_s2.config.engine import EngineConfig
+from megatron_s2.inference.driver import DriverStopped, EngineDriver
 from megatron_s2.inference.engine import InferenceEngine
 from megatron_s2.inference.request import (
     CompletedRequest,
@@ -21,5 +22,5 @@ from megatron_s2.inference.request import (
 )
 from megatron_s2.inference.sampling import SamplingParams
 
-__all__ = ["InferenceEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletedRequest", "RequestHandle",
+__all__ = ["InferenceEngine", "EngineDriver", "DriverStopped", "EngineConfig", "SamplingParams", "RequestOutput", "CompletedRequest", "RequestHandle",
            "FinishReason", "QueueFull", "PromptTooLong"]

@@ -16,13 +16,14 @@ continues at resume without re-prefill. Each generated token carries the version
 weights that produced it.
 
 **Threads.** ``add_request`` / ``submit`` / ``abort`` may be called from any thread: they
-enqueue commands that the next step applies. ``step`` runs on one thread at a time — the
-caller's, or the background driver started by :meth:`start` (for a server).
+enqueue commands that the next step applies. ``step`` runs on one thread at a time; what runs
+it is the one driver, :class:`~megatron_s2.inference.driver.EngineDriver` — on the caller's
+thread (rollouts, ``generate``) or on its background thread (the server).
 
-API for a server (all thread-safe)::
+API (all thread-safe)::
 
     engine = InferenceEngine(model, EngineConfig(...), eos_token_ids=[eos], detokenize=tok.decode)
-    engine.start()                                   # background driver thread
+    driver = EngineDriver(engine); driver.start()    # background loop (a server)
     handle = engine.submit(token_ids, SamplingParams(max_tokens=..., temperature=..., top_p=...,
                            top_k=..., seed=..., stop=(...), stop_token_ids=(...), logprobs=N,
                            record_routing=True), request_id="cmpl-1")
@@ -31,10 +32,14 @@ API for a server (all thread-safe)::
                                                      # top_logprobs, versions, routed_experts,
                                                      # finished, finish_reason, stop_reason
     handle.result()                                  # CompletedRequest (everything, accumulated)
-    engine.add_request(ids, params, on_output=cb)    # or a callback, called on the driver thread
+    engine.add_request(ids, params, on_output=cb)    # or a callback, called on the driving thread
     engine.abort(request_id)                         # client gone: state freed at the next step
     engine.pause(); engine.update_weights(src); engine.resume()   # policy_version += 1
-    engine.config.max_model_len, engine.policy_version, engine.stats(); engine.stop()
+    engine.config.max_model_len, engine.policy_version, engine.stats(); driver.stop()
+    engine.generate(prompts, params)                 # = EngineDriver(engine).generate: to completion
+
+Stop strings are found by one incremental detokenizer per request
+(:mod:`~megatron_s2.inference.detokenizer`): linear in the output, not quadratic.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.config.engine import EngineConfig
 from megatron_s2.models.family import family_of
 from megatron_s2.models.family.engine import Chunk, OutOfPages
+from megatron_s2.inference.detokenizer import IncrementalDetokenizer, StopStrings
 from megatron_s2.inference.request import (
     CompletedRequest,
     FinishReason,
@@ -97,10 +103,9 @@ class InferenceEngine:
         self._accepted = 0                      # queued (inbox + waiting), bounded by max_waiting
         self._count_lock = threading.Lock()
         self._lock = threading.RLock()          # held for a whole step, a weight update, a pause
-        self._wake = threading.Condition()
         self._paused = False
-        self._driver: threading.Thread | None = None
-        self._stop_driver = False
+        self.on_new_work: Callable[[], None] | None = None
+        """Called (from any thread) when a request, an abort or a resume was queued: the driver's wake-up."""
 
     # ---- requests (any thread) -------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
@@ -165,6 +170,10 @@ class InferenceEngine:
         if not 0 < covered <= prompt_length:
             raise ValueError(f"cache_state: it covers {covered} tokens, the prompt has {prompt_length}")
 
+    def _notify(self) -> None:
+        if self.on_new_work is not None:
+            self.on_new_work()
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or not self._inbox.empty())
 
@@ -205,46 +214,13 @@ class InferenceEngine:
             self.policy_version = int(version)
             return self.policy_version
 
-    # ---- background driver ------------------------------------------------------------------------
-    def start(self) -> None:
-        """Run steps on a daemon thread whenever there is work (for a server)."""
-        if self._driver is not None:
-            return
-        self._stop_driver = False
-        self._driver = threading.Thread(target=self._drive, name="megatron-s2-engine", daemon=True)
-        self._driver.start()
-
-    def stop(self) -> None:
-        if self._driver is None:
-            return
-        self._stop_driver = True
-        self._notify()
-        self._driver.join()
-        self._driver = None
-
-    def _drive(self) -> None:
-        while not self._stop_driver:
-            with self._wake:
-                if self._paused or not self.has_work():
-                    self._wake.wait(timeout=0.1)
-                    continue
-            self.step()
-
-    def _notify(self) -> None:
-        with self._wake:
-            self._wake.notify_all()
-
     # ---- blocking convenience -------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[CompletedRequest]:
-        """Run ``prompts`` to completion on this thread (no driver running)."""
-        if self._driver is not None:
-            raise RuntimeError("generate() steps the engine itself; stop() the background driver first")
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        handles = [self.submit(p, sp) for p, sp in zip(prompts, plist)]
-        while self.has_work():
-            self.step()
-        return [h.result(timeout=0) for h in handles]
+        """Run ``prompts`` to completion on this thread (:meth:`EngineDriver.generate`)."""
+        from megatron_s2.inference.driver import EngineDriver
+
+        return EngineDriver(self).generate(prompts, params)
 
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -398,10 +374,13 @@ class InferenceEngine:
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
             return FinishReason.STOP, token
         if p.stop and self.detokenize is not None:
-            text = self.detokenize(req.output_ids)
-            for s in p.stop:
-                if s in text:
-                    return FinishReason.STOP, s
+            if req.stop_text is None:  # incremental: each token's check decodes a few tokens, not the output
+                req.stop_text = (IncrementalDetokenizer(self.detokenize), StopStrings(p.stop))
+            detokenizer, stops = req.stop_text
+            if detokenizer.push([token]):
+                found = stops.find(detokenizer.text)
+                if found is not None:
+                    return FinishReason.STOP, found[0]
         if req.num_generated >= p.max_tokens or len(req.tokens) >= self.config.max_model_len:
             return FinishReason.LENGTH, None
         return None, None

@@ -177,6 +177,9 @@ class Request:
     kv: object | None = None
     """The model executor's per-request state (caches), while admitted."""
     pending: RequestOutput | None = None
+    stop_text: object | None = None
+    """The output's text and the stop strings found in it (engine-side, only with ``params.stop``):
+    ``(IncrementalDetokenizer, StopStrings)``."""
     seed: int = 0
     """Seed of the request's random stream: the token at position i is drawn with ``generator``
     reseeded from (seed, i) (:func:`~megatron_s2.inference.sampling.position_seed`)."""

@@ -49,7 +49,7 @@ from megatron_s2.posttrain.losses import PosttrainObjective
 from megatron_s2.posttrain.metrics import rollout_metrics
 from megatron_s2.posttrain.opd.warmup import SftWarmup
 from megatron_s2.posttrain.orchestrator import Orchestrator
-from megatron_s2.posttrain.rollout.engine_backend import EngineBackend
+from megatron_s2.posttrain.rollout.engine_backend import EngineRolloutBackend
 from megatron_s2.config.posttrain.engines import engine_configs, engine_max_model_len
 from megatron_s2.posttrain.opd.payload import step_payload_metrics
 from megatron_s2.posttrain.rollout.evaluation import Evaluator, VerifiersEvaluator
@@ -135,7 +135,7 @@ class PosttrainTrainer(Trainer):
         """The rollout engine's caches of this rank's in-flight samples (saved while it is paused),
         so that a resumed run continues them bit for bit instead of re-prefilling their prefixes
         under newer weights than the ones that computed their KV (report §5.2.3)."""
-        if not isinstance(self.backend, EngineBackend):
+        if not isinstance(self.backend, EngineRolloutBackend):
             return None
         return {f"rollout.{k}": v for k, v in self.backend.cache_states().items()}
 
@@ -178,7 +178,7 @@ class PosttrainTrainer(Trainer):
             self.evaluator = VerifiersEvaluator(self.backend, self.environments, self.topology, self.section.eval,
                                                 self.rollout_cfg.max_new_tokens)
         else:
-            self.backend = EngineBackend(self.engine, self.environments, topology=self.topology,
+            self.backend = EngineRolloutBackend(self.engine, self.environments, topology=self.topology,
                                          layer_ids=self.rollout_model.layer_ids,
                                          record_routing=engine_cfg.routing_replay, max_model_len=self.max_model_len,
                                          weight_loader=loader)
@@ -241,7 +241,7 @@ class PosttrainTrainer(Trainer):
             if state["policy_version"] != self.step:
                 raise ConfigError(f"checkpoint: its orchestrator is at policy version {state['policy_version']}, "
                                   f"the model at step {self.step}; the checkpoint is inconsistent")
-            if self.pending_caches is not None and isinstance(self.backend, EngineBackend):
+            if self.pending_caches is not None and isinstance(self.backend, EngineRolloutBackend):
                 self.backend.load_cache_states(self.pending_caches)
             self.orchestrator.load_state_dict(state)
             self.data.pending = self.pending_caches = None

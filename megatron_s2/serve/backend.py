@@ -1,10 +1,11 @@
-"""The engine behind the HTTP server: one driver thread, outputs delivered to asyncio.
+"""The engine behind the HTTP server: the inference driver's background loop, outputs delivered
+to asyncio.
 
-:class:`EngineBackend` runs :meth:`InferenceEngine.step` on its own daemon thread whenever the
-engine has work (the engine's requests API is thread-safe, a step runs on this thread only).
-Each HTTP request is a :class:`Generation`: the engine requests of its choices (``n`` per
-prompt, several prompts) deliver their :class:`RequestOutput` deltas from the driver thread
-into one ``asyncio.Queue`` of the request's event loop, tagged with the choice index.
+:class:`AsyncEngine` runs the engine with the one driver of ``inference/``
+(:class:`~megatron_s2.inference.driver.EngineDriver`, on its daemon thread). Each HTTP request
+is a :class:`Generation`: the engine requests of its choices (``n`` per prompt, several prompts)
+deliver their :class:`RequestOutput` deltas from the driver thread into one ``asyncio.Queue`` of
+the request's event loop, tagged with the choice index.
 
 Failure behaviour — a server never hangs a client:
 
@@ -12,16 +13,17 @@ Failure behaviour — a server never hangs a client:
 * one request fails inside the engine (its sampling or stop check raised) → that HTTP
   request gets :class:`RequestFailed` (HTTP 500, or an error event mid-stream); the engine
   and every other request go on;
-* a step raises (the driver thread dies) → every open generation gets
-  :class:`EngineUnavailable` (HTTP 503, or an error event mid-stream), later submissions are
-  refused with the same error, ``/health`` answers 503;
+* a step raises (the driver stops) → every open generation gets :class:`EngineUnavailable`
+  (HTTP 503, or an error event mid-stream), later submissions are refused with the same error,
+  ``/health`` answers 503;
 * the client disconnects (streaming or not) → :meth:`Generation.events` notices within
   ``disconnect_poll_s`` and aborts every engine request of the generation, which frees their
   KV state at the next step.
 
-:meth:`EngineBackend.run` runs other work on the model (the full forward of prompt
-log-probabilities) on the same driver thread, between two engine steps and never while the
-engine is paused for a weight update, so it always sees one version of the weights.
+:meth:`AsyncEngine.run` runs other work on the model (one batch of prompt log-probabilities) as
+a driver side task: between two engine steps, one task per iteration (so decoding goes on
+between the batches of a long scoring request), never while the engine is paused for a weight
+update (it always sees one version of the weights).
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ import threading
 from typing import AsyncIterator
 
 from megatron_s2.config.schema import ConfigError
+from megatron_s2.inference.driver import DriverStopped, EngineDriver
 from megatron_s2.inference.engine import InferenceEngine
 from megatron_s2.inference.request import FinishReason, PromptTooLong, QueueFull, RequestOutput
 from megatron_s2.inference.sampling import SamplingParams
 from megatron_s2.serve.errors import BadRequest, EngineUnavailable, HTTPError, Overloaded, RequestFailed
 
-__all__ = ["EngineBackend", "Generation", "ClientDisconnected"]
+__all__ = ["AsyncEngine", "Generation", "ClientDisconnected"]
 
 log = logging.getLogger("megatron_s2.serve")
 
@@ -46,8 +49,8 @@ class ClientDisconnected(Exception):
     """The HTTP client went away; the generation's engine requests were aborted."""
 
 
-class EngineBackend:
-    """Drives an :class:`InferenceEngine` on a background thread for an asyncio server.
+class AsyncEngine:
+    """An :class:`InferenceEngine` driven on the driver's background thread, for an asyncio server.
 
     ``engine.pause()`` / ``update_weights`` / ``resume()`` may be called from any thread (a
     trainer in the same process): while paused the driver still applies new requests and
@@ -57,42 +60,34 @@ class EngineBackend:
 
     def __init__(self, engine: InferenceEngine, *, idle_wait_s: float = 0.05):
         self.engine = engine
-        self.idle_wait_s = idle_wait_s
+        self.driver = EngineDriver(engine, idle_wait_s=idle_wait_s, on_failure=self._fail_all)
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
         self._lock = threading.Lock()
-        self._work = threading.Event()
-        self._stop = False
-        self._error: str | None = None
-        self._thread: threading.Thread | None = None
-        self._tasks: list[tuple] = []
+        self._closed: str | None = None
         self.counters = {"submitted": 0, "finished": 0, "aborted": 0, "refused_queue_full": 0, "failed": 0}
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
-            self._stop = False
-            self._thread = threading.Thread(target=self._drive, name="megatron-s2-serve-driver", daemon=True)
-            self._thread.start()
+        self.driver.start()
 
     def stop(self) -> None:
-        """Stop the driver (after the step in flight); open generations get a 503 error."""
-        self._stop = True
-        self._work.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self._fail_all("the server is shutting down")
+        """Stop the driver (after the iteration in flight); open generations get a 503 error."""
+        self.driver.stop()
+        self._closed = "the server is shutting down"
+        self._fail_all(self._closed)
 
     @property
     def alive(self) -> bool:
-        return self._error is None and self._thread is not None and self._thread.is_alive()
+        return self._closed is None and self.driver.alive
 
     @property
     def error(self) -> str | None:
         """Why the driver stopped, if it did."""
-        if self._error is None and (self._thread is None or not self._thread.is_alive()):
-            return "the engine driver is not running"
-        return self._error
+        if self.driver.error is not None:
+            return self.driver.error
+        if self._closed is not None:
+            return self._closed
+        return None if self.driver.alive else "the engine driver is not running"
 
     def stats(self) -> dict:
         return {**self.engine.stats(), **self.counters, "open_requests": len(self._sinks), "alive": self.alive,
@@ -105,7 +100,7 @@ class EngineBackend:
         loop = asyncio.get_running_loop()
         with self._lock:
             if not self.alive:
-                raise EngineUnavailable(f"the inference engine is not running ({self.error}); restart the server")
+                raise self._unavailable()
             self._sinks[engine_id] = (loop, sink, tag)
         try:
             self.engine.add_request(prompt, params, request_id=engine_id, on_output=self._deliver)
@@ -120,25 +115,32 @@ class EngineBackend:
             self._sinks.pop(engine_id, None)
             raise BadRequest(str(exc)) from None
         self.counters["submitted"] += 1
-        self._work.set()
 
     async def run(self, fn, *args):
-        """``fn(*args)`` on the driver thread between engine steps (not while paused); its
-        result, or its exception, is delivered to the caller's event loop."""
+        """``fn(*args)`` as a driver side task (module docstring); its result, or its exception,
+        is delivered to the caller's event loop."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        with self._lock:
-            if not self.alive:
-                raise EngineUnavailable(f"the inference engine is not running ({self.error}); restart the server")
-            self._tasks.append((fn, args, loop, future))
-        self._work.set()
+        if not self.alive:
+            raise self._unavailable()
+        def done(result, error):
+            if isinstance(error, DriverStopped):
+                error = EngineUnavailable(f"the inference engine stopped: {error}; restart the server")
+            _resolve(loop, future, result, error)
+
+        try:
+            self.driver.submit_task(lambda: fn(*args), done)
+        except DriverStopped:
+            raise self._unavailable() from None
         return await future
 
     def abort(self, engine_id: str) -> None:
         if engine_id in self._sinks:
             self.counters["aborted"] += 1
             self.engine.abort(engine_id)
-            self._work.set()
+
+    def _unavailable(self) -> EngineUnavailable:
+        return EngineUnavailable(f"the inference engine is not running ({self.error}); restart the server")
 
     # ---- driver thread -----------------------------------------------------------------------
     def _deliver(self, out: RequestOutput) -> None:
@@ -154,47 +156,12 @@ class EngineBackend:
             else:
                 _put(entry, out)
 
-    def _drive(self) -> None:
-        engine = self.engine
-        while not self._stop:
-            self._work.clear()
-            if self._tasks and not engine.paused:
-                self._run_tasks()
-            if not engine.has_work():
-                self._work.wait(self.idle_wait_s)
-                continue
-            paused = engine.paused
-            try:
-                engine.step()  # while paused (a weight update) a step only applies new requests and aborts
-            except BaseException as exc:  # noqa: BLE001 - the thread must report, not vanish
-                log.exception("inference engine step failed; the server answers 503 from now on")
-                self._fail_all(f"{type(exc).__name__}: {exc}")
-                return
-            if paused:
-                self._work.wait(self.idle_wait_s)
-
-    def _run_tasks(self) -> None:
-        with self._lock:
-            tasks, self._tasks = self._tasks, []
-        for fn, args, loop, future in tasks:
-            try:
-                result, error = fn(*args), None
-            except Exception as exc:  # noqa: BLE001 - delivered to the request that asked
-                log.exception("a task on the inference engine's model failed")
-                result, error = None, exc
-            _resolve(loop, future, result, error)
-
     def _fail_all(self, reason: str) -> None:
+        """Every open generation gets a 503 (the driver's step failed, or the server stops)."""
         with self._lock:
-            if self._error is None:
-                self._error = reason
             sinks, self._sinks = self._sinks, {}
-            tasks, self._tasks = self._tasks, []
         for entry in sinks.values():
             _put(entry, EngineUnavailable(f"the inference engine stopped: {reason}; restart the server"))
-        for _, _, loop, future in tasks:
-            _resolve(loop, future, None,
-                     EngineUnavailable(f"the inference engine stopped: {reason}; restart the server"))
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result, error) -> None:
@@ -223,7 +190,7 @@ def _put(entry: tuple[asyncio.AbstractEventLoop, asyncio.Queue, int], item) -> N
 class Generation:
     """The engine requests of one HTTP request, read as one stream of tagged outputs."""
 
-    def __init__(self, backend: EngineBackend, request_id: str, request=None, poll_s: float = 0.25):
+    def __init__(self, backend: AsyncEngine, request_id: str, request=None, poll_s: float = 0.25):
         self.backend = backend
         self.request_id = request_id
         self.request = request

@@ -12,9 +12,10 @@ completion (vLLM's places).
 
 The values come from **one full forward of the prompt** on the engine's model (the same
 whole-sequence forward the trainer runs, log-softmax in fp32; the prompts of one request
-right-padded into batched forwards of at most ``ServeConfig.prompt_logprobs_tokens``), run on the engine's
-driver thread between two steps (:meth:`EngineBackend.run`), so they equal an in-process model's
-log-probabilities of the same tokens. That is what an on-policy-distillation teacher served
+right-padded into batched forwards of at most ``ServeConfig.prompt_logprobs_tokens``), each batch
+run as one side task of the engine's driver between two steps (:meth:`AsyncEngine.run`): they
+equal an in-process model's log-probabilities of the same tokens, and a request scoring many
+long prompts does not stall the other clients' decoding. That is what an on-policy-distillation teacher served
 over HTTP returns (walkthrough Ch. 8, Eq. 33: the teacher's log-prob of each sampled student
 token; ``megatron_s2.posttrain.opd.remote_teacher``).
 
@@ -85,37 +86,43 @@ class ScoredPrompt(NamedTuple):
         return [None, *self.chosen.tolist()], [None, *tops]
 
 
+def _batches(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Indices of ``prompts`` grouped by length into batches of at most ``max_tokens`` tokens
+    (rows x longest row; at least one prompt each)."""
+    by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches, start = [], 0
+    while start < len(by_length):
+        stop = start + 1
+        while stop < len(by_length) and (stop + 1 - start) * len(prompts[by_length[stop]]) <= max_tokens:
+            stop += 1
+        batches.append(by_length[start:stop])
+        start = stop
+    return batches
+
+
 @torch.no_grad()
-def _score(model, prompts: list[list[int]], k: int, temperature: float, max_tokens: int,
-           as_logits: bool = False) -> list[ScoredPrompt]:
-    """Per prompt, its :class:`ScoredPrompt` (log-probs, or logits when ``as_logits``). Prompts are
-    right-padded into forwards of at most ``max_tokens`` tokens (at least one prompt each); the
-    model is causal, so padding after a prompt changes none of its values."""
+def _score_batch(model, prompts: list[list[int]], k: int, temperature: float,
+                 as_logits: bool = False) -> list[ScoredPrompt]:
+    """Per prompt, its :class:`ScoredPrompt` (log-probs, or logits when ``as_logits``), from one
+    forward of the prompts right-padded to the longest; the model is causal, so padding after a
+    prompt changes none of its values."""
     if model.groups.tp.size > 1:  # the server holds every layer on one rank (serve/server.py)
         raise RequestFailed("prompt_logprobs: the served model is split over tensor-parallel ranks; serve it on one")
     device = next(model.parameters()).device
-    by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    scored: list[ScoredPrompt | None] = [None] * len(prompts)
-    start = 0
-    while start < len(by_length):
-        stop = start + 1  # grow the batch while (rows x longest row) fits max_tokens
-        while stop < len(by_length) and (stop + 1 - start) * len(prompts[by_length[stop]]) <= max_tokens:
-            stop += 1
-        batch = by_length[start:stop]
-        width = len(prompts[batch[-1]])
-        tokens = torch.zeros(len(batch), width, dtype=torch.long, device=device)
-        for row, index in enumerate(batch):
-            tokens[row, :len(prompts[index])] = torch.tensor(prompts[index], dtype=torch.long, device=device)
-        logits = model(tokens, model.make_context({"tokens": tokens}))[:, :-1].float() / temperature
-        values = logits if as_logits else torch.log_softmax(logits, dim=-1)
-        chosen = values.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
-        ranks = (values > chosen.unsqueeze(-1)).sum(-1) + 1
-        top_values, top_ids = values.topk(k, dim=-1)
-        for row, index in enumerate(batch):
-            length = len(prompts[index]) - 1
-            scored[index] = ScoredPrompt(chosen[row, :length].cpu(), ranks[row, :length].cpu(),
-                                         top_ids[row, :length].cpu(), top_values[row, :length].cpu())
-        start = stop
+    width = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
+    logits = model(tokens, model.make_context({"tokens": tokens}))[:, :-1].float() / temperature
+    values = logits if as_logits else torch.log_softmax(logits, dim=-1)
+    chosen = values.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    ranks = (values > chosen.unsqueeze(-1)).sum(-1) + 1
+    top_values, top_ids = values.topk(k, dim=-1)
+    scored = []
+    for row, prompt in enumerate(prompts):
+        length = len(prompt) - 1
+        scored.append(ScoredPrompt(chosen[row, :length].cpu(), ranks[row, :length].cpu(),
+                                   top_ids[row, :length].cpu(), top_values[row, :length].cpu()))
     return scored
 
 
@@ -144,18 +151,23 @@ def format_prompt_logprobs(tokenizer, prompt: list[int], scored: ScoredPrompt, k
 
 
 async def score_prompts(state, prompts: list[list[int]], request: PromptLogprobs) -> list[ScoredPrompt]:
-    """Each prompt's values, computed on the driver thread in batched forwards of at most
-    ``ServeConfig.prompt_logprobs_tokens`` tokens."""
+    """Each prompt's values, in batched forwards of at most ``ServeConfig.prompt_logprobs_tokens``
+    tokens, each one driver side task: the engine decodes for everyone else between two batches."""
     model = state.backend.engine.model
     as_logits = state.config.logprobs_mode.endswith("_logits")
-    try:
-        return await state.backend.run(_score, model, prompts, request.k, request.temperature,
-                                       state.config.prompt_logprobs_tokens, as_logits)
-    except HTTPError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
-        raise RequestFailed(f"prompt_logprobs: the forward of the prompt failed ({type(exc).__name__}: {exc}); "
-                            "other requests are unaffected") from None
+    scored: list[ScoredPrompt | None] = [None] * len(prompts)
+    for batch in _batches(prompts, state.config.prompt_logprobs_tokens):
+        try:
+            values = await state.backend.run(_score_batch, model, [prompts[i] for i in batch], request.k,
+                                             request.temperature, as_logits)
+        except HTTPError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on
+            raise RequestFailed(f"prompt_logprobs: the forward of the prompt failed ({type(exc).__name__}: {exc}); "
+                                "other requests are unaffected") from None
+        for index, value in zip(batch, values):
+            scored[index] = value
+    return scored
 
 
 async def prompt_logprobs(state, prompts: list[list[int]], request: PromptLogprobs) -> list[list[dict | None]]:

@@ -16,7 +16,7 @@ import time
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.config.engine import EngineConfig
 from megatron_s2.inference.engine import InferenceEngine
-from megatron_s2.serve.backend import EngineBackend
+from megatron_s2.serve.backend import AsyncEngine
 from megatron_s2.serve.config import ServeConfig
 from megatron_s2.serve.state import ServerState
 
@@ -27,7 +27,7 @@ def build_state(model, tokenizer, description: str, config: ServeConfig, engine_
                 model_name: str) -> ServerState:
     """An engine over ``model`` (eval mode, every layer on this rank) behind a backend."""
     engine = InferenceEngine(model, engine_config, eos_token_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
-    state = ServerState(EngineBackend(engine), tokenizer, config, config.served_model_name or model_name, description)
+    state = ServerState(AsyncEngine(engine), tokenizer, config, config.served_model_name or model_name, description)
     state.max_token_bytes  # computed once here, not on the first request's event-loop turn
     return state
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from megatron_s2.serve.backend import EngineBackend
+from megatron_s2.serve.backend import AsyncEngine
 from megatron_s2.serve.config import ServeConfig
 from megatron_s2.serve.errors import BadRequest, NotFound
 from megatron_s2.serve.fields import Fields, shown_text
@@ -30,7 +30,7 @@ def sse(payload: dict) -> str:
 
 @dataclass
 class ServerState:
-    backend: EngineBackend
+    backend: AsyncEngine
     tokenizer: Any
     config: ServeConfig
     model_name: str

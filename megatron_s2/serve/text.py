@@ -1,6 +1,8 @@
 """Text of generated tokens for the OpenAI endpoints: incremental detokenisation, stop
 strings cut from the text, and the log-prob records of both APIs.
 
+The text comes from the engine's one incremental detokenizer and stop-string scanner
+(:mod:`megatron_s2.inference.detokenizer`), so a choice costs work linear in its length.
 Streaming sends only text that can no longer change: a trailing U+FFFD (a multi-byte
 character whose remaining bytes are still to come) and, when the request has stop strings,
 the last ``len(longest stop) - 1`` characters (which may become the start of a stop string)
@@ -15,9 +17,9 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-__all__ = ["TextStream", "token_text", "chat_logprobs", "completion_logprobs", "finite_logprob"]
+from megatron_s2.inference.detokenizer import IncrementalDetokenizer, StopStrings
 
-_PENDING = "\ufffd"
+__all__ = ["TextStream", "token_text", "chat_logprobs", "completion_logprobs", "finite_logprob"]
 
 
 def _decode(tokenizer, ids: Iterable[int], keep_special: bool = False) -> str:
@@ -30,63 +32,49 @@ def _decode(tokenizer, ids: Iterable[int], keep_special: bool = False) -> str:
 class TextStream:
     """The growing text of one choice."""
 
-    _WINDOW = 32
-    """Tokens decoded again at each step at most (plus the ones since the last fold)."""
-
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), *, include_stop: bool = False,
                  keep_special: bool = False):
-        self.tokenizer = tokenizer
-        self.stop = tuple(stop)
+        self.detokenizer = IncrementalDetokenizer(lambda ids: _decode(tokenizer, ids, keep_special))
+        self.stops = StopStrings(stop)
         self.include_stop = include_stop
-        self.keep_special = keep_special
-        self.ids: list[int] = []
         self.sent = ""
-        self._hold = max((len(s) for s in self.stop), default=1) - 1
-        self._folded, self._folded_text = 0, ""  # leading tokens whose text is final
+        self._end: int | None = None  # where the text ends once a stop string was found
 
-    def _text(self) -> str:
-        """The text of all ids, decoding only the tokens after the folded prefix; the prefix
-        grows when an older piece decodes to whole characters consistent with the rest."""
-        tail = _decode(self.tokenizer, self.ids[self._folded:], self.keep_special)
-        cut = len(self.ids) - self._WINDOW
-        if cut - self._folded >= self._WINDOW:
-            piece = _decode(self.tokenizer, self.ids[self._folded:cut], self.keep_special)
-            if piece and not piece.endswith(_PENDING) and tail.startswith(piece):
-                self._folded, self._folded_text = cut, self._folded_text + piece
-                tail = tail[len(piece):]
-        return self._folded_text + tail
+    @property
+    def ids(self) -> list[int]:
+        return self.detokenizer.ids
 
     def push(self, new_ids: Iterable[int], last: bool = False) -> str:
         """Add tokens; the text that can be sent now (everything left, cut before a stop
         string, when ``last``)."""
-        self.ids += list(new_ids)
+        self.detokenizer.push(new_ids)
         if last:
             return self.finish()
-        text = self._text()
-        end = len(text) - self._hold
-        while end > len(self.sent) and text[end - 1] == _PENDING:
-            end -= 1
-        if end <= len(self.sent) or not text.startswith(self.sent):
+        return self._send(hold=self.stops.overlap)
+
+    def finish(self) -> str:
+        """The rest of the text, cut before the first stop string."""
+        self.detokenizer.flush()
+        return self._send(hold=0)
+
+    def final_text(self) -> str:
+        """All the text, cut before the first stop string (after it with ``include_stop``)."""
+        self.finish()
+        return self.sent
+
+    def _send(self, hold: int) -> str:
+        text = self.detokenizer.text
+        if self._end is None and self.stops.stops:
+            found = self.stops.find(text)
+            if found is not None:
+                stop, at = found
+                self._end = at + len(stop) if self.include_stop else at
+        end = self._end if self._end is not None else len(text) - hold
+        if end <= len(self.sent):
             return ""
         delta = text[len(self.sent):end]
         self.sent += delta
         return delta
-
-    def finish(self) -> str:
-        """The rest of the text, cut before the first stop string."""
-        text = self.final_text()
-        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
-        self.sent += delta
-        return delta
-
-    def final_text(self) -> str:
-        """All the text, cut before the first stop string (after it with ``include_stop``)."""
-        text = _decode(self.tokenizer, self.ids, self.keep_special)
-        found = [(at, len(stop)) for stop in self.stop if (at := text.find(stop)) >= 0]
-        if not found:
-            return text
-        at, length = min(found)
-        return text[:at + length] if self.include_stop else text[:at]
 
 
 def finite_logprob(value: float) -> float:

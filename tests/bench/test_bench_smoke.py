@@ -27,7 +27,8 @@ EXPECTED = {
     "comm_volume.py": ["tp2", "measured"],
     "csa2_vs_dense.py": ["CSA2 layer", "ratios to dense"],
     "kernels.py": ["sparse_attention", "speedup"],
-    "decode.py": ["decode", "MLA"],
+    "kv_cache.py": ["decode", "MLA"],
+    "decode.py": ["ms/token", "ratio"],
     "bounded_replay.py": ["KL mean", "prefill GFLOP", "train-aware replay on", "train-aware replay off"],
     "remote_teacher.py": ["in process", "endpoint, 2 in flight"],
 }

@@ -14,6 +14,7 @@ import torch
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.inference import (EngineConfig, FinishReason, InferenceEngine, PromptTooLong, QueueFull,
                                    SamplingParams)
+from megatron_s2.inference.driver import EngineDriver
 from megatron_s2.inference.sampling import sampling_log_probs
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.model import build_model
@@ -258,8 +259,9 @@ def test_background_driver_pause_resume_and_threads(model):
     params = [SamplingParams(max_tokens=12, temperature=1.0, seed=i) for i in range(len(PROMPTS))]
     reference = run_steps(InferenceEngine(model, engine_config()), PROMPTS, params)
     engine = InferenceEngine(model, engine_config())
+    driver = EngineDriver(engine)
     handles = [engine.submit(p, sp) for p, sp in zip(PROMPTS, params)]
-    engine.start()
+    driver.start()
     try:
         for _ in range(3):
             time.sleep(0.05)
@@ -276,7 +278,7 @@ def test_background_driver_pause_resume_and_threads(model):
         for t in threads:
             t.join()
     finally:
-        engine.stop()
+        driver.stop()
     by_id = {r.request_id: r for r in results}
     for h, ref in zip(handles, reference):
         assert by_id[h.request_id].token_ids == ref.token_ids

@@ -32,7 +32,7 @@ from megatron_s2.config.posttrain.environment import EnvironmentConfig
 from megatron_s2.posttrain.advantages import AdvantagePipeline, GroupRollouts
 from megatron_s2.posttrain.envs import Environment, Episode, EpisodeStep, RetryTaskEnvironment, TaskEnvironment
 from megatron_s2.posttrain.orchestrator import Orchestrator, SampleRequest
-from megatron_s2.posttrain.rollout.engine_backend import EngineBackend
+from megatron_s2.posttrain.rollout.engine_backend import EngineRolloutBackend
 from megatron_s2.posttrain.rollout.replicas import ReplicaTopology
 from megatron_s2.posttrain.vocab_parallel import token_log_probs
 from megatron_s2.parallel.groups import Group
@@ -49,7 +49,7 @@ def make_backend(model, envs, *, decoder_replay=False, max_model_len=40):
     engine = InferenceEngine(model.eval(), EngineConfig(max_num_seqs=8, max_model_len=max_model_len, page_tokens=8,
                                                        decoder_bounded_replay=decoder_replay),
                              eos_token_ids=[TOK.eos_id])
-    return EngineBackend(engine, envs, topology=ReplicaTopology.single(), layer_ids=model.layer_ids,
+    return EngineRolloutBackend(engine, envs, topology=ReplicaTopology.single(), layer_ids=model.layer_ids,
                          record_routing=True, max_model_len=max_model_len)
 
 
@@ -316,8 +316,8 @@ def test_unfiltered_rollout_metrics_count_every_episode_of_task_environments(kin
     # every odd id ends a reply, so that a wrong first answer often ends with 'stop' and is retried
     engine = InferenceEngine(model, EngineConfig(max_num_seqs=8, max_model_len=40, page_tokens=8),
                              eos_token_ids=[i for i in range(1, tiny_config().vocab_size, 2)])
-    backend = EngineBackend(engine, {"add": env}, topology=ReplicaTopology.single(), layer_ids=model.layer_ids,
-                            record_routing=True, max_model_len=40)
+    backend = EngineRolloutBackend(engine, {"add": env}, topology=ReplicaTopology.single(), layer_ids=model.layer_ids,
+                                   record_routing=True, max_model_len=40)
     cfg = RolloutConfig(group_size=2, max_in_flight=8, batch_groups=2, max_new_tokens=3, max_staleness=-1)
     dapo = AdvantagePipeline(AdvantageConfig(dynamic_sampling=True))
     orch = Orchestrator(cfg, {"add": env}, backend, seed=3,

@@ -304,7 +304,7 @@ def test_prompt_logprobs_check_the_context_length_before_the_forward(server, mon
     import megatron_s2.serve.prompt_logprobs as scoring
 
     forwards = []
-    monkeypatch.setattr(scoring, "_score", lambda *args: forwards.append(args) or [])
+    monkeypatch.setattr(scoring, "_score_batch", lambda *args: forwards.append(args) or [])
     r = post(server, path, {"model": "tiny", **body})
     assert r.status_code == 400, r.text
     assert "maximum context length is 256 tokens" in r.json()["error"]["message"]

@@ -116,11 +116,13 @@ def test_refusals_name_the_field(server, path, body, field):
 
 
 def test_prompts_split_into_forwards_of_bounded_tokens_score_the_same(loaded):
-    from megatron_s2.serve.prompt_logprobs import _score
+    from megatron_s2.serve.prompt_logprobs import _batches, _score_batch
 
+    assert _batches([[1] * 5, [1] * 2, [1] * 4], max_tokens=8) == [[1, 2], [0]]  # 2 x 4 fits, 3 x 5 does not
+    assert _batches([[1] * 30], max_tokens=8) == [[0]]  # a prompt longer than the bound is one batch
     model = loaded[0]
-    whole = _score(model, SEQUENCES, 2, 1.0, max_tokens=1000)  # one forward of 3 x 10 tokens
-    split = _score(model, SEQUENCES, 2, 1.0, max_tokens=8)  # one prompt per forward (each longer than 8 / 2)
+    whole = _score_batch(model, SEQUENCES, 2, 1.0)  # one forward of 3 x 10 tokens
+    split = [_score_batch(model, [prompt], 2, 1.0)[0] for prompt in SEQUENCES]  # one prompt per forward
     for a, b in zip(whole, split):
         assert torch.allclose(a[0], b[0], atol=1e-5, rtol=0) and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
 

@@ -79,12 +79,19 @@ def _wide(*ts: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    m = logits.softmax(-1) + eps
-    m = m / (m.sum(-2, keepdim=True) + eps)
+    # Each normalisation is two operators: the sums + eps as one batched matmul against ones
+    # (baddbmm), then the division. At decode the matrices are [tokens, 4, 4] and the cost is
+    # per operator, not per flop: 39 normalisations per sublayer dominate a step otherwise.
+    shape, n = logits.shape, logits.size(-1)
+    m = logits.reshape(-1, n, n).softmax(-1) + eps
+    e = m.new_full((1, 1, 1), eps)
+    ones_col = m.new_ones(1, n, 1).expand(m.size(0), n, 1)
+    ones_row = m.new_ones(1, 1, n).expand(m.size(0), 1, n)
+    m = m / torch.baddbmm(e, ones_row, m)  # columns
     for _ in range(iters - 1):
-        m = m / (m.sum(-1, keepdim=True) + eps)
-        m = m / (m.sum(-2, keepdim=True) + eps)
-    return m
+        m = m / torch.baddbmm(e, m, ones_col)  # rows
+        m = m / torch.baddbmm(e, ones_row, m)  # columns
+    return m.reshape(shape)
 
 
 class _SinkhornKnopp(torch.autograd.Function):
@@ -119,6 +126,8 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor
     """
     if iters < 1:
         raise ValueError(f"sinkhorn_knopp: iters must be >= 1, got {iters}")
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        return _sinkhorn(logits, iters, eps)  # inference: no autograd.Function overhead per sublayer
     return _SinkhornKnopp.apply(logits, iters, eps)
 
 
@@ -134,7 +143,7 @@ def split_coefficients(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Ten
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Input mixing (Eq. 5): ``[b, s, n, d]`` streams, ``[b, s, n]`` pre -> ``[b, s, d]``."""
     xw, pw = _wide(x, pre)
-    y = torch.einsum("bsnd,bsn->bsd", xw, pw)
+    y = torch.matmul(pw.unsqueeze(-2), xw).squeeze(-2)  # [b, s, 1, n] @ [b, s, n, d]
     return y.to(x.dtype)
 
 
@@ -144,7 +153,7 @@ def expand(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Ten
     ``f [b, s, d]``, ``x [b, s, n, d]``, ``post [b, s, n]``, ``comb [b, s, n, n]`` -> ``[b, s, n, d]``.
     """
     fw, xw, pw, cw = _wide(f, x, post, comb)
-    out = pw.unsqueeze(-1) * fw.unsqueeze(-2) + torch.einsum("bsij,bsid->bsjd", cw, xw)
+    out = torch.matmul(cw.transpose(-1, -2), xw).addcmul_(pw.unsqueeze(-1), fw.unsqueeze(-2))
     return out.to(x.dtype)
 
 

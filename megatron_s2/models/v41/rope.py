@@ -10,6 +10,8 @@ token of its group, j * m. The attention output has the query rotation removed a
 from __future__ import annotations
 
 import math
+import weakref
+from collections import OrderedDict
 
 import torch
 
@@ -33,19 +35,52 @@ def rope_frequencies(dim: int, theta: float, original_seq_len: int = 0, factor: 
     return freqs.float()
 
 
+# cos / sign-folded sin tables of recent small position tensors (decode steps): every layer of a
+# step rotates its queries, its output and its new keys at the same positions, so the ~8
+# operators that build the tables ran ~40 times per step for the same values. Keyed by the
+# objects themselves (weak references + version counters), so a reused id or an in-place
+# update never hits; only position tensors of at most _MEMO_TOKENS entries are kept, so a
+# training sequence's tables are never held past their forward.
+_MEMO: OrderedDict[tuple, tuple] = OrderedDict()
+_MEMO_ENTRIES = 8
+_MEMO_TOKENS = 4096
+
+
+def _tables(positions: torch.Tensor, inv_freq: torch.Tensor, device: torch.device,
+            ndim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of ``positions x inv_freq`` in the channel layout of the rotated pairs:
+    cos = (c0, c0, c1, c1, ...), sin = (-s0, s0, -s1, s1, ...), unsqueezed to ``ndim`` dims."""
+    key = (id(positions), id(inv_freq), device, ndim, torch.is_inference_mode_enabled())
+    hit = _MEMO.get(key)
+    if hit is not None:
+        pos_ref, pos_version, freq_ref, freq_version, cos, sin = hit
+        if (pos_ref() is positions and freq_ref() is inv_freq and positions._version == pos_version
+                and inv_freq._version == freq_version):
+            return cos, sin
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(device)  # [b, s, rd/2]
+    c, s = angles.cos(), angles.sin()
+    cos = torch.stack((c, c), dim=-1).flatten(-2)
+    sin = torch.stack((-s, s), dim=-1).flatten(-2)
+    while cos.dim() < ndim:
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if positions.numel() <= _MEMO_TOKENS:
+        _MEMO[key] = (weakref.ref(positions), positions._version, weakref.ref(inv_freq), inv_freq._version, cos, sin)
+        while len(_MEMO) > _MEMO_ENTRIES:
+            _MEMO.popitem(last=False)
+    return cos, sin
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the last ``2 * len(inv_freq)`` channels of ``x``.
 
     x: [b, s, ..., d]; positions: [b, s] (int or float). Returns a new tensor in x.dtype.
+    Each pair (e, o) becomes (e cos - o sin, e sin + o cos), computed as
+    ``tail * cos + swap(tail) * sin`` with swap(e, o) = (o, e) and the sign folded into the
+    table — the same products and sums, so the same bits as the pairwise form.
     """
     rd = 2 * inv_freq.numel()
-    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(x.device)  # [b, s, rd/2]
-    while angles.dim() < x.dim():
-        angles = angles.unsqueeze(-2)
-    cos, sin = angles.cos(), angles.sin()
-    if inverse:
-        sin = -sin
+    cos, sin = _tables(positions, inv_freq, x.device, x.dim())
     head, tail = x[..., :-rd], wide(x[..., -rd:])
-    even, odd = tail[..., 0::2], tail[..., 1::2]
-    rot = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+    swapped = tail.unflatten(-1, (rd // 2, 2)).flip(-1).flatten(-2)
+    rot = tail * cos - swapped * sin if inverse else tail * cos + swapped * sin
     return torch.cat((head, rot.to(x.dtype)), dim=-1)

@@ -32,7 +32,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.inference import InferenceEngine, SamplingParams
+from megatron_s2.inference import EngineDriver, InferenceEngine, SamplingParams
 from megatron_s2.posttrain.orchestrator.dispatch import counter_rng
 from megatron_s2.posttrain.rollout.replicas import ReplicaTopology, gather_objects
 
@@ -177,8 +177,9 @@ class TeacherGenerator:
             prompt = list(episode.prompt_tokens())
             state[j] = {"j": j, "episode": episode, "tokens": prompt, "mask": [0] * len(prompt), "turn": 0}
             call(j, 0)
+        driver = EngineDriver(engine)
         while engine.has_work():
-            engine.step()
+            driver.step()
             ended, finished[:] = list(finished), []
             for rid, reason in ended:
                 j, turn = (int(x) for x in rid.split("-")[2:4])

@@ -1,6 +1,6 @@
 """The inference engine as the orchestrator's rollout backend (report §5.2.1-5.2.3, walkthrough Ch. 4, 6).
 
-:class:`EngineBackend` implements :class:`~megatron_s2.posttrain.orchestrator.RolloutBackend`
+:class:`EngineRolloutBackend` implements :class:`~megatron_s2.posttrain.orchestrator.RolloutBackend`
 over an :class:`~megatron_s2.inference.InferenceEngine` running on the training ranks:
 
 * each sample is an **episode** of an environment: one engine request per model call, the
@@ -32,7 +32,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from megatron_s2.inference import SamplingParams
+from megatron_s2.inference import EngineDriver, SamplingParams
 from megatron_s2.inference.request import CompletedRequest
 from megatron_s2.posttrain.envs.base import Environment, Episode
 from megatron_s2.posttrain.multiturn import SessionBuilder
@@ -40,7 +40,7 @@ from megatron_s2.posttrain.orchestrator import RolloutSample, SampleRequest
 from megatron_s2.posttrain.rollout.replicas import ReplicaTopology, gather_objects
 from megatron_s2.posttrain.routing import RoutingRecord
 
-__all__ = ["EngineBackend", "RolloutStats", "routing_record"]
+__all__ = ["EngineRolloutBackend", "RolloutStats", "routing_record"]
 
 
 def routing_record(routed: torch.Tensor, layer_ids: Sequence[int], start: int, end: int,
@@ -59,7 +59,7 @@ def routing_record(routed: torch.Tensor, layer_ids: Sequence[int], start: int, e
 
 @dataclass
 class RolloutStats:
-    """Counters since the last :meth:`EngineBackend.take_stats` (this replica)."""
+    """Counters since the last :meth:`EngineRolloutBackend.take_stats` (this replica)."""
 
     generated_tokens: int = 0
     engine_steps: int = 0
@@ -106,13 +106,14 @@ class _Session:
                 (c.versions if c else []) + list(self.call.versions))
 
 
-class EngineBackend:
+class EngineRolloutBackend:
     def __init__(self, engine, environments: Mapping[str, Environment], *, topology: ReplicaTopology,
                  layer_ids: Sequence[int], record_routing: bool, max_model_len: int,
                  weight_loader: Callable[[int], None] | None = None):
         """``weight_loader(version)`` moves the learner's weights into the engine's model (a
         collective over the world when the weights are transferred) before the version bump."""
         self.engine, self.envs, self.topology = engine, dict(environments), topology
+        self.driver = EngineDriver(engine)  # stepped on this thread, between the trainer's collectives
         self.layer_ids = list(layer_ids)
         self.record_routing, self.max_model_len = record_routing, max_model_len
         self.weight_loader = weight_loader
@@ -276,11 +277,12 @@ class EngineBackend:
             self._finished_calls.append(sid)
 
     def _step(self) -> bool:
-        """One engine step of this replica (when it has work and runs); returns whether it has work."""
+        """One driver iteration of this replica's engine (when it has work and runs); returns
+        whether it has work."""
         if self.engine.paused or not self.engine.has_work():
             return bool(self.sessions)
         t0 = time.perf_counter()
-        self.engine.step()
+        self.driver.step()
         self.stats.engine_steps += 1
         self.stats.engine_time_s += time.perf_counter() - t0
         finished, self._finished_calls = self._finished_calls, []

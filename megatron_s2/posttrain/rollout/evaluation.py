@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from megatron_s2.inference import EngineConfig, InferenceEngine, SamplingParams
+from megatron_s2.inference import EngineConfig, EngineDriver, InferenceEngine, SamplingParams
 from megatron_s2.posttrain.envs.base import Environment
 from megatron_s2.posttrain.frozen import full_logits
 from megatron_s2.posttrain.opd.remote_teacher import RemoteTeacher, once_per_replica
@@ -122,8 +122,9 @@ class Evaluator:
             call(key, episodes[key][2].prompt_tokens(), 0)
         first_ids: dict[int, list[int]] = {}
         generated: dict[int, int] = {}
+        driver = EngineDriver(engine)
         while engine.has_work():
-            engine.step()
+            driver.step()
             done, finished[:] = list(finished), []
             for rid, reason in done:
                 s = sessions.pop(rid)

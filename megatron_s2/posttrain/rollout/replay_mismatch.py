@@ -6,7 +6,7 @@ SWA window from a decoder that attends only to the last ``window`` prompt tokens
 replayed, not the exact state), so the behaviour policy is not exactly the model the trainer
 differentiates. ``train_aware_replay`` makes the training forward simulate the same truncation
 (the decoder's SWA starts at each sample's ``replay_start``). :func:`measure_replay_mismatch`
-samples rollouts through the real :class:`~.engine_backend.EngineBackend` and reports, over
+samples rollouts through the real :class:`~.engine_backend.EngineRolloutBackend` and reports, over
 the sampled tokens, the absolute log-probability difference between the engine and the
 training forward both ways (R3 routing replay in both, so only the attention differs).
 """
@@ -22,7 +22,7 @@ from megatron_s2.inference import EngineConfig, InferenceEngine
 from megatron_s2.parallel.groups import Group
 from megatron_s2.posttrain.envs.base import Environment
 from megatron_s2.posttrain.orchestrator import RolloutSample, SampleRequest
-from megatron_s2.posttrain.rollout.engine_backend import EngineBackend
+from megatron_s2.posttrain.rollout.engine_backend import EngineRolloutBackend
 from megatron_s2.posttrain.rollout.replicas import ReplicaTopology
 from megatron_s2.posttrain.vocab_parallel import token_log_probs
 
@@ -50,7 +50,7 @@ def sample_with_decoder_replay(model, environment: Environment, dataset: str, co
     engine = InferenceEngine(model.eval(), EngineConfig(max_num_seqs=max(1, min(count, 16)),
                                                        max_model_len=max_model_len, page_tokens=8,
                                                        decoder_bounded_replay=True), eos_token_ids=list(eos_ids))
-    backend = EngineBackend(engine, {dataset: environment}, topology=ReplicaTopology.single(),
+    backend = EngineRolloutBackend(engine, {dataset: environment}, topology=ReplicaTopology.single(),
                             layer_ids=model.layer_ids, record_routing=True, max_model_len=max_model_len)
     backend.submit([SampleRequest(sample_id=i, group_id=i, prompt_uid=f"{dataset}:0:{i}", dataset=dataset, index=i,
                                   prompt_tokens=(), seed=seed + i, max_new_tokens=max_new_tokens, temperature=1.0)

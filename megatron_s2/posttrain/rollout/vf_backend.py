@@ -31,7 +31,7 @@ sees the policy exactly as rollouts do (:class:`~megatron_s2.posttrain.rollout.e
 Rollout replicas must be single ranks (an HTTP request reaches one rank's engine; a tensor- or
 expert-parallel replica would need its other ranks to step in lockstep). Several data-parallel
 replicas each serve their own engine and run the samples they own; completions are all-gathered
-as in :class:`~megatron_s2.posttrain.rollout.engine_backend.EngineBackend`.
+as in :class:`~megatron_s2.posttrain.rollout.engine_backend.EngineRolloutBackend`.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class VerifiersBackend:
         from megatron_s2.posttrain.envs.vf_renderer import IMPORT_PATH as BRIDGE_RENDERER
 
         from megatron_s2.serve import ServeConfig, ServerThread
-        from megatron_s2.serve.backend import EngineBackend as ServeDriver
+        from megatron_s2.serve.backend import AsyncEngine
         from megatron_s2.serve.state import ServerState
 
         _bypass_proxies_for_loopback()
@@ -135,7 +135,7 @@ class VerifiersBackend:
         # drawn from, not the server's (vLLM's) default of the raw model distribution
         config = ServeConfig(return_routed_experts=self.layer_ids is not None, disconnect_poll_s=0.05,
                              logprobs_mode="processed_logprobs")
-        state = ServerState(ServeDriver(self.engine), self.tokenizer, config, SERVED_MODEL,
+        state = ServerState(AsyncEngine(self.engine), self.tokenizer, config, SERVED_MODEL,
                             "the co-located rollout engine")
         state.max_token_bytes  # noqa: B018 - computed once here, not on the first request's turn
         self.server = ServerThread(state, keep_alive_s=3600.0).start()  # see ServerThread

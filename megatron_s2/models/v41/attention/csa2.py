@@ -246,8 +246,10 @@ class CSA2Attention(nn.Module):
         qr_chunks = qr.split(rows, dim=1) if recompute else (qr,)
         for i, start in enumerate(range(0, s, rows)):
             sl = slice(start, start + rows)
-            top = None if topk is None else topk[:, sl]
-            args = (qr_chunks[i], kv, sl, window_idx, top, n_window, positions[:, sl], split)
+            top = topk if topk is None or rows >= s else topk[:, sl]
+            # one chunk: the positions object itself, so RoPE's tables are shared across layers
+            pos = positions if rows >= s else positions[:, sl]
+            args = (qr_chunks[i], kv, sl, window_idx, top, n_window, pos, split)
             if recompute:
                 out, mass = checkpoint(self.attention_chunk, *args, use_reentrant=False, preserve_rng_state=False)
             else:

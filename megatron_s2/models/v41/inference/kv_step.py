@@ -8,6 +8,9 @@ earlier tokens call this object instead of looking at the sequence:
   followed by this chunk's SWA KV, and each query's window indices into them (the very
   :func:`window_indices` rule of training, with positions below the bounded-replay start
   ``swa_from`` missing, §3.2.2); then the newest W vectors of the chunk go into the ring.
+  A decode step (one token per row) reads the ring as stored and writes one slot, with
+  indices built once per step (:meth:`KVCacheStep._decode_window`): no re-gather into
+  position order, no host sync.
 * :meth:`KVCacheStep.compress` — this chunk's compressor projections joined to the carried
   partial block; every block of m that completes is pooled, RoPE'd and projected to index
   keys by the layer's own pieces (entry j at position j*m), stored packed, and the partial
@@ -44,9 +47,15 @@ class KVCacheStep:
         self.start = positions[:, 0]
         self._start_host, self._length_host = self.start.tolist(), self.lengths.tolist()  # one sync
         self.slots = torch.tensor([s.swa_slot for s in seqs], dtype=torch.long, device=self.device)
+        # a decode step (one token per row, no padding): every layer takes the fast window path,
+        # whose indices depend only on the layer group (encoder / decoder) and are built once
+        self.decode = positions.size(1) == 1
+        self._decode_indices: dict[int, torch.Tensor] = {}
 
     # ---- sliding window ------------------------------------------------------------------------
     def window(self, attn, kv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.decode:
+            return self._decode_window(attn, kv)
         layer, w = attn.spec.index, self.swa.window
         b, s, hd = kv.shape
         ar = torch.arange(w, device=self.device)
@@ -66,6 +75,30 @@ class KVCacheStep:
         if rows.numel():
             self.swa.write(layer, self.slots[rows], positions[rows, cols] % w, kv[rows, cols])
         return keys, indices
+
+    def _decode_window(self, attn, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token per row at position p: the keys are the ring as stored (slot j holds
+        position p-W+((j-p) mod W); nothing is re-gathered into position order) followed by the
+        new token; its window lists key W (itself), then ring slot (p-j) mod W for j = 1..W-1 —
+        the order :func:`window_indices` gives, so the attention sums in the same order — with
+        -1 below position 0 and below the bounded-replay start. Then one ring slot is written."""
+        layer = attn.spec.index
+        ring = self.swa.read(layer, self.slots)  # [B, W, hd], a copy: the write below cannot reach it
+        keys = torch.cat([ring.to(kv.dtype), self._stored(kv)], dim=1)
+        group = 0 if attn.spec.is_encoder else 1
+        indices = self._decode_indices.get(group)
+        if indices is None:
+            indices = self._decode_indices[group] = self._decode_window_indices(group)
+        self.swa.write(layer, self.slots, self.start % self.swa.window, kv[:, 0])
+        return keys, indices
+
+    def _decode_window_indices(self, group: int) -> torch.Tensor:
+        w = self.swa.window
+        offsets = torch.arange(w, device=self.device)
+        target = self.start.unsqueeze(1) - offsets                       # [B, W] positions p - j
+        lowest = torch.tensor([max(0, seq.swa_from[group]) for seq in self.seqs], device=self.device)
+        slot = torch.where(offsets == 0, w, target % w)
+        return torch.where(target >= lowest.unsqueeze(1), slot, -1).unsqueeze(1)  # [B, 1, W]
 
     def _stored(self, kv: torch.Tensor) -> torch.Tensor:
         """The values the cache will hand back for these vectors (packing round trip)."""

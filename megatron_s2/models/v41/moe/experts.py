@@ -84,13 +84,23 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"expert token counts {tokens_per_expert} do not match {tokens.size(0)} rows "
                              f"for {self.num_local_experts} local experts")
         x = tokens.to(self.gemm_dtype or self.w1.dtype)
+        # Only experts that received tokens run: with top-k of E experts most are empty at decode
+        # (6 of 384 in the flagship), and an empty expert would still cost three GEMM launches and
+        # the SwiGLU. Under autograd one empty expert keeps the weights in the graph when every
+        # expert is empty, so their gradient is defined (zero) as the reducers expect.
+        active = [e for e, n in enumerate(tokens_per_expert) if n]
+        if not active and torch.is_grad_enabled():
+            active = [0]
+        if not active:
+            return x.new_zeros((0, x.size(-1)), dtype=tokens.dtype)
         outputs = []
         row_blocks, weight_blocks = torch.split(x, tokens_per_expert), torch.split(probs, tokens_per_expert)
-        for e, (rows, weight) in enumerate(zip(row_blocks, weight_blocks, strict=True)):
+        for e in active:
+            rows, weight = row_blocks[e], weight_blocks[e]
             h = swiglu(self.gemm(rows, self.w1[e]), self.gemm(rows, self.w3[e]), self.swiglu_limit,
                        weight.unsqueeze(-1))
             outputs.append(self.gemm(h.to(x.dtype), self.w2[e]))
-        return torch.cat(outputs, dim=0).to(tokens.dtype)
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)).to(tokens.dtype)
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """One expert's product ``x W^T`` in ``x``'s dtype (overridden by the FP8 subclass)."""
