@@ -86,8 +86,9 @@ def launcher_flags(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    runs = prepare_runs(args.recipe, list(args.overrides), launcher_flags(args), args.run_dir,
-                        local=args.local or args.summary)
+    # --summary reads run directories only: the launcher flags of a job it does not start do not apply
+    runs = prepare_runs(args.recipe, list(args.overrides), {} if args.summary else launcher_flags(args),
+                        args.run_dir, local=args.local or args.summary)
     if args.summary:
         print(summarise([(run.phase or Path(run.job.run_dir).name, run.job.run_dir) for run in runs]))
         return 0

@@ -23,21 +23,41 @@ METRIC_PREFIXES = ("eval_accuracy", "eval_greedy_accuracy", "eval_kl_to_teacher"
 """The held-out metrics the table shows (per-dataset variants ``<prefix>_<dataset>`` included)."""
 
 
-def read_evaluations(run_dir: str | Path) -> list[dict]:
-    """The evaluations of one run in step order; [] when it has none. A line a killed run left
-    half-written is skipped (the run writes it again when it resumes)."""
+def _number(value) -> float | None:
+    """A metric value as a float; None for what is not a plain number (bools, strings, ints
+    beyond float range)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
+def read_evaluations(run_dir: str | Path) -> tuple[list[dict], int]:
+    """(the evaluations of one run in step order, how many lines were unreadable). A line a
+    killed run left half-written, or anything else that is not one JSON object with an integer
+    ``step``, is counted and skipped; lines are read one at a time (a long run's file is not
+    loaded whole)."""
     path = Path(run_dir) / "eval.jsonl"
+    rows, bad = [], 0
     if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
-    return sorted(rows, key=lambda r: r["step"])
+        return rows, bad
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError):  # JSONDecodeError, int digit limits, deep nesting
+                bad += 1
+                continue
+            step = row.get("step") if isinstance(row, dict) else None
+            if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**15:
+                bad += 1
+                continue
+            rows.append({"step": step, **{k: v for k, v in row.items() if _number(v) is not None}})
+    return sorted(rows, key=lambda r: r["step"]), bad
 
 
 def _shown(key: str) -> bool:
@@ -49,14 +69,20 @@ def summarise(phases: Sequence[tuple[str, str | Path]]) -> str:
     without evaluations)."""
     lines = [f"{'phase':<18} {'metric':<34} {'first':>10} {'(step)':>7} {'last':>10} {'(step)':>7}"]
     for name, run_dir in phases:
-        rows = read_evaluations(run_dir)
-        keys = sorted({k for r in rows for k in r if _shown(k) and isinstance(r[k], (int, float))})
+        if not Path(run_dir).is_dir():
+            lines.append(f"{name:<18} (has not run: no {run_dir})")
+            continue
+        rows, bad = read_evaluations(run_dir)
+        note = f"; {bad} unreadable line(s) of eval.jsonl skipped" if bad else ""
+        keys = sorted({k for r in rows for k in r if _shown(k)})
         if not keys:
-            lines.append(f"{name:<18} (no held-out evaluation)")
+            lines.append(f"{name:<18} (no held-out evaluation{note})")
             continue
         for key in keys:
-            have = [r for r in rows if isinstance(r.get(key), (int, float))]
+            have = [r for r in rows if key in r]
             first, last = have[0], have[-1]
-            lines.append(f"{name:<18} {key:<34} {first[key]:>10.4f} {first['step']:>7} "
-                         f"{last[key]:>10.4f} {last['step']:>7}")
+            lines.append(f"{name:<18} {key:<34} {_number(first[key]):>10.4f} {first['step']:>7} "
+                         f"{_number(last[key]):>10.4f} {last['step']:>7}")
+        if bad:
+            lines.append(f"{name:<18} ({bad} unreadable line(s) of eval.jsonl skipped)")
     return "\n".join(lines)

@@ -97,15 +97,20 @@ def test_summary_prints_first_and_last_evaluation_of_each_phase(tmp_path, capsys
     sft = tmp_path / "runs" / "sft"
     sft.mkdir(parents=True)
     rows = [{"step": 10, "eval_accuracy": 0.75, "eval_accuracy_sort": 0.5, "eval_reward": 0.7},
-            {"step": 0, "eval_accuracy": 0.5, "eval_accuracy_sort": 0.25, "eval_reward": 0.4}]
-    # the last line as a run killed mid-write leaves it
-    (sft / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 20, "eval_acc')
-    assert main(["launch", path, "--summary"]) == 0
+            {"step": 0, "eval_accuracy": 0.5, "eval_accuracy_sort": 0.25, "eval_reward": 0.4,
+             "eval_greedy_accuracy": True}]
+    hostile = ['{"step": 5, "eval_accuracy": 1' + "9" * 400 + "}",  # beyond float range
+               '{"step": 6, "eval_accuracy": ' + "9" * 5000 + "}",  # beyond int parsing limits
+               "[" * 100_000, "[1, 2, 3]", '{"step": true}',
+               '{"step": 20, "eval_acc']  # the last line as a run killed mid-write leaves it
+    (sft / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n".join(hostile))
+    assert main(["launch", path, "--summary", "--nodes", "4"]) == 0, "launcher flags do not apply to --summary"
     out = capsys.readouterr().out.splitlines()
-    assert out[1].split() == ["pretrain", "(no", "held-out", "evaluation)"]
+    assert out[1].split()[:3] == ["pretrain", "(has", "not"], "a phase without a run directory has not run"
     assert out[2].split() == ["sft", "eval_accuracy", "0.5000", "0", "0.7500", "10"]
     assert out[3].split() == ["sft", "eval_accuracy_sort", "0.2500", "0", "0.5000", "10"]
-    assert len(out) == 4, "only the held-out metrics of the table (not eval_reward)"
+    assert "(5 unreadable line(s) of eval.jsonl skipped)" in out[4]
+    assert len(out) == 5, "only the held-out metrics (not eval_reward; a bool is no accuracy; the step-5 row lost its value)"
     assert not (tmp_path / "runs" / "pretrain").exists(), "--summary starts nothing"
 
 
