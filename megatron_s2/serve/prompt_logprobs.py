@@ -51,12 +51,14 @@ class PromptLogprobs:
 def read_prompt_logprobs(f: Fields, max_logprobs: int, vocab_size: int) -> PromptLogprobs | None:
     """The request's ``prompt_logprobs`` / ``prompt_logprobs_temperature`` (None: not asked);
     ``prompt_logprobs: -1`` is the whole vocabulary (vLLM's), allowed up to ``max_logprobs``."""
-    k = f.int("prompt_logprobs", None, minimum=-1)
-    if k == -1:
-        k = vocab_size
-    if k is not None and k > min(max_logprobs, vocab_size):
-        f.fail("prompt_logprobs", f"must be <= {min(max_logprobs, vocab_size)} (this server's --max-logprobs; -1 "
-                                  f"there allows the whole vocabulary of {vocab_size}), got {k}")
+    asked = f.int("prompt_logprobs", None, minimum=-1)
+    k = vocab_size if asked == -1 else asked
+    cap = min(max_logprobs, vocab_size)
+    if k is not None and k > cap:
+        got = f"-1 (the whole vocabulary, {vocab_size})" if asked == -1 else str(asked)
+        why = (f"the vocabulary has {vocab_size} tokens" if cap == vocab_size else
+               f"this server's --max-logprobs; serve with --max-logprobs -1 for the whole vocabulary of {vocab_size}")
+        f.fail("prompt_logprobs", f"must be <= {cap} ({why}), got {got}")
     temperature = f.float("prompt_logprobs_temperature", 1.0)
     if temperature <= 0:
         f.fail("prompt_logprobs_temperature", f"must be > 0, got {temperature}")

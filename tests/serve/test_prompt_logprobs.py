@@ -176,11 +176,14 @@ def test_minus_one_returns_the_whole_distribution_when_the_server_allows_it(load
                 assert sorted(e["rank"] for e in entries[p].values()) == list(range(1, vocab + 1))
         refused = post(whole, "/v1/completions", {"prompt": ids, "prompt_logprobs": vocab + 1}, status=400)
         assert refused["error"]["param"] == "prompt_logprobs"
+        assert refused["error"]["message"].startswith(f"prompt_logprobs: must be <= {vocab} (the vocabulary has "
+                                                      f"{vocab} tokens), got {vocab + 1}"), refused
     finally:
         whole.stop()
     refused = post(server, "/v1/completions", {"prompt": ids, "prompt_logprobs": -1}, status=400)["error"]
-    assert refused["message"].startswith(f"prompt_logprobs: must be <= 5 (this server's --max-logprobs; -1 there "
-                                         f"allows the whole vocabulary of {vocab}), got {vocab}"), refused
+    assert refused["message"].startswith(f"prompt_logprobs: must be <= 5 (this server's --max-logprobs; serve with "
+                                         f"--max-logprobs -1 for the whole vocabulary of {vocab}), got -1 (the whole "
+                                         f"vocabulary, {vocab})"), refused
     assert build_parser().parse_args(["serve", "ckpt", "--max-logprobs", "-1"]).max_logprobs == -1
     with pytest.raises(ConfigError, match=r"^--max-logprobs: must be >= 0, or -1 for the whole vocabulary, got -2$"):
         ServeConfig(max_logprobs=-2)
