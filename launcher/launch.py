@@ -98,10 +98,18 @@ def prepare_runs(path: str, overrides: list[str], launcher_flags: dict, run_dir:
     if not base:
         raise ConfigError("run_dir: a pipeline needs a parent run directory; add run_dir: to "
                           f"{path} or pass --run-dir")
+    moved = [o for o in overrides if o.split("=", 1)[0].strip() == "training.run_dir"]
+    if moved:
+        raise ConfigError(f"training.run_dir: a pipeline puts each phase in <run_dir>/<phase name>; give the parent "
+                          f"directory as --run-dir instead of the override {moved[0]!r}")
     runs: list[PreparedRun] = []
     phase_dirs: dict[str, str] = {}
     for index, entry in enumerate(pipeline.phases):
-        recipe = load_recipe(entry.recipe, [*entry.overrides, *overrides], phase_dirs=phase_dirs)
+        try:
+            recipe = load_recipe(entry.recipe, [*entry.overrides, *overrides], phase_dirs=phase_dirs)
+        except ConfigError as exc:
+            # command-line overrides reach every phase: say which phase refused them
+            raise ConfigError(f"phase {entry.name}: {exc}") from None
         recipe = recipe.replace(launcher=apply_launcher_flags(recipe.launcher, launcher_flags))
         if pipeline.chained(index):
             recipe = chain_from(recipe, runs[-1].job.run_dir)

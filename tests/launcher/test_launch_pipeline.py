@@ -128,6 +128,16 @@ def test_pipeline_errors_name_the_field(tmp_path, phases, top, message):
         prepare_runs(write_pipeline(tmp_path, phases, **top), [], {}, None, local=False)
 
 
+def test_pipeline_overrides_name_the_phase_that_refuses_them_and_run_dir_is_a_flag(tmp_path, capsys):
+    path = two_phases(tmp_path)
+    with pytest.raises(ConfigError, match=r"^phase pretrain: .*training\.train_stepz"):
+        prepare_runs(path, ["training.train_stepz=3"], {}, None, local=True)
+    with pytest.raises(ConfigError, match=r"^training\.run_dir: a pipeline puts each phase in .*--run-dir"):
+        prepare_runs(path, ["training.run_dir=/tmp/x"], {}, None, local=True)
+    assert main(["launch", path, "--local", "--dry-run", "training.run_dir=/tmp/x"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
 def test_the_first_phase_may_say_from_previous_false(tmp_path):
     path = write_pipeline(tmp_path, [{"name": "a", "recipe": str(RECIPE), "from_previous": False},
                                      {"name": "b", "recipe": str(RECIPE)}], run_dir=str(tmp_path / "runs"))
