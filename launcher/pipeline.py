@@ -54,7 +54,7 @@ class PhaseEntry:
 
     def __post_init__(self) -> None:
         if not _PHASE_NAME.fullmatch(self.name):
-            raise ConfigError(f"phases.name: {self.name!r} must be letters, digits, '.', '_' or '-' "
+            raise ConfigError(f"name: {self.name!r} must be letters, digits, '.', '_' or '-' "
                               "(it names a directory)")
         if not self.recipe:
             raise ConfigError(f"phases.recipe: phase {self.name!r} names no recipe")
@@ -97,7 +97,10 @@ def is_pipeline_file(path: str | Path) -> bool:
 def load_pipeline(path: str | Path) -> PipelineConfig:
     """Read a pipeline file; recipe paths come back resolved against the file's folder."""
     path = Path(path)
-    pipeline = from_mapping(PipelineConfig, yaml.safe_load(path.read_text()))
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict) or "phases" not in data:  # e.g. a pipe: read once already, empty now
+        raise ConfigError(f"{path}: a pipeline file needs a phases: list (give a regular file, not a pipe)")
+    pipeline = from_mapping(PipelineConfig, data)
     phases = tuple(dataclasses.replace(p, recipe=str((path.parent / p.recipe).resolve())) for p in pipeline.phases)
     return dataclasses.replace(pipeline, phases=phases)
 

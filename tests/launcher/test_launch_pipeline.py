@@ -117,7 +117,7 @@ def test_summary_prints_first_and_last_evaluation_of_each_phase(tmp_path, capsys
 @pytest.mark.parametrize("phases, top, message", [
     ([], {"run_dir": "x"}, "at least one phase"),
     ([{"name": "a", "recipe": str(RECIPE)}, {"name": "a", "recipe": str(RECIPE)}], {"run_dir": "x"}, "used twice"),
-    ([{"name": "../up", "recipe": str(RECIPE)}], {"run_dir": "x"}, "phases.name"),
+    ([{"name": "../up", "recipe": str(RECIPE)}], {"run_dir": "x"}, "phases[0].name: '../up' must be"),
     ([{"name": "a", "recipe": str(RECIPE), "depends": "b"}], {"run_dir": "x"}, "unknown key 'phases[0].depends'"),
     ([{"name": "a", "recipe": str(RECIPE)}], {}, "needs a parent run directory"),
     ([{"name": "a", "recipe": str(RECIPE), "from_previous": True}, {"name": "b", "recipe": str(RECIPE)}],
