@@ -121,6 +121,8 @@ def test_effort_group_size_consistency_accepts_matching_size():
      r"opd\.teachers\[0\]\.checkpoint: teacher 'a' needs exactly one"),
     ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c"}, {"name": "b", "domains": ["x"], "checkpoint": "d"}]},
      r"domain 'x' is supervised by both 'a' and 'b'"),
+    ({"teachers": [{"name": "a", "domains": ["x", "x"], "checkpoint": "c"}]},
+     r"opd\.teachers: teacher 'a' lists domain 'x' twice; list each once"),
     ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c"}], "domain_weights": {"y": 1.0}},
      r"opd\.domain_weights: domain 'y' has no teacher"),
     ({"teachers": [{"name": "a", "domains": ["x"], "checkpoint": "c"}], "domain_weights": {"x": math.nan}},

@@ -166,6 +166,9 @@ class OPDConfig:
             raise ConfigError(f"opd.teachers: duplicate teacher names {names}")
         owner: dict[str, str] = {}
         for t in self.teachers:
+            if len(set(t.domains)) != len(t.domains):
+                twice = sorted({d for d in t.domains if t.domains.count(d) > 1})
+                raise ConfigError(f"opd.teachers: teacher '{t.name}' lists domain '{twice[0]}' twice; list each once")
             for d in t.domains:
                 if d in owner:
                     raise ConfigError(f"opd.teachers: domain '{d}' is supervised by both '{owner[d]}' and "
