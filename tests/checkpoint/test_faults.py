@@ -34,6 +34,9 @@ from megatron_s2.config.schema import ConfigError
 from tests.checkpoint.fault_job import job_overrides
 from tests.checkpoint.runs import train, trainer
 
+# every test reads the module's trained runs (spawned ranks): the whole module is slow
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 CASES = {
     "mid_shard": ("mid_shard", 1, []),
@@ -95,6 +98,7 @@ def test_kill_during_save_keeps_latest(killed, case):
         assert (step3 / COMMIT).is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["mid_shard", "before_latest"])
 def test_resume_after_kill(killed, case):
     run, _, _ = killed[case]

@@ -34,6 +34,9 @@ from tests.checkpoint.runs import (
 from tests.parallel.parity import MHC_COEFFICIENTS, TOLERANCES, assemble, assert_close
 from tests.parallel.spawn import run_distributed
 
+# every test reads the module's trained runs (spawned ranks): the whole module is slow
+pytestmark = pytest.mark.slow
+
 SOURCE = ["parallel.tp=2", "parallel.pp=2", "parallel.pipeline_layers=[5,3]",
           "parallel.payload_index_k=shadow", "parallel.payload_candidates=shadow"]
 TARGETS = {
@@ -97,6 +100,7 @@ def test_source_checkpoint_holds_owners_only(results):
     assert optim_params == set().union(*(rec["opt_state"] for rec in source))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_next_step_matches_uninterrupted_run(results, target):
     root, source = results

@@ -31,6 +31,9 @@ from tests.checkpoint.runs import (
 )
 from tests.parallel.spawn import run_distributed
 
+# every test reads the module's trained runs (spawned ranks): the whole module is slow
+pytestmark = pytest.mark.slow
+
 N = 2
 LAYOUTS = {
     "tp2": ["parallel.tp=2"],
@@ -89,6 +92,7 @@ def test_resume_is_bit_identical(results, layout):
     assert any("checkpoint: resumed from" in line for line in records[0]["logs"])
 
 
+@pytest.mark.slow
 def test_zero1_state_is_split_between_owners(results):
     records = load_records(results / "dp2_zero1_async", 2)
     names = [set(rec["opt_state"]) for rec in records]

@@ -40,6 +40,7 @@ def test_layout_matches_single_rank(results, layout):
     check_against_reference(load_records(root / layout, 2), ref, layout, **TOLERANCES)
 
 
+@pytest.mark.slow
 def test_zero1_shards_optimizer_state(results):
     root, _ = results
     full = load_records(root / "dp2", 2)

@@ -17,6 +17,9 @@ import pytest
 
 from tests.parallel.parity import TOLERANCES, check_against_reference, load_records, run_layouts
 
+# every test reads the module's trained runs (spawned ranks): the whole module is slow
+pytestmark = pytest.mark.slow
+
 SHADOW = ["parallel.payload_index_k=shadow", "parallel.payload_candidates=shadow"]
 LAYOUTS = {
     "pp2_enc_dec": ["parallel.pp=2"],
@@ -55,6 +58,7 @@ def test_bf16_streams_cross_the_cut(results):
         assert rec["losses"] == pytest.approx(ref["losses"], rel=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", COMPARED)
 def test_layout_matches_single_rank(results, layout):
     root, ref = results

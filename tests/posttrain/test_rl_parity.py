@@ -428,6 +428,7 @@ def test_the_rl_batch_exercises_the_importance_weight_the_bkl_mask_and_the_refer
     assert stats["reference_kl"] > 1e-4, stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_rl_steps_match_single_rank(rl_results, layout):
     root, ref = rl_results
