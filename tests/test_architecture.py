@@ -16,6 +16,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+INSTALLED_CONTRACT = """
+[importlinter:contract:families-installed]
+name = kernels and launcher reach a model family only through the family interface
+type = forbidden
+source_modules =
+    megatron_s2.kernels
+    megatron_s2.launcher
+forbidden_modules =
+    megatron_s2.models.v41
+"""
+"""The family contract for launcher and kernels, which exist under megatron_s2 only in the
+installed layout (the repository's .importlinter must also run in the source tree)."""
+
 
 def _staged(tmp_path: Path) -> Path:
     stage = tmp_path / "stage"
@@ -25,7 +38,7 @@ def _staged(tmp_path: Path) -> Path:
             (stage / "megatron_s2" / entry.name).symlink_to(entry)
     for name in ("launcher", "kernels", "tools"):
         (stage / "megatron_s2" / name).symlink_to(REPO / name)
-    shutil.copy(REPO / ".importlinter", stage / ".importlinter")
+    (stage / ".importlinter").write_text((REPO / ".importlinter").read_text() + INSTALLED_CONTRACT)
     return stage
 
 
@@ -37,7 +50,7 @@ def test_import_contracts_hold(tmp_path):
     report = out.stdout + out.stderr
     assert "megatron_s2/megatron_s2" not in report
     assert out.returncode == 0, report[-6000:]
-    assert "3 kept, 0 broken" in report
+    assert "4 kept, 0 broken" in report
 
 
 def test_loading_a_recipe_imports_no_torch():
