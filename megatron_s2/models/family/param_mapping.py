@@ -30,6 +30,8 @@ reference implementation (``inference/model.py``); unconfirmed rows carry a note
 
 from __future__ import annotations
 
+import abc
+
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,7 +81,7 @@ class ImportFallback:
 
 
 @dataclass(frozen=True)
-class ParamMapping:
+class ParamMapping(abc.ABC):
     megatron: str
     """Our name pattern (``model.state_dict()`` keys of the single-rank model)."""
     hf: str
@@ -109,12 +111,14 @@ class ParamMapping:
         return [self.hf.format(**bindings)]
 
     # ---- tensors ---------------------------------------------------------------------------
+    @abc.abstractmethod
     def to_hf(self, tensor: torch.Tensor, bindings: Bindings, ctx: "ConversionContext") -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """Our full tensor -> the Hugging Face tensors it becomes (by name)."""
 
+    @abc.abstractmethod
     def from_hf(self, tensors: dict[str, torch.Tensor], bindings: Bindings, ctx: "ConversionContext",
                 full_shape: tuple[int, ...]) -> torch.Tensor:
-        raise NotImplementedError
+        """The Hugging Face tensors of :meth:`hf_names` -> our full tensor of ``full_shape``."""
 
 
 @dataclass(frozen=True)
