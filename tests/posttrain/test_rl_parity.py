@@ -350,7 +350,11 @@ def check_layout(records: list[dict], ref: dict, layout: str) -> dict[str, float
         assert err <= 1e-5, f"{layout}: step {step + 1} per-token {what} differ by up to {err:.2e}"
         worst[what] = max(worst.get(what, 0.0), err)
     # First-step gradients: the parity tolerance, or ENVELOPE_FACTOR x the measured noise envelope
-    # of the tensor where that is larger (Engram gate weights, mHC predictors: module docstring).
+    # of the tensor where that is larger (module docstring). Engram gate weights and mHC
+    # predictors are cancellation-heavy sums over every token: they get the loose class (1e-4).
+    # Two noise seeds under-estimate their envelope (40 seeds in tests/parallel/parity.py put the
+    # mHC predictors at 1.5e-5): CI measured tp2's OPD layers.3.attn_hc.scale at 3.1e-5 against a
+    # two-seed envelope of 8.8e-6, on a CPU whose BLAS sums in another order than this machine's.
     full = assemble([{"g": rec["grads"][0]} for rec in records], "g")
     want = assemble([{"g": ref["grads"][0]}], "g")
     assert full.keys() == want.keys(), f"{layout}: gradient sets differ"
@@ -358,8 +362,8 @@ def check_layout(records: list[dict], ref: dict, layout: str) -> dict[str, float
     for name, w in want.items():
         assert not torch.isnan(full[name]).any(), f"{layout}: {name} has slices no rank provided"
         err = float((full[name] - w).abs().max()) / max(float(w.abs().max()), floor, 1e-30)
-        base = tol["engram_grad_rtol"] if any(k in name for k in ENGRAM_GATE_AND_TABLE) else tol["grad_rtol"]
-        bound = max(base, ENVELOPE_FACTOR * ref["envelope"][name])
+        loose = any(k in name for k in (*ENGRAM_GATE_AND_TABLE, *MHC_COEFFICIENTS))
+        bound = max(tol["engram_grad_rtol"] if loose else tol["grad_rtol"], ENVELOPE_FACTOR * ref["envelope"][name])
         assert err <= bound, (f"{layout}: gradient of {name} differs by {err:.3e} (relative), tolerance {bound:.1e} "
                               f"(noise envelope {ref['envelope'][name]:.1e})")
         worst["grads"] = max(worst.get("grads", 0.0), err)
