@@ -69,6 +69,6 @@ setup(
         "console_scripts": ["megatron-s2=megatron_s2.cli:main"],
         # Model families by name (``model.family`` in a recipe; megatron_s2/config/model_schema.py).
         # A package outside megatron_s2 registers its own family under this group the same way.
-        "megatron_s2.model_families": ["v41 = megatron_s2.models.v41"],
+        "megatron_s2.model_families": ["v41 = megatron_s2.models.v41", "intern_s2 = megatron_s2.models.intern_s2"],
     },
 )

@@ -25,7 +25,7 @@ from megatron_s2.models.v41.moe import (
     swiglu,
     update_expert_biases,
 )
-from megatron_s2.models.v41.moe.token_dispatcher import regroup_permutation
+from megatron_s2.parallel.token_dispatch import regroup_permutation
 from megatron_s2.parallel.groups import Group, ParallelGroups
 from megatron_s2.parallel.placement import Replicas, placement_of
 

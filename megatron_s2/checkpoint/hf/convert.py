@@ -177,7 +177,7 @@ def load_hf_checkpoint(hf_dir: str | Path, *, progress: bool = True, registry: M
     reader = SafetensorsReader(directory)
     expected = skeleton_state(cfg)
     with tqdm(total=len(expected), desc="import", unit="tensor", disable=not progress) as bar:
-        state, report = (registry or adapter.registry).import_state(TensorSource(reader), expected,
+        state, report = (registry or adapter.registry_for(data)).import_state(TensorSource(reader), expected,
                                                                     adapter.context(cfg), progress=bar)
     return cfg, state, report
 

@@ -44,6 +44,11 @@ class HFAdapter(abc.ABC):
     def config_from_hf(self, config: dict[str, Any]) -> ModelSchema:
         """The model a ``config.json`` describes; a ConfigError naming the key when it cannot."""
 
+    def registry_for(self, config: dict[str, Any]) -> MappingRegistry:
+        """The name table for reading this ``config.json``'s checkpoint (default: :attr:`registry`;
+        a family whose releases nest the same tensors under another prefix picks by the config)."""
+        return self.registry
+
     def context(self, cfg: ModelSchema):
         """What the mappings may ask about the model (default: the config and its expert count)."""
         return _DefaultContext(cfg)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_s2.models.family.param_mapping import Bindings, ConversionContext, ParamMapping
+from megatron_s2.models.family.param_mapping import Bindings, ConversionContext, FusedPartMapping, ParamMapping
 
 __all__ = ["ConversionError", "ImportReport", "MappingRegistry"]
 
@@ -74,13 +74,29 @@ class MappingRegistry:
         views: dict[str, tuple[torch.Tensor, ParamMapping]] = {}
         owners: dict[str, str] = {}
         resolved = {}
+        fused: dict[str, dict[int, tuple[torch.Tensor, FusedPartMapping, str]]] = {}
         for name, tensor in state.items():
             mapping, bindings = self.resolve(name)
             resolved[name] = (mapping, bindings)
             for hf_name, view in mapping.to_hf(tensor, bindings, ctx).items():
+                if isinstance(mapping, FusedPartMapping):
+                    parts = fused.setdefault(hf_name, {})
+                    if mapping.part in parts:
+                        raise ConversionError(f"'{name}' and '{parts[mapping.part][2]}' both map to part "
+                                              f"{mapping.part} of '{hf_name}'")
+                    parts[mapping.part] = (view, mapping, name)
+                    continue
                 if hf_name in views:
                     raise ConversionError(f"'{name}' and '{owners[hf_name]}' both map to '{hf_name}'")
                 views[hf_name], owners[hf_name] = (view, mapping), name
+        for hf_name, parts in fused.items():  # concatenated once all parts are there (a copy)
+            count = len(parts[min(parts)][1].rows(ctx.cfg))
+            if sorted(parts) != list(range(count)):
+                raise ConversionError(f"'{hf_name}' fuses {count} tensors, the state has parts {sorted(parts)} "
+                                      f"({[p[2] for p in parts.values()]})")
+            if hf_name in views:
+                raise ConversionError(f"'{hf_name}' is both a fused tensor and '{owners[hf_name]}'")
+            views[hf_name] = (torch.cat([parts[i][0] for i in range(count)], dim=0), parts[0][1])
         elided = []
         for name, (mapping, bindings) in resolved.items():
             fb = mapping.fallback

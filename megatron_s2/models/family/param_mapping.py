@@ -9,6 +9,9 @@ index, Hugging Face side only: our experts are grouped 3-D tensors).
 * :class:`DirectMapping` — one tensor, renamed.
 * :class:`GroupedExpertMapping` — our ``[E, ...]`` grouped expert tensor <-> ``E`` per-expert
   tensors (split on export, stacked on import).
+* :class:`FusedPartMapping` — one of several tensors of ours that the checkpoint stores
+  concatenated along dim 0 (e.g. separately tensor-parallel q / k / v projections that the
+  reference fuses into one ``in_proj_qkv``): a row block of one Hugging Face tensor.
 
 A family adds its own mapping classes beside these (e.g. the V4.1 Engram table's padded rows,
 :mod:`megatron_s2.models.v41.hf.mapping`).
@@ -52,7 +55,7 @@ class ConversionContext(Protocol):
         """Routed experts per MoE layer (:class:`GroupedExpertMapping`)."""
 
 __all__ = ["Bindings", "ConversionContext", "ImportFallback", "ParamMapping", "DirectMapping", "GroupedExpertMapping",
-           "compile_pattern"]
+           "FusedPartMapping", "compile_pattern"]
 
 Bindings = dict[str, int]
 _PLACEHOLDER = re.compile(r"\{(layer|expert)\}")
@@ -154,3 +157,35 @@ class GroupedExpertMapping(ParamMapping):
 
     def from_hf(self, tensors, bindings, ctx, full_shape):
         return torch.stack([tensors[n] for n in self.hf_names(bindings, ctx)], dim=0)
+
+
+@dataclass(frozen=True)
+class FusedPartMapping(ParamMapping):
+    """Our tensor = rows ``[offset, offset + rows)`` of a Hugging Face tensor that concatenates
+    ``parts`` tensors of ours along dim 0 (``part``: our tensor's place among them).
+
+    ``rows(cfg)`` gives the dim-0 sizes of all parts (from the model config, so import knows
+    where each block starts); ``hf_shape_suffix``: trailing dims the Hugging Face tensor has
+    beyond ours (e.g. a depthwise conv weight ``[C, 1, K]`` for our ``[C, K]``: ``(1,)`` inserted
+    at dim 1). Export assembles the fused tensor once every part is present
+    (:meth:`~megatron_s2.models.family.mapping_registry.MappingRegistry.export_views`)."""
+
+    part: int = 0
+    rows: Callable[[Any], list[int]] | None = None
+    insert_dim: int | None = None
+
+    def block(self, ctx: "ConversionContext") -> tuple[int, int]:
+        sizes = self.rows(ctx.cfg)
+        return sum(sizes[:self.part]), sizes[self.part]
+
+    def to_hf(self, tensor, bindings, ctx):
+        return {self.hf.format(**bindings): tensor if self.insert_dim is None else tensor.unsqueeze(self.insert_dim)}
+
+    def from_hf(self, tensors, bindings, ctx, full_shape):
+        (tensor,) = tensors.values()
+        start, size = self.block(ctx)
+        if tensor.size(0) != sum(self.rows(ctx.cfg)):
+            raise ValueError(f"{self.hf.format(**bindings)}: {tensor.size(0)} rows, the config's parts "
+                             f"{self.rows(ctx.cfg)} need {sum(self.rows(ctx.cfg))}")
+        out = tensor[start:start + size]
+        return out if self.insert_dim is None else out.squeeze(self.insert_dim)

@@ -14,7 +14,7 @@ from megatron_s2.models.v41.moe.load_balancing import (
 from megatron_s2.models.v41.moe.moe_layer import MoELayer
 from megatron_s2.models.v41.moe.router import SCORE_FUNCTIONS, RoutingDecision, TopKRouter
 from megatron_s2.models.family.routing_replay import RoutingMode, RoutingReplay
-from megatron_s2.models.v41.moe.token_dispatcher import AllToAllTokenDispatcher, DispatchedTokens, DispatchState
+from megatron_s2.parallel.token_dispatch import AllToAllTokenDispatcher, DispatchedTokens, DispatchState
 
 __all__ = [
     "AllToAllTokenDispatcher",

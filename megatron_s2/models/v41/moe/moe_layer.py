@@ -42,7 +42,7 @@ from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.moe.experts import GroupedExperts, SharedExpert
 from megatron_s2.models.v41.moe.load_balancing import sequence_balance_loss
 from megatron_s2.models.v41.moe.router import RoutingDecision, TopKRouter
-from megatron_s2.models.v41.moe.token_dispatcher import AllToAllTokenDispatcher
+from megatron_s2.parallel.token_dispatch import AllToAllTokenDispatcher
 from megatron_s2.models.v41.parallel_plan import apply_plan
 from megatron_s2.models.v41.recompute import selective_checkpoint
 from megatron_s2.parallel import mappings

@@ -23,7 +23,8 @@ and sums the K expert outputs of every token in a fixed order, so the result is
 deterministic (no scatter-add).
 
 Every rank of the dispatch domain must route *different* tokens; the MoE layer guarantees
-this by splitting tokens over tp (see :mod:`megatron_s2.models.v41.moe.moe_layer`).
+this by splitting tokens over tp (e.g. :mod:`megatron_s2.models.v41.moe.moe_layer`; any family's MoE
+layer can use it the same way).
 All collectives are autograd-aware, so expert-weight gradients on a rank are the sums of
 the contributions of every token dispatched to it.
 """

@@ -1,0 +1,176 @@
+"""The gated delta rule and the short causal convolution of a Gated DeltaNet layer.
+
+Per value head, with an L2-normalised key ``k_t``, query ``q_t`` (scaled by ``d_k^-1/2``), value
+``v_t``, decay ``a_t = exp(g_t)`` (``g_t <= 0``) and write strength ``beta_t`` in (0, 1), the
+state ``S`` (``d_k x d_v``, float32 — walkthrough Ch. 1 precision map: "Gated DeltaNet recurrent
+states" in FP32) evolves as::
+
+    S_t = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,        o_t = S_t^T q_t
+
+i.e. decay, then replace what the memory predicts for ``k_t`` by ``v_t`` with strength
+``beta_t`` (the delta rule), then read with ``q_t``. :func:`recurrent_gated_delta_rule` runs it
+token by token (decode: one step per token, state carried between engine steps).
+
+**Chunked form** (:func:`chunk_gated_delta_rule`, training and prefill). Inside a chunk of C
+tokens with cumulative log-decay ``G_i = g_1 + ... + g_i`` and entry state ``S_0``, the
+per-token writes ``d_j = beta_j (v_j - k_j^T a_j S_{j-1})`` satisfy the unit lower-triangular
+system (the WY / UT representation of the product of Householder-like factors)::
+
+    (I + A) d = beta v - diag(beta e^G) K S_0,     A_ij = beta_i e^(G_i - G_j) k_i.k_j   (j < i)
+
+so ``d = U - W S_0`` with ``U = (I+A)^-1 beta v`` and ``W = (I+A)^-1 diag(beta e^G) K``: two
+triangular solves per chunk, all in matrix products. Then::
+
+    o_i   = e^(G_i) q_i^T S_0 + sum_{j<=i} e^(G_i - G_j) (q_i.k_j) d_j
+    S_C   = e^(G_C) S_0 + sum_j e^(G_C - G_j) k_j d_j^T
+
+and only the C x C products and the d_k x d_v state cross chunks sequentially. Both forms
+compute the same function (tests: float64 agreement to 1e-12, float32 to ~1e-6).
+
+**Packed documents** (``doc_ids``): a token never reads memory written by another document.
+Every term above that joins tokens ``i`` and ``j`` is multiplied by ``[doc_i == doc_j]``, and
+the ``S_0`` terms by ``[doc_i == doc of the token before the chunk]`` — exactly what resetting
+the state to zero at each document start computes, without a decay of -inf (whose cumulative
+sums would lose the small decays of the next document to float32 round-off).
+
+**Grouped values**: ``q``/``k`` have ``Hk`` heads, ``v`` has ``Hv = r Hk``; value head ``h``
+reads key head ``h // r`` (the reference's ``repeat_interleave`` grouping).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["l2_normalize", "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d"]
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(|x|^2 + eps)`` over the last dim (the reference's q/k normalisation)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def _heads_first(q, k, v, g, beta):
+    """[b, s, H, d] inputs -> float32 [b, Hv, s, d] (q/k repeated over their value-head group),
+    q/k L2-normalised and q scaled by d_k^-1/2; g, beta -> [b, Hv, s]."""
+    ratio = v.size(2) // k.size(2)
+    if ratio > 1:
+        q, k = q.repeat_interleave(ratio, dim=2), k.repeat_interleave(ratio, dim=2)
+    dtype = torch.promote_types(v.dtype, torch.float32)  # float32 math (float64 when given, for tests)
+    q, k, v = (t.transpose(1, 2).to(dtype) for t in (q, k, v))
+    q, k = l2_normalize(q), l2_normalize(k)
+    q = q * q.size(-1) ** -0.5
+    return q, k, v, g.transpose(1, 2).to(dtype), beta.transpose(1, 2).to(dtype)
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           *, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
+                           doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule (module docstring).
+
+    ``q``, ``k``: [b, s, Hk, dk]; ``v``: [b, s, Hv, dv]; ``g`` (log decay, <= 0), ``beta``:
+    [b, s, Hv]; ``initial_state``: [b, Hv, dk, dv] or None (zeros); ``doc_ids``: [b, s] or None.
+    Returns the output [b, s, Hv, dv] in ``v``'s dtype and the final state [b, Hv, dk, dv] float32.
+    """
+    out_dtype = v.dtype
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta)
+    b, h, s, dk = k.shape
+    dv = v.size(-1)
+    c = min(chunk_size, s)
+    pad = (-s) % c
+    if pad:  # padded tokens: no write (beta 0), no decay (g 0), their outputs are dropped
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (s + pad) // c
+    q, k, v = (t.reshape(b, h, n, c, t.size(-1)) for t in (q, k, v))
+    cum = g.reshape(b, h, n, c).cumsum(-1)                      # G_i within each chunk
+    beta = beta.reshape(b, h, n, c)
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    # e^(G_i - G_j) for j <= i, zero above the diagonal (masked before exp: no overflow)
+    pair = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    entry = cum.exp()                                           # e^(G_i): decay of S_0 at token i
+    if doc_ids is not None:
+        docs = F.pad(doc_ids, (0, pad), value=-1) if pad else doc_ids
+        docs = docs.reshape(b, 1, n, c)
+        pair = pair * (docs.unsqueeze(-1) == docs.unsqueeze(-2))
+        before = torch.cat([docs[..., :1, :1], docs[..., :-1, -1:]], dim=2)  # doc of the token before each chunk
+        entry = entry * (docs == before)
+    kk = k @ k.transpose(-1, -2)
+    system = (beta.unsqueeze(-1) * kk * pair).tril(-1)              # A (strictly lower)
+    system = system + torch.eye(c, dtype=system.dtype, device=system.device)
+    rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * entry).unsqueeze(-1) * k], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u, w = solved[..., :dv], solved[..., dv:]                   # d = U - W S_0
+    attn = (q @ k.transpose(-1, -2)) * pair                     # e^(G_i - G_j) q_i.k_j, j <= i
+    q_entry = q * entry.unsqueeze(-1)
+    last = pair[..., -1, :].unsqueeze(-1)                       # e^(G_C - G_j) (same doc as the last token)
+    k_exit = k * last
+    exit_decay = entry[..., -1]                                 # e^(G_C) when S_0 survives the chunk
+    state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(q.dtype)
+    outs = []
+    for i in range(n):
+        d = u[:, :, i] - w[:, :, i] @ state
+        outs.append(q_entry[:, :, i] @ state + attn[:, :, i] @ d)
+        state = exit_decay[:, :, i, None, None] * state + k_exit[:, :, i].transpose(-1, -2) @ d
+    out = torch.stack(outs, dim=2).reshape(b, h, n * c, dv)[:, :, :s]
+    return out.transpose(1, 2).to(out_dtype), state
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, *, initial_state: torch.Tensor | None = None,
+                               doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token-by-token recurrence (same arguments and results as :func:`chunk_gated_delta_rule`)."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta)
+    b, h, s, dk = k.shape
+    state = q.new_zeros(b, h, dk, v.size(-1)) if initial_state is None else initial_state.to(q.dtype)
+    outs = []
+    for t in range(s):
+        decay = g[:, :, t].exp()
+        if doc_ids is not None and t > 0:  # a new document starts from an empty memory
+            decay = decay * (doc_ids[:, t] == doc_ids[:, t - 1]).unsqueeze(1)
+        state = state * decay[..., None, None]
+        k_t = k[:, :, t]
+        predicted = (k_t.unsqueeze(-1) * state).sum(-2)           # S^T k_t
+        write = (v[:, :, t] - predicted) * beta[:, :, t].unsqueeze(-1)
+        state = state + k_t.unsqueeze(-1) * write.unsqueeze(-2)
+        outs.append((q[:, :, t].unsqueeze(-1) * state).sum(-2))
+    out = torch.stack(outs, dim=2) if outs else v.new_zeros(b, h, 0, v.size(-1))
+    return out.transpose(1, 2).to(out_dtype), state
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Tensor | None = None,
+                  doc_ids: torch.Tensor | None = None, lengths: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution + SiLU over the sequence.
+
+    ``x``: [b, s, C]; ``weight``: [C, K] (tap K-1 multiplies the current token); ``state``:
+    [b, C, K-1] the inputs of the K-1 tokens before ``x`` (zeros: sequence start). Returns
+    ``silu(conv)`` [b, s, C] in ``x``'s dtype and the new state [b, C, K-1] (the last K-1
+    inputs). With ``doc_ids`` a tap never reaches into another document (nor into ``state``,
+    which then belongs to the document of the first token). ``lengths`` [b]: the real tokens of
+    each row (the rest is padding); the new state then holds each row's last K-1 real inputs.
+    Written as K shifted products (K is 4), so document masks cost nothing extra.
+    """
+    b, s, ch = x.shape
+    taps = weight.size(1)
+    prev = x.new_zeros(b, taps - 1, ch) if state is None else state.transpose(1, 2).to(x.dtype)
+    full = torch.cat([prev, x], dim=1)                          # [b, K-1+s, C]
+    w = weight.to(torch.promote_types(x.dtype, torch.float32))
+    acc = full[:, taps - 1:].to(w.dtype) * w[:, taps - 1]
+    for back in range(1, taps):
+        shifted = full[:, taps - 1 - back:taps - 1 - back + s].to(w.dtype)
+        if doc_ids is not None:
+            same = torch.zeros_like(doc_ids, dtype=torch.bool)
+            same[:, back:] = doc_ids[:, back:] == doc_ids[:, :-back]
+            if state is not None:  # taps into the carried state belong to the first token's document
+                same[:, :back] = True
+            shifted = shifted * same.unsqueeze(-1)
+        acc = acc + shifted * w[:, taps - 1 - back]
+    if lengths is None:
+        new_state = full[:, s:]                                  # the last K-1 inputs
+    else:                                                       # row r: full[len_r : len_r + K-1]
+        index = lengths.view(b, 1, 1) + torch.arange(taps - 1, device=x.device).view(1, -1, 1)
+        new_state = full.gather(1, index.expand(b, taps - 1, ch))
+    new_state = new_state.transpose(1, 2)
+    return F.silu(acc).to(x.dtype), new_state.contiguous()

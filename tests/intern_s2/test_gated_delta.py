@@ -1,0 +1,83 @@
+"""The gated delta rule and the causal convolution of the Intern-S2 family (issue 23: "the chunked
+parallel form of the delta rule (WY representation), equal to the token-by-token recurrent form
+(test, fp32/fp64)"), against an independent oracle: the Hugging Face ``qwen3_5_moe`` reference's
+own token-by-token function, and, for packed documents, each document run alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_s2.models.intern_s2.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+
+def _inputs(b=2, s=37, hk=2, hv=4, dk=8, dv=6, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(b, s, hk, dk, generator=gen, dtype=dtype) for _ in range(2))
+    v = torch.randn(b, s, hv, dv, generator=gen, dtype=dtype)
+    g = -torch.rand(b, s, hv, generator=gen, dtype=dtype) * 0.7   # decays in (0.5, 1]
+    beta = torch.rand(b, s, hv, generator=gen, dtype=dtype)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16, 64])
+def test_chunked_form_equals_the_recurrence_in_float64(chunk):
+    q, k, v, g, beta = _inputs()
+    state0 = torch.randn(2, 4, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out_c, s_c = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk, initial_state=state0)
+    out_r, s_r = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state0)
+    assert (out_c - out_r).abs().max() < 1e-12 and (s_c - s_r).abs().max() < 1e-12
+
+
+def test_float32_chunked_form_stays_within_round_off_of_float64():
+    q, k, v, g, beta = _inputs(s=200)
+    want, state = recurrent_gated_delta_rule(q, k, v, g, beta)
+    got, got_state = chunk_gated_delta_rule(*(t.float() for t in (q, k, v, g, beta)), chunk_size=64)
+    assert got.dtype == torch.float32 and got_state.dtype == torch.float32
+    assert (got.double() - want).abs().max() < 2e-5 and (got_state.double() - state).abs().max() < 2e-5
+
+
+def test_recurrence_equals_the_hugging_face_reference():
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import torch_recurrent_gated_delta_rule
+
+    q, k, v, g, beta = _inputs(dtype=torch.float32)
+    ours, state = recurrent_gated_delta_rule(q, k, v, g, beta)
+    theirs, their_state = torch_recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True,
+                                                           use_qk_l2norm_in_kernel=True)
+    assert (ours - theirs).abs().max() < 1e-5 and (state - their_state).abs().max() < 1e-5
+
+
+def test_packed_documents_never_read_each_others_memory():
+    q, k, v, g, beta = _inputs(b=1, s=40)
+    docs = torch.tensor([[0] * 13 + [1] * 20 + [2] * 7])
+    packed, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=8, doc_ids=docs)
+    recurrent, _ = recurrent_gated_delta_rule(q, k, v, g, beta, doc_ids=docs)
+    assert (packed - recurrent).abs().max() < 1e-12
+    for lo, hi in ((0, 13), (13, 33), (33, 40)):  # each document alone, from an empty memory
+        alone, _ = chunk_gated_delta_rule(*(t[:, lo:hi] for t in (q, k, v, g, beta)), chunk_size=8)
+        assert (packed[:, lo:hi] - alone).abs().max() < 1e-12
+
+
+def test_gradients_of_both_forms_agree():
+    inputs = [t.clone().requires_grad_() for t in _inputs(s=21)]
+    twins = [t.detach().clone().requires_grad_() for t in inputs]
+    chunk_gated_delta_rule(*inputs, chunk_size=8)[0].square().sum().backward()
+    recurrent_gated_delta_rule(*twins)[0].square().sum().backward()
+    for a, b in zip(inputs, twins):
+        assert (a.grad - b.grad).abs().max() < 1e-10
+
+
+def test_convolution_with_carried_state_and_ragged_rows_equals_the_whole_sequence():
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 11, 5, generator=gen), torch.randn(5, 4, generator=gen)
+    whole, _ = causal_conv1d(x, w)
+    reference = F.silu(F.conv1d(x.transpose(1, 2), w.unsqueeze(1), padding=3, groups=5)[..., :11]).transpose(1, 2)
+    assert (whole - reference).abs().max() < 1e-6
+    first, state = causal_conv1d(x[:, :6], w)            # 6 tokens, then 5 more from the carried state
+    rest, _ = causal_conv1d(x[:, 6:], w, state=state)
+    assert (torch.cat([first, rest], 1) - whole).abs().max() < 1e-6
+    # rows of 4 and 6 real tokens padded to 6: each row's state is taken at its own last token
+    _, ragged = causal_conv1d(x[:, :6], w, lengths=torch.tensor([4, 6]))
+    _, four = causal_conv1d(x[:1, :4], w)
+    assert torch.equal(ragged[0], four[0]) and torch.equal(ragged[1], state[1])
