@@ -106,6 +106,11 @@ class ModelSchema(abc.ABC):
         """Refuse a tokenizer the model cannot be trained with beyond its vocabulary size (which the
         caller checks), with a ConfigError naming the field; default: nothing more."""
 
+    def optimizer_rules(self) -> tuple:
+        """Parameter-group rules (:class:`~megatron_s2.config.optimizer.ParamGroupRule`) this
+        family puts before the default table when the recipe gives none; default: none."""
+        return ()
+
     def replace(self, **changes) -> "ModelSchema":
         return dataclasses.replace(self, **changes)
 

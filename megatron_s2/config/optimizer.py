@@ -165,8 +165,17 @@ class OptimizerConfig:
 
     @property
     def rules(self) -> tuple[ParamGroupRule, ...]:
-        """The effective rule table."""
+        """The effective rule table of a model without family rules (see :meth:`rules_for`)."""
         return self.param_group_rules or default_param_group_rules(self.engram_lr_mult)
+
+    def rules_for(self, model_cfg=None) -> tuple[ParamGroupRule, ...]:
+        """The effective rule table for a model: the recipe's table when given, else the model
+        family's own rules (``ModelSchema.optimizer_rules``, e.g. AdamW for softmax routers,
+        whose rank-deficient gradients Muon would orthogonalise into noise) before the defaults."""
+        if self.param_group_rules:
+            return self.param_group_rules
+        family = tuple(model_cfg.optimizer_rules()) if model_cfg is not None else ()
+        return (*family, *default_param_group_rules(self.engram_lr_mult))
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,7 @@ def build_optimizer(
     """
     row_groups = dict(row_groups or {})
     matrix_shards = dict(matrix_shards or {})
-    assignments = assign_param_groups(model, cfg.rules)
+    assignments = assign_param_groups(model, cfg.rules_for(getattr(model, "config", None)))
     if not assignments:
         raise ConfigError("model has no trainable parameters to optimise")
     unknown = set(row_groups) - {a.name for a in assignments if a.rule.kind == "sinkhorn"}

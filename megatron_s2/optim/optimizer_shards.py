@@ -29,7 +29,7 @@ def optimizer_shard_groups(model: nn.Module, groups: ParallelGroups, cfg: Optimi
     """(row_groups {name: pg}, matrix_shards {name: (Group, dim)}) for build_optimizer, from
     each parameter's placement."""
     row_groups, matrix_shards = {}, {}
-    for a in assign_param_groups(model, cfg.rules):
+    for a in assign_param_groups(model, cfg.rules_for(getattr(model, "config", None))):
         placement = placement_of(a.param)
         cuts = placement.shard.cut_dims
         if not cuts:

@@ -91,7 +91,7 @@ def assign_param_groups(model: torch.nn.Module, rules: tuple[ParamGroupRule, ...
 
 def describe_param_groups(model: torch.nn.Module, cfg: OptimizerConfig | None = None) -> str:
     """Compact start-up table: one line per rule with matched parameter count and numel."""
-    rules = (cfg or OptimizerConfig()).rules
+    rules = (cfg or OptimizerConfig()).rules_for(getattr(model, "config", None))
     counts = [0] * len(rules)
     numels = [0] * len(rules)
     for assignment in assign_param_groups(model, rules):

@@ -178,7 +178,7 @@ def model_state_bytes(cfg: ModelSchema, layout: ParallelLayout, rank: int, optim
     frozen_model = set(params) - set(trainable)
     for p in params.values():
         p.requires_grad_(True)
-    for a in assign_param_groups(_Subset(params), optimizer.rules):
+    for a in assign_param_groups(_Subset(params), optimizer.rules_for(cfg)):
         if a.name in frozen_model or a.name not in owned:
             continue
         size = _nbytes(a.param)

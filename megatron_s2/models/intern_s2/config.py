@@ -139,6 +139,15 @@ class InternS2Config(ModelSchema):
     def linear_value_dim(self) -> int:
         return self.linear_num_value_heads * self.linear_value_head_dim
 
+    def optimizer_rules(self) -> tuple:
+        """Routers and the convolution taps train with AdamW: a softmax router's gradient rows sum
+        to zero over the experts (rank <= E-1), so Muon's orthogonalisation would turn the
+        missing direction's round-off into a full-size update; a [C, K] depthwise kernel is
+        C independent filters, not a matrix. (The rest follows the default table.)"""
+        from megatron_s2.config.optimizer import ParamGroupRule
+
+        return (ParamGroupRule("*.moe.router.weight", "adamw"), ParamGroupRule("*.linear_attn.conv_*", "adamw"))
+
     def layout_requirements(self) -> LayoutRequirements:
         heads = []
         if self.full_layers:
