@@ -39,19 +39,23 @@ ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps ``step`` as a float32 scalar tens
 
 
 def component_of(name: str) -> str:
+    """The planner's component of a parameter name (the families' naming conventions: V4.1's
+    ``mlp`` / ``attention`` / ``engram`` / ``*_hc``, Intern-S2's ``moe`` / ``linear_attn``)."""
     if name.startswith(("embedding.", "output_layer.")):
         return "embedding + head"
     if ".engram." in name:
         return "engram"
-    if ".mlp.experts." in name:
+    if ".experts." in name:
         return "moe routed experts"
-    if ".mlp." in name:
+    if ".mlp." in name or ".moe." in name:
         return "moe router + shared"
+    if ".linear_attn." in name:
+        return "linear attention"
     if ".attention." in name:
         return "attention"
     if "_hc." in name:
         return "mhc"
-    return "norms"
+    return "norms" if "norm" in name else "other"
 
 
 @dataclass

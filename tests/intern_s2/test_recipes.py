@@ -1,0 +1,96 @@
+"""The Intern-S2 family's recipes (issue 23): ``megatron-s2 account`` counts the public models'
+sizes from their shapes, the flagship-shaped recipes fit their clusters (``plan memory``) and
+pass ``launch --slurm --dry-run``'s checks, the tiny recipe trains on CPU, and what the family
+cannot run is refused before any rank starts with one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_s2.config.recipe import RECIPES_DIR, load_recipe
+from megatron_s2.models.family import family_of
+
+REPO = Path(__file__).resolve().parents[2]
+INTERN = REPO / "recipes" / "intern_s2"
+H200_BYTES = 141e9
+
+
+@pytest.mark.parametrize("model, total, active", [("intern_s2_35b_a3b", 34.66e9, 3.455e9),
+                                                  ("intern_s2_397b_a17b", 396.3e9, 17.35e9)])
+def test_account_counts_the_public_models_sizes(model, total, active):
+    """35B-A3B and 397B-A17B: the names state total and active parameters; the shapes give them."""
+    cfg = load_recipe(INTERN / "pretrain_tiny.yaml", [f"model={model}"]).model
+    figures = family_of(cfg).account(cfg).figures
+    assert figures["params"] == pytest.approx(total, rel=2e-3)
+    assert figures["active_params"] == pytest.approx(active, rel=2e-3)
+    # a request's recurrent state does not grow with its length; KV grows only in 1 of 4 layers
+    assert figures["linear_layers"] == 3 * figures["full_attention_layers"]
+    assert figures["recurrent_state_bytes_per_request"] > 1000 * figures["kv_bytes_per_token"]
+
+
+@pytest.fixture
+def cluster_inputs(tmp_path, monkeypatch):
+    """Stand-ins for what `launch --slurm` checks on the submit host (tokenizer folder, data)."""
+    from megatron_s2.data.jsonl import preprocess_jsonl
+    from megatron_s2.data.tokenizer import load_tokenizer
+
+    text = tmp_path / "docs.jsonl"
+    text.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(4)))
+    for name in ("Qwen3.5-35B-A3B", "Qwen3.5-397B-A17B"):
+        shutil.copytree(RECIPES_DIR / "tokenizers" / "tiny-bpe", tmp_path / "checkpoints" / name)
+    preprocess_jsonl([text], tmp_path / "data/pretrain/text", load_tokenizer(tmp_path / "checkpoints" / name))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-cluster" / "slurm.conf"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("name, nodes", [("pretrain_35b_a3b", 4), ("pretrain_397b_a17b", 32)])
+def test_flagship_shaped_recipes_fit_their_clusters(name, nodes, cluster_inputs):
+    from megatron_s2.launcher.launch import prepare_runs
+    from megatron_s2.planning.memory import estimate_memory
+
+    recipe = load_recipe(INTERN / f"{name}.yaml")
+    assert recipe.launcher.nodes == nodes and f"{nodes} nodes x 8 H200" in (INTERN / f"{name}.yaml").read_text()
+    plan = estimate_memory(recipe, nodes * 8)
+    assert plan.peak.total < 0.95 * H200_BYTES, f"{name}: {plan.peak.total / 2 ** 30:.1f} GiB"
+    assert plan.peak.state.parameters.get("moe routed experts", 0) > plan.peak.state.parameters["linear attention"]
+    [run] = prepare_runs(str(INTERN / f"{name}.yaml"), [], {}, None, local=False)
+    assert run.plan.world_size == nodes * 8
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "megatron_s2.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("override, field", [("parallel.cp=2", "parallel.cp"),
+                                             ("parallel.recompute=selective", "parallel.recompute"),
+                                             ("model.linear_num_key_heads=3", "model.linear_num_key_heads"),
+                                             ("model.layer_types=[linear_attention]", "model.layer_types"),
+                                             ("parallel.tp=4", "parallel.tp")])
+def test_what_the_family_cannot_run_is_refused_in_one_line(override, field, tmp_path):
+    out = _cli("launch", str(INTERN / "pretrain_tiny.yaml"), "--local", override, "launcher.nproc_per_node=2",
+               f"training.run_dir={tmp_path / 'run'}")
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0] and "Traceback" not in out.stderr
+    assert not (tmp_path / "run").exists()  # refused before any rank started
+
+
+@pytest.mark.slow
+def test_tiny_recipe_trains_and_its_loss_falls(tmp_path):
+    out = _cli("train", str(INTERN / "pretrain_tiny.yaml"), f"training.run_dir={tmp_path / 'run'}",
+               "training.train_steps=30", "checkpoint.save_interval=30")
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = [line for line in out.stdout.splitlines() if line.startswith("trained steps")][0]
+    first, last = (float(x) for x in summary.split("loss ")[1].split(",")[0].split(" -> "))
+    assert last < first - 0.5, summary
+    assert (tmp_path / "run" / "checkpoints" / "step_00000030").is_dir()
