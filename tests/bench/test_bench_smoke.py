@@ -31,6 +31,7 @@ EXPECTED = {
     "decode.py": ["ms/token", "ratio"],
     "bounded_replay.py": ["KL mean", "prefill GFLOP", "train-aware replay on", "train-aware replay off"],
     "remote_teacher.py": ["in process", "endpoint, 2 in flight"],
+    "hybrid_vs_full.py": ["training step", "mem ratio", "decode", "ms/token"],
 }
 
 

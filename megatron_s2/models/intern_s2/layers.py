@@ -22,6 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megatron_s2.models.init import constant_init, normal_init
 from megatron_s2.models.intern_s2.config import InternS2Config
@@ -165,6 +166,14 @@ class GatedDeltaNet(nn.Module):
         state = cache.recurrent if cache is not None else None
         if cache is not None and s == 1:   # decode: one step of the recurrence
             out, new_state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state)
+        elif self.training and torch.is_grad_enabled():
+            # The chunk form's C x C intermediates (decay pairs, the triangular system and its
+            # solution, intra-chunk scores) would be saved per chunk and head: ~5C floats per
+            # token and head. Recomputing them in backward (as the fused kernels do) keeps only
+            # q, k, v, g, beta: activation memory of a few head widths per token.
+            out, new_state = checkpoint(chunk_gated_delta_rule, q, k, v, g, beta, use_reentrant=False,
+                                        chunk_size=self.cfg.gdn_chunk_size, initial_state=state,
+                                        doc_ids=ctx.doc_ids)
         else:
             out, new_state = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.cfg.gdn_chunk_size,
                                                     initial_state=state, doc_ids=ctx.doc_ids)
@@ -216,19 +225,22 @@ class GatedAttention(nn.Module):
         k = _rope(self.k_norm(self.k_proj(x).unflatten(-1, (self.kv_heads, hd))), ctx.positions, cfg.rotary_dim,
                   cfg.rope_theta)
         v = self.v_proj(x).unflatten(-1, (self.kv_heads, hd))
+        group = self.heads // self.kv_heads
         if ctx.cache is not None:  # engine: earlier tokens' keys and values come from the paged cache
             k, v, key_pos, key_ok = ctx.cache.attend(self.layer, k, v)
             allowed = key_ok.unsqueeze(1) & (key_pos.unsqueeze(1) <= ctx.positions.unsqueeze(2))
-        else:
+        elif ctx.doc_ids is not None:
             allowed = ctx.positions.unsqueeze(1) <= ctx.positions.unsqueeze(2)     # causal [b, s, s]
-            if ctx.doc_ids is not None:
-                allowed = allowed & (ctx.doc_ids.unsqueeze(1) == ctx.doc_ids.unsqueeze(2))
-        group = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * hd ** -0.5
-        probs = torch.softmax(scores.masked_fill(~allowed.unsqueeze(1), float("-inf")), dim=-1)
-        out = torch.einsum("bhqk,bkhd->bqhd", probs, v.float())
-        out = out * torch.sigmoid(gate.float())
+            allowed = allowed & (ctx.doc_ids.unsqueeze(1) == ctx.doc_ids.unsqueeze(2))
+        else:
+            allowed = None  # plain causal training: the fused kernel, memory linear in the length
+        qh, kh, vh = (t.transpose(1, 2).float() for t in (q, k, v))             # [b, H, s, hd] float32
+        kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
+        if allowed is None:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed.unsqueeze(1))
+        out = out.transpose(1, 2) * torch.sigmoid(gate.float())
         return self.o_proj(out.flatten(-2).to(x.dtype))
 
 

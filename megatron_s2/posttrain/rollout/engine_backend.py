@@ -128,8 +128,10 @@ class EngineRolloutBackend:
         or re-prefilled from their tokens (a changed layout or engine: not bit for bit)."""
         self.any_busy = False
         self.stats = RolloutStats()
-        self.decoder_replay = bool(engine.config.decoder_bounded_replay)
-        self.window = engine.model_config.window_size
+        # Decoder bounded replay (§3.2.2) exists only for a family with a sliding window (V4.1's
+        # SWA); other families have no window to replay and never truncate.
+        self.window = getattr(engine.model_config, "window_size", None)
+        self.decoder_replay = bool(engine.config.decoder_bounded_replay) and self.window is not None
 
     # ---- protocol ------------------------------------------------------------------------------
     @property
