@@ -71,8 +71,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-@pytest.mark.parametrize("override, field", [("parallel.cp=2", "parallel.cp"),
-                                             ("parallel.recompute=selective", "parallel.recompute"),
+@pytest.mark.parametrize("override, field", [("parallel.recompute=selective", "parallel.recompute"),
                                              ("model.linear_num_key_heads=3", "model.linear_num_key_heads"),
                                              ("model.layer_types=[linear_attention]", "model.layer_types"),
                                              ("parallel.tp=4", "parallel.tp")])

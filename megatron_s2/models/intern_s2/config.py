@@ -159,7 +159,8 @@ class InternS2Config(ModelSchema):
             heads.append((self.shared_expert_ffn_hidden_size, "shared-expert width"))
         return LayoutRequirements(tp=(*heads, (self.vocab_size, "vocabulary entries")),
                                   ep=((self.num_routed_experts, "routed experts"),),
-                                  etp=((self.moe_ffn_hidden_size, "routed-expert width"),), experts=True)
+                                  etp=((self.moe_ffn_hidden_size, "routed-expert width"),), experts=True,
+                                  cp_min_chunk=max(self.linear_conv_kernel - 1, 1))  # the conv's halo
 
 
 CONFIG_CLASS = InternS2Config

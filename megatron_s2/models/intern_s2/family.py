@@ -100,9 +100,6 @@ class InternS2Family(ModelFamily):
         return InternS2Model(cfg, groups, layers=layers, pre_process=pre_process, post_process=post_process)
 
     def check_recipe(self, recipe) -> None:
-        if recipe.parallel.cp > 1:
-            raise ConfigError("parallel.cp: the intern_s2 family has no context parallelism yet (Gated DeltaNet "
-                              "state passing across cp ranks is not implemented); set cp: 1")
         if recipe.parallel.recompute == "selective":
             raise ConfigError("parallel.recompute: the intern_s2 family recomputes whole blocks only; use full or none")
 

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_s2.models.init import constant_init, normal_init
 from megatron_s2.models.intern_s2.config import InternS2Config
+from megatron_s2.models.intern_s2.context_parallel import cp_attention_keys, cp_causal_conv1d, cp_gated_delta_rule
 from megatron_s2.models.intern_s2.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
 from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import ParallelGroups
@@ -125,7 +126,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         tp, sp = groups.tp, groups.sequence.sp
         d, dtype = cfg.hidden_size, _dtype(cfg)
-        self.cfg, self.layer, self.seq = cfg, layer, groups.sequence
+        self.cfg, self.layer, self.seq, self.cp = cfg, layer, groups.sequence, groups.cp
         self.k_heads, self.v_heads = cfg.linear_num_key_heads // tp.size, cfg.linear_num_value_heads // tp.size
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         col = dict(tp=tp, sequence_parallel=sp, dtype=dtype, region_entry=False)
@@ -154,7 +155,10 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         weight = torch.cat([self.conv_q, self.conv_k, self.conv_v], dim=0)
         lengths = cache.lengths if cache is not None else None
-        mixed, new_conv = causal_conv1d(mixed, weight, state=conv_state, doc_ids=ctx.doc_ids, lengths=lengths)
+        if self.cp.active:  # this rank's two chunks; the K-1 inputs before each come from the neighbour
+            mixed, new_conv = cp_causal_conv1d(mixed, weight, ctx.positions, self.cp, ctx.full_doc_ids), None
+        else:
+            mixed, new_conv = causal_conv1d(mixed, weight, state=conv_state, doc_ids=ctx.doc_ids, lengths=lengths)
         kd = self.k_heads * self.dk
         q = mixed[..., :kd].unflatten(-1, (self.k_heads, self.dk))
         k = mixed[..., kd:2 * kd].unflatten(-1, (self.k_heads, self.dk))
@@ -166,6 +170,9 @@ class GatedDeltaNet(nn.Module):
         state = cache.recurrent if cache is not None else None
         if cache is not None and s == 1:   # decode: one step of the recurrence
             out, new_state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state)
+        elif self.cp.active:              # state passing between the ranks' chunks
+            out, new_state = cp_gated_delta_rule(q, k, v, g, beta, chunk_size=self.cfg.gdn_chunk_size, cp=self.cp,
+                                                 doc_ids=ctx.doc_ids, full_doc_ids=ctx.full_doc_ids), None
         elif self.training and torch.is_grad_enabled():
             # The chunk form's C x C intermediates (decay pairs, the triangular system and its
             # solution, intra-chunk scores) would be saved per chunk and head: ~5C floats per
@@ -206,7 +213,7 @@ class GatedAttention(nn.Module):
         super().__init__()
         tp, sp = groups.tp, groups.sequence.sp
         d, hd, dtype = cfg.hidden_size, cfg.head_dim, _dtype(cfg)
-        self.cfg, self.layer, self.seq, self.head_dim = cfg, layer, groups.sequence, hd
+        self.cfg, self.layer, self.seq, self.head_dim, self.cp = cfg, layer, groups.sequence, hd, groups.cp
         self.heads, self.kv_heads = cfg.num_attention_heads // tp.size, cfg.num_kv_heads // tp.size
         col = dict(tp=tp, sequence_parallel=sp, dtype=dtype, region_entry=False)
         self.q_proj = ColumnParallelLinear(d, cfg.num_attention_heads * hd * 2, **col)
@@ -229,6 +236,8 @@ class GatedAttention(nn.Module):
         if ctx.cache is not None:  # engine: earlier tokens' keys and values come from the paged cache
             k, v, key_pos, key_ok = ctx.cache.attend(self.layer, k, v)
             allowed = key_ok.unsqueeze(1) & (key_pos.unsqueeze(1) <= ctx.positions.unsqueeze(2))
+        elif self.cp.active:       # every key of the sequence, masked by global positions
+            k, v, allowed = cp_attention_keys(k, v, ctx.positions, self.cp, ctx.doc_ids, ctx.full_doc_ids)
         elif ctx.doc_ids is not None:
             allowed = ctx.positions.unsqueeze(1) <= ctx.positions.unsqueeze(2)     # causal [b, s, s]
             allowed = allowed & (ctx.doc_ids.unsqueeze(1) == ctx.doc_ids.unsqueeze(2))

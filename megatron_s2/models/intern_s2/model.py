@@ -39,6 +39,8 @@ class InternContext:
     """A :class:`~megatron_s2.models.family.routing_replay.RoutingReplay` (record / replay)."""
     record: dict | None = None
     """Engine routing record: layer -> [b, s, top_k] selected experts of this step."""
+    full_doc_ids: torch.Tensor | None = None
+    """[b, S] document ids of the whole sequence when this rank holds context-parallel chunks."""
     aux_losses: dict = field(default_factory=dict)
     aux_metrics: dict = field(default_factory=dict)
 
@@ -80,7 +82,7 @@ class InternS2Model(nn.Module):
         if positions is None:
             positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
         return InternContext(positions, micro_batch.get("doc_ids") if doc_ids is None else doc_ids,
-                             routing=routing)
+                             routing=routing, full_doc_ids=micro_batch.get("full_doc_ids"))
 
     def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor]:
         return (self.embedding["word_embeddings"](input_ids).to(getattr(torch, self.config.compute_dtype)),)
