@@ -81,3 +81,29 @@ def test_convolution_with_carried_state_and_ragged_rows_equals_the_whole_sequenc
     _, ragged = causal_conv1d(x[:, :6], w, lengths=torch.tensor([4, 6]))
     _, four = causal_conv1d(x[:1, :4], w)
     assert torch.equal(ragged[0], four[0]) and torch.equal(ragged[1], state[1])
+
+
+def test_cpu_tensors_take_the_torch_forms_and_a_packed_batch_never_the_kernels():
+    """The dispatch: fla's kernels only for CUDA tensors without document masks."""
+    from megatron_s2.models.intern_s2.gated_delta import delta_rule
+
+    q, k, v, g, beta = _inputs()
+    out, state = delta_rule(q, k, v, g, beta, chunk_size=8)
+    want, want_state = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=8)
+    assert torch.equal(out, want) and torch.equal(state, want_state)
+    out, _ = delta_rule(q, k, v, g, beta, recurrent=True)
+    assert torch.equal(out, recurrent_gated_delta_rule(q, k, v, g, beta)[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's kernels need a CUDA device (no GPU here)")
+def test_fla_kernels_equal_the_torch_forms_on_cuda():
+    from megatron_s2.models.intern_s2.gated_delta import delta_rule, fla_available
+
+    if not fla_available():
+        pytest.skip("fla-core is not installed (pip install fla-core)")
+    q, k, v, g, beta = (t.float().cuda() for t in _inputs(s=200, dk=64, dv=64))
+    state0 = torch.randn(2, 4, 64, 64, device="cuda")
+    for recurrent in (False, True):
+        out, state = delta_rule(q, k, v, g, beta, initial_state=state0, recurrent=recurrent)
+        want, want_state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state0)
+        assert (out - want).abs().max() < 2e-3 * want.abs().max() and (state - want_state).abs().max() < 2e-3 * want_state.abs().max()

@@ -107,7 +107,16 @@ class InternS2Family(ModelFamily):
         return [f"precision: parameters {cfg.params_dtype}, compute {cfg.compute_dtype}; norms, RoPE, router, "
                 "delta-rule states and head in float32",
                 f"mixers: {len(cfg.linear_layers)} Gated DeltaNet + {len(cfg.full_layers)} gated attention; "
-                "delta rule: torch chunked (WY) form"]
+                f"delta rule: {self._delta_rule_impl(model)}"]
+
+    @staticmethod
+    def _delta_rule_impl(model) -> str:
+        from megatron_s2.models.intern_s2.gated_delta import fla_available
+
+        on_cuda = any(p.is_cuda for p in model.parameters())
+        if on_cuda and fla_available():
+            return "fla-core fused kernels (torch chunked form for packed documents)"
+        return "torch chunked (WY) form" + ("; install fla-core for the fused CUDA kernels" if on_cuda else "")
 
     def account(self, cfg: InternS2Config) -> AccountReport:
         from megatron_s2.models.intern_s2.executor import kv_bytes_per_token, state_bytes_per_request

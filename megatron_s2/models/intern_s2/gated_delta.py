@@ -35,14 +35,66 @@ sums would lose the small decays of the next document to float32 round-off).
 
 **Grouped values**: ``q``/``k`` have ``Hk`` heads, ``v`` has ``Hv = r Hk``; value head ``h``
 reads key head ``h // r`` (the reference's ``repeat_interleave`` grouping).
+
+**Kernels** (:func:`delta_rule`): on CUDA tensors, with the optional ``fla-core``
+(flash-linear-attention) package installed and ``MEGATRON_S2_KERNELS`` not ``reference``, its
+fused chunked / recurrent Triton kernels run instead of the torch forms (same semantics: L2
+normalisation in the kernel, ``d_k^-1/2`` scale, float32 state); packed documents keep the torch
+form (their masks are not a kernel input). fla's kernels need a GPU driver even under Triton's
+interpreter, so on CPU only the torch forms are tested; tests/intern_s2/test_gated_delta.py
+compares the kernels with them when CUDA and fla are present.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["l2_normalize", "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d"]
+from megatron_s2.kernels.dispatch import kernel_mode
+
+__all__ = ["l2_normalize", "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d", "delta_rule",
+           "fla_available"]
+
+
+@functools.lru_cache(maxsize=1)
+def fla_available() -> bool:
+    """The optional ``fla-core`` kernels import (checked once; a broken install counts as absent)."""
+    if importlib.util.find_spec("fla") is None:
+        return False
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def delta_rule(q, k, v, g, beta, *, chunk_size: int = 64, initial_state=None, doc_ids=None, recurrent: bool = False):
+    """The gated delta rule by the best available implementation (module docstring, "Kernels"):
+    ``recurrent`` picks the token-by-token form (decode). Same arguments and results as
+    :func:`chunk_gated_delta_rule`."""
+    if doc_ids is None and v.is_cuda and kernel_mode() != "reference" and fla_available():
+        return _fla_delta_rule(q, k, v, g, beta, initial_state=initial_state, recurrent=recurrent)
+    if recurrent:
+        return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, doc_ids=doc_ids)
+    return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+                                  doc_ids=doc_ids)
+
+
+def _fla_delta_rule(q, k, v, g, beta, *, initial_state, recurrent: bool):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
+
+    ratio = v.size(2) // k.size(2)
+    if ratio > 1:  # value-head groups: each key head serves `ratio` consecutive value heads
+        q, k = q.repeat_interleave(ratio, dim=2), k.repeat_interleave(ratio, dim=2)
+    state = None if initial_state is None else initial_state.float()
+    fn = fla_recurrent if recurrent else fla_chunk
+    out, final = fn(q, k, v, g=g.float(), beta=beta.to(v.dtype), initial_state=state, output_final_state=True,
+                    use_qk_l2norm_in_kernel=True)
+    return out.to(v.dtype), final.float()
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from megatron_s2.models.init import constant_init, normal_init
 from megatron_s2.models.intern_s2.config import InternS2Config
 from megatron_s2.models.intern_s2.context_parallel import cp_attention_keys, cp_causal_conv1d, cp_gated_delta_rule
-from megatron_s2.models.intern_s2.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from megatron_s2.models.intern_s2.gated_delta import causal_conv1d, delta_rule
 from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.linear import ColumnParallelLinear, RowParallelLinear
@@ -169,7 +169,7 @@ class GatedDeltaNet(nn.Module):
             beta, g = beta * cache.valid.unsqueeze(-1), g * cache.valid.unsqueeze(-1)
         state = cache.recurrent if cache is not None else None
         if cache is not None and s == 1:   # decode: one step of the recurrence
-            out, new_state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state)
+            out, new_state = delta_rule(q, k, v, g, beta, initial_state=state, recurrent=True)
         elif self.cp.active:              # state passing between the ranks' chunks
             out, new_state = cp_gated_delta_rule(q, k, v, g, beta, chunk_size=self.cfg.gdn_chunk_size, cp=self.cp,
                                                  doc_ids=ctx.doc_ids, full_doc_ids=ctx.full_doc_ids), None
@@ -178,12 +178,12 @@ class GatedDeltaNet(nn.Module):
             # solution, intra-chunk scores) would be saved per chunk and head: ~5C floats per
             # token and head. Recomputing them in backward (as the fused kernels do) keeps only
             # q, k, v, g, beta: activation memory of a few head widths per token.
-            out, new_state = checkpoint(chunk_gated_delta_rule, q, k, v, g, beta, use_reentrant=False,
+            out, new_state = checkpoint(delta_rule, q, k, v, g, beta, use_reentrant=False,
                                         chunk_size=self.cfg.gdn_chunk_size, initial_state=state,
                                         doc_ids=ctx.doc_ids)
         else:
-            out, new_state = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.cfg.gdn_chunk_size,
-                                                    initial_state=state, doc_ids=ctx.doc_ids)
+            out, new_state = delta_rule(q, k, v, g, beta, chunk_size=self.cfg.gdn_chunk_size, initial_state=state,
+                                        doc_ids=ctx.doc_ids)
         if cache is not None:
             cache.store(new_conv, new_state)
         z = self.z_proj(x).unflatten(-1, (self.v_heads, self.dv))
