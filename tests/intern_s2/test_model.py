@@ -117,3 +117,28 @@ def test_engine_greedy_generation_equals_transformers_generate(hf_reference):
             theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
                                         eos_token_id=None, pad_token_id=0)
         assert result.token_ids == theirs[0, len(prompt):].tolist()
+
+
+def test_export_loads_in_transformers_with_the_same_logits_and_imports_back(hf_reference, tmp_path):
+    """Our checkpoint -> Hugging Face folder (fused in_proj_qkv / conv1d, per-expert tensors) ->
+    ``Qwen3_5MoeForCausalLM.from_pretrained``: the reference's logits again; importing the export
+    gives back every tensor bit for bit."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from megatron_s2.checkpoint.hf.convert import export_model_state
+
+    reference, path = hf_reference
+    cfg, state, _ = load_hf_checkpoint(path, progress=False)
+    export_model_state(state, cfg, tmp_path / "export", progress=False)
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_moe_text" and config["megatron_s2"]["model"]["family"] == "intern_s2"
+    loaded = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, reference(IDS).logits)
+    _, back, _ = load_hf_checkpoint(tmp_path / "export", progress=False)
+    assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
+    # the export without our block (as a third party would strip it) reads the same model
+    del config["megatron_s2"]
+    (tmp_path / "export" / "config.json").write_text(json.dumps(config))
+    cfg2, again, _ = load_hf_checkpoint(tmp_path / "export", progress=False)
+    assert cfg2.replace(name=cfg.name) == cfg and all(torch.equal(again[k], state[k]) for k in state)
