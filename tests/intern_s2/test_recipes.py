@@ -93,3 +93,15 @@ def test_tiny_recipe_trains_and_its_loss_falls(tmp_path):
     first, last = (float(x) for x in summary.split("loss ")[1].split(",")[0].split(" -> "))
     assert last < first - 0.5, summary
     assert (tmp_path / "run" / "checkpoints" / "step_00000030").is_dir()
+
+
+def test_serving_with_prefix_caching_is_refused_in_one_line(tmp_path):
+    """A recurrent state is not a per-page prefix: the engine setting is refused, not ignored."""
+    from megatron_s2.config.engine import EngineConfig
+    from megatron_s2.config.schema import ConfigError
+    from megatron_s2.models.intern_s2.config import InternS2Config
+
+    cfg = InternS2Config()
+    model = family_of(cfg).build_model(cfg)
+    with pytest.raises(ConfigError, match="prefix_caching"):
+        family_of(cfg).executor(model, EngineConfig(prefix_caching=True), __import__("torch").device("cpu"))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_s2.config.schema import ConfigError
 from megatron_s2.models.family.engine import Chunk, ModelExecutor, PagePool, RowOutput
 from megatron_s2.parallel import mappings
 
@@ -56,6 +57,16 @@ def cache_bytes(cfg, config, tp: int = 1) -> int:
     """What :class:`HybridExecutor` allocates: the K/V page pool plus ``max_num_seqs`` states."""
     return (config.num_pages_total * config.page_tokens * kv_bytes_per_token(cfg, tp)
             + config.max_num_seqs * state_bytes_per_request(cfg, tp))
+
+
+def check_engine_config(config) -> None:
+    """Engine settings this executor cannot honour, refused with the field named."""
+    if config.prefix_caching:
+        raise ConfigError("prefix_caching: the intern_s2 family's Gated DeltaNet states summarise a whole prefix "
+                          "and are not kept per page; serve without --prefix-caching")
+    if config.decoder_bounded_replay:
+        raise ConfigError("decoder_bounded_replay: the intern_s2 family has no sliding window to replay; set it "
+                          "to false")
 
 
 class _LinearView:
@@ -105,6 +116,7 @@ class HybridCacheStep:
 
 class HybridExecutor(ModelExecutor):
     def __init__(self, model, config, device: torch.device):
+        check_engine_config(config)
         cfg, tp = model.config, model.groups.tp.size
         self.model, self.config, self.device, self.cfg = model, config, device, cfg
         self.page_tokens = config.page_tokens

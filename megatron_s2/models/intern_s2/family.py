@@ -157,6 +157,11 @@ class InternS2Family(ModelFamily):
 
         return HybridExecutor(model, config, device)
 
+    def check_engine(self, cfg, config) -> None:
+        from megatron_s2.models.intern_s2.executor import check_engine_config
+
+        check_engine_config(config)
+
     def engine_cache_bytes(self, cfg, config) -> int:
         from megatron_s2.models.intern_s2.executor import cache_bytes
 
