@@ -142,3 +142,23 @@ def test_export_loads_in_transformers_with_the_same_logits_and_imports_back(hf_r
     (tmp_path / "export" / "config.json").write_text(json.dumps(config))
     cfg2, again, _ = load_hf_checkpoint(tmp_path / "export", progress=False)
     assert cfg2.replace(name=cfg.name) == cfg and all(torch.equal(again[k], state[k]) for k in state)
+
+
+def test_preempted_requests_recompute_their_state_and_finish_as_if_alone(hf_reference):
+    """A page pool too small for every request at once: the scheduler preempts, the executor
+    frees and later rebuilds the request's recurrent state and pages, and each greedy
+    continuation equals the one the request gets with the engine to itself."""
+    from megatron_s2.inference import EngineConfig, InferenceEngine, SamplingParams
+
+    _, model, _ = _ours(hf_reference[1])
+    prompts = [IDS[0, :14].tolist(), IDS[1, :11].tolist(), IDS[0, 25:37].tolist()]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    tight = InferenceEngine(model, EngineConfig(max_num_seqs=3, max_model_len=32, page_tokens=4, num_pages=12,
+                                                prefill_chunk=8))
+    preempted, preempt = [], tight._preempt
+    tight._preempt = lambda req: (preempted.append(req.request_id), preempt(req))
+    together = tight.generate(prompts, params)
+    assert preempted, "the pool was meant to be too small for all three requests"
+    for prompt, result in zip(prompts, together):
+        alone = InferenceEngine(model, EngineConfig(max_num_seqs=1, max_model_len=32, page_tokens=4))
+        assert result.token_ids == alone.generate([prompt], params)[0].token_ids
