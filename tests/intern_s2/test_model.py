@@ -104,6 +104,7 @@ def test_chunked_prefill_and_decode_equal_the_full_forward(hf_reference):
     assert torch.equal(a.logits, b.logits)
 
 
+@pytest.mark.slow
 def test_engine_greedy_generation_equals_transformers_generate(hf_reference):
     from megatron_s2.inference import EngineConfig, InferenceEngine, SamplingParams
 
@@ -144,6 +145,7 @@ def test_export_loads_in_transformers_with_the_same_logits_and_imports_back(hf_r
     assert cfg2.replace(name=cfg.name) == cfg and all(torch.equal(again[k], state[k]) for k in state)
 
 
+@pytest.mark.slow
 def test_preempted_requests_recompute_their_state_and_finish_as_if_alone(hf_reference):
     """A page pool too small for every request at once: the scheduler preempts, the executor
     frees and later rebuilds the request's recurrent state and pages, and each greedy
@@ -152,7 +154,7 @@ def test_preempted_requests_recompute_their_state_and_finish_as_if_alone(hf_refe
 
     _, model, _ = _ours(hf_reference[1])
     prompts = [IDS[0, :14].tolist(), IDS[1, :11].tolist(), IDS[0, 25:37].tolist()]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     tight = InferenceEngine(model, EngineConfig(max_num_seqs=3, max_model_len=32, page_tokens=4, num_pages=12,
                                                 prefill_chunk=8))
     preempted, preempt = [], tight._preempt
