@@ -24,3 +24,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def one_thread_children(monkeypatch):
+    """``OMP_NUM_THREADS=1`` in the environment this test's child processes inherit (CLI runs,
+    launches, servers); this process keeps its own thread count (read once, when torch loaded).
+    On 2 cores that other work also uses, a child's 2-thread OpenMP team waits at every tiny
+    op's barrier for a thread that is not running: test_e2e_tiny's OPD run took 128-276 s with
+    2 threads and 24-26 s with 1 beside other jobs (load 3-4), two copies of it side by side 434 s
+    and 35 s. On an idle machine one thread costs nothing here (tiny models: one core is enough).
+    Modules that spawn runs opt in with ``pytestmark = pytest.mark.usefixtures("one_thread_children")``."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.usefixtures("one_thread_children")  # tests/conftest.py
+
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 QUIET = ["logging.progress_bar=false", "logging.tensorboard=false"]
 
@@ -36,9 +38,9 @@ def _evals(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_opd_moves_the_student_toward_the_teacher_on_held_out_prompts(tmp_path):
-    teacher = tmp_path / "teacher"
-    _cli("train", str(RECIPES / "phases" / "sft_addition.yaml"), "training.train_steps=12",
-         "schedule.warmup_steps=2", "schedule.decay_start_step=6", "schedule.decay_end_step=12", *QUIET, "--run-dir", str(teacher), cwd=tmp_path)
+    teacher = tmp_path / "teacher"  # 6 SFT steps: the 4 OPD steps halve the KL to it (0.023 -> 0.012)
+    _cli("train", str(RECIPES / "phases" / "sft_addition.yaml"), "training.train_steps=6",
+         "schedule.warmup_steps=2", "schedule.decay_start_step=3", "schedule.decay_end_step=6", *QUIET, "--run-dir", str(teacher), cwd=tmp_path)
     opd = tmp_path / "opd"  # the student starts from the initialisation (a weaker model than the teacher)
     _cli("train", str(RECIPES / "phases" / "opd_addition.yaml"), "training.train_steps=4",
          "training.global_batch_size=16", "training.micro_batch_size=16", "opd.rollout.group_size=4",
