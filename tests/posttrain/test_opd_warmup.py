@@ -22,6 +22,9 @@ from megatron_s2.posttrain.opd.warmup import keep_verified, warmup_micro_batches
 from megatron_s2.posttrain.opd.warmup_data import Trajectory, TrajectoryFile, WarmupPrompts
 from megatron_s2.posttrain.trainer import PosttrainTrainer
 
+# one intra-op thread here and in the runs it starts (tests/conftest.py): tiny models, 2 shared cores
+pytestmark = pytest.mark.usefixtures("one_thread", "one_thread_children")
+
 OPD = RECIPES_DIR / "phases" / "opd_addition.yaml"
 SMALL = ["logging.progress_bar=false", "logging.tensorboard=false", "training.global_batch_size=4",
          "training.micro_batch_size=2", "opd.rollout.group_size=1", "opd.rollout.batch_groups=4",
@@ -251,19 +254,19 @@ def test_resume_inside_the_warmup_continues_it_and_after_it_never_redoes_it(tmp_
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_warmup_under_dp2_launch_matches_one_rank(tmp_path, teacher):
-    """The warm-up runs through the layout: dp=2 under `launch --local` logs the single-rank losses."""
-    args = [*SMALL, "training.train_steps=2", "opd.sft_warmup.steps=2", "opd.eval.at_start=false",
-            "training.global_batch_size=8", "opd.rollout.batch_groups=8", "opd.rollout.max_in_flight=8",
-            f"opd.teachers=[{{name: teacher, domains: [default], checkpoint: {teacher}}}]"]
-    runs = {"one": ["train", str(OPD), *args], "dp2": ["launch", str(OPD), "--local", *args, "parallel.dp=2",
-                                                         "launcher.nproc_per_node=2"]}
-    losses = {}
-    for name, cmd in runs.items():
-        proc = subprocess.run([sys.executable, "-m", "megatron_s2.cli", *cmd, "--run-dir", str(tmp_path / name)],
-                              capture_output=True, text=True, timeout=1500, cwd=tmp_path)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        losses[name] = [(m["step"], m["sft_warmup"], m["loss"]) for m in _jsonl(tmp_path / name / "metrics.jsonl")]
-    assert [s for s, _, _ in losses["dp2"]] == [1, 2]
+    """The warm-up runs through the layout: dp=2 under `launch --local` logs the single-rank losses
+    (the single-rank run in this process: the trainer `megatron-s2 train` runs, without a start-up)."""
+    args = ["training.train_steps=2", "opd.sft_warmup.steps=2", "opd.eval.at_start=false",
+            "training.global_batch_size=8", "opd.rollout.batch_groups=8", "opd.rollout.max_in_flight=8"]
+    _trainer(_recipe(teacher, *args), tmp_path / "one").train()
+    teachers = f"opd.teachers=[{{name: teacher, domains: [default], checkpoint: {teacher}}}]"
+    proc = subprocess.run([sys.executable, "-m", "megatron_s2.cli", "launch", str(OPD), "--local", *SMALL, teachers,
+                           *args, "parallel.dp=2", "launcher.nproc_per_node=2", "--run-dir", str(tmp_path / "dp2")],
+                          capture_output=True, text=True, timeout=1500, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = {name: [(m["step"], m["sft_warmup"], m["loss"]) for m in _jsonl(tmp_path / name / "metrics.jsonl")]
+              for name in ("one", "dp2")}
+    assert [s for s, _, _ in losses["one"]] == [s for s, _, _ in losses["dp2"]] == [1, 2]
     for (s1, w1, l1), (s2, w2, l2) in zip(losses["one"], losses["dp2"]):
         assert (s1, w1) == (s2, w2) and l2 == pytest.approx(l1, rel=1e-5)
 
@@ -308,13 +311,13 @@ def test_each_prompt_is_answered_by_its_domains_teacher_greedily():
 @pytest.mark.timeout(3600)
 def test_run_killed_inside_the_warmup_resumes_it_without_repeating_or_skipping_a_prompt(tmp_path, teacher):
     """SIGKILL after warm-up step 3 trained (checkpoint at 2): the resumed run re-runs step 3 on
-    the same prompts, and every warm-up prompt is trained exactly once."""
+    the same prompts, every warm-up prompt is trained exactly once, and step 4 is OPD's."""
     import os
     import signal
     import time
 
     run_dir = tmp_path / "opd"
-    cmd = [sys.executable, "-m", "megatron_s2.cli", "train", str(OPD), *SMALL, "training.train_steps=5",
+    cmd = [sys.executable, "-m", "megatron_s2.cli", "train", str(OPD), *SMALL, "training.train_steps=4",
            "opd.sft_warmup.steps=3", "checkpoint.save_interval=2", "opd.eval.at_start=false",
            f"opd.teachers=[{{name: teacher, domains: [default], checkpoint: {teacher}}}]", "--run-dir", str(run_dir)]
 
@@ -345,8 +348,8 @@ def test_run_killed_inside_the_warmup_resumes_it_without_repeating_or_skipping_a
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "step_00000002" in resumed.stdout
     final = records()
-    assert [r["step"] for r in final] == [1, 2, 3, 4, 5] and [r["version"] for r in final][:3] == [1, 2, 3]
+    assert [r["step"] for r in final] == [1, 2, 3, 4] and [r["version"] for r in final][:3] == [1, 2, 3]
     warm = [u for r in final for u in r.get("warmup", [])]
     assert len(warm) == 3 * 4 and len(set(warm)) == len(warm)
     assert final[2]["warmup"] == killed_step3  # the re-run step trains the same prompts
-    assert [m.get("sft_warmup") for m in _jsonl(run_dir / "metrics.jsonl")] == [1.0, 1.0, 1.0, None, None]
+    assert [m.get("sft_warmup") for m in _jsonl(run_dir / "metrics.jsonl")] == [1.0, 1.0, 1.0, None]
