@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.usefixtures("one_thread_children")  # tests/conftest.py
+
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "phases" / "rl_addition.yaml"
 SMALL = ["training.seq_length=16", "training.global_batch_size=8", "training.micro_batch_size=8",
          "training.train_steps=5", "checkpoint.save_interval=2", "checkpoint.keep_last=3",
