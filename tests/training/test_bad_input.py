@@ -26,6 +26,8 @@ from megatron_s2.cli import main
 from megatron_s2.config.recipe import RecipeConfig, load_recipe
 from megatron_s2.config.schema import ConfigError, from_mapping
 
+pytestmark = pytest.mark.usefixtures("one_thread_children")  # the CLI runs it starts (tests/conftest.py)
+
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pretrain_tiny.yaml"
 SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=0", "training.train_steps=1", "training.seq_length=32",
           "training.global_batch_size=4", "training.micro_batch_size=2", "data.num_documents=200",

@@ -21,6 +21,8 @@ import pytest
 from megatron_s2.checkpoint import CheckpointStore
 from megatron_s2.cli import main
 
+pytestmark = pytest.mark.usefixtures("one_thread_children")  # the CLI runs it starts (tests/conftest.py)
+
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pretrain_tiny.yaml"
 SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=0", "training.seq_length=32",
           "training.global_batch_size=4", "training.micro_batch_size=2", "data.num_documents=200",
