@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from megatron_s2.cli import main
+from megatron_s2.config.recipe import load_recipe
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.models.intern_s2.config import InternS2Config
 from megatron_s2.models.intern_s2.hf import QwenMoEAdapter
@@ -110,3 +111,32 @@ def test_an_export_block_of_a_newer_format_is_refused():
     exported["megatron_s2"]["format_version"] = 99
     with pytest.raises(ConfigError, match="format_version 99 is newer"):
         QwenMoEAdapter().config_from_hf(exported)
+
+
+# ---- layouts the family cannot run ---------------------------------------------------------------
+
+@pytest.mark.parametrize("override, field", [("parallel.cp=2", "parallel.cp"),
+                                             ("parallel.recompute=selective", "parallel.recompute")])
+def test_checkpoint_tools_refuse_a_layout_the_family_cannot_run(override, field, hf_reference, tmp_path, capsys):
+    """``checkpoint import`` and ``reshard`` wrote checkpoints for cp=2 and selective recompute,
+    which ``train`` then refused; the refusal now lives in the layout every tool builds."""
+    out = tmp_path / "imported"
+    assert main(["checkpoint", "import", str(hf_reference[1]), str(out), override, "--no-progress"]) == 2
+    assert field in _one_line_error(capsys) and not out.exists()
+    assert main(["checkpoint", "import", str(hf_reference[1]), str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    world = "2" if override == "parallel.cp=2" else "1"
+    assert main(["checkpoint", "reshard", str(out), str(tmp_path / "resharded"), override, "--world-size", world]) == 2
+    assert field in _one_line_error(capsys) and not (tmp_path / "resharded").exists()
+
+
+def test_plan_layouts_ranks_the_familys_layouts(capsys):
+    """`plan layouts` crashed on ``cfg.engram_layers`` (a V4.1 field) and would have proposed
+    context parallelism, which the family refuses."""
+    from megatron_s2.planning.layouts import enumerate_layouts
+
+    assert main(["plan", "layouts", str(TINY), "--gpus", "4", "--top", "3"]) == 0
+    assert "valid layouts for 4 GPUs" in capsys.readouterr().out
+    kept, rejected = enumerate_layouts(load_recipe(TINY), 4)
+    assert kept and all(layout.cp == 1 and layout.engram == 1 for _, layout in kept)
+    assert any("parallel.cp" in r.reason and "Gated DeltaNet" in r.reason for r in rejected)

@@ -159,7 +159,10 @@ class InternS2Config(ModelSchema):
             heads.append((self.shared_expert_ffn_hidden_size, "shared-expert width"))
         return LayoutRequirements(tp=(*heads, (self.vocab_size, "vocabulary entries")),
                                   ep=((self.num_routed_experts, "routed experts"),),
-                                  etp=((self.moe_ffn_hidden_size, "routed-expert width"),), experts=True)
+                                  etp=((self.moe_ffn_hidden_size, "routed-expert width"),), experts=True,
+                                  no_context_parallel="the intern_s2 family has no context parallelism yet (Gated "
+                                  "DeltaNet state passing across cp ranks is not implemented)",
+                                  recompute=("none", "full"))  # whole blocks: no selective regions
 
 
 CONFIG_CLASS = InternS2Config
