@@ -23,6 +23,7 @@ import torch
 from megatron_s2.cli import main
 from megatron_s2.config.recipe import load_recipe
 from megatron_s2.config.schema import ConfigError
+from megatron_s2.models.family import family_of
 from megatron_s2.models.intern_s2.config import InternS2Config
 from megatron_s2.models.intern_s2.hf import QwenMoEAdapter
 from tests.intern_s2.conftest import HF_SHAPE
@@ -140,3 +141,16 @@ def test_plan_layouts_ranks_the_familys_layouts(capsys):
     kept, rejected = enumerate_layouts(load_recipe(TINY), 4)
     assert kept and all(layout.cp == 1 and layout.engram == 1 for _, layout in kept)
     assert any("parallel.cp" in r.reason and "Gated DeltaNet" in r.reason for r in rejected)
+
+
+# ---- the engine -------------------------------------------------------------------------------------
+
+def test_prefix_caching_is_refused_not_ignored():
+    """``serve --prefix-caching`` was accepted and did nothing (recurrent states are not prefix
+    snapshots) while the page pool doubled."""
+    from megatron_s2.config.engine import EngineConfig
+
+    cfg = InternS2Config()
+    model = family_of(cfg).build_model(cfg).eval()
+    with pytest.raises(ConfigError, match="prefix_caching"):
+        family_of(cfg).executor(model, EngineConfig(prefix_caching=True), torch.device("cpu"))

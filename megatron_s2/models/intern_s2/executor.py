@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_s2.config.schema import ConfigError
 from megatron_s2.models.family.engine import Chunk, ModelExecutor, PagePool, RowOutput
 from megatron_s2.parallel import mappings
 
@@ -105,6 +106,9 @@ class HybridCacheStep:
 
 class HybridExecutor(ModelExecutor):
     def __init__(self, model, config, device: torch.device):
+        if config.prefix_caching:  # refused, not ignored (the module docstring says why it cannot apply)
+            raise ConfigError("prefix_caching (serve --prefix-caching): the intern_s2 family's Gated DeltaNet states "
+                              "are not snapshots of a page-aligned prefix, so there is no prefix to cache; leave it off")
         cfg, tp = model.config, model.groups.tp.size
         self.model, self.config, self.device, self.cfg = model, config, device, cfg
         self.page_tokens = config.page_tokens
