@@ -213,7 +213,9 @@ def import_checkpoint(args: argparse.Namespace) -> int:
             raise VerificationFailed(_logits_failure(report.logits, args.hf_dir))
     # Written beside the target and renamed into place once read back intact: an interrupted or
     # failed import leaves no checkpoint under the requested name.
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent if out.parent.exists() else None))
+    # (the parent is created first: `import <hf> runs/new/checkpoints` is the natural target)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent))
     try:
         written = write_full_state(state, recipe, staging, world_size=world, source=str(Path(args.hf_dir).resolve()))
         if tokenizer is not None:

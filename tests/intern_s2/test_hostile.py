@@ -172,3 +172,20 @@ def test_an_import_without_tokenizer_exports_again(hf_reference, tmp_path, capsy
     exported = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         assert torch.equal(exported(IDS).logits, reference(IDS).logits)
+
+
+def test_an_import_into_a_runs_checkpoints_and_its_reshard_generate(hf_reference, tmp_path, capsys):
+    """``checkpoint import <hf> runs/x/checkpoints`` failed when ``runs/x`` did not exist yet
+    (a rename into a missing folder), and ``generate runs/x`` then missed the tokenizer the
+    import wrote to ``runs/x/checkpoints/tokenizer``; a reshard's output carried no tokenizer."""
+    run = tmp_path / "runs" / "imported"
+    assert main(["checkpoint", "import", str(hf_reference[1]), str(run / "checkpoints"), "parallel.tp=2",
+                 "--tokenizer", "char", "--no-progress"]) == 0
+    for where in (run, run / "checkpoints"):
+        assert main(["generate", str(where), "--prompt", "ab", "--max-tokens", "3", "--temperature", "0"]) == 0
+    capsys.readouterr()
+    resharded = tmp_path / "resharded" / "checkpoints"
+    assert main(["checkpoint", "reshard", str(run / "checkpoints"), str(resharded), "parallel.tp=1",
+                 "--world-size", "1"]) == 0
+    assert main(["generate", str(resharded), "--prompt", "ab", "--max-tokens", "3", "--temperature", "0"]) == 0
+    assert "ab" in capsys.readouterr().out
