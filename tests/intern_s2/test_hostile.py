@@ -189,3 +189,19 @@ def test_an_import_into_a_runs_checkpoints_and_its_reshard_generate(hf_reference
                  "--world-size", "1"]) == 0
     assert main(["generate", str(resharded), "--prompt", "ab", "--max-tokens", "3", "--temperature", "0"]) == 0
     assert "ab" in capsys.readouterr().out
+
+
+def test_a_checkpoint_missing_tensors_is_one_line(hf_reference, tmp_path, capsys):
+    """The missing tensors were listed one per line under a header (13 lines for 12)."""
+    from safetensors.torch import load_file, save_file
+
+    source = tmp_path / "hf"
+    source.mkdir()
+    shutil.copy(hf_reference[1] / "config.json", source)
+    tensors = load_file(hf_reference[1] / "model.safetensors")
+    for name in [k for k in tensors if ".self_attn." in k or k.endswith("linear_attn.A_log")]:
+        del tensors[name]
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    assert main(["checkpoint", "import", str(source), str(tmp_path / "out"), "--no-progress"]) == 2
+    err = _one_line_error(capsys)
+    assert "tensors of the model are not in the checkpoint" in err and "model.layers.3.self_attn." in err
