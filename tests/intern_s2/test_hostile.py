@@ -205,3 +205,22 @@ def test_a_checkpoint_missing_tensors_is_one_line(hf_reference, tmp_path, capsys
     assert main(["checkpoint", "import", str(source), str(tmp_path / "out"), "--no-progress"]) == 2
     err = _one_line_error(capsys)
     assert "tensors of the model are not in the checkpoint" in err and "model.layers.3.self_attn." in err
+
+
+def test_a_bfloat16_export_keeps_what_the_release_stores_in_float32(hf_reference, tmp_path, capsys):
+    """The released Qwen3.5 checkpoints store ``linear_attn.A_log`` (the decay, compounded over
+    every token of the recurrence) and ``linear_attn.norm.weight`` in float32; ``--dtype
+    bfloat16`` cast them too."""
+    from safetensors import safe_open
+
+    assert main(["checkpoint", "import", str(hf_reference[1]), str(tmp_path / "ckpt"), "--no-progress"]) == 0
+    assert main(["checkpoint", "export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--dtype", "bfloat16",
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    dtypes = {}
+    for file in (tmp_path / "hf").glob("model*.safetensors"):
+        with safe_open(file, "pt") as f:
+            dtypes.update({k: f.get_slice(k).get_dtype() for k in f.keys()})
+    float32 = sorted(k for k, v in dtypes.items() if v == "F32")
+    assert float32 == sorted(f"model.layers.{i}.linear_attn.{p}" for i in range(3) for p in ("A_log", "norm.weight"))
+    assert dtypes["model.layers.0.linear_attn.dt_bias"] == dtypes["lm_head.weight"] == "BF16"

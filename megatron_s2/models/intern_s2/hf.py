@@ -57,9 +57,9 @@ def _mappings(prefix: str) -> list:
         *[FusedPartMapping(la + f"conv_{p}", ha + "conv1d.weight", part=i, rows=_qkv_rows, insert_dim=1)
           for i, p in enumerate("qkv")],
         *[DirectMapping(la + f"{p}_proj.weight", ha + f"in_proj_{p}.weight") for p in "zba"],
-        DirectMapping(la + "A_log", ha + "A_log"),
+        DirectMapping(la + "A_log", ha + "A_log", keep_fp32=True),          # float32 in the release,
         DirectMapping(la + "dt_bias", ha + "dt_bias"),
-        DirectMapping(la + "norm.weight", ha + "norm.weight"),
+        DirectMapping(la + "norm.weight", ha + "norm.weight", keep_fp32=True),  # as the gated norm's weight
         DirectMapping(la + "out_proj.weight", ha + "out_proj.weight"),
         *[DirectMapping(L + f"attention.{p}.weight", H + f"self_attn.{p}.weight")
           for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")],
