@@ -224,3 +224,29 @@ def test_a_bfloat16_export_keeps_what_the_release_stores_in_float32(hf_reference
     float32 = sorted(k for k, v in dtypes.items() if v == "F32")
     assert float32 == sorted(f"model.layers.{i}.linear_attn.{p}" for i in range(3) for p in ("A_log", "norm.weight"))
     assert dtypes["model.layers.0.linear_attn.dt_bias"] == dtypes["lm_head.weight"] == "BF16"
+
+
+# ---- post-training -------------------------------------------------------------------------------
+
+def test_the_model_implements_every_call_of_the_family_model_contract():
+    """RL with sequence parallelism (a separate rollout copy), OPD teachers and ``reference_kl``
+    call ``apply_precision_map`` on the family's model; the contract did not list it, the model
+    lacked it, and `launch` crashed in its memory pre-flight."""
+    from megatron_s2.models.family.base import FamilyModel
+
+    model = family_of(InternS2Config()).build_model(InternS2Config())
+    calls = [n for n in vars(FamilyModel) if not n.startswith("_") and callable(getattr(FamilyModel, n))]
+    assert "apply_precision_map" in calls
+    assert [n for n in calls if not callable(getattr(model, n, None))] == []
+
+
+def test_rl_with_sequence_parallelism_plans_its_rollout_copy():
+    from megatron_s2.planning.memory import estimate_memory
+
+    rl = REPO / "recipes" / "phases" / "rl_addition.yaml"
+    recipe = load_recipe(rl, ["model=intern_s2_tiny", "model.params_dtype=bfloat16", "parallel.tp=2",
+                              "parallel.sequence_parallel=true"])
+    copy = [v for k, v in estimate_memory(recipe, 2).peak.resident.items() if k.startswith("rollout weight copy")]
+    params = family_of(recipe.model).account(recipe.model).figures["params"]
+    # tp=2 halves the matrices; the bf16 copy keeps the float32 islands (router, head, vectors)
+    assert len(copy) == 1 and params < copy[0] < 2 * params
