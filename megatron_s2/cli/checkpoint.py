@@ -148,7 +148,22 @@ def _reshard(args: argparse.Namespace) -> int:
         print(f"megatron-s2 checkpoint reshard: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {out}")
+    _carry_tokenizer(Path(args.source), out)
     return 0
+
+
+def _carry_tokenizer(source: Path, step_dir: Path) -> None:
+    """Copy the source's tokenizer beside the new checkpoint (``<dest>/tokenizer``, as an import
+    writes it) unless one is already there: generate / serve / export of the output need it."""
+    import shutil
+
+    from megatron_s2.checkpoint.offline import resolve_step_dir
+    from megatron_s2.data.tokenizer_checks import RUN_TOKENIZER_DIR, find_checkpoint_tokenizer
+
+    found = find_checkpoint_tokenizer(resolve_step_dir(source, log=lambda *a: None))
+    if found is not None and find_checkpoint_tokenizer(step_dir) is None:
+        shutil.copytree(found, step_dir.parent / RUN_TOKENIZER_DIR)
+        print(f"wrote {step_dir.parent / RUN_TOKENIZER_DIR} (the tokenizer of {found.parent})")
 
 
 # ---- Hugging Face conversion (megatron_s2/cli/hf_convert.py) ---------------------------------------

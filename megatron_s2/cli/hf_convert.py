@@ -133,12 +133,16 @@ def export_checkpoint(args: argparse.Namespace) -> int:
     cfg = loaded.recipe.model
     if args.show_mapping:
         print(family_of(cfg).hf.registry.describe())
-    tokenizer = _source_tokenizer(args, find_checkpoint_tokenizer(loaded.path), required=True,
+    # A model whose weights do not depend on the tokenizer (no token map) exports without one,
+    # as it was imported (a save_pretrained folder carries none); the export then carries none.
+    tokenizer = _source_tokenizer(args, find_checkpoint_tokenizer(loaded.path), required=cfg.uses_token_map,
                                   what=f"checkpoint export: {loaded.path}")
-    check_tokenizer_fits(tokenizer, cfg, "of the checkpoint")
+    if tokenizer is not None:
+        check_tokenizer_fits(tokenizer, cfg, "of the checkpoint")
+    named = repr(tokenizer) if tokenizer is not None else "none (the export carries none; --tokenizer DIR adds one)"
     print(f"read {loaded.path} (step {loaded.step}, {loaded.world_size} ranks: {loaded.layout}), "
-          f"{len(loaded.state)} tensors of model '{cfg.name}', tokenizer {tokenizer!r}")
-    extra, why = _tokenizer_files(tokenizer), "--no-verify"
+          f"{len(loaded.state)} tensors of model '{cfg.name}', tokenizer {named}")
+    extra, why = _tokenizer_files(tokenizer) if tokenizer is not None else {}, "--no-verify"
     if not args.no_verify:
         data, why = reference_logits(cfg, loaded.state, lossless=args.dtype is None, tokenizer=tokenizer,
                                      max_params=_max_params(args))
@@ -158,14 +162,15 @@ def export_checkpoint(args: argparse.Namespace) -> int:
 
     # the imported side uses only what the export wrote: weights, config.json, tokenizer files
     cfg2, state2, _ = load_hf_checkpoint(result.directory, progress=False)
-    exported_tokenizer = load_tokenizer(result.directory, field=f"{result.directory}")
+    token_map = None
+    if tokenizer is not None:
+        token_map = load_tokenizer(result.directory, field=f"{result.directory}").compressed_token_map(cfg2.vocab_size)
     report = VerificationReport()
     if cfg2 != cfg:
         report.tensor_mismatches.append("config.json does not reproduce the model config")
     compare_states(loaded.state, state2, getattr(torch, args.dtype) if args.dtype else None, report)
-    report.logits, report.logits_skipped = check_reference_logits(
-        cfg2, state2, result.directory, token_map=exported_tokenizer.compressed_token_map(cfg2.vocab_size),
-        max_params=_max_params(args))
+    report.logits, report.logits_skipped = check_reference_logits(cfg2, state2, result.directory, token_map=token_map,
+                                                                  max_params=_max_params(args))
     report.logits_skipped = report.logits_skipped or why
     _print_report("verification (export -> import)", report)
     return 0 if report.passed else 1
@@ -208,7 +213,9 @@ def import_checkpoint(args: argparse.Namespace) -> int:
             raise VerificationFailed(_logits_failure(report.logits, args.hf_dir))
     # Written beside the target and renamed into place once read back intact: an interrupted or
     # failed import leaves no checkpoint under the requested name.
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent if out.parent.exists() else None))
+    # (the parent is created first: `import <hf> runs/new/checkpoints` is the natural target)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent))
     try:
         written = write_full_state(state, recipe, staging, world_size=world, source=str(Path(args.hf_dir).resolve()))
         if tokenizer is not None:

@@ -51,6 +51,10 @@ class LayoutRequirements:
     """The model has Engram tables (engram-parallel sizes above 1 are allowed)."""
     experts: bool = False
     """The model has routed experts (ep / etp above 1 are allowed)."""
+    no_context_parallel: str = ""
+    """Why the family cannot run under context parallelism (empty: it can); cp > 1 is refused with it."""
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    """The ``parallel.recompute`` modes the family implements."""
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,15 @@ class LoadedCheckpoint:
     description: str
 
 
-def _run_dir_of(step_dir: Path) -> Path:
-    """The run directory above a step directory (``<run>/checkpoints/step_N``)."""
+def _tokenizer_home(step_dir: Path) -> Path:
+    """Where a checkpoint's tokenizer lives: the folder holding ``tokenizer/`` nearest the step —
+    the run directory of a trained run, the checkpoints directory an import wrote into
+    (``<run>/checkpoints/tokenizer``) — else the run directory above ``<run>/checkpoints/step_N``."""
+    from megatron_s2.data.tokenizer_checks import find_checkpoint_tokenizer
+
+    found = find_checkpoint_tokenizer(step_dir)
+    if found is not None:
+        return found.parent
     parent = step_dir.parent
     return parent.parent if parent.name == "checkpoints" else parent
 
@@ -60,7 +67,7 @@ def read_checkpoint(path: str | Path) -> LoadedCheckpoint:
         full = read_full_state(path)
     except CheckpointError as exc:
         raise ConfigError(f"checkpoint: {exc}") from None
-    return LoadedCheckpoint(full.recipe.model, full.state, _run_dir_of(full.path),
+    return LoadedCheckpoint(full.recipe.model, full.state, _tokenizer_home(full.path),
                             f"{full.path} (step {full.step}, saved by {full.world_size} rank(s): {full.layout})")
 
 

@@ -100,6 +100,11 @@ class ParallelLayout:
         need = m.layout_requirements()  # the family's parallel plan: what each dimension must divide
         for count, what in need.tp:
             _divides(p.tp, count, f"{count} {what} not divisible by tp={p.tp}", "parallel.tp")
+        if p.cp > 1 and need.no_context_parallel:
+            raise ConfigError(f"parallel.cp: {need.no_context_parallel}; set cp: 1")
+        if p.recompute not in need.recompute:
+            raise ConfigError(f"parallel.recompute: {p.recompute} is not implemented by the {m.family} family; use "
+                              f"{' or '.join(need.recompute)}")
         if not need.experts and (p.ep > 1 or p.etp > 1):
             raise ConfigError(f"parallel.ep: the model has no routed experts; set ep and etp to 1 (got ep={p.ep}, "
                               f"etp={p.etp})")

@@ -61,18 +61,18 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
 
 
 def _candidates(recipe: RecipeConfig, gpus: int, max_tp: int, max_engram: int) -> list[ParallelConfig]:
-    base, c = recipe.parallel, recipe.model
+    base, need = recipe.parallel, recipe.model.layout_requirements()  # any family: only what its plan states
     out = []
     for tp, pp, cp in product(_divisors(gpus, max_tp), _divisors(gpus), _divisors(gpus)):
         if gpus % (tp * pp * cp):
             continue
         dp = gpus // (tp * pp * cp)
         for vpp in ([1, 2] if pp > 1 else [1]):
-            for ep in _divisors(tp * cp * dp):
-                if c.num_routed_experts % ep:
+            for ep in (_divisors(tp * cp * dp) if need.experts else [1]):
+                if any(count % ep for count, _ in need.ep):
                     continue
-                for etp in sorted({1, tp}):
-                    engram = max([k for k in _divisors(dp * cp, max_engram)]) if c.engram_layers else 1
+                for etp in (sorted({1, tp}) if need.experts else [1]):
+                    engram = max(_divisors(dp * cp, max_engram)) if need.engram else 1
                     out.append(dataclasses.replace(
                         base, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, ep=ep, etp=etp, engram_parallel=engram,
                         sequence_parallel=tp > 1, distributed_optimizer=dp * cp > 1, pipeline_layers=()))

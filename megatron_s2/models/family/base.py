@@ -96,6 +96,11 @@ class FamilyModel(Protocol):
 
     def init_weights(self, seed: int) -> "FamilyModel": ...
 
+    def apply_precision_map(self) -> None:
+        """Store the parameters as the family's precision map says (``params_dtype`` matrices,
+        float32 islands); a model built for rollouts, a teacher or a reference calls it after
+        construction, as ``init_weights`` does for a trained model."""
+
 
 @dataclass(frozen=True)
 class RankShape:

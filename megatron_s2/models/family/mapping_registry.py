@@ -144,8 +144,9 @@ class MappingRegistry:
             if progress is not None:
                 progress.update(1)
         if missing:
-            raise ConversionError(f"{len(missing)} tensors of the model are not in the checkpoint:\n  "
-                                  + "\n  ".join(missing[:12]) + ("\n  ..." if len(missing) > 12 else ""))
+            raise ConversionError(f"{len(missing)} tensors of the model are not in the checkpoint: "
+                                  + "; ".join(missing[:4]) + ("; ..." if len(missing) > 4 else "")
+                                  + "; the checkpoint is incomplete or its config.json describes another model")
         unknown = []
         for key in source.reader.keys():
             if key in source.used:

@@ -112,11 +112,15 @@ class TensorInfo:
 def model_skeleton(cfg: ModelSchema, groups: ParallelGroups | None = None, **kwargs):
     """The family's real model for ``cfg`` with meta storage (``kwargs``: layers, pre_process,
     post_process), built with portable leaf modules: planning or converting a recipe that asks
-    for an optional backend (Transformer Engine) needs none of it (a login node, a CPU machine)."""
+    for an optional backend (Transformer Engine) needs none of it (a login node, a CPU machine).
+    Its dtypes are those of a trained model (the family's precision map applied, as
+    ``init_weights`` applies it): a conversion reads tensors in these dtypes."""
     from megatron_s2.models.family import family_of
 
     with SkeletonMode():
-        return family_of(cfg).build_model(cfg, groups, portable=True, **kwargs)
+        model = family_of(cfg).build_model(cfg, groups, portable=True, **kwargs)
+    model.apply_precision_map()
+    return model
 
 
 def _state_info(model) -> dict[str, TensorInfo]:

@@ -160,7 +160,8 @@ class InternS2Config(ModelSchema):
         return LayoutRequirements(tp=(*heads, (self.vocab_size, "vocabulary entries")),
                                   ep=((self.num_routed_experts, "routed experts"),),
                                   etp=((self.moe_ffn_hidden_size, "routed-expert width"),), experts=True,
-                                  cp_min_chunk=max(self.linear_conv_kernel - 1, 1))  # the conv's halo
+                                  cp_min_chunk=max(self.linear_conv_kernel - 1, 1),  # the conv's halo
+                                  recompute=("none", "full"))  # whole blocks: no selective regions
 
 
 CONFIG_CLASS = InternS2Config

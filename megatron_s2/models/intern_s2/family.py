@@ -7,7 +7,6 @@ experts), the recurrent state a request holds (fixed, whatever its length: Gated
 
 from __future__ import annotations
 
-from megatron_s2.config.schema import ConfigError
 from megatron_s2.models.family.base import (AccountReport, CommVolume, LayerActivations, MemoryModel, ModelFamily,
                                             RankShape)
 from megatron_s2.models.intern_s2.config import FAMILY_NAME, FULL, InternS2Config
@@ -98,10 +97,6 @@ class InternS2Family(ModelFamily):
         from megatron_s2.models.intern_s2.model import InternS2Model
 
         return InternS2Model(cfg, groups, layers=layers, pre_process=pre_process, post_process=post_process)
-
-    def check_recipe(self, recipe) -> None:
-        if recipe.parallel.recompute == "selective":
-            raise ConfigError("parallel.recompute: the intern_s2 family recomputes whole blocks only; use full or none")
 
     def describe(self, model, cfg) -> list[str]:
         return [f"precision: parameters {cfg.params_dtype}, compute {cfg.compute_dtype}; norms, RoPE, router, "

@@ -1,4 +1,5 @@
-"""The Qwen3.5-MoE checkpoint format of the Intern-S2 family: ``config.json`` and tensor names.
+"""The Qwen3.5-MoE checkpoint format of the Intern-S2 family: tensor names here, ``config.json``
+in :mod:`.hf_config`.
 
 Reference: ``transformers``' ``qwen3_5_moe`` implementation. Two layouts are read:
 
@@ -24,11 +25,11 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from megatron_s2.config.schema import ConfigError, from_mapping, to_mapping
-from megatron_s2.models.family.hf import BLOCK_KEY, HFAdapter
+from megatron_s2.models.family.hf import HFAdapter
 from megatron_s2.models.family.mapping_registry import MappingRegistry
 from megatron_s2.models.family.param_mapping import DirectMapping, FusedPartMapping, GroupedExpertMapping
 from megatron_s2.models.intern_s2.config import InternS2Config
+from megatron_s2.models.intern_s2.hf_config import config_from_hf, config_to_hf
 
 __all__ = ["QwenMoEAdapter", "TEXT_PREFIX", "RELEASE_PREFIX", "SKIPPED"]
 
@@ -56,9 +57,9 @@ def _mappings(prefix: str) -> list:
         *[FusedPartMapping(la + f"conv_{p}", ha + "conv1d.weight", part=i, rows=_qkv_rows, insert_dim=1)
           for i, p in enumerate("qkv")],
         *[DirectMapping(la + f"{p}_proj.weight", ha + f"in_proj_{p}.weight") for p in "zba"],
-        DirectMapping(la + "A_log", ha + "A_log"),
+        DirectMapping(la + "A_log", ha + "A_log", keep_fp32=True),          # float32 in the release,
         DirectMapping(la + "dt_bias", ha + "dt_bias"),
-        DirectMapping(la + "norm.weight", ha + "norm.weight"),
+        DirectMapping(la + "norm.weight", ha + "norm.weight", keep_fp32=True),  # as the gated norm's weight
         DirectMapping(la + "out_proj.weight", ha + "out_proj.weight"),
         *[DirectMapping(L + f"attention.{p}.weight", H + f"self_attn.{p}.weight")
           for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")],
@@ -78,15 +79,6 @@ def _registry(prefix: str) -> MappingRegistry:
     return MappingRegistry(_mappings(prefix), SKIPPED)
 
 
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    text = config.get("text_config")
-    if config.get("model_type") == "qwen3_5_moe" and text is not None:
-        if not isinstance(text, dict):
-            raise ConfigError("config.json: text_config must be an object")
-        return text
-    return config
-
-
 class QwenMoEAdapter(HFAdapter):
     @property
     def registry(self) -> MappingRegistry:
@@ -100,63 +92,7 @@ class QwenMoEAdapter(HFAdapter):
         return config.get("model_type") in MODEL_TYPES
 
     def config_to_hf(self, cfg: InternS2Config, torch_dtype: str) -> dict[str, Any]:
-        return {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "dtype": torch_dtype,
-                "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.layers,
-                "layer_types": list(cfg.mixers), "num_attention_heads": cfg.num_attention_heads,
-                "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
-                                    "partial_rotary_factor": cfg.partial_rotary_factor},
-                "linear_conv_kernel_dim": cfg.linear_conv_kernel, "linear_key_head_dim": cfg.linear_key_head_dim,
-                "linear_value_head_dim": cfg.linear_value_head_dim,
-                "linear_num_key_heads": cfg.linear_num_key_heads,
-                "linear_num_value_heads": cfg.linear_num_value_heads,
-                "num_experts": cfg.num_routed_experts, "num_experts_per_tok": cfg.moe_topk,
-                "moe_intermediate_size": cfg.moe_ffn_hidden_size,
-                "shared_expert_intermediate_size": cfg.shared_expert_ffn_hidden_size,
-                "router_aux_loss_coef": cfg.router_aux_loss_coef, "rms_norm_eps": cfg.norm_eps,
-                "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
-                "initializer_range": cfg.init_std, "max_position_embeddings": 262144,
-                BLOCK_KEY: {"format_version": 1, "model": to_mapping(cfg)}}
+        return config_to_hf(cfg, torch_dtype)
 
     def config_from_hf(self, config: dict[str, Any]) -> InternS2Config:
-        block = config.get(BLOCK_KEY)
-        if isinstance(block, dict):
-            return from_mapping(InternS2Config, block.get("model"), f"{BLOCK_KEY}.model")
-        c = _text_config(config)
-        for key, want in (("hidden_act", "silu"), ("attention_bias", False)):
-            if c.get(key, want) != want:
-                raise ConfigError(f"config.json: {key}={c[key]!r} is not supported by the intern_s2 family "
-                                  f"(the Qwen3.5-MoE architecture has {want!r})")
-        if c.get("tie_word_embeddings", config.get("tie_word_embeddings", False)):
-            raise ConfigError("config.json: tie_word_embeddings=true is not supported by the intern_s2 family "
-                              "(its head is untied)")
-        rope = c.get("rope_parameters") or {}
-        if not isinstance(rope, dict):
-            raise ConfigError("config.json: rope_parameters must be an object")
-        if rope.get("rope_type", "default") != "default":
-            raise ConfigError(f"config.json: rope_parameters.rope_type={rope['rope_type']!r}; only the default "
-                              "RoPE is supported by the intern_s2 family")
-        try:
-            layers = c["num_hidden_layers"]
-            return InternS2Config(
-                name=str(c.get("_name_or_path") or config.get("_name_or_path") or "qwen3_5_moe"),
-                vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], layers=layers,
-                layer_types=tuple(c.get("layer_types") or ()),
-                full_attention_interval=c.get("full_attention_interval", 4),
-                num_attention_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
-                head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-                partial_rotary_factor=rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25)),
-                rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
-                linear_num_key_heads=c["linear_num_key_heads"], linear_num_value_heads=c["linear_num_value_heads"],
-                linear_key_head_dim=c["linear_key_head_dim"], linear_value_head_dim=c["linear_value_head_dim"],
-                linear_conv_kernel=c.get("linear_conv_kernel_dim", 4),
-                num_routed_experts=c["num_experts"], moe_topk=c["num_experts_per_tok"],
-                moe_ffn_hidden_size=c["moe_intermediate_size"],
-                shared_expert_ffn_hidden_size=c.get("shared_expert_intermediate_size", 0),
-                router_aux_loss_coef=c.get("router_aux_loss_coef", 0.001), norm_eps=c.get("rms_norm_eps", 1e-6),
-                init_std=c.get("initializer_range", 0.02))
-        except KeyError as exc:
-            raise ConfigError(f"config.json: a Qwen3.5-MoE config needs '{exc.args[0]}'") from None
-        except TypeError as exc:
-            raise ConfigError(f"config.json: a Qwen3.5-MoE field has the wrong type ({exc})") from None
-
+        return config_from_hf(config)

@@ -128,8 +128,13 @@ class InternS2Model(nn.Module):
 
     def init_weights(self, seed: int) -> "InternS2Model":
         initialize_parameters(self, seed, self.config.init_std)
+        self.apply_precision_map()
+        return self
+
+    def apply_precision_map(self) -> None:
+        """Matrices in ``params_dtype``; vectors (norms, A_log, dt_bias), the router and the head
+        stay float32 (walkthrough Ch. 1)."""
         dtype = getattr(torch, self.config.params_dtype)
-        for name, p in self.named_parameters():  # vectors, the router and the head stay float32
+        for name, p in self.named_parameters():
             if p.dim() >= 2 and not (name.startswith("output_layer") or name.endswith("router.weight")):
                 p.data = p.data.to(dtype)
-        return self

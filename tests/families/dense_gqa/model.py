@@ -227,8 +227,11 @@ class DenseGQAModel(nn.Module):
 
     def init_weights(self, seed: int) -> "DenseGQAModel":
         initialize_parameters(self, seed, self.config.init_std)
+        self.apply_precision_map()
+        return self
+
+    def apply_precision_map(self) -> None:
         dtype = getattr(torch, self.config.params_dtype)
         for name, p in self.named_parameters():  # norms and the head stay float32 (precision map)
             if p.dim() >= 2 and not name.startswith("output_layer"):
                 p.data = p.data.to(dtype)
-        return self
