@@ -157,9 +157,18 @@ def run_layouts(root: Path, world: int, layouts: dict[str, list[str]], reference
     for the whole module). Returns (root, reference record)."""
     from tests.parallel.spawn import run_distributed
 
-    for name, overrides in {"reference": [], **(references or {})}.items():
-        (root / name).mkdir(parents=True, exist_ok=True)
-        run_layout(0, 1, overrides, str(root / name), recipe_path, base)
+    # One intra-op thread, like every spawned rank (tests/parallel/spawn.py): the reference runs
+    # the ranks' CPU kernels (two threads moved its first-step gradients by up to 2.7e-5 of a
+    # tensor's largest value), and on 2 busy cores a 2-thread team waits at every barrier for a
+    # thread that is not running (3 steps: 7 s with one thread, 22-77 s with two, load 4).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, overrides in {"reference": [], **(references or {})}.items():
+            (root / name).mkdir(parents=True, exist_ok=True)
+            run_layout(0, 1, overrides, str(root / name), recipe_path, base)
+    finally:
+        torch.set_num_threads(threads)
     run_distributed(world, _run_named_layouts, str(root), layouts, recipe_path, base)
     return root, load_records(root / "reference", 1)[0]
 
