@@ -63,6 +63,18 @@ def test_config_json_values_of_the_wrong_type_are_one_line_errors(key, value):
     assert message.startswith(f"config.json: {key}") and "\n" not in message, message
 
 
+@pytest.mark.parametrize("changes, field", [({"num_key_value_heads": 3}, "model.num_kv_heads"),
+                                            ({"linear_num_value_heads": 3}, "model.linear_num_key_heads"),
+                                            ({"layer_types": ["linear_attention"] * 3}, "model.layer_types"),
+                                            ({"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]},
+                                             "model.layer_types"),
+                                            ({"num_experts_per_tok": 9}, "model.moe_topk")])
+def test_an_impossible_model_names_the_file_and_the_field(changes, field):
+    with pytest.raises(ConfigError) as info:
+        QwenMoEAdapter().config_from_hf(_hf_config(**changes))
+    assert str(info.value).startswith("config.json") and field in str(info.value), str(info.value)
+
+
 def test_config_json_of_the_wrong_type_through_the_cli(hf_reference, tmp_path, capsys):
     source = tmp_path / "hf"
     shutil.copytree(hf_reference[1], source)
