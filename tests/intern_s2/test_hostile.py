@@ -63,6 +63,18 @@ def test_config_json_values_of_the_wrong_type_are_one_line_errors(key, value):
     assert message.startswith(f"config.json: {key}") and "\n" not in message, message
 
 
+@pytest.mark.parametrize("changes, field", [({"num_key_value_heads": 3}, "model.num_kv_heads"),
+                                            ({"linear_num_value_heads": 3}, "model.linear_num_key_heads"),
+                                            ({"layer_types": ["linear_attention"] * 3}, "model.layer_types"),
+                                            ({"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]},
+                                             "model.layer_types"),
+                                            ({"num_experts_per_tok": 9}, "model.moe_topk")])
+def test_an_impossible_model_names_the_file_and_the_field(changes, field):
+    with pytest.raises(ConfigError) as info:
+        QwenMoEAdapter().config_from_hf(_hf_config(**changes))
+    assert str(info.value).startswith("config.json") and field in str(info.value), str(info.value)
+
+
 def test_config_json_of_the_wrong_type_through_the_cli(hf_reference, tmp_path, capsys):
     source = tmp_path / "hf"
     shutil.copytree(hf_reference[1], source)
@@ -267,3 +279,52 @@ def test_rl_with_sequence_parallelism_plans_its_rollout_copy():
     params = family_of(recipe.model).account(recipe.model).figures["params"]
     # tp=2 halves the matrices; the bf16 copy keeps the float32 islands (router, head, vectors)
     assert len(copy) == 1 and params < copy[0] < 2 * params
+
+
+def _recorded(model, ids):
+    from megatron_s2.models.family.routing_replay import RoutingMode, RoutingReplay
+
+    record = RoutingReplay(RoutingMode.RECORD)
+    with torch.no_grad():
+        model(ids, model.make_context({"tokens": ids}, routing=record))
+    return record
+
+
+def test_rl_micro_batches_replay_the_rollouts_routing():
+    """R3: the RL trainer hands each micro-batch its rollout's routing as ``mb["routing"]``;
+    the family's ``make_context`` ignored it, so RL trained on freshly routed experts."""
+    from megatron_s2.models.family.routing_replay import RoutingMode, RoutingReplay
+
+    cfg = InternS2Config()
+    model = family_of(cfg).build_model(cfg).init_weights(0).eval()
+    ids = IDS[:, :20]
+    shifted = {layer: [(e + 1) % cfg.num_routed_experts for e in entries]  # other experts than top-k
+               for layer, entries in _recorded(model, ids).records().items()}
+    replay = RoutingReplay(RoutingMode.REPLAY, shifted)
+    ctx = model.make_context({"tokens": ids, "routing": replay})
+    assert ctx.routing is replay
+    with torch.no_grad():
+        replayed, fresh = model(ids, ctx), model(ids)
+    assert not torch.allclose(replayed, fresh)
+
+
+def test_full_recompute_replays_the_routing_and_adds_aux_losses_once():
+    """``parallel.recompute: full``: the recomputed forward in backward asked the replay for a
+    second call (KeyError: "call 2 has nothing to replay") and added the load-balancing loss a
+    second time (its logged value doubled)."""
+    cfg = InternS2Config()
+    model = family_of(cfg).build_model(cfg).init_weights(0).train()
+    ids = IDS[:, :20]
+    record = _recorded(model, ids)
+    results = {}
+    for mode in ("none", "full"):
+        model.set_recompute(mode)
+        model.zero_grad()
+        ctx = model.make_context({"tokens": ids, "routing": record.replayer()})
+        logits = model(ids, ctx)
+        (logits.pow(2).mean() + ctx.total_aux_loss()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results[mode] = (float(ctx.aux_losses["moe_load_balance"].detach()), grads)
+    assert results["full"][0] == results["none"][0]
+    for name, grad in results["none"][1].items():
+        assert torch.allclose(results["full"][1][name], grad, rtol=1e-5, atol=1e-7), name

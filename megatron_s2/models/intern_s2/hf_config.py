@@ -99,8 +99,12 @@ def config_from_hf(config: dict[str, Any]) -> InternS2Config:
         raise ConfigError("config.json: tie_word_embeddings=true is not supported by the intern_s2 family "
                           "(its head is untied)")
     fields = {ours: _read(c, key, default, float if ours in FLOATS else int) for ours, key, default in FIELDS}
-    return InternS2Config(name=str(c.get("_name_or_path") or config.get("_name_or_path") or "qwen3_5_moe"),
-                          layer_types=_layer_types(c), **_rope(c), **fields)
+    layer_types, rope = _layer_types(c), _rope(c)  # these name their config.json key themselves
+    try:
+        return InternS2Config(name=str(c.get("_name_or_path") or config.get("_name_or_path") or "qwen3_5_moe"),
+                              layer_types=layer_types, **rope, **fields)
+    except ConfigError as exc:  # the model's own check names our field; say which file it came from
+        raise ConfigError(f"config.json describes a model the intern_s2 family cannot build: {exc}") from None
 
 
 def _read(c: dict[str, Any], key: str, default: Any, kind: type) -> Any:

@@ -51,6 +51,29 @@ class InternContext:
         return sum(self.aux_losses.values()) if self.aux_losses else None
 
 
+class _Recomputable:
+    """A block under full activation recomputation. Its forward runs again in backward, where it
+    must replay the routing of the first pass (rewind the replay to this layer's first call)
+    and leave the context's auxiliary losses alone (the first pass added them; adding them
+    again would double the logged values)."""
+
+    def __init__(self, block: Block, layer: int):
+        self.block, self.layer, self.calls = block, layer, 0
+
+    def __call__(self, x: torch.Tensor, ctx: InternContext) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            return self.block(x, ctx)
+        if ctx.routing is not None:
+            ctx.routing.rewind(self.layer)
+        kept = ctx.aux_losses, ctx.aux_metrics
+        ctx.aux_losses, ctx.aux_metrics = {}, {}
+        try:
+            return self.block(x, ctx)
+        finally:
+            ctx.aux_losses, ctx.aux_metrics = kept
+
+
 class InternS2Model(nn.Module):
     PLAN_SECTION = "model"
 
@@ -81,6 +104,8 @@ class InternS2Model(nn.Module):
             positions = micro_batch.get("position_ids")
         if positions is None:
             positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
+        if routing is None:
+            routing = micro_batch.get("routing")  # post-training R3: the rollout's own routing
         return InternContext(positions, micro_batch.get("doc_ids") if doc_ids is None else doc_ids,
                              routing=routing, full_doc_ids=micro_batch.get("full_doc_ids"))
 
@@ -92,9 +117,7 @@ class InternS2Model(nn.Module):
         for i in (self.layer_ids if layer_ids is None else layer_ids):
             block = self.layers[str(i)]
             if self.recompute == "full" and self.training and torch.is_grad_enabled():
-                if ctx.routing is not None:
-                    ctx.routing.rewind(i)  # the recomputed forward replays the routing it recorded
-                x = checkpoint(block, x, ctx, use_reentrant=False)
+                x = checkpoint(_Recomputable(block, i), x, ctx, use_reentrant=False)
             else:
                 x = block(x, ctx)
         return (x,)
