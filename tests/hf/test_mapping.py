@@ -16,7 +16,7 @@ import pytest
 from megatron_s2.models.v41.hf.context import ConversionContext
 from megatron_s2.models.family.mapping_registry import ConversionError
 from megatron_s2.models.family.skeleton import skeleton_state
-from megatron_s2.models.v41.hf.mapping import V41_REGISTRY
+from megatron_s2.models.v41.hf.mapping import V41_DSPARK_REGISTRY, V41_REGISTRY
 from megatron_s2.models.v41.layer_plan import CSA2Mode
 from tests.hf.conftest import load_model
 
@@ -62,6 +62,42 @@ def reference_tensors(cfg) -> dict[str, tuple[int, ...]]:
             out.update({p + "engram.embed.weight": (hasher.num_rows(s.index), cfg.engram_head_dim),
                         p + "engram.wkv.weight": (d * (cfg.hc_mult + 1), n_cols * cfg.engram_head_dim),
                         p + "engram.q_weight": (cfg.hc_mult, d), p + "engram.k_weight": (cfg.hc_mult, d)})
+    out.update(reference_drafter_tensors(cfg))
+    return out
+
+
+def reference_drafter_tensors(cfg) -> dict[str, tuple[int, ...]]:
+    """The reference's DSpark stages (``DSparkBlock`` under ``mtp.<stage>``): a sliding-window
+    block with the drafter's experts; stage 0 adds ``main_proj`` / ``main_norm``, the last stage
+    ``norm``, ``hc_head_*``, the Markov head (``ParallelEmbedding`` + ``ParallelHead`` of rank r)
+    and the float32 confidence projection over [hidden, Markov embedding]."""
+    d, h, hd, qr, r = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.dspark_markov_rank
+    mix, f, n, e = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.moe_ffn_hidden_size, cfg.hc_mult, cfg.dspark_num_routed_experts
+    out = {}
+    for stage in range(cfg.dspark_layers):
+        p = f"mtp.{stage}."
+        out.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,)})
+        for site in ("attn", "ffn"):
+            out.update({p + f"hc_{site}_fn": (mix, n * d), p + f"hc_{site}_base": (mix,), p + f"hc_{site}_scale": (3,)})
+        a = p + "attn."
+        out.update({a + "attn_sink": (h,), a + "wq_a.weight": (qr, d), a + "q_norm.weight": (qr,),
+                    a + "wq_b.weight": (h * hd, qr), a + "wkv.weight": (hd, d), a + "kv_norm.weight": (hd,),
+                    a + "wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups),
+                    a + "wo_b.weight": (d, cfg.o_groups * cfg.o_lora_rank)})
+        g = p + "ffn."
+        out.update({g + "gate.weight": (e, d), g + "gate.bias": (e,)})
+        for x in range(e):
+            out.update({g + f"experts.{x}.w1.weight": (f, d), g + f"experts.{x}.w3.weight": (f, d),
+                        g + f"experts.{x}.w2.weight": (d, f)})
+        out.update({g + "shared_experts.w1.weight": (f, d), g + "shared_experts.w3.weight": (f, d),
+                    g + "shared_experts.w2.weight": (d, f)})
+    if cfg.dspark_layers:
+        last = f"mtp.{cfg.dspark_layers - 1}."
+        out.update({"mtp.0.main_proj.weight": (d, d * len(cfg.dspark_target_layer_ids)), "mtp.0.main_norm.weight": (d,),
+                    last + "norm.weight": (d,), last + "hc_head_fn": (n, n * d), last + "hc_head_base": (n,),
+                    last + "hc_head_scale": (1,), last + "markov_head.markov_w1.weight": (cfg.vocab_size, r),
+                    last + "markov_head.markov_w2.weight": (cfg.vocab_size, r),
+                    last + "confidence_head.proj.weight": (1, d + r)})
     return out
 
 
@@ -69,8 +105,9 @@ def table_tensors(cfg) -> dict[str, tuple[int, ...]]:
     """Hugging Face names and shapes the mapping table produces for the model's state."""
     ctx = ConversionContext(cfg)
     out = {}
+    registry = V41_DSPARK_REGISTRY if cfg.dspark_layers else V41_REGISTRY
     for name, info in skeleton_state(cfg).items():
-        mapping, bindings = V41_REGISTRY.resolve(name)
+        mapping, bindings = registry.resolve(name)
         names = mapping.hf_names(bindings, ctx)
         shape = info.full_shape
         if len(names) > 1:  # grouped experts: one per expert
@@ -92,20 +129,23 @@ def test_names_and_shapes_match_the_reference(model):
                                                 sorted(set(ref) - set(ours))[:5])
     for name, shape in ref.items():
         assert ours[name] == shape, f"{name}: ours {ours[name]}, reference {shape}"
-    assert extensions == {f"layers.{i}.ffn.gate.bias_vl" for i in range(cfg.num_layers)}
+    assert extensions == ({f"layers.{i}.ffn.gate.bias_vl" for i in range(cfg.num_layers)}
+                          | {f"mtp.{i}.ffn.gate.bias_vl" for i in range(cfg.dspark_layers)})
     assert not any("input_norm" in n for n in ours)  # no CED extension tensor (follows the release)
 
 
 def test_every_row_is_used_and_unconfirmed_rows_are_documented():
     used = set()
     for model in ("tiny", "small", "flagship"):
-        for name in skeleton_state(load_model(model)):
-            used.add(V41_REGISTRY.resolve(name)[0].megatron)
-    assert used == {m.megatron for m in V41_REGISTRY.mappings}
-    for m in V41_REGISTRY.mappings:
+        cfg = load_model(model)
+        registry = V41_DSPARK_REGISTRY if cfg.dspark_layers else V41_REGISTRY
+        for name in skeleton_state(cfg):
+            used.add(registry.resolve(name)[0].megatron)
+    assert used == {m.megatron for m in V41_DSPARK_REGISTRY.mappings}
+    for m in V41_DSPARK_REGISTRY.mappings:
         if not m.confirmed:
             assert m.note, f"{m.megatron}: unconfirmed rows must say why"
-    assert [m.hf for m in V41_REGISTRY.mappings if not m.confirmed] == []
+    assert [m.hf for m in V41_DSPARK_REGISTRY.mappings if not m.confirmed] == []
 
 
 def test_unmapped_names_are_errors():

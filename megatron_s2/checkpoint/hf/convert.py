@@ -93,7 +93,8 @@ def export_model_state(full_state: dict[str, torch.Tensor], cfg: ModelSchema, ou
     target = _DTYPES.get(dtype) if dtype else None
     check_state(full_state, cfg)
     adapter = family_of(cfg).hf
-    registry = registry or adapter.registry
+    # the table an import of this export will read it with (a family may pick one per config.json)
+    registry = registry or adapter.registry_for(adapter.config_to_hf(cfg, dtype or "float32"))
     views, elided = registry.export_views(full_state, adapter.context(cfg))
     dtypes = {name: _target_dtype(v, m.keep_fp32, target) for name, (v, m) in views.items()}
     plan = [(name, v.numel() * torch.empty((), dtype=dtypes[name]).element_size()) for name, (v, _) in views.items()]

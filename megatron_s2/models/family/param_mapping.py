@@ -58,7 +58,7 @@ __all__ = ["Bindings", "ConversionContext", "ImportFallback", "ParamMapping", "D
            "FusedPartMapping", "compile_pattern"]
 
 Bindings = dict[str, int]
-_PLACEHOLDER = re.compile(r"\{(layer|expert)\}")
+_PLACEHOLDER = re.compile(r"\{(layer|expert|stage)\}")
 
 
 def compile_pattern(pattern: str) -> re.Pattern:

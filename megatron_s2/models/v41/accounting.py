@@ -24,7 +24,7 @@ from megatron_s2.models.v41.engram.hashing import EngramHasher
 from megatron_s2.models.v41.engram.table import padded_rows
 
 __all__ = ["ParamCounts", "count_parameters", "kv_bytes", "decode_flops_per_token", "train_flops_per_token",
-           "account", "report_lines", "fp4_bytes", "fp8_bytes", "kv_cache_bytes"]
+           "account", "report_lines", "dspark_parameters", "fp4_bytes", "fp8_bytes", "kv_cache_bytes"]
 
 
 def fp4_bytes(channels: int, block: int) -> float:
@@ -46,6 +46,9 @@ class ParamCounts:
     mhc: int
     norms: int
     engram: int
+    dspark: int = 0
+    """The DSpark drafter (§2.4.3), counted apart from the backbone; it shares the backbone's
+    embedding and head."""
 
     @property
     def backbone(self) -> int:
@@ -53,7 +56,7 @@ class ParamCounts:
 
     @property
     def total(self) -> int:
-        return self.backbone + self.engram
+        return self.backbone + self.engram + self.dspark
 
 
 def _attention_params(c: V41Config, s: LayerSpec) -> int:
@@ -104,7 +107,26 @@ def count_parameters(c: V41Config, layers: list[int] | None = None, *, pre_proce
         head=c.vocab_size * d if post_process else 0,
         attention=attn, moe_routed=routed, moe_other=other, mhc=mhc,
         norms=norms + (d if post_process else 0), engram=engram,
+        dspark=dspark_parameters(c)[0] if post_process else 0,
     )
+
+
+def dspark_parameters(c: V41Config) -> tuple[int, int]:
+    """(parameters, activated per drafted token) of the DSpark drafter: ``dspark_layers``
+    sliding-window mHC blocks with the drafter's own experts, ``main_proj`` / ``main_norm``,
+    the final norm, ``hc_head``, the Markov head and the confidence head (§2.4.3)."""
+    if not c.dspark_layers:
+        return 0, 0
+    from megatron_s2.models.v41.dspark.drafter import _stage_spec
+
+    d, n, r = c.hidden_size, c.hc_mult, c.dspark_markov_rank
+    e = c.dspark_num_routed_experts
+    block = (_attention_params(c, _stage_spec(c, 0)) + e * d + c.num_shared_experts * _expert_params(c)
+             + 2 * (c.mhc_mix_dim * n * d + c.mhc_mix_dim + 3) + 2 * d)
+    heads = d * len(c.dspark_target_layer_ids) * d + d + d + (n * n * d + n + 1) + 2 * c.vocab_size * r + d + r
+    total = c.dspark_layers * (block + e * _expert_params(c)) + heads
+    active = c.dspark_layers * (block + c.dspark_moe_topk * _expert_params(c)) + heads
+    return total, active
 
 
 def kv_bytes(c: V41Config) -> dict[str, float]:
@@ -196,6 +218,8 @@ def account(c: V41Config) -> dict:
         "swa_state_bytes_per_request": kv["swa_state_bytes_per_request"],
         "decode_flops_4k": decode_flops_per_token(c, 4096),
         "decode_flops_1m": decode_flops_per_token(c, 1 << 20),
+        "dspark_params": counts.dspark,
+        "dspark_activated_params": dspark_parameters(c)[1],
         "breakdown": {"params": asdict(counts), "kv": kv},
     }
 
@@ -232,6 +256,9 @@ def report_lines(a: dict) -> list[str]:
         f"  MoE router + shared expert  {p['moe_other']:>20,}",
         f"  mHC + norms                 {p['mhc'] + p['norms']:>20,}",
         f"Engram parameters             {a['engram_params']:>20,}  ({_human(a['engram_params'])})",
+        *([f"DSpark drafter parameters     {a['dspark_params']:>20,}  ({_human(a['dspark_params'])}; "
+           f"{_human(a['dspark_activated_params'])} activated per drafted token; shares embedding / head)"]
+          if a.get("dspark_params") else []),
         f"activated params / token, decode   {a['activated_params_decode']:>14,}  ({_human(a['activated_params_decode'])})",
         f"activated params / token, prefill  {a['activated_params_prefill']:>14,}  ({_human(a['activated_params_prefill'])})",
         f"global KV bytes / token (HBM)      {a['global_kv_bytes_per_token']:>14,.1f}",

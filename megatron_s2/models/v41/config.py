@@ -168,6 +168,24 @@ class V41Config(ModelSchema):
     engram_fp8_tables: bool = True
     """Fake-quantise Engram table rows to FP8 on lookup (§2.4.2 stores them in FP8)."""
 
+    # ---- DSpark drafter (§2.4.3; names of the released config.json) -----------------------
+    dspark_layers: int = 0
+    """Transformer blocks of the DSpark drafter (``n_mtp_layers``); 0 = no drafter. Trained in
+    its own stage after pre-training with the backbone frozen (§2.4.3)."""
+    dspark_block_size: int = 5
+    """Draft positions one drafter forward proposes in parallel (``dspark_block_size``)."""
+    dspark_noise_token_id: int = 0
+    """Token id filling the draft block after its first position (``dspark_noise_token_id``)."""
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    """Backbone layers whose outputs (stream mean) the drafter reads, concatenated, through
+    ``main_proj`` (``dspark_target_layer_ids``)."""
+    dspark_markov_rank: int = 256
+    """Rank of the low-rank Markov head's previous-token bias (``dspark_markov_rank``)."""
+    dspark_num_routed_experts: int = 128
+    """Routed experts of each drafter MoE (``dspark_n_routed_experts``)."""
+    dspark_moe_topk: int = 3
+    """Routed experts activated per drafted token (``dspark_n_activated_experts``)."""
+
     # ---- precision and quantisation ----------------------------------------------------
     fp4_main_kv: bool = False
     """QAT of the main (compressed) KV: E2M1 values, one E4M3 scale per 16 channels, after
@@ -234,6 +252,22 @@ class V41Config(ModelSchema):
             for lid in self.engram_layers:
                 need(0 <= lid < self.num_layers, "engram_layers", f"layer {lid} is outside 0..{self.num_layers - 1}")
             need(0 <= self.engram_pad_id < self.vocab_size, "engram_pad_id", f"must be a token id below vocab_size={self.vocab_size}")
+        if self.dspark_layers:
+            need(self.dspark_layers > 0, "dspark_layers", f"must be 0 (no drafter) or positive, got {self.dspark_layers}")
+            targets = tuple(self.dspark_target_layer_ids)
+            need(bool(targets) and len(set(targets)) == len(targets), "dspark_target_layer_ids",
+                 f"the drafter needs distinct backbone layers to read, got {list(targets)}")
+            for lid in targets:
+                need(0 <= lid < self.num_layers, "dspark_target_layer_ids",
+                     f"layer {lid} is outside 0..{self.num_layers - 1}")
+            need(self.dspark_block_size >= 1, "dspark_block_size", f"must be >= 1, got {self.dspark_block_size}")
+            need(0 <= self.dspark_noise_token_id < self.vocab_size, "dspark_noise_token_id",
+                 f"must be a token id below vocab_size={self.vocab_size}")
+            need(self.dspark_markov_rank > 0, "dspark_markov_rank", "must be positive")
+            need(0 < self.dspark_moe_topk <= self.dspark_num_routed_experts, "dspark_moe_topk",
+                 f"must be in 1..dspark_num_routed_experts={self.dspark_num_routed_experts}")
+        elif self.dspark_layers < 0:
+            need(False, "dspark_layers", f"must be 0 (no drafter) or positive, got {self.dspark_layers}")
         need(self.norm_eps > 0, "norm_eps", "must be positive")
         need(self.init_std > 0, "init_std", "must be positive")
         self.fp8.check_backend(self.transformer_impl)

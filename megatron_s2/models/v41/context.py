@@ -72,6 +72,9 @@ class ForwardContext:
     prefix_ids: torch.Tensor | None = None
     """Incremental decode: [b, h] the tokens right before ``input_ids`` (-1 = before the
     sequence start), so Engram hashes n-grams across the chunk boundary."""
+    capture: "dict[int, torch.Tensor | None] | None" = None
+    """Layers whose outputs (the mean of the streams, [b, s, d]) the forward records here — the
+    DSpark drafter's target layers (§2.4.3); None records nothing."""
     swa_from: torch.Tensor | None = None
     """Train-aware Decoder SWA Bounded Replay (report §3.2.2): [b] replay start s per row; a
     decoder query at position i >= s attends SWA keys in [max(s, i-W+1), i] only, as the engine

@@ -24,6 +24,7 @@ from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.parallel_plan import SELECTIVE_RECOMPUTE, apply_plan
 from megatron_s2.models.v41.recompute import run_block_recomputed
 from megatron_s2.models.v41.spec import LocalProvider, block_spec, build_module, get_provider
+from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.vocab import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_cross_entropy
 
@@ -53,6 +54,14 @@ class V41Model(nn.Module):
         if post_process:
             self.final_norm = RMSNorm(d, config.norm_eps)
             self.output_layer = VocabParallelHead(config.vocab_size, d, groups.tp, sequence_parallel=sp)
+        self.dspark = None
+        self.capture_dspark = False
+        """Record the drafter's target layers in every training forward (set by phases that
+        train the drafter: the DSpark stage and co-training)."""
+        if post_process and config.dspark_layers:  # the drafter lives with the head (§2.4.3)
+            from megatron_s2.models.v41.dspark.drafter import DSparkDrafter
+
+            self.dspark = DSparkDrafter(config, groups, provider or get_provider(config.transformer_impl, config.fp8))
         apply_plan(self, groups, config)
         set_gemm_dtype(self, getattr(torch, config.compute_dtype))  # precision map (models/v41/precision.py)
 
@@ -77,6 +86,8 @@ class V41Model(nn.Module):
                 x, pre = run_block_recomputed(block, x, pre, ctx)
             else:
                 x, pre = block(x, pre, ctx)
+            if ctx.capture is not None and i in ctx.capture:
+                ctx.capture[i] = x.mean(dim=2)  # DSpark's main input: the streams' mean (§2.4.3)
         return x, pre
 
     def set_token_map(self, token_map: list[int] | None) -> None:
@@ -101,6 +112,39 @@ class V41Model(nn.Module):
         """Per-token cross-entropy [b, s] (vocabulary-parallel)."""
         return vocab_parallel_cross_entropy(logits, labels, self.groups.tp)
 
+    # ---- the DSpark drafter (§2.4.3) ---------------------------------------------------------
+    def dspark_embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The backbone's embedding for the drafter, its weight detached: the drafter objective
+        never trains the backbone (§2.4.3)."""
+        emb = self.embedding["word_embeddings"]
+        return torch.func.functional_call(emb, {"weight": emb.weight.detach()}, (ids,))
+
+    def dspark_head(self, h: torch.Tensor) -> torch.Tensor:
+        """The backbone's head for the drafter (weight detached) -> full-vocabulary float32 logits."""
+        head = self.output_layer
+        logits = torch.func.functional_call(head, {"weight": head.weight.detach()}, (h,))
+        return mappings.gather_from_group(logits, self.groups.tp, dim=-1)
+
+    def dspark_targets(self, ctx: ForwardContext) -> torch.Tensor:
+        """The drafter's main input recorded by the forward: the target layers' outputs
+        concatenated [b, s, d * targets], detached (the backbone is never trained through it)."""
+        missing = [i for i in self.config.dspark_target_layer_ids if ctx.capture is None or ctx.capture.get(i) is None]
+        if missing:
+            raise RuntimeError(f"DSpark: the forward did not record target layer(s) {missing}; build the context "
+                               "with capture_dspark=True")
+        return torch.cat([ctx.capture[i] for i in self.config.dspark_target_layer_ids], dim=-1).detach()
+
+    def dspark_teacher_forced(self, logits: torch.Tensor, mb: dict[str, torch.Tensor], ctx: ForwardContext):
+        """Everything the drafter's objective needs from one micro-batch whose forward recorded the
+        target layers: (:class:`~megatron_s2.models.v41.dspark.drafter.TeacherForced`, the
+        backbone's detached full-vocabulary logits at each draft position's target row [B, A, K, V])."""
+        if self.dspark is None:
+            raise RuntimeError("this model has no DSpark drafter (model.dspark_layers: 0)")
+        tf = self.dspark.teacher_forced(mb["tokens"], self.dspark_targets(ctx), ctx.positions, ctx.doc_ids,
+                                        self.dspark_embed, self.dspark_head)
+        full = mappings.gather_from_group(logits.detach().float(), self.groups.tp, dim=-1)
+        return tf, full[:, tf.target_rows]
+
     # ---- single-stage convenience -----------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,6 +166,8 @@ class V41Model(nn.Module):
                                     doc_ids=mb.get("doc_ids"), image_mask=mb.get("image_mask"), routing=routing)
         ctx.engram_rows = step_state
         ctx.swa_from = mb.get("swa_from")
+        if self.dspark is not None and self.capture_dspark:  # the drafter's objective reads them
+            ctx.capture = {i: None for i in self.config.dspark_target_layer_ids}
         if "full_tokens" in mb:  # context-parallel chunk of a longer sequence
             ctx.full_input_ids = mb["full_tokens"]
             ctx.full_doc_ids = mb.get("full_doc_ids")
@@ -144,13 +190,20 @@ class V41Model(nn.Module):
         """Aux-loss-free balancing: one correction-bias update per optimiser step (§2.1.1), text
         and image biases from their own loads, one collective for all routers; a skipped step
         (non-finite loss) drops its loads so that they cannot move the biases."""
+        # a frozen router (phase.freeze, e.g. the backbone in the DSpark stage) keeps its biases
+        frozen = [r for r in self.routers() if not r.weight.requires_grad]
+        for router in frozen if not skipped else self.routers():
+            router.tokens_per_expert.zero_()
         if skipped:
-            for router in self.routers():
-                router.tokens_per_expert.zero_()
             return
         from megatron_s2.models.v41.moe import update_expert_biases
 
-        update_expert_biases(self.routers(), self.config.moe_bias_update_rate)
+        by_shape: dict[tuple, list] = {}  # the drafter's routers have their own expert count: one collective each
+        for r in self.routers():
+            if r.weight.requires_grad:
+                by_shape.setdefault(tuple(r.tokens_per_expert.shape), []).append(r)
+        for routers in by_shape.values():
+            update_expert_biases(routers, self.config.moe_bias_update_rate)
 
     def init_weights(self, seed: int) -> "V41Model":
         initialize_parameters(self, seed, self.config.init_std)

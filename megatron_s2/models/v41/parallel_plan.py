@@ -79,6 +79,14 @@ PLAN: dict[str, dict[str, Rule]] = {
         "q_weight":         Rule(R, SP),
         "k_weight":         Rule(R, SP),
     },
+    "dspark": {                                                              # the drafter's own pieces (§2.4.3)
+        "main_proj.weight":  Rule(R),                                        # on the replicated main input
+        "main_norm.weight":  Rule(R),
+        "final_norm.weight": Rule(R),
+        "head_hc_*":         Rule(R),
+        "markov_w*":         Rule(R),                                        # full-vocabulary bias
+        "confidence":        Rule(R),
+    },
 }
 
 SELECTIVE_RECOMPUTE = {

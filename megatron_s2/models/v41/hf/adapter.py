@@ -14,7 +14,7 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.models.family.hf import HFAdapter
 from megatron_s2.models.v41.hf import config_json
 from megatron_s2.models.v41.hf.context import ConversionContext
-from megatron_s2.models.v41.hf.mapping import V41_REGISTRY
+from megatron_s2.models.v41.hf.mapping import V41_DSPARK_REGISTRY, V41_REGISTRY
 
 __all__ = ["V41HFAdapter"]
 
@@ -26,6 +26,12 @@ class V41HFAdapter(HFAdapter):
     @property
     def registry(self):
         return V41_REGISTRY
+
+    def registry_for(self, config: dict[str, Any]):
+        """With a DSpark drafter in the config (§2.4.3) its ``mtp.*`` tensors are imported, else
+        they are skipped and reported."""
+        text = config.get("text_config", config)
+        return V41_DSPARK_REGISTRY if config_json.has_drafter(text) else V41_REGISTRY
 
     def claims(self, config: dict[str, Any]) -> bool:
         text = config.get("text_config", config)

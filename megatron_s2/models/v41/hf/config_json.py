@@ -70,7 +70,8 @@ def text_config(cfg: V41Config) -> dict[str, Any]:
         "rope_scaling": {"rope_type": "yarn", "factor": cfg.rope_scaling_factor, "beta_fast": cfg.rope_beta_fast,
                          "beta_slow": cfg.rope_beta_slow,
                          "original_max_position_embeddings": cfg.rope_scaling_original_seq_len},
-        "compress_ratios": [s.compress_ratio for s in plan],
+        # the release lists the drafter's uncompressed sliding-window blocks after the backbone's
+        "compress_ratios": [s.compress_ratio for s in plan] + [0] * cfg.dspark_layers,
         "kv_source_layer_ids": [s.index for s in plan if s.mode is CSA2Mode.FULL],
         "index_source_layer_ids": [s.index for s in plan if s.runs_indexer],
         "index_n_heads": cfg.index_num_heads, "index_head_dim": cfg.index_head_dim, "index_topk": cfg.index_topk,
@@ -87,7 +88,40 @@ def text_config(cfg: V41Config) -> dict[str, Any]:
         "engram_vocab_size": cfg.engram_table_size, "engram_n_heads": cfg.engram_num_heads,
         "engram_head_dim": cfg.engram_head_dim, "engram_pad_token_id": cfg.engram_pad_id,
         "tie_word_embeddings": False,
+        **_dspark_keys(cfg),
     }
+
+
+def _dspark_keys(cfg: V41Config) -> dict[str, Any]:
+    """The DSpark drafter's keys of the release (§2.4.3); none without a drafter."""
+    if not cfg.dspark_layers:
+        return {"num_nextn_predict_layers": 0}
+    return {"num_nextn_predict_layers": cfg.dspark_layers, "dspark_block_size": cfg.dspark_block_size,
+            "dspark_noise_token_id": cfg.dspark_noise_token_id,
+            "dspark_target_layer_ids": list(cfg.dspark_target_layer_ids),
+            "dspark_markov_rank": cfg.dspark_markov_rank, "dspark_n_routed_experts": cfg.dspark_num_routed_experts,
+            "dspark_n_activated_experts": cfg.dspark_moe_topk}
+
+
+def has_drafter(text: dict) -> bool:
+    """Whether a release config (``text_config``) describes a DSpark drafter."""
+    fields = _dspark_fields(_normalise(text))
+    return bool(fields["dspark_layers"])
+
+
+def _dspark_fields(text: dict) -> dict[str, Any]:
+    """Our drafter fields from a release config (``n_mtp_layers`` is the reference's ModelArgs
+    spelling of ``num_nextn_predict_layers``); no drafter when neither names a count or no
+    target layers are given."""
+    layers = int(text.get("num_nextn_predict_layers", text.get("n_mtp_layers", 0)) or 0)
+    targets = tuple(int(i) for i in text.get("dspark_target_layer_ids", ()) or ())
+    if not layers or not targets:
+        return {"dspark_layers": 0}
+    return dict(dspark_layers=layers, dspark_block_size=int(text.get("dspark_block_size", 5)),
+                dspark_noise_token_id=int(text.get("dspark_noise_token_id", 0)), dspark_target_layer_ids=targets,
+                dspark_markov_rank=int(text.get("dspark_markov_rank", 256)),
+                dspark_num_routed_experts=int(text.get("dspark_n_routed_experts", text.get("n_routed_experts"))),
+                dspark_moe_topk=int(text.get("dspark_n_activated_experts", text.get("num_experts_per_tok"))))
 
 
 def config_to_hf(cfg: V41Config, torch_dtype: str) -> dict[str, Any]:
@@ -176,6 +210,7 @@ def _from_text(text: dict, name: str) -> V41Config:
         engram_table_size=text.get("engram_vocab_size", 16_000_000), engram_pad_id=text.get("engram_pad_token_id", 0),
         engram_fp8_tables=True, fp4_main_kv=True, fp8_swa_kv=True, fp4_indexer=True,
         norm_eps=_need(text, "rms_norm_eps"),
+        **_dspark_fields(text),
     )
     cfg = from_mapping(V41Config, to_mapping(fields), "model")
     _check_derived(cfg, text, cand)

@@ -17,7 +17,7 @@ Eq. 1), exactly as the reference's layer 20 does, so there is no extension tenso
 ``ffn.gate.bias_vl`` is optional in the reference (present with vision).
 
 Reference tensors outside the backbone are skipped on import and listed in the report:
-``mtp.*`` (DSpark drafter stages), ``vision.*``, ``aligner.*`` and the image-span embeddings.
+``vision.*``, ``aligner.*`` and the image-span embeddings.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from megatron_s2.models.family.param_mapping import DirectMapping, GroupedExpertMapping, ImportFallback, ParamMapping
 from megatron_s2.models.family.mapping_registry import MappingRegistry
 
-__all__ = ["V41_REGISTRY", "v41_mappings", "SKIPPED_HF_PREFIXES", "PaddedRowsMapping"]
+__all__ = ["V41_REGISTRY", "V41_DSPARK_REGISTRY", "dspark_mappings", "v41_mappings", "SKIPPED_HF_PREFIXES", "PaddedRowsMapping"]
 
 L = "layers.{layer}."
 
@@ -113,8 +113,77 @@ def v41_mappings() -> list:
     return rows
 
 
+@dataclass(frozen=True)
+class DrafterExpertMapping(GroupedExpertMapping):
+    """A drafter MoE's grouped experts: its own expert count (``dspark_n_routed_experts``)."""
+
+    def hf_names(self, bindings, ctx):
+        return [self.hf.format(**bindings, expert=e) for e in range(ctx.cfg.dspark_num_routed_experts)]
+
+    def to_hf(self, tensor, bindings, ctx):
+        if tensor.size(0) != ctx.cfg.dspark_num_routed_experts:
+            raise ValueError(f"{self.megatron_name(bindings)}: {tensor.size(0)} experts, the config's drafter has "
+                             f"{ctx.cfg.dspark_num_routed_experts}")
+        return {self.hf.format(**bindings, expert=e): tensor[e] for e in range(tensor.size(0))}
+
+
+@dataclass(frozen=True)
+class LastStageMapping(DirectMapping):
+    """A tensor of the drafter's last stage (``{last}`` = ``dspark_layers - 1`` of the config)."""
+
+    def hf_names(self, bindings, ctx):
+        return [self.hf.format(**bindings, last=ctx.cfg.dspark_layers - 1)]
+
+    def to_hf(self, tensor, bindings, ctx):
+        return {self.hf_names(bindings, ctx)[0]: tensor}
+
+
+D = "dspark.blocks.{stage}."
+M = "mtp.{stage}."
+
+
+def dspark_mappings() -> list:
+    """The DSpark drafter (§2.4.3) under the release's ``mtp.<stage>.*`` names: every block is a
+    backbone-style block (its rows below, without CSA2 or Engram parts); stage 0 carries
+    ``main_proj`` / ``main_norm``, the last stage the final norm, ``hc_head``, the Markov and
+    confidence heads. The drafter's stage count is a config value, so the last stage's tensors
+    are matched by name with any stage index and checked against the config on import."""
+    d = DirectMapping
+    rows = []
+    for m in v41_mappings():
+        if not m.megatron.startswith(L) or "{expert}" in m.hf and not isinstance(m, GroupedExpertMapping):
+            continue
+        suffix = m.megatron[len(L):]
+        if suffix.startswith(("engram.", "attention.compressor.", "attention.index")):
+            continue
+        hf_suffix = m.hf[len(L):]
+        if m.fallback is not None:
+            fb = m.fallback
+            rows.append(d(D + suffix, M + hf_suffix, keep_fp32=m.keep_fp32, note=m.note,
+                          fallback=ImportFallback(M + fb.hf[len(L):], fb.applicable, fb.note),
+                          elide_if_derivable=m.elide_if_derivable))
+        elif isinstance(m, GroupedExpertMapping):
+            rows.append(DrafterExpertMapping(D + suffix, M + hf_suffix))
+        else:
+            rows.append(d(D + suffix, M + hf_suffix, keep_fp32=m.keep_fp32))
+    rows += [
+        d("dspark.main_proj.weight", "mtp.0.main_proj.weight"),
+        d("dspark.main_norm.weight", "mtp.0.main_norm.weight"),
+    ]
+    last = LastStageMapping
+    rows += [
+        last("dspark.final_norm.weight", "mtp.{last}.norm.weight"),
+        last("dspark.head_hc_fn", "mtp.{last}.hc_head_fn", keep_fp32=True),
+        last("dspark.head_hc_base", "mtp.{last}.hc_head_base", keep_fp32=True),
+        last("dspark.head_hc_scale", "mtp.{last}.hc_head_scale", keep_fp32=True),
+        last("dspark.markov_w1", "mtp.{last}.markov_head.markov_w1.weight"),
+        last("dspark.markov_w2", "mtp.{last}.markov_head.markov_w2.weight"),
+        last("dspark.confidence", "mtp.{last}.confidence_head.proj.weight", keep_fp32=True),
+    ]
+    return rows
+
+
 SKIPPED_HF_PREFIXES = {
-    "mtp.": "DSpark drafter stages (trained in the drafter phase, not part of the backbone state)",
     "vision.": "vision encoder (not part of the backbone state)",
     "aligner.": "vision-language projector (not part of the backbone state)",
     "image_start": "image-span embedding (vision path)",
@@ -123,3 +192,7 @@ SKIPPED_HF_PREFIXES = {
 }
 
 V41_REGISTRY = MappingRegistry(v41_mappings(), SKIPPED_HF_PREFIXES)
+"""A backbone without a drafter: a release's ``mtp.*`` tensors are skipped (and reported)."""
+V41_DSPARK_REGISTRY = MappingRegistry(v41_mappings() + dspark_mappings(),
+                                      {k: v for k, v in SKIPPED_HF_PREFIXES.items() if k != "mtp."})
+"""A backbone with its DSpark drafter (``model.dspark_layers > 0``): ``mtp.*`` import and export."""
