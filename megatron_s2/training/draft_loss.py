@@ -61,7 +61,8 @@ def _check(policy_logits: torch.Tensor, draft_logits: torch.Tensor, mask: torch.
         raise ValueError(f"temperature: must be > 0 (the rollout sampling temperature), got {temperature}")
 
 
-def position_overlap(policy_logits: torch.Tensor, draft_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def position_overlap(policy_logits: torch.Tensor, draft_logits: torch.Tensor,
+                     temperature: float = 1.0) -> torch.Tensor:
     """``[N, K]`` overlap ``sum_x min(p, q)`` at every draft position: the conditional acceptance
     probability of a draft there (Eq. 21), detached. The confidence head's target."""
     with torch.no_grad():
@@ -130,7 +131,8 @@ def hybrid_lk_loss(policy_logits: torch.Tensor, draft_logits: torch.Tensor, mask
     return loss, metrics
 
 
-def confidence_loss(confidence_logits: torch.Tensor, accept_prob_targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def confidence_loss(confidence_logits: torch.Tensor, accept_prob_targets: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
     """Binary cross-entropy of the confidence head's logits ``[N, K]`` against soft targets
     ``[N, K]`` (the realised conditional acceptance probabilities, :func:`position_overlap`;
     detached here), averaged over the valid tokens of ``mask [N, K]`` (0 if there are none)."""
