@@ -49,6 +49,17 @@ class EngineConfig:
     prompt tokens (its global KV still comes from H_{L/2} for every token)."""
     seed: int = 0
     """Seeds the generator of every request that brings no seed of its own."""
+    speculative: bool = False
+    """Speculative decoding with the model's drafter (DSpark, report §2.4.3): every decode step
+    drafts, then verifies the drafts in one forward with exact rejection sampling (lossless)."""
+    speculative_tokens: int = 0
+    """Drafts verified per request and step at most; 0 = the drafter's block size."""
+    speculative_schedule: str = "confidence"
+    """How many drafts each request verifies: ``confidence`` (the confidence head's prefix
+    survival against the engine's measured throughput curve, §2.4.3) or ``fixed`` (all of them)."""
+    speculative_profile: str = ""
+    """A throughput profile (JSON ``{"points": [[tokens, seconds], ...]}``) of verification
+    forwards; "" = the engine measures its own forwards as it runs."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "prefill_chunk", "max_prefill_tokens", "page_tokens"):
@@ -65,6 +76,13 @@ class EngineConfig:
             raise ConfigError(f"swa_pool_slots: must be >= 0, got {self.swa_pool_slots}")
         if self.swa_pool_slots and not self.prefix_caching:
             raise ConfigError("swa_pool_slots: the SWA pool resumes from cached global KV; set prefix_caching: true")
+        if self.speculative_tokens < 0:
+            raise ConfigError(f"speculative_tokens: must be >= 0 (0 = the drafter's block size), got {self.speculative_tokens}")
+        if self.speculative_schedule not in ("confidence", "fixed"):
+            raise ConfigError(f"speculative_schedule: choose confidence or fixed, got {self.speculative_schedule!r}")
+        if self.speculative and self.decoder_bounded_replay:
+            raise ConfigError("speculative: the drafter reads the decoder's outputs at every prompt token; set "
+                              "decoder_bounded_replay: false")
         if self.swa_pool_ttl_s <= 0:
             raise ConfigError(f"swa_pool_ttl_s: must be positive, got {self.swa_pool_ttl_s}")
 

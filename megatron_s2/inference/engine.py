@@ -47,6 +47,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -95,6 +96,11 @@ class InferenceEngine:
         _check_state_fits(family.engine_cache_bytes(cfg, config), config, self.device)
         # the family's per-request state (caches, tiers) and its one forward over a batch of chunks
         self.executor = family.executor(model, config, self.device)
+        self.speculator = None
+        if config.speculative:  # the executor refused already if the model has no drafter
+            from megatron_s2.inference.speculation import SpeculativeDecoder
+
+            self.speculator = SpeculativeDecoder(self.executor, config, self.device)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -234,6 +240,14 @@ class InferenceEngine:
             plan = self._schedule()
             version = self.policy_version
             for chunks, reqs in self._forwards(plan):
+                if self.speculator is not None and chunks[0].length == 1:
+                    spec = [r for r in reqs if r.num_computed + 1 == len(r.tokens)]  # decoding, not a 1-token chunk
+                    if spec:
+                        self._speculate(spec, version, outputs)
+                        chunks = [c for c in chunks if c.request not in spec]
+                        reqs = [c.request for c in chunks]
+                        if not chunks:
+                            continue
                 record_routing = any(r.params.record_routing for r in reqs)
                 record_topk = any(r.params.record_indexer_topk for r in reqs)
                 # a forward that raises is the engine's failure (the device, the batch): it propagates
@@ -369,6 +383,65 @@ class InferenceEngine:
         if reason is not None:
             out.finished, out.finish_reason, out.stop_reason = True, reason, why
 
+    # ---- speculative decoding (DSpark, report §2.4.3; inference/speculation.py) --------------------
+    def _speculate(self, reqs: list[Request], version: int, outputs: list[RequestOutput]) -> None:
+        """Draft, verify in one forward, keep the accepted prefix and one more token per request."""
+        spec = self.speculator
+        free, limits = self.executor.free_pages(), []
+        for req in reqs:  # room for drafts: max_tokens, max_model_len and the page pool
+            room = min(spec.max_drafts, req.params.max_tokens - req.num_generated - 1,
+                       self.config.max_model_len - len(req.tokens) - 1)
+            room = max(room, 0)
+            while room and self.executor.pages_needed(req, 1 + room) > free:
+                room -= 1
+            free -= self.executor.pages_needed(req, 1 + room)
+            limits.append(room)
+        drafts, dists, confidence = spec.draft(reqs)
+        lengths = spec.lengths(reqs, confidence, limits)
+        chunks = []
+        for req, d, k in zip(reqs, drafts, lengths):
+            self.executor.begin_speculation(req, 1 + k)
+            chunks.append(Chunk(req, req.num_computed, 1 + k, "all"))
+            req.tokens.extend(d[:k])
+        t0 = time.perf_counter()
+        results = self.executor.forward(chunks, record_routing=any(r.params.record_routing for r in reqs),
+                                        record_topk=any(r.params.record_indexer_topk for r in reqs))
+        spec.observe(sum(c.length for c in chunks), time.perf_counter() - t0)
+        for req, chunk, res, d, q, k in zip(reqs, chunks, results, drafts, dists, lengths):
+            try:
+                del req.tokens[chunk.start + 1:]
+                accepted, token = spec.accept(req, res.logits, d[:k], q)
+                keep = 1 + accepted
+                self.executor.rollback(req, keep)  # rejected drafts leave no KV behind
+                req.num_computed = chunk.start + keep
+                spec.stats.record(k, accepted, accepted + 1)
+                self._emit(req, chunk.start, keep, res, d[:accepted] + [token], version)
+            except Exception as exc:  # noqa: BLE001 - this request's verification / stop check
+                self._fail(req, exc, outputs)
+
+    def _emit(self, req: Request, start: int, keep: int, res, tokens: list[int], version: int) -> None:
+        """Append the verified ``tokens`` (the kept drafts and the token after them), each reported
+        from the policy's logits at its position; stop at the first stop condition."""
+        out = req.output()
+        if res.routing is not None and req.params.record_routing:  # kept rows only
+            out.routed_experts, out.fed_positions = res.routing[:keep], range(start, start + keep)
+        if res.topk and req.params.record_indexer_topk:
+            out.indexer_topk = {layer: t[:keep] for layer, t in res.topk.items()}
+            out.fed_positions = range(start, start + keep)
+        self.executor.after_forward(req)
+        for j, token in enumerate(tokens):
+            tok = self.speculator.report(res.logits[j], req, token)
+            req.tokens.append(token)
+            req.num_generated += 1
+            out.token_ids.append(token)
+            out.logprobs.append(tok.logprob)
+            out.top_logprobs.append(tok.top_logprobs)
+            out.versions.append(version)
+            reason, why = self._stop_reason(req, token)
+            if reason is not None:
+                out.finished, out.finish_reason, out.stop_reason = True, reason, why
+                return
+
     def _stop_reason(self, req: Request, token: int) -> tuple[FinishReason | None, str | int | None]:
         p = req.params
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
@@ -406,8 +479,11 @@ class InferenceEngine:
 
     # ---- observability ----------------------------------------------------------------------------
     def stats(self) -> dict:
-        return {"running": len(self.running), "waiting": len(self.waiting), "policy_version": self.policy_version,
-                **self.executor.stats()}
+        out = {"running": len(self.running), "waiting": len(self.waiting), "policy_version": self.policy_version,
+               **self.executor.stats()}
+        if self.speculator is not None:
+            out["speculative"] = self.speculator.stats.as_dict()
+        return out
 
 
 __all__ += ["OutOfPages"]

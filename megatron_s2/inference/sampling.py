@@ -36,7 +36,7 @@ import torch
 from megatron_s2.config.engine import LOGPROBS_MODES
 from megatron_s2.config.schema import ConfigError
 
-__all__ = ["SamplingParams", "SampledToken", "sample_next", "position_seed", "LOGPROBS_MODES"]
+__all__ = ["SamplingParams", "SampledToken", "sample_next", "sampled_token", "position_seed", "LOGPROBS_MODES"]
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,15 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         token = int(logits.argmax())
     else:
         token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+    return sampled_token(logits, params, token, logp)
+
+
+def sampled_token(logits: torch.Tensor, params: SamplingParams, token: int,
+                  logp: torch.Tensor | None = None) -> SampledToken:
+    """What is reported for ``token`` drawn from ``logits`` [V] (its value and the top-N under
+    ``params.logprobs_mode``) — also for a token chosen by speculative verification."""
+    if logp is None:
+        logp = sampling_log_probs(logits, params)
     values = reported_values(logits, params, logp)
     top = []
     if params.logprob_token_ids:  # a fixed label set, in the order asked (impossible ones included)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelExecutor", "Chunk", "RowOutput", "PagePool", "OutOfPages", "prefix_hashes"]
+__all__ = ["ModelExecutor", "Drafter", "Chunk", "RowOutput", "PagePool", "OutOfPages", "prefix_hashes"]
 
 
 class OutOfPages(RuntimeError):
@@ -51,8 +51,44 @@ class RowOutput:
     """Family-specific per-layer selections (V4.1: the indexer's top-k entry ids per token)."""
 
 
+class Drafter(abc.ABC):
+    """A family's speculative drafter in the engine (V4.1: DSpark, report §2.4.3): it proposes
+    ``block_size`` draft positions for every decoding request from the request's own drafter
+    state, which the executor keeps up to date with every token the backbone computes."""
+
+    block_size: int
+
+    @abc.abstractmethod
+    def propose(self, requests: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """For requests whose last token (the *seed*, at position ``num_computed``) is not computed
+        yet: (base logits [R, K, V] float32 of positions ``num_computed + 1 ..``, hidden [R, K, h]
+        for :meth:`confidence`)."""
+
+    @abc.abstractmethod
+    def markov(self, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequential part of drafting: previous tokens [R] -> (logit bias [R, V], the
+        embedding [R, r] the confidence head reads)."""
+
+    @abc.abstractmethod
+    def confidence(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """Per-position conditional acceptance probabilities [R, K]."""
+
+
 class ModelExecutor(abc.ABC):
     """Per-request model state of one engine and the forward over it."""
+
+    drafter: Drafter | None = None
+    """The speculative drafter, when the model has one (see :class:`Drafter`)."""
+
+    def begin_speculation(self, request, length: int) -> None:
+        """The next forward of ``request`` carries ``length`` tokens of which only a prefix will be
+        kept (speculative verification); :meth:`rollback` then drops the rest."""
+        raise NotImplementedError(f"{type(self).__name__} has no speculative decoding")
+
+    def rollback(self, request, keep: int) -> None:
+        """After the forward announced by :meth:`begin_speculation`: keep its first ``keep``
+        tokens; the cache of the others is restored byte for byte to what it held before."""
+        raise NotImplementedError(f"{type(self).__name__} has no speculative decoding")
 
     @abc.abstractmethod
     def can_admit(self) -> bool:

@@ -184,6 +184,7 @@ def dspark_mappings() -> list:
 
 
 SKIPPED_HF_PREFIXES = {
+    "mtp.": "DSpark drafter stages (imported when config.json describes the drafter: dspark_target_layer_ids)",
     "vision.": "vision encoder (not part of the backbone state)",
     "aligner.": "vision-language projector (not part of the backbone state)",
     "image_start": "image-span embedding (vision path)",

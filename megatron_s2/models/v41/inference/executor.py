@@ -20,6 +20,8 @@ incremental forward of the training modules over a batch of chunks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from megatron_s2.config.engine import EngineConfig
@@ -50,6 +52,19 @@ def check_engine_config(config: EngineConfig, model: V41Config) -> None:
                                   "decoder_bounded_replay: false")
 
 
+@dataclass
+class _Speculation:
+    start: int
+    length: int
+    ring_idx: torch.Tensor
+    rings: dict
+    entries: dict
+    partial: dict
+    kv_tokens: dict
+    pages: int
+    rows: dict = field(default_factory=dict)  # layer -> (compressor kv, gate, position of row 0), from KVCacheStep
+
+
 class V41Executor(ModelExecutor):
     def __init__(self, model, config: EngineConfig, device: torch.device):
         cfg: V41Config = model.config
@@ -59,6 +74,15 @@ class V41Executor(ModelExecutor):
         self.swa = SWAStore(cfg, config.max_num_seqs + config.swa_pool_slots, device)
         self.runner = ModelRunner(model, self.global_kv, self.swa)
         self.tiers = KVTiers(config, cfg, self.global_kv, self.swa)
+        self.drafter = None
+        if config.speculative:
+            if getattr(model, "dspark", None) is None:
+                raise ConfigError("speculative: the model has no DSpark drafter (model.dspark_layers: 0); train one "
+                                  "with phase.kind: dspark or drop --speculative")
+            from megatron_s2.models.v41.dspark.engine import DSparkEngineDrafter
+
+            self.drafter = DSparkEngineDrafter(model, config.max_num_seqs + config.swa_pool_slots, device)
+        self._pending: dict[int, tuple[int, torch.Tensor]] = {}  # request id -> (start, main_x rows) to push
 
     # ---- per-request state ----------------------------------------------------------------
     def can_admit(self) -> bool:
@@ -66,11 +90,16 @@ class V41Executor(ModelExecutor):
 
     def admit(self, request) -> None:
         request.kv = SequenceKV(self.swa.allocate())
+        if self.drafter is not None:
+            self.drafter.reset(request.kv.swa_slot)
         self.tiers.admit(request)  # prefix-cache / SWA-pool reuse and the bounded-replay starts
 
     def release(self, request, *, snapshot: bool = True) -> None:
+        self._pending.pop(id(request), None)
         if request.kv is None:
             return
+        if request.kv.speculation is not None:  # released mid-verification: restore what it overwrote first
+            self.rollback(request, 0)
         if snapshot:
             self.tiers.on_finish(request)
         for page in request.kv.pages:
@@ -88,7 +117,72 @@ class V41Executor(ModelExecutor):
         return self.tiers.limit_chunk(request, tokens)
 
     def after_forward(self, request) -> None:
+        pending = self._pending.pop(id(request), None)
+        if pending is not None:
+            self.drafter.push(request.kv.swa_slot, *pending)
         self.tiers.after_forward(request)
+
+    # ---- speculative verification (DSpark, §2.4.3) -----------------------------------------
+    def begin_speculation(self, request, length: int) -> None:
+        """Record what a forward of ``length`` tokens from ``num_computed`` will overwrite: the SWA
+        ring slots of those positions, the global-KV entries their complete blocks would take,
+        the compressor's carried partial blocks and counters, and the page count."""
+        seq, start = request.kv, request.num_computed
+        self.runner._ensure_pages(seq, start + length)
+        w = self.swa.window
+        ring_idx = torch.arange(start, start + length, device=self.global_kv.device) % w
+        rings = {layer: tuple(buf[seq.swa_slot, ring_idx].clone() for buf in bufs)
+                 for layer, bufs in self.swa.rings.items()}
+        entries = {}
+        for layer, geo in self.global_kv.layers.items():
+            ids = torch.arange(start // geo.ratio, (start + length) // geo.ratio, device=self.global_kv.device)
+            if ids.numel():
+                page = torch.tensor(seq.pages, device=ids.device)[ids // geo.entries_per_page]
+                slot = ids % geo.entries_per_page
+                entries[layer] = (ids, page, slot,
+                                  tuple(buf[page, slot].clone() for buf in (*self.global_kv.main[layer],
+                                                                             *self.global_kv.index[layer])))
+        seq.speculation = _Speculation(start, length, ring_idx, rings, entries, dict(seq.partial),
+                                       dict(seq.kv_tokens), len(seq.pages))
+
+    def rollback(self, request, keep: int) -> None:
+        seq = request.kv
+        spec, seq.speculation = seq.speculation, None
+        if spec is None:
+            raise RuntimeError("rollback without begin_speculation")
+        end = spec.start + keep
+        for layer, saved in spec.rings.items():  # ring slots of the dropped positions
+            for buf, old in zip(self.swa.rings[layer], saved):
+                buf[seq.swa_slot, spec.ring_idx[keep:]] = old[keep:]
+        for layer, (ids, page, slot, saved) in spec.entries.items():  # entries whose block is not kept whole
+            geo = self.global_kv.layers[layer]
+            drop = (ids + 1) * geo.ratio > end
+            bufs = (*self.global_kv.main[layer], *self.global_kv.index[layer])
+            for buf, old in zip(bufs, saved):
+                buf[page[drop], slot[drop]] = old[drop]
+        for layer in self.global_kv.layers:
+            m = self.global_kv.layers[layer].ratio
+            rows = spec.rows.get(layer)
+            if rows is None:
+                seq.partial[layer] = spec.partial.get(layer, (None, None))
+                if layer in spec.kv_tokens:
+                    seq.kv_tokens[layer] = spec.kv_tokens[layer]
+                else:
+                    seq.kv_tokens.pop(layer, None)
+                continue
+            kv, gate, base = rows
+            lo, hi = end // m * m - base, end - base  # the incomplete block of the kept tokens
+            seq.partial[layer] = ((kv[lo:hi].clone(), gate[lo:hi].clone() if gate is not None else None)
+                                  if hi > lo else (None, None))
+            seq.kv_tokens[layer] = end
+        need = max(spec.pages, -(-end // self.config.page_tokens))
+        for page in seq.pages[need:]:
+            self.global_kv.pool.release(page)
+        del seq.pages[need:]
+        pending = self._pending.get(id(request))
+        if pending is not None:  # the drafter sees only the kept tokens
+            start, rows = pending
+            self._pending[id(request)] = (start, rows[:max(0, end - start)])
 
     def reclaim(self) -> bool:
         return self.tiers.reclaim()
@@ -165,7 +259,13 @@ class V41Executor(ModelExecutor):
             rows.append(ForwardRow(req.kv, req.tokens[c.start:c.start + c.length], c.start,
                                    req.tokens[max(0, c.start - h):c.start], logits=c.logits,
                                    decoder_from=req.kv.decoder_from))
-        return self.runner.forward(rows, record_routing=record_routing, record_topk=record_topk)
+        capture = self.drafter.targets if self.drafter is not None else ()
+        out = self.runner.forward(rows, record_routing=record_routing, record_topk=record_topk, capture=capture)
+        if capture:  # the drafter's main input of every computed token, pushed once the step keeps it
+            main_x = self.drafter.main_rows(self.runner.captured)
+            for r, c in enumerate(chunks):
+                self._pending[id(c.request)] = (c.start, main_x[r, :c.length])
+        return out
 
     def stats(self) -> dict:
         return {"free_pages": self.global_kv.pool.num_free, "free_swa_slots": len(self.swa.free),

@@ -124,6 +124,8 @@ class KVCacheStep:
             if held_kv is not None:
                 new_kv = torch.cat([held_kv, new_kv])
                 new_gate = torch.cat([held_gate, new_gate]) if gate is not None else None
+            if seq.speculation is not None:  # a verification: rollback rebuilds the partial block from these
+                seq.speculation.rows[layer] = (new_kv, new_gate, done - (new_kv.size(0) - (length - (done - start))))
             complete = new_kv.size(0) // m
             first_entry = done // m
             if complete:

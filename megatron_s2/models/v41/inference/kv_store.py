@@ -134,6 +134,10 @@ class SequenceKV:
     """Decoder layers run on positions >= this (decoder bounded replay of the prompt, §3.2.2)."""
     hashed_pages: int = 0
     """Leading complete pages already indexed in the prefix cache."""
+    speculation: "object | None" = None
+    """While a verification forward runs (:meth:`V41Executor.begin_speculation`): what it overwrites,
+    and the compressor projections of its tokens, so that :meth:`V41Executor.rollback` restores
+    the cache of the rejected drafts exactly."""
     swa_from: tuple[int, int] = (0, 0)
     """First position whose SWA KV exists, for encoder and decoder layers (§3.2.2 bounded replay:
     a query at i attends to SWA keys in [max(s, i-W+1), i]); 0 = exact state."""

@@ -80,11 +80,15 @@ class ModelRunner:
     # ---- public -------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, rows: list[ForwardRow], *, record_routing: bool = False,
-                record_topk: bool = False) -> list[RowOutput]:
+                record_topk: bool = False, capture: tuple[int, ...] = ()) -> list[RowOutput]:
+        """``capture``: layers whose outputs (stream mean, [B, S, d]) the forward records in
+        :attr:`captured` (the DSpark drafter's main input)."""
         for row in rows:
             self._ensure_pages(row.seq, row.start + len(row.tokens))
         ids, pos, valid, prefix = self._batch(rows, [0] * len(rows))
         ctx = self._context(rows, ids, pos, valid, prefix, record_routing, record_topk)
+        ctx.capture = {i: None for i in capture} if capture else None
+        self.captured = ctx.capture
         hidden = self.model.embed(ids)
         split = [max(0, min(len(r.tokens), r.decoder_from - r.start)) for r in rows]
         if not any(split) or not self.decoder_ids:

@@ -1,0 +1,180 @@
+"""Speculative decoding in the engine: draft, schedule, verify in one forward, keep, roll back
+(DSpark, report §2.4.3; lossless verification, Leviathan et al. / Chen et al., 2023).
+
+One decode step of the requests that speculate:
+
+1. **Draft.** The executor's :class:`~megatron_s2.models.family.engine.Drafter` proposes base
+   logits for ``K`` positions of every request at once; the Markov bias of the previous token
+   is added position by position while the drafts are drawn from ``q`` = the request's
+   sampling distribution (temperature / top-k / top-p) of those logits (greedy: arg-max).
+2. **Schedule.** The confidence head's per-position acceptance probabilities give prefix
+   survival; with the engine's throughput curve (measured from its own verification forwards,
+   or a profile file) :func:`~.speculative.choose_verification_lengths` picks how many drafts
+   each request verifies so that expected tokens per second over the batch is largest
+   (``speculative_schedule: fixed`` verifies all of them).
+3. **Verify.** One forward over ``[seed, d_1 .. d_k]`` per request returns the policy's logits at
+   every position; greedy keeps the drafts equal to the arg-max (the same tokens as plain greedy
+   decode), sampling keeps each with probability ``min(1, p/q)`` and draws the first rejected
+   position from ``normalize(max(0, p - q))`` — or a bonus token from the last row — so the
+   output follows the policy's distribution exactly.
+4. **Keep.** The executor rolls its cache back to the kept tokens (:meth:`rollback`: rejected
+   positions leave no KV behind); every emitted token carries its log-prob from the policy's
+   logits, the policy version and — for routing replay — the routing of the forward's kept rows.
+
+Every draw is seeded from (request seed, position) like the plain sampler, with one stream for
+drafting and one for verification, so a request's output does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.inference.sampling import position_seed, sampled_token, sampling_log_probs
+from megatron_s2.inference.speculative import (ThroughputProfile, choose_verification_lengths, prefix_survival,
+                                               speculative_sample, verify_greedy)
+
+__all__ = ["SpeculativeDecoder", "SpeculationStats", "MeasuredProfile"]
+
+_DRAFT_STREAM = 0x2545F4914F6CDD1D   # seed salts: drafting and verification draw from their own streams
+_VERIFY_STREAM = 0x5851F42D4C957F2D
+
+
+@dataclass
+class SpeculationStats:
+    """What speculation achieved since the engine started."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+    """Rounds whose position i draft was accepted (index i)."""
+    verified_at: list[int] = field(default_factory=list)
+    """Rounds that verified a draft at position i."""
+
+    def record(self, verified: int, accepted: int, emitted: int) -> None:
+        k = max(verified, len(self.verified_at))
+        self.verified_at += [0] * (k - len(self.verified_at))
+        self.accepted_at += [0] * (k - len(self.accepted_at))
+        for i in range(verified):
+            self.verified_at[i] += 1
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+        self.rounds += 1
+        self.drafted += verified
+        self.accepted += accepted
+        self.emitted += emitted
+
+    def as_dict(self) -> dict:
+        per_position = [a / v if v else 0.0 for a, v in zip(self.accepted_at, self.verified_at)]
+        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "acceptance_per_position": per_position,
+                "tokens_per_round": self.emitted / self.rounds if self.rounds else 0.0}
+
+
+class MeasuredProfile:
+    """The engine's verification throughput curve, measured from its own forwards: the fastest
+    time seen per token count (a noisy machine only ever adds time), made monotone. Until two
+    counts have been seen it is flat — every draft looks free — so the first steps verify
+    everything and thereby measure the curve."""
+
+    def __init__(self):
+        self.best: dict[int, float] = {}
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if seconds > 0:
+            self.best[tokens] = min(seconds, self.best.get(tokens, float("inf")))
+
+    def profile(self) -> ThroughputProfile:
+        if len(self.best) < 2:
+            return ThroughputProfile(((1, 1.0),))
+        points, running = [], 0.0
+        for tokens in sorted(self.best):
+            running = max(running, self.best[tokens])
+            points.append((tokens, running))
+        return ThroughputProfile(tuple(points))
+
+
+class SpeculativeDecoder:
+    def __init__(self, executor, config, device: torch.device):
+        self.executor, self.drafter, self.config, self.device = executor, executor.drafter, config, device
+        self.max_drafts = min(config.speculative_tokens or self.drafter.block_size, self.drafter.block_size)
+        self.stats = SpeculationStats()
+        self.measured = MeasuredProfile()
+        self.fixed_profile = None
+        if config.speculative_profile:
+            try:
+                self.fixed_profile = ThroughputProfile.from_json(Path(config.speculative_profile))
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"speculative_profile: {exc}") from None
+        self.draft_seconds = 0.0
+
+    # ---- 1. draft ---------------------------------------------------------------------------------
+    def draft(self, reqs) -> tuple[list[list[int]], list[torch.Tensor | None], torch.Tensor]:
+        """Per request: K draft tokens, their draft distributions [K, V] (None for greedy), and
+        the confidence head's acceptance probabilities [R, K]."""
+        t0 = time.perf_counter()
+        base, hidden = self.drafter.propose(reqs)
+        k = self.max_drafts
+        prev = torch.tensor([r.tokens[r.num_computed] for r in reqs], dtype=torch.long, device=self.device)
+        drafts = [[] for _ in reqs]
+        dists = [[] if not r.params.greedy else None for r in reqs]
+        embeds = []
+        for i in range(k):
+            bias, emb = self.drafter.markov(prev)
+            embeds.append(emb)
+            logits = base[:, i] + bias
+            nxt = []
+            for r, req in enumerate(reqs):
+                if req.params.greedy:
+                    tok = int(logits[r].argmax())
+                else:
+                    q = sampling_log_probs(logits[r], req.params).exp()
+                    req.generator.manual_seed(position_seed(req.seed ^ _DRAFT_STREAM, req.num_computed + 1 + i))
+                    tok = int(torch.multinomial(q, 1, generator=req.generator))
+                    dists[r].append(q)
+                drafts[r].append(tok)
+                nxt.append(tok)
+            prev = torch.tensor(nxt, dtype=torch.long, device=self.device)
+        confidence = self.drafter.confidence(hidden[:, :k], torch.stack(embeds, dim=1))
+        self.draft_seconds = time.perf_counter() - t0
+        return drafts, [torch.stack(d) if d is not None else None for d in dists], confidence
+
+    # ---- 2. schedule ------------------------------------------------------------------------------
+    def lengths(self, reqs, confidence: torch.Tensor, limits: list[int]) -> list[int]:
+        """Drafts each request verifies: at most ``limits[r]`` (its room to max_tokens /
+        max_model_len / the page pool)."""
+        if self.config.speculative_schedule == "fixed":
+            return [min(self.max_drafts, lim) for lim in limits]
+        survival = prefix_survival(confidence.float().clamp(0, 1).cpu())
+        profile = self.fixed_profile or self.measured.profile()
+        chosen = choose_verification_lengths(survival, profile, draft_seconds=self.draft_seconds)
+        return [min(c, lim) for c, lim in zip(chosen, limits)]
+
+    # ---- 3. verify ------------------------------------------------------------------------------
+    def accept(self, req, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None
+               ) -> tuple[int, int]:
+        """(drafts kept, the token emitted after them) from the policy's logits [k+1, V]."""
+        k = len(drafts)
+        d = torch.tensor(drafts, dtype=torch.long, device=logits.device)
+        if req.params.greedy:
+            return verify_greedy(logits, d)
+        p = torch.stack([sampling_log_probs(row, req.params).exp() for row in logits])
+        req.generator.manual_seed(position_seed(req.seed ^ _VERIFY_STREAM, len(req.tokens)))
+        accepted, token = speculative_sample(p.unsqueeze(0), q[:k].unsqueeze(0) if k else p[:0].unsqueeze(0),
+                                             d.unsqueeze(0), req.generator)
+        return int(accepted[0]), int(token[0])
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.measured.observe(tokens, seconds)
+
+    @staticmethod
+    def report(logits: torch.Tensor, req, token: int):
+        """The SampledToken of ``token`` under the request's logprobs settings."""
+        return sampled_token(logits, req.params, token)
