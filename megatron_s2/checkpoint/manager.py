@@ -70,6 +70,9 @@ class LoadedCheckpoint:
     """This rank's ``local`` tensors; None when the layout changed (empty when none were stored)."""
     fresh_optimizer_state: list[str] = field(default_factory=list)
     """Parameters of this rank that had no stored optimiser state."""
+    fresh_model: list[str] = field(default_factory=list)
+    """Model tensors (under ``may_be_missing``) absent from the checkpoint: they keep their
+    initialisation (e.g. a DSpark drafter added to a pre-trained backbone)."""
 
     @property
     def step(self) -> int:
@@ -232,9 +235,11 @@ class CheckpointManager:
         return found
 
     # ---- load --------------------------------------------------------------------------------
-    def load(self, path: Path, model, optimizer=None) -> LoadedCheckpoint:
+    def load(self, path: Path, model, optimizer=None, *, may_be_missing: tuple[str, ...] = ()) -> LoadedCheckpoint:
         """Fill ``model`` (and ``optimizer``'s state) from the checkpoint at ``path``, whatever
-        layout wrote it. Refuses uncommitted, corrupted or incompatible checkpoints."""
+        layout wrote it. Refuses uncommitted, corrupted or incompatible checkpoints.
+        ``may_be_missing``: name prefixes of model tensors that may be absent (they keep their
+        initialisation; listed in ``fresh_model``)."""
         from megatron_s2.checkpoint.dcp_io import load_shards, read_index  # torch.distributed.checkpoint: on use
         from megatron_s2.checkpoint.sharded_state import (
             local_from_tensors,
@@ -248,10 +253,14 @@ class CheckpointManager:
         self.wait()
         path = Path(path)
         manifest = verify_checkpoint(path, self.group)
-        error, index, targets, opt = None, None, {}, None
+        error, index, targets, opt, fresh = None, None, {}, None, []
         try:
             index = read_index(path)
             targets = model_shards(model)
+            fresh = sorted(fqn for fqn in targets if fqn not in index.state_dict_metadata
+                           and fqn[len(MODEL_PREFIX):].startswith(may_be_missing)) if may_be_missing else []
+            for fqn in fresh:
+                del targets[fqn]
             error = _check_model(targets, index, path)
             if optimizer is not None and not manifest.has_optimizer:
                 error = error or (f"{path / MANIFEST}: holds no optimizer state; load the model only "
@@ -273,6 +282,7 @@ class CheckpointManager:
         barrier(self.group)
         return LoadedCheckpoint(path, manifest, rng=rng_from_tensors(rng) if rng else None,
                                 fresh_optimizer_state=opt.fresh if opt else [],
+                                fresh_model=[fqn[len(MODEL_PREFIX):] for fqn in fresh],
                                 local=local_from_tensors(local, self.rank) if same_layout else None)
 
     def _uncovered(self, index, requested: set[str], with_optimizer: bool, path: Path) -> str | None:

@@ -29,7 +29,8 @@ def generate_command(args: argparse.Namespace) -> int:
     params = built_from_flags(SamplingParams, max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
     engine_config = built_from_flags(EngineConfig, max_num_seqs=1, max_model_len=args.max_model_len,
-                                     prefill_chunk=256, max_prefill_tokens=256)
+                                     prefill_chunk=256, max_prefill_tokens=256, speculative=args.speculative,
+                                     speculative_tokens=args.speculative_tokens)
     model, tokenizer, description = load_model(args.checkpoint, args.device)
     prompt = ([tokenizer.bos_id] if args.bos else []) + tokenizer.encode(args.prompt)
     engine = InferenceEngine(model, engine_config, eos_token_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
@@ -51,7 +52,10 @@ def generate_command(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write(text.flush() + "\n")
     reason = last.finish_reason.value if last is not None and last.finish_reason else "?"
-    print(f"[{generated} tokens, finish reason: {reason}]", file=sys.stderr)
+    spec = engine.stats().get("speculative")
+    extra = (f", {spec['tokens_per_round']:.2f} tokens per verification, draft acceptance "
+             f"{spec['acceptance_rate']:.2f}" if spec else "")
+    print(f"[{generated} tokens, finish reason: {reason}{extra}]", file=sys.stderr)
     return 0
 
 
@@ -69,5 +73,9 @@ def register(subparsers) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + generated tokens (default 2048)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--speculative", action="store_true",
+                   help="speculative decoding with the checkpoint's DSpark drafter (lossless; report §2.4.3)")
+    p.add_argument("--speculative-tokens", type=int, default=0,
+                   help="drafts verified per step at most (default 0 = the drafter's block size)")
     p.add_argument("--no-bos", dest="bos", action="store_false", help="do not start the prompt with <bos>")
     p.set_defaults(func=generate_command)

@@ -25,7 +25,8 @@ def _engine_config(args: argparse.Namespace):
     from megatron_s2.config.engine import EngineConfig
 
     return built_from_flags(EngineConfig, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
-                            max_model_len=args.max_model_len, prefix_caching=args.prefix_caching, seed=args.seed)
+                            max_model_len=args.max_model_len, prefix_caching=args.prefix_caching, seed=args.seed,
+                            speculative=args.speculative, speculative_tokens=args.speculative_tokens)
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -80,6 +81,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most log-probs per position a request may ask for, as vLLM's flag (default 20; -1 = the "
                         "whole vocabulary: prompt_logprobs -1 returns a served OPD teacher's full distribution)")
+    p.add_argument("--speculative", action="store_true",
+                   help="speculative decoding with the checkpoint's DSpark drafter (lossless; report §2.4.3)")
+    p.add_argument("--speculative-tokens", type=int, default=0,
+                   help="drafts verified per request and step at most (default 0 = the drafter's block size)")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none (default 0)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

@@ -12,14 +12,33 @@ __all__ = ["PhaseConfig"]
 
 @dataclass(frozen=True)
 class PhaseConfig:
-    kind: Literal["pretrain", "sft", "rl", "opd"] = "pretrain"
+    kind: Literal["pretrain", "sft", "rl", "opd", "dspark"] = "pretrain"
     """pretrain: loss on every token; sft: loss only on answer tokens (prompt masked); rl:
     reinforcement learning from verifiable rewards (the recipe's ``rl:`` section); opd: on-policy
     distillation (the ``opd:`` section). rl and opd roll out with the inference engine on the
-    training ranks (megatron_s2/posttrain/trainer.py)."""
+    training ranks (megatron_s2/posttrain/trainer.py). dspark: the stage after pre-training that
+    trains only the DSpark drafter on the frozen backbone's own distributions (V4.1 report
+    §2.4.3); the backbone is frozen and not stored in the optimiser."""
     freeze: tuple[str, ...] = ()
     """Parameter-name globs frozen in this phase (e.g. the backbone while training a drafter)."""
+    train_drafter: bool = False
+    """Co-train the model's DSpark drafter in a pretrain / sft phase (§2.4.3: "we continue to train
+    DSpark alongside the backbone, without propagating gradients from the DSpark objective into
+    the backbone"); implied by ``kind: dspark``."""
+    drafter_eta: float = 3.0
+    """eta of the drafter's hybrid LK loss schedule lambda_k = exp(-eta * acceptance_k)
+    (Intern-S2 walkthrough Eq. 23)."""
+    drafter_temperature: float = 1.0
+    """Temperature at which the drafter's distributions are matched to the policy's."""
 
     def __post_init__(self) -> None:
         if len(set(self.freeze)) != len(self.freeze):
             raise ConfigError("phase.freeze: duplicate patterns")
+        if self.drafter_eta < 0:
+            raise ConfigError(f"phase.drafter_eta: must be >= 0, got {self.drafter_eta}")
+        if not self.drafter_temperature > 0:
+            raise ConfigError(f"phase.drafter_temperature: must be positive, got {self.drafter_temperature}")
+
+    @property
+    def trains_drafter(self) -> bool:
+        return self.kind == "dspark" or self.train_drafter

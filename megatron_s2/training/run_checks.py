@@ -177,6 +177,28 @@ def check_backend(recipe: RecipeConfig) -> None:
     family_of(recipe.model).check_recipe(recipe)
 
 
+def check_drafter_phase(recipe: RecipeConfig) -> None:
+    """A phase that trains the DSpark drafter (``phase.kind: dspark`` or ``phase.train_drafter``)
+    needs a model with one, and a layout the drafter supports."""
+    phase = recipe.phase
+    section = getattr(recipe, phase.kind, None) if phase.kind in ("rl", "opd") else None
+    if section is not None and section.rollout.engine.speculative and not getattr(recipe.model, "dspark_layers", 0):
+        raise ConfigError(f"{phase.kind}.rollout.engine.speculative: the model has no DSpark drafter "
+                          "(model.dspark_layers: 0); train one (phase.kind: dspark) or set it false")
+    if not phase.trains_drafter:
+        return
+    what = "phase.kind: dspark" if phase.kind == "dspark" else "phase.train_drafter"
+    if not getattr(recipe.model, "dspark_layers", 0):
+        raise ConfigError(f"model.dspark_layers: {what} trains the DSpark drafter, but the model has none; set "
+                          "model.dspark_layers (and dspark_target_layer_ids) or use another phase")
+    p = recipe.parallel
+    if p.pp > 1:
+        raise ConfigError(f"parallel.pp: {what} runs the drafter beside the embedding and the head; use pp: 1")
+    if p.cp > 1 or p.sequence_parallel:
+        raise ConfigError(f"parallel.cp / sequence_parallel: {what} needs whole, unsharded sequences on each "
+                          "rank; set cp: 1 and sequence_parallel: false")
+
+
 def check_run_inputs(recipe: RecipeConfig, world_size: int, host: HostMemory | None,
                      run_dir: str | Path | None = None, *, ranks_here: bool = True, pending: Sequence[str | Path] = ()):
     """All start-up checks of a run (module docstring); returns the run's tokenizer.
@@ -187,6 +209,7 @@ def check_run_inputs(recipe: RecipeConfig, world_size: int, host: HostMemory | N
         check_backend(recipe)
     run_dir = run_dir if run_dir is not None else recipe.training.run_dir
     check_run_dir(run_dir)
+    check_drafter_phase(recipe)
     tokenizer = check_tokenizer(recipe)
     check_data(recipe, tokenizer)
     check_checkpoint_load(recipe, run_dir, pending)

@@ -83,6 +83,16 @@ class Trainer:
                 self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size), device=self.device,
                 plan_memory=lambda skeleton: check_rank_memory(recipe, self.layout, rank, skeleton, host))
         self._freeze(recipe.phase.freeze)
+        if recipe.phase.kind == "dspark":  # §2.4.3: only the drafter trains; the backbone holds no optimiser state
+            for name, p in self.model.named_parameters():
+                if not name.startswith("dspark."):
+                    p.requires_grad_(False)
+        if recipe.phase.trains_drafter:
+            self.model.capture_dspark = True
+        else:  # a phase that does not train the drafter keeps it as it is (no gradient, no optimiser state)
+            for name, p in self.model.named_parameters():
+                if name.startswith("dspark."):
+                    p.requires_grad_(False)
         row_groups, matrix_shards = optimizer_shard_groups(self.model, self.groups, recipe.optimizer)
         self.optimizer = build_optimizer(self.model, recipe.optimizer, row_groups=row_groups,
                                          matrix_shards=matrix_shards)
@@ -185,7 +195,9 @@ class Trainer:
         if path is None:
             return False
         try:  # a refusal leaves the run directory as it was: nothing has been written yet
-            loaded = self.checkpoints.load(path, self.model, self.optimizer if full else None)
+            # a new phase may add the DSpark drafter to a backbone checkpoint (report §2.4.3)
+            loaded = self.checkpoints.load(path, self.model, self.optimizer if full else None,
+                                           may_be_missing=() if full else ("dspark.",))
             if full:
                 self.data.load_state_dict(loaded.data)
                 self.load_local_state(loaded.local)
@@ -204,6 +216,9 @@ class Trainer:
             if loaded.fresh_optimizer_state:
                 self.log(f"checkpoint: {len(loaded.fresh_optimizer_state)} parameters have no stored optimizer "
                          f"state and start from zero (e.g. {loaded.fresh_optimizer_state[0]})")
+        if loaded.fresh_model:
+            self.log(f"checkpoint: {len(loaded.fresh_model)} tensors are not in {path} and start from their "
+                     f"initialisation (e.g. {loaded.fresh_model[0]})")
         self.log(f"checkpoint: {'resumed' if full else 'initialised'} from {path} (step {loaded.step})")
         return True
 
@@ -211,10 +226,23 @@ class Trainer:
     def compute_gradients(self, micro_batches: list[dict]):
         """Forward/backward over this rank's micro-batches and reduce the gradients."""
         micro_batches = [split_micro_batch(to_device(mb, self.device), self.groups.cp) for mb in micro_batches]
-        inputs = StepInputs(micro_batches, self.groups, self.num_micro_global)
+        inputs = StepInputs(micro_batches, self.groups, self.num_micro_global, loss_fn=self.step_objective(micro_batches))
         result = self.forward_backward(self.model, inputs)
         finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb, zero1=self.zero1)
         return result
+
+    def step_objective(self, micro_batches: list[dict]):
+        """The step's loss_fn: None (token cross-entropy), or the DSpark drafter's objective when the
+        phase trains the drafter (:mod:`.draft_objective`)."""
+        phase = self.recipe.phase
+        if not phase.trains_drafter:
+            return None
+        from megatron_s2.pipeline.losses import global_token_count
+        from megatron_s2.training.draft_objective import DraftObjective
+
+        return DraftObjective(global_token_count(micro_batches, self.groups.dp_cp), self.num_micro_global,
+                              language_model=phase.kind != "dspark", eta=phase.drafter_eta,
+                              temperature=phase.drafter_temperature)
 
     def apply_gradients(self, loss: float | None = None) -> float:
         """Clip, optimiser step, then the model's once-per-step update (the MoE correction biases). A

@@ -32,6 +32,7 @@ EXPECTED = {
     "bounded_replay.py": ["KL mean", "prefill GFLOP", "train-aware replay on", "train-aware replay off"],
     "remote_teacher.py": ["in process", "endpoint, 2 in flight"],
     "hybrid_vs_full.py": ["training step", "mem ratio", "decode", "ms/token"],
+    "speculative.py": ["plain tok/s", "acceptance per position", "ratio = speculative / plain"],
 }
 
 

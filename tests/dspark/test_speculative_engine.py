@@ -73,3 +73,58 @@ def test_speculation_without_a_drafter_is_refused(dspark_cfg):
     plain = build_model(dspark_cfg.replace(dspark_layers=0, dspark_target_layer_ids=()), seed=0).eval()
     with pytest.raises(ConfigError, match="speculative: the model has no DSpark drafter"):
         engine(plain, speculative=True)
+
+
+def _chi2_sf(stat: float, dof: int) -> float:
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.slow
+def test_speculative_sampling_follows_the_policy_distribution(dspark_cfg):
+    """The first two tokens of 800 seeded requests (top-k 6, temperature 1) against the
+    policy's own joint distribution computed by full forwards: a chi-square test. The first token
+    comes from the prompt's forward; the next step drafts one token and verifies it, so the second
+    token is an accepted draft or a draw from the residual max(0, p - q)."""
+    from megatron_s2.inference.sampling import sampling_log_probs
+
+    model = build_model(dspark_cfg, seed=9).eval()
+    prompt = [3, 17, 40, 99, 5, 62]
+    params = dict(max_tokens=3, temperature=1.0, top_k=6, ignore_eos=True)
+    n = 800
+    eng = engine(model, speculative=True, speculative_schedule="fixed", max_num_seqs=16, max_waiting=n)
+    done = eng.generate([prompt] * n, [SamplingParams(seed=i, **params) for i in range(n)])
+    stats = eng.stats()["speculative"]
+    assert 0.05 < stats["acceptance_rate"] < 0.95, stats  # both paths exercised
+    sp = SamplingParams(**params)
+
+    def dist(tokens):
+        with torch.no_grad():
+            return sampling_log_probs(model(torch.tensor([tokens]))[0, -1], sp).exp()
+
+    joint = {}
+    p1 = dist(prompt)
+    for t1 in torch.nonzero(p1).flatten().tolist():
+        p2 = dist(prompt + [t1])
+        for t2 in torch.nonzero(p2).flatten().tolist():
+            joint[(t1, t2)] = float(p1[t1] * p2[t2])
+    counts = {}
+    for r in done:
+        key = tuple(r.token_ids[:2])
+        assert len(r.token_ids) == 3 and key in joint, f"{r.token_ids} is outside the policy's top-6 support"
+        counts[key] = counts.get(key, 0) + 1
+    cells, stat, small = 0, 0.0, [0.0, 0]
+    for key, prob in joint.items():
+        expected = n * prob
+        if expected < 5:  # pool the rare cells
+            small[0] += expected
+            small[1] += counts.get(key, 0)
+            continue
+        stat += (counts.get(key, 0) - expected) ** 2 / expected
+        cells += 1
+    if small[0] > 0:
+        stat += (small[1] - small[0]) ** 2 / small[0]
+        cells += 1
+    p_value = _chi2_sf(stat, cells - 1)
+    print(f"chi-square {stat:.2f} over {cells} cells, p = {p_value:.3f}; acceptance {stats['acceptance_rate']:.2f}")
+    assert p_value > 1e-3

@@ -32,7 +32,8 @@ def engine_configs(recipe, rollout) -> dict[str, EngineConfig]:
                   max_prefill_tokens=max(engine.prefill_chunk, 1024), page_tokens=engine.page_tokens,
                   prefix_caching=False, seed=recipe.training.seed, max_num_seqs=engine.max_num_seqs,
                   decoder_bounded_replay=engine.decoder_bounded_replay)
-    configs = {"rollout": EngineConfig(max_waiting=max(4 * rollout.max_in_flight, 256), **common)}
+    configs = {"rollout": EngineConfig(max_waiting=max(4 * rollout.max_in_flight, 256),
+                                       speculative=engine.speculative, **common)}
     if not rollout.uses_verifiers:  # verifiers environments evaluate through the rollout engine's server
         configs["eval"] = EngineConfig(max_waiting=100_000, **common)
     return configs

@@ -158,6 +158,10 @@ class RolloutEngineConfig:
     reference) built on its layout: Engram table rows partitioned over this many ranks (§3.1.3);
     0 = the training ``parallel.engram_parallel``. Engram tables dominate the flagship's weights,
     so an unpartitioned copy does not fit a GPU (``megatron-s2 plan memory`` counts it)."""
+    speculative: bool = False
+    """Rollouts speculate with the model's DSpark drafter (V4.1 report §2.4.3; lossless, so the
+    samples follow the policy exactly and carry its log-probs); ``phase.train_drafter`` keeps the
+    drafter fitted to the changing policy (walkthrough Ch. 4)."""
     share_weights: Literal["auto", "never"] = "auto"
     """'auto': when the training layout is TP/EP/DP only, the engine runs the training model itself
     (no copy); 'never': always build a rollout model and transfer weights after each update."""
