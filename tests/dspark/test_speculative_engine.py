@@ -128,3 +128,41 @@ def test_speculative_sampling_follows_the_policy_distribution(dspark_cfg):
     p_value = _chi2_sf(stat, cells - 1)
     print(f"chi-square {stat:.2f} over {cells} cells, p = {p_value:.3f}; acceptance {stats['acceptance_rate']:.2f}")
     assert p_value > 1e-3
+
+
+def test_routing_records_cover_exactly_the_kept_tokens(model):
+    """R3 (report §5.2.1) under speculation: one routing row per fed token, in position order;
+    rejected drafts leave none."""
+    ps = prompts(3, seed=4)
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True, record_routing=True)
+    eng = engine(model, speculative=True, speculative_schedule="fixed")
+    for r, p in zip(eng.generate(ps, params), ps):
+        fed = len(p) + len(r.token_ids) - 1
+        assert r.routed_experts.shape[0] == fed, (r.routed_experts.shape, fed)
+        assert (r.routed_experts >= 0).all()
+    assert eng.stats()["speculative"]["drafted"] > eng.stats()["speculative"]["accepted"]  # rejections happened
+
+
+def test_pause_update_resume_and_abort_mid_generation(model):
+    """Token-level interruption (§5.2.3) between speculative steps: paused requests keep their
+    state, versions advance, an abort frees the request's state; the rest finish exactly as
+    an uninterrupted greedy run."""
+    ps = prompts(3, seed=6)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = [r.token_ids for r in engine(model).generate(ps, params)]
+    eng = engine(model, speculative=True)
+    handles = [eng.submit(p, params) for p in ps]
+    for _ in range(4):
+        eng.step()
+    eng.pause()
+    eng.step()  # nothing runs while paused
+    eng.set_policy_version(1)
+    eng.abort(handles[1].request_id)
+    eng.resume()
+    while eng.has_work():
+        eng.step()
+    results = [h.result() for h in handles]
+    assert results[1].finish_reason.value == "abort"
+    assert results[0].token_ids == plain[0] and results[2].token_ids == plain[2]
+    assert set(results[0].versions) == {0, 1}
+    assert eng.stats()["free_swa_slots"] == 4

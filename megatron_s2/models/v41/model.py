@@ -212,7 +212,9 @@ class V41Model(nn.Module):
 
     # Parameters that stay float32 whatever params_dtype says (precision map: router, LM head,
     # mHC coefficients, norms, sinks and other vectors).
-    FP32_PARAMS = ("*.router.weight", "output_layer.weight", "*_hc.*", "*norm*", "*attn_sink")
+    FP32_PARAMS = ("*.router.weight", "output_layer.weight", "*_hc.*", "*norm*", "*attn_sink",
+                   # the drafter's hc_head, Markov output and confidence head (float32 in the reference)
+                   "dspark.head_hc_*", "dspark.markov_w2", "dspark.confidence")
 
     def apply_precision_map(self) -> None:
         """Store matrices in ``params_dtype`` except the float32 islands (the precision map and

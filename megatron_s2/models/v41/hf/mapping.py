@@ -177,7 +177,7 @@ def dspark_mappings() -> list:
         last("dspark.head_hc_base", "mtp.{last}.hc_head_base", keep_fp32=True),
         last("dspark.head_hc_scale", "mtp.{last}.hc_head_scale", keep_fp32=True),
         last("dspark.markov_w1", "mtp.{last}.markov_head.markov_w1.weight"),
-        last("dspark.markov_w2", "mtp.{last}.markov_head.markov_w2.weight"),
+        last("dspark.markov_w2", "mtp.{last}.markov_head.markov_w2.weight", keep_fp32=True),
         last("dspark.confidence", "mtp.{last}.confidence_head.proj.weight", keep_fp32=True),
     ]
     return rows
