@@ -240,7 +240,8 @@ class InferenceEngine:
             plan = self._schedule()
             version = self.policy_version
             for chunks, reqs in self._forwards(plan):
-                if self.speculator is not None and chunks[0].length == 1:
+                speculate = self.speculator is not None and chunks[0].length == 1 and self.speculator.active()
+                if speculate:
                     spec = [r for r in reqs if r.num_computed + 1 == len(r.tokens)]  # decoding, not a 1-token chunk
                     if spec:
                         self._speculate(spec, version, outputs)
@@ -251,7 +252,10 @@ class InferenceEngine:
                 record_routing = any(r.params.record_routing for r in reqs)
                 record_topk = any(r.params.record_indexer_topk for r in reqs)
                 # a forward that raises is the engine's failure (the device, the batch): it propagates
+                t0 = time.perf_counter()
                 results = self.executor.forward(chunks, record_routing=record_routing, record_topk=record_topk)
+                if self.speculator is not None and chunks[0].length == 1:  # plain decode: a point of the curve
+                    self.speculator.observe(len(chunks), time.perf_counter() - t0)
                 for req, chunk, res in zip(reqs, chunks, results):
                     try:
                         self._advance(req, chunk, res, version)

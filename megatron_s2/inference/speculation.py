@@ -114,6 +114,19 @@ class SpeculativeDecoder:
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"speculative_profile: {exc}") from None
         self.draft_seconds = 0.0
+        self.idle_steps = 0
+        """Decode steps left without drafting: the schedule found that drafting would not pay at the
+        current load (expected tokens/s below plain decode's), so the engine decodes plainly for a
+        while and then probes again."""
+
+    PROBE_EVERY = 16
+
+    def active(self) -> bool:
+        """Whether this decode step drafts (see :attr:`idle_steps`)."""
+        if self.idle_steps:
+            self.idle_steps -= 1
+            return False
+        return True
 
     # ---- 1. draft ---------------------------------------------------------------------------------
     def draft(self, reqs) -> tuple[list[list[int]], list[torch.Tensor | None], torch.Tensor]:
@@ -154,8 +167,14 @@ class SpeculativeDecoder:
             return [min(self.max_drafts, lim) for lim in limits]
         survival = prefix_survival(confidence.float().clamp(0, 1).cpu())
         profile = self.fixed_profile or self.measured.profile()
-        chosen = choose_verification_lengths(survival, profile, draft_seconds=self.draft_seconds)
-        return [min(c, lim) for c, lim in zip(chosen, limits)]
+        chosen = [min(c, lim) for c, lim in zip(
+            choose_verification_lengths(survival, profile, draft_seconds=self.draft_seconds), limits)]
+        # speculating at all pays only if it beats plain decode of the same requests
+        expected = sum(1.0 + float(survival[r, :k].sum()) for r, k in enumerate(chosen))
+        cost = profile(sum(k + 1 for k in chosen)) + self.draft_seconds
+        if expected / cost <= len(chosen) / profile(len(chosen)):
+            self.idle_steps = self.PROBE_EVERY
+        return chosen
 
     # ---- 3. verify ------------------------------------------------------------------------------
     def accept(self, req, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None

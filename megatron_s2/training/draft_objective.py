@@ -55,7 +55,10 @@ class DraftObjective:
                                                       self.global_tokens, None, self.num_micro_global)
         tf, policy = model.dspark_teacher_forced(logits, mb, ctx)
         k = tf.logits.size(-2)
-        draft, target, mask = tf.logits.flatten(0, 1), policy.flatten(0, 1), tf.valid.flatten(0, 1)
+        valid = tf.valid
+        if self.primary is not None:  # rollouts: the states where the policy sampled (its loss-bearing rows)
+            valid = valid & (mb["loss_mask"][:, tf.target_rows] > 0)
+        draft, target, mask = tf.logits.flatten(0, 1), policy.flatten(0, 1), valid.flatten(0, 1)
         lk, metrics = hybrid_lk_loss(target, draft, mask, temperature=self.temperature, eta=self.eta)
         overlap = position_overlap(target, draft, temperature=self.temperature)
         conf = confidence_loss(tf.confidence.flatten(0, 1), overlap, mask)

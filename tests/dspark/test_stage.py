@@ -93,7 +93,9 @@ def test_the_online_draft_update_never_reaches_the_policy(dspark_cfg):
     from megatron_s2.training.draft_objective import DraftObjective
 
     tokens = torch.randint(0, 127, (2, 24), generator=torch.Generator().manual_seed(2))
-    mb = {"tokens": tokens}
+    loss_mask = torch.zeros(2, 24)
+    loss_mask[:, 10:20] = 1  # the rollout's sampled tokens (the drafter fits the policy there)
+    mb = {"tokens": tokens, "loss_mask": loss_mask}
 
     def policy_loss(model, logits, mb, ctx):  # any policy objective on the logits (here: a log-likelihood)
         lp = logits.log_softmax(-1)[:, :-1].gather(-1, tokens[:, 1:, None]).mean()
