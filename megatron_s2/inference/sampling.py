@@ -130,6 +130,25 @@ def sampling_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     return torch.log_softmax(scaled, dim=-1).float()
 
 
+def sampling_log_probs_rows(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """:func:`sampling_log_probs` of every row of ``logits`` [N, V] under one request's ``params``,
+    in one pass (speculative drafting and verification process several positions at once)."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.log_softmax(logits, dim=-1)
+    scaled = (logits - logits.max(-1, keepdim=True).values).double() / params.temperature
+    if params.top_k > 0 and params.top_k < scaled.size(-1):
+        kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        order = scaled.argsort(dim=-1, descending=True)
+        probs = torch.softmax(scaled.gather(-1, order), dim=-1)
+        before = probs.cumsum(-1) - probs
+        drop = torch.zeros_like(scaled, dtype=torch.bool).scatter(-1, order, before >= params.top_p)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1).float()
+
+
 _MASK64 = (1 << 64) - 1
 
 

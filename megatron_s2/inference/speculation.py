@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.inference.sampling import position_seed, sampled_token, sampling_log_probs
+from megatron_s2.inference.sampling import position_seed, sampled_token, sampling_log_probs_rows
 from megatron_s2.inference.speculative import (ThroughputProfile, choose_verification_lengths, prefix_survival,
                                                speculative_sample, verify_greedy)
 
@@ -139,21 +139,36 @@ class SpeculativeDecoder:
         drafts = [[] for _ in reqs]
         dists = [[] if not r.params.greedy else None for r in reqs]
         embeds = []
+        # requests sharing their sampling settings are processed as one batch of rows
+        by_params: dict = {}
+        for r, req in enumerate(reqs):
+            by_params.setdefault(req.params.greedy or (req.params.temperature, req.params.top_k, req.params.top_p),
+                                 []).append(r)
         for i in range(k):
             bias, emb = self.drafter.markov(prev)
             embeds.append(emb)
             logits = base[:, i] + bias
-            nxt = []
-            for r, req in enumerate(reqs):
-                if req.params.greedy:
-                    tok = int(logits[r].argmax())
-                else:
-                    q = sampling_log_probs(logits[r], req.params).exp()
+            nxt = [0] * len(reqs)
+            for key, rows in by_params.items():
+                if key is True:  # greedy
+                    for r, tok in zip(rows, logits[rows].argmax(-1).tolist()):
+                        nxt[r] = tok
+                    continue
+                q = sampling_log_probs_rows(logits[rows], reqs[rows[0]].params).exp()
+                # one uniform per request from its own (seed, position) stream: inverse CDF
+                u = torch.empty(len(rows), dtype=q.dtype, device=q.device)
+                for j, r in enumerate(rows):
+                    req = reqs[r]
                     req.generator.manual_seed(position_seed(req.seed ^ _DRAFT_STREAM, req.num_computed + 1 + i))
-                    tok = int(torch.multinomial(q, 1, generator=req.generator))
-                    dists[r].append(q)
+                    u[j] = torch.rand((), generator=req.generator, device=q.device, dtype=q.dtype)
+                cdf = q.cumsum(-1)
+                picks = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+                picks = torch.minimum(picks, (q > 0).cumsum(-1).argmax(-1))  # never past the last kept token
+                for j, (r, tok) in enumerate(zip(rows, picks.tolist())):
+                    nxt[r] = tok
+                    dists[r].append(q[j])
+            for r, tok in enumerate(nxt):
                 drafts[r].append(tok)
-                nxt.append(tok)
             prev = torch.tensor(nxt, dtype=torch.long, device=self.device)
         confidence = self.drafter.confidence(hidden[:, :k], torch.stack(embeds, dim=1))
         self.draft_seconds = time.perf_counter() - t0
@@ -184,7 +199,7 @@ class SpeculativeDecoder:
         d = torch.tensor(drafts, dtype=torch.long, device=logits.device)
         if req.params.greedy:
             return verify_greedy(logits, d)
-        p = torch.stack([sampling_log_probs(row, req.params).exp() for row in logits])
+        p = sampling_log_probs_rows(logits, req.params).exp()
         req.generator.manual_seed(position_seed(req.seed ^ _VERIFY_STREAM, len(req.tokens)))
         accepted, token = speculative_sample(p.unsqueeze(0), q[:k].unsqueeze(0) if k else p[:0].unsqueeze(0),
                                              d.unsqueeze(0), req.generator)

@@ -305,6 +305,7 @@ class PosttrainTrainer(Trainer):
         t_train = time.perf_counter() - t1
         orch.finish_update(self.step)  # weights into the engine (version + 1), staleness rule
         extra.update(loss_stats)
+        extra.update({k: v for k, v in result.metrics.items() if k.startswith("draft_")})  # the online draft update
         extra.update(self._rollout_rates(stats, t_rollout, tokens, t_train))
         extra.update({f"ledger_{k}": float(v) for k, v in orch.ledger.items()})
         extra["in_flight"] = float(orch.in_flight)
@@ -389,8 +390,17 @@ class PosttrainTrainer(Trainer):
             dist.all_reduce(local)
             local = local.cpu()
         generated = float(local[0])
-        return {"rollout_tokens": generated, "rollout_tokens_per_s": generated / max(t_rollout, 1e-9),
-                "train_tokens_per_s": tokens / max(t_train, 1e-9)}
+        rates = {"rollout_tokens": generated, "rollout_tokens_per_s": generated / max(t_rollout, 1e-9),
+                 "train_tokens_per_s": tokens / max(t_train, 1e-9)}
+        spec = getattr(self.engine, "speculator", None)
+        if spec is not None:  # this step's speculation on this rank (report §2.4.3)
+            now = (spec.stats.rounds, spec.stats.drafted, spec.stats.accepted, spec.stats.emitted)
+            before = getattr(self, "_spec_seen", (0, 0, 0, 0))
+            rounds, drafted, accepted, emitted = (a - b for a, b in zip(now, before))
+            self._spec_seen = now
+            rates["rollout_draft_acceptance"] = accepted / drafted if drafted else 0.0
+            rates["rollout_tokens_per_verification"] = emitted / rounds if rounds else 0.0
+        return rates
 
     # ---- evaluation ------------------------------------------------------------------------------------
     def _eval_due(self) -> bool:

@@ -470,3 +470,17 @@ def test_scheduler_refuses_bad_inputs():
         choose_verification_lengths(torch.tensor([0.5]), profile)
     with pytest.raises(ValueError, match="max_len"):
         choose_verification_lengths(torch.tensor([[0.5]]), profile, max_len=-1)
+
+
+def test_row_wise_sampling_distribution_equals_the_per_row_one():
+    """The batched processed distribution used by speculative drafting / verification is the
+    sampler's own, row for row (temperature, top-k, top-p, greedy)."""
+    from megatron_s2.inference.sampling import SamplingParams, sampling_log_probs, sampling_log_probs_rows
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
+                   SamplingParams(temperature=1.3, top_k=7), SamplingParams(temperature=1.0, top_p=0.8),
+                   SamplingParams(temperature=0.5, top_k=10, top_p=0.6)):
+        rows = sampling_log_probs_rows(logits, params)
+        for i in range(logits.size(0)):
+            torch.testing.assert_close(rows[i], sampling_log_probs(logits[i], params), rtol=0, atol=0)
