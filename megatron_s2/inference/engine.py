@@ -415,28 +415,22 @@ class InferenceEngine:
             try:
                 del req.tokens[chunk.start + 1:]
                 accepted, token = spec.accept(req, res.logits, d[:k], q)
-                keep = 1 + accepted
-                self.executor.rollback(req, keep)  # rejected drafts leave no KV behind
-                req.num_computed = chunk.start + keep
                 spec.stats.record(k, accepted, accepted + 1)
-                self._emit(req, chunk.start, keep, res, d[:accepted] + [token], version)
+                self._emit(req, chunk.start, res, d[:accepted] + [token], version)
             except Exception as exc:  # noqa: BLE001 - this request's verification / stop check
                 self._fail(req, exc, outputs)
 
-    def _emit(self, req: Request, start: int, keep: int, res, tokens: list[int], version: int) -> None:
+    def _emit(self, req: Request, start: int, res, tokens: list[int], version: int) -> None:
         """Append the verified ``tokens`` (the kept drafts and the token after them), each reported
-        from the policy's logits at its position; stop at the first stop condition."""
+        from the policy's logits at its position, up to the first stop condition; then keep the
+        cache of exactly the positions fed before the last appended token."""
         out = req.output()
-        if res.routing is not None and req.params.record_routing:  # kept rows only
-            out.routed_experts, out.fed_positions = res.routing[:keep], range(start, start + keep)
-        if res.topk and req.params.record_indexer_topk:
-            out.indexer_topk = {layer: t[:keep] for layer, t in res.topk.items()}
-            out.fed_positions = range(start, start + keep)
-        self.executor.after_forward(req)
+        keep = 0  # positions fed whose next token was emitted: the seed and the kept drafts
         for j, token in enumerate(tokens):
             tok = self.speculator.report(res.logits[j], req, token)
             req.tokens.append(token)
             req.num_generated += 1
+            keep += 1
             out.token_ids.append(token)
             out.logprobs.append(tok.logprob)
             out.top_logprobs.append(tok.top_logprobs)
@@ -444,7 +438,17 @@ class InferenceEngine:
             reason, why = self._stop_reason(req, token)
             if reason is not None:
                 out.finished, out.finish_reason, out.stop_reason = True, reason, why
-                return
+                break
+        # rejected drafts, and accepted ones after a stop, leave no KV, routing rows or SWA-pool
+        # snapshot behind (a next turn resumes from that snapshot)
+        self.executor.rollback(req, keep)
+        req.num_computed = start + keep
+        if res.routing is not None and req.params.record_routing:  # kept rows only
+            out.routed_experts, out.fed_positions = res.routing[:keep], range(start, start + keep)
+        if res.topk and req.params.record_indexer_topk:
+            out.indexer_topk = {layer: t[:keep] for layer, t in res.topk.items()}
+            out.fed_positions = range(start, start + keep)
+        self.executor.after_forward(req)
 
     def _stop_reason(self, req: Request, token: int) -> tuple[FinishReason | None, str | int | None]:
         p = req.params

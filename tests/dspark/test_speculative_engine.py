@@ -166,3 +166,44 @@ def test_pause_update_resume_and_abort_mid_generation(model):
     assert results[0].token_ids == plain[0] and results[2].token_ids == plain[2]
     assert set(results[0].versions) == {0, 1}
     assert eng.stats()["free_swa_slots"] == 4
+
+
+def _accepted_draft_stop(model, prompt, params) -> int:
+    """A token that a speculative run emits as an accepted draft (not the last token of its
+    verification round) and that does not occur earlier in the output: a stop token there ends
+    the request in the middle of a round."""
+    eng = engine(model, speculative=True, speculative_schedule="fixed")
+    handle = eng.submit(prompt, params)
+    while eng.has_work():
+        eng.step()
+    seen = []
+    while not handle.empty():
+        out = handle.get()
+        for token in out.token_ids[:-1]:  # every token of a round but its last is an accepted draft
+            if token not in seen:
+                return token
+            seen.append(token)
+        seen += out.token_ids[-1:]
+    pytest.fail("no verification round accepted a draft")
+
+
+def test_a_stop_token_among_accepted_drafts_ends_the_round_there(model):
+    """A stop token accepted as a draft ends the request at that token: the state it leaves
+    (routing records, the SWA-pool snapshot a next turn resumes from) covers the tokens fed up
+    to it, not the accepted drafts after it."""
+    prompt = prompts(1, seed=11)[0]
+    sampled = dict(max_tokens=24, temperature=1.0, seed=2, ignore_eos=True)
+    stop = _accepted_draft_stop(model, prompt, SamplingParams(**sampled))
+    eng = engine(model, speculative=True, speculative_schedule="fixed", prefix_caching=True, swa_pool_slots=2)
+    first = eng.generate([prompt], SamplingParams(stop_token_ids=(stop,), record_routing=True, **sampled))[0]
+    assert first.token_ids[-1] == stop and first.finish_reason.value == "stop"
+    assert first.routed_experts.shape[0] == len(prompt) + len(first.token_ids) - 1
+
+    # the next turn resumes from the snapshot of the first: the same distributions as a fresh prefill
+    turn = prompt + first.token_ids + [9, 33, 29]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    resumed = eng.generate([turn], greedy)[0]
+    assert eng.executor.tiers.hits["swa_snapshots"] == 1
+    fresh = engine(model).generate([turn], greedy)[0]
+    assert resumed.token_ids == fresh.token_ids
+    assert resumed.logprobs == pytest.approx(fresh.logprobs, abs=1e-4)
