@@ -244,7 +244,7 @@ class InferenceEngine:
                 if speculate:
                     spec = [r for r in reqs if r.num_computed + 1 == len(r.tokens)]  # decoding, not a 1-token chunk
                     if spec:
-                        self._speculate(spec, version, outputs)
+                        self._speculate(spec, version, outputs, plan)
                         chunks = [c for c in chunks if c.request not in spec]
                         reqs = [c.request for c in chunks]
                         if not chunks:
@@ -388,17 +388,20 @@ class InferenceEngine:
             out.finished, out.finish_reason, out.stop_reason = True, reason, why
 
     # ---- speculative decoding (DSpark, report §2.4.3; inference/speculation.py) --------------------
-    def _speculate(self, reqs: list[Request], version: int, outputs: list[RequestOutput]) -> None:
+    def _speculate(self, reqs: list[Request], version: int, outputs: list[RequestOutput],
+                   plan: list[tuple[Request, int]]) -> None:
         """Draft, verify in one forward, keep the accepted prefix and one more token per request."""
-        spec = self.speculator
-        free, limits = self.executor.free_pages(), []
+        spec, ex = self.speculator, self.executor
+        # drafts take only pages the step's plan (its decodes and prompt chunks) leaves free:
+        # _schedule made that plan fit the pool, by preemption if needed
+        spare, limits = ex.free_pages() - sum(ex.pages_needed(req, n) for req, n in plan), []
         for req in reqs:  # room for drafts: max_tokens, max_model_len and the page pool
             room = min(spec.max_drafts, req.params.max_tokens - req.num_generated - 1,
                        self.config.max_model_len - len(req.tokens) - 1)
-            room = max(room, 0)
-            while room and self.executor.pages_needed(req, 1 + room) > free:
+            room, planned = max(room, 0), ex.pages_needed(req, 1)
+            while room and ex.pages_needed(req, 1 + room) - planned > spare:
                 room -= 1
-            free -= self.executor.pages_needed(req, 1 + room)
+            spare -= ex.pages_needed(req, 1 + room) - planned
             limits.append(room)
         drafts, dists, confidence = spec.draft(reqs)
         lengths = spec.lengths(reqs, confidence, limits)

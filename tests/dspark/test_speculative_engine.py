@@ -207,3 +207,16 @@ def test_a_stop_token_among_accepted_drafts_ends_the_round_there(model):
     fresh = engine(model).generate([turn], greedy)[0]
     assert resumed.token_ids == fresh.token_ids
     assert resumed.logprobs == pytest.approx(fresh.logprobs, abs=1e-4)
+
+
+def test_drafts_take_only_pages_the_step_does_not_need(model):
+    """With a page pool too small for every request, drafts verify only in pages the step's
+    prompt chunks do not need (the plain engine preempts instead of running out): the same
+    tokens as plain greedy decode, no OutOfPages."""
+    g = torch.Generator().manual_seed(8)
+    ps = [torch.randint(0, 127, (n,), generator=g).tolist() for n in (21, 12, 17, 28, 27, 17)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    small = dict(num_pages=1 + 96 // 4 + 4)  # one request of max_model_len, and 4 pages more
+    plain = [r.token_ids for r in engine(model, **small).generate(ps, params)]
+    spec = engine(model, speculative=True, speculative_schedule="fixed", **small)
+    assert [r.token_ids for r in spec.generate(ps, params)] == plain
