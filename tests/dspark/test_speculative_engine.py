@@ -220,3 +220,28 @@ def test_drafts_take_only_pages_the_step_does_not_need(model):
     plain = [r.token_ids for r in engine(model, **small).generate(ps, params)]
     spec = engine(model, speculative=True, speculative_schedule="fixed", **small)
     assert [r.token_ids for r in spec.generate(ps, params)] == plain
+
+
+def test_a_resumed_cache_state_drafts_from_its_own_rows_only(model):
+    """A request resumed from an exported cache state (a rollout after a restart, §5.2.3) takes
+    an SWA slot another request may have used: its drafter must not read that request's rows
+    (the export carries none of the drafter's, so the resumed prefix is masked)."""
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    source = engine(model, speculative=True, max_num_seqs=1)
+    rid = source.add_request(prompts(1, seed=12)[0], greedy)
+    for _ in range(3):
+        source.step()
+    state, tokens = source.export_cache_state(rid), list(source.requests[rid].tokens)
+
+    def proposal(eng):
+        resumed = eng.add_request(tokens, greedy, cache_state=state)
+        eng.step()  # admits it from the state, then one speculative round
+        base, _ = eng.executor.drafter.propose([eng.requests[resumed]])
+        return base
+
+    used = engine(model, speculative=True, max_num_seqs=1)
+    used.generate(prompts(1, seed=13), greedy)  # leaves its rows in the only slot
+    # masked rows still enter the window kernels at weight 0 (rounding only); the other
+    # request's rows, read as this one's, move the logits by ~0.3
+    torch.testing.assert_close(proposal(used), proposal(engine(model, speculative=True, max_num_seqs=1)),
+                               atol=1e-5, rtol=0)
