@@ -245,3 +245,15 @@ def test_a_resumed_cache_state_drafts_from_its_own_rows_only(model):
     # request's rows, read as this one's, move the logits by ~0.3
     torch.testing.assert_close(proposal(used), proposal(engine(model, speculative=True, max_num_seqs=1)),
                                atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"]])
+def test_speculative_tokens_without_speculative_is_refused(command, tmp_path, capsys):
+    """``--speculative-tokens 3`` alone decoded plainly without a word: one line, exit 2, checked
+    before the checkpoint is read."""
+    from megatron_s2.cli import main
+
+    assert main([command[0], str(tmp_path / "missing"), *command[1:], "--speculative-tokens", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].split("configuration error: ", 1)[-1].startswith("--speculative-tokens: "), err[0]
