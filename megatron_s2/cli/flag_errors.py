@@ -13,7 +13,7 @@ from typing import Callable, TypeVar
 
 from megatron_s2.config.schema import ConfigError
 
-__all__ = ["built_from_flags"]
+__all__ = ["built_from_flags", "check_speculative_flags"]
 
 T = TypeVar("T")
 
@@ -27,3 +27,10 @@ def built_from_flags(build: Callable[..., T], **fields) -> T:
         if not separator or field not in fields:
             raise
         raise ConfigError(f"--{field.replace('_', '-')}:{rest}") from None
+
+
+def check_speculative_flags(args) -> None:
+    """``--speculative-tokens`` without ``--speculative`` would decode plainly without a word."""
+    if args.speculative_tokens and not args.speculative:
+        raise ConfigError(f"--speculative-tokens: {args.speculative_tokens} takes effect only with --speculative; "
+                          "add --speculative or drop --speculative-tokens")

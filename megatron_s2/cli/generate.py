@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_s2.cli.flag_errors import built_from_flags
+from megatron_s2.cli.flag_errors import built_from_flags, check_speculative_flags
 from megatron_s2.config.schema import ConfigError
 
 __all__ = ["register", "generate_command"]
@@ -26,6 +26,7 @@ def generate_command(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise ConfigError("--prompt: give the text to continue, e.g. --prompt 'Once upon a time'")
     # every option is checked before the (slow) model load, and an error names its flag
+    check_speculative_flags(args)
     params = built_from_flags(SamplingParams, max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
     engine_config = built_from_flags(EngineConfig, max_num_seqs=1, max_model_len=args.max_model_len,

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_s2.cli.flag_errors import built_from_flags
+from megatron_s2.cli.flag_errors import built_from_flags, check_speculative_flags
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.config.engine import LOGPROBS_MODES
 
@@ -24,6 +24,7 @@ __all__ = ["register", "serve_command"]
 def _engine_config(args: argparse.Namespace):
     from megatron_s2.config.engine import EngineConfig
 
+    check_speculative_flags(args)
     return built_from_flags(EngineConfig, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                             max_model_len=args.max_model_len, prefix_caching=args.prefix_caching, seed=args.seed,
                             speculative=args.speculative, speculative_tokens=args.speculative_tokens)

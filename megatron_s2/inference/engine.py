@@ -244,7 +244,7 @@ class InferenceEngine:
                 if speculate:
                     spec = [r for r in reqs if r.num_computed + 1 == len(r.tokens)]  # decoding, not a 1-token chunk
                     if spec:
-                        self._speculate(spec, version, outputs)
+                        self._speculate(spec, version, outputs, plan)
                         chunks = [c for c in chunks if c.request not in spec]
                         reqs = [c.request for c in chunks]
                         if not chunks:
@@ -388,17 +388,20 @@ class InferenceEngine:
             out.finished, out.finish_reason, out.stop_reason = True, reason, why
 
     # ---- speculative decoding (DSpark, report §2.4.3; inference/speculation.py) --------------------
-    def _speculate(self, reqs: list[Request], version: int, outputs: list[RequestOutput]) -> None:
+    def _speculate(self, reqs: list[Request], version: int, outputs: list[RequestOutput],
+                   plan: list[tuple[Request, int]]) -> None:
         """Draft, verify in one forward, keep the accepted prefix and one more token per request."""
-        spec = self.speculator
-        free, limits = self.executor.free_pages(), []
+        spec, ex = self.speculator, self.executor
+        # drafts take only pages the step's plan (its decodes and prompt chunks) leaves free:
+        # _schedule made that plan fit the pool, by preemption if needed
+        spare, limits = ex.free_pages() - sum(ex.pages_needed(req, n) for req, n in plan), []
         for req in reqs:  # room for drafts: max_tokens, max_model_len and the page pool
             room = min(spec.max_drafts, req.params.max_tokens - req.num_generated - 1,
                        self.config.max_model_len - len(req.tokens) - 1)
-            room = max(room, 0)
-            while room and self.executor.pages_needed(req, 1 + room) > free:
+            room, planned = max(room, 0), ex.pages_needed(req, 1)
+            while room and ex.pages_needed(req, 1 + room) - planned > spare:
                 room -= 1
-            free -= self.executor.pages_needed(req, 1 + room)
+            spare -= ex.pages_needed(req, 1 + room) - planned
             limits.append(room)
         drafts, dists, confidence = spec.draft(reqs)
         lengths = spec.lengths(reqs, confidence, limits)
@@ -415,28 +418,22 @@ class InferenceEngine:
             try:
                 del req.tokens[chunk.start + 1:]
                 accepted, token = spec.accept(req, res.logits, d[:k], q)
-                keep = 1 + accepted
-                self.executor.rollback(req, keep)  # rejected drafts leave no KV behind
-                req.num_computed = chunk.start + keep
                 spec.stats.record(k, accepted, accepted + 1)
-                self._emit(req, chunk.start, keep, res, d[:accepted] + [token], version)
+                self._emit(req, chunk.start, res, d[:accepted] + [token], version)
             except Exception as exc:  # noqa: BLE001 - this request's verification / stop check
                 self._fail(req, exc, outputs)
 
-    def _emit(self, req: Request, start: int, keep: int, res, tokens: list[int], version: int) -> None:
+    def _emit(self, req: Request, start: int, res, tokens: list[int], version: int) -> None:
         """Append the verified ``tokens`` (the kept drafts and the token after them), each reported
-        from the policy's logits at its position; stop at the first stop condition."""
+        from the policy's logits at its position, up to the first stop condition; then keep the
+        cache of exactly the positions fed before the last appended token."""
         out = req.output()
-        if res.routing is not None and req.params.record_routing:  # kept rows only
-            out.routed_experts, out.fed_positions = res.routing[:keep], range(start, start + keep)
-        if res.topk and req.params.record_indexer_topk:
-            out.indexer_topk = {layer: t[:keep] for layer, t in res.topk.items()}
-            out.fed_positions = range(start, start + keep)
-        self.executor.after_forward(req)
+        keep = 0  # positions fed whose next token was emitted: the seed and the kept drafts
         for j, token in enumerate(tokens):
             tok = self.speculator.report(res.logits[j], req, token)
             req.tokens.append(token)
             req.num_generated += 1
+            keep += 1
             out.token_ids.append(token)
             out.logprobs.append(tok.logprob)
             out.top_logprobs.append(tok.top_logprobs)
@@ -444,7 +441,17 @@ class InferenceEngine:
             reason, why = self._stop_reason(req, token)
             if reason is not None:
                 out.finished, out.finish_reason, out.stop_reason = True, reason, why
-                return
+                break
+        # rejected drafts, and accepted ones after a stop, leave no KV, routing rows or SWA-pool
+        # snapshot behind (a next turn resumes from that snapshot)
+        self.executor.rollback(req, keep)
+        req.num_computed = start + keep
+        if res.routing is not None and req.params.record_routing:  # kept rows only
+            out.routed_experts, out.fed_positions = res.routing[:keep], range(start, start + keep)
+        if res.topk and req.params.record_indexer_topk:
+            out.indexer_topk = {layer: t[:keep] for layer, t in res.topk.items()}
+            out.fed_positions = range(start, start + keep)
+        self.executor.after_forward(req)
 
     def _stop_reason(self, req: Request, token: int) -> tuple[FinishReason | None, str | int | None]:
         p = req.params

@@ -304,6 +304,7 @@ class PosttrainTrainer(Trainer):
         grad_norm = self.apply_gradients(result.loss)
         t_train = time.perf_counter() - t1
         orch.finish_update(self.step)  # weights into the engine (version + 1), staleness rule
+        extra.update(result.metrics)  # the forward's own: draft_lk / draft_accept_k (online draft update), indexer_kl
         extra.update(loss_stats)
         extra.update({k: v for k, v in result.metrics.items() if k.startswith("draft_")})  # the online draft update
         extra.update(self._rollout_rates(stats, t_rollout, tokens, t_train))

@@ -166,3 +166,94 @@ def test_pause_update_resume_and_abort_mid_generation(model):
     assert results[0].token_ids == plain[0] and results[2].token_ids == plain[2]
     assert set(results[0].versions) == {0, 1}
     assert eng.stats()["free_swa_slots"] == 4
+
+
+def _accepted_draft_stop(model, prompt, params) -> int:
+    """A token that a speculative run emits as an accepted draft (not the last token of its
+    verification round) and that does not occur earlier in the output: a stop token there ends
+    the request in the middle of a round."""
+    eng = engine(model, speculative=True, speculative_schedule="fixed")
+    handle = eng.submit(prompt, params)
+    while eng.has_work():
+        eng.step()
+    seen = []
+    while not handle.empty():
+        out = handle.get()
+        for token in out.token_ids[:-1]:  # every token of a round but its last is an accepted draft
+            if token not in seen:
+                return token
+            seen.append(token)
+        seen += out.token_ids[-1:]
+    pytest.fail("no verification round accepted a draft")
+
+
+def test_a_stop_token_among_accepted_drafts_ends_the_round_there(model):
+    """A stop token accepted as a draft ends the request at that token: the state it leaves
+    (routing records, the SWA-pool snapshot a next turn resumes from) covers the tokens fed up
+    to it, not the accepted drafts after it."""
+    prompt = prompts(1, seed=11)[0]
+    sampled = dict(max_tokens=24, temperature=1.0, seed=2, ignore_eos=True)
+    stop = _accepted_draft_stop(model, prompt, SamplingParams(**sampled))
+    eng = engine(model, speculative=True, speculative_schedule="fixed", prefix_caching=True, swa_pool_slots=2)
+    first = eng.generate([prompt], SamplingParams(stop_token_ids=(stop,), record_routing=True, **sampled))[0]
+    assert first.token_ids[-1] == stop and first.finish_reason.value == "stop"
+    assert first.routed_experts.shape[0] == len(prompt) + len(first.token_ids) - 1
+
+    # the next turn resumes from the snapshot of the first: the same distributions as a fresh prefill
+    turn = prompt + first.token_ids + [9, 33, 29]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    resumed = eng.generate([turn], greedy)[0]
+    assert eng.executor.tiers.hits["swa_snapshots"] == 1
+    fresh = engine(model).generate([turn], greedy)[0]
+    assert resumed.token_ids == fresh.token_ids
+    assert resumed.logprobs == pytest.approx(fresh.logprobs, abs=1e-4)
+
+
+def test_drafts_take_only_pages_the_step_does_not_need(model):
+    """With a page pool too small for every request, drafts verify only in pages the step's
+    prompt chunks do not need (the plain engine preempts instead of running out): the same
+    tokens as plain greedy decode, no OutOfPages."""
+    g = torch.Generator().manual_seed(8)
+    ps = [torch.randint(0, 127, (n,), generator=g).tolist() for n in (21, 12, 17, 28, 27, 17)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    small = dict(num_pages=1 + 96 // 4 + 4)  # one request of max_model_len, and 4 pages more
+    plain = [r.token_ids for r in engine(model, **small).generate(ps, params)]
+    spec = engine(model, speculative=True, speculative_schedule="fixed", **small)
+    assert [r.token_ids for r in spec.generate(ps, params)] == plain
+
+
+def test_a_resumed_cache_state_drafts_from_its_own_rows_only(model):
+    """A request resumed from an exported cache state (a rollout after a restart, §5.2.3) takes
+    an SWA slot another request may have used: its drafter must not read that request's rows
+    (the export carries none of the drafter's, so the resumed prefix is masked)."""
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    source = engine(model, speculative=True, max_num_seqs=1)
+    rid = source.add_request(prompts(1, seed=12)[0], greedy)
+    for _ in range(3):
+        source.step()
+    state, tokens = source.export_cache_state(rid), list(source.requests[rid].tokens)
+
+    def proposal(eng):
+        resumed = eng.add_request(tokens, greedy, cache_state=state)
+        eng.step()  # admits it from the state, then one speculative round
+        base, _ = eng.executor.drafter.propose([eng.requests[resumed]])
+        return base
+
+    used = engine(model, speculative=True, max_num_seqs=1)
+    used.generate(prompts(1, seed=13), greedy)  # leaves its rows in the only slot
+    # masked rows still enter the window kernels at weight 0 (rounding only); the other
+    # request's rows, read as this one's, move the logits by ~0.3
+    torch.testing.assert_close(proposal(used), proposal(engine(model, speculative=True, max_num_seqs=1)),
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"]])
+def test_speculative_tokens_without_speculative_is_refused(command, tmp_path, capsys):
+    """``--speculative-tokens 3`` alone decoded plainly without a word: one line, exit 2, checked
+    before the checkpoint is read."""
+    from megatron_s2.cli import main
+
+    assert main([command[0], str(tmp_path / "missing"), *command[1:], "--speculative-tokens", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].split("configuration error: ", 1)[-1].startswith("--speculative-tokens: "), err[0]

@@ -118,3 +118,25 @@ def test_the_online_draft_update_never_reaches_the_policy(dspark_cfg):
             assert (g is None and other is None) or torch.equal(g, other), n
     assert all(grads[True][n] is not None for n in grads[True] if n.startswith("dspark.") and n != "dspark.confidence"
                ) and grads[True]["dspark.confidence"] is not None
+
+
+@pytest.mark.slow
+def test_the_rl_log_shows_the_online_draft_update(tmp_path):
+    """RL with ``phase.train_drafter`` (recipes/phases/rl_sort_dspark.yaml): the step's record
+    carries the drafter objective's metrics (draft_lk, draft_accept_k), as the DSpark stage's
+    does; the RL trainer dropped every metric of the forward."""
+    import json
+
+    from megatron_s2.cli import main
+
+    run = tmp_path / "rl"
+    rc = main(["train", str(ROOT / "recipes" / "phases" / "rl_sort_dspark.yaml"), f"training.run_dir={run}",
+               "training.train_steps=1", "training.global_batch_size=4", "training.micro_batch_size=2",
+               "rl.rollout.group_size=2", "rl.rollout.batch_groups=2", "rl.rollout.max_in_flight=4",
+               "rl.rollout.max_new_tokens=6", "rl.rollout.environment.num_prompts=20",
+               "rl.rollout.environment.eval_prompts=2", "rl.eval.interval=0", "rl.advantage.dynamic_sampling=false",
+               "checkpoint.save_interval=0", "checkpoint.save_at_end=false", "logging.tensorboard=false",
+               "logging.progress_bar=false"])
+    assert rc == 0
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"draft_lk_raw", "draft_accept_1_raw", "draft_confidence_raw"} <= set(record), sorted(record)

@@ -231,6 +231,8 @@ class V41Executor(ModelExecutor):
             self.admit(request)  # the request re-runs its tokens instead: correct, not bit for bit
             return
         seq = SequenceKV(self.swa.allocate())
+        if self.drafter is not None:  # the state carries no drafter rows: mask the slot's previous ones
+            self.drafter.reset(seq.swa_slot)
         seq.pages = [self.global_kv.pool.allocate() for _ in range(num_pages)]
         pages = torch.tensor(seq.pages, dtype=torch.long, device=self.global_kv.device)
         for key, buf, rows in self._buffers():
