@@ -306,7 +306,6 @@ class PosttrainTrainer(Trainer):
         orch.finish_update(self.step)  # weights into the engine (version + 1), staleness rule
         extra.update(result.metrics)  # the forward's own: draft_lk / draft_accept_k (online draft update), indexer_kl
         extra.update(loss_stats)
-        extra.update({k: v for k, v in result.metrics.items() if k.startswith("draft_")})  # the online draft update
         extra.update(self._rollout_rates(stats, t_rollout, tokens, t_train))
         extra.update({f"ledger_{k}": float(v) for k, v in orch.ledger.items()})
         extra["in_flight"] = float(orch.in_flight)

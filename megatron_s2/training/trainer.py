@@ -193,6 +193,9 @@ class Trainer:
             full, key = ck.load_optimizer, "checkpoint.load"
             check_checkpoint_tokenizer(path, self.tokenizer, self.log)
         if path is None:
+            if self.recipe.phase.kind == "dspark":  # legal (tests, parity), but rarely what a user wants
+                self.log("warning: phase.kind: dspark without checkpoint.load trains the drafter against a randomly "
+                         "initialised backbone; set checkpoint.load to the pre-trained backbone's checkpoints")
             return False
         try:  # a refusal leaves the run directory as it was: nothing has been written yet
             # a new phase may add the DSpark drafter to a backbone checkpoint (report §2.4.3)
