@@ -168,11 +168,13 @@ def test_pause_update_resume_and_abort_mid_generation(model):
     assert eng.stats()["free_swa_slots"] == 4
 
 
-def _accepted_draft_stop(model, prompt, params) -> int:
+def _accepted_draft_stop(model, prompt, params, **engine_kw) -> int:
     """A token that a speculative run emits as an accepted draft (not the last token of its
     verification round) and that does not occur earlier in the output: a stop token there ends
-    the request in the middle of a round."""
-    eng = engine(model, speculative=True, speculative_schedule="fixed")
+    the request in the middle of a round. ``engine_kw``: the configuration of the run the stop
+    is meant for (with an SWA pool the prompt's last token is decoded — speculatively — after
+    the pool's snapshot, so the two runs must agree on it to draw the same tokens)."""
+    eng = engine(model, speculative=True, speculative_schedule="fixed", **engine_kw)
     handle = eng.submit(prompt, params)
     while eng.has_work():
         eng.step()
@@ -193,8 +195,9 @@ def test_a_stop_token_among_accepted_drafts_ends_the_round_there(model):
     to it, not the accepted drafts after it."""
     prompt = prompts(1, seed=11)[0]
     sampled = dict(max_tokens=24, temperature=1.0, seed=2, ignore_eos=True)
-    stop = _accepted_draft_stop(model, prompt, SamplingParams(**sampled))
-    eng = engine(model, speculative=True, speculative_schedule="fixed", prefix_caching=True, swa_pool_slots=2)
+    pool = dict(prefix_caching=True, swa_pool_slots=2)
+    stop = _accepted_draft_stop(model, prompt, SamplingParams(**sampled), **pool)
+    eng = engine(model, speculative=True, speculative_schedule="fixed", **pool)
     first = eng.generate([prompt], SamplingParams(stop_token_ids=(stop,), record_routing=True, **sampled))[0]
     assert first.token_ids[-1] == stop and first.finish_reason.value == "stop"
     assert first.routed_experts.shape[0] == len(prompt) + len(first.token_ids) - 1
