@@ -22,6 +22,12 @@ window only), ``kv_source_layer_ids`` (Full: compresses its own main KV),
 the first decoder Full layer — so the encoder is the layers below it). Quantisation-aware
 paths (FP4 main KV, FP8 SWA KV, MXFP4 indexer, FP8 Engram rows) are switched on, as the
 reference runs them at inference.
+
+The vision pathway (§2.1.1) is described by the release's flat keys ``vision_n_layers`` (0 = text
+only), ``vision_dim``, ``vision_n_heads``, ``vision_inter_dim``, ``vision_patch_size``,
+``vision_downsample_ratio``, ``vision_max_n_token``, ``vision_min_pixels``, ``vision_max_wh_ratio``,
+``vision_rope_theta`` and ``image_token_id`` — the reference ``ModelArgs`` names, which are our
+``V41Config`` field names; releases that nest them in a ``vision_config`` block are not read.
 """
 
 from __future__ import annotations
