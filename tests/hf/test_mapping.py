@@ -16,7 +16,7 @@ import pytest
 from megatron_s2.models.v41.hf.context import ConversionContext
 from megatron_s2.models.family.mapping_registry import ConversionError
 from megatron_s2.models.family.skeleton import skeleton_state
-from megatron_s2.models.v41.hf.mapping import V41_DSPARK_REGISTRY, V41_REGISTRY
+from megatron_s2.models.v41.hf.mapping import v41_registry
 from megatron_s2.models.v41.layer_plan import CSA2Mode
 from tests.hf.conftest import load_model
 
@@ -63,6 +63,29 @@ def reference_tensors(cfg) -> dict[str, tuple[int, ...]]:
                         p + "engram.wkv.weight": (d * (cfg.hc_mult + 1), n_cols * cfg.engram_head_dim),
                         p + "engram.q_weight": (cfg.hc_mult, d), p + "engram.k_weight": (cfg.hc_mult, d)})
     out.update(reference_drafter_tensors(cfg))
+    out.update(reference_vision_tensors(cfg))
+    return out
+
+
+def reference_vision_tensors(cfg) -> dict[str, tuple[int, ...]]:
+    """The reference's vision pathway (``inference/vision.py``: ``ViT`` under ``vision``,
+    ``Aligner`` under ``aligner``; ``inference/model.py``: the span delimiters): ``PatchEmbed.proj``
+    (linear over a flattened 3 x p x p patch, bias), per block ``norm1`` / ``norm2`` (RMSNorm),
+    ``attn.wqkv`` (3 dim x dim, bias) / ``attn.wo`` (bias), ``mlp.w1`` (2 inter x dim) / ``mlp.w2``
+    (no biases), the final ``norm``, the aligner's ``w1`` (dim r^2 -> d) / ``w2`` (d -> d) with
+    biases, and ``image_start`` / ``image_end`` / ``image_newline`` of the backbone width."""
+    if not cfg.vision_n_layers:
+        return {}
+    v, f, p, r, d = cfg.vision_dim, cfg.vision_inter_dim, cfg.vision_patch_size, cfg.vision_downsample_ratio, cfg.hidden_size
+    out = {"vision.patch_embed.proj.weight": (v, 3 * p * p), "vision.patch_embed.proj.bias": (v,),
+           "vision.norm.weight": (v,), "aligner.w1.weight": (d, v * r * r), "aligner.w1.bias": (d,),
+           "aligner.w2.weight": (d, d), "aligner.w2.bias": (d,),
+           "image_start": (d,), "image_end": (d,), "image_newline": (d,)}
+    for i in range(cfg.vision_n_layers):
+        b = f"vision.blocks.{i}."
+        out.update({b + "norm1.weight": (v,), b + "norm2.weight": (v,), b + "attn.wqkv.weight": (3 * v, v),
+                    b + "attn.wqkv.bias": (3 * v,), b + "attn.wo.weight": (v, v), b + "attn.wo.bias": (v,),
+                    b + "mlp.w1.weight": (2 * f, v), b + "mlp.w2.weight": (v, f)})
     return out
 
 
@@ -105,7 +128,7 @@ def table_tensors(cfg) -> dict[str, tuple[int, ...]]:
     """Hugging Face names and shapes the mapping table produces for the model's state."""
     ctx = ConversionContext(cfg)
     out = {}
-    registry = V41_DSPARK_REGISTRY if cfg.dspark_layers else V41_REGISTRY
+    registry = v41_registry(bool(cfg.dspark_layers), bool(cfg.vision_n_layers))
     for name, info in skeleton_state(cfg).items():
         mapping, bindings = registry.resolve(name)
         names = mapping.hf_names(bindings, ctx)
@@ -138,16 +161,17 @@ def test_every_row_is_used_and_unconfirmed_rows_are_documented():
     used = set()
     for model in ("tiny", "small", "flagship"):
         cfg = load_model(model)
-        registry = V41_DSPARK_REGISTRY if cfg.dspark_layers else V41_REGISTRY
+        registry = v41_registry(bool(cfg.dspark_layers), bool(cfg.vision_n_layers))
         for name in skeleton_state(cfg):
             used.add(registry.resolve(name)[0].megatron)
-    assert used == {m.megatron for m in V41_DSPARK_REGISTRY.mappings}
-    for m in V41_DSPARK_REGISTRY.mappings:
+    full = v41_registry(drafter=True, vision=True)
+    assert used == {m.megatron for m in full.mappings}
+    for m in full.mappings:
         if not m.confirmed:
             assert m.note, f"{m.megatron}: unconfirmed rows must say why"
-    assert [m.hf for m in V41_DSPARK_REGISTRY.mappings if not m.confirmed] == []
+    assert [m.hf for m in full.mappings if not m.confirmed] == []
 
 
 def test_unmapped_names_are_errors():
     with pytest.raises(ConversionError, match="no mapping for 'layers.0.attention.new_thing'"):
-        V41_REGISTRY.resolve("layers.0.attention.new_thing")
+        v41_registry().resolve("layers.0.attention.new_thing")

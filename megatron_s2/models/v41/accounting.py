@@ -24,7 +24,7 @@ from megatron_s2.models.v41.engram.hashing import EngramHasher
 from megatron_s2.models.v41.engram.table import padded_rows
 
 __all__ = ["ParamCounts", "count_parameters", "kv_bytes", "decode_flops_per_token", "train_flops_per_token",
-           "account", "report_lines", "dspark_parameters", "fp4_bytes", "fp8_bytes", "kv_cache_bytes"]
+           "account", "report_lines", "dspark_parameters", "vision_parameters", "fp4_bytes", "fp8_bytes", "kv_cache_bytes"]
 
 
 def fp4_bytes(channels: int, block: int) -> float:
@@ -49,6 +49,9 @@ class ParamCounts:
     dspark: int = 0
     """The DSpark drafter (§2.4.3), counted apart from the backbone; it shares the backbone's
     embedding and head."""
+    vision: int = 0
+    """The vision encoder (§2.1.1: tower, aligner, image-span embeddings), counted apart from the
+    backbone; it lives beside the embedding (first pipeline stage)."""
 
     @property
     def backbone(self) -> int:
@@ -56,7 +59,7 @@ class ParamCounts:
 
     @property
     def total(self) -> int:
-        return self.backbone + self.engram + self.dspark
+        return self.backbone + self.engram + self.dspark + self.vision
 
 
 def _attention_params(c: V41Config, s: LayerSpec) -> int:
@@ -108,7 +111,22 @@ def count_parameters(c: V41Config, layers: list[int] | None = None, *, pre_proce
         attention=attn, moe_routed=routed, moe_other=other, mhc=mhc,
         norms=norms + (d if post_process else 0), engram=engram,
         dspark=dspark_parameters(c)[0] if post_process else 0,
+        vision=vision_parameters(c) if pre_process else 0,
     )
+
+
+def vision_parameters(c: V41Config) -> int:
+    """Parameters of the vision encoder: the linear patch embedding (with bias), ``vision_n_layers``
+    blocks (two RMSNorms, ``wqkv`` / ``wo`` with biases, the bias-free SwiGLU), the final norm, the
+    aligner's two biased layers from ``vision_dim * r^2`` to the backbone width, and the three
+    span-delimiter embeddings (§2.1.1)."""
+    if not c.vision_n_layers:
+        return 0
+    v, d, r = c.vision_dim, c.hidden_size, c.vision_downsample_ratio
+    patch = 3 * c.vision_patch_size ** 2 * v + v
+    block = 2 * v + (v * 3 * v + 3 * v) + (v * v + v) + 3 * v * c.vision_inter_dim
+    aligner = (v * r * r * d + d) + (d * d + d)
+    return patch + c.vision_n_layers * block + v + aligner + 3 * d
 
 
 def dspark_parameters(c: V41Config) -> tuple[int, int]:
@@ -220,6 +238,7 @@ def account(c: V41Config) -> dict:
         "decode_flops_1m": decode_flops_per_token(c, 1 << 20),
         "dspark_params": counts.dspark,
         "dspark_activated_params": dspark_parameters(c)[1],
+        "vision_params": counts.vision,
         "breakdown": {"params": asdict(counts), "kv": kv},
     }
 
@@ -259,6 +278,9 @@ def report_lines(a: dict) -> list[str]:
         *([f"DSpark drafter parameters     {a['dspark_params']:>20,}  ({_human(a['dspark_params'])}; "
            f"{_human(a['dspark_activated_params'])} activated per drafted token; shares embedding / head)"]
           if a.get("dspark_params") else []),
+        *([f"vision encoder parameters     {a['vision_params']:>20,}  ({_human(a['vision_params'])}; tower + "
+           f"aligner + image-span embeddings; runs on image tokens only, replicated beside the embedding)"]
+          if a.get("vision_params") else []),
         f"activated params / token, decode   {a['activated_params_decode']:>14,}  ({_human(a['activated_params_decode'])})",
         f"activated params / token, prefill  {a['activated_params_prefill']:>14,}  ({_human(a['activated_params_prefill'])})",
         f"global KV bytes / token (HBM)      {a['global_kv_bytes_per_token']:>14,.1f}",

@@ -186,6 +186,32 @@ class V41Config(ModelSchema):
     dspark_moe_topk: int = 3
     """Routed experts activated per drafted token (``dspark_n_activated_experts``)."""
 
+    # ---- vision pathway (§2.1.1; names of the released config.json) -----------------------
+    vision_n_layers: int = 0
+    """Blocks of the vision tower (DeepSeek-ViT); 0 = text only, no tower, aligner or image spans."""
+    vision_dim: int = 1024
+    """Hidden dimension of the vision tower."""
+    vision_n_heads: int = 16
+    """Attention heads of the vision tower (head dim = vision_dim / vision_n_heads, a multiple of 4
+    for the 2D-RoPE's row and column halves)."""
+    vision_inter_dim: int = 2816
+    """Intermediate dimension of the tower's SwiGLU MLP."""
+    vision_patch_size: int = 14
+    """Side of the square RGB patches the linear patch embedding reads."""
+    vision_downsample_ratio: int = 3
+    """Side r of the aligner's r x r pixel-unshuffle (3: ninefold fewer visual tokens)."""
+    vision_max_n_token: int = 1024
+    """Most token positions one image's span may take (grid + newlines + start/end); larger
+    images are shrunk, aspect kept, to fit."""
+    vision_min_pixels: int = 295936
+    """Images with fewer pixels are scaled up (aspect kept) to about this many (544 x 544)."""
+    vision_max_wh_ratio: float | None = None
+    """Widest width / height kept; wider images are clipped to it and stretched. None: no limit."""
+    vision_rope_theta: float = 10000.0
+    """RoPE base of the tower's 2D rotary embedding."""
+    image_token_id: int = 129264
+    """Token id every position of an image span carries (``<｜deepseek_image｜>``)."""
+
     # ---- precision and quantisation ----------------------------------------------------
     fp4_main_kv: bool = False
     """QAT of the main (compressed) KV: E2M1 values, one E4M3 scale per 16 channels, after
@@ -268,6 +294,21 @@ class V41Config(ModelSchema):
                  f"must be in 1..dspark_num_routed_experts={self.dspark_num_routed_experts}")
         elif self.dspark_layers < 0:
             need(False, "dspark_layers", f"must be 0 (no drafter) or positive, got {self.dspark_layers}")
+        need(self.vision_n_layers >= 0, "vision_n_layers", f"must be 0 (text only) or positive, got {self.vision_n_layers}")
+        if self.vision_n_layers:
+            for name in ("vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size",
+                         "vision_downsample_ratio", "vision_rope_theta"):
+                need(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+            need(self.vision_dim % self.vision_n_heads == 0 and (self.vision_dim // self.vision_n_heads) % 4 == 0,
+                 "vision_n_heads", f"vision_dim={self.vision_dim} / {self.vision_n_heads} heads must be a head "
+                 "dimension divisible by 4 (2D-RoPE rotates half of it by rows, half by columns)")
+            need(self.vision_max_n_token >= 4, "vision_max_n_token",
+                 f"an image span takes at least 4 positions (start, one token, newline, end), got {self.vision_max_n_token}")
+            need(self.vision_min_pixels >= 0, "vision_min_pixels", f"must be non-negative, got {self.vision_min_pixels}")
+            need(self.vision_max_wh_ratio is None or self.vision_max_wh_ratio >= 1, "vision_max_wh_ratio",
+                 f"must be null (no limit) or >= 1, got {self.vision_max_wh_ratio}")
+            need(0 <= self.image_token_id < self.vocab_size, "image_token_id",
+                 f"must be a token id below vocab_size={self.vocab_size}, got {self.image_token_id}")
         need(self.norm_eps > 0, "norm_eps", "must be positive")
         need(self.init_std > 0, "init_std", "must be positive")
         self.fp8.check_backend(self.transformer_impl)

@@ -62,6 +62,11 @@ class V41Model(nn.Module):
             from megatron_s2.models.v41.dspark.drafter import DSparkDrafter
 
             self.dspark = DSparkDrafter(config, groups, provider or get_provider(config.transformer_impl, config.fp8))
+        self.vision = None
+        if pre_process and config.vision_n_layers:  # beside the embedding, outside the layers (§2.1.1, §3.1.1)
+            from megatron_s2.models.v41.vision.tower import VisionEncoder
+
+            self.vision = VisionEncoder(config, groups)
         apply_plan(self, groups, config)
         set_gemm_dtype(self, getattr(torch, config.compute_dtype))  # precision map (models/v41/precision.py)
 
@@ -70,9 +75,20 @@ class V41Model(nn.Module):
         return [int(k) for k in self.layers.keys()]
 
     # ---- stage pieces --------------------------------------------------------------------
-    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids -> (streams [b, s, n, d], initial one-hot input mix [b, s, n])."""
+    def embed(self, input_ids: torch.Tensor, images=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids -> (streams [b, s, n, d], initial one-hot input mix [b, s, n]).
+
+        ``images``: per sequence, the :class:`~megatron_s2.models.v41.vision.processor.ImageInput`
+        list whose spans take the vision encoder's embeddings (§2.1.1); whole sequences only."""
         h = self.embedding["word_embeddings"](input_ids).to(getattr(torch, self.config.compute_dtype))
+        if images is not None:
+            if self.vision is None:
+                raise ValueError("images given, but this model has no vision tower (model.vision_n_layers: 0)")
+            if self.groups.sequence.sp:
+                raise NotImplementedError("image spans under sequence parallelism are not supported yet")
+            from megatron_s2.models.v41.vision.tower import merge_image_embeddings
+
+            h = merge_image_embeddings(h, images, self.vision)
         x = expand_embedding(h, self.config.hc_mult)
         return x, one_hot_pre(x)
 

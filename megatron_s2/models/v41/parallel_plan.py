@@ -87,6 +87,11 @@ PLAN: dict[str, dict[str, Rule]] = {
         "markov_w*":         Rule(R),                                        # full-vocabulary bias
         "confidence":        Rule(R),
     },
+    "vision": {                                                              # the encoder (§2.1.1), replicated
+        "tower.*":           Rule(R),                                        # whole images on every rank:
+        "aligner.*":         Rule(R),                                        # identical gradients, never
+        "image_*":           Rule(R),                                        # partial over tp
+    },
 }
 
 SELECTIVE_RECOMPUTE = {

@@ -14,7 +14,7 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.models.family.hf import HFAdapter
 from megatron_s2.models.v41.hf import config_json
 from megatron_s2.models.v41.hf.context import ConversionContext
-from megatron_s2.models.v41.hf.mapping import V41_DSPARK_REGISTRY, V41_REGISTRY
+from megatron_s2.models.v41.hf.mapping import V41_REGISTRY, v41_registry
 
 __all__ = ["V41HFAdapter"]
 
@@ -28,10 +28,10 @@ class V41HFAdapter(HFAdapter):
         return V41_REGISTRY
 
     def registry_for(self, config: dict[str, Any]):
-        """With a DSpark drafter in the config (§2.4.3) its ``mtp.*`` tensors are imported, else
-        they are skipped and reported."""
+        """With a DSpark drafter (§2.4.3) / a vision tower (§2.1.1) in the config their ``mtp.*`` /
+        ``vision.*``, ``aligner.*``, ``image_*`` tensors are imported, else skipped and reported."""
         text = config.get("text_config", config)
-        return V41_DSPARK_REGISTRY if config_json.has_drafter(text) else V41_REGISTRY
+        return v41_registry(drafter=config_json.has_drafter(text), vision=config_json.has_vision(text))
 
     def claims(self, config: dict[str, Any]) -> bool:
         text = config.get("text_config", config)

@@ -22,6 +22,12 @@ window only), ``kv_source_layer_ids`` (Full: compresses its own main KV),
 the first decoder Full layer — so the encoder is the layers below it). Quantisation-aware
 paths (FP4 main KV, FP8 SWA KV, MXFP4 indexer, FP8 Engram rows) are switched on, as the
 reference runs them at inference.
+
+The vision pathway (§2.1.1) is described by the release's flat keys ``vision_n_layers`` (0 = text
+only), ``vision_dim``, ``vision_n_heads``, ``vision_inter_dim``, ``vision_patch_size``,
+``vision_downsample_ratio``, ``vision_max_n_token``, ``vision_min_pixels``, ``vision_max_wh_ratio``,
+``vision_rope_theta`` and ``image_token_id`` — the reference ``ModelArgs`` names, which are our
+``V41Config`` field names; releases that nest them in a ``vision_config`` block are not read.
 """
 
 from __future__ import annotations
@@ -89,6 +95,7 @@ def text_config(cfg: V41Config) -> dict[str, Any]:
         "engram_head_dim": cfg.engram_head_dim, "engram_pad_token_id": cfg.engram_pad_id,
         "tie_word_embeddings": False,
         **_dspark_keys(cfg),
+        **_vision_keys(cfg),
     }
 
 
@@ -101,6 +108,31 @@ def _dspark_keys(cfg: V41Config) -> dict[str, Any]:
             "dspark_target_layer_ids": list(cfg.dspark_target_layer_ids),
             "dspark_markov_rank": cfg.dspark_markov_rank, "dspark_n_routed_experts": cfg.dspark_num_routed_experts,
             "dspark_n_activated_experts": cfg.dspark_moe_topk}
+
+
+VISION_KEYS = ("vision_n_layers", "vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size",
+               "vision_downsample_ratio", "vision_max_n_token", "vision_min_pixels", "vision_max_wh_ratio",
+               "vision_rope_theta", "image_token_id")
+"""The vision keys of the release's config.json (§2.1.1): our ``V41Config`` fields of the same names."""
+
+
+def _vision_keys(cfg: V41Config) -> dict[str, Any]:
+    """The vision pathway's keys of the release; only ``vision_n_layers: 0`` without one."""
+    if not cfg.vision_n_layers:
+        return {"vision_n_layers": 0}
+    return {k: getattr(cfg, k) for k in VISION_KEYS}
+
+
+def has_vision(text: dict) -> bool:
+    """Whether a release config (``text_config``) describes a vision tower."""
+    return bool(int(text.get("vision_n_layers", 0) or 0))
+
+
+def _vision_fields(text: dict) -> dict[str, Any]:
+    """Our vision fields from a release config; keys it omits take the reference's defaults."""
+    if not has_vision(text):
+        return {"vision_n_layers": 0}
+    return {k: text[k] for k in VISION_KEYS if k in text}
 
 
 def has_drafter(text: dict) -> bool:
@@ -211,6 +243,7 @@ def _from_text(text: dict, name: str) -> V41Config:
         engram_fp8_tables=True, fp4_main_kv=True, fp8_swa_kv=True, fp4_indexer=True,
         norm_eps=_need(text, "rms_norm_eps"),
         **_dspark_fields(text),
+        **_vision_fields(text),
     )
     cfg = from_mapping(V41Config, to_mapping(fields), "model")
     _check_derived(cfg, text, cand)

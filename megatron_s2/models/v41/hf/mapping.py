@@ -16,18 +16,23 @@ layer) compresses its own normalised attention input, ``attn_norm(H_{L/2})`` (re
 Eq. 1), exactly as the reference's layer 20 does, so there is no extension tensor. Only
 ``ffn.gate.bias_vl`` is optional in the reference (present with vision).
 
-Reference tensors outside the backbone are skipped on import and listed in the report:
-``vision.*``, ``aligner.*`` and the image-span embeddings.
+The vision pathway (§2.1.1; :func:`vision_mappings`) keeps the reference's names
+(``inference/vision.py`` ``ViT`` / ``Aligner`` under ``vision.*`` / ``aligner.*``, the span
+delimiters ``image_start`` / ``image_end`` / ``image_newline`` of ``inference/model.py``); a
+config without a vision tower skips those tensors on import and lists them in the report, like
+the DSpark drafter's ``mtp.*`` without a drafter (:func:`v41_registry`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from megatron_s2.models.family.param_mapping import DirectMapping, GroupedExpertMapping, ImportFallback, ParamMapping
 from megatron_s2.models.family.mapping_registry import MappingRegistry
 
-__all__ = ["V41_REGISTRY", "V41_DSPARK_REGISTRY", "dspark_mappings", "v41_mappings", "SKIPPED_HF_PREFIXES", "PaddedRowsMapping"]
+__all__ = ["V41_REGISTRY", "V41_DSPARK_REGISTRY", "dspark_mappings", "v41_mappings", "vision_mappings", "v41_registry",
+           "SKIPPED_HF_PREFIXES", "PaddedRowsMapping"]
 
 L = "layers.{layer}."
 
@@ -183,17 +188,46 @@ def dspark_mappings() -> list:
     return rows
 
 
+V = "vision.tower."
+B = "vision.tower.blocks.{layer}."
+
+
+def vision_mappings() -> list:
+    """The vision encoder (§2.1.1) under the reference's names: ``vision.*`` is its ``ViT``
+    (``{layer}`` = tower block), ``aligner.*`` the projector, ``image_*`` the span delimiters."""
+    d = DirectMapping
+    rows = [d(V + "patch_embed.proj.weight", "vision.patch_embed.proj.weight"),
+            d(V + "patch_embed.proj.bias", "vision.patch_embed.proj.bias"),
+            d(V + "norm.weight", "vision.norm.weight")]
+    for name in ("norm1.weight", "attn.wqkv.weight", "attn.wqkv.bias", "attn.wo.weight", "attn.wo.bias",
+                 "norm2.weight", "mlp.w1.weight", "mlp.w2.weight"):
+        rows.append(d(B + name, "vision.blocks.{layer}." + name))
+    rows += [d(f"vision.aligner.{w}.{t}", f"aligner.{w}.{t}") for w in ("w1", "w2") for t in ("weight", "bias")]
+    rows += [d(f"vision.{e}", e) for e in ("image_start", "image_end", "image_newline")]
+    return rows
+
+
 SKIPPED_HF_PREFIXES = {
     "mtp.": "DSpark drafter stages (imported when config.json describes the drafter: dspark_target_layer_ids)",
-    "vision.": "vision encoder (not part of the backbone state)",
-    "aligner.": "vision-language projector (not part of the backbone state)",
-    "image_start": "image-span embedding (vision path)",
-    "image_end": "image-span embedding (vision path)",
-    "image_newline": "image-span embedding (vision path)",
+    "vision.": "vision encoder (imported when config.json describes it: vision_n_layers > 0)",
+    "aligner.": "vision-language projector (imported with the vision encoder)",
+    "image_start": "image-span embedding (imported with the vision encoder)",
+    "image_end": "image-span embedding (imported with the vision encoder)",
+    "image_newline": "image-span embedding (imported with the vision encoder)",
 }
+_VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 
-V41_REGISTRY = MappingRegistry(v41_mappings(), SKIPPED_HF_PREFIXES)
-"""A backbone without a drafter: a release's ``mtp.*`` tensors are skipped (and reported)."""
-V41_DSPARK_REGISTRY = MappingRegistry(v41_mappings() + dspark_mappings(),
-                                      {k: v for k, v in SKIPPED_HF_PREFIXES.items() if k != "mtp."})
+
+@lru_cache(maxsize=None)
+def v41_registry(drafter: bool = False, vision: bool = False) -> MappingRegistry:
+    """The table of a backbone with / without its DSpark drafter (``mtp.*``) and vision encoder
+    (``vision.*``, ``aligner.*``, ``image_*``); the absent parts are skipped on import."""
+    rows = v41_mappings() + (dspark_mappings() if drafter else []) + (vision_mappings() if vision else [])
+    owned = (("mtp.",) if drafter else ()) + (_VISION_PREFIXES if vision else ())
+    return MappingRegistry(rows, {k: v for k, v in SKIPPED_HF_PREFIXES.items() if k not in owned})
+
+
+V41_REGISTRY = v41_registry()
+"""A backbone without a drafter or vision: a release's ``mtp.*`` and vision tensors are skipped (and reported)."""
+V41_DSPARK_REGISTRY = v41_registry(drafter=True)
 """A backbone with its DSpark drafter (``model.dspark_layers > 0``): ``mtp.*`` import and export."""
