@@ -260,3 +260,30 @@ def test_speculative_tokens_without_speculative_is_refused(command, tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0], err
     assert err[0].split("configuration error: ", 1)[-1].startswith("--speculative-tokens: "), err[0]
+
+
+def test_engine_drafts_equal_the_teacher_forced_drafter(model):
+    """What the engine's drafter proposes from its rings (fed by prompt chunks and by the kept
+    tokens of speculative steps) equals the training view of the same anchor: the teacher-forced
+    drafter over the whole sequence (base logits, before the Markov bias)."""
+    eng = engine(model, speculative=True, speculative_schedule="fixed", prefill_chunk=8)
+    rid = eng.add_request(prompts(1, seed=21)[0] + [5] * 6, SamplingParams(max_tokens=20, temperature=1.0,
+                                                                             seed=1, ignore_eos=True))
+    for _ in range(6):  # chunked prefill, then speculative steps (kept and rolled-back drafts)
+        eng.step()
+    req = eng.requests[rid]
+    assert eng.stats()["speculative"]["rounds"] >= 2
+    base, _ = eng.executor.drafter.propose([req])
+    p = req.num_computed
+    tokens = torch.tensor([req.tokens + [0] * model.config.dspark_block_size])
+    model.capture_dspark = True
+    try:
+        mb = {"tokens": tokens}
+        ctx = model.make_context(mb)
+        with torch.no_grad():
+            logits = model(tokens, ctx)
+            tf, _ = model.dspark_teacher_forced(logits, mb, ctx)
+            bias, _ = model.dspark.markov(tokens[0, p:p + model.config.dspark_block_size])
+    finally:
+        model.capture_dspark = False
+    torch.testing.assert_close(base[0], tf.logits[0, p - 1] - bias, rtol=0, atol=2e-5)
