@@ -37,6 +37,9 @@ extras_require = {
     "mpi": ["mpi4py>=3.1"],
     # serve: `megatron-s2 serve`, the OpenAI-compatible server (versions the tests ran with).
     "serve": ["fastapi==0.165.0", "uvicorn==0.54.0"],
+    # vision: image decoding and the procedural image source (megatron_s2/data/images.py,
+    # procedural_images.py); 10.1 is the first with the scalable built-in font. Detected at use.
+    "vision": ["pillow>=10.1"],
     # triton: the kernel tests run the Triton kernels on CPU under TRITON_INTERPRET=1.
     # openai / verifiers: the server tests use the real clients (verifiers pulls renderers,
     # transformers and openai); nothing is downloaded at test time.
@@ -44,7 +47,7 @@ extras_require = {
     # lm-eval: the server's conformance test with EleutherAI's harness (tests/serve/test_lm_eval.py).
     "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "mpi4py>=3.1", "matplotlib>=3.7", "triton==3.9.0",
             "fastapi==0.165.0", "uvicorn==0.54.0", "openai==2.54.0", "verifiers==0.4.0", "import-linter==2.16",
-            "lm-eval==0.4.13"],
+            "lm-eval==0.4.13", "pillow>=10.1"],
 }
 
 subpackages = {"launcher": "launcher", "kernels": "kernels", "tools": "tools"}
