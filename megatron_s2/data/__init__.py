@@ -15,6 +15,8 @@ Map of the package (each module's docstring has the details):
 * :mod:`.packing` — best-fit packing into ``seq_length + 1`` rows with segment ids.
 * :mod:`.indexed_dataset`, :mod:`.jsonl` — ``.bin``/``.idx`` files and jsonl conversion.
 * :mod:`.sample_order` — epoch-seeded shuffling and weighted blending of packed rows.
+* :mod:`.images` — safe image decoding (bytes, files, data: / file:// URLs) to RGB (issue 22).
+* :mod:`.procedural_images` — rendered shapes, digits and words with verifiable captions.
 * :mod:`.loader` — :func:`build_data_iterator`, the trainer's entry point.
 
 Every name below is imported with its module on first use, so that ``tools/preprocess_data.py``,
@@ -34,6 +36,9 @@ _MODULE_OF = {
     "CharTokenizer": "tokenizer", "Tokenizer": "tokenizer", "build_tokenizer": "tokenizer",
     "load_tokenizer": "tokenizer", "DataIterator": "loader", "batch_fingerprint": "loader",
     "build_data_iterator": "loader", "load_document_stores": "loader",
+    "ImageError": "images", "ImageLimits": "images", "decode_image": "images", "load_image": "images",
+    "decode_data_url": "images", "load_image_url": "images", "ProceduralItem": "procedural_images",
+    "procedural_item": "procedural_images", "procedural_items": "procedural_images",
 }
 __all__ = sorted(_MODULE_OF)
 
