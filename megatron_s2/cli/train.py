@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_s2.runtime.health import maybe_run_health_checks
     from megatron_s2.runtime.peer_loss import EXIT_PEER_LOST, lost_peer
     from megatron_s2.runtime.preemption import EXIT_PREEMPTED, PreemptionGuard
+    from megatron_s2.training.run_checks import check_drafter_phase
 
     recipe = load_recipe(args.recipe, list(args.overrides))
     if args.run_dir:  # a path, not YAML: never parsed as an override value
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         # Validate the layout against the model first (an impossible layout is wrong whatever
         # the number of ranks), then the number of ranks this process was started with.
         ParallelLayout.from_recipe(recipe, world if world > 1 else needed)
+        check_drafter_phase(recipe)  # a layout the phase's drafter cannot use is wrong at any rank count
         if world == 1 and needed > 1:
             raise ConfigError(f"parallel: this layout needs {needed} ranks but the process runs alone; start it "
                               f"with `megatron-s2 launch {args.recipe} --local`")

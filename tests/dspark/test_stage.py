@@ -140,3 +140,17 @@ def test_the_rl_log_shows_the_online_draft_update(tmp_path):
     assert rc == 0
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"draft_lk_raw", "draft_accept_1_raw", "draft_confidence_raw"} <= set(record), sorted(record)
+
+
+def test_train_names_the_drafter_layout_before_the_rank_count(tmp_path, capsys):
+    """`megatron-s2 train <dspark recipe> parallel.pp=2` in one process: the layout the drafter
+    cannot use is the error (exit 2, one line), not "start it with launch" — launching would only
+    be refused again."""
+    from megatron_s2.cli import main
+
+    code = main(["train", str(STAGE), *QUICK, "parallel.pp=2", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and "Traceback" not in err and len(lines) == 1, err
+    assert "parallel.pp" in lines[0] and "drafter" in lines[0] and "start it with" not in lines[0], err
+    assert not (tmp_path / "run").exists()
