@@ -58,7 +58,7 @@ from torch import nn
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.config.engine import EngineConfig
 from megatron_s2.models.family import family_of
-from megatron_s2.models.family.engine import Chunk, OutOfPages
+from megatron_s2.models.family.engine import Chunk, OutOfPages, SpeculativeExecutor
 from megatron_s2.inference.detokenizer import IncrementalDetokenizer, StopStrings
 from megatron_s2.inference.request import (
     CompletedRequest,
@@ -69,7 +69,7 @@ from megatron_s2.inference.request import (
     RequestHandle,
     RequestOutput,
 )
-from megatron_s2.inference.sampling import SamplingParams, position_seed, sample_next
+from megatron_s2.inference.sampling import SamplingParams, position_seed, sample_next, sampled_token
 
 __all__ = ["InferenceEngine"]
 
@@ -97,7 +97,10 @@ class InferenceEngine:
         # the family's per-request state (caches, tiers) and its one forward over a batch of chunks
         self.executor = family.executor(model, config, self.device)
         self.speculator = None
-        if config.speculative:  # the executor refused already if the model has no drafter
+        if config.speculative:
+            if not isinstance(self.executor, SpeculativeExecutor) or self.executor.drafter is None:
+                raise ConfigError(f"speculative: the {cfg.family} model family has no speculative drafter here; "
+                                  "drop --speculative (rollout.engine.speculative)")
             from megatron_s2.inference.speculation import SpeculativeDecoder
 
             self.speculator = SpeculativeDecoder(self.executor, config, self.device)
@@ -376,7 +379,11 @@ class InferenceEngine:
             return
         if not req.params.greedy:  # the draw is a function of (seed, position) alone: module docstring
             req.generator.manual_seed(position_seed(req.seed, len(req.tokens)))
-        tok = sample_next(res.logits, req.params, req.generator)
+        self._append(req, out, sample_next(res.logits, req.params, req.generator), version)
+
+    def _append(self, req: Request, out: RequestOutput, tok, version: int) -> bool:
+        """Append one generated token (a :class:`SampledToken`) to the request and this step's
+        output; True when it ends the request (its finish reason is set on ``out``)."""
         req.tokens.append(tok.token_id)
         req.num_generated += 1
         out.token_ids.append(tok.token_id)
@@ -386,6 +393,7 @@ class InferenceEngine:
         reason, why = self._stop_reason(req, tok.token_id)
         if reason is not None:
             out.finished, out.finish_reason, out.stop_reason = True, reason, why
+        return reason is not None
 
     # ---- speculative decoding (DSpark, report §2.4.3; inference/speculation.py) --------------------
     def _speculate(self, reqs: list[Request], version: int, outputs: list[RequestOutput],
@@ -430,17 +438,8 @@ class InferenceEngine:
         out = req.output()
         keep = 0  # positions fed whose next token was emitted: the seed and the kept drafts
         for j, token in enumerate(tokens):
-            tok = self.speculator.report(res.logits[j], req, token)
-            req.tokens.append(token)
-            req.num_generated += 1
             keep += 1
-            out.token_ids.append(token)
-            out.logprobs.append(tok.logprob)
-            out.top_logprobs.append(tok.top_logprobs)
-            out.versions.append(version)
-            reason, why = self._stop_reason(req, token)
-            if reason is not None:
-                out.finished, out.finish_reason, out.stop_reason = True, reason, why
+            if self._append(req, out, sampled_token(res.logits[j], req.params, token), version):
                 break
         # rejected drafts, and accepted ones after a stop, leave no KV, routing rows or SWA-pool
         # snapshot behind (a next turn resumes from that snapshot)

@@ -109,33 +109,16 @@ class SampledToken:
     """The ``params.logprobs`` largest (token, value) pairs of the same values."""
 
 
-def sampling_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """log-probabilities [V] of the distribution a token is drawn from (-inf outside the support)."""
+def sampling_log_probs_rows(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """log-probabilities [N, V] of the distribution a token is drawn from at each row of ``logits``
+    under one request's ``params`` (-inf outside the support); speculative drafting and
+    verification process several positions at once, plain sampling one."""
     logits = logits.float()
     if params.greedy:
         return torch.log_softmax(logits, dim=-1)
     # shift by the maximum and divide in float64: the same distribution, but a temperature far
     # from 1 (1e-300 is 0 in float32) gives 0 at the arg-max and -inf / tiny values elsewhere
     # instead of 0 / 0 or inf - inf = NaN
-    scaled = (logits - logits.max()).double() / params.temperature
-    if params.top_k > 0 and params.top_k < scaled.numel():
-        kth = scaled.topk(params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if params.top_p < 1.0:
-        order = scaled.argsort(descending=True)
-        probs = torch.softmax(scaled[order], dim=-1)
-        before = probs.cumsum(0) - probs            # mass of the strictly more likely tokens
-        drop = order[before >= params.top_p]         # the most likely token is always kept
-        scaled = scaled.index_fill(0, drop, float("-inf"))
-    return torch.log_softmax(scaled, dim=-1).float()
-
-
-def sampling_log_probs_rows(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """:func:`sampling_log_probs` of every row of ``logits`` [N, V] under one request's ``params``,
-    in one pass (speculative drafting and verification process several positions at once)."""
-    logits = logits.float()
-    if params.greedy:
-        return torch.log_softmax(logits, dim=-1)
     scaled = (logits - logits.max(-1, keepdim=True).values).double() / params.temperature
     if params.top_k > 0 and params.top_k < scaled.size(-1):
         kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]
@@ -147,6 +130,11 @@ def sampling_log_probs_rows(logits: torch.Tensor, params: SamplingParams) -> tor
         drop = torch.zeros_like(scaled, dtype=torch.bool).scatter(-1, order, before >= params.top_p)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.log_softmax(scaled, dim=-1).float()
+
+
+def sampling_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """log-probabilities [V] of the distribution a token is drawn from (-inf outside the support)."""
+    return sampling_log_probs_rows(logits.unsqueeze(0), params)[0]
 
 
 _MASK64 = (1 << 64) - 1

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.inference.sampling import position_seed, sampled_token, sampling_log_probs_rows
+from megatron_s2.inference.sampling import position_seed, sampling_log_probs_rows
 from megatron_s2.inference.speculative import (ThroughputProfile, choose_verification_lengths, prefix_survival,
                                                speculative_sample, verify_greedy)
 
@@ -207,8 +207,3 @@ class SpeculativeDecoder:
 
     def observe(self, tokens: int, seconds: float) -> None:
         self.measured.observe(tokens, seconds)
-
-    @staticmethod
-    def report(logits: torch.Tensor, req, token: int):
-        """The SampledToken of ``token`` under the request's logprobs settings."""
-        return sampled_token(logits, req.params, token)

@@ -164,3 +164,14 @@ def test_preempted_requests_recompute_their_state_and_finish_as_if_alone(hf_refe
     for prompt, result in zip(prompts, together):
         alone = InferenceEngine(model, EngineConfig(max_num_seqs=1, max_model_len=32, page_tokens=4))
         assert result.token_ids == alone.generate([prompt], params)[0].token_ids
+
+
+def test_speculative_decoding_is_refused_without_a_drafter(hf_reference):
+    """The family has no speculative drafter: ``speculative`` is a one-line configuration error at
+    engine construction, not a failure in the first decode step."""
+    from megatron_s2.config.schema import ConfigError
+    from megatron_s2.inference import EngineConfig, InferenceEngine
+
+    _, model, _ = _ours(hf_reference[1])
+    with pytest.raises(ConfigError, match="speculative: the intern_s2 model family has no speculative drafter"):
+        InferenceEngine(model, EngineConfig(max_num_seqs=1, max_model_len=32, page_tokens=4, speculative=True))

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelExecutor", "Drafter", "Chunk", "RowOutput", "PagePool", "OutOfPages", "prefix_hashes"]
+__all__ = ["ModelExecutor", "SpeculativeExecutor", "Drafter", "Chunk", "RowOutput", "PagePool", "OutOfPages", "prefix_hashes"]
 
 
 class OutOfPages(RuntimeError):
@@ -77,19 +77,6 @@ class Drafter(abc.ABC):
 class ModelExecutor(abc.ABC):
     """Per-request model state of one engine and the forward over it."""
 
-    drafter: Drafter | None = None
-    """The speculative drafter, when the model has one (see :class:`Drafter`)."""
-
-    def begin_speculation(self, request, length: int) -> None:
-        """The next forward of ``request`` carries ``length`` tokens of which only a prefix will be
-        kept (speculative verification); :meth:`rollback` then drops the rest."""
-        raise NotImplementedError(f"{type(self).__name__} has no speculative decoding")
-
-    def rollback(self, request, keep: int) -> None:
-        """After the forward announced by :meth:`begin_speculation`: keep its first ``keep``
-        tokens; the cache of the others is restored byte for byte to what it held before."""
-        raise NotImplementedError(f"{type(self).__name__} has no speculative decoding")
-
     @abc.abstractmethod
     def can_admit(self) -> bool:
         """A new request can get its per-request state now."""
@@ -143,6 +130,23 @@ class ModelExecutor(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> dict: ...
+
+
+class SpeculativeExecutor(ModelExecutor):
+    """An executor whose family can speculate: it owns a :class:`Drafter` (None when the model
+    has none or speculation is off) and can drop the tail of a verification forward."""
+
+    drafter: Drafter | None = None
+
+    @abc.abstractmethod
+    def begin_speculation(self, request, length: int) -> None:
+        """The next forward of ``request`` carries ``length`` tokens of which only a prefix will be
+        kept (speculative verification); :meth:`rollback` then drops the rest."""
+
+    @abc.abstractmethod
+    def rollback(self, request, keep: int) -> None:
+        """After the forward announced by :meth:`begin_speculation`: keep its first ``keep``
+        tokens; the cache of the others is restored byte for byte to what it held before."""
 
 
 class PagePool:

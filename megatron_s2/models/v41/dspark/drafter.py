@@ -52,7 +52,6 @@ from megatron_s2.models.v41.layer_plan import CSA2Mode, LayerPlan, LayerSpec
 from megatron_s2.models.v41.mhc import collapse, expand_embedding
 from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.rope import apply_rope
-from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.linear import ReplicatedLinear
 from megatron_s2.parallel.placement import mark_param
@@ -254,8 +253,3 @@ class TeacherForced:
     target_rows: torch.Tensor
     """[A, K] the backbone row whose distribution is position i's target (t + 1 + i)."""
     aux_loss: torch.Tensor | None
-
-
-def gather_vocab(logits: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
-    """Vocabulary-parallel logits -> the full vocabulary (differentiable)."""
-    return mappings.gather_from_group(logits, groups.tp, dim=-1)
