@@ -33,6 +33,7 @@ def one_thread_children(monkeypatch):
     On 2 cores that other work also uses, a child's 2-thread OpenMP team waits at every tiny
     op's barrier for a thread that is not running: test_e2e_tiny's OPD run took 128-276 s with
     2 threads and 24-26 s with 1 beside other jobs (load 3-4), two copies of it side by side 434 s
-    and 35 s. On an idle machine one thread costs nothing here (tiny models: one core is enough).
+    and 35 s. Alone on a quiet machine the two are about as fast for these tiny models (SFT of
+    `tiny`: ~1.3 s/step with one thread idle, 1.4 s/step with two at load 1).
     Modules that spawn runs opt in with ``pytestmark = pytest.mark.usefixtures("one_thread_children")``."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.usefixtures("one_thread_children")  # tests/conftest.py
+# one intra-op thread here and in the runs it starts (tests/conftest.py): tiny models, 2 shared cores
+pytestmark = pytest.mark.usefixtures("one_thread", "one_thread_children")
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "phases" / "rl_addition.yaml"
 SMALL = ["training.seq_length=16", "training.global_batch_size=8", "training.micro_batch_size=8",
@@ -106,11 +107,10 @@ def test_rl_run_killed_mid_save_resumes_from_a_complete_checkpoint(tmp_path):
     """SIGKILL inside the step-4 checkpoint (a shard half written; the other save points are
     covered for every phase by tests/checkpoint): the resumed run loads the complete step-3
     checkpoint, never the partial one, and still trains each prompt once."""
+    from megatron_s2.cli import main
+
     run_dir = tmp_path / "rl"
-    first = subprocess.run([sys.executable, "-m", "megatron_s2.cli", "train", str(RECIPE), *SMALL,
-                            "training.train_steps=3", "--run-dir", str(run_dir)], capture_output=True, text=True,
-                           timeout=900)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert main(["train", str(RECIPE), *SMALL, "training.train_steps=3", "--run-dir", str(run_dir)]) == 0  # set-up
     env = {**os.environ, "MEGATRON_S2_CKPT_FAULT": "mid_shard"}  # the next save (step 4) kills the process
     killed = subprocess.run([sys.executable, "-m", "megatron_s2.cli", "train", str(RECIPE), *SMALL,
                              "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=900, env=env)

@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.usefixtures("one_thread_children")  # tests/conftest.py
+from megatron_s2.cli import main
+
+# one intra-op thread here and in the runs it starts (tests/conftest.py): tiny models, 2 shared cores
+pytestmark = pytest.mark.usefixtures("one_thread", "one_thread_children")
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 QUIET = ["logging.progress_bar=false", "logging.tensorboard=false"]
@@ -38,9 +41,12 @@ def _evals(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_opd_moves_the_student_toward_the_teacher_on_held_out_prompts(tmp_path):
-    teacher = tmp_path / "teacher"  # 6 SFT steps: the 4 OPD steps halve the KL to it (0.023 -> 0.012)
-    _cli("train", str(RECIPES / "phases" / "sft_addition.yaml"), "training.train_steps=6",
-         "schedule.warmup_steps=2", "schedule.decay_start_step=3", "schedule.decay_end_step=6", *QUIET, "--run-dir", str(teacher), cwd=tmp_path)
+    # The teacher: 6 SFT steps by the CLI in this process (the 4 OPD steps halve the KL to it,
+    # 0.023 -> 0.012); the opd phase is the run under test, in its own process.
+    teacher = tmp_path / "teacher"
+    assert main(["train", str(RECIPES / "phases" / "sft_addition.yaml"), "training.train_steps=6",
+                 "schedule.warmup_steps=2", "schedule.decay_start_step=3", "schedule.decay_end_step=6", *QUIET,
+                 "--run-dir", str(teacher)]) == 0
     opd = tmp_path / "opd"  # the student starts from the initialisation (a weaker model than the teacher)
     _cli("train", str(RECIPES / "phases" / "opd_addition.yaml"), "training.train_steps=4",
          "training.global_batch_size=16", "training.micro_batch_size=16", "opd.rollout.group_size=4",
