@@ -109,6 +109,13 @@ class V41Family(ModelFamily):
 
             get_provider("transformer_engine")  # BackendUnavailable is a ConfigError naming the field and fix
 
+    def image_processor(self, cfg: V41Config):
+        if not cfg.vision_n_layers:
+            return None
+        from megatron_s2.models.v41.vision.processor import V41ImageProcessor
+
+        return V41ImageProcessor(cfg)
+
     def describe(self, model, cfg: V41Config) -> list[str]:
         from megatron_s2.models.v41.precision import describe_fp8, describe_precision
 
