@@ -251,6 +251,12 @@ class ModelFamily(abc.ABC):
         (the default)."""
         return None
 
+    def vision_encoder_patterns(self, cfg: ModelSchema) -> tuple[str, ...]:
+        """Parameter-name patterns (fnmatch) of the vision encoder that
+        ``training.freeze_vision_until_decay`` holds frozen until the learning-rate decay (report
+        §2.5); empty for text-only models (the default)."""
+        return ()
+
     def describe(self, model: nn.Module, cfg: ModelSchema) -> list[str]:
         """Start-up log lines about precision and kernels."""
         return [f"precision: parameters {cfg.params_dtype}, compute {cfg.compute_dtype}"]
