@@ -266,6 +266,9 @@ def build_image_text_documents(cfg: DataConfig, *, seed: int, tokenizer: Tokeniz
             ids, prompt_length = _caption_ids(tokenizer, pair.text)
         else:
             ids, prompt_length = render_prompt_answer(tokenizer, pair.prompt, pair.text)
+        if (ids == processor.image_token_id).any():  # a text token would be taken for an image position
+            raise DataError(f"{pair.source}: its text tokenizes to token {processor.image_token_id}, the model's "
+                            "image_token_id; set model.image_token_id to an id the tokenizer never produces")
         at = 1 if len(ids) and ids[0] == tokenizer.bos_id else 0  # the image follows bos
         length = processor.span_length(pair.width, pair.height)
         if at + length > seq_length:

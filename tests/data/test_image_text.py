@@ -219,6 +219,14 @@ def test_a_span_longer_than_the_sequence_is_refused():
     assert "raise training.seq_length to at least 24" in one_line(caught)
 
 
+def test_an_image_token_id_the_tokenizer_produces_is_refused():
+    cfg = vision_config(image_token_id=TOKENIZER.encode("a")[0])
+    with pytest.raises(DataError) as caught:
+        build_image_text_documents(DataConfig(kind="image_text", num_documents=1, image_size=48), seed=0,
+                                   tokenizer=TOKENIZER, processor=family_of(cfg).image_processor(cfg), seq_length=64)
+    assert "set model.image_token_id to an id the tokenizer never produces" in one_line(caught)
+
+
 def test_image_text_without_a_vision_tower_is_a_config_error():
     with pytest.raises(ConfigError, match="needs a model with a vision tower"):
         build_data_iterator(DataConfig(kind="image_text", num_documents=2), seq_length=64, global_batch_size=2,
