@@ -174,6 +174,11 @@ class InferenceEngine:
                                              images=images)
         return handle
 
+    @property
+    def image_token_id(self) -> int | None:
+        """The image placeholder id of prompts; None when the model takes no images."""
+        return self.executor.image_token_id
+
     def prepare_images(self, prompt_token_ids: list[int], images: list) -> tuple[list[int], list[ImageSpan]]:
         """The prompt with each image placeholder expanded to its image's span, and the spans
         (``images``: decoded Pillow images, or the family's prepared inputs). ValueError when

@@ -119,6 +119,9 @@ class Drafter(abc.ABC):
 class ModelExecutor(abc.ABC):
     """Per-request model state of one engine and the forward over it."""
 
+    image_token_id: int | None = None
+    """The image placeholder id of prompts (:meth:`prepare_images`); None: the model takes no images."""
+
     @abc.abstractmethod
     def can_admit(self) -> bool:
         """A new request can get its per-request state now."""

@@ -80,6 +80,7 @@ class V41Executor(SpeculativeExecutor):
         self.swa = SWAStore(cfg, config.max_num_seqs + config.swa_pool_slots, device)
         self.runner = ModelRunner(model, self.global_kv, self.swa)
         self.tiers = KVTiers(config, cfg, self.global_kv, self.swa)
+        self.image_token_id = cfg.image_token_id if getattr(model, "vision", None) is not None else None
         self.drafter = None
         if config.speculative:
             if getattr(model, "dspark", None) is None:
@@ -265,7 +266,7 @@ class V41Executor(SpeculativeExecutor):
         from megatron_s2.models.v41.vision.processor import ImageInput, prepare_vl_inputs
 
         cfg = self.model_config
-        if self.runner.model.vision is None:
+        if self.image_token_id is None:
             raise ValueError("images given, but this model has no vision tower (model.vision_n_layers: 0)")
         if all(isinstance(image, ImageInput) for image in images):
             inputs = list(images)
