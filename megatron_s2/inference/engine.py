@@ -141,6 +141,9 @@ class InferenceEngine:
         if images:
             if all(isinstance(image, ImageSpan) for image in images):
                 spans = list(images)
+                if any(span.start < 0 or span.end > len(prompt) for span in spans):
+                    raise ValueError(f"images: a span runs outside the prompt's {len(prompt)} tokens; pass the ids "
+                                     "prepare_images returned with its spans")
             else:
                 prompt, spans = self.prepare_images(prompt, images)
         vocab = self.model_config.vocab_size
