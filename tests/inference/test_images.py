@@ -194,3 +194,29 @@ def test_prepared_inputs_and_spans_are_accepted_and_bad_images_refused(model, ti
     text_only = InferenceEngine(build_model(tiny_cfg, seed=0).eval(), EngineConfig(max_num_seqs=1, page_tokens=8))
     with pytest.raises(ValueError, match="no vision tower"):
         text_only.add_request(prompt, images=images)
+
+
+@pytest.mark.parametrize("chunk", [5, 64], ids=["chunked", "one-chunk"])
+def test_decoder_bounded_replay_with_an_image_across_the_replay_start(model, chunk):
+    """Decoder SWA Bounded Replay (§3.2.2) runs the decoder from s = prompt - W: the image span
+    straddles s, so the decoder's sub-batch takes the span's tail rows and image mask; the
+    answer equals the train-aware full forward (``ctx.swa_from = s``) with the image."""
+    w = model.config.window_size
+    prompt = text(4, 5) + [PLACEHOLDER] + text(3, 6)
+    image = picture(20, 20, seed=7)
+    tokens, types, inputs = prepare_vl_inputs(prompt, [image], model.config)
+    start = len(tokens) - w
+    assert inputs[0].start < start < inputs[0].start + inputs[0].types.numel()
+    engine = InferenceEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, prefill_chunk=chunk,
+                                                 max_prefill_tokens=chunk, page_tokens=8, decoder_bounded_replay=True))
+    _, result = run(engine, prompt, [image])
+    seq = tokens + result.token_ids
+    ids = torch.tensor([seq])
+    mask = torch.tensor([[t != TEXT for t in types] + [False] * len(result.token_ids)])
+    ctx = ForwardContext.create(ids, model.plan, image_mask=mask)
+    ctx.swa_from = torch.tensor([start])
+    with torch.no_grad():
+        logits = model.head(*model.run_layers(model.embed(ids, images=[inputs]), ctx))[0][len(tokens) - 1:-1]
+    assert result.token_ids == logits.argmax(-1).tolist()
+    ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(result.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-5)
