@@ -120,9 +120,15 @@ def chat_prompt_ids(tokenizer, f: Fields, refuse_overlong: Callable[[list[str], 
         options["reasoning_effort"] = effort
     text = _render(tokenizer, messages, options, tokenize=False)  # Jinja only: cheap, whatever the size
     refuse_overlong([text], "messages")
-    encode = tokenizer.encode
-    if urls:  # each marker the template placed becomes the image placeholder id
-        encode = lambda piece: _with_placeholders(tokenizer.encode, piece, images.token_id, len(urls))  # noqa: E731
+
+    def encode(rendered: str) -> list[int]:
+        """The rendered text's ids; each marker the template placed becomes the image placeholder."""
+        if not urls:
+            return tokenizer.encode(rendered)
+        ids, found = encode_with_images(tokenizer.encode, rendered, images.token_id)
+        _check_placeholders(found, len(urls))
+        return ids
+
     if continue_final:
         ids = encode(_cut_after_final_message(tokenizer, text, messages))
     elif _renders_text(tokenizer):  # the template's text is what gets tokenised
@@ -138,12 +144,6 @@ def chat_prompt_ids(tokenizer, f: Fields, refuse_overlong: Callable[[list[str], 
         return ids, []
     decoded = [images.load(url, param) for url, param in urls]
     return images.prepare(ids, decoded, "messages")
-
-
-def _with_placeholders(encode, text: str, token_id: int, expected: int) -> list[int]:
-    ids, found = encode_with_images(encode, text, token_id)
-    _check_placeholders(found, expected)
-    return ids
 
 
 def _check_placeholders(found: int, expected: int) -> None:

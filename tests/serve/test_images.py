@@ -224,3 +224,25 @@ def test_a_model_without_a_vision_tower_refuses_image_parts():
         assert text.choices[0].finish_reason in ("stop", "length")
     finally:
         srv.stop()
+
+
+def test_a_tokenizer_that_renders_ids_gets_the_markers_ids_replaced():
+    """The character tokenizer renders a chat to ids, not text: the marker's ids become the placeholder."""
+    from megatron_s2.config.engine import EngineConfig
+    from megatron_s2.data.tokenizer import CharTokenizer
+    from megatron_s2.inference import InferenceEngine
+    from megatron_s2.serve.chat import chat_prompt_ids
+    from megatron_s2.serve.fields import Fields
+    from megatron_s2.serve.media import ServedImages
+
+    tok = CharTokenizer()
+    model = build_model(vision_config(vocab_size=110, image_token_id=105), seed=0).eval()
+    images = ServedImages(InferenceEngine(model, EngineConfig(max_num_seqs=1, page_tokens=8)))
+    body = {"messages": image_message(data_url(png(noise())), before="hi ", after=" x")}
+    ids, spans = chat_prompt_ids(tok, Fields(body), lambda texts, field: None, images)
+    marked = tok.apply_chat_template([{"role": "user", "content": "hi <image> x"}], add_generation_prompt=True)
+    marker = tok.encode("<image>")
+    at = next(i for i in range(len(marked)) if marked[i:i + len(marker)] == marker)
+    (span,) = spans
+    assert span.start == at and ids[at:span.end] == [105] * span.length
+    assert ids[:at] + ids[span.end:] == marked[:at] + marked[at + len(marker):]

@@ -155,7 +155,8 @@ class KVTiers:
         for page in seq.pages:
             self.pool.retain(page)
         partial = {k: tuple(None if t is None else t.clone() for t in v) for k, v in seq.partial.items()}
-        self.snapshots[key] = _Snapshot(tokens, images, slot, list(seq.pages), dict(seq.kv_tokens), partial, seq.swa_from)
+        self.snapshots[key] = _Snapshot(tokens, images, slot, list(seq.pages), dict(seq.kv_tokens), partial,
+                                        seq.swa_from)
 
     def _snapshot_for(self, req) -> _Snapshot | None:
         best, tokens = None, req.tokens
