@@ -88,3 +88,30 @@ def test_the_cli_refuses_images_under_sequence_parallelism_in_one_line(tmp_path)
     assert out.returncode == 2, out.stdout + out.stderr
     lines = [l for l in out.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and "parallel.sequence_parallel: image spans" in lines[0], out.stderr
+
+
+@pytest.mark.slow
+def test_pretrain_mm_tiny_trains_through_the_cli_and_scores_heldout_questions(tmp_path):
+    """A few steps of the recipe through `megatron-s2 train`: loss falls, metrics.jsonl and
+    TensorBoard events are written, and the held-out scorer reads the checkpoint."""
+    import json
+
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "megatron_s2.cli", "train", str(RECIPE), "training.train_steps=10",
+                          "training.global_batch_size=4", "training.micro_batch_size=2", "data.num_documents=200",
+                          "schedule.warmup_steps=2", "logging.log_interval=1", "logging.progress_bar=false",
+                          f"training.run_dir={run}"], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records]
+    assert len(losses) == 10 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
+    from megatron_s2.tools.eval_image_qa import score_heldout
+
+    scored = score_heldout(run, items=10)
+    assert scored["items"] == 10 and 0 <= scored["accuracy"] <= 1 and 0.08 < scored["chance"] < 0.2
