@@ -191,6 +191,8 @@ def test_prepared_inputs_and_spans_are_accepted_and_bad_images_refused(model, ti
         engine.prepare_images(prompt, images * 2)
     with pytest.raises(ValueError, match="does not hold its span"):
         engine.prepare_images(prompt, inputs)
+    with pytest.raises(ValueError, match="not a mix"):
+        engine.prepare_images(tokens, [inputs[0], images[0]])
     text_only = InferenceEngine(build_model(tiny_cfg, seed=0).eval(), EngineConfig(max_num_seqs=1, page_tokens=8))
     with pytest.raises(ValueError, match="no vision tower"):
         text_only.add_request(prompt, images=images)

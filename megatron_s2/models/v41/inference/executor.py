@@ -268,7 +268,10 @@ class V41Executor(SpeculativeExecutor):
         cfg = self.model_config
         if self.image_token_id is None:
             raise ValueError("images given, but this model has no vision tower (model.vision_n_layers: 0)")
-        if all(isinstance(image, ImageInput) for image in images):
+        prepared = {isinstance(image, ImageInput) for image in images}
+        if len(prepared) > 1:
+            raise ValueError("images: give decoded images or prepared ImageInputs, not a mix of both")
+        if prepared == {True}:
             inputs = list(images)
             for image in inputs:
                 end = image.start + image.types.numel()
