@@ -9,7 +9,8 @@ question ("what shape is this?", "what digit is this?", ...) in the training lay
 correct when the model's argmax predicts every answer character and the closing eos. Chance is
 the mean over items of 1 / (number of possible answers to its question) — an upper bound on a
 guesser that knows the question but not the image (it would also have to spell the answer).
-Prints accuracy and chance overall and per question.
+Prints accuracy and chance overall and per question. ``--blank-images`` asks the same questions
+about uniform grey images of the same size: the ablation that shows whether answers use the pixels.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ ANSWERS_PER_QUESTION = {"what shape is this?": 5, "what colour is the shape?": 7
 """Possible answers per question of the procedural source (SHAPES, COLOURS, digits, WORDS)."""
 
 
-def score_heldout(run_dir: str | Path, items: int = 300, step: int | None = None) -> dict:
+def score_heldout(run_dir: str | Path, items: int = 300, step: int | None = None, blank_images: bool = False) -> dict:
     """{"accuracy", "chance", "items", "per_question": {q: (correct, total, chance)}} of a run."""
     import torch
 
@@ -50,7 +51,10 @@ def score_heldout(run_dir: str | Path, items: int = 300, step: int | None = None
             pair = store.pairs[doc]
             tokens = torch.from_numpy(store.tokens(doc).copy()).unsqueeze(0)
             (span,) = store.images_of(doc)
-            image = processor.prepare(store.load_image(span.pair), span.offset)
+            picture = store.load_image(span.pair)
+            if blank_images:  # the ablation: same size and span, no content
+                picture = picture.point(lambda _: 127)
+            image = processor.prepare(picture, span.offset)
             mask = torch.zeros_like(tokens, dtype=torch.bool)
             mask[0, span.offset:span.offset + span.length] = True
             ctx = model.make_context({"tokens": tokens, "image_mask": mask})
@@ -75,8 +79,9 @@ def main(argv=None) -> int:
     parser.add_argument("--items", type=int, default=300, help="held-out items to ask (default 300)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--blank-images", action="store_true", help="ablation: uniform grey images instead")
     args = parser.parse_args(argv)
-    result = score_heldout(args.run_dir, args.items, args.step)
+    result = score_heldout(args.run_dir, args.items, args.step, args.blank_images)
     if args.json:
         print(json.dumps(result))
         return 0
