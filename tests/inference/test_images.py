@@ -222,3 +222,25 @@ def test_decoder_bounded_replay_with_an_image_across_the_replay_start(model, chu
     assert result.token_ids == logits.argmax(-1).tolist()
     ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(result.token_ids)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-5)
+
+
+def test_speculative_greedy_decode_with_images_equals_plain_greedy():
+    """DSpark verification (§2.4.3) after a prompt with images: the drafter only proposes, the
+    verified tokens are the plain engine's."""
+    from tests.dspark.conftest import DRAFTER
+
+    model = build_model(vision_config(**DRAFTER), seed=5).eval()
+    prompt, images, *_ = prompt_with_images(model, [(20, 20), (30, 24)], seed=3)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    def answer(**kw):
+        engine = InferenceEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, prefill_chunk=5,
+                                                     max_prefill_tokens=5, page_tokens=4, **kw))
+        handle = engine.submit(prompt, params, images=images)
+        while engine.has_work():
+            engine.step()
+        return handle.result().token_ids, engine.stats().get("speculative")
+
+    plain, _ = answer()
+    spec, stats = answer(speculative=True, speculative_schedule="fixed")
+    assert spec == plain and stats["drafted"] > 0
