@@ -78,10 +78,7 @@ class Trainer:
         self.check_phase_inputs()
         host = HostMemory.for_this_rank()
         with build_on(self.device):  # parameters, buffers and what modules build at construction
-            self.model, self.pipeline = build_stage_model(
-                recipe, self.layout, self.groups, rank,
-                self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size), device=self.device,
-                plan_memory=lambda skeleton: check_rank_memory(recipe, self.layout, rank, skeleton, host))
+            self.model, self.pipeline = self.build_model(host)
         self._freeze(recipe.phase.freeze)
         if recipe.phase.kind == "dspark":  # §2.4.3: only the drafter trains; the backbone holds no optimiser state
             for name, p in self.model.named_parameters():
@@ -118,6 +115,29 @@ class Trainer:
     def check_phase_inputs(self) -> None:
         """A phase's own start-up checks, after :func:`check_run_inputs` and before the model is
         built (post-training phases check their engine, frozen models and prompts); none here."""
+
+    def build_model(self, host: HostMemory):
+        """(this rank's model, its pipeline runtime or None); a phase with another model
+        (``phase.kind: contrastive``) supplies its own."""
+        recipe, rank = self.recipe, self.rank
+        return build_stage_model(
+            recipe, self.layout, self.groups, rank,
+            self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size), device=self.device,
+            plan_memory=lambda skeleton: check_rank_memory(recipe, self.layout, rank, skeleton, host))
+
+    def describe_model(self) -> list[str]:
+        """Start-up log lines about the model (shard, precision, kernels)."""
+        lines = []
+        if self.world_size > 1:
+            lines.append(f"rank 0 holds layers {self.model.layer_ids[0]}-{self.model.layer_ids[-1]} "
+                         "(its shard of the model is listed below)")
+        lines.append(describe_param_groups(self.model, self.recipe.optimizer))
+        family = family_of(self.recipe.model).describe(self.model, self.recipe.model)
+        return [*lines, f"device: {self.device}; " + family[0], *family[1:]]
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token of the metrics' throughput line."""
+        return family_of(self.recipe.model).train_flops_per_token(self.recipe.model, self.recipe.training.seq_length)
 
     def build_data(self):
         """The phase's data source; its ``state_dict`` is the checkpoint's ``data`` entry
@@ -198,9 +218,9 @@ class Trainer:
                          "initialised backbone; set checkpoint.load to the pre-trained backbone's checkpoints")
             return False
         try:  # a refusal leaves the run directory as it was: nothing has been written yet
-            # a new phase may add the DSpark drafter to a backbone checkpoint (report §2.4.3)
+            missing, unused = ((), ()) if full else self.partial_load_prefixes(path)
             loaded = self.checkpoints.load(path, self.model, self.optimizer if full else None,
-                                           may_be_missing=() if full else ("dspark.",))
+                                           may_be_missing=missing, may_be_unused=unused)
             if full:
                 self.data.load_state_dict(loaded.data)
                 self.load_local_state(loaded.local)
@@ -224,6 +244,22 @@ class Trainer:
                      f"initialisation (e.g. {loaded.fresh_model[0]})")
         self.log(f"checkpoint: {'resumed' if full else 'initialised'} from {path} (step {loaded.step})")
         return True
+
+    def partial_load_prefixes(self, path: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(may_be_missing, may_be_unused) name prefixes of a ``checkpoint.load`` that starts a
+        new phase: a phase may add the DSpark drafter to a backbone checkpoint (report §2.4.3);
+        from a contrastive phase's checkpoint only the vision encoder carries over (§4.2.2:
+        the text tower is discarded and everything but ``vision.*`` starts fresh)."""
+        from megatron_s2.checkpoint.format import Manifest
+
+        try:
+            saved = Manifest.from_json((path / "checkpoint.json").read_bytes(), path).config["phase"]["kind"]
+        except (OSError, KeyError, TypeError, CheckpointError):
+            saved = None  # the load itself names what is wrong with the checkpoint
+        if saved != "contrastive" or self.recipe.phase.kind == "contrastive":
+            return ("dspark.",), ()
+        fresh = tuple(name for name in self.model.state_dict() if not name.startswith("vision."))
+        return fresh, family_of(self.recipe.model).contrastive_discarded()
 
     # ---- loop ---------------------------------------------------------------------------------
     def compute_gradients(self, micro_batches: list[dict]):
@@ -287,15 +323,9 @@ class Trainer:
                 self.log(f"extending the finished run: step {self.step} -> {t.train_steps} (training.train_steps)")
         self.log(f"layout: {self.layout.describe()}")
         if self.is_main:
-            if self.world_size > 1:
-                self.log(f"rank 0 holds layers {self.model.layer_ids[0]}-{self.model.layer_ids[-1]} "
-                         "(its shard of the model is listed below)")
-            self.log(describe_param_groups(self.model, self.recipe.optimizer))
-            lines = family_of(self.recipe.model).describe(self.model, self.recipe.model)
-            self.log(f"device: {self.device}; " + lines[0])
-            for line in lines[1:]:
+            for line in self.describe_model():
                 self.log(line)
-        flops = family_of(self.recipe.model).train_flops_per_token(self.recipe.model, t.seq_length)
+        flops = self.flops_per_token()
         metrics = MetricsLogger(self.run_dir, enabled=self.is_main, total_steps=t.train_steps,
                                 log_interval=self.recipe.logging.log_interval,
                                 tensorboard=self.recipe.logging.tensorboard,
