@@ -29,6 +29,7 @@ but waits for each all-gather as soon as it is issued: the blocking baseline of
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -49,30 +50,35 @@ def _start_all_gather(x: torch.Tensor, group: Group):
     return dist.all_gather(parts, x, group=group.pg, async_op=True), parts
 
 
-def _finish_all_gather(pending) -> torch.Tensor:
+def _finish_all_gather(pending, timings: dict | None = None) -> torch.Tensor:
+    """Wait for the gather (the exposed part of its time is added to ``timings["wait_s"]``)."""
     work, parts = pending
     if work is not None:
+        start = time.perf_counter()
         work.wait()
+        if timings is not None:
+            timings["wait_s"] = timings.get("wait_s", 0.0) + time.perf_counter() - start
     return torch.cat(parts)
 
 
 def contrastive_forward_backward(encode_images: Callable[[], torch.Tensor], encode_texts: Callable[[], torch.Tensor],
                                  log_temperature: torch.Tensor, bias: torch.Tensor, group: Group, *,
-                                 overlap: bool = True) -> torch.Tensor:
+                                 overlap: bool = True, timings: dict | None = None) -> torch.Tensor:
     """Run the step's forward and backward (module docstring); return this rank's ``L_T`` block
     (detached; summed over ``group`` it is the global loss).
 
     ``encode_images()`` / ``encode_texts()`` return this rank's n L2-normalised features [n, d]
     with their autograd graphs (the vision and text towers' forward). Gradients accumulate into
-    the parameters' ``.grad`` as partial sums over ranks."""
+    the parameters' ``.grad`` as partial sums over ranks. ``timings``: a dict that receives the
+    seconds spent waiting for the gathers (``wait_s``: communication not hidden)."""
     def gather(x: torch.Tensor):
         pending = _start_all_gather(x.detach(), group)
-        return pending if overlap else (None, [_finish_all_gather(pending)])
+        return pending if overlap else (None, [_finish_all_gather(pending, timings)])
 
     images = encode_images()                                    # Forward(V)
     pending_images = gather(images)                             # AllGather(V) ...
     texts = encode_texts()                                      # ... || Forward(T)
-    all_images = _finish_all_gather(pending_images)
+    all_images = _finish_all_gather(pending_images, timings)
     n = texts.size(0)
     if images.size(0) != n:
         raise ValueError(f"contrastive step: {images.size(0)} images but {n} texts on rank {group.rank}")
@@ -84,7 +90,7 @@ def contrastive_forward_backward(encode_images: Callable[[], torch.Tensor], enco
     text_block.backward()
     pending_texts = gather(texts)                               # AllGather(T) ...
     texts.backward(text_leaf.grad)                              # ... || Backward(T)
-    all_texts = _finish_all_gather(pending_texts)
+    all_texts = _finish_all_gather(pending_texts, timings)
 
     image_leaf = images.detach().requires_grad_()               # grad_Vision (t', b held constant)
     image_block = siglip_block_loss(image_leaf, all_texts, log_temperature.detach(), bias.detach(),
