@@ -218,9 +218,10 @@ class Trainer:
                          "initialised backbone; set checkpoint.load to the pre-trained backbone's checkpoints")
             return False
         try:  # a refusal leaves the run directory as it was: nothing has been written yet
-            missing, unused = ((), ()) if full else self.partial_load_prefixes(path)
+            # a new phase may add the DSpark drafter to a backbone checkpoint (report §2.4.3)
             loaded = self.checkpoints.load(path, self.model, self.optimizer if full else None,
-                                           may_be_missing=missing, may_be_unused=unused)
+                                           may_be_missing=() if full else ("dspark.",),
+                                           load_only=() if full else self.load_only(path))
             if full:
                 self.data.load_state_dict(loaded.data)
                 self.load_local_state(loaded.local)
@@ -245,21 +246,21 @@ class Trainer:
         self.log(f"checkpoint: {'resumed' if full else 'initialised'} from {path} (step {loaded.step})")
         return True
 
-    def partial_load_prefixes(self, path: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(may_be_missing, may_be_unused) name prefixes of a ``checkpoint.load`` that starts a
-        new phase: a phase may add the DSpark drafter to a backbone checkpoint (report §2.4.3);
-        from a contrastive phase's checkpoint only the vision encoder carries over (§4.2.2:
-        the text tower is discarded and everything but ``vision.*`` starts fresh)."""
+    def load_only(self, path: Path) -> tuple[str, ...]:
+        """Model name prefixes a ``checkpoint.load`` that starts a new phase takes from ``path``:
+        ``checkpoint.load_only``, else everything; from a contrastive phase's checkpoint only the
+        vision encoder carries over (report §4.2.2: the text tower is discarded)."""
+        if self.recipe.checkpoint.load_only:
+            return self.recipe.checkpoint.load_only
+        if self.recipe.phase.kind == "contrastive":
+            return ()
         from megatron_s2.checkpoint.format import Manifest
 
         try:
             saved = Manifest.from_json((path / "checkpoint.json").read_bytes(), path).config["phase"]["kind"]
         except (OSError, KeyError, TypeError, CheckpointError):
-            saved = None  # the load itself names what is wrong with the checkpoint
-        if saved != "contrastive" or self.recipe.phase.kind == "contrastive":
-            return ("dspark.",), ()
-        fresh = tuple(name for name in self.model.state_dict() if not name.startswith("vision."))
-        return fresh, family_of(self.recipe.model).contrastive_discarded()
+            return ()  # the load itself names what is wrong with the checkpoint
+        return ("vision.",) if saved == "contrastive" else ()
 
     # ---- loop ---------------------------------------------------------------------------------
     def compute_gradients(self, micro_batches: list[dict]):

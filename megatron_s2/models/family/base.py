@@ -231,11 +231,6 @@ class ModelFamily(abc.ABC):
         raise ConfigError(f"phase.kind: contrastive: model family '{self.name}' has no vision encoder to "
                           "pre-train; use a v41 model with vision_n_layers > 0")
 
-    def contrastive_discarded(self) -> tuple[str, ...]:
-        """Name prefixes of the contrastive model's parameters a later phase leaves behind (all
-        but the vision encoder, ``vision.*``)."""
-        return ()
-
     def check_recipe(self, recipe) -> None:
         """Refuse, with a ConfigError naming the field, what this family cannot run (backends,
         parallel settings); called before any rank starts and by every rank at start-up."""

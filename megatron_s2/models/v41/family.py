@@ -108,11 +108,6 @@ class V41Family(ModelFamily):
 
         return ContrastiveModel(cfg, contrastive, vocab_size, groups)
 
-    def contrastive_discarded(self) -> tuple[str, ...]:
-        from megatron_s2.models.v41.vision.contrastive import CONTRASTIVE_ONLY
-
-        return CONTRASTIVE_ONLY
-
     def check_recipe(self, recipe) -> None:
         if recipe.model.transformer_impl == "transformer_engine":
             from megatron_s2.models.v41.spec import get_provider

@@ -33,12 +33,10 @@ from megatron_s2.models.v41.vision.rope2d import rope_2d_tables
 from megatron_s2.models.v41.vision.tower import VISION_NORM_EPS, BiasedLinear, VisionBlock, VisionEncoder
 from megatron_s2.parallel.placement import mark_param
 
-__all__ = ["TextTower", "ContrastiveModel", "FROZEN_VISION", "CONTRASTIVE_ONLY"]
+__all__ = ["TextTower", "ContrastiveModel", "FROZEN_VISION"]
 
 FROZEN_VISION = ("vision.aligner.*", "vision.image_*")
 """Parameters of the vision encoder this phase does not train (module docstring)."""
-CONTRASTIVE_ONLY = ("text.", "image_proj.", "text_proj.", "log_temperature", "logit_bias")
-"""Parameters a later phase leaves behind when it loads this phase's checkpoint: all but ``vision.*``."""
 
 
 class TextTower(nn.Module):
