@@ -55,6 +55,7 @@ def test_contrastive_section_needs_its_phase():
         load_recipe(RECIPE, ["phase.kind=pretrain"])
 
 
+@pytest.mark.slow
 def test_cli_refuses_tensor_parallelism_in_one_line(tmp_path):
     out = train_cli("parallel.tp=2", "--run-dir", str(tmp_path / "run"))
     assert out.returncode == 2, out.stderr
