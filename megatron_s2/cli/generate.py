@@ -5,6 +5,13 @@ Hugging Face export (:mod:`megatron_s2.inference.weights`); the tokenizer is the
 ``tokenizer.json`` (next to ``config.json`` for an export). The completion is streamed to
 stdout as it is generated; ``--temperature 0`` decodes greedily. Bad input exits with code 2
 and one line naming the argument.
+
+``--image FILE`` (repeatable) gives the model images (a checkpoint with a vision tower,
+``model.vision_n_layers > 0``): each ``<image>`` in the prompt is where the next file goes, in
+order; a prompt without ``<image>`` gets one per file prepended (images first, then the text).
+A missing, corrupt or refused file (:func:`megatron_s2.data.images.load_image`: truncated,
+decompression bomb, extreme aspect ratio, animated, unsupported format), a count of ``<image>``
+that differs from the files, or a model without a vision tower exits with code 2 and one line.
 """
 
 from __future__ import annotations
@@ -27,18 +34,21 @@ def generate_command(args: argparse.Namespace) -> int:
         raise ConfigError("--prompt: give the text to continue, e.g. --prompt 'Once upon a time'")
     # every option is checked before the (slow) model load, and an error names its flag
     check_speculative_flags(args)
+    images = _load_images(args.image or [])
     params = built_from_flags(SamplingParams, max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
     engine_config = built_from_flags(EngineConfig, max_num_seqs=1, max_model_len=args.max_model_len,
                                      prefill_chunk=256, max_prefill_tokens=256, speculative=args.speculative,
                                      speculative_tokens=args.speculative_tokens)
     model, tokenizer, description = load_model(args.checkpoint, args.device)
-    prompt = ([tokenizer.bos_id] if args.bos else []) + tokenizer.encode(args.prompt)
     engine = InferenceEngine(model, engine_config, eos_token_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+    prompt = ([tokenizer.bos_id] if args.bos else []) + _prompt_ids(args.prompt, tokenizer, engine, len(images))
     try:
-        handle = engine.submit(prompt, params)
+        handle = engine.submit(prompt, params, images=images)
     except PromptTooLong as exc:
         raise ConfigError(f"--prompt: {exc} (raise --max-model-len)") from None
+    except ValueError as exc:  # the images do not fit the model's processor
+        raise ConfigError(f"--image: {exc}") from None
     print(f"[{description}]", file=sys.stderr)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
@@ -60,11 +70,45 @@ def generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_images(paths: list[str]) -> list:
+    """Every ``--image`` decoded (before the model loads, so a bad file costs nothing)."""
+    from megatron_s2.data.images import ImageError, load_image
+
+    images = []
+    for path in paths:
+        try:
+            images.append(load_image(path))
+        except ImageError as exc:
+            raise ConfigError(f"--image: {exc}") from None
+    return images
+
+
+def _prompt_ids(text: str, tokenizer, engine, num_images: int) -> list[int]:
+    """The prompt's ids, each ``<image>`` a placeholder (prepended when the text has none)."""
+    from megatron_s2.inference.image_prompt import IMAGE_MARKER, encode_with_images
+
+    if not num_images:
+        return tokenizer.encode(text)
+    if engine.image_token_id is None:
+        raise ConfigError("--image: this checkpoint's model has no vision tower (model.vision_n_layers: 0); drop "
+                          "--image or use a vision-language checkpoint")
+    ids, found = encode_with_images(tokenizer.encode, text, engine.image_token_id)
+    if found == 0:
+        return [engine.image_token_id] * num_images + ids
+    if found != num_images:
+        raise ConfigError(f"--prompt: it has {found} {IMAGE_MARKER} placeholder(s) but {num_images} --image file(s) "
+                          f"were given; use one {IMAGE_MARKER} per file, or none to put the images first")
+    return ids
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate text from a checkpoint (streams to the terminal)",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="run, checkpoints, step or Hugging Face export directory")
     p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--image", action="append", metavar="FILE",
+                   help="an image for a vision-language model (repeatable); each <image> in the prompt is where the "
+                        "next one goes, or all go first when the prompt has none")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus probability (default 1.0 = off)")

@@ -42,7 +42,8 @@ def serve_command(args: argparse.Namespace) -> int:
 
     config = ServeConfig(host=args.host, port=args.port, served_model_name=args.served_model_name or "",
                          return_routed_experts=args.enable_return_routed_experts, logprobs_mode=args.logprobs_mode,
-                         max_logprobs=args.max_logprobs)
+                         max_logprobs=args.max_logprobs,
+                         allowed_local_media_path=args.allowed_local_media_path or "")
     engine_config = _engine_config(args)
     if not Path(args.checkpoint).exists():
         raise ConfigError(f"checkpoint: {args.checkpoint} does not exist; give a run, checkpoints, step or Hugging "
@@ -82,6 +83,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most log-probs per position a request may ask for, as vLLM's flag (default 20; -1 = the "
                         "whole vocabulary: prompt_logprobs -1 returns a served OPD teacher's full distribution)")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="let chat image_url parts read file:// images under DIR, as vLLM's flag (default: none; "
+                        "only inline data: URLs, remote http(s) URLs are always refused)")
     p.add_argument("--speculative", action="store_true",
                    help="speculative decoding with the checkpoint's DSpark drafter (lossless; report §2.4.3)")
     p.add_argument("--speculative-tokens", type=int, default=0,

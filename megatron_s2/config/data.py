@@ -10,6 +10,10 @@ Two kinds of data feed the trainer (implementation in :mod:`megatron_s2.data`):
 * ``chat`` — chat conversations (system / user / assistant / tool messages) read from local
   ``.jsonl`` or ``.parquet`` files, tokenized with the tokenizer's chat template; in SFT the
   tokens of ``loss_roles`` are the targets.
+* ``image_text`` — image-caption pairs and image question/answer pairs (issue 22) from the
+  embedded procedural source, a folder of images with captions, parquet shards or webdataset
+  ``.tar`` shards (``source``); each image becomes a span of image tokens planned by the model
+  family (:mod:`megatron_s2.data.image_text`).
 
 Prompt/answer pairs are rendered as a one-turn chat (character tokenizer: ``bos + prompt +
 sep + answer + eos``), text as ``bos + text + eos``; documents are best-fit packed into rows
@@ -24,10 +28,15 @@ from typing import Literal
 
 from megatron_s2.config.schema import ConfigError
 
-__all__ = ["TASK_NAMES", "TaskDifficulty", "DataConfig"]
+__all__ = ["TASK_NAMES", "IMAGE_TEXT_SOURCES", "PROCEDURAL_KINDS", "TaskDifficulty", "DataConfig"]
 
 TASK_NAMES: tuple[str, ...] = ("addition", "multiplication", "sort", "copy", "reverse", "brackets")
 """Names of the synthetic verifiable tasks; ``megatron_s2.data.tasks.TASK_REGISTRY`` builds each."""
+
+IMAGE_TEXT_SOURCES: tuple[str, ...] = ("procedural", "folder", "parquet", "webdataset")
+"""Where kind 'image_text' reads its pairs (``DataConfig.source``)."""
+PROCEDURAL_KINDS: tuple[str, ...] = ("shape", "digit", "text")
+"""Image kinds of the procedural source (``megatron_s2.data.procedural_images.KINDS``)."""
 
 
 @dataclass(frozen=True)
@@ -63,10 +72,11 @@ class TaskDifficulty:
 class DataConfig:
     """Training data of a phase: source, tokenizer, rendering and loss masking."""
 
-    kind: Literal["synthetic", "indexed", "chat"] = "synthetic"
+    kind: Literal["synthetic", "indexed", "chat", "image_text"] = "synthetic"
     """'synthetic': generated verifiable tasks; 'indexed': .bin/.idx files from
     tools/preprocess_data.py listed in `paths`; 'chat': conversations in the local .jsonl /
-    .parquet files listed in `paths`."""
+    .parquet files listed in `paths`; 'image_text': image-text pairs from `source` (needs a
+    model with a vision tower)."""
     tokenizer: str = "char"
     """'char' (the project's character-level tokenizer, vocab 102) or a local Hugging Face
     tokenizer directory (tokenizer.json + tokenizer_config.json with a chat_template), e.g.
@@ -107,6 +117,32 @@ class DataConfig:
     """A malformed chat record: 'stop' the run naming file:line, or 'skip' it and log how many
     were skipped (with the first reasons)."""
 
+    # ---- image_text ------------------------------------------------------------------------
+    source: Literal["procedural", "folder", "parquet", "webdataset"] = "procedural"
+    """kind 'image_text': 'procedural' (rendered shapes / digits / words, no files; num_documents
+    items seeded by dataset_seed), 'folder' (`paths`: directories of images with a same-named
+    .txt caption or a captions.jsonl of {"image": name, "text": caption}), 'parquet' (`paths`:
+    .parquet files with image bytes and text columns) or 'webdataset' (`paths`: .tar shards of
+    key.<png|jpg|...> + key.txt)."""
+    image_text_format: Literal["caption", "qa", "both"] = "both"
+    """Procedural source: documents are the image then its caption ('caption'), the image then a
+    question and its answer ('qa', the answer is the SFT target), or both kinds. File sources
+    hold captions."""
+    split: Literal["train", "heldout"] = "train"
+    """Procedural source: 'heldout' draws items from a seed disjoint from training's
+    (megatron_s2.data.image_text.split_seed), for evaluation."""
+    image_size: int = 64
+    """Procedural source: image side in pixels (>= 32)."""
+    procedural_kinds: tuple[str, ...] = PROCEDURAL_KINDS
+    """Procedural source: image kinds to draw, of PROCEDURAL_KINDS."""
+    image_column: str = "image"
+    """Parquet source: column of encoded image bytes (or a {bytes, path} struct, as Hugging Face
+    datasets write an Image feature)."""
+    text_column: str = "text"
+    """Parquet source: column of captions."""
+    image_max_pixels: int = 32 * 1024 * 1024
+    """Largest decoded width x height accepted; larger images are refused naming the file."""
+
     def __post_init__(self) -> None:
         if not self.tasks and self.kind == "synthetic":
             raise ConfigError(f"tasks: synthetic data needs at least one task; valid names: {', '.join(TASK_NAMES)}")
@@ -134,8 +170,11 @@ class DataConfig:
                     raise ConfigError(f"paths: '{path}' is not a .jsonl or .parquet file (kind 'chat')")
             if len(set(self.paths)) != len(self.paths):
                 raise ConfigError(f"paths: duplicate files in {list(self.paths)}")
+        elif self.kind == "image_text":
+            self._check_image_text()
         elif self.paths or self.weights:
-            raise ConfigError("paths: only kinds 'indexed' and 'chat' read files; set the kind or drop paths/weights")
+            raise ConfigError("paths: only kinds 'indexed', 'chat' and 'image_text' read files; set the kind or drop "
+                              "paths/weights")
         roles = ("system", "user", "assistant", "tool")
         bad = [r for r in self.loss_roles if r not in roles]
         if bad or not self.loss_roles:
@@ -149,6 +188,32 @@ class DataConfig:
             for weight in self.weights:
                 if not (math.isfinite(weight) and weight > 0):
                     raise ConfigError(f"weights: every weight must be a positive finite number, got {weight}")
+
+    def _check_image_text(self) -> None:
+        if self.source == "procedural":
+            if self.paths or self.weights:
+                raise ConfigError("paths: source 'procedural' reads no files; drop paths/weights or pick source "
+                                  "folder | parquet | webdataset")
+            if self.image_size < 32:
+                raise ConfigError(f"image_size: procedural images need at least 32 pixels a side, got {self.image_size}")
+            bad = [k for k in self.procedural_kinds if k not in PROCEDURAL_KINDS]
+            if bad or not self.procedural_kinds:
+                raise ConfigError(f"procedural_kinds: {bad or '[]'} — give one or more of {', '.join(PROCEDURAL_KINDS)}")
+            return
+        if self.split != "train" or self.image_text_format != "both":
+            raise ConfigError(f"split / image_text_format: apply to source 'procedural' only; source '{self.source}' "
+                              "holds captions (leave them at their defaults)")
+        if not self.paths:
+            what = {"folder": "image directories", "parquet": ".parquet files", "webdataset": ".tar shards"}
+            raise ConfigError(f"paths: source '{self.source}' needs one or more {what[self.source]}")
+        if len(set(self.paths)) != len(self.paths):
+            raise ConfigError(f"paths: duplicate entries in {list(self.paths)}")
+        suffix = {"parquet": ".parquet", "webdataset": ".tar"}.get(self.source)
+        for path in self.paths:
+            if suffix and not path.lower().endswith(suffix):
+                raise ConfigError(f"paths: '{path}' is not a {suffix} file (source '{self.source}')")
+        if self.image_max_pixels < 1:
+            raise ConfigError(f"image_max_pixels: must be a positive integer, got {self.image_max_pixels}")
 
     def loss_mode(self, phase: str) -> Literal["all", "answer"]:
         """Resolve `loss_on` for a phase name ('auto' masks prompts only in 'sft')."""

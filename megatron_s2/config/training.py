@@ -34,6 +34,12 @@ class TrainingConfig:
     newest checkpoint stays the last good state), or 'skip' the update and go on."""
     non_finite_max_skips: int = 10
     """With non_finite=skip: consecutive skipped steps after which the run stops anyway."""
+    freeze_vision_until_decay: bool = False
+    """Report §2.5: keep the vision encoder (the family's ``vision_encoder_patterns``; V4.1: the
+    tower's patch embedding and blocks) frozen — no gradient, no optimiser update, no weight
+    decay — until the learning-rate decay starts (schedule.decay_start_step / decay_start_tokens),
+    then train it from that exact step on. Its final norm, the aligner (projector) and the
+    image-span embeddings train throughout."""
     memory_check: bool = True
     """Refuse to start when the per-rank memory plan (`megatron-s2 plan memory`) exceeds the
     memory this host offers each rank; false skips the check (e.g. where the plan is wrong)."""

@@ -17,6 +17,8 @@ Map of the package (each module's docstring has the details):
 * :mod:`.sample_order` — epoch-seeded shuffling and weighted blending of packed rows.
 * :mod:`.images` — safe image decoding (bytes, files, data: / file:// URLs) to RGB (issue 22).
 * :mod:`.procedural_images` — rendered shapes, digits and words with verifiable captions.
+* :mod:`.image_text` — image-text documents (procedural / folder / parquet / webdataset) with
+  image spans sized by the model family's ``ImageProcessor`` (``data.kind: image_text``).
 * :mod:`.loader` — :func:`build_data_iterator`, the trainer's entry point.
 
 Every name below is imported with its module on first use, so that ``tools/preprocess_data.py``,
@@ -39,6 +41,8 @@ _MODULE_OF = {
     "ImageError": "images", "ImageLimits": "images", "decode_image": "images", "load_image": "images",
     "decode_data_url": "images", "load_image_url": "images", "ProceduralItem": "procedural_images",
     "procedural_item": "procedural_images", "procedural_items": "procedural_images",
+    "ImageTextPair": "image_text", "ImageTextDocuments": "image_text", "load_image_text_pairs": "image_text",
+    "build_image_text_documents": "image_text",
 }
 __all__ = sorted(_MODULE_OF)
 

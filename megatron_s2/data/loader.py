@@ -21,7 +21,14 @@ labels          [b, s]  int64     next-token targets (row[1:])
 loss_mask       [b, s]  float32   1 where the label is a target of the same segment (SFT: answer)
 doc_ids         [b, s]  int64     segment id per position; attend only within equal ids
 position_ids    [b, s]  int64     0..s-1 within the packed row
+image_mask      [b, s]  bool      image data only: True at image-span positions (the router's
+                                  image correction bias, §2.1.1; Engram skips them)
+images          b lists           image data only: per row, the model family's image inputs
+                                  (``ImageProcessor.prepare``, span start = row position), for
+                                  ``model.embed(tokens, images=...)``
 ==============  ======  ========  =============================================================
+
+Image-span positions are never targets: a label that is an image token has loss_mask 0.
 
 The only iterator state is the number of consumed global samples, so
 :meth:`DataIterator.state_dict` / :meth:`DataIterator.load_state_dict` resume exactly, even
@@ -57,7 +64,7 @@ class DataIterator:
 
     def __init__(self, stores: Sequence[DocumentStore], *, seq_length: int, global_batch_size: int,
                  micro_batch_size: int, dp_rank: int, dp_size: int, seed: int, answer_only: bool,
-                 pad_id: int, weights: Sequence[float] | None = None) -> None:
+                 pad_id: int, weights: Sequence[float] | None = None, image_processor=None) -> None:
         _check_layout(seq_length, global_batch_size, micro_batch_size, dp_rank, dp_size)
         self.seq_length = seq_length
         self.global_batch_size = global_batch_size
@@ -67,6 +74,8 @@ class DataIterator:
         self.answer_only = answer_only
         self.pad_id = pad_id
         self.stores = list(stores)
+        self.image_processor = image_processor
+        """The model family's ImageProcessor when a store holds images (``data.kind: image_text``)."""
         self.packed: list[PackedRows] = [best_fit_pack(store.sizes, seq_length + 1) for store in self.stores]
         self.order = BlendedSampleOrder([len(p) for p in self.packed], weights, seed)
         self.consumed_samples = 0
@@ -114,17 +123,36 @@ class DataIterator:
         packed = self.packed[dataset].materialize(row, self.stores[dataset], answer_only=self.answer_only,
                                                   pad_id=self.pad_id)
         same_segment = packed.segment_ids[1:] == packed.segment_ids[:-1]
+        is_target = packed.is_target
+        extra = {}
+        if hasattr(self.stores[dataset], "images_of"):  # image-text documents (data.image_text)
+            images, mask = self._images(dataset, row)
+            is_target = is_target & ~mask  # nothing predicts an image token
+            extra = {"image_mask": mask[:-1], "images": images}
         return {
             "tokens": packed.tokens[:-1],
             "labels": packed.tokens[1:],
-            "loss_mask": (packed.is_target[1:] & same_segment).astype(np.float32),
+            "loss_mask": (is_target[1:] & same_segment).astype(np.float32),
             "doc_ids": packed.segment_ids[:-1],
             "position_ids": np.arange(self.seq_length, dtype=np.int64),
+            **extra,
         }
+
+    def _images(self, dataset: int, row: int) -> tuple[list, np.ndarray]:
+        from megatron_s2.data.image_text import image_inputs_of_row
+
+        packed = self.packed[dataset]
+        segments, cursor = [], 0
+        for index in range(packed.row_offsets[row], packed.row_offsets[row + 1]):
+            length = int(packed.segment_length[index])
+            segments.append((int(packed.segment_document[index]), int(packed.segment_start[index]), length, cursor))
+            cursor += length
+        return image_inputs_of_row(self.stores[dataset], segments, self.image_processor, self.seq_length)
 
     @staticmethod
     def _collate(examples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
-        return {key: torch.from_numpy(np.stack([e[key] for e in examples])) for key in examples[0]}
+        return {key: ([e[key] for e in examples] if key == "images" else torch.from_numpy(np.stack([e[key] for e in examples])))
+                for key in examples[0]}
 
     # ---- checkpointing ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -160,8 +188,17 @@ def _check_layout(seq_length: int, global_batch_size: int, micro_batch_size: int
                           f"{dp_size * micro_batch_size} or change micro_batch_size")
 
 
-def load_document_stores(cfg: DataConfig, *, seed: int, tokenizer: Tokenizer, log=print) -> list[DocumentStore]:
-    """The document stores named by a data config (generated or read from disk)."""
+def load_document_stores(cfg: DataConfig, *, seed: int, tokenizer: Tokenizer, log=print, image_processor=None,
+                         seq_length: int | None = None) -> list[DocumentStore]:
+    """The document stores named by a data config (generated or read from disk); kind
+    'image_text' needs the model family's ``image_processor`` and the run's ``seq_length``."""
+    if cfg.kind == "image_text":
+        if image_processor is None:
+            raise ConfigError("data.kind: 'image_text' needs a model with a vision tower (model.vision_n_layers > 0)")
+        from megatron_s2.data.image_text import build_image_text_documents
+
+        return [build_image_text_documents(cfg, seed=seed, tokenizer=tokenizer, processor=image_processor,
+                                           seq_length=seq_length)]
     if cfg.kind == "synthetic":
         return [build_synthetic_documents(cfg, seed, tokenizer)]
     if cfg.kind == "chat":
@@ -182,14 +219,16 @@ def load_document_stores(cfg: DataConfig, *, seed: int, tokenizer: Tokenizer, lo
 
 def build_data_iterator(cfg: DataConfig, *, seq_length: int, global_batch_size: int, micro_batch_size: int,
                         dp_rank: int, dp_size: int, seed: int, phase: str, tokenizer: Tokenizer,
-                        log=print) -> DataIterator:
-    """The data iterator of one data-parallel rank (see module docstring)."""
+                        log=print, image_processor=None) -> DataIterator:
+    """The data iterator of one data-parallel rank (see module docstring); ``image_processor``:
+    the model family's (``family_of(model).image_processor(model)``), needed by kind 'image_text'."""
     _check_layout(seq_length, global_batch_size, micro_batch_size, dp_rank, dp_size)
     return DataIterator(
-        load_document_stores(cfg, seed=seed, tokenizer=tokenizer, log=log),
+        load_document_stores(cfg, seed=seed, tokenizer=tokenizer, log=log, image_processor=image_processor,
+                             seq_length=seq_length),
         seq_length=seq_length, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
         dp_rank=dp_rank, dp_size=dp_size, seed=seed, answer_only=cfg.loss_mode(phase) == "answer",
-        pad_id=tokenizer.pad_id, weights=cfg.weights or None,
+        pad_id=tokenizer.pad_id, weights=cfg.weights or None, image_processor=image_processor,
     )
 
 

@@ -38,6 +38,12 @@ API (all thread-safe)::
     engine.config.max_model_len, engine.policy_version, engine.stats(); driver.stop()
     engine.generate(prompts, params)                 # = EngineDriver(engine).generate: to completion
 
+**Images.** ``add_request(ids, params, images=[...])`` takes decoded Pillow images (one per image
+placeholder of ``ids``, each expanded to its image's span by the family's processor) or the
+spans :meth:`InferenceEngine.prepare_images` returned for ``ids`` (a server expands first to
+count the prompt's tokens). The executor embeds each image once; cached prefixes are keyed on
+the images' content, never on their placeholder ids (:mod:`megatron_s2.models.family.engine`).
+
 Stop strings are found by one incremental detokenizer per request
 (:mod:`~megatron_s2.inference.detokenizer`): linear in the output, not quadratic.
 """
@@ -58,7 +64,7 @@ from torch import nn
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.config.engine import EngineConfig
 from megatron_s2.models.family import family_of
-from megatron_s2.models.family.engine import Chunk, OutOfPages, SpeculativeExecutor
+from megatron_s2.models.family.engine import Chunk, ImageSpan, OutOfPages, SpeculativeExecutor
 from megatron_s2.inference.detokenizer import IncrementalDetokenizer, StopStrings
 from megatron_s2.inference.request import (
     CompletedRequest,
@@ -120,9 +126,10 @@ class InferenceEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None,
                     on_output: Callable[[RequestOutput], None] | None = None,
-                    cache_state: dict[str, torch.Tensor] | None = None) -> str:
+                    cache_state: dict[str, torch.Tensor] | None = None, images: list | None = None) -> str:
         """Queue a request; returns its id. Raises :class:`PromptTooLong`, :class:`QueueFull`,
-        ``ValueError`` for token ids outside the vocabulary. ``cache_state`` (from
+        ``ValueError`` for token ids outside the vocabulary or images the model cannot take
+        (``images``: module docstring). ``cache_state`` (from
         :meth:`export_cache_state` of an engine of the same configuration, over these prompt
         tokens) is what the request resumes from at admission instead of a prefill; ``ValueError``
         when it does not fit."""
@@ -130,6 +137,15 @@ class InferenceEngine:
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise ValueError("prompt_token_ids: the prompt is empty")
+        spans: list[ImageSpan] = []
+        if images:
+            if all(isinstance(image, ImageSpan) for image in images):
+                spans = list(images)
+                if any(span.start < 0 or span.end > len(prompt) for span in spans):
+                    raise ValueError(f"images: a span runs outside the prompt's {len(prompt)} tokens; pass the ids "
+                                     "prepare_images returned with its spans")
+            else:
+                prompt, spans = self.prepare_images(prompt, images)
         vocab = self.model_config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt_token_ids: ids must lie in 0..{vocab - 1}")
@@ -147,16 +163,31 @@ class InferenceEngine:
         seed = params.seed if params.seed is not None else hash((self.config.seed, arrival)) & ((1 << 63) - 1)
         gen = torch.Generator(device=self.device)  # reseeded per token (_advance)
         self._inbox.put(("add", Request(rid, prompt, params, gen, arrival, on_output, seed=seed,
-                                        cache_state=cache_state)))
+                                        cache_state=cache_state, images=spans)))
         self._notify()
         return rid
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
-               request_id: str | None = None) -> RequestHandle:
+               request_id: str | None = None, images: list | None = None) -> RequestHandle:
         """``add_request`` with a thread-safe handle streaming the outputs."""
+        if images and not all(isinstance(image, ImageSpan) for image in images):
+            prompt_token_ids, images = self.prepare_images(prompt_token_ids, images)
         handle = RequestHandle("", prompt_token_ids)
-        handle.request_id = self.add_request(prompt_token_ids, params, request_id=request_id, on_output=handle.put)
+        handle.request_id = self.add_request(prompt_token_ids, params, request_id=request_id, on_output=handle.put,
+                                             images=images)
         return handle
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The image placeholder id of prompts; None when the model takes no images."""
+        return self.executor.image_token_id
+
+    def prepare_images(self, prompt_token_ids: list[int], images: list) -> tuple[list[int], list[ImageSpan]]:
+        """The prompt with each image placeholder expanded to its image's span, and the spans
+        (``images``: decoded Pillow images, or the family's prepared inputs). ValueError when
+        the model has no vision tower or the placeholders and images do not match; thread-safe
+        (it only reads the configuration)."""
+        return self.executor.prepare_images([int(t) for t in prompt_token_ids], list(images))
 
     def abort(self, request_id: str) -> None:
         """Stop a request (e.g. its client disconnected); its state is freed at the next step and

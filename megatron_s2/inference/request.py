@@ -185,6 +185,8 @@ class Request:
     reseeded from (seed, i) (:func:`~megatron_s2.inference.sampling.position_seed`)."""
     cache_state: dict | None = None
     """A saved cache state to admit the request with (``InferenceEngine.add_request``)."""
+    images: list = field(default_factory=list)
+    """The prompt's images (:class:`~megatron_s2.models.family.engine.ImageSpan`), by position."""
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -70,6 +70,11 @@ class LRSchedule:
 
     __call__ = lr_at
 
+    def decay_started(self, step: int) -> bool:
+        """Whether optimiser step ``step`` (0-based) is at or past the onset of the decay (the
+        vision encoder unfreezes there, report §2.5)."""
+        return step + self.offset >= self.decay_start
+
     def apply(self, optimizer, step: int) -> float:
         """Set ``optimizer``'s base learning rate (``set_lr``) for ``step``; return it."""
         lr = self.lr_at(step)

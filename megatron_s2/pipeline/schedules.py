@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from megatron_s2.pipeline.runtime import PipelineRuntime
 
 __all__ = ["get_forward_backward_func", "forward_backward_no_pipelining", "forward_backward_pipelined",
-           "schedule_order"]
+           "schedule_order", "image_inputs"]
 
 Schedule = Callable[..., StepResult]
 
@@ -48,6 +48,12 @@ def get_forward_backward_func(layout, pipeline: "PipelineRuntime | None" = None)
     if pipeline is None:
         raise ValueError(f"pp={layout.pp} needs this rank's PipelineRuntime (see build_stage_model)")
     return functools.partial(forward_backward_pipelined, runtime=pipeline)
+
+
+def image_inputs(mb: dict) -> dict:
+    """``{"images": ...}`` for a micro-batch with images (``data.kind: image_text``), else ``{}``:
+    text-only families and micro-batches are called exactly as before."""
+    return {"images": mb["images"]} if mb.get("images") is not None else {}
 
 
 def _prepare_step(model, inputs: StepInputs):
@@ -64,12 +70,12 @@ def forward_backward_no_pipelining(model, inputs: StepInputs) -> StepResult:
     for mb in inputs.micro_batches:
         ctx = make_context(model, mb, inputs.routing, step_state)
         if inputs.loss_fn is not None:  # post-training objective on the logits
-            objective, summed = inputs.loss_fn(model, model(mb["tokens"], ctx), mb, ctx)
+            objective, summed = inputs.loss_fn(model, model(mb["tokens"], ctx, **image_inputs(mb)), mb, ctx)
             aux = ctx.total_aux_loss()
             if aux is not None:
                 objective = objective + aux / inputs.num_micro_global
         else:
-            token_loss = model(mb["tokens"], ctx, labels=mb["labels"])
+            token_loss = model(mb["tokens"], ctx, labels=mb["labels"], **image_inputs(mb))
             objective, summed = micro_batch_objective(token_loss, mb["loss_mask"], tokens, ctx.total_aux_loss(),
                                                       inputs.num_micro_global)
         objective.backward()
@@ -146,7 +152,7 @@ def forward_backward_pipelined(model, inputs: StepInputs, *, runtime: "PipelineR
             rt.request_exports(stage, ctx)
             inputs_f: list[torch.Tensor] = []
             if rt.is_first(stage):
-                hidden = model.embed(mb["tokens"])
+                hidden = model.embed(mb["tokens"], **image_inputs(mb))  # images: first stage only
                 spec = None
             else:
                 spec = rt.spec_for(stage, mb)

@@ -13,6 +13,13 @@ may carry ``reasoning_effort`` (report §5.1.4: an integer 1..100). vLLM's rende
 last message, so the model continues it: the rendered text is cut after that message's content,
 as transformers does), ``add_special_tokens`` (default false for chat: ``<bos>`` on top of what
 the template writes).
+
+**Images.** A user message's content may hold ``{"type": "image_url", "image_url": {"url": ...}}``
+parts (:mod:`megatron_s2.serve.media` reads the URL). Each part is rendered as the marker
+``<image>`` (:data:`~megatron_s2.inference.image_prompt.IMAGE_MARKER`) where it stands among the
+text parts, so the template places it; after rendering, each marker becomes the model's image
+placeholder id and the engine expands it into the image's span. A request whose text itself
+contains ``<image>`` next to image parts is refused (the places would be ambiguous).
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ from __future__ import annotations
 from typing import Callable
 
 from megatron_s2.data.hf_tokenizer import HFTokenizer
+from megatron_s2.inference.image_prompt import IMAGE_MARKER, encode_with_images, replace_marker_ids
 from megatron_s2.serve.errors import BadRequest
 from megatron_s2.serve.fields import Fields, shown, shown_text
+from megatron_s2.serve.media import ServedImages
 
 __all__ = ["has_chat_template", "chat_prompt_ids"]
 
@@ -34,21 +43,33 @@ def has_chat_template(tokenizer) -> bool:
                                                                                       True))
 
 
-def _text_content(content, where: str) -> str:
+def _content(content, where: str, role: str, images: ServedImages | None, urls: list) -> str:
+    """The content's text, each image part an :data:`IMAGE_MARKER` (its URL appended to ``urls``)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequest(f"{where}[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported",
-                                 param=f"{where}[{j}]")
-            parts.append(part["text"])
+            at = f"{where}[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif kind == "image_url" and images is not None:
+                images.refuse_unless_supported(at)
+                if role != "user":
+                    raise BadRequest(f"{at}: image parts are accepted in user messages only, not {role}", param=at)
+                url = part.get("image_url")
+                urls.append((url.get("url") if isinstance(url, dict) else url, f"{at}.image_url.url"))
+                parts.append(IMAGE_MARKER)
+            else:
+                raise BadRequest(f"{at}: only text parts ({{\"type\": \"text\", \"text\": ...}}) and image parts "
+                                 f"({{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}) are supported",
+                                 param=at)
         return "".join(parts)
-    raise BadRequest(f"{where}: must be a string or a list of text parts", param=where)
+    raise BadRequest(f"{where}: must be a string or a list of text and image parts", param=where)
 
 
-def _messages(value) -> list[dict]:
+def _messages(value, images: ServedImages | None = None, urls: list | None = None) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise BadRequest("messages: must be a non-empty list of {role, content} objects", param="messages")
     out = []
@@ -64,7 +85,8 @@ def _messages(value) -> list[dict]:
         content = message.get("content")
         if content is None and not (role == "assistant" and message.get("tool_calls")):
             raise BadRequest(f"{where}.content: required", param=f"{where}.content")
-        clean["content"] = _text_content(content, f"{where}.content") if content is not None else None
+        clean["content"] = (_content(content, f"{where}.content", role, images, urls if urls is not None else [])
+                            if content is not None else None)
         for key in ("reasoning_content", "tool_calls", "tool_call_id", "name"):
             if message.get(key) is not None:
                 clean[key] = message[key]
@@ -72,16 +94,20 @@ def _messages(value) -> list[dict]:
     return out
 
 
-def chat_prompt_ids(tokenizer, f: Fields, refuse_overlong: Callable[[list[str], str], None]) -> list[int]:
-    """Token ids of the request's conversation (module docstring).
+def chat_prompt_ids(tokenizer, f: Fields, refuse_overlong: Callable[[list[str], str], None],
+                    images: ServedImages | None = None) -> tuple[list[int], list]:
+    """Token ids of the request's conversation, and its images' spans (module docstring; the ids
+    hold each image's whole span, as the engine runs them).
 
     The conversation is rendered to text first and ``refuse_overlong`` sees that text before it is
     tokenised: whatever field holds the bulk (``content``, ``reasoning_content``, tool-call
-    ``arguments``), a chat that cannot fit the context is refused without tokenising megabytes."""
+    ``arguments``), a chat that cannot fit the context is refused without tokenising megabytes;
+    images are decoded last, once everything else passed."""
     if not has_chat_template(tokenizer):
         raise BadRequest(f"messages: this model has no chat template (its tokenizer {type(tokenizer).__name__} "
                          "defines none); use /v1/completions with a text or token-id prompt", param="messages")
-    messages = _messages(f.raw("messages"))
+    urls: list[tuple[object, str]] = []
+    messages = _messages(f.raw("messages"), images, urls)
     kwargs = f.object("chat_template_kwargs")
     kwargs.only(set(TEMPLATE_KWARGS))
     effort = kwargs.int("reasoning_effort", None, minimum=1, maximum=100)
@@ -94,14 +120,36 @@ def chat_prompt_ids(tokenizer, f: Fields, refuse_overlong: Callable[[list[str], 
         options["reasoning_effort"] = effort
     text = _render(tokenizer, messages, options, tokenize=False)  # Jinja only: cheap, whatever the size
     refuse_overlong([text], "messages")
+
+    def encode(rendered: str) -> list[int]:
+        """The rendered text's ids; each marker the template placed becomes the image placeholder."""
+        if not urls:
+            return tokenizer.encode(rendered)
+        ids, found = encode_with_images(tokenizer.encode, rendered, images.token_id)
+        _check_placeholders(found, len(urls))
+        return ids
+
     if continue_final:
-        ids = tokenizer.encode(_cut_after_final_message(tokenizer, text, messages))
+        ids = encode(_cut_after_final_message(tokenizer, text, messages))
     elif _renders_text(tokenizer):  # the template's text is what gets tokenised
-        ids = tokenizer.encode(text)
+        ids = encode(text)
     else:
         ids = [int(t) for t in _render(tokenizer, messages, options, tokenize=True)]
+        if urls:
+            ids, found = replace_marker_ids(ids, tokenizer.encode(IMAGE_MARKER), images.token_id)
+            _check_placeholders(found, len(urls))
     bos = getattr(tokenizer, "bos_id", None)
-    return ([bos] if f.bool("add_special_tokens") and bos is not None else []) + ids
+    ids = ([bos] if f.bool("add_special_tokens") and bos is not None else []) + ids
+    if not urls:
+        return ids, []
+    decoded = [images.load(url, param) for url, param in urls]
+    return images.prepare(ids, decoded, "messages")
+
+
+def _check_placeholders(found: int, expected: int) -> None:
+    if found != expected:
+        raise BadRequest(f"messages: the rendered chat holds {found} image places for {expected} image parts; the "
+                         f"text must not contain {IMAGE_MARKER}, which marks image parts", param="messages")
 
 
 def _cut_after_final_message(tokenizer, text: str, messages: list[dict]) -> str:

@@ -15,6 +15,10 @@ adds usage), ``logprobs: true`` + ``top_logprobs: N``, the sampling fields of
 * ``truncate_prompt_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``,
   ``logprob_token_ids`` (:mod:`megatron_s2.serve.options`).
 
+Images: user messages may carry ``image_url`` parts (:mod:`megatron_s2.serve.chat`,
+:mod:`megatron_s2.serve.media`); such a prompt is not truncated (``truncate_prompt_tokens`` would
+cut an image's span) and gets no ``prompt_logprobs`` (they are scored without the images).
+
 Tools are not parsed: ``tools`` is refused (render them client-side and call
 ``/inference/v1/generate``), and so is a ``tool_choice`` other than ``"none"`` without tools (vLLM's
 rule); a request's own ``chat_template`` is refused as vLLM refuses it by default, and
@@ -87,7 +91,12 @@ async def chat_completions(state: ServerState, request):
     # rendering and tokenising run on a worker thread, off the event loop every client shares; a
     # truncated prompt fits whatever its length (vLLM tokenises it whole)
     refuse_overlong = state.refuse_overlong_text if truncation is None else (lambda texts, field: None)
-    prompt = await run_in_threadpool(chat_prompt_ids, state.tokenizer, f, refuse_overlong)
+    prompt, images = await run_in_threadpool(chat_prompt_ids, state.tokenizer, f, refuse_overlong, state.images)
+    if images and truncation is not None:
+        f.fail("truncate_prompt_tokens", "cannot be combined with image parts (it would cut an image's span); "
+                                         "leave it out")
+    if images and asked is not None:
+        f.fail("prompt_logprobs", "not computed for prompts with image parts; leave it out")
     if truncation is not None:
         prompt = truncation.apply(prompt)
     choices = build_choices(state, f, [prompt], opts, "messages", ("max_completion_tokens", "max_tokens"))
@@ -95,7 +104,7 @@ async def chat_completions(state: ServerState, request):
     echoed = _echoed_content(f) if opts.echo else ""
     rid, created = new_id("chatcmpl"), int(time.time())
     gen = Generation(state.backend, rid, request, state.config.disconnect_poll_s)
-    submit(gen, choices)
+    submit(gen, choices, images)
     tags = list(range(opts.n))
     base = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
     stop = f.strings("stop")

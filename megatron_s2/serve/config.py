@@ -7,6 +7,7 @@ The engine's own settings (concurrency, queue bound, ``max_model_len``, KV tiers
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_s2.config.engine import LOGPROBS_MODES
 from megatron_s2.config.schema import ConfigError
@@ -54,6 +55,9 @@ class ServeConfig:
     prompt that long could not fit ``max_model_len`` anyway, and tokenising it stalls the server)."""
     disconnect_poll_s: float = 0.25
     """How often a waiting request checks whether its client has gone (then it is aborted)."""
+    allowed_local_media_path: str = ""
+    """A directory whose files chat ``image_url`` parts may name as ``file://`` URLs (vLLM's
+    ``--allowed-local-media-path``); "" = none: only inline ``data:`` URLs are read."""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -75,3 +79,6 @@ class ServeConfig:
             raise ConfigError(f"max_body_bytes: must be >= 1024, got {self.max_body_bytes}")
         if not self.disconnect_poll_s > 0:
             raise ConfigError(f"disconnect_poll_s: must be positive, got {self.disconnect_poll_s}")
+        if self.allowed_local_media_path and not Path(self.allowed_local_media_path).is_dir():
+            raise ConfigError(f"--allowed-local-media-path: {self.allowed_local_media_path} is not a directory; give "
+                              "an existing directory whose images clients may name with file:// URLs")

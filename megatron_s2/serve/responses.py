@@ -38,9 +38,11 @@ def build_choices(state: ServerState, f: Fields, prompts: list[list[int]], opts:
     return choices
 
 
-def submit(gen: Generation, choices: list[Choice]) -> None:
+def submit(gen: Generation, choices: list[Choice], images: list | None = None) -> None:
+    """Queue every choice; ``images``: the prompt's image spans, shared by its choices (each
+    image is embedded once however many choices read it)."""
     for tag, prompt, params in choices:
-        gen.add(tag, prompt, params)
+        gen.add(tag, prompt, params, images)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

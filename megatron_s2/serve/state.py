@@ -13,6 +13,7 @@ from megatron_s2.serve.backend import AsyncEngine
 from megatron_s2.serve.config import ServeConfig
 from megatron_s2.serve.errors import BadRequest, NotFound
 from megatron_s2.serve.fields import Fields, shown_text
+from megatron_s2.serve.media import ServedImages
 
 __all__ = ["ServerState", "new_id", "sse", "SSE_DONE"]
 
@@ -51,6 +52,11 @@ class ServerState:
     def max_logprobs(self) -> int:
         """``ServeConfig.max_logprobs`` with -1 resolved to the vocabulary size (as vLLM does)."""
         return self.vocab_size if self.config.max_logprobs == -1 else self.config.max_logprobs
+
+    @cached_property
+    def images(self) -> ServedImages:
+        """How chat ``image_url`` parts are read and expanded (:mod:`megatron_s2.serve.media`)."""
+        return ServedImages(self.backend.engine, self.config.allowed_local_media_path)
 
     @property
     def eos_token_id(self) -> int | None:

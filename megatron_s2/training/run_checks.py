@@ -31,7 +31,7 @@ from megatron_s2.data.errors import DataError
 
 from megatron_s2.runtime.host_memory import GiB, HostMemory
 
-__all__ = ["HostMemory", "check_run_inputs", "check_run_dir", "check_data", "check_checkpoint_load", "check_memory",
+__all__ = ["HostMemory", "check_run_inputs", "check_run_dir", "check_data", "check_image_layout", "check_checkpoint_load", "check_memory",
            "check_rank_memory"]
 
 
@@ -72,6 +72,14 @@ def check_data(recipe: RecipeConfig, tokenizer) -> None:
     from megatron_s2.data.indexed_dataset import IndexedDataset
     from megatron_s2.data.records import resolve_local_path
 
+    if recipe.data.kind == "image_text":  # images are decoded (and refused by name) when the data is built
+        for name in recipe.data.paths:
+            path = Path(name)
+            ok = path.is_dir() if recipe.data.source == "folder" else path.is_file() and os.access(path, os.R_OK)
+            if not ok:
+                what = "a directory of images" if recipe.data.source == "folder" else "a readable file"
+                raise ConfigError(f"data.paths: {name} is not {what} (data.source: {recipe.data.source})")
+        return
     if recipe.data.kind == "chat":
         for name in recipe.data.paths:
             path = resolve_local_path(name)
@@ -88,6 +96,29 @@ def check_data(recipe: RecipeConfig, tokenizer) -> None:
             raise ConfigError(f"data.paths: {prefix}.idx was written with a {dataset.vocab_size}-token vocabulary "
                               f"but the '{recipe.data.tokenizer}' tokenizer has {tokenizer.vocab_size}; "
                               "re-run tools/preprocess_data.py")
+
+
+def check_image_layout(recipe: RecipeConfig) -> None:
+    """Image data (``data.kind: image_text``) needs a model with a vision pathway and a layout the
+    image wiring supports: whole sequences on each rank (no sequence or context parallelism yet)
+    and no DSpark drafter training."""
+    if recipe.data.kind != "image_text":
+        return
+    from megatron_s2.models.family import family_of
+
+    if family_of(recipe.model).image_processor(recipe.model) is None:
+        raise ConfigError("data.kind: 'image_text' needs a model with a vision tower; set model.vision_n_layers "
+                          "(and the other vision_* fields) or use text data")
+    p = recipe.parallel
+    if p.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel: image spans are merged into whole-sequence embeddings, which "
+                          "sequence parallelism shards; set sequence_parallel: false for image data")
+    if p.cp > 1:
+        raise ConfigError("parallel.cp: image data under context parallelism needs balanced image sharding across CP "
+                          "ranks (not implemented yet); set cp: 1 for image data")
+    if recipe.phase.trains_drafter:
+        raise ConfigError(f"data.kind: 'image_text' with a phase that trains the DSpark drafter is not supported; "
+                          "train the drafter on text data")
 
 
 def check_checkpoint_load(recipe: RecipeConfig, run_dir: str | Path, pending: Sequence[str | Path] = ()) -> None:
@@ -210,6 +241,7 @@ def check_run_inputs(recipe: RecipeConfig, world_size: int, host: HostMemory | N
     run_dir = run_dir if run_dir is not None else recipe.training.run_dir
     check_run_dir(run_dir)
     check_drafter_phase(recipe)
+    check_image_layout(recipe)
     tokenizer = check_tokenizer(recipe)
     check_data(recipe, tokenizer)
     check_checkpoint_load(recipe, run_dir, pending)

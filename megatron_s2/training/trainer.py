@@ -108,6 +108,7 @@ class Trainer:
                                              async_save=recipe.checkpoint.async_save,
                                              layout=self.layout.describe(), log=self.log)
         self.step = 0
+        self.vision_frozen = self._freeze_vision() if t.freeze_vision_until_decay else []
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.non_finite = NonFiniteGuard(t.non_finite, t.non_finite_max_skips, self.log)
 
@@ -146,7 +147,8 @@ class Trainer:
         return build_data_iterator(self.recipe.data, seq_length=t.seq_length, global_batch_size=t.global_batch_size,
                                    micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank,
                                    dp_size=self.layout.dp, seed=t.seed, phase=self.recipe.phase.kind,
-                                   tokenizer=self.tokenizer, log=self.log)
+                                   tokenizer=self.tokenizer, log=self.log,
+                                   image_processor=family_of(self.recipe.model).image_processor(self.recipe.model))
 
     def _freeze(self, patterns: tuple[str, ...]) -> None:
         from fnmatch import fnmatch
@@ -154,6 +156,35 @@ class Trainer:
         for name, p in self.model.named_parameters():
             if any(fnmatch(name, pat) for pat in patterns):
                 p.requires_grad_(False)
+
+    def _freeze_vision(self) -> list[torch.nn.Parameter]:
+        """Freeze the vision encoder until the decay (``training.freeze_vision_until_decay``, §2.5).
+
+        The optimiser is built first, so the encoder has its place (and, under ZeRO-1, its shard)
+        from the start; frozen, it has no gradient, and every update rule skips a parameter without
+        one (no momentum, no weight decay)."""
+        from fnmatch import fnmatch
+
+        patterns = family_of(self.recipe.model).vision_encoder_patterns(self.recipe.model)
+        if not patterns:
+            raise ConfigError("training.freeze_vision_until_decay: the model has no vision encoder "
+                              "(model.vision_n_layers: 0); set it false")
+        frozen = [p for name, p in self.model.named_parameters()
+                  if p.requires_grad and any(fnmatch(name, pat) for pat in patterns)]
+        for p in frozen:
+            p.requires_grad_(False)
+        return frozen
+
+    def _unfreeze_vision_at_decay(self) -> None:
+        """From the first step of the learning-rate decay on, the vision encoder trains (§2.5)."""
+        if not self.vision_frozen or not self.schedule.decay_started(self.step):
+            return
+        for p in self.vision_frozen:
+            p.requires_grad_(True)
+        self.log(f"step {self.step + 1}: learning-rate decay starts; the vision encoder is unfrozen "
+                 f"({len(self.vision_frozen)} tensors)")
+        self.vision_frozen = []
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
 
     def write_run_files(self) -> None:
         if not self.is_main:
@@ -304,6 +335,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         t0 = time.perf_counter()
+        self._unfreeze_vision_at_decay()
         lr = self.schedule.apply(self.optimizer, self.step)
         micro_batches = self.data.next_step()
         fingerprint = batch_fingerprint(micro_batches)

@@ -165,6 +165,8 @@ def test_bad_command_line_input_exits_2_with_one_line(run_dir, capsys):
         ([str(run_dir), "--port", "70000"], "--port"),
         ([str(run_dir), "--max-model-len", "0"], "--max-model-len"),
         ([str(run_dir), "--max-model-len", "1000000000"], "--max-model-len"),  # KV larger than memory
+        ([str(run_dir), "--allowed-local-media-path", "/does/not/exist"],
+         "--allowed-local-media-path: /does/not/exist is not a directory"),
     ]
     try:
         for args, words in cases:

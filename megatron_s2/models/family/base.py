@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from megatron_s2.parallel.groups import ParallelGroups
     from megatron_s2.parallel.layout import ParallelLayout
 
-__all__ = ["ModelFamily", "FamilyModel", "StagePayloads", "HiddenOnlyPayloads", "MemoryModel", "RankShape", "LayerActivations", "FLOAT_BYTES", "CommVolume",
+__all__ = ["ModelFamily", "FamilyModel", "ImageProcessor", "StagePayloads", "HiddenOnlyPayloads", "MemoryModel", "RankShape", "LayerActivations", "FLOAT_BYTES", "CommVolume",
            "AccountReport"]
 
 
@@ -72,7 +72,10 @@ class FamilyModel(Protocol):
         ``doc_ids``, context-parallel ``full_*`` views). It carries the family's auxiliary losses
         (``total_aux_loss()``, ``aux_losses``, ``aux_metrics``) and, when given, a routing replay."""
 
-    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+    def embed(self, input_ids: torch.Tensor, images=None) -> tuple[torch.Tensor, ...]:
+        """Token ids -> the hidden state. ``images`` (families with an :meth:`ModelFamily.image_processor`
+        only; the schedules pass it only when a micro-batch has an ``images`` entry): per row, the
+        list of image inputs its processor's ``prepare`` made, whose spans take visual embeddings."""
 
     def run_layers(self, hidden: tuple[torch.Tensor, ...], ctx, layer_ids: Iterable[int] | None = None
                    ) -> tuple[torch.Tensor, ...]: ...
@@ -100,6 +103,23 @@ class FamilyModel(Protocol):
         """Store the parameters as the family's precision map says (``params_dtype`` matrices,
         float32 islands); a model built for rollouts, a teacher or a reference calls it after
         construction, as ``init_weights`` does for a trained model."""
+
+
+class ImageProcessor(Protocol):
+    """How a family with a vision pathway turns a decoded image into a span of the token sequence.
+
+    The data loader (:mod:`megatron_s2.data.image_text`) sizes documents with
+    :meth:`span_length` before any pixel is processed, writes ``image_token_id`` at every position
+    of the span, and hands :meth:`prepare`'s result to ``model.embed(tokens, images=...)``."""
+
+    image_token_id: int
+    """The id every position of an image span carries in the input ids."""
+
+    def span_length(self, width: int, height: int) -> int:
+        """Positions the span of an image of ``width x height`` pixels takes (resize planning only)."""
+
+    def prepare(self, image: Any, start: int) -> Any:
+        """A decoded RGB Pillow image -> the model's input for a span starting at position ``start``."""
 
 
 @dataclass(frozen=True)
@@ -234,6 +254,17 @@ class ModelFamily(abc.ABC):
     def check_recipe(self, recipe) -> None:
         """Refuse, with a ConfigError naming the field, what this family cannot run (backends,
         parallel settings); called before any rank starts and by every rank at start-up."""
+
+    def image_processor(self, cfg: ModelSchema) -> ImageProcessor | None:
+        """The :class:`ImageProcessor` of a model with a vision pathway; None for text-only models
+        (the default)."""
+        return None
+
+    def vision_encoder_patterns(self, cfg: ModelSchema) -> tuple[str, ...]:
+        """Parameter-name patterns (fnmatch) of the vision encoder that
+        ``training.freeze_vision_until_decay`` holds frozen until the learning-rate decay (report
+        §2.5); empty for text-only models (the default)."""
+        return ()
 
     def describe(self, model: nn.Module, cfg: ModelSchema) -> list[str]:
         """Start-up log lines about precision and kernels."""

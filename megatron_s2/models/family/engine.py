@@ -9,6 +9,13 @@ tiers; a dense transformer's paged KV — and runs the model over a batch of req
 Shared building blocks for executors live here too: :class:`PagePool` (page ids with reference
 counts and an LRU of cached prefix pages, vLLM's block pool), :func:`prefix_hashes` and the
 row / output records of one forward.
+
+**Images.** A request may carry images (:class:`ImageSpan`): each occupies a span of positions
+of ``request.tokens`` whose ids are all the model's image placeholder, so the ids alone do not
+say *which* image a span holds. The executor embeds each image once and overwrites the span's
+positions in every chunk that reaches them; every cache key over tokens (prefix pages, SWA
+snapshots) also covers the content digest of each image it reaches (:func:`prefix_hashes`) —
+two prompts with the same placeholders but different pixels must never share a cached prefix.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelExecutor", "SpeculativeExecutor", "Drafter", "Chunk", "RowOutput", "PagePool", "OutOfPages", "prefix_hashes"]
+__all__ = ["ModelExecutor", "SpeculativeExecutor", "Drafter", "Chunk", "RowOutput", "ImageSpan", "PagePool",
+           "OutOfPages", "prefix_hashes", "image_key"]
 
 
 class OutOfPages(RuntimeError):
@@ -39,6 +47,40 @@ class Chunk:
     length: int
     logits: str = "last"
     """Logits to return: "last" (of the chunk's last token), "all" or "none"."""
+
+
+@dataclass(eq=False)
+class ImageSpan:
+    """One image of a request: the positions it occupies in ``request.tokens`` and its content."""
+
+    start: int
+    """Position of the span's first token."""
+    length: int
+    """Positions of the span (delimiters included)."""
+    key: bytes
+    """Digest of the image's content (its model inputs: pixels / patches and grid), never of the
+    placeholder ids: what cache keys over the span are made of (:func:`image_key`)."""
+    data: Any
+    """The family's prepared input (V4.1: the processor's ``ImageInput``)."""
+    embeddings: torch.Tensor | None = None
+    """[length, hidden] the span's input embeddings, computed once by the executor on first use."""
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def image_key(*parts) -> bytes:
+    """Content digest of an image's model inputs (tensors are hashed by dtype, shape and bytes)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            t = part.detach().to("cpu").contiguous()
+            digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            digest.update(repr(part).encode())
+    return digest.digest()
 
 
 @dataclass
@@ -77,6 +119,9 @@ class Drafter(abc.ABC):
 class ModelExecutor(abc.ABC):
     """Per-request model state of one engine and the forward over it."""
 
+    image_token_id: int | None = None
+    """The image placeholder id of prompts (:meth:`prepare_images`); None: the model takes no images."""
+
     @abc.abstractmethod
     def can_admit(self) -> bool:
         """A new request can get its per-request state now."""
@@ -96,6 +141,11 @@ class ModelExecutor(abc.ABC):
 
     @abc.abstractmethod
     def free_pages(self) -> int: ...
+
+    def prepare_images(self, prompt: list[int], images: list) -> tuple[list[int], list[ImageSpan]]:
+        """``prompt`` with each image placeholder expanded to its image's span, and the spans;
+        ValueError when the model takes no images or they do not match the placeholders."""
+        raise ValueError(f"{type(self).__name__}: this model family takes no images")
 
     def limit_chunk(self, request, tokens: int) -> int:
         """The chunk length the state allows (e.g. a replay boundary); default: unchanged."""
@@ -201,12 +251,18 @@ class PagePool:
         return len(self.free) + len(self.evictable)
 
 
-def prefix_hashes(tokens: list[int], page_tokens: int, pages: int) -> list[bytes]:
+def prefix_hashes(tokens: list[int], page_tokens: int, pages: int, images: tuple | list = ()) -> list[bytes]:
     """Chained digests of the first ``pages`` complete pages of ``tokens`` (a page's digest
-    stands for the whole prefix it ends)."""
+    stands for the whole prefix it ends). A page some of whose positions belong to an image
+    (:class:`ImageSpan` in ``images``) also digests that image's offset and content key: the
+    placeholder ids are the same for every image."""
     out, parent = [], b""
     for i in range(pages):
-        chunk = array("q", tokens[i * page_tokens:(i + 1) * page_tokens]).tobytes()
+        lo, hi = i * page_tokens, (i + 1) * page_tokens
+        chunk = array("q", tokens[lo:hi]).tobytes()
+        for image in images:
+            if image.start < hi and image.end > lo:
+                chunk += array("q", [image.start - lo]).tobytes() + image.key
         parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
         out.append(parent)
     return out

@@ -114,6 +114,18 @@ class V41Family(ModelFamily):
 
             get_provider("transformer_engine")  # BackendUnavailable is a ConfigError naming the field and fix
 
+    def image_processor(self, cfg: V41Config):
+        if not cfg.vision_n_layers:
+            return None
+        from megatron_s2.models.v41.vision.processor import V41ImageProcessor
+
+        return V41ImageProcessor(cfg)
+
+    def vision_encoder_patterns(self, cfg: V41Config) -> tuple[str, ...]:
+        # §2.5: frozen until the decay "while its final normalization layer and the vision-language
+        # projector remain trainable" (vision.tower.norm, vision.aligner, the span embeddings)
+        return ("vision.tower.patch_embed.*", "vision.tower.blocks.*") if cfg.vision_n_layers else ()
+
     def describe(self, model, cfg: V41Config) -> list[str]:
         from megatron_s2.models.v41.precision import describe_fp8, describe_precision
 

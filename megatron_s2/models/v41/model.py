@@ -84,8 +84,9 @@ class V41Model(nn.Module):
         if images is not None:
             if self.vision is None:
                 raise ValueError("images given, but this model has no vision tower (model.vision_n_layers: 0)")
-            if self.groups.sequence.sp:
-                raise NotImplementedError("image spans under sequence parallelism are not supported yet")
+            if self.groups.sequence.sp:  # refused at start-up (training.run_checks.check_image_layout)
+                raise ValueError("parallel.sequence_parallel: image spans are merged into whole-sequence embeddings; "
+                                 "set sequence_parallel: false for image data")
             from megatron_s2.models.v41.vision.tower import merge_image_embeddings
 
             h = merge_image_embeddings(h, images, self.vision)
@@ -163,11 +164,12 @@ class V41Model(nn.Module):
 
     # ---- single-stage convenience -----------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits shard [b, s, V/tp], or the per-token loss [b, s] when ``labels`` is given."""
+                labels: torch.Tensor | None = None, images=None) -> torch.Tensor:
+        """Logits shard [b, s, V/tp], or the per-token loss [b, s] when ``labels`` is given
+        (``images``: as :meth:`embed`)."""
         if ctx is None:
             ctx = ForwardContext.create(input_ids, self.plan)
-        logits = self.head(*self.run_layers(self.embed(input_ids), ctx))
+        logits = self.head(*self.run_layers(self.embed(input_ids, images), ctx))
         return logits if labels is None else self.loss(logits, labels)
 
     # ---- training hooks ---------------------------------------------------------------------

@@ -16,6 +16,12 @@ rollout resumed after a restart continues every in-flight sample bit for bit (re
 :class:`~.tiers.KVTiers` decides at admission what a request resumes from (prefix pages, an SWA
 snapshot, encoder / decoder SWA Bounded Replay, §3.2.2); :class:`~.runner.ModelRunner` runs one
 incremental forward of the training modules over a batch of chunks.
+
+**Images** (report §2.1.1): :meth:`V41Executor.prepare_images` expands each ``image_token_id``
+placeholder of a prompt into its image's span (the reference's ``prepare_vl_inputs``) and keys
+the image by its patches; the vision encoder runs once per image, the first time a chunk reaches
+its span, and every chunk that covers span positions (a span may cross chunk boundaries) takes
+its rows from that result (:meth:`V41Executor._image_rows`).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 
 from megatron_s2.config.engine import EngineConfig
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.models.family.engine import Chunk, RowOutput, SpeculativeExecutor
+from megatron_s2.models.family.engine import Chunk, ImageSpan, RowOutput, SpeculativeExecutor, image_key
 from megatron_s2.models.v41.config import V41Config
 from megatron_s2.models.v41.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
 from megatron_s2.models.v41.inference.runner import ForwardRow, ModelRunner
@@ -74,6 +80,7 @@ class V41Executor(SpeculativeExecutor):
         self.swa = SWAStore(cfg, config.max_num_seqs + config.swa_pool_slots, device)
         self.runner = ModelRunner(model, self.global_kv, self.swa)
         self.tiers = KVTiers(config, cfg, self.global_kv, self.swa)
+        self.image_token_id = cfg.image_token_id if getattr(model, "vision", None) is not None else None
         self.drafter = None
         if config.speculative:
             if getattr(model, "dspark", None) is None:
@@ -252,15 +259,64 @@ class V41Executor(SpeculativeExecutor):
         seq.decoder_from, seq.hashed_pages, seq.swa_from = decoder_from, hashed_pages, (swa_enc, swa_dec)
         request.kv, request.num_computed = seq, num_computed
 
+    # ---- images (report §2.1.1) -----------------------------------------------------------
+    def prepare_images(self, prompt: list[int], images: list) -> tuple[list[int], list[ImageSpan]]:
+        """Decoded images (Pillow): each placeholder of ``prompt`` becomes its image's span.
+        Prepared ``ImageInput``s (``prepare_vl_inputs``): ``prompt`` already holds their spans."""
+        from megatron_s2.models.v41.vision.processor import ImageInput, prepare_vl_inputs
+
+        cfg = self.model_config
+        if self.image_token_id is None:
+            raise ValueError("images given, but this model has no vision tower (model.vision_n_layers: 0)")
+        if all(isinstance(image, ImageInput) for image in images):
+            inputs = list(images)
+            for image in inputs:
+                end = image.start + image.types.numel()
+                if end > len(prompt) or any(t != cfg.image_token_id for t in prompt[image.start:end]):
+                    raise ValueError(f"image at position {image.start}: the prompt does not hold its span of "
+                                     f"{image.types.numel()} image tokens ({cfg.image_token_id}) there")
+        else:
+            prompt, _, inputs = prepare_vl_inputs(prompt, images, cfg)
+            inputs = inputs or []
+        spans = [ImageSpan(image.start, image.types.numel(),
+                           image_key(image.patches, image.n_vit_h, image.n_vit_w, image.types), image)
+                 for image in inputs]
+        return list(prompt), spans
+
+    def _image_rows(self, request, start: int, length: int) -> list[tuple[int, torch.Tensor]]:
+        """(offset in the chunk, span rows) of the image positions in ``[start, start + length)``;
+        each image's vision forward runs once per request, on first use."""
+        out = []
+        for image in request.images:
+            lo, hi = max(start, image.start), min(start + length, image.end)
+            if lo >= hi:
+                continue
+            if image.embeddings is None:
+                dtype = getattr(torch, self.model_config.compute_dtype)  # the dtype embed() merges spans in
+                with torch.no_grad():
+                    image.embeddings = self.runner.model.vision.span_embeddings(image.data, dtype)
+            out.append((lo - start, image.embeddings[lo - image.start:hi - image.start]))
+        return out
+
+    def _history(self, request, start: int) -> list[int]:
+        """The tokens before ``start`` that Engram's n-grams may reach, -1 at image positions."""
+        lo = max(0, start - self.runner.history)
+        history = request.tokens[lo:start]
+        for image in request.images:
+            a, b = max(lo, image.start), min(start, image.end)
+            if a < b:
+                history = history[:a - lo] + [-1] * (b - a) + history[b - lo:]
+        return history
+
     # ---- one forward ----------------------------------------------------------------------
     def forward(self, chunks: list[Chunk], *, record_routing: bool = False, record_topk: bool = False
                 ) -> list[RowOutput]:
         rows = []
         for c in chunks:
-            req, h = c.request, self.runner.history
+            req = c.request
             rows.append(ForwardRow(req.kv, req.tokens[c.start:c.start + c.length], c.start,
-                                   req.tokens[max(0, c.start - h):c.start], logits=c.logits,
-                                   decoder_from=req.kv.decoder_from))
+                                   self._history(req, c.start), logits=c.logits, decoder_from=req.kv.decoder_from,
+                                   images=self._image_rows(req, c.start, c.length)))
         capture = self.drafter.targets if self.drafter is not None else ()
         out = self.runner.forward(rows, record_routing=record_routing, record_topk=record_topk, capture=capture)
         if capture:  # the drafter's main input of every computed token, pushed once the step keeps it

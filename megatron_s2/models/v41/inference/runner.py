@@ -12,6 +12,12 @@ method :meth:`CSA2Attention.compressor_input`), and the decoder layers run only 
 the tokens at or after ``decoder_from`` — their SWA KV truncated to start there. Rows whose
 chunk lies entirely before ``decoder_from`` skip the decoder.
 
+**Images** (report §2.1.1): a row's image positions (:attr:`ForwardRow.images`, the span rows
+the executor computed once per image) replace the placeholder ids' word embeddings on every
+stream, exactly as ``V41Model.embed(ids, images=...)`` merges them in the whole-sequence
+forward; the chunk's image mask reaches the MoE routers (the image correction bias) and Engram
+(no n-gram through an image token, the history included), as the training context's does.
+
 Tensor parallelism: rows are padded to a multiple of tp tokens (the routed experts split each
 sequence over tp), and the vocabulary-parallel logits are gathered for sampling. Sequence and
 context parallelism are not used for inference.
@@ -19,7 +25,7 @@ context parallelism are not used for inference.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +57,18 @@ class ForwardRow:
     bounded replay, "all" covers only the tokens the decoder ran on (from ``decoder_from``)."""
     decoder_from: int = 0
     """Decoder layers run only on positions >= this (decoder bounded replay)."""
+    images: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    """(offset in ``tokens``, input embeddings [n, hidden]) of each run of image positions in the
+    chunk; ``history`` carries -1 at image positions (dead for Engram's n-grams)."""
+
+    def engram_tokens(self) -> list[int]:
+        """``tokens`` with -1 at image positions (Engram's history convention)."""
+        if not self.images:
+            return self.tokens
+        out = list(self.tokens)
+        for offset, rows in self.images:
+            out[offset:offset + rows.size(0)] = [-1] * rows.size(0)
+        return out
 
 
 class _RecordingRegistry(SharedStateRegistry):
@@ -85,11 +103,11 @@ class ModelRunner:
         :attr:`captured` (the DSpark drafter's main input)."""
         for row in rows:
             self._ensure_pages(row.seq, row.start + len(row.tokens))
-        ids, pos, valid, prefix = self._batch(rows, [0] * len(rows))
-        ctx = self._context(rows, ids, pos, valid, prefix, record_routing, record_topk)
+        ids, pos, valid, prefix, image_mask = self._batch(rows, [0] * len(rows))
+        ctx = self._context(rows, ids, pos, valid, prefix, image_mask, record_routing, record_topk)
         ctx.capture = {i: None for i in capture} if capture else None
         self.captured = ctx.capture
-        hidden = self.model.embed(ids)
+        hidden = self._embed(rows, ids)
         split = [max(0, min(len(r.tokens), r.decoder_from - r.start)) for r in rows]
         if not any(split) or not self.decoder_ids:
             x, pre = self.model.run_layers(hidden, ctx)
@@ -98,6 +116,15 @@ class ModelRunner:
             views = self._bounded_decoder(rows, ctx, *hidden, split, record_routing, record_topk)
         return self._outputs(rows, views, record_routing, record_topk)
 
+    def _embed(self, rows: list[ForwardRow], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's embedding of ``ids``, image positions overwritten on every stream."""
+        x, pre = self.model.embed(ids)
+        for r, row in enumerate(rows):
+            for offset, emb in row.images:
+                # the streams start as copies of the token embedding (expand_embedding): same here
+                x[r, offset:offset + emb.size(0)] = emb.to(x.dtype).unsqueeze(-2)
+        return x, pre
+
     # ---- batch construction -----------------------------------------------------------------------
     def _ensure_pages(self, seq: SequenceKV, end: int) -> None:
         need = -(-end // self.global_kv.page_tokens)
@@ -105,8 +132,9 @@ class ModelRunner:
             seq.pages.append(self.global_kv.pool.allocate())
 
     def _batch(self, rows: list[ForwardRow], offsets: list[int]):
-        """ids / positions / valid ``[B, S]`` and Engram history ``[B, h]`` of the rows' tokens
-        from ``offsets[r]`` on (S padded to a multiple of tp)."""
+        """ids / positions / valid / image mask ``[B, S]`` (the mask None without images) and
+        Engram history ``[B, h]`` of the rows' tokens from ``offsets[r]`` on (S padded to a
+        multiple of tp)."""
         lengths = [len(r.tokens) - o for r, o in zip(rows, offsets)]
         s = max(lengths)
         s += -s % self.tp.size
@@ -119,13 +147,19 @@ class ModelRunner:
         prefix = None
         if self.history:
             h = self.history
-            before = [(r.history + r.tokens[:o])[-h:] for r, o in zip(rows, offsets)]
+            before = [(r.history + r.engram_tokens()[:o])[-h:] for r, o in zip(rows, offsets)]
             prefix = torch.tensor([[-1] * (h - len(x)) + x for x in before], dtype=torch.long, device=dev)
-        return ids, pos, valid, prefix
+        image_mask = None
+        if any(r.images for r in rows):
+            image_mask = torch.zeros(ids.shape, dtype=torch.bool, device=dev)
+            for b, (r, o) in enumerate(zip(rows, offsets)):
+                for offset, emb in r.images:
+                    image_mask[b, max(0, offset - o):max(0, offset + emb.size(0) - o)] = True
+        return ids, pos, valid, prefix, image_mask
 
-    def _context(self, rows, ids, pos, valid, prefix, record_routing, record_topk) -> ForwardContext:
+    def _context(self, rows, ids, pos, valid, prefix, image_mask, record_routing, record_topk) -> ForwardContext:
         registry = _RecordingRegistry(self.plan) if record_topk else SharedStateRegistry(self.plan)
-        return ForwardContext(input_ids=ids, positions=pos, shared=registry, prefix_ids=prefix,
+        return ForwardContext(input_ids=ids, positions=pos, shared=registry, prefix_ids=prefix, image_mask=image_mask,
                               kv_cache=KVCacheStep(self.global_kv, self.swa, [r.seq for r in rows], pos, valid),
                               routing=RoutingReplay(RoutingMode.RECORD) if record_routing else None)
 
@@ -147,11 +181,11 @@ class ModelRunner:
             return views
         sub = [rows[r] for r in keep]
         offsets = [split[r] for r in keep]
-        ids, pos, valid, prefix = self._batch(sub, offsets)
+        ids, pos, valid, prefix, image_mask = self._batch(sub, offsets)
         index = (torch.tensor(offsets, device=self.device).unsqueeze(1)
                  + torch.arange(ids.size(1), device=self.device)).clamp_max(x.size(1) - 1)
         rows_t = torch.tensor(keep, device=self.device).unsqueeze(1)
-        dctx = self._context(sub, ids, pos, valid, prefix, record_routing, record_topk)
+        dctx = self._context(sub, ids, pos, valid, prefix, image_mask, record_routing, record_topk)
         xd, pred = self.model.run_layers((x[rows_t, index], pre[rows_t, index]), dctx, self.decoder_ids)
         views.append((dctx, keep, offsets, xd, pred))
         return views

@@ -6,13 +6,15 @@
   finishes and are evicted least-recently-used only when an allocation needs them
   (:class:`~megatron_s2.models.family.engine.PagePool`). A new request reuses the longest chain
   of cached pages of its prompt: the whole cached prefix (leaving at least one prompt token to
-  process).
+  process). A page an image reaches also hashes that image's content key
+  (:func:`~megatron_s2.models.family.engine.prefix_hashes`): the span's ids are placeholders.
 * **Short-TTL SWA pool.** SWA state (every layer's ring, the compressor's partial blocks and
   the page table that goes with them) is copied at two points — after the prompt's
   last-but-one token (so a regeneration of the same prompt resumes there) and at the end of
   the output (so the next turn resumes there) — into one of ``swa_pool_slots`` slots, which
   expires after ``swa_pool_ttl_s`` seconds or when the least recently used slot is needed.
-  A request whose tokens extend a live snapshot resumes from it exactly.
+  A request whose tokens extend a live snapshot resumes from it exactly — and whose images
+  before the snapshot's end are the snapshot's (same start, same content key).
 * **Encoder SWA Bounded Replay** (``encoder_bounded_replay``): a prefix hit without an SWA
   snapshot replays the last ``window_size`` tokens of the cached prefix — SWA KV only, the
   cached global KV is reused, never recomputed or overwritten — together with the uncached
@@ -37,10 +39,17 @@ from megatron_s2.models.v41.inference.kv_store import GlobalKVStore, SWAStore
 __all__ = ["KVTiers"]
 
 
+def _image_keys(images, end: int) -> tuple[tuple[int, bytes], ...]:
+    """(start, content key) of the images that begin before position ``end``."""
+    return tuple((image.start, image.key) for image in images if image.start < end)
+
+
 @dataclass
 class _Snapshot:
     tokens: tuple[int, ...]
     """The processed tokens the state belongs to."""
+    images: tuple[tuple[int, bytes], ...]
+    """(start, content key) of the images among them (:func:`_image_keys`)."""
     slot: int
     pages: list[int]
     kv_tokens: dict[int, int]
@@ -54,7 +63,7 @@ class KVTiers:
         self.config, self.model = config, model
         self.global_kv, self.swa, self.pool = global_kv, swa, global_kv.pool
         self.page_tokens, self.window = config.page_tokens, model.window_size
-        self.snapshots: OrderedDict[tuple[int, ...], _Snapshot] = OrderedDict()
+        self.snapshots: OrderedDict[tuple, _Snapshot] = OrderedDict()  # (tokens, image keys) -> snapshot
         self.hits = {"prefix_pages": 0, "swa_snapshots": 0, "encoder_replays": 0}
 
     # ---- admission ---------------------------------------------------------------------------
@@ -65,7 +74,7 @@ class KVTiers:
         seq, tokens = req.kv, req.tokens
         req.num_computed, seq.hashed_pages = 0, 0
         if self.config.prefix_caching:
-            snap = self._snapshot_for(tokens)
+            snap = self._snapshot_for(req)
             if snap is not None:
                 self._restore(req, snap)
             else:
@@ -80,7 +89,7 @@ class KVTiers:
 
     def _prefix_hit(self, req) -> None:
         tokens, t = req.tokens, self.page_tokens
-        hashes = prefix_hashes(tokens, t, (len(tokens) - 1) // t)
+        hashes = prefix_hashes(tokens, t, (len(tokens) - 1) // t, req.images)
         pages = []
         for h in hashes:
             page = self.pool.lookup(h)
@@ -119,7 +128,7 @@ class KVTiers:
         complete = min(seq.kv_tokens.values(), default=req.num_computed) // t
         done = seq.hashed_pages
         if complete > done:
-            for i, h in enumerate(prefix_hashes(req.tokens, t, complete)[done:], start=done):
+            for i, h in enumerate(prefix_hashes(req.tokens, t, complete, req.images)[done:], start=done):
                 self.pool.register(seq.pages[i], h)
             req.kv.hashed_pages = complete
         if (self.config.swa_pool_slots and req.num_generated == 0
@@ -132,7 +141,9 @@ class KVTiers:
 
     # ---- SWA pool ----------------------------------------------------------------------------
     def _snapshot(self, req) -> None:
-        key = tuple(req.tokens[:req.num_computed])
+        tokens = tuple(req.tokens[:req.num_computed])
+        images = _image_keys(req.images, req.num_computed)
+        key = (tokens, images)
         if key in self.snapshots:
             self.snapshots.move_to_end(key)
             return
@@ -144,13 +155,15 @@ class KVTiers:
         for page in seq.pages:
             self.pool.retain(page)
         partial = {k: tuple(None if t is None else t.clone() for t in v) for k, v in seq.partial.items()}
-        self.snapshots[key] = _Snapshot(key, slot, list(seq.pages), dict(seq.kv_tokens), partial, seq.swa_from)
+        self.snapshots[key] = _Snapshot(tokens, images, slot, list(seq.pages), dict(seq.kv_tokens), partial,
+                                        seq.swa_from)
 
-    def _snapshot_for(self, tokens: list[int]) -> _Snapshot | None:
-        best = None
-        for key, snap in self.snapshots.items():
-            n = len(key)
-            if n < len(tokens) and (best is None or n > len(best.tokens)) and tuple(tokens[:n]) == key:
+    def _snapshot_for(self, req) -> _Snapshot | None:
+        best, tokens = None, req.tokens
+        for snap in self.snapshots.values():
+            n = len(snap.tokens)
+            if (n < len(tokens) and (best is None or n > len(best.tokens)) and tuple(tokens[:n]) == snap.tokens
+                    and _image_keys(req.images, n) == snap.images):
                 best = snap
         return best
 
@@ -170,7 +183,7 @@ class KVTiers:
         seq.swa_from = snap.swa_from
         req.num_computed = n
         req.kv.hashed_pages = full
-        self.snapshots.move_to_end(snap.tokens)
+        self.snapshots.move_to_end((snap.tokens, snap.images))
         self.hits["swa_snapshots"] += 1
 
     def _drop(self, key) -> None:

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 __all__ = ["TEXT", "IMAGE_START", "IMAGE", "IMAGE_NEW_LINE", "IMAGE_END", "ImageGrid", "ImageInput",
            "num_image_tokens", "llm_grid", "plan_image_grid", "plan_for", "image_token_types", "image_patches",
-           "prepare_image", "prepare_vl_inputs", "plan_capped"]
+           "prepare_image", "prepare_vl_inputs", "plan_capped", "V41ImageProcessor"]
 
 TEXT = -1
 IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = range(4)
@@ -231,3 +231,20 @@ def prepare_vl_inputs(prompt_tokens: Sequence[int], images: Sequence, cfg, dtype
         tokens += [placeholder] * image.types.numel()
         types += image.types.tolist()
     return tokens, types, inputs or None
+
+
+class V41ImageProcessor:
+    """The family's :class:`~megatron_s2.models.family.base.ImageProcessor` for a model config with
+    a vision tower: spans sized by :func:`plan_for`, inputs made by :func:`prepare_image`."""
+
+    def __init__(self, cfg):
+        if not cfg.vision_n_layers:
+            raise ValueError("V41ImageProcessor: the model has no vision tower (model.vision_n_layers: 0)")
+        self.cfg = cfg
+        self.image_token_id = cfg.image_token_id
+
+    def span_length(self, width: int, height: int) -> int:
+        return plan_for(self.cfg, width, height).num_tokens
+
+    def prepare(self, image, start: int) -> ImageInput:
+        return prepare_image(image, self.cfg, start=start)

@@ -1,0 +1,90 @@
+"""Image-text training on one process (issue 22): images reach the vision encoder through the
+schedule, layouts the image wiring cannot honour are refused at start-up, and the encoder stays
+frozen until the learning-rate decay starts, then trains from that exact step (report §2.5)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_s2.config.recipe import load_recipe
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.training.run_checks import check_image_layout
+from megatron_s2.training.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "pretrain_mm_tiny.yaml"
+FAST = ["training.global_batch_size=2", "training.micro_batch_size=2", "data.num_documents=20",
+        "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_at_end=false",
+        "checkpoint.resume=false", "schedule.warmup_steps=1", "optimizer.adamw_eps=1e-8"]
+TOWER = ("vision.tower.patch_embed.", "vision.tower.blocks.")
+
+
+def trainer(tmp_path: Path, *extra: str) -> Trainer:
+    recipe = load_recipe(RECIPE, [*FAST, f"training.run_dir={tmp_path}", *extra])
+    return Trainer(recipe, tmp_path, log=lambda *a, **k: None)
+
+
+def vision_params(model, tower: bool) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()
+            if n.startswith("vision.") and n.startswith(TOWER) == tower}
+
+
+def test_images_reach_the_encoder_through_the_schedule(tmp_path):
+    t = trainer(tmp_path, "training.freeze_vision_until_decay=false")
+    batch = t.data.next_step()
+    assert batch[0]["images"] and batch[0]["image_mask"].any()
+    t.compute_gradients(batch)
+    grads = {n: p.grad for n, p in t.model.named_parameters() if n.startswith("vision.")}
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values()), \
+        [n for n, g in grads.items() if g is None or not g.abs().sum() > 0]
+
+
+def test_the_encoder_is_frozen_until_the_decay_step_exactly(tmp_path):
+    """decay_start_step=3: after steps 0, 1, 2 the tower is bit-identical to its initialisation
+    while the aligner moves; step 3 (the decay's first) changes it."""
+    t = trainer(tmp_path, "schedule.decay_start_step=3", "schedule.decay_end_step=10", "training.train_steps=4")
+    tower0, rest0 = vision_params(t.model, True), vision_params(t.model, False)
+    assert tower0 and all(not p.requires_grad for n, p in t.model.named_parameters() if n.startswith(TOWER))
+    for _ in range(3):
+        t.train_step()
+        assert all(torch.equal(a, vision_params(t.model, True)[n]) for n, a in tower0.items())
+        assert all(p.grad is None for n, p in t.model.named_parameters() if n.startswith(TOWER))
+    moved = vision_params(t.model, False)
+    assert any(not torch.equal(rest0[n], moved[n]) for n in rest0)  # norm, aligner, span embeddings train
+    t.train_step()  # step index 3: the decay starts, the tower trains
+    after = vision_params(t.model, True)
+    assert all(not torch.equal(tower0[n], after[n]) for n in tower0 if n.endswith("weight") and "norm" not in n)
+
+
+def test_freezing_a_model_without_vision_is_refused(tmp_path):
+    recipe = load_recipe(ROOT / "recipes" / "pretrain_tiny.yaml",
+                         ["parallel.tp=1", "parallel.pp=1", "training.freeze_vision_until_decay=true",
+                          "data.num_documents=10", f"training.run_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="training.freeze_vision_until_decay: the model has no vision encoder"):
+        Trainer(recipe, tmp_path, log=lambda *a, **k: None)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel: image spans"),
+    (["parallel.cp=2"], "parallel.cp: image data under context parallelism"),
+    (["model.vision_n_layers=0"], "data.kind: 'image_text' needs a model with a vision tower"),
+])
+def test_unsupported_image_layouts_are_refused(overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        check_image_layout(load_recipe(RECIPE, overrides))
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_images_under_sequence_parallelism_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "megatron_s2.cli", "launch", str(RECIPE), "--local", "--dry-run",
+                          "parallel.tp=2", "parallel.dp=1", "parallel.sequence_parallel=true",
+                          f"training.run_dir={tmp_path}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = [l for l in out.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "parallel.sequence_parallel: image spans" in lines[0], out.stderr
