@@ -80,6 +80,9 @@ def check_contrastive_recipe(recipe) -> None:
     if p.distributed_optimizer:
         raise ConfigError("parallel.distributed_optimizer: not supported in phase.kind: contrastive; set it false")
     t = recipe.training
+    if t.freeze_vision_until_decay:
+        raise ConfigError("training.freeze_vision_until_decay: the contrastive phase trains the vision tower from its "
+                          "first step (the freeze belongs to joint pre-training, report §2.5); set it false")
     if p.dp and t.micro_batch_size * p.dp != t.global_batch_size:
         raise ConfigError(f"training.micro_batch_size: the SigLIP loss spans the whole batch, so a contrastive step "
                           f"is one micro-batch per rank; set training.micro_batch_size: global_batch_size / dp = "

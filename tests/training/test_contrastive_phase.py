@@ -44,7 +44,9 @@ def test_contrastive_resolution_cap(size, cap, expected):
 @pytest.mark.parametrize("override,field", [("parallel.tp=2", "parallel.tp"), ("parallel.pp=2", "parallel.pp"),
                                             ("parallel.cp=2", "parallel.cp"),
                                             ("model.vision_n_layers=0", "model.vision_n_layers"),
-                                            ("parallel.dp=2", "training.micro_batch_size")])
+                                            ("parallel.dp=2", "training.micro_batch_size"),
+                                            ("training.freeze_vision_until_decay=true",
+                                             "training.freeze_vision_until_decay")])
 def test_unsupported_layouts_refused_at_load(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_recipe(RECIPE, [override])
