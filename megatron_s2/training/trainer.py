@@ -272,7 +272,8 @@ class Trainer:
                 self.log(f"checkpoint: {len(loaded.fresh_optimizer_state)} parameters have no stored optimizer "
                          f"state and start from zero (e.g. {loaded.fresh_optimizer_state[0]})")
         if loaded.fresh_model:
-            self.log(f"checkpoint: {len(loaded.fresh_model)} tensors are not in {path} and start from their "
+            taken = f" (only {', '.join(only)} taken)" if not full and (only := self.load_only(path)) else ""
+            self.log(f"checkpoint: {len(loaded.fresh_model)} tensors are not in {path}{taken} and start from their "
                      f"initialisation (e.g. {loaded.fresh_model[0]})")
         self.log(f"checkpoint: {'resumed' if full else 'initialised'} from {path} (step {loaded.step})")
         return True

@@ -177,4 +177,5 @@ def test_load_only_needs_a_model_only_load():
 
     with pytest.raises(ConfigError, match="checkpoint.load_only: .*load_optimizer: false"):
         CheckpointConfig(load="runs/x", load_only=("vision.",))
+    assert CheckpointConfig(load_only=("vision.",)).load_only == ("vision.",)  # a pipeline phase: load comes later
     assert CheckpointConfig(load="runs/x", load_optimizer=False, load_only=("vision.",)).load_only == ("vision.",)

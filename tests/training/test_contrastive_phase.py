@@ -98,3 +98,24 @@ def test_recipe_trains_ranks_captions_and_hands_the_encoder_on(tmp_path):
         assert torch.equal(p, loaded[name]), name
     assert not torch.equal(initial, loaded["tower.patch_embed.proj.weight"])  # training moved it
     assert any("start from their initialisation" in line for line in logs)  # the backbone is new
+
+
+@pytest.mark.slow
+def test_encoder_stages_pipeline_checks_every_phase(tmp_path):
+    """recipes/vision_encoder_tiny.yaml: contrastive -> AR fine-tuning -> joint pre-training with only
+    the encoder carried over; every phase (vision shapes, load_only) is checked before the first starts."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "megatron_s2.cli", "launch", str(REPO / "recipes" / "vision_encoder_tiny.yaml"),
+                          "--local", "--dry-run", "--run-dir", str(tmp_path / "stages")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert [line.split()[2].rstrip(":") for line in (out.stdout + out.stderr).splitlines() if line.startswith("[launch] phase")] == [
+        "contrastive", "ar", "pretrain_mm"]
+    from megatron_s2.launcher.pipeline import load_pipeline
+
+    stages = {entry.name: load_recipe(entry.recipe, list(entry.overrides))
+              for entry in load_pipeline(REPO / "recipes" / "vision_encoder_tiny.yaml").phases}
+    shapes = {name: {k: v for k, v in to_mapping(r.model).items() if k.startswith("vision_")} for name, r in stages.items()}
+    assert shapes["contrastive"] == shapes["ar"] == shapes["pretrain_mm"]  # one encoder through the stages
+    assert stages["pretrain_mm"].checkpoint.load_only == ("vision.",)
+    assert not stages["ar"].training.freeze_vision_until_decay and stages["pretrain_mm"].training.freeze_vision_until_decay
