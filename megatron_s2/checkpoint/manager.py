@@ -235,11 +235,14 @@ class CheckpointManager:
         return found
 
     # ---- load --------------------------------------------------------------------------------
-    def load(self, path: Path, model, optimizer=None, *, may_be_missing: tuple[str, ...] = ()) -> LoadedCheckpoint:
+    def load(self, path: Path, model, optimizer=None, *, may_be_missing: tuple[str, ...] = (),
+             load_only: tuple[str, ...] = ()) -> LoadedCheckpoint:
         """Fill ``model`` (and ``optimizer``'s state) from the checkpoint at ``path``, whatever
         layout wrote it. Refuses uncommitted, corrupted or incompatible checkpoints.
         ``may_be_missing``: name prefixes of model tensors that may be absent (they keep their
-        initialisation; listed in ``fresh_model``)."""
+        initialisation; listed in ``fresh_model``). ``load_only``: name prefixes of the only model
+        tensors taken (the others keep their initialisation, stored tensors outside them are left
+        behind): a phase that keeps part of an earlier phase's model, e.g. its vision encoder."""
         from megatron_s2.checkpoint.dcp_io import load_shards, read_index  # torch.distributed.checkpoint: on use
         from megatron_s2.checkpoint.sharded_state import (
             local_from_tensors,
@@ -259,6 +262,8 @@ class CheckpointManager:
             targets = model_shards(model)
             fresh = sorted(fqn for fqn in targets if fqn not in index.state_dict_metadata
                            and fqn[len(MODEL_PREFIX):].startswith(may_be_missing)) if may_be_missing else []
+            if load_only:  # the rest of the model keeps its initialisation
+                fresh = sorted(set(fresh) | {fqn for fqn in targets if not fqn[len(MODEL_PREFIX):].startswith(load_only)})
             for fqn in fresh:
                 del targets[fqn]
             error = _check_model(targets, index, path)
@@ -271,6 +276,9 @@ class CheckpointManager:
             error = str(exc)
         _raise(agree_on_error(error, self.group))
         requested = set(targets) | (set(opt.shards) if opt else set())
+        if load_only and index is not None:  # stored model tensors outside load_only are left behind
+            requested |= {k for k in index.state_dict_metadata
+                          if k.startswith(MODEL_PREFIX) and not k[len(MODEL_PREFIX):].startswith(load_only)}
         _raise(self._uncovered(index, requested, optimizer is not None, path))  # same result on every rank
         same_layout = (manifest.layout == self.layout and manifest.world_size == self.world_size
                        and manifest.rng_ranks == self.world_size)

@@ -74,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             if recipe.phase.kind in ("rl", "opd"):  # rollouts co-located on these ranks
                 from megatron_s2.posttrain.trainer import PosttrainTrainer as Trainer
+            elif recipe.phase.kind == "contrastive":  # SigLIP vision pre-training (two towers)
+                from megatron_s2.training.contrastive_trainer import ContrastiveTrainer as Trainer
             else:
                 from megatron_s2.training.trainer import Trainer
 

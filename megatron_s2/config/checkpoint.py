@@ -23,6 +23,13 @@ class CheckpointConfig:
     """Initialise from this checkpoint (a step directory or a checkpoints/ directory) when not resuming."""
     load_optimizer: bool = True
     """Also restore optimiser/schedule/data state from ``load`` (false for a new phase)."""
+    load_only: tuple[str, ...] = ()
+    """Take only the model tensors under these name prefixes from ``load`` (the rest of the model
+    starts from its initialisation, the rest of the checkpoint is left behind), e.g.
+    ``[vision.]``: keep the vision encoder of an earlier phase and discard its LLM or text tower
+    (report §4.2.2). Empty: everything, except that a contrastive phase's checkpoint always
+    hands on only ``vision.*``. Needs ``load_optimizer: false``; no effect without ``load``
+    (a pipeline phase gets it from the previous phase)."""
     async_save: bool = False
     """Write checkpoints from a background thread after a synchronous snapshot."""
 
@@ -31,3 +38,8 @@ class CheckpointConfig:
             raise ConfigError("checkpoint.save_interval: must be >= 0")
         if self.keep_last < 1:
             raise ConfigError("checkpoint.keep_last: must keep at least 1 checkpoint")
+        if self.load_only and self.load and self.load_optimizer:  # (a pipeline phase gets load later)
+            raise ConfigError("checkpoint.load_only: takes part of the model of checkpoint.load without its optimiser "
+                              "state; set checkpoint.load_optimizer: false")
+        if any(not prefix for prefix in self.load_only):
+            raise ConfigError("checkpoint.load_only: empty prefix; give name prefixes such as 'vision.'")

@@ -12,13 +12,16 @@ __all__ = ["PhaseConfig"]
 
 @dataclass(frozen=True)
 class PhaseConfig:
-    kind: Literal["pretrain", "sft", "rl", "opd", "dspark"] = "pretrain"
+    kind: Literal["pretrain", "sft", "rl", "opd", "dspark", "contrastive"] = "pretrain"
     """pretrain: loss on every token; sft: loss only on answer tokens (prompt masked); rl:
     reinforcement learning from verifiable rewards (the recipe's ``rl:`` section); opd: on-policy
     distillation (the ``opd:`` section). rl and opd roll out with the inference engine on the
     training ranks (megatron_s2/posttrain/trainer.py). dspark: the stage after pre-training that
     trains only the DSpark drafter on the frozen backbone's own distributions (V4.1 report
-    §2.4.3); the backbone is frozen and not stored in the optimiser."""
+    §2.4.3); the backbone is frozen and not stored in the optimiser. contrastive: SigLIP pre-training
+    of the vision encoder over image-text pairs with a small text tower (report §4.2.2; the
+    optional ``contrastive:`` section, megatron_s2/training/contrastive_trainer.py); the vision
+    encoder is stored under the ``vision.*`` names of the model's encoder."""
     freeze: tuple[str, ...] = ()
     """Parameter-name globs frozen in this phase (e.g. the backbone while training a drafter)."""
     train_drafter: bool = False

@@ -15,6 +15,7 @@ Anatomy (every section optional; unknown keys are errors that name the key path)
     launcher:   {...}               # LauncherConfig
     rl:         {...}               # RLConfig (phase.kind: rl)
     opd:        {...}               # OPDConfig (phase.kind: opd)
+    contrastive: {...}              # ContrastiveConfig (phase.kind: contrastive; optional)
 
 Precedence, lowest to highest: dataclass defaults < base recipe (recursively) < the model
 file named by ``model:`` < keys written in the recipe itself (including ``model:`` given as
@@ -35,6 +36,7 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from megatron_s2.config.checkpoint import CheckpointConfig
+from megatron_s2.config.contrastive import ContrastiveConfig, check_contrastive_recipe
 from megatron_s2.config.data import DataConfig
 from megatron_s2.config.launcher import LauncherConfig
 from megatron_s2.config.logging import LoggingConfig
@@ -80,11 +82,15 @@ class RecipeConfig:
     """Reinforcement learning (phase.kind: rl): rollout x advantage x loss (megatron_s2/posttrain)."""
     opd: OPDConfig | None = None
     """On-policy distillation (phase.kind: opd): teachers, rollout, loss (megatron_s2/posttrain)."""
+    contrastive: ContrastiveConfig | None = None
+    """SigLIP vision pre-training (phase.kind: contrastive): text tower, embedding, resolution cap,
+    pairs; absent = the defaults."""
 
     def __post_init__(self) -> None:
         from megatron_s2.config.posttrain.recipe_checks import check_posttrain_recipe
 
         check_posttrain_recipe(self)
+        check_contrastive_recipe(self)
         # The optimisers apply lr x lr_mult in the parameters' floating-point type: a product
         # beyond float32's range overflows inside the first step instead of here.
         worst = max(self.optimizer.rules, key=lambda rule: rule.lr_mult)

@@ -78,10 +78,7 @@ class Trainer:
         self.check_phase_inputs()
         host = HostMemory.for_this_rank()
         with build_on(self.device):  # parameters, buffers and what modules build at construction
-            self.model, self.pipeline = build_stage_model(
-                recipe, self.layout, self.groups, rank,
-                self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size), device=self.device,
-                plan_memory=lambda skeleton: check_rank_memory(recipe, self.layout, rank, skeleton, host))
+            self.model, self.pipeline = self.build_model(host)
         self._freeze(recipe.phase.freeze)
         if recipe.phase.kind == "dspark":  # §2.4.3: only the drafter trains; the backbone holds no optimiser state
             for name, p in self.model.named_parameters():
@@ -119,6 +116,29 @@ class Trainer:
     def check_phase_inputs(self) -> None:
         """A phase's own start-up checks, after :func:`check_run_inputs` and before the model is
         built (post-training phases check their engine, frozen models and prompts); none here."""
+
+    def build_model(self, host: HostMemory):
+        """(this rank's model, its pipeline runtime or None); a phase with another model
+        (``phase.kind: contrastive``) supplies its own."""
+        recipe, rank = self.recipe, self.rank
+        return build_stage_model(
+            recipe, self.layout, self.groups, rank,
+            self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size), device=self.device,
+            plan_memory=lambda skeleton: check_rank_memory(recipe, self.layout, rank, skeleton, host))
+
+    def describe_model(self) -> list[str]:
+        """Start-up log lines about the model (shard, precision, kernels)."""
+        lines = []
+        if self.world_size > 1:
+            lines.append(f"rank 0 holds layers {self.model.layer_ids[0]}-{self.model.layer_ids[-1]} "
+                         "(its shard of the model is listed below)")
+        lines.append(describe_param_groups(self.model, self.recipe.optimizer))
+        family = family_of(self.recipe.model).describe(self.model, self.recipe.model)
+        return [*lines, f"device: {self.device}; " + family[0], *family[1:]]
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token of the metrics' throughput line."""
+        return family_of(self.recipe.model).train_flops_per_token(self.recipe.model, self.recipe.training.seq_length)
 
     def build_data(self):
         """The phase's data source; its ``state_dict`` is the checkpoint's ``data`` entry
@@ -231,7 +251,8 @@ class Trainer:
         try:  # a refusal leaves the run directory as it was: nothing has been written yet
             # a new phase may add the DSpark drafter to a backbone checkpoint (report §2.4.3)
             loaded = self.checkpoints.load(path, self.model, self.optimizer if full else None,
-                                           may_be_missing=() if full else ("dspark.",))
+                                           may_be_missing=() if full else ("dspark.",),
+                                           load_only=() if full else self.load_only(path))
             if full:
                 self.data.load_state_dict(loaded.data)
                 self.load_local_state(loaded.local)
@@ -251,10 +272,27 @@ class Trainer:
                 self.log(f"checkpoint: {len(loaded.fresh_optimizer_state)} parameters have no stored optimizer "
                          f"state and start from zero (e.g. {loaded.fresh_optimizer_state[0]})")
         if loaded.fresh_model:
-            self.log(f"checkpoint: {len(loaded.fresh_model)} tensors are not in {path} and start from their "
+            taken = f" (only {', '.join(only)} taken)" if not full and (only := self.load_only(path)) else ""
+            self.log(f"checkpoint: {len(loaded.fresh_model)} tensors are not in {path}{taken} and start from their "
                      f"initialisation (e.g. {loaded.fresh_model[0]})")
         self.log(f"checkpoint: {'resumed' if full else 'initialised'} from {path} (step {loaded.step})")
         return True
+
+    def load_only(self, path: Path) -> tuple[str, ...]:
+        """Model name prefixes a ``checkpoint.load`` that starts a new phase takes from ``path``:
+        ``checkpoint.load_only``, else everything; from a contrastive phase's checkpoint only the
+        vision encoder carries over (report §4.2.2: the text tower is discarded)."""
+        if self.recipe.checkpoint.load_only:
+            return self.recipe.checkpoint.load_only
+        if self.recipe.phase.kind == "contrastive":
+            return ()
+        from megatron_s2.checkpoint.format import Manifest
+
+        try:
+            saved = Manifest.from_json((path / "checkpoint.json").read_bytes(), path).config["phase"]["kind"]
+        except (OSError, KeyError, TypeError, CheckpointError):
+            return ()  # the load itself names what is wrong with the checkpoint
+        return ("vision.",) if saved == "contrastive" else ()
 
     # ---- loop ---------------------------------------------------------------------------------
     def compute_gradients(self, micro_batches: list[dict]):
@@ -319,15 +357,9 @@ class Trainer:
                 self.log(f"extending the finished run: step {self.step} -> {t.train_steps} (training.train_steps)")
         self.log(f"layout: {self.layout.describe()}")
         if self.is_main:
-            if self.world_size > 1:
-                self.log(f"rank 0 holds layers {self.model.layer_ids[0]}-{self.model.layer_ids[-1]} "
-                         "(its shard of the model is listed below)")
-            self.log(describe_param_groups(self.model, self.recipe.optimizer))
-            lines = family_of(self.recipe.model).describe(self.model, self.recipe.model)
-            self.log(f"device: {self.device}; " + lines[0])
-            for line in lines[1:]:
+            for line in self.describe_model():
                 self.log(line)
-        flops = family_of(self.recipe.model).train_flops_per_token(self.recipe.model, t.seq_length)
+        flops = self.flops_per_token()
         metrics = MetricsLogger(self.run_dir, enabled=self.is_main, total_steps=t.train_steps,
                                 log_interval=self.recipe.logging.log_interval,
                                 tensorboard=self.recipe.logging.tensorboard,

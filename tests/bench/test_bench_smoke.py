@@ -33,6 +33,7 @@ EXPECTED = {
     "remote_teacher.py": ["in process", "endpoint, 2 in flight"],
     "hybrid_vs_full.py": ["training step", "mem ratio", "decode", "ms/token"],
     "speculative.py": ["plain tok/s", "acceptance per position", "ratio = speculative / plain"],
+    "contrastive_overlap.py": ["ratio blocking/overlapped", "identical"],
 }
 
 

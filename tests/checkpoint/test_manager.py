@@ -151,3 +151,31 @@ def test_unusable_latest_pointer_is_ignored_with_a_note(tmp_path, pointer):
     assert mgr.resume_path() == tmp_path / "step_00000002"
     if pointer:
         assert len(notes) == 1 and str(tmp_path / "latest") in notes[0] and "ignored" in notes[0], notes
+
+
+def test_load_only_takes_part_of_another_model(tmp_path):
+    """``load_only``: a later phase keeps one part of an earlier phase's model (the vision encoder of
+    a contrastive run); its own other tensors keep their initialisation, the checkpoint's are left behind."""
+    mgr = CheckpointManager(tmp_path, log=lambda m: None)
+    earlier = Tiny(extra=True)  # proj.* is the part handed on, gate the part left behind
+    with torch.no_grad():
+        earlier.proj.weight.fill_(2.0)
+    path = _save(mgr, 1, earlier)
+    later = Tiny()
+    later.head = torch.nn.Linear(3, 2)  # new in the later phase
+    head = later.head.weight.detach().clone()
+    loaded = mgr.load(path, later, load_only=("proj.",))
+    assert torch.equal(later.proj.weight, earlier.proj.weight) and torch.equal(later.head.weight, head)
+    assert loaded.fresh_model == ["bias_stat", "head.bias", "head.weight"]
+    with pytest.raises(CheckpointError, match="has no tensor 'head.weight'"):
+        mgr.load(path, later)  # without load_only the mismatch is still refused
+
+
+def test_load_only_needs_a_model_only_load():
+    from megatron_s2.config.checkpoint import CheckpointConfig
+    from megatron_s2.config.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="checkpoint.load_only: .*load_optimizer: false"):
+        CheckpointConfig(load="runs/x", load_only=("vision.",))
+    assert CheckpointConfig(load_only=("vision.",)).load_only == ("vision.",)  # a pipeline phase: load comes later
+    assert CheckpointConfig(load="runs/x", load_optimizer=False, load_only=("vision.",)).load_only == ("vision.",)

@@ -242,6 +242,15 @@ class ModelFamily(abc.ABC):
         by default only the hidden state crosses a cut."""
         return HiddenOnlyPayloads(model, layout, groups)
 
+    def build_contrastive_model(self, cfg: ModelSchema, contrastive, vocab_size: int,
+                                groups: "ParallelGroups | None" = None) -> nn.Module:
+        """The (uninitialised) two-tower model of ``phase.kind: contrastive``: the family's vision
+        encoder beside a text tower (``contrastive``: the recipe's ContrastiveConfig)."""
+        from megatron_s2.config.schema import ConfigError
+
+        raise ConfigError(f"phase.kind: contrastive: model family '{self.name}' has no vision encoder to "
+                          "pre-train; use a v41 model with vision_n_layers > 0")
+
     def check_recipe(self, recipe) -> None:
         """Refuse, with a ConfigError naming the field, what this family cannot run (backends,
         parallel settings); called before any rank starts and by every rank at start-up."""

@@ -103,6 +103,11 @@ class V41Family(ModelFamily):
         modes = PayloadModes(parallel.payload_index_k, parallel.payload_candidates)
         return V41StagePayloads(model, layout, groups, pp_rank, modes)
 
+    def build_contrastive_model(self, cfg: V41Config, contrastive, vocab_size: int, groups=None):
+        from megatron_s2.models.v41.vision.contrastive import ContrastiveModel
+
+        return ContrastiveModel(cfg, contrastive, vocab_size, groups)
+
     def check_recipe(self, recipe) -> None:
         if recipe.model.transformer_impl == "transformer_engine":
             from megatron_s2.models.v41.spec import get_provider

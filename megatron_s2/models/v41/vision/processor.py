@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 __all__ = ["TEXT", "IMAGE_START", "IMAGE", "IMAGE_NEW_LINE", "IMAGE_END", "ImageGrid", "ImageInput",
            "num_image_tokens", "llm_grid", "plan_image_grid", "plan_for", "image_token_types", "image_patches",
-           "prepare_image", "prepare_vl_inputs", "V41ImageProcessor"]
+           "prepare_image", "prepare_vl_inputs", "plan_capped", "V41ImageProcessor"]
 
 TEXT = -1
 IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = range(4)
@@ -137,6 +137,23 @@ def plan_for(cfg, width: int, height: int) -> ImageGrid:
                            min_pixels=cfg.vision_min_pixels, max_wh_ratio=cfg.vision_max_wh_ratio)
 
 
+def plan_capped(cfg, width: int, height: int, max_side: int) -> ImageGrid:
+    """The contrastive phase's resolution policy (report §4.2.2: "we restrict the maximum input
+    resolution to 224 x 224 pixels by downscaling larger images while preserving their aspect
+    ratios"): an image whose longer side exceeds ``max_side`` is scaled down to it, aspect kept;
+    each side is then rounded up to the patch size, never past the cap's last whole patch.
+    Smaller images are not scaled up (``vision_min_pixels`` belongs to the later stages)."""
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image of {width}x{height} pixels: both sides must be positive")
+    p = cfg.vision_patch_size
+    if max_side < p:
+        raise ValueError(f"resolution cap {max_side} px is below one {p}-pixel patch")
+    scale = min(1.0, max_side / max(width, height))
+    limit = max_side // p * p
+    side = lambda n: min(limit, math.ceil(max(1, round(n * scale)) / p) * p)  # noqa: E731
+    return ImageGrid(side(height), side(width), p, cfg.vision_downsample_ratio)
+
+
 def image_token_types(n_llm_h: int, n_llm_w: int) -> list[int]:
     """Token type of every position of an image span, in order (module docstring)."""
     return [IMAGE_START, *([IMAGE] * n_llm_w + [IMAGE_NEW_LINE]) * n_llm_h, IMAGE_END]
@@ -155,14 +172,15 @@ class ImageInput:
     """int64 [span] token types (IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END)."""
 
 
-def image_patches(image, cfg, dtype=None):
-    """A decoded Pillow image -> (patches [N, 3, p, p], :class:`ImageGrid`) (module docstring)."""
+def image_patches(image, cfg, dtype=None, grid: ImageGrid | None = None):
+    """A decoded Pillow image -> (patches [N, 3, p, p], :class:`ImageGrid`) (module docstring);
+    ``grid``: a plan made otherwise (e.g. :func:`plan_capped`) instead of :func:`plan_for`'s."""
     import numpy as np
     import torch
     from PIL import ImageOps
 
     image = image.convert("RGB")
-    grid = plan_for(cfg, image.width, image.height)
+    grid = grid if grid is not None else plan_for(cfg, image.width, image.height)
     size = (grid.width, grid.height)
     ratio = cfg.vision_max_wh_ratio
     if ratio is not None and image.width >= ratio * image.height:
@@ -177,11 +195,12 @@ def image_patches(image, cfg, dtype=None):
     return (patches if dtype is None else patches.to(dtype)), grid
 
 
-def prepare_image(image, cfg, start: int = 0, dtype=None) -> ImageInput:
-    """A decoded image -> its :class:`ImageInput` for a span starting at token ``start``."""
+def prepare_image(image, cfg, start: int = 0, dtype=None, grid: ImageGrid | None = None) -> ImageInput:
+    """A decoded image -> its :class:`ImageInput` for a span starting at token ``start``
+    (``grid``: as :func:`image_patches`)."""
     import torch
 
-    patches, grid = image_patches(image, cfg, dtype)
+    patches, grid = image_patches(image, cfg, dtype, grid)
     types = torch.tensor(image_token_types(grid.n_llm_h, grid.n_llm_w), dtype=torch.int64)
     return ImageInput(start, patches, grid.n_vit_h, grid.n_vit_w, types)
 

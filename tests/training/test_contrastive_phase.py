@@ -1,0 +1,121 @@
+"""``phase.kind: contrastive`` (megatron_s2/training/contrastive_trainer.py): the 224 px cap,
+layouts refused in one line before ranks start, the tiny recipe trained through
+``megatron-s2 train`` with a falling loss and above-chance zero-shot retrieval, and the vision
+encoder carried into a later phase's V41Model.vision from the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_s2.config.recipe import load_recipe
+from megatron_s2.config.schema import ConfigError, to_mapping
+from tests.tiny_runs import REPO, tiny_recipe
+from tests.vision.conftest import vision_config
+
+RECIPE = REPO / "recipes" / "vision_contrastive_tiny.yaml"
+
+
+def train_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "megatron_s2.cli", "train", str(RECIPE), *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.mark.parametrize("size,cap,expected", [((448, 300), 224, (154, 224)), ((64, 64), 224, (70, 70)),
+                                               ((1000, 10), 224, (14, 224)), ((56, 56), 224, (56, 56))])
+def test_contrastive_resolution_cap(size, cap, expected):
+    """Report §4.2.2: larger images are downscaled to the 224 px cap, aspect kept; smaller ones are not
+    scaled up; sides are whole 14-pixel patches (never past the cap's last whole patch)."""
+    from megatron_s2.models.v41.vision.processor import plan_capped
+
+    cfg = vision_config(vision_patch_size=14)
+    grid = plan_capped(cfg, *size, cap)
+    assert (grid.height, grid.width) == expected
+    assert max(grid.height, grid.width) <= cap and grid.height % 14 == 0 and grid.width % 14 == 0
+
+
+@pytest.mark.parametrize("override,field", [("parallel.tp=2", "parallel.tp"), ("parallel.pp=2", "parallel.pp"),
+                                            ("parallel.cp=2", "parallel.cp"),
+                                            ("model.vision_n_layers=0", "model.vision_n_layers"),
+                                            ("parallel.dp=2", "training.micro_batch_size"),
+                                            ("training.freeze_vision_until_decay=true",
+                                             "training.freeze_vision_until_decay")])
+def test_unsupported_layouts_refused_at_load(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_recipe(RECIPE, [override])
+
+
+def test_contrastive_section_needs_its_phase():
+    with pytest.raises(ConfigError, match="phase.kind is 'pretrain'"):
+        load_recipe(RECIPE, ["phase.kind=pretrain"])
+
+
+@pytest.mark.slow
+def test_cli_refuses_tensor_parallelism_in_one_line(tmp_path):
+    out = train_cli("parallel.tp=2", "--run-dir", str(tmp_path / "run"))
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert "parallel.tp" in out.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_recipe_trains_ranks_captions_and_hands_the_encoder_on(tmp_path):
+    run = tmp_path / "siglip"
+    out = train_cli("training.train_steps=16", "contrastive.eval_items=48", "--run-dir", str(run))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 16 and sum(losses[-4:]) / 4 < 0.6 * losses[0]
+    retrieval = json.loads((run / "retrieval.json").read_text())
+    assert retrieval["top1"] > retrieval["chance"], retrieval
+    assert "zero-shot retrieval" in out.stdout
+
+    # A later phase (here a pretrain of the backbone with the same vision tower) loads the
+    # encoder from the contrastive checkpoint into V41Model.vision; the text tower stays behind.
+    from megatron_s2.training.contrastive_trainer import ContrastiveTrainer
+    from megatron_s2.training.trainer import Trainer
+
+    contrastive = ContrastiveTrainer(load_recipe(RECIPE, [f"training.run_dir={run}"]), run, log=lambda *a: None)
+    assert contrastive.restore()  # resumes its own finished run: the trained weights
+    vision_fields = [f"model.{k}={v}" for k, v in to_mapping(load_recipe(RECIPE).model).items()
+                     if (k.startswith("vision_") or k == "image_token_id") and v is not None]
+    logs: list[str] = []
+    later = Trainer(tiny_recipe(["parallel.tp=1", "parallel.pp=1", *vision_fields, f"checkpoint.load={run}",
+                                 "checkpoint.load_optimizer=false"], run_dir=tmp_path / "later"),
+                    tmp_path / "later", log=lambda *a: logs.append(" ".join(map(str, a))))
+    initial = later.model.vision.tower.patch_embed.proj.weight.detach().clone()
+    assert later.restore()
+    trained = dict(contrastive.model.vision.named_parameters())
+    loaded = dict(later.model.vision.named_parameters())
+    assert trained.keys() == loaded.keys()
+    for name, p in trained.items():
+        assert torch.equal(p, loaded[name]), name
+    assert not torch.equal(initial, loaded["tower.patch_embed.proj.weight"])  # training moved it
+    assert any("start from their initialisation" in line for line in logs)  # the backbone is new
+
+
+@pytest.mark.slow
+def test_encoder_stages_pipeline_checks_every_phase(tmp_path):
+    """recipes/vision_encoder_tiny.yaml: contrastive -> AR fine-tuning -> joint pre-training with only
+    the encoder carried over; every phase (vision shapes, load_only) is checked before the first starts."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "megatron_s2.cli", "launch", str(REPO / "recipes" / "vision_encoder_tiny.yaml"),
+                          "--local", "--dry-run", "--run-dir", str(tmp_path / "stages")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert [line.split()[2].rstrip(":") for line in (out.stdout + out.stderr).splitlines() if line.startswith("[launch] phase")] == [
+        "contrastive", "ar", "pretrain_mm"]
+    from megatron_s2.launcher.pipeline import load_pipeline
+
+    stages = {entry.name: load_recipe(entry.recipe, list(entry.overrides))
+              for entry in load_pipeline(REPO / "recipes" / "vision_encoder_tiny.yaml").phases}
+    shapes = {name: {k: v for k, v in to_mapping(r.model).items() if k.startswith("vision_")} for name, r in stages.items()}
+    assert shapes["contrastive"] == shapes["ar"] == shapes["pretrain_mm"]  # one encoder through the stages
+    assert stages["pretrain_mm"].checkpoint.load_only == ("vision.",)
+    assert not stages["ar"].training.freeze_vision_until_decay and stages["pretrain_mm"].training.freeze_vision_until_decay
