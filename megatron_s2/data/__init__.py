@@ -19,6 +19,8 @@ Map of the package (each module's docstring has the details):
 * :mod:`.procedural_images` — rendered shapes, digits and words with verifiable captions.
 * :mod:`.image_text` — image-text documents (procedural / folder / parquet / webdataset) with
   image spans sized by the model family's ``ImageProcessor`` (``data.kind: image_text``).
+* :mod:`.timeseries` — local .csv / .parquet / .npz series with one-line refusals, and the
+  procedural seasonal + trend + noise generator with known futures and lead/lag channels (issue 24).
 * :mod:`.loader` — :func:`build_data_iterator`, the trainer's entry point.
 
 Every name below is imported with its module on first use, so that ``tools/preprocess_data.py``,
