@@ -1,0 +1,56 @@
+"""Series tokens into a family's token embeddings (Intern-S2 report §2.2.1, "projection to the
+LLM space"), the way images are (``models/v41/vision/tower.py::merge_image_embeddings``).
+
+The data side reserves ``plan_patching(T, ...).num_tokens`` placeholder positions per series
+(:meth:`TimeSeriesEncoder.plan` gives the same number); :func:`merge_series_embeddings` encodes
+every series of the micro-batch in one encoder call (mixed lengths, rates and channel counts)
+and overwrites each placeholder span with its series' tokens. Family-neutral: it needs only the
+embeddings ``[b, s, d]`` a family computes before its layers, so a V4.1 or Intern-S2 model calls
+it from ``embed`` like the vision merge. The retained ``mu``/``sigma`` come back for the
+forecaster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from megatron_s2.models.timeseries.encoder import SeriesInput, TimeSeriesEncoder, TimeSeriesEncoding
+
+__all__ = ["SeriesPlacement", "merge_series_embeddings"]
+
+
+@dataclass(frozen=True)
+class SeriesPlacement:
+    """One series of a sequence and the first of its reserved token positions."""
+
+    start: int
+    series: SeriesInput
+
+
+def merge_series_embeddings(h: torch.Tensor, placements: Sequence[Sequence[SeriesPlacement] | None],
+                            encoder: TimeSeriesEncoder) -> tuple[torch.Tensor, TimeSeriesEncoding | None]:
+    """Embeddings [b, s, d] with every series span overwritten by its series' tokens.
+
+    ``placements[i]`` lists the series of sequence ``i`` (None or empty: text only). Out of place,
+    like the image merge: gradients reach the encoder through the spans and the word embeddings
+    through every other position. Returns the encoding too (mu/sigma per series, in the order of
+    ``placements`` flattened), or None when there was no series."""
+    flat = [(i, place) for i, sample in enumerate(placements) for place in (sample or ())]
+    if not flat:
+        return h, None
+    if len(placements) != h.size(0):
+        raise ValueError(f"placements cover {len(placements)} sequences, the embeddings {h.size(0)}")
+    encoding = encoder([place.series for _, place in flat])
+    rows, cols, values = [], [], []
+    for k, (i, place) in enumerate(flat):
+        count = encoding.plans[k].num_tokens
+        if place.start < 0 or place.start + count > h.size(1):
+            raise ValueError(f"series span {place.start}..{place.start + count - 1} of sequence {i} runs past its "
+                             f"{h.size(1)} positions; reserve plan_patching(...).num_tokens = {count} positions")
+        rows.append(torch.full((count,), i, device=h.device))
+        cols.append(torch.arange(place.start, place.start + count, device=h.device))
+        values.append(encoding.tokens[k, :count].to(h.dtype))
+    return h.index_put((torch.cat(rows), torch.cat(cols)), torch.cat(values)), encoding
