@@ -6,7 +6,7 @@
 
 Each T runs in its own child process (one torch thread) so the peak resident memory is that T's
 alone: the child builds the encoder (token budget 1,024, Q = 4, the walkthrough's numbers, so
-T = 300,000 gets L = 1,172), encodes one series of ``--channels`` x T random samples (median of
+T = 300,000 gets L = 1,172; chunks capped at 16,384 samples), encodes one series of ``--channels`` x T random samples (median of
 ``--repeats`` forwards, no autograd; with ``--backward`` forward + backward) and reports the wall
 time and ``ru_maxrss`` minus the RSS measured just before the forward (model and input already
 allocated). The ratio columns divide by the first row: linear cost means time and memory ratios
@@ -57,7 +57,7 @@ def child(length: int, channels: int, repeats: int, backward: bool) -> dict:
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024    # KiB -> MiB on Linux
     plan = enc.plan(length)
-    return {"T": length, "L": plan.patch_length, "tokens": plan.num_tokens, "seconds": statistics.median(times),
+    return {"T": length, "L": plan.patch_length, "chunks": plan.num_chunks, "tokens": plan.num_tokens, "seconds": statistics.median(times),
             "peak_mib": max(peak - baseline, 0.0)}
 
 
@@ -86,11 +86,11 @@ def main(argv=None) -> int:
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     mode = "forward + backward" if args.backward else "forward (no autograd)"
     print(f"time-series encoder, {args.channels} channels, budget 1,024, Q = 4, {mode}, 1 CPU thread")
-    print(f"{'T':>9} {'L':>6} {'tokens':>6} {'seconds':>9} {'peak MiB':>9} {'T ratio':>8} {'time ratio':>10} {'mem ratio':>9}")
+    print(f"{'T':>9} {'L':>6} {'chunks':>6} {'tokens':>6} {'seconds':>9} {'peak MiB':>9} {'T ratio':>8} {'time ratio':>10} {'mem ratio':>9}")
     first = rows[0]
     for row in rows:
         mem_ratio = row["peak_mib"] / first["peak_mib"] if first["peak_mib"] > 0 else float("nan")
-        print(f"{row['T']:>9,} {row['L']:>6} {row['tokens']:>6} {row['seconds']:>9.3f} {row['peak_mib']:>9.1f} "
+        print(f"{row['T']:>9,} {row['L']:>6} {row['chunks']:>6} {row['tokens']:>6} {row['seconds']:>9.3f} {row['peak_mib']:>9.1f} "
               f"{row['T'] / first['T']:>8.1f} {row['seconds'] / first['seconds']:>10.1f} {mem_ratio:>9.1f}")
     return 0
 

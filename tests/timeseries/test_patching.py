@@ -64,6 +64,13 @@ def test_chunks_are_whole_patches():
     assert plan_patching(300_000, 1024, 4, patches_per_chunk=100).num_chunks == 3
 
 
+def test_chunks_are_capped_in_samples():
+    """With max_chunk_samples a chunk holds fewer patches as L grows (never fewer than one)."""
+    assert plan_patching(300_000, 1024, 4, max_chunk_samples=16_384).patches_per_chunk == 13   # 16,384 // 1,172
+    assert plan_patching(4096, 1024, 4, max_chunk_samples=16_384).patches_per_chunk == 64      # capped by 64
+    assert plan_patching(300_000, 1024, 4, max_chunk_samples=100).patches_per_chunk == 1
+
+
 def test_min_patch_length_floors_short_series():
     plan = plan_patching(10, 1024, 4, min_patch_length=4)
     assert (plan.patch_length, plan.num_patches, plan.num_tokens) == (4, 3, 12)

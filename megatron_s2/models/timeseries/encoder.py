@@ -63,6 +63,9 @@ class TimeSeriesEncoderConfig:
     """Q: Q-Former queries per patch."""
     patches_per_chunk: int = 64
     """Stage-1 chunk size in patches: bounds the CNN / Q-Former activations."""
+    chunk_samples: int = 16_384
+    """Cap of a chunk's raw samples (fewer patches per chunk as L grows): a chunk's activations
+    stay the same size whatever T is."""
     min_patch_length: int = 1
     """Floor of L for very short series."""
     cnn_kernel: int = 5
@@ -78,7 +81,7 @@ class TimeSeriesEncoderConfig:
 
     def __post_init__(self):
         for name in ("output_hidden", "hidden", "heads", "token_budget", "queries_per_patch",
-                     "patches_per_chunk", "min_patch_length", "cnn_kernel", "max_channels"):
+                     "patches_per_chunk", "chunk_samples", "min_patch_length", "cnn_kernel", "max_channels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"timeseries.{name} must be >= 1, got {getattr(self, name)}")
         if self.hidden % self.heads:
@@ -224,7 +227,8 @@ class TimeSeriesEncoder(nn.Module):
     def plan(self, length: int) -> PatchPlan:
         cfg = self.cfg
         return plan_patching(length, cfg.token_budget, cfg.queries_per_patch,
-                             patches_per_chunk=cfg.patches_per_chunk, min_patch_length=cfg.min_patch_length)
+                             patches_per_chunk=cfg.patches_per_chunk, min_patch_length=cfg.min_patch_length,
+                             max_chunk_samples=cfg.chunk_samples)
 
     def patch_tokens(self, series: SeriesInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PatchPlan]:
         """Steps 1-3 for one series: [C, N_tok, D] tokens, mu, sigma and its plan."""
