@@ -115,6 +115,28 @@ def test_time_grows_linearly_in_length():
     assert long / short < 3 * 8, (short, long)
 
 
+def _saved_bytes(enc, length) -> int:
+    """Bytes autograd keeps for the backward of one forward (the training activation memory)."""
+    total = 0
+
+    def pack(tensor):
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        enc([SeriesInput(torch.randn(2, length), 100.0)])
+    return total
+
+
+def test_activation_memory_grows_linearly_in_length():
+    """Measured exactly (saved tensors): 8x the steps keeps at most ~8x the activation bytes, and
+    more than half of it (the budget-bounded Transformers are the fixed part)."""
+    enc = _encoder(token_budget=256, chunk_samples=4096)
+    short, long = _saved_bytes(enc, 8_000), _saved_bytes(enc, 64_000)
+    assert 4 * short < long <= 8 * 1.05 * short, (short, long)
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("heads", 5, "must divide timeseries.hidden"), ("cnn_kernel", 4, "must be odd"),
     ("token_budget", 2, "raise the budget"),
