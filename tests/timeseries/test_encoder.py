@@ -94,6 +94,8 @@ def test_gradients_reach_every_stage():
                  "temporal_blocks.0.attn.q.weight", "to_backbone.weight", "rate.weight"):
         grad = enc.get_parameter(name).grad
         assert grad is not None and grad.abs().sum() > 0, name
+    unused = [name for name, param in enc.named_parameters() if param.grad is None]
+    assert unused == []                # no parameter sits out (DDP would need find_unused_parameters)
 
 
 def _measure(enc, length):

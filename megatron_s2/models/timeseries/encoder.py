@@ -157,18 +157,19 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block: (cross-)attention then MLP, both residual."""
+    """Pre-norm block: self-attention (or, with ``cross``, attention over a context) then MLP."""
 
-    def __init__(self, hidden: int, heads: int):
+    def __init__(self, hidden: int, heads: int, cross: bool = False):
         super().__init__()
-        self.norm_q, self.norm_kv, self.norm_mlp = nn.LayerNorm(hidden), nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.norm_q, self.norm_mlp = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.norm_kv = nn.LayerNorm(hidden) if cross else None   # the context has its own statistics
         self.attn = Attention(hidden, heads)
         self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
 
     def forward(self, x, context=None, key_mask=None):
-        # self-attention when no context is given
-        kv = self.norm_kv(x if context is None else context)
-        x = x + self.attn(self.norm_q(x), kv, key_mask)
+        query = self.norm_q(x)
+        kv = query if self.norm_kv is None else self.norm_kv(context)
+        x = x + self.attn(query, kv, key_mask)
         return x + self.mlp(self.norm_mlp(x))
 
 
@@ -192,7 +193,7 @@ class QFormer(nn.Module):
         super().__init__()
         self.queries = nn.Parameter(torch.randn(queries, hidden) * hidden ** -0.5)
         self.position = nn.Linear(2 * POSITION_FREQUENCIES, hidden)
-        self.block = Block(hidden, heads)
+        self.block = Block(hidden, heads, cross=True)
 
     def forward(self, samples: torch.Tensor, sample_mask: torch.Tensor) -> torch.Tensor:
         """samples [P, L, D] (P patches), sample_mask [P, L] -> [P, Q, D]."""
@@ -218,7 +219,7 @@ class TimeSeriesEncoder(nn.Module):
         self.rate = nn.Linear(2, d)
         self.channel_index = nn.Embedding(cfg.max_channels, d)
         self.channel_blocks = nn.ModuleList(Block(d, cfg.heads) for _ in range(cfg.channel_layers))
-        self.channel_pool = Block(d, cfg.heads)
+        self.channel_pool = Block(d, cfg.heads, cross=True)
         self.channel_query = nn.Parameter(torch.randn(1, 1, d) * d ** -0.5)
         self.temporal_blocks = nn.ModuleList(Block(d, cfg.heads) for _ in range(cfg.temporal_layers))
         self.norm = nn.LayerNorm(d)
