@@ -151,3 +151,9 @@ def test_config_errors_name_the_field(field, value, message):
 def test_too_many_channels_is_refused():
     with pytest.raises(ValueError, match="raise it"):
         _encoder(max_channels=2)([SeriesInput(torch.randn(3, 10))])
+
+
+@pytest.mark.parametrize("rate", [0.0, -5.0, float("nan")])
+def test_sampling_rate_must_be_positive(rate):
+    with pytest.raises(ValueError, match="sample_rate must be a positive number of Hz"):
+        SeriesInput(torch.zeros(1, 4), rate)

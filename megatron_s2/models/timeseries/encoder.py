@@ -100,6 +100,11 @@ class SeriesInput:
     values: torch.Tensor
     sample_rate: Optional[float] = None
 
+    def __post_init__(self):
+        if self.sample_rate is not None and not (math.isfinite(self.sample_rate) and self.sample_rate > 0):
+            raise ValueError(f"sample_rate must be a positive number of Hz (or None when unknown), "
+                             f"got {self.sample_rate!r}")
+
 
 @dataclass
 class TimeSeriesEncoding:
