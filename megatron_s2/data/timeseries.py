@@ -32,7 +32,7 @@ import numpy as np
 from megatron_s2.data.errors import DataError
 
 __all__ = ["MAX_STEPS", "SUPPORTED_SUFFIXES", "LoadedSeries", "GeneratedSeries", "load_series", "check_series",
-           "procedural_series"]
+           "split_windows", "procedural_series"]
 
 MAX_STEPS = 300_000
 """The report's longest series (§2.2.1); longer ones must be windowed before training."""
@@ -68,7 +68,7 @@ def check_series(values, source: str, *, max_steps: int = MAX_STEPS, max_channel
         raise DataError(f"{source}: empty series ({channels} channels x {steps} steps); remove the file or fill it")
     if steps > max_steps:
         raise DataError(f"{source}: {steps:,} steps exceeds the {max_steps:,}-step maximum; cut it into windows "
-                        f"of at most {max_steps:,} steps (or downsample)")
+                        f"of at most {max_steps:,} steps (data.timeseries.split_windows) or downsample")
     if channels > max_channels:
         raise DataError(f"{source}: {channels:,} channels exceeds {max_channels:,}; was the file transposed? "
                         f"Rows are time steps and columns channels")
@@ -79,6 +79,18 @@ def check_series(values, source: str, *, max_steps: int = MAX_STEPS, max_channel
         raise DataError(f"{source}: {int(bad.sum()):,} of {array.size:,} values are NaN/inf (first {what} at "
                         f"channel {channel}, step {step}); interpolate or drop them before training")
     return array
+
+
+def split_windows(values: np.ndarray, window: int, stride: Optional[int] = None) -> list[np.ndarray]:
+    """[C, T] -> consecutive [C, <= window] views every ``stride`` steps (default: no overlap).
+
+    The fix for an enormous series: each window fits ``max_steps``; the last may be shorter."""
+    stride = window if stride is None else stride
+    if window < 1 or stride < 1:
+        raise DataError(f"split_windows needs window >= 1 and stride >= 1, got {window} and {stride}")
+    steps = values.shape[-1]
+    return [values[..., start:start + window] for start in range(0, max(steps - window, 0) + stride, stride)
+            if start < steps]
 
 
 def _read_csv(path: Path) -> np.ndarray:

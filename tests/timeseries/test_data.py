@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from megatron_s2.data.errors import DataError
-from megatron_s2.data.timeseries import check_series, load_series, procedural_series
+from megatron_s2.data.timeseries import check_series, load_series, procedural_series, split_windows
 
 
 def _reference() -> np.ndarray:
@@ -67,6 +67,16 @@ def test_enormous_series_says_how_to_window(tmp_path):
     np.savez(path, values=np.zeros((1, 300_001), np.float32))
     with pytest.raises(DataError, match=r"long.npz: 300,001 steps exceeds the 300,000-step maximum; cut it into windows"):
         load_series(path)
+    windows = split_windows(np.arange(300_001, dtype=np.float32)[None], 300_000)
+    assert [w.shape[1] for w in windows] == [300_000, 1]
+    assert all(check_series(w, "window").shape[1] <= 300_000 for w in windows)
+
+
+def test_split_windows_covers_every_step():
+    series = np.arange(20, dtype=np.float32).reshape(2, 10)
+    assert [w[0].tolist() for w in split_windows(series, 4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [w[0, 0] for w in split_windows(series, 4, stride=3)] == [0, 3, 6]
+    assert split_windows(series, 20)[0].shape == (2, 10)
 
 
 def test_check_series_refuses_ragged_lists_and_inf():
