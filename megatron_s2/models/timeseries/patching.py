@@ -19,9 +19,9 @@ T = 257 → 129 patches of 2), a saw-tooth between half the budget and the budge
 ``T`` exceeds ``B / Q``. ``L`` itself is monotone.
 
 Stage 1 (temporal chunking) cuts the series into chunks of whole patches, ``patches_per_chunk``
-each, so the CNN embedder and the Q-Former run chunk by chunk with activations bounded by one
-chunk, whatever ``T`` is. No torch here: the data pipeline and ``plan`` use this to reserve
-series-token positions without building a model.
+each (capped at ``max_chunk_samples`` raw samples), so the CNN embedder and the Q-Former run
+chunk by chunk with activations bounded by one chunk, whatever ``T`` is. No torch here, so the
+data side can size (reserve) the series-token positions without building a model.
 """
 
 from __future__ import annotations
