@@ -71,19 +71,23 @@ def raster_scan(latents: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor
 class PatchEncoder(nn.Module):
     """The frozen visual encoder E_v of Eq. (5): flattened pixel patch -> latent of ``dim``.
 
-    A linear patch embedding followed by a parameter-free RMS normalisation, drawn once from the
-    seed and frozen (``requires_grad`` off, so the optimiser never holds it): a random projection
-    that keeps distinct patches distinct. It is the instrument the sequence is measured with, not
-    a model being trained (walkthrough: "The visual encoder remains frozen")."""
+    A linear embedding of the patch's ink (``paper - pixels``) followed by a parameter-free RMS
+    normalisation, drawn once from the seed and frozen (``requires_grad`` off, so the optimiser
+    never holds it): a random projection that keeps distinct patches distinct. It reads the ink,
+    not the raw pixels, because pale pixels all point the same way — raw patches of a page have
+    cosine similarities near 1, which would leave the contrastive score (Eq. 7) nothing to tell
+    apart. It is the instrument the sequence is measured with, not a model being trained
+    (walkthrough: "The visual encoder remains frozen")."""
 
-    def __init__(self, patch_dim: int, dim: int):
+    def __init__(self, patch_dim: int, dim: int, paper: float = 1.0):
         super().__init__()
+        self.paper = paper
         self.proj = ReplicatedLinear(patch_dim, dim)
         self.proj.weight.requires_grad_(False)
 
     @torch.no_grad()
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        z = self.proj(patches.to(self.proj.weight.dtype))
+        z = self.proj((self.paper - patches).to(self.proj.weight.dtype))
         return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
@@ -111,6 +115,12 @@ class NextPatchPredictor(nn.Module):
         """Eq. (5) on pages [B, C, H, W] in [0, 1]: (``u`` [B, L, Dv], ``valid`` [B, L])."""
         patches = patchify(pages, self.patch)
         return raster_scan(self.encoder(patches), foreground_mask(patches, paper=paper, threshold=threshold))
+
+    def encode(self, patches: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Already-scanned pixel patches [B, L, C * p * p] (the data path's rows) -> ``u`` [B, L, Dv],
+        zero where ``valid`` is off (the per-patch encoder commutes with the scan)."""
+        z = self.encoder(patches)
+        return z * valid.unsqueeze(-1).to(z.dtype)
 
     def predict(self, model, u: torch.Tensor) -> torch.Tensor:
         """Eq. (6): ``psi(Phi(W_in u)_t)`` for every t — [B, L, Dv], row t predicting latent t + 1."""

@@ -57,8 +57,10 @@ class VisualNextPatchObjective:
     """A step's ``loss_fn`` (:class:`~megatron_s2.pipeline.step.StepInputs`) for ``phase.kind:
     visual_next_patch``: Eq. (9) on each micro-batch — the token cross-entropy of its text
     (``tokens`` / ``labels``, from the schedule's forward) times ``lambda_text``, plus
-    ``lambda_vis`` times L_VP of its rendered pages (``pages`` [b, 3, H, W] in [0, 1]; the
-    encoder frozen, the backbone run a second time over the visual sequence).
+    ``lambda_vis`` times L_VP of its visual rows — ``patches`` [r, L, 3 p p] / ``patch_valid`` [r, L]
+    scanned and chunked by the data path (:mod:`megatron_s2.data.pages`), or whole ``pages``
+    [b, 3, H, W] in [0, 1] scanned here; the encoder frozen, the backbone run a second time over
+    the visual sequence.
 
     The text term is a share of the global token mean as without pages; L_VP is a per-micro-batch
     mean and counts as ``1 / num_micro_global`` of the step, as auxiliary losses do. The logged
@@ -75,7 +77,11 @@ class VisualNextPatchObjective:
         text_objective, text_summed = micro_batch_objective(model.loss(logits, mb["labels"]), mb["loss_mask"],
                                                             self.global_tokens, None, self.num_micro_global)
         predictor = model.next_patch
-        u, valid = predictor.scan(mb["pages"], paper=self.paper, threshold=self.threshold)
+        if "pages" in mb:  # whole pages: scan them here
+            u, valid = predictor.scan(mb["pages"], paper=self.paper, threshold=self.threshold)
+        else:  # rows the data path already scanned and chunked (megatron_s2/data/pages.py)
+            valid = mb["patch_valid"]
+            u = predictor.encode(mb["patches"], valid)
         pred, target = next_patch_pairs(predictor.predict(model, u), u, valid)
         loss_vp, accuracy = next_patch_contrastive_loss(pred, target, self.temperature)
         objective = self.lambda_text * text_objective + self.lambda_vis * loss_vp / self.num_micro_global

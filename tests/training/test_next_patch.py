@@ -199,3 +199,79 @@ def test_eq9_combines_text_and_visual_losses_with_their_weights(tiny_model, lamb
     assert torch.allclose(got, lam_text * text + lam_vis * vp / 2, rtol=1e-5)
     assert torch.allclose(summed / 48, lam_text * text + lam_vis * vp / 2, rtol=1e-5)
     assert torch.allclose(ctx.aux_metrics["loss_vp"], vp) and torch.allclose(ctx.aux_metrics["loss_text"] / 2, text)
+
+
+# ---- the data path and the phase ----------------------------------------------------------------
+
+def test_page_rows_are_scanned_chunked_and_deterministic():
+    """A document's pages become kept patches in raster order, page after page (blank paper
+    dropped), split into chunks of <= max_patches sharing chunk_overlap (the chunking rule); the
+    stream depends on (seed, documents consumed) only, so a resumed stream continues exactly."""
+    from megatron_s2.config.next_patch import VisualNextPatchConfig
+    from megatron_s2.data.chunking import chunk_spans
+    from megatron_s2.data.pages import PageDocuments, document_patches
+
+    cfg = VisualNextPatchConfig(max_patches=32, chunk_overlap=4)
+    stream = PageDocuments(cfg, seed=7, dp_rank=0, dp_size=1, micro_batches_per_rank=1)
+    pages = stream.document(0)
+    assert pages.shape == (2, 3, 64, 64)
+    patches = patchify(pages, cfg.patch_size)
+    mask = foreground_mask(patches, threshold=cfg.foreground_threshold)
+    assert 0 < int(mask.sum()) < mask.numel()  # ink and paper on every page of the source
+    sequence = document_patches(pages, cfg)
+    assert torch.equal(sequence, torch.cat([patches[p][mask[p]] for p in range(2)]))
+    mb = stream.rows([0])
+    spans = chunk_spans(len(sequence), 32, 4)
+    assert mb["patches"].shape == (len(spans), 32, 3 * 64) and len(spans) > 1
+    for row, (a, b) in enumerate(spans):
+        assert int(mb["patch_valid"][row].sum()) == b - a
+        assert torch.equal(mb["patches"][row, :b - a], sequence[a:b])
+    first = stream.next_step()
+    state = stream.state_dict()
+    second = stream.next_step()
+    resumed = PageDocuments(cfg, seed=7, dp_rank=0, dp_size=1, micro_batches_per_rank=1)
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed.next_step()[0]["patches"], second[0]["patches"])
+    assert not torch.equal(first[0]["patches"][:1], second[0]["patches"][:1])
+
+
+def _cli(*args: str):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "megatron_s2.cli", *args], cwd=Path(__file__).resolve().parents[2],
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("override, words", [("parallel.tp=2", "parallel.tp=2"), ("model=tiny", "model family 'v41'"),
+                                             ("phase.next_patch.page_size=60", "phase.next_patch.page_size")])
+def test_what_the_phase_cannot_run_is_refused_in_one_line(override, words, tmp_path):
+    out = _cli("train", "recipes/visual_next_patch_tiny.yaml", f"training.run_dir={tmp_path / 'run'}", override)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0] and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_visual_next_patch_recipe_trains_with_falling_text_and_visual_losses(tmp_path):
+    """``megatron-s2 train recipes/visual_next_patch_tiny.yaml``: the Eq. (9) loss falls, and so do
+    both of its terms (averages of the first and last 8 of 40 steps), and the run checkpoints."""
+    import json
+
+    out = _cli("train", "recipes/visual_next_patch_tiny.yaml", f"training.run_dir={tmp_path / 'run'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 41))
+
+    def drop(key: str) -> tuple[float, float]:
+        return sum(r[key] for r in rows[:8]) / 8, sum(r[key] for r in rows[-8:]) / 8
+
+    for r in rows:  # the logged loss is Eq. (9) with lambda_text = lambda_vis = 1
+        assert math.isclose(r["loss"], r["loss_text_raw"] + r["loss_vp_raw"], rel_tol=1e-4)
+    (text0, text1), (vp0, vp1) = drop("loss_text_raw"), drop("loss_vp_raw")
+    assert text1 < text0 - 0.5, (text0, text1)
+    assert vp1 < vp0 - 0.2, (vp0, vp1)
+    assert (tmp_path / "run" / "checkpoints" / "step_00000040").is_dir()
