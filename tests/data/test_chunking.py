@@ -70,3 +70,23 @@ def test_properties_exhaustively_over_small_sizes():
             window = min(overlap + 1, length)
             for start in range(length - window + 1):
                 assert any(a <= start and start + window <= b for a, b in spans), (length, cap, overlap, start)
+
+
+def test_worked_example_7_visual_gain_in_bits():
+    """Walkthrough, Worked example 7: "text-only PPL 12.4, interleaved PPL 9.1" -> Delta H =
+    0.3094 nats = 0.4464 bits per token; "700 text tokens, so the figure supplied 700 x 0.4464 ≈
+    312 bits — about 39 bytes". The stock photo: "text-only PPL 11.0, interleaved PPL 10.9. Then
+    Delta H = ln(11.0) − ln(10.9) = 2.3979 − 2.3888 = 0.0091 nats = 0.0131 bits per token, or about
+    9 bits for the whole page"."""
+    from megatron_s2.data.visual_gain import visual_gain
+
+    figure = visual_gain(12.4, 9.1, 700)
+    assert (round(figure.nats_per_token, 4), round(figure.bits_per_token, 4)) == (0.3094, 0.4464)
+    assert round(figure.page_bits) == 312 and round(figure.page_bits / 8) == 39
+    photo = visual_gain(11.0, 10.9, 700)
+    # the walkthrough converts the rounded 0.0091 nats (0.0091 / ln 2 = 0.0131); unrounded it is 0.01318
+    assert round(photo.nats_per_token, 4) == 0.0091 and abs(photo.bits_per_token - 0.0131) < 1e-4
+    assert round(photo.page_bits) == 9
+    assert figure.keep(0.1) and not photo.keep(0.1)
+    with pytest.raises(ValueError, match="perplexities"):
+        visual_gain(0.5, 2.0, 10)
