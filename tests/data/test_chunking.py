@@ -1,5 +1,6 @@
-"""Long documents split into overlapping chunks (Intern-S2 walkthrough Ch. 3, Worked example 9):
-the chapter's numbers, and the rule's properties checked exhaustively over small sizes."""
+"""The data rules of the Intern-S2 walkthrough's Ch. 3: long documents split into overlapping
+chunks (Worked example 9: the chapter's numbers, and the rule's properties checked exhaustively
+over small sizes) and the visual-gain filter (Worked example 7)."""
 
 from __future__ import annotations
 

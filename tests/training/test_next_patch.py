@@ -246,13 +246,26 @@ def _cli(*args: str):
                           env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("override, words", [("parallel.tp=2", "parallel.tp=2"), ("model=tiny", "model family 'v41'"),
-                                             ("phase.next_patch.page_size=60", "phase.next_patch.page_size")])
+@pytest.mark.parametrize("override, words", [("phase.next_patch.page_size=60", "phase.next_patch.page_size"),
+                                             ("phase.next_patch.chunk_overlap=64", "phase.next_patch.chunk_overlap"),
+                                             ("phase.next_patch.temperature=0", "phase.next_patch.temperature"),
+                                             ("parallel.pp=2", "parallel.pp=2"), ("parallel.cp=2", "parallel.cp=2")])
+def test_settings_the_phase_cannot_use_are_refused_naming_the_field(override, words):
+    from megatron_s2.config.schema import ConfigError
+    from megatron_s2.training.run_checks import check_phase_layout
+
+    with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
+        check_phase_layout(load_recipe("recipes/visual_next_patch_tiny.yaml", [override]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override, words", [("parallel.tp=2", "parallel.tp=2"), ("model=tiny", "model family 'v41'")])
 def test_what_the_phase_cannot_run_is_refused_in_one_line(override, words, tmp_path):
     out = _cli("train", "recipes/visual_next_patch_tiny.yaml", f"training.run_dir={tmp_path / 'run'}", override)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0] and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
 @pytest.mark.slow
@@ -275,3 +288,40 @@ def test_visual_next_patch_recipe_trains_with_falling_text_and_visual_losses(tmp
     assert text1 < text0 - 0.5, (text0, text1)
     assert vp1 < vp0 - 0.2, (vp0, vp1)
     assert (tmp_path / "run" / "checkpoints" / "step_00000040").is_dir()
+
+
+@pytest.mark.slow
+def test_the_phase_starts_from_a_text_checkpoint(tmp_path):
+    """Continued pre-training: a text-only Intern-S2 checkpoint initialises the backbone (a new
+    phase: checkpoint.load_optimizer=false), the visual pieces start from their initialisation, and
+    the frozen encoder holds no optimiser state."""
+    text = _cli("train", "recipes/intern_s2/pretrain_tiny.yaml", f"training.run_dir={tmp_path / 'text'}",
+                "training.train_steps=2", "checkpoint.save_interval=2")
+    assert text.returncode == 0, text.stderr[-3000:]
+    out = _cli("train", "recipes/visual_next_patch_tiny.yaml", f"training.run_dir={tmp_path / 'vp'}",
+               "training.train_steps=2", f"checkpoint.load={tmp_path / 'text' / 'checkpoints'}",
+               "checkpoint.load_optimizer=false")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "3 tensors are not in" in out.stdout and "next_patch." in out.stdout
+    assert "initialised from" in out.stdout
+
+
+def test_a_step_trains_projection_head_and_backbone_and_leaves_the_encoder(tmp_path):
+    """One optimiser step of the phase in process: W_in, psi and the backbone move, the frozen
+    encoder is outside the optimiser and stays as drawn; the logged loss is Eq. (9)'s."""
+    from megatron_s2.training.next_patch_trainer import VisualNextPatchTrainer
+
+    recipe = load_recipe("recipes/visual_next_patch_tiny.yaml", [f"training.run_dir={tmp_path}",
+                                                                  "training.train_steps=1"])
+    trainer = VisualNextPatchTrainer(recipe, tmp_path, log=lambda *a, **k: None)
+    head = trainer.model.next_patch
+    optimised = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert id(head.encoder.proj.weight) not in optimised
+    assert {id(head.w_in.weight), id(head.head.weight)} <= optimised
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    out = trainer.train_step()
+    after = dict(trainer.model.named_parameters())
+    assert torch.equal(before["next_patch.encoder.proj.weight"], after["next_patch.encoder.proj.weight"])
+    for name in ("next_patch.w_in.weight", "next_patch.head.weight", "layers.0.input_norm.weight"):
+        assert not torch.equal(before[name], after[name]), name
+    assert math.isclose(out["loss"], out["extra"]["loss_text_raw"] + out["extra"]["loss_vp_raw"], rel_tol=1e-5)
