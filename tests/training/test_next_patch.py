@@ -325,3 +325,37 @@ def test_a_step_trains_projection_head_and_backbone_and_leaves_the_encoder(tmp_p
     for name in ("next_patch.w_in.weight", "next_patch.head.weight", "layers.0.input_norm.weight"):
         assert not torch.equal(before[name], after[name]), name
     assert math.isclose(out["loss"], out["extra"]["loss_text_raw"] + out["extra"]["loss_vp_raw"], rel_tol=1e-5)
+
+
+_QUICK = ["training.train_steps=3", "training.seq_length=32", "checkpoint.save_interval=0", "checkpoint.save_at_end=false",
+          "logging.progress_bar=false", "data.num_documents=500"]
+
+
+def _dp_rank_losses(rank: int, world: int, out_dir: str) -> None:
+    import json
+    from pathlib import Path
+
+    from megatron_s2.training.next_patch_trainer import VisualNextPatchTrainer
+
+    run_dir = Path(out_dir) / f"run{world}"
+    recipe = load_recipe("recipes/visual_next_patch_tiny.yaml", [*_QUICK, f"training.run_dir={run_dir}"])
+    result = VisualNextPatchTrainer(recipe, run_dir, rank=rank, world_size=world, log=lambda *a, **k: None).train()
+    if rank == 0:
+        (Path(out_dir) / f"losses{world}.json").write_text(json.dumps(result.losses))
+
+
+@pytest.mark.slow
+def test_data_parallel_run_matches_one_rank(tmp_path):
+    """DP2 sees the same micro-batches of text and pages as one rank (each rank its share, by
+    global micro-batch index), so three steps give the same Eq. (9) losses."""
+    import json
+
+    from tests.parallel.spawn import run_distributed
+
+    torch.set_num_threads(1)
+    _dp_rank_losses(0, 1, str(tmp_path))
+    run_distributed(2, _dp_rank_losses, str(tmp_path))
+    one, two = (json.loads((tmp_path / f"losses{w}.json").read_text()) for w in (1, 2))
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        assert math.isclose(a, b, rel_tol=2e-5), (one, two)
