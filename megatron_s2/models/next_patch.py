@@ -31,7 +31,7 @@ import math
 import torch
 from torch import nn
 
-from megatron_s2.models.init import initialize_parameters
+from megatron_s2.models.init import initialize_parameters, normal_init
 from megatron_s2.parallel.linear import ReplicatedLinear
 
 __all__ = ["patchify", "foreground_mask", "raster_scan", "PatchEncoder", "NextPatchPredictor", "backbone_hidden"]
@@ -102,13 +102,12 @@ class NextPatchPredictor(nn.Module):
         self.encoder = PatchEncoder(channels * patch * patch, latent_dim)
         self.w_in = ReplicatedLinear(latent_dim, hidden_size)
         self.head = ReplicatedLinear(hidden_size, latent_dim)
+        for linear in (self.encoder.proj, self.w_in, self.head):  # variance-preserving: std 1/sqrt(fan_in)
+            linear.weight.init_fn = normal_init(1.0 / math.sqrt(linear.in_features))
 
     def init_weights(self, seed: int) -> "NextPatchPredictor":
-        """Layout-independent initialisation from (seed, name); the encoder's rows are unit-variance
-        projections (std 1/sqrt(fan_in)), the trained matrices likewise scaled to their fan-in."""
-        initialize_parameters(self.encoder, seed, 1.0 / math.sqrt(self.encoder.proj.in_features))
-        initialize_parameters(self.w_in, seed + 1, 1.0 / math.sqrt(self.w_in.in_features))
-        initialize_parameters(self.head, seed + 2, 1.0 / math.sqrt(self.head.in_features))
+        """Layout-independent initialisation from (seed, parameter name)."""
+        initialize_parameters(self, seed, std=1.0)  # every weight carries its own init_fn
         return self
 
     def scan(self, pages: torch.Tensor, *, paper: float, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
