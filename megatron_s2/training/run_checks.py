@@ -230,6 +230,20 @@ def check_drafter_phase(recipe: RecipeConfig) -> None:
                           "rank; set cp: 1 and sequence_parallel: false")
 
 
+def check_phase_layout(recipe: RecipeConfig) -> None:
+    """A layout the phase cannot use is wrong at any rank count: the drafter's
+    (:func:`check_drafter_phase`), and visual next-patch pre-training's — data parallelism only, its
+    pages' forward runs inside the loss over whole sequences (megatron_s2/training/next_patch_trainer.py)."""
+    check_drafter_phase(recipe)
+    if recipe.phase.kind != "visual_next_patch":
+        return
+    p = recipe.parallel
+    split = [f"parallel.{name}={getattr(p, name)}" for name in ("tp", "pp", "cp", "ep", "etp") if getattr(p, name) > 1]
+    if split:
+        raise ConfigError(f"phase.kind: visual_next_patch runs on data-parallel layouts only (the pages' forward runs "
+                          f"inside the loss over whole sequences); got {', '.join(split)}: set them to 1")
+
+
 def check_run_inputs(recipe: RecipeConfig, world_size: int, host: HostMemory | None,
                      run_dir: str | Path | None = None, *, ranks_here: bool = True, pending: Sequence[str | Path] = ()):
     """All start-up checks of a run (module docstring); returns the run's tokenizer.
@@ -240,7 +254,7 @@ def check_run_inputs(recipe: RecipeConfig, world_size: int, host: HostMemory | N
         check_backend(recipe)
     run_dir = run_dir if run_dir is not None else recipe.training.run_dir
     check_run_dir(run_dir)
-    check_drafter_phase(recipe)
+    check_phase_layout(recipe)
     check_image_layout(recipe)
     tokenizer = check_tokenizer(recipe)
     check_data(recipe, tokenizer)

@@ -249,9 +249,10 @@ class Trainer:
                          "initialised backbone; set checkpoint.load to the pre-trained backbone's checkpoints")
             return False
         try:  # a refusal leaves the run directory as it was: nothing has been written yet
-            # a new phase may add the DSpark drafter to a backbone checkpoint (report §2.4.3)
+            # a new phase may add the DSpark drafter (report §2.4.3) or the visual next-patch pieces
+            # (walkthrough Ch. 3) to a backbone checkpoint
             loaded = self.checkpoints.load(path, self.model, self.optimizer if full else None,
-                                           may_be_missing=() if full else ("dspark.",),
+                                           may_be_missing=() if full else ("dspark.", "next_patch."),
                                            load_only=() if full else self.load_only(path))
             if full:
                 self.data.load_state_dict(loaded.data)

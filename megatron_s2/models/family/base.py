@@ -58,7 +58,11 @@ class FamilyModel(Protocol):
 
     A forward of one stage is ``embed`` (first stage) -> ``run_layers`` -> ``head`` (last stage);
     the hidden state between them is a tuple of tensors (one for a plain residual stream; the
-    V4.1 backbone carries its mHC streams and input mix). ``forward(tokens, ctx)`` chains them."""
+    V4.1 backbone carries its mHC streams and input mix). ``forward(tokens, ctx)`` chains them.
+
+    Optional: ``embed_vectors(vectors [b, s, d]) -> hidden`` (vectors in place of token embeddings)
+    and ``final_hidden(*hidden) -> [b, s, d]`` (the normed state the head reads) — what visual
+    next-patch pre-training needs of a backbone (:mod:`megatron_s2.models.next_patch`)."""
 
     config: ModelSchema
     groups: "ParallelGroups"
