@@ -74,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             if recipe.phase.kind in ("rl", "opd"):  # rollouts co-located on these ranks
                 from megatron_s2.posttrain.trainer import PosttrainTrainer as Trainer
+            elif recipe.phase.kind in ("memdec", "memdec_router"):  # the Memory Decoder's phases
+                from megatron_s2.posttrain.memdec.trainer import memdec_trainer
+
+                Trainer = memdec_trainer(recipe.phase.kind)
             else:
                 from megatron_s2.training.trainer import Trainer
 

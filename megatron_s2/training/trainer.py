@@ -58,6 +58,10 @@ class TrainResult:
 
 
 class Trainer:
+    fresh_on_load: tuple[str, ...] = ("dspark.",)
+    """Name prefixes of model tensors a new phase may add to a loaded checkpoint (they keep their
+    initialisation): the DSpark drafter (report §2.4.3); a phase adds its own."""
+
     def __init__(self, recipe: RecipeConfig, run_dir: Path, *, rank: int = 0, world_size: int = 1, guard=None,
                  log=print, device=None):
         """``device``: where this rank computes; default :func:`~megatron_s2.runtime.device.process_device`
@@ -82,6 +86,7 @@ class Trainer:
                 recipe, self.layout, self.groups, rank,
                 self.tokenizer.compressed_token_map(num_ids=recipe.model.vocab_size), device=self.device,
                 plan_memory=lambda skeleton: check_rank_memory(recipe, self.layout, rank, skeleton, host))
+        self.attach_phase_modules()
         self._freeze(recipe.phase.freeze)
         if recipe.phase.kind == "dspark":  # §2.4.3: only the drafter trains; the backbone holds no optimiser state
             for name, p in self.model.named_parameters():
@@ -118,6 +123,10 @@ class Trainer:
     def check_phase_inputs(self) -> None:
         """A phase's own start-up checks, after :func:`check_run_inputs` and before the model is
         built (post-training phases check their engine, frozen models and prompts); none here."""
+
+    def attach_phase_modules(self) -> None:
+        """Modules a phase adds to the built model before the optimiser sees it (the Memory
+        Decoder's router, megatron_s2/posttrain/memdec); none here."""
 
     def build_data(self):
         """The phase's data source; its ``state_dict`` is the checkpoint's ``data`` entry
@@ -200,7 +209,7 @@ class Trainer:
         try:  # a refusal leaves the run directory as it was: nothing has been written yet
             # a new phase may add the DSpark drafter to a backbone checkpoint (report §2.4.3)
             loaded = self.checkpoints.load(path, self.model, self.optimizer if full else None,
-                                           may_be_missing=() if full else ("dspark.",))
+                                           may_be_missing=() if full else self.fresh_on_load)
             if full:
                 self.data.load_state_dict(loaded.data)
                 self.load_local_state(loaded.local)

@@ -15,9 +15,9 @@ generic code reaches them through :mod:`megatron_s2.models.family`.
 """
 
 from megatron_s2.models.memory_decoder.knn import Datastore, knn_distribution, knn_log_probs
-from megatron_s2.models.memory_decoder.objective import memory_decoder_loss
+from megatron_s2.models.memory_decoder.objective import memory_decoder_loss, memory_decoder_token_loss
 from megatron_s2.models.memory_decoder.router import (MemoryRouter, interpolate, interpolated_log_probs,
-                                                      router_features, router_loss)
+                                                      router_features, router_loss, router_token_loss)
 
-__all__ = ["Datastore", "knn_distribution", "knn_log_probs", "memory_decoder_loss", "MemoryRouter", "interpolate",
-           "interpolated_log_probs", "router_features", "router_loss"]
+__all__ = ["Datastore", "knn_distribution", "knn_log_probs", "memory_decoder_loss", "memory_decoder_token_loss",
+           "MemoryRouter", "interpolate", "interpolated_log_probs", "router_features", "router_loss", "router_token_loss"]

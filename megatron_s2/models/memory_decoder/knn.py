@@ -8,8 +8,8 @@ N(k_t) and let them vote, weighted by distance:
     p_kNN(y | c_t)  ∝  sum_{(k_j, v_j) in N(k_t)} 1[y = v_j] exp(-d(k_t, k_j) / tau)
 
 d is the squared Euclidean distance (kNN-LM's convention, also what FAISS's L2 index returns).
-Search here is exact brute force, chunked over the keys and computed in float64 so the neighbour
-set does not depend on float32 cancellation; a FAISS index is a drop-in replacement at scale
+Search here is exhaustive brute force, chunked over the keys, with the candidates re-ranked in
+float64 so the neighbour set does not depend on float32 cancellation; a FAISS index is a drop-in replacement at scale
 (optional, not required: the datastores of the CPU recipes are small).
 
 The datastore is stored as safetensors (``keys`` float32 [N, D], ``values`` int64 [N]) with a
@@ -59,6 +59,7 @@ class Datastore:
     """What built it (backbone checkpoint, corpus, seed); compared by :meth:`load`."""
 
     def __post_init__(self) -> None:
+        self._key_sq: torch.Tensor | None = None  # ||k||^2 of every key, computed at the first search
         if self.keys.dim() != 2 or self.values.dim() != 1 or self.keys.size(0) != self.values.size(0):
             raise DatastoreError(f"datastore: keys must be [N, D] and values [N], got {tuple(self.keys.shape)} "
                                  f"and {tuple(self.values.shape)}")
@@ -68,27 +69,37 @@ class Datastore:
     def __len__(self) -> int:
         return self.keys.size(0)
 
-    def search(self, queries: torch.Tensor, k: int, chunk: int = 65536) -> tuple[torch.Tensor, torch.Tensor]:
-        """(squared L2 distances [M, k] ascending, next tokens [M, k]) of the ``k`` nearest keys of
-        each query [M, D] — exact. Keys are scanned ``chunk`` at a time and the running top-k is
-        merged, so memory is O(M * (chunk + k)) whatever the datastore size."""
+    def search(self, queries: torch.Tensor, k: int, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+        """(squared L2 distances [..., k] ascending, next tokens [..., k]) of the ``k`` nearest keys of
+        each query [..., D] — exhaustive, no approximation. Keys are scanned ``chunk`` at a time in
+        float32 (one matrix product per chunk) with a running top-(k + margin) merge, so memory is
+        O(M * (chunk + k)) whatever the datastore size; the candidates' distances are then
+        recomputed in float64 from the differences and re-ranked, so float32 cancellation in
+        ||q||^2 - 2 q.k + ||k||^2 can neither reorder the neighbours nor perturb their weights."""
         if not 0 < k <= len(self):
             raise ValueError(f"knn k must be in [1, {len(self)}] (the datastore size), got {k}")
-        q = queries.reshape(-1, queries.size(-1)).double()
-        q_sq = (q * q).sum(-1, keepdim=True)
+        q = queries.reshape(-1, queries.size(-1)).float()
+        keys_all = self.keys.to(q.device, torch.float32)
+        if self._key_sq is None or self._key_sq.device != q.device:
+            self._key_sq = (keys_all * keys_all).sum(-1)
+        wanted = min(len(self), k + 8)  # margin for float32 ties at the k-th place
         best_d = q.new_full((q.size(0), 0), float("inf"))
         best_i = torch.empty(q.size(0), 0, dtype=torch.long, device=q.device)
         for start in range(0, len(self), chunk):
-            keys = self.keys[start:start + chunk].to(q.device).double()
-            # ||q - k||^2 = ||q||^2 - 2 q.k + ||k||^2, in float64; clamp the tiny negatives of rounding
-            d = (q_sq - 2.0 * q @ keys.T + (keys * keys).sum(-1)).clamp_min_(0.0)
-            d = torch.cat([best_d, d], dim=1)
-            idx = torch.cat([best_i, torch.arange(start, start + keys.size(0), device=q.device).expand(q.size(0), -1)], 1)
-            best_d, pos = d.topk(min(k, d.size(1)), dim=1, largest=False, sorted=True)
+            keys = keys_all[start:start + chunk]
+            d = torch.addmm(self._key_sq[start:start + chunk].unsqueeze(0), q, keys.T, alpha=-2.0)
+            chunk_d, chunk_i = d.topk(min(wanted, d.size(1)), dim=1, largest=False, sorted=False)
+            # merge the chunk's candidates into the running ones (small tensors only)
+            d, idx = torch.cat([best_d, chunk_d], dim=1), torch.cat([best_i, chunk_i + start], dim=1)
+            best_d, pos = d.topk(min(wanted, d.size(1)), dim=1, largest=False, sorted=False)
             best_i = idx.gather(1, pos)
+        # exact re-rank of the candidates in float64
+        exact = ((keys_all[best_i].double() - q.double().unsqueeze(1)) ** 2).sum(-1)
+        exact, order = exact.topk(k, dim=1, largest=False, sorted=True)
+        best_i = best_i.gather(1, order)
         values = self.values.to(q.device)[best_i]
         shape = (*queries.shape[:-1], k)
-        return best_d.to(queries.dtype).reshape(shape), values.reshape(shape)
+        return exact.to(queries.dtype).reshape(shape), values.reshape(shape)
 
     def distribution(self, queries: torch.Tensor, k: int, vocab_size: int, temperature: float) -> torch.Tensor:
         """log p_kNN [..., V] (Eq. 1) of each query [..., D]."""

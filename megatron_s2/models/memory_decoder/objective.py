@@ -13,27 +13,30 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["memory_decoder_loss"]
+__all__ = ["memory_decoder_token_loss", "memory_decoder_loss"]
+
+
+def memory_decoder_token_loss(mem_logits: torch.Tensor, knn_log_probs: torch.Tensor, labels: torch.Tensor, *,
+                              beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Eq. 2 per position, its KL term, its cross-entropy term), each [...].
+
+    ``mem_logits`` [..., V] (the memory decoder's, full vocabulary), ``knn_log_probs`` [..., V]
+    (Eq. 1, -inf where no neighbour voted), ``labels`` [...]."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"memory decoder beta must be in [0, 1], got {beta}")
+    log_q = torch.log_softmax(mem_logits.float(), dim=-1)
+    log_p = knn_log_probs.float()
+    # sum_v p (log p - log q), with the p = 0 terms exactly zero (their log p is -inf)
+    kl = (log_p.exp() * (log_p.clamp_min(torch.finfo(torch.float32).min) - log_q)).sum(-1)
+    ce = -log_q.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    return beta * kl + (1.0 - beta) * ce, kl, ce
 
 
 def memory_decoder_loss(mem_logits: torch.Tensor, knn_log_probs: torch.Tensor, labels: torch.Tensor,
                         mask: torch.Tensor | None = None, *, beta: float) -> tuple[torch.Tensor, dict]:
-    """Mean over valid positions of Eq. (2); (loss, {"kl", "ce"} detached means).
-
-    ``mem_logits`` [..., V] (the memory decoder's, full vocabulary), ``knn_log_probs`` [..., V]
-    (Eq. 1, -inf where no neighbour voted), ``labels`` [...], ``mask`` [...] (1 = position counts)."""
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"memory decoder beta must be in [0, 1], got {beta}")
-    log_q = torch.log_softmax(mem_logits.float(), dim=-1)
-    p_knn = knn_log_probs.float().exp()
-    # sum_v p (log p - log q), with the p = 0 terms exactly zero (their log p is -inf)
-    kl = (p_knn * (knn_log_probs.float().clamp_min(torch.finfo(torch.float32).min) - log_q)).sum(-1)
-    ce = -log_q.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
-    per_token = beta * kl + (1.0 - beta) * ce
-    if mask is None:
-        mask = torch.ones_like(per_token)
-    mask = mask.to(per_token.dtype)
+    """Mean over valid positions (``mask`` [...], 1 = counts) of Eq. (2); (loss, {"kl", "ce"} detached means)."""
+    per_token, kl, ce = memory_decoder_token_loss(mem_logits, knn_log_probs, labels, beta=beta)
+    mask = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
     count = mask.sum().clamp_min(1.0)
-    loss = (per_token * mask).sum() / count
     metrics = {"kl": ((kl * mask).sum() / count).detach(), "ce": ((ce * mask).sum() / count).detach()}
-    return loss, metrics
+    return (per_token * mask).sum() / count, metrics

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["interpolate", "interpolated_log_probs", "router_features", "MemoryRouter", "router_loss",
+__all__ = ["interpolate", "interpolated_log_probs", "router_features", "MemoryRouter", "router_token_loss", "router_loss",
            "NUM_UNCERTAINTY_FEATURES"]
 
 NUM_UNCERTAINTY_FEATURES = 4
@@ -80,16 +80,21 @@ class MemoryRouter(nn.Module):
         return torch.sigmoid(self.proj(feats).squeeze(-1))
 
 
-def router_loss(logp_final: torch.Tensor, labels: torch.Tensor, lam: torch.Tensor, is_domain: torch.Tensor,
-                alpha: float, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """Mean over valid positions of Eq. (4); (loss, {"ce", "lambda_domain", "lambda_general"}).
-
-    ``logp_final`` [..., V] (log of Eq. 3), ``labels`` / ``lam`` / ``is_domain`` (bool) / ``mask`` [...]."""
+def router_token_loss(logp_final: torch.Tensor, labels: torch.Tensor, lam: torch.Tensor, is_domain: torch.Tensor,
+                      alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Eq. 4 per position, its cross-entropy term), each [...]: ``logp_final`` [..., V] (log of
+    Eq. 3), ``labels`` / ``lam`` / ``is_domain`` (bool) [...]."""
     if alpha < 0:
         raise ValueError(f"router alpha_s must be >= 0, got {alpha}")
     ce = -logp_final.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
     slope = torch.where(is_domain.bool(), -1.0, 1.0).to(lam.dtype)  # s_t: signed, keyed to the corpus
-    per_token = ce + alpha * slope * lam
+    return ce + alpha * slope * lam, ce
+
+
+def router_loss(logp_final: torch.Tensor, labels: torch.Tensor, lam: torch.Tensor, is_domain: torch.Tensor,
+                alpha: float, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Mean over valid positions of Eq. (4); (loss, {"ce", "lambda_domain", "lambda_general"})."""
+    per_token, ce = router_token_loss(logp_final, labels, lam, is_domain, alpha)
     mask = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
     count = mask.sum().clamp_min(1.0)
     dom, gen = mask * is_domain.to(mask.dtype), mask * (~is_domain.bool()).to(mask.dtype)
