@@ -33,6 +33,7 @@ EXPECTED = {
     "remote_teacher.py": ["in process", "endpoint, 2 in flight"],
     "hybrid_vs_full.py": ["training step", "mem ratio", "decode", "ms/token"],
     "speculative.py": ["plain tok/s", "acceptance per position", "ratio = speculative / plain"],
+    "memory_decoder.py": ["held-out perplexity", "fused/backbone", "mean lambda"],
 }
 
 

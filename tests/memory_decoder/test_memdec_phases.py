@@ -99,6 +99,20 @@ def test_memdec_recipes_train_backbone_memory_and_router(tmp_path):
     for name, tensor in before.items():  # the memory decoder is frozen in router training
         assert torch.equal(trained[name], tensor), name
 
+    # the plug-in next to its backbone: Eq. 3 per token, a distribution at every position
+    from megatron_s2.models.memory_decoder import interpolate
+    from megatron_s2.posttrain.memdec.fusion import load_fused, load_plugin
+
+    fused, tokenizer = load_fused(backbone, router)
+    tokens = torch.tensor([[tokenizer.bos_id, *tokenizer.encode("ACGU GAC. ab")]])
+    out = fused.log_probs(tokens)
+    assert out.fused.shape == (1, tokens.size(1), 128) and out.lam.shape == tokens.shape
+    torch.testing.assert_close(out.fused.exp().sum(-1), torch.ones(tokens.shape), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.fused.exp(), interpolate(out.backbone.exp(), out.memory.exp(), out.lam),
+                               rtol=1e-5, atol=1e-7)
+    with pytest.raises(ConfigError, match="no router tensors"):
+        load_plugin(memory)
+
 
 @pytest.mark.slow
 def test_memdec_pipeline_file_resolves(tmp_path):

@@ -20,12 +20,12 @@ import torch
 from megatron_s2.models.memory_decoder.knn import Datastore, DatastoreError
 from megatron_s2.posttrain.memdec.forward import hidden_and_log_probs
 
-__all__ = ["DATASTORE_FILE", "build_datastore", "load_or_build_datastore"]
+__all__ = ["DATASTORE_FILE", "document_windows", "build_datastore", "load_or_build_datastore"]
 
 DATASTORE_FILE = "datastore.safetensors"
 
 
-def _windows(stores, seq_length: int):
+def document_windows(stores, seq_length: int):
     """(tokens [n] int64, next-token target flags [n]) of each window of each document."""
     for store in stores:
         for index in range(len(store)):
@@ -57,7 +57,7 @@ def build_datastore(backbone, stores, *, seq_length: int, pad_id: int, batch_siz
             values.append(torch.from_numpy(window[1:n + 1].copy())[keep])
         batch.clear()
 
-    for item in _windows(stores, seq_length):
+    for item in document_windows(stores, seq_length):
         batch.append(item)
         if len(batch) == batch_size:
             flush()
