@@ -260,7 +260,7 @@ class V41Executor(SpeculativeExecutor):
             req, h = c.request, self.runner.history
             rows.append(ForwardRow(req.kv, req.tokens[c.start:c.start + c.length], c.start,
                                    req.tokens[max(0, c.start - h):c.start], logits=c.logits,
-                                   decoder_from=req.kv.decoder_from))
+                                   decoder_from=req.kv.decoder_from, hidden=c.hidden))
         capture = self.drafter.targets if self.drafter is not None else ()
         out = self.runner.forward(rows, record_routing=record_routing, record_topk=record_topk, capture=capture)
         if capture:  # the drafter's main input of every computed token, pushed once the step keeps it

@@ -51,6 +51,8 @@ class ForwardRow:
     bounded replay, "all" covers only the tokens the decoder ran on (from ``decoder_from``)."""
     decoder_from: int = 0
     """Decoder layers run only on positions >= this (decoder bounded replay)."""
+    hidden: bool = False
+    """Also return the normalised last hidden state of the logits rows (``RowOutput.hidden``)."""
 
 
 class _RecordingRegistry(SharedStateRegistry):
@@ -172,10 +174,15 @@ class ModelRunner:
             ti = torch.tensor([i for _, _, t in picks for i in t], device=self.device)
             logits = self.model.head(x[bi, ti].unsqueeze(0), pre[bi, ti].unsqueeze(0))[0]
             logits = mappings.gather_from_group(logits, self.tp, dim=-1)
+            hidden = (self.model.final_hidden(x[bi, ti].unsqueeze(0), pre[bi, ti].unsqueeze(0))[0]
+                      if any(row.hidden for row in rows) else None)
             at = 0
             for r, _, t in picks:
                 chunk = logits[at:at + len(t)]
                 out[r].logits = chunk[0] if rows[r].logits == "last" else chunk
+                if hidden is not None and rows[r].hidden:
+                    h = hidden[at:at + len(t)].float()
+                    out[r].hidden = h[0] if rows[r].logits == "last" else h
                 at += len(t)
         if record_routing:
             self._routing(rows, views, out)
