@@ -52,10 +52,11 @@ def _perplexities(backbone: Path, plugin: Path, documents: int, seed: int, seq_l
     out = {}
     for corpus in ("domain", "general"):
         store = build_procedural_text_documents(corpus, documents, seed, tokenizer, language_seed)
-        sums = held_out_nll(fused, [store], seq_length=seq_length, pad_id=tokenizer.pad_id)
-        out[corpus] = {name: (math.exp(total / count) if name != "lambda" else total / count)
-                       for name, (total, count) in sums.items()}
-        out[corpus]["tokens"] = sums["fused"][1]
+        for skip, key in ((False, corpus), (True, f"{corpus}*")):
+            sums = held_out_nll(fused, [store], seq_length=seq_length, pad_id=tokenizer.pad_id, skip_document_start=skip)
+            out[key] = {name: (math.exp(total / count) if name != "lambda" else total / count)
+                        for name, (total, count) in sums.items()}
+            out[key]["tokens"] = sums["fused"][1]
     return out
 
 
@@ -96,6 +97,7 @@ def _report(figures: dict, claims: bool) -> int:
     for corpus, f in figures.items():
         print(f"{corpus:<9}{f['tokens']:>8}{f['backbone']:>11.3f}{f['memory']:>11.3f}{f['fused']:>11.3f}"
               f"{f['fused'] / f['backbone']:>16.4f}{f['lambda']:>13.3f}")
+    print("* without each document's first token (predicted from bos alone: no context tells the router the corpus)")
     if not claims:
         return 0
     domain, general = figures["domain"], figures["general"]

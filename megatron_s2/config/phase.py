@@ -51,6 +51,8 @@ class PhaseConfig:
     """alpha_s of Eq. 4: strength of the signed linear prior on lambda (-1 domain, +1 general)."""
     memdec_router_init_lambda: float = 0.1
     """lambda of the freshly initialised router (a constant dial until its weights learn)."""
+    memdec_router_hidden: int = 64
+    """Width of the router's hidden layer (features -> hidden -> GELU -> lambda logit)."""
     memdec_general_data: DataConfig | None = None
     """memdec_router: the general corpus mixed 1:1 with ``data:`` (the domain corpus)."""
 
@@ -75,6 +77,8 @@ class PhaseConfig:
             raise ConfigError(f"phase.memdec_beta: must be in [0, 1], got {self.memdec_beta}")
         if not self.memdec_router_alpha >= 0:
             raise ConfigError(f"phase.memdec_router_alpha: must be >= 0, got {self.memdec_router_alpha}")
+        if self.memdec_router_hidden < 1:
+            raise ConfigError(f"phase.memdec_router_hidden: must be >= 1, got {self.memdec_router_hidden}")
         if not 0.0 < self.memdec_router_init_lambda < 1.0:
             raise ConfigError(f"phase.memdec_router_init_lambda: must be in (0, 1), got {self.memdec_router_init_lambda}")
 

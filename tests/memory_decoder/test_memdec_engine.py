@@ -33,7 +33,7 @@ def _router(backbone, memory, seed: int) -> MemoryRouter:
     router = MemoryRouter(backbone.config.hidden_size, memory.config.hidden_size)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # a router whose lambda moves with the features (a fresh one is constant)
-        router.proj.weight.copy_(torch.randn(router.proj.weight.shape, generator=g) * 0.3)
+        router.out.weight.copy_(torch.randn(router.out.weight.shape, generator=g) * 0.3)
     return router.eval()
 
 

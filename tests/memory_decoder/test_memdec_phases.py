@@ -82,7 +82,7 @@ def test_memdec_recipes_train_backbone_memory_and_router(tmp_path):
     store = memory / "datastore.safetensors"
     with safe_open(str(store), framework="pt") as f:
         meta = json.loads(f.metadata()["meta"])
-        assert f.get_tensor("keys").shape[1] == 64 and meta["backbone"] == str(backbone)
+        assert f.get_tensor("keys").shape[1] == 64 and len(meta["backbone"]) == 32  # the weights' digest
     out = _train("memdec/memory_pretrain.yaml", memory, f"phase.memdec_backbone={backbone}", "data.num_documents=30",
                  "training.train_steps=4")
     assert out.returncode == 0 and "read from" in out.stdout, out.stderr[-3000:]
@@ -94,8 +94,8 @@ def test_memdec_recipes_train_backbone_memory_and_router(tmp_path):
     assert "memdec_lambda_domain" in out.stdout and "memdec_lambda_general" in out.stdout
     trained = read_checkpoint(str(router)).state
     before = read_checkpoint(str(memory)).state
-    assert {"memdec_router.proj.weight", "memdec_router.proj.bias"} <= set(trained)
-    assert trained["memdec_router.proj.weight"].shape == (1, 64 + 32 + 4)
+    assert {"memdec_router.inp.weight", "memdec_router.out.weight"} <= set(trained)
+    assert trained["memdec_router.inp.weight"].shape == (64, 64 + 32 + 4)
     for name, tensor in before.items():  # the memory decoder is frozen in router training
         assert torch.equal(trained[name], tensor), name
 
@@ -125,3 +125,33 @@ def test_memdec_pipeline_file_resolves(tmp_path):
     # ${phase:backbone} resolved in both later phases (an unresolved reference is a ConfigError)
     said = out.stdout + out.stderr
     assert all(f"phase {name}:" in said for name in ("backbone", "memory", "router")), said
+
+
+def test_datastore_keys_are_the_frozen_backbones_hidden_states_and_a_changed_backbone_is_detected():
+    """Step 1 of the walkthrough: one (key, next token) pair per target position, the key being the
+    backbone's normalised last hidden state of the prefix; the cache fingerprint follows the weights."""
+    import yaml
+
+    from megatron_s2.config.model_schema import ModelSchema
+    from megatron_s2.data.procedural_text import build_procedural_text_documents
+    from megatron_s2.models.family import family_of
+    from megatron_s2.posttrain.memdec.datastore import build_datastore, weights_fingerprint
+    from megatron_s2.posttrain.memdec.forward import hidden_and_log_probs
+
+    cfg = from_mapping(ModelSchema, yaml.safe_load((RECIPES / "models" / "intern_s2_tiny.yaml").read_text()))
+    model = family_of(cfg).build_model(cfg)
+    model.init_weights(0)
+    model.eval()
+    tok = build_tokenizer(DataConfig())
+    docs = build_procedural_text_documents("domain", 3, 0, tok)
+    store = build_datastore(model, [docs], seq_length=64, pad_id=tok.pad_id)
+    assert len(store) == sum(int(n) - 1 for n in docs.sizes)
+    first = torch.from_numpy(docs.tokens(0).astype("int64"))
+    n = len(first) - 1
+    hidden, _ = hidden_and_log_probs(model, {"tokens": first[:-1].unsqueeze(0)})
+    torch.testing.assert_close(store.keys[:n], hidden[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(store.values[:n], first[1:])
+    before = weights_fingerprint(model)
+    with torch.no_grad():
+        next(model.parameters()).add_(1e-3)
+    assert weights_fingerprint(model) != before

@@ -6,7 +6,10 @@ distribution for every lambda in [0, 1] with no renormalisation.
 
 The router is "lightweight" and "token-level"; it reads "their hidden states and output-distribution
 uncertainty features": feats = [h_base, h_mem, H(p_base), H(p_mem), max p_base, max p_mem] and
-lambda_t = sigmoid(w . feats + b), fresh every token. Both models are frozen while it trains.
+lambda_t = sigmoid(router(feats)), fresh every token. The walkthrough leaves ``router`` open; here
+it is a one-hidden-layer MLP: on the tiny recipes a linear probe over the same features left
+held-out general perplexity +40% above the backbone's, the MLP +7% (300 full-batch steps each).
+Both models are frozen while it trains.
 
 Eq. (4): L_router = -log p_final(y_gold) + alpha_s * s_t * lambda_t, s_t = -1 on domain examples
 and +1 on general ones: a constant-gradient prior that pulls lambda up on the domain corpus and
@@ -26,6 +29,9 @@ __all__ = ["interpolate", "interpolated_log_probs", "router_features", "MemoryRo
 NUM_UNCERTAINTY_FEATURES = 4
 """H(p_base), H(p_mem), max p_base, max p_mem."""
 
+LAMBDA_EPS = 1e-6
+"""How close to 0 or 1 lambda may get in the log-space fusion (float32 resolves 1 - 1e-6)."""
+
 
 def interpolate(p_base: torch.Tensor, p_mem: torch.Tensor, lam: torch.Tensor | float) -> torch.Tensor:
     """Eq. (3) on probabilities [..., V]; ``lam`` a float or [...] (one per position)."""
@@ -36,9 +42,11 @@ def interpolate(p_base: torch.Tensor, p_mem: torch.Tensor, lam: torch.Tensor | f
 
 
 def interpolated_log_probs(logp_base: torch.Tensor, logp_mem: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
-    """log of Eq. (3) from log-probabilities [..., V] and lambda [...] in (0, 1), computed as a
-    log-sum-exp so a token one model rules out keeps the other's (tiny) probability exactly."""
-    lam = lam.unsqueeze(-1).to(logp_base.dtype)
+    """log of Eq. (3) from log-probabilities [..., V] and lambda [...] in [0, 1], computed as a
+    log-sum-exp so a token one model rules out keeps the other's (tiny) probability exactly.
+    lambda is kept LAMBDA_EPS away from 0 and 1: a saturated sigmoid would otherwise give
+    log(0) = -inf and a NaN gradient."""
+    lam = lam.unsqueeze(-1).to(logp_base.dtype).clamp(LAMBDA_EPS, 1.0 - LAMBDA_EPS)
     return torch.logaddexp(torch.log1p(-lam) + logp_base, torch.log(lam) + logp_mem)
 
 
@@ -58,26 +66,34 @@ def router_features(h_base: torch.Tensor, h_mem: torch.Tensor, logp_base: torch.
 
 
 class MemoryRouter(nn.Module):
-    """lambda_t = sigmoid(w . feats_t + b) (module docstring): one scalar per token."""
+    """lambda_t = sigmoid(MLP(feats_t)) (module docstring): one scalar per token."""
 
-    def __init__(self, base_hidden: int, mem_hidden: int, init_lambda: float = 0.1):
+    def __init__(self, base_hidden: int, mem_hidden: int, init_lambda: float = 0.1, hidden: int = 64):
         super().__init__()
         if not 0.0 < init_lambda < 1.0:
             raise ValueError(f"router init_lambda must be in (0, 1), got {init_lambda}")
-        self.proj = nn.Linear(base_hidden + mem_hidden + NUM_UNCERTAINTY_FEATURES, 1)
+        if hidden < 1:
+            raise ValueError(f"router hidden must be >= 1, got {hidden}")
+        self.inp = nn.Linear(base_hidden + mem_hidden + NUM_UNCERTAINTY_FEATURES, hidden)
+        self.out = nn.Linear(hidden, 1)
         self.init_lambda = init_lambda
         self.reset_parameters()
 
+    @property
+    def in_features(self) -> int:
+        return self.inp.in_features
+
     def reset_parameters(self) -> None:
+        self.inp.reset_parameters()
         # start as a constant dial at init_lambda: the features only move it once they carry signal
-        nn.init.zeros_(self.proj.weight)
-        nn.init.constant_(self.proj.bias, math.log(self.init_lambda / (1.0 - self.init_lambda)))
+        nn.init.zeros_(self.out.weight)
+        nn.init.constant_(self.out.bias, math.log(self.init_lambda / (1.0 - self.init_lambda)))
 
     def forward(self, h_base: torch.Tensor, h_mem: torch.Tensor, logp_base: torch.Tensor,
                 logp_mem: torch.Tensor) -> torch.Tensor:
         """lambda [...] in (0, 1) for each position."""
         feats = router_features(h_base, h_mem, logp_base, logp_mem)
-        return torch.sigmoid(self.proj(feats).squeeze(-1))
+        return torch.sigmoid(self.out(nn.functional.gelu(self.inp(feats))).squeeze(-1))
 
 
 def router_token_loss(logp_final: torch.Tensor, labels: torch.Tensor, lam: torch.Tensor, is_domain: torch.Tensor,

@@ -4,13 +4,14 @@ Every document of the domain corpus is cut into windows of ``seq_length`` tokens
 training shape, so a key sees the same amount of context as the queries of training); for each
 position t whose next token is a target, the key is the backbone's normalised last hidden
 state at t and the value is token t + 1. The datastore is cached as ``datastore.safetensors`` in
-the run directory with the fingerprint of what built it (backbone checkpoint, corpus, window);
+the run directory with the fingerprint of what built it (backbone weights, corpus, window);
 a resumed phase reads it back, a changed backbone or corpus rebuilds it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
@@ -20,13 +21,15 @@ import torch
 from megatron_s2.models.memory_decoder.knn import Datastore, DatastoreError
 from megatron_s2.posttrain.memdec.forward import hidden_and_log_probs
 
-__all__ = ["DATASTORE_FILE", "document_windows", "build_datastore", "load_or_build_datastore"]
+__all__ = ["DATASTORE_FILE", "document_windows", "build_datastore", "weights_fingerprint", "datastore_meta",
+           "load_or_build_datastore"]
 
 DATASTORE_FILE = "datastore.safetensors"
 
 
 def document_windows(stores, seq_length: int):
-    """(tokens [n] int64, next-token target flags [n]) of each window of each document."""
+    """(offset in the document, tokens [n] int64, next-token target flags [n]) of each window of
+    each document."""
     for store in stores:
         for index in range(len(store)):
             tokens = np.asarray(store.tokens(index), dtype=np.int64)
@@ -34,7 +37,7 @@ def document_windows(stores, seq_length: int):
             for start in range(0, max(len(tokens) - 1, 0), seq_length):
                 window = tokens[start:start + seq_length + 1]
                 if len(window) >= 2:
-                    yield window, targets[start + 1:start + len(window)]
+                    yield start, window, targets[start + 1:start + len(window)]
 
 
 @torch.no_grad()
@@ -57,8 +60,8 @@ def build_datastore(backbone, stores, *, seq_length: int, pad_id: int, batch_siz
             values.append(torch.from_numpy(window[1:n + 1].copy())[keep])
         batch.clear()
 
-    for item in document_windows(stores, seq_length):
-        batch.append(item)
+    for _, window, is_target in document_windows(stores, seq_length):
+        batch.append((window, is_target))
         if len(batch) == batch_size:
             flush()
     if batch:
@@ -68,10 +71,21 @@ def build_datastore(backbone, stores, *, seq_length: int, pad_id: int, batch_siz
     return Datastore(torch.cat(keys), torch.cat(values), dict(meta or {}))
 
 
-def datastore_meta(backbone_description: str, data_cfg, seed: int, seq_length: int) -> dict:
+@torch.no_grad()
+def weights_fingerprint(model) -> str:
+    """A digest of a model's weights (names, shapes, float64 sums): the same path retrained is a
+    different backbone, and its datastore must be rebuilt."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        values = tensor.detach().double()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{float(values.sum()):.12e}:{float(values.abs().sum()):.12e}".encode())
+    return digest.hexdigest()[:32]
+
+
+def datastore_meta(backbone_fingerprint: str, data_cfg, seed: int, seq_length: int) -> dict:
     """What a cached datastore must have been built from to be reused."""
     data = json.loads(json.dumps(dataclasses.asdict(data_cfg), default=str))
-    return {"backbone": backbone_description, "data": data, "seed": seed, "seq_length": seq_length}
+    return {"backbone": backbone_fingerprint, "data": data, "seed": seed, "seq_length": seq_length}
 
 
 def load_or_build_datastore(run_dir: Path, backbone, stores, *, meta: dict, seq_length: int, pad_id: int,

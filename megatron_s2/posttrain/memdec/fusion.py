@@ -64,8 +64,11 @@ def load_plugin(path: str | Path, device: str | torch.device = "cpu") -> tuple[t
     if missing or unexpected:
         raise ConfigError(f"memory decoder: {loaded.description} does not match model '{cfg.name}' "
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    in_features = router_state["proj.weight"].size(1)
-    router = MemoryRouter(in_features - cfg.hidden_size - NUM_UNCERTAINTY_FEATURES, cfg.hidden_size)
+    if set(router_state) != {"inp.weight", "inp.bias", "out.weight", "out.bias"}:
+        raise ConfigError(f"memory decoder: {loaded.description} holds router tensors {sorted(router_state)}, not this "
+                          "version's MLP router (inp.*, out.*); retrain it with phase.kind: memdec_router")
+    hidden, in_features = router_state["inp.weight"].shape
+    router = MemoryRouter(in_features - cfg.hidden_size - NUM_UNCERTAINTY_FEATURES, cfg.hidden_size, hidden=hidden)
     router.load_state_dict(router_state)
     return memory.to(device).eval().requires_grad_(False), router.to(device).eval().requires_grad_(False)
 
@@ -79,16 +82,19 @@ def load_fused(backbone_path: str | Path, plugin_path: str | Path, device: str |
     if memory.config.vocab_size != backbone.config.vocab_size:
         raise ConfigError(f"memory decoder: vocab_size {memory.config.vocab_size} differs from the backbone's "
                           f"{backbone.config.vocab_size}; the memory must share the backbone's tokenizer")
-    if router.proj.in_features != backbone.config.hidden_size + memory.config.hidden_size + NUM_UNCERTAINTY_FEATURES:
+    if router.in_features != backbone.config.hidden_size + memory.config.hidden_size + NUM_UNCERTAINTY_FEATURES:
         raise ConfigError(f"memory decoder: the router of {plugin_path} was trained for another backbone width "
-                          f"(it reads {router.proj.in_features} features)")
+                          f"(it reads {router.in_features} features)")
     return FusedModel(backbone.requires_grad_(False), memory, router), tokenizer
 
 
 @torch.no_grad()
-def held_out_nll(fused: FusedModel, stores, *, seq_length: int, pad_id: int, batch_size: int = 16) -> dict:
+def held_out_nll(fused: FusedModel, stores, *, seq_length: int, pad_id: int, batch_size: int = 16,
+                 skip_document_start: bool = False) -> dict:
     """{"backbone" | "memory" | "fused": (summed NLL, tokens), "lambda": (summed lambda, tokens)}
-    over the target tokens of ``stores`` (DocumentStores), windows of ``seq_length``."""
+    over the target tokens of ``stores`` (DocumentStores), windows of ``seq_length``;
+    ``skip_document_start``: leave out each document's first token (predicted from ``bos`` alone,
+    where nothing tells the router which corpus the document is from)."""
     sums = {name: [0.0, 0] for name in ("backbone", "memory", "fused", "lambda")}
     windows = list(document_windows(stores, seq_length))
     device = next(fused.backbone.parameters()).device
@@ -97,11 +103,13 @@ def held_out_nll(fused: FusedModel, stores, *, seq_length: int, pad_id: int, bat
         tokens = torch.full((len(batch), seq_length), pad_id, dtype=torch.long)
         labels = torch.zeros_like(tokens)
         mask = torch.zeros_like(tokens, dtype=torch.bool)
-        for row, (window, is_target) in enumerate(batch):
+        for row, (offset, window, is_target) in enumerate(batch):
             n = len(window) - 1
             tokens[row, :n] = torch.from_numpy(window[:-1].copy())
             labels[row, :n] = torch.from_numpy(window[1:].copy())
             mask[row, :n] = torch.from_numpy(is_target[:n].copy())
+            if skip_document_start and offset == 0:
+                mask[row, 0] = False
         out = fused.log_probs(tokens.to(device))
         labels, mask = labels.to(device), mask.to(device)
         for name in ("backbone", "memory", "fused"):

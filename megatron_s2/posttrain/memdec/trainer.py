@@ -21,13 +21,12 @@ from megatron_s2.data.loader import load_document_stores
 from megatron_s2.models.memory_decoder import MemoryRouter
 from megatron_s2.pipeline.losses import global_token_count
 from megatron_s2.posttrain.frozen import load_frozen_model
-from megatron_s2.posttrain.memdec.datastore import datastore_meta, load_or_build_datastore
+from megatron_s2.posttrain.memdec.datastore import datastore_meta, load_or_build_datastore, weights_fingerprint
+from megatron_s2.posttrain.memdec.fusion import ROUTER_PREFIX
 from megatron_s2.posttrain.memdec.objectives import MemoryDecoderObjective, RouterObjective
 from megatron_s2.training.trainer import Trainer
 
 __all__ = ["MemoryDecoderTrainer", "RouterTrainer", "MixedCorpusIterator", "memdec_trainer", "ROUTER_PREFIX"]
-
-ROUTER_PREFIX = "memdec_router."
 
 
 class _MemdecTrainer(Trainer):
@@ -52,7 +51,7 @@ class MemoryDecoderTrainer(_MemdecTrainer):
         t, phase = self.recipe.training, self.recipe.phase
         seed = self.recipe.data.generation_seed(t.seed)
         stores = load_document_stores(self.recipe.data, seed=t.seed, tokenizer=self.tokenizer, log=self.log)
-        meta = datastore_meta(str(phase.memdec_backbone), self.recipe.data, seed, t.seq_length)
+        meta = datastore_meta(weights_fingerprint(self.backbone), self.recipe.data, seed, t.seq_length)
         self.datastore = load_or_build_datastore(self.run_dir, self.backbone, stores, meta=meta,
                                                  seq_length=t.seq_length, pad_id=self.tokenizer.pad_id,
                                                  device=self.device, save=self.is_main, log=self.log)
@@ -111,8 +110,9 @@ class RouterTrainer(_MemdecTrainer):
     def attach_phase_modules(self) -> None:
         for p in self.model.parameters():  # the memory decoder is frozen with the backbone
             p.requires_grad_(False)
+        phase = self.recipe.phase
         self.model.memdec_router = MemoryRouter(self.backbone.config.hidden_size, self.recipe.model.hidden_size,
-                                                self.recipe.phase.memdec_router_init_lambda).to(self.device)
+                                                phase.memdec_router_init_lambda, phase.memdec_router_hidden).to(self.device)
 
     def build_data(self):
         t = self.recipe.training
