@@ -78,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
                 from megatron_s2.training.contrastive_trainer import ContrastiveTrainer as Trainer
             elif recipe.phase.kind == "visual_next_patch":  # text + rendered pages (walkthrough Ch. 3)
                 from megatron_s2.training.next_patch_trainer import VisualNextPatchTrainer as Trainer
+            elif recipe.phase.kind in ("memdec", "memdec_router"):  # the Memory Decoder's phases
+                from megatron_s2.posttrain.memdec.trainer import memdec_trainer
+
+                Trainer = memdec_trainer(recipe.phase.kind)
             else:
                 from megatron_s2.training.trainer import Trainer
 

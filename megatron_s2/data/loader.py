@@ -201,6 +201,11 @@ def load_document_stores(cfg: DataConfig, *, seed: int, tokenizer: Tokenizer, lo
                                            seq_length=seq_length)]
     if cfg.kind == "synthetic":
         return [build_synthetic_documents(cfg, seed, tokenizer)]
+    if cfg.kind == "procedural_text":
+        from megatron_s2.data.procedural_text import build_procedural_text_documents
+
+        return [build_procedural_text_documents(cfg.corpus, cfg.num_documents, cfg.generation_seed(seed), tokenizer,
+                                                cfg.language_seed)]
     if cfg.kind == "chat":
         from megatron_s2.data.chat import load_chat_documents
 

@@ -23,6 +23,8 @@ __all__ = ["VisualNextPatchTrainer"]
 
 
 class VisualNextPatchTrainer(Trainer):
+    fresh_on_load = Trainer.fresh_on_load + ("next_patch.",)  # W_in / psi start fresh on a text checkpoint
+
     def build_model(self, host):
         """The family model, given the visual pieces as its ``next_patch`` submodule before the
         optimiser is built (they train and checkpoint with it)."""

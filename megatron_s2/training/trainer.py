@@ -58,6 +58,10 @@ class TrainResult:
 
 
 class Trainer:
+    fresh_on_load: tuple[str, ...] = ("dspark.",)
+    """Name prefixes of model tensors a new phase may add to a loaded checkpoint (they keep their
+    initialisation): the DSpark drafter (report §2.4.3); a phase adds its own."""
+
     def __init__(self, recipe: RecipeConfig, run_dir: Path, *, rank: int = 0, world_size: int = 1, guard=None,
                  log=print, device=None):
         """``device``: where this rank computes; default :func:`~megatron_s2.runtime.device.process_device`
@@ -79,6 +83,7 @@ class Trainer:
         host = HostMemory.for_this_rank()
         with build_on(self.device):  # parameters, buffers and what modules build at construction
             self.model, self.pipeline = self.build_model(host)
+        self.attach_phase_modules()
         self._freeze(recipe.phase.freeze)
         if recipe.phase.kind == "dspark":  # §2.4.3: only the drafter trains; the backbone holds no optimiser state
             for name, p in self.model.named_parameters():
@@ -139,6 +144,10 @@ class Trainer:
     def flops_per_token(self) -> float:
         """Training FLOPs per token of the metrics' throughput line."""
         return family_of(self.recipe.model).train_flops_per_token(self.recipe.model, self.recipe.training.seq_length)
+
+    def attach_phase_modules(self) -> None:
+        """Modules a phase adds to the built model before the optimiser sees it (the Memory
+        Decoder's router, megatron_s2/posttrain/memdec); none here."""
 
     def build_data(self):
         """The phase's data source; its ``state_dict`` is the checkpoint's ``data`` entry
@@ -252,7 +261,7 @@ class Trainer:
             # a new phase may add the DSpark drafter (report §2.4.3) or the visual next-patch pieces
             # (walkthrough Ch. 3) to a backbone checkpoint
             loaded = self.checkpoints.load(path, self.model, self.optimizer if full else None,
-                                           may_be_missing=() if full else ("dspark.", "next_patch."),
+                                           may_be_missing=() if full else self.fresh_on_load,
                                            load_only=() if full else self.load_only(path))
             if full:
                 self.data.load_state_dict(loaded.data)

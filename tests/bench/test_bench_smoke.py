@@ -34,6 +34,7 @@ EXPECTED = {
     "hybrid_vs_full.py": ["training step", "mem ratio", "decode", "ms/token"],
     "speculative.py": ["plain tok/s", "acceptance per position", "ratio = speculative / plain"],
     "contrastive_overlap.py": ["ratio blocking/overlapped", "identical"],
+    "memory_decoder.py": ["held-out perplexity", "fused/backbone", "mean lambda"],
 }
 
 

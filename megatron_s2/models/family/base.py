@@ -84,6 +84,10 @@ class FamilyModel(Protocol):
     def run_layers(self, hidden: tuple[torch.Tensor, ...], ctx, layer_ids: Iterable[int] | None = None
                    ) -> tuple[torch.Tensor, ...]: ...
 
+    def final_hidden(self, *hidden: torch.Tensor) -> torch.Tensor:
+        """The normalised last hidden state [b, s, d] that ``head`` projects to the logits (the
+        Memory Decoder's datastore keys and router features read it)."""
+
     def head(self, *hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits, float32."""
 

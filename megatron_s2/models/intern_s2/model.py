@@ -127,12 +127,12 @@ class InternS2Model(nn.Module):
                 x = block(x, ctx)
         return (x,)
 
+    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalised last hidden state [b, s, d] the output layer projects (float32)."""
+        return self.final_norm(x).float()
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.output_layer(self.final_hidden(x))
-
-    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """The normed last hidden state [b, s, d] the head reads (float32)."""
-        return self.final_norm(x).float()
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.groups.tp)

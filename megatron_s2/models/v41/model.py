@@ -121,9 +121,13 @@ class V41Model(nn.Module):
             for path in SELECTIVE_RECOMPUTE:
                 block.get_submodule(path).selective_recompute = mode == "selective"
 
+    def final_hidden(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """Streams -> the normalised last hidden state [b, s, d] the output layer projects."""
+        return self.final_norm(collapse(x, pre))
+
     def head(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """Streams -> this rank's vocabulary shard of the logits (float32)."""
-        return self.output_layer(self.final_norm(collapse(x, pre)))
+        return self.output_layer(self.final_hidden(x, pre))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy [b, s] (vocabulary-parallel)."""
