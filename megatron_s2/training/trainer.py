@@ -148,7 +148,8 @@ class Trainer:
                                    micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank,
                                    dp_size=self.layout.dp, seed=t.seed, phase=self.recipe.phase.kind,
                                    tokenizer=self.tokenizer, log=self.log,
-                                   image_processor=family_of(self.recipe.model).image_processor(self.recipe.model))
+                                   image_processor=family_of(self.recipe.model).image_processor(self.recipe.model),
+                                   cp_rank=self.groups.cp.rank, cp_size=self.groups.cp.size)
 
     def _freeze(self, patterns: tuple[str, ...]) -> None:
         from fnmatch import fnmatch

@@ -71,7 +71,6 @@ def test_freezing_a_model_without_vision_is_refused(tmp_path):
 
 @pytest.mark.parametrize("overrides, words", [
     (["parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel: image spans"),
-    (["parallel.cp=2"], "parallel.cp: image data under context parallelism"),
     (["model.vision_n_layers=0"], "data.kind: 'image_text' needs a model with a vision tower"),
 ])
 def test_unsupported_image_layouts_are_refused(overrides, words):
