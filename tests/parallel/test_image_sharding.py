@@ -1,7 +1,8 @@
 """Balanced image sharding across context-parallel ranks (report §3.1.1): the owner plan is greedy
 largest-first, deterministic and within Graham's bound; the span exchange's backward returns each
 owner exactly the summed gradient of its own spans; a CP rank's merged chunk embeddings and the
-encoder's gradients (summed over the group) equal the single-rank merge."""
+encoder's gradients (summed over the group) equal the single-rank merge, in one call and as the
+disaggregated step's phases, also on a rank that owns no image."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def _exchange_and_merge(rank: int, world: int) -> None:
     from megatron_s2.data.procedural_images import procedural_item
     from megatron_s2.models.family import family_of
     from megatron_s2.models.v41.model import build_model
-    from megatron_s2.models.v41.vision.tower import merge_image_embeddings, merge_sharded_image_embeddings
+    from megatron_s2.models.v41.vision.phase import encode_images, merge_encoded_images, merge_sharded_image_embeddings
+    from megatron_s2.models.v41.vision.tower import merge_image_embeddings
     from megatron_s2.parallel.context_parallel import local_chunk_positions
     from megatron_s2.parallel.image_sharding import RemoteImage, ShardedImages, gather_image_spans
     from tests.vision.conftest import vision_config
@@ -91,19 +93,31 @@ def _exchange_and_merge(rank: int, world: int) -> None:
     reference = {n: p.grad.clone() for n, p in encoder.named_parameters()}
     encoder.zero_grad(set_to_none=True)
 
-    owners = [[0, 1], [1]]  # a plan: row 1's single image goes to rank 1
-    mine = [[image if owner == rank else RemoteImage(image.start, image.types.numel(), owner)
-             for image, owner in zip(row, row_owners)] for row, row_owners in zip(rows, owners)]
+    # plans: rank 0 owns row 0's first image; rank 0 owns nothing (its encoder gradients are zeros,
+    # so the replicas' all-reduce still sums the same tensors); in one call (vision inside embed)
+    # and as the disaggregated step's phases (encode, merge, LLM backward, then encoder backward)
     idx = local_chunk_positions(seq, cp)
-    h_local = h.detach()[:, idx].requires_grad_(True)
-    merged = merge_sharded_image_embeddings(h_local, ShardedImages(mine, idx, cp), encoder)
-    assert torch.allclose(merged, full.detach()[:, idx], atol=1e-6)
-    (merged * probe[:, idx]).sum().backward()
-    assert torch.allclose(h_local.grad, h.grad[:, idx], atol=1e-6)  # text positions only, spans are overwritten
-    for name, p in encoder.named_parameters():
-        summed = p.grad.clone()
-        torch.distributed.all_reduce(summed, group=cp.pg)  # what the data x context replicas reduce does
-        assert torch.allclose(summed, reference[name], rtol=1e-5, atol=1e-6), name
+    for owners, phased in (([[0, 1], [1]], False), ([[0, 1], [1]], True), ([[1, 1], [1]], True)):
+        mine = ShardedImages([[image if owner == rank else RemoteImage(image.start, image.types.numel(), owner)
+                               for image, owner in zip(row, row_owners)] for row, row_owners in zip(rows, owners)],
+                             idx, cp)
+        encoder.zero_grad(set_to_none=True)
+        h_local = h.detach()[:, idx].requires_grad_(True)
+        if phased:
+            encoded = encode_images(mine, encoder, h.dtype)
+            merged = merge_encoded_images(h_local, encoded)
+        else:
+            merged = merge_sharded_image_embeddings(h_local, mine, encoder)
+        assert torch.allclose(merged, full.detach()[:, idx], atol=1e-6)
+        (merged * probe[:, idx]).sum().backward()
+        if phased:
+            assert all(p.grad is None for p in encoder.parameters())  # the LLM phase stops at the span rows
+            encoded.backward()
+        assert torch.allclose(h_local.grad, h.grad[:, idx], atol=1e-6)  # text positions only
+        for name, p in encoder.named_parameters():
+            summed = p.grad.clone()
+            torch.distributed.all_reduce(summed, group=cp.pg)  # what the data x context replicas reduce does
+            assert torch.allclose(summed, reference[name], rtol=1e-5, atol=1e-6), (owners, phased, name)
 
 
 @pytest.mark.slow

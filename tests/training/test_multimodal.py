@@ -145,3 +145,34 @@ def test_images_sharded_across_cp2_match_the_single_rank_run(tmp_path):
     # tower's wqkv, moved by the LLM's noisy gradients), against 1.8e-5 for the experts in text-only
     # CP2 of the same model.
     check_against_reference(records, ref, "cp2 images", **{**TOLERANCES, "param_rtol": 1e-4})
+
+
+def test_the_step_runs_vision_forward_then_llm_then_vision_backward(tmp_path):
+    """The disaggregated encoder step (report §3.1.1): every micro-batch's images are encoded before
+    the LLM's first layer runs, the encoder's backward runs after the LLM's last gradient, and the
+    gradients equal the one-call forward's (vision inside embed, backward with the LLM)."""
+    from megatron_s2.pipeline.step import StepInputs
+
+    t = trainer(tmp_path, "training.freeze_vision_until_decay=false", "training.global_batch_size=4")
+    batch = t.data.next_step()
+    assert len(batch) == 2
+    events: list[str] = []
+    model = t.model
+    model.vision.tower.register_forward_hook(lambda *a: events.append("vision forward"))
+    model.layers[str(model.layer_ids[0])].register_forward_hook(lambda *a: events.append("llm forward"))
+    model.embedding["word_embeddings"].weight.register_hook(lambda g: events.append("llm backward"))
+    model.vision.tower.patch_embed.proj.weight.register_hook(lambda g: events.append("vision backward"))
+    t.compute_gradients([dict(mb) for mb in batch])
+    last = max(i for i, e in enumerate(events) if e.startswith("llm"))
+    first = min(i for i, e in enumerate(events) if e.startswith("llm"))
+    images = sum(len(row) for mb in batch for row in mb["images"])
+    # one tower forward per image; one encoder backward per micro-batch
+    assert events[:first] == ["vision forward"] * images and events[last + 1:] == ["vision backward"] * 2, events
+    assert "vision" not in " ".join(events[first:last + 1])
+    phased = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    t.optimizer.zero_grad(set_to_none=True)
+    t.forward_backward(model, StepInputs([dict(mb) for mb in batch], t.groups, t.num_micro_global))
+    one_call = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(phased) == set(one_call)
+    assert all(torch.allclose(phased[n], one_call[n], rtol=1e-5, atol=1e-7) for n in phased), \
+        [n for n in phased if not torch.allclose(phased[n], one_call[n], rtol=1e-5, atol=1e-7)]

@@ -88,15 +88,30 @@ class V41Model(nn.Module):
             if self.groups.sequence.sp:  # refused at start-up (training.run_checks.check_image_layout)
                 raise ValueError("parallel.sequence_parallel: image spans are merged into whole-sequence embeddings; "
                                  "set sequence_parallel: false for image data")
-            from megatron_s2.models.v41.vision.tower import merge_image_embeddings, merge_sharded_image_embeddings
+            from megatron_s2.models.v41.vision.phase import (EncodedImages, merge_encoded_images,
+                                                             merge_sharded_image_embeddings)
+            from megatron_s2.models.v41.vision.tower import merge_image_embeddings
             from megatron_s2.parallel.image_sharding import ShardedImages
 
-            if isinstance(images, ShardedImages):  # CP: images split across the group (§3.1.1)
+            if isinstance(images, EncodedImages):  # the disaggregated step's phase 1 ran (encode_images)
+                h = merge_encoded_images(h, images)
+            elif isinstance(images, ShardedImages):  # CP: images split across the group (§3.1.1)
                 h = merge_sharded_image_embeddings(h, images, self.vision)
             else:
                 h = merge_image_embeddings(h, images, self.vision)
         x = expand_embedding(h, self.config.hc_mult)
         return x, one_hot_pre(x)
+
+    def encode_images(self, images):
+        """Phase 1 of the disaggregated encoder step (§3.1.1, :mod:`.vision.phase`): one
+        micro-batch's images -> :class:`~megatron_s2.models.v41.vision.phase.EncodedImages` for
+        ``embed`` (call its ``backward()`` after the LLM backward); None without images or without
+        the encoder on this rank (a later pipeline stage)."""
+        if images is None or self.vision is None:
+            return None
+        from megatron_s2.models.v41.vision.phase import encode_images
+
+        return encode_images(images, self.vision, getattr(torch, self.config.compute_dtype))
 
     def run_layers(self, hidden: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext,
                    layer_ids: Iterable[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,8 +21,8 @@ vision weights import and export under the same tensor names
 
 The encoder is not part of the backbone's layers: it sits beside the embedding on the first
 pipeline stage and is replicated on every rank (the report's disaggregated encoder, §3.1.1).
-Under context parallelism each CP rank encodes only the images it owns and the span embeddings
-are exchanged (:func:`merge_sharded_image_embeddings`, :mod:`megatron_s2.parallel.image_sharding`).
+The training step runs it as its own phases around the LLM (:mod:`.phase`); under context
+parallelism each CP rank encodes only the images it owns (:mod:`megatron_s2.parallel.image_sharding`).
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ from megatron_s2.models.v41.vision.rope2d import apply_rope_2d, rope_2d_tables
 from megatron_s2.parallel.linear import ReplicatedLinear
 from megatron_s2.parallel.placement import mark_param
 
-__all__ = ["VisionEncoder", "VisionTower", "Aligner", "pixel_unshuffle", "merge_image_embeddings",
-           "merge_sharded_image_embeddings"]
+__all__ = ["VisionEncoder", "VisionTower", "Aligner", "pixel_unshuffle", "merge_image_embeddings"]
 
 VISION_NORM_EPS = 1e-6  # the reference's vision RMSNorm (the backbone uses norm_eps)
 
@@ -220,50 +219,3 @@ def merge_image_embeddings(h: torch.Tensor, images, encoder: VisionEncoder) -> t
         return h
     return h.index_put((torch.cat(rows), torch.cat(cols)), torch.cat(values))
 
-
-def merge_sharded_image_embeddings(h: torch.Tensor, sharded, encoder: VisionEncoder) -> torch.Tensor:
-    """Context parallelism: this rank's chunk embeddings [b, s_local, d] with the image spans merged.
-
-    ``sharded``: a :class:`~megatron_s2.parallel.image_sharding.ShardedImages`. The rank encodes
-    the images it owns, the span embeddings of every image are all-gathered over the CP group
-    (backward: each owner receives the summed gradient of its own spans), and the positions of
-    each span that fall in this rank's chunks are overwritten (a span may straddle chunks)."""
-    from megatron_s2.parallel.image_sharding import RemoteImage, gather_image_spans
-
-    group = sharded.group
-    owned, placed = [], []  # placed: (row, start, length, owner) of every image, plan order
-    for i, row in enumerate(sharded.rows):
-        for image in row or ():
-            if isinstance(image, RemoteImage):
-                placed.append((i, image.start, image.length, image.owner))
-            else:
-                owned.append(encoder.span_embeddings(image, h.dtype))
-                placed.append((i, image.start, owned[-1].size(0), group.rank))
-    if not placed:
-        return h
-    counts = [sum(length for _, _, length, owner in placed if owner == r) for r in range(group.size)]
-    if owned:
-        local = torch.cat(owned)
-    else:  # no image of ours: still give every trainable encoder parameter a (zero) gradient, so
-        # the replicas' gradient all-reduce sums the same tensors on every rank
-        tie = sum(p.sum() for p in encoder.parameters() if p.requires_grad) * 0.0
-        local = h.new_zeros(0, h.size(-1)) + tie
-    spans = gather_image_spans(local, counts, group)  # rank blocks, each in plan order
-    where = torch.full((int(sharded.positions.max()) + 1,), -1, dtype=torch.long)
-    where[sharded.positions.cpu()] = torch.arange(sharded.positions.numel())
-    block_start = [sum(counts[:r]) for r in range(group.size)]
-    rows, cols, picks = [], [], []
-    for i, start, length, owner in placed:
-        positions = torch.arange(start, start + length)
-        inside = positions < where.numel()
-        local_at = torch.full_like(positions, -1)
-        local_at[inside] = where[positions[inside]]
-        keep = local_at >= 0
-        rows.append(torch.full((int(keep.sum()),), i))
-        cols.append(local_at[keep])
-        picks.append(block_start[owner] + torch.nonzero(keep).squeeze(1))
-        block_start[owner] += length
-    if not any(c.numel() for c in cols):
-        return h + spans.sum() * 0.0  # keep the exchange in the graph: its backward is collective
-    rows, cols, picks = (torch.cat(t).to(h.device) for t in (rows, cols, picks))
-    return h.index_put((rows, cols), spans.index_select(0, picks))
