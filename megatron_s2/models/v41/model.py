@@ -80,7 +80,8 @@ class V41Model(nn.Module):
 
         ``images``: per sequence, the :class:`~megatron_s2.models.v41.vision.processor.ImageInput`
         list whose spans take the vision encoder's embeddings (§2.1.1); under context parallelism a
-        :class:`~megatron_s2.parallel.image_sharding.ShardedImages` (each rank encodes its own images)."""
+        :class:`~megatron_s2.parallel.image_sharding.ShardedImages` (each rank encodes its own images);
+        in a training step the :class:`~.vision.phase.EncodedImages` of :meth:`encode_images`."""
         h = self.embedding["word_embeddings"](input_ids).to(getattr(torch, self.config.compute_dtype))
         if images is not None:
             if self.vision is None:
@@ -88,17 +89,9 @@ class V41Model(nn.Module):
             if self.groups.sequence.sp:  # refused at start-up (training.run_checks.check_image_layout)
                 raise ValueError("parallel.sequence_parallel: image spans are merged into whole-sequence embeddings; "
                                  "set sequence_parallel: false for image data")
-            from megatron_s2.models.v41.vision.phase import (EncodedImages, merge_encoded_images,
-                                                             merge_sharded_image_embeddings)
-            from megatron_s2.models.v41.vision.tower import merge_image_embeddings
-            from megatron_s2.parallel.image_sharding import ShardedImages
+            from megatron_s2.models.v41.vision.phase import merge_images
 
-            if isinstance(images, EncodedImages):  # the disaggregated step's phase 1 ran (encode_images)
-                h = merge_encoded_images(h, images)
-            elif isinstance(images, ShardedImages):  # CP: images split across the group (§3.1.1)
-                h = merge_sharded_image_embeddings(h, images, self.vision)
-            else:
-                h = merge_image_embeddings(h, images, self.vision)
+            h = merge_images(h, images, self.vision)
         x = expand_embedding(h, self.config.hc_mult)
         return x, one_hot_pre(x)
 

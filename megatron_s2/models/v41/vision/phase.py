@@ -28,7 +28,7 @@ import torch
 from megatron_s2.parallel.groups import Group
 from megatron_s2.parallel.image_sharding import RemoteImage, ShardedImages, gather_image_spans
 
-__all__ = ["EncodedImages", "encode_images", "merge_encoded_images", "merge_sharded_image_embeddings"]
+__all__ = ["EncodedImages", "encode_images", "merge_encoded_images", "merge_sharded_image_embeddings", "merge_images"]
 
 
 @dataclass
@@ -118,3 +118,15 @@ def merge_sharded_image_embeddings(h: torch.Tensor, sharded: ShardedImages, enco
     LLM's): this rank's chunk embeddings [b, s_local, d] with the image spans merged."""
     encoded = encode_images(sharded, encoder, h.dtype, detach=False)
     return h if encoded is None else merge_encoded_images(h, encoded)
+
+
+def merge_images(h: torch.Tensor, images, encoder) -> torch.Tensor:
+    """``embed``'s image merge for any form of image input: encoded by phase 1 (the training step),
+    sharded across CP ranks (encoded here), or per-row image lists (encoded here, whole rows)."""
+    if isinstance(images, EncodedImages):
+        return merge_encoded_images(h, images)
+    if isinstance(images, ShardedImages):
+        return merge_sharded_image_embeddings(h, images, encoder)
+    from megatron_s2.models.v41.vision.tower import merge_image_embeddings
+
+    return merge_image_embeddings(h, images, encoder)
