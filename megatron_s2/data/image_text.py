@@ -290,13 +290,20 @@ def _caption_ids(tokenizer: Tokenizer, caption: str) -> tuple[np.ndarray, int]:
 
 
 def image_inputs_of_row(store: ImageTextDocuments, segments: Sequence[tuple[int, int, int, int]], processor,
-                        seq_length: int) -> tuple[list[Any], np.ndarray]:
+                        seq_length: int, cp_rank: int = 0, cp_size: int = 1) -> tuple[list[Any], np.ndarray]:
     """The image inputs of one packed row and its image mask over the row's ``seq_length + 1`` slots.
 
     ``segments``: (document, start inside it, length, row position) of each segment. A span lies
     whole in the input positions (``[0, seq_length)``) of the segment holding its document's
-    start (:func:`build_image_text_documents` checks it), so a row either holds it whole or not at all."""
-    inputs, mask = [], np.zeros(seq_length + 1, dtype=bool)
+    start (:func:`build_image_text_documents` checks it), so a row either holds it whole or not at all.
+
+    Under context parallelism (``cp_size > 1``) the row's images are split across the CP ranks by
+    :func:`~megatron_s2.parallel.image_sharding.plan_image_owners` (sizes from the resize planning,
+    no pixel read): this rank loads only its own and gets a
+    :class:`~megatron_s2.parallel.image_sharding.RemoteImage` for each of the others."""
+    from megatron_s2.parallel.image_sharding import RemoteImage, plan_image_owners
+
+    placed, mask = [], np.zeros(seq_length + 1, dtype=bool)
     for document, start, length, cursor in segments:
         for span in store.images_of(document):
             if not (start <= span.offset and span.offset + span.length <= start + length):
@@ -305,6 +312,12 @@ def image_inputs_of_row(store: ImageTextDocuments, segments: Sequence[tuple[int,
             if at + span.length > seq_length:  # build_image_text_documents rules this out
                 raise RuntimeError(f"image span at {at}..{at + span.length - 1} runs past the {seq_length} inputs")
             mask[at:at + span.length] = True
-            inputs.append(processor.prepare(store.load_image(span.pair), at))
+            placed.append((span, at))
+    owners = [cp_rank] * len(placed)
+    if cp_size > 1:
+        pairs = [store.pairs[span.pair] for span, _ in placed]
+        owners = plan_image_owners([processor.work(p.width, p.height) for p in pairs], cp_size)
+    inputs = [processor.prepare(store.load_image(span.pair), at) if owner == cp_rank
+              else RemoteImage(at, span.length, owner) for (span, at), owner in zip(placed, owners)]
     return inputs, mask
 

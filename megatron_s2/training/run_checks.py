@@ -100,8 +100,8 @@ def check_data(recipe: RecipeConfig, tokenizer) -> None:
 
 def check_image_layout(recipe: RecipeConfig) -> None:
     """Image data (``data.kind: image_text``) needs a model with a vision pathway and a layout the
-    image wiring supports: whole sequences on each rank (no sequence or context parallelism yet)
-    and no DSpark drafter training."""
+    image wiring supports: no sequence parallelism (context parallelism shards the images across
+    the CP ranks, :mod:`megatron_s2.parallel.image_sharding`) and no DSpark drafter training."""
     if recipe.data.kind != "image_text":
         return
     from megatron_s2.models.family import family_of
@@ -113,9 +113,6 @@ def check_image_layout(recipe: RecipeConfig) -> None:
     if p.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel: image spans are merged into whole-sequence embeddings, which "
                           "sequence parallelism shards; set sequence_parallel: false for image data")
-    if p.cp > 1:
-        raise ConfigError("parallel.cp: image data under context parallelism needs balanced image sharding across CP "
-                          "ranks (not implemented yet); set cp: 1 for image data")
     if recipe.phase.trains_drafter:
         raise ConfigError(f"data.kind: 'image_text' with a phase that trains the DSpark drafter is not supported; "
                           "train the drafter on text data")

@@ -26,6 +26,7 @@ from megatron_s2.models.family import family_of
 from megatron_s2.optim import build_optimizer, describe_param_groups
 from megatron_s2.optim.lr_schedule import LRSchedule
 from megatron_s2.parallel.context_parallel import split_micro_batch
+from megatron_s2.pipeline.encoder_phase import EncoderPhase
 from megatron_s2.optim.distributed_optimizer import DistributedOptimizer
 from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.optim.optimizer_shards import optimizer_shard_groups
@@ -157,7 +158,8 @@ class Trainer:
                                    micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank,
                                    dp_size=self.layout.dp, seed=t.seed, phase=self.recipe.phase.kind,
                                    tokenizer=self.tokenizer, log=self.log,
-                                   image_processor=family_of(self.recipe.model).image_processor(self.recipe.model))
+                                   image_processor=family_of(self.recipe.model).image_processor(self.recipe.model),
+                                   cp_rank=self.groups.cp.rank, cp_size=self.groups.cp.size)
 
     def _freeze(self, patterns: tuple[str, ...]) -> None:
         from fnmatch import fnmatch
@@ -308,8 +310,10 @@ class Trainer:
     def compute_gradients(self, micro_batches: list[dict]):
         """Forward/backward over this rank's micro-batches and reduce the gradients."""
         micro_batches = [split_micro_batch(to_device(mb, self.device), self.groups.cp) for mb in micro_batches]
+        vision = EncoderPhase.forward(self.model, micro_batches)  # disaggregated encoder step (§3.1.1)
         inputs = StepInputs(micro_batches, self.groups, self.num_micro_global, loss_fn=self.step_objective(micro_batches))
         result = self.forward_backward(self.model, inputs)
+        vision.backward()
         finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb, zero1=self.zero1)
         return result
 

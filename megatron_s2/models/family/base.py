@@ -129,6 +129,10 @@ class ImageProcessor(Protocol):
     def prepare(self, image: Any, start: int) -> Any:
         """A decoded RGB Pillow image -> the model's input for a span starting at position ``start``."""
 
+    def work(self, width: int, height: int) -> float:
+        """Relative vision-forward cost of an image of ``width x height`` pixels (resize planning
+        only): what balanced image sharding across context-parallel ranks balances."""
+
 
 @dataclass(frozen=True)
 class RankShape:
