@@ -139,6 +139,14 @@ def _read(path: Path, limits: ImageLimits) -> bytes:
     return path.read_bytes()
 
 
+def _read_text(path: Path) -> str:
+    """A caption file's or manifest's text; bytes that are not UTF-8 are refused naming the file."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text (byte {exc.start}); re-save it as UTF-8") from None
+
+
 def _folder_pairs(directory: str, limits: ImageLimits) -> list[ImageTextPair]:
     root = Path(directory)
     if not root.is_dir():
@@ -146,7 +154,7 @@ def _folder_pairs(directory: str, limits: ImageLimits) -> list[ImageTextPair]:
     manifest = root / "captions.jsonl"
     pairs = []
     if manifest.is_file():
-        for line_no, line in enumerate(manifest.read_text(encoding="utf-8").splitlines(), 1):
+        for line_no, line in enumerate(_read_text(manifest).splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -164,7 +172,7 @@ def _folder_pairs(directory: str, limits: ImageLimits) -> list[ImageTextPair]:
             caption = path.with_suffix(".txt")
             if not caption.is_file():
                 raise DataError(f"{path}: no caption {caption.name}; add it (or a captions.jsonl) or remove the image")
-            pairs.append(_decoded(_read(path, limits), str(path), limits, caption.read_text(encoding="utf-8")))
+            pairs.append(_decoded(_read(path, limits), str(path), limits, _read_text(caption)))
     if not pairs:
         raise DataError(f"{root}: no images ({', '.join(IMAGE_SUFFIXES)}) with captions; add image + .txt pairs "
                         "or a captions.jsonl")

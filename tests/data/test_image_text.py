@@ -261,3 +261,17 @@ def test_sft_trains_only_answers():
     sep = int((row == TOKENIZER.sep_id).nonzero()[0])
     eos = int((row == TOKENIZER.eos_id).nonzero()[0])
     assert mb["loss_mask"][0, sep:eos].all() and not mb["loss_mask"][0, :sep].any()
+
+
+@pytest.mark.parametrize("manifest", [False, True])
+def test_a_caption_that_is_not_utf8_is_a_one_line_error_naming_the_file(tmp_path, manifest):
+    (tmp_path / "x.png").write_bytes(png())
+    if manifest:
+        (tmp_path / "captions.jsonl").write_bytes(b'{"image": "x.png", "text": "\xff\xfe"}\n')
+        named = "captions.jsonl"
+    else:
+        (tmp_path / "x.txt").write_bytes(b"\xff\xfe latin-1 caption")
+        named = "x.txt"
+    with pytest.raises(DataError) as caught:
+        load_image_text_pairs(DataConfig(kind="image_text", source="folder", paths=(str(tmp_path),)), seed=0)
+    assert f"{named}: not UTF-8 text" in one_line(caught)
