@@ -132,11 +132,14 @@ def _decoded(data: bytes, source: str, limits: ImageLimits, caption: str) -> Ima
 
 
 def _read(path: Path, limits: ImageLimits) -> bytes:
-    size = path.stat().st_size
-    if size > limits.max_bytes:
-        raise DataError(f"{path}: {size} bytes exceeds the image size limit of {limits.max_bytes} bytes; "
-                        "downscale it or remove it")
-    return path.read_bytes()
+    try:
+        size = path.stat().st_size
+        if size > limits.max_bytes:
+            raise DataError(f"{path}: {size} bytes exceeds the image size limit of {limits.max_bytes} bytes; "
+                            "downscale it or remove it")
+        return path.read_bytes()
+    except OSError as exc:  # a directory named a.png, no permission, a dangling link: one line naming it
+        raise DataError(f"{path}: cannot read it ({exc.strerror or exc}); replace or remove it") from None
 
 
 def _read_text(path: Path) -> str:

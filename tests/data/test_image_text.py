@@ -275,3 +275,14 @@ def test_a_caption_that_is_not_utf8_is_a_one_line_error_naming_the_file(tmp_path
     with pytest.raises(DataError) as caught:
         load_image_text_pairs(DataConfig(kind="image_text", source="folder", paths=(str(tmp_path),)), seed=0)
     assert f"{named}: not UTF-8 text" in one_line(caught)
+
+
+def test_a_directory_named_like_an_image_is_a_one_line_error_naming_it(tmp_path):
+    (tmp_path / "a.png").write_bytes(png())
+    (tmp_path / "a.txt").write_text("fine")
+    (tmp_path / "b.png").mkdir()
+    (tmp_path / "b.txt").write_text("a folder, not an image")
+    with pytest.raises(DataError) as caught:
+        load_image_text_pairs(DataConfig(kind="image_text", source="folder", paths=(str(tmp_path),)), seed=0)
+    assert "b.png: cannot read it (Is a directory)" in one_line(caught)
+
