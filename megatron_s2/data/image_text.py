@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import tarfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -234,8 +235,9 @@ def _webdataset_pairs(path: str, limits: ImageLimits) -> list[ImageTextPair]:
                                     f"{limits.max_bytes} bytes")
                 samples.setdefault(key, {})["txt" if ext.lower() == "txt" else "image"] = \
                     archive.extractfile(member).read()
-    except tarfile.TarError as exc:
-        raise DataError(f"{path}: not a readable tar shard ({exc})") from None
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:  # a cut or corrupt gzip / bz2 / xz stream too
+        reason = str(exc).splitlines()[0].rstrip(":") if str(exc) else type(exc).__name__  # "r:*" lists every method
+        raise DataError(f"{path}: not a readable tar shard ({reason}); rewrite or remove it") from None
     pairs = []
     for key, fields in samples.items():
         source = f"{path}:{key}"

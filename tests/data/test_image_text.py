@@ -286,3 +286,19 @@ def test_a_directory_named_like_an_image_is_a_one_line_error_naming_it(tmp_path)
         load_image_text_pairs(DataConfig(kind="image_text", source="folder", paths=(str(tmp_path),)), seed=0)
     assert "b.png: cannot read it (Is a directory)" in one_line(caught)
 
+
+
+@pytest.mark.parametrize("cut", [2 / 3, None])
+def test_a_truncated_or_corrupt_compressed_shard_is_a_one_line_error(tmp_path, cut):
+    shard = tmp_path / "000.tar"
+    with tarfile.open(shard, "w:gz") as archive:  # tarfile reads a gzipped shard whatever its name
+        for name, data in {"k.png": png(), "k.txt": b"caption"}.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    data = shard.read_bytes()
+    # cut: the stream ends early (EOFError); None: a flipped byte inside the deflate stream (zlib.error)
+    shard.write_bytes(data[:int(len(data) * cut)] if cut else data[:40] + bytes([data[40] ^ 0xFF]) + data[41:])
+    with pytest.raises(DataError) as caught:
+        load_image_text_pairs(DataConfig(kind="image_text", source="webdataset", paths=(str(shard),)), seed=0)
+    assert "000.tar: not a readable tar shard" in one_line(caught)
