@@ -115,3 +115,24 @@ def test_pretrain_mm_tiny_trains_through_the_cli_and_scores_heldout_questions(tm
 
     scored = score_heldout(run, items=10)
     assert scored["items"] == 10 and 0 <= scored["accuracy"] <= 1 and 0.08 < scored["chance"] < 0.2
+
+
+@pytest.mark.parametrize("case, words", [
+    ("no run", "config.yaml' does not exist"),
+    ("text run", "data: the run trained on data.kind 'synthetic'; eval_image_qa scores runs on the procedural "
+                 "image_text source"),
+    ("folder run", "data: the run trained on data.source 'folder'"),
+    ("no items", "--items: must be >= 1, got 0"),
+])
+def test_eval_image_qa_refuses_unusable_runs_in_one_line(tmp_path, capsys, case, words):
+    from megatron_s2.tools.eval_image_qa import main
+
+    run = tmp_path / "run"
+    recipe = {"text run": ROOT / "recipes" / "pretrain_tiny.yaml", "folder run": RECIPE}.get(case, RECIPE)
+    extra = [f"data.source=folder", f"data.paths=[{tmp_path}]"] if case == "folder run" else []
+    if case != "no run":
+        run.mkdir()
+        (run / "config.yaml").write_text(load_recipe(recipe, extra).to_yaml())
+    code = main([str(run), *(["--items", "0"] if case == "no items" else [])])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and words in err and "Traceback" not in err, err
