@@ -314,3 +314,43 @@ def test_each_image_is_loaded_exactly_once_across_the_cp_group(cp):
                     images += 1
     assert images > 2 * cp and sum(len(counted.loads) for counted, _ in ranks) == images
     assert all(counted.loads for counted, _ in ranks)  # the work is shared
+
+
+@pytest.mark.parametrize("manifest", [False, True])
+def test_a_caption_that_is_not_utf8_is_a_one_line_error_naming_the_file(tmp_path, manifest):
+    (tmp_path / "x.png").write_bytes(png())
+    if manifest:
+        (tmp_path / "captions.jsonl").write_bytes(b'{"image": "x.png", "text": "\xff\xfe"}\n')
+        named = "captions.jsonl"
+    else:
+        (tmp_path / "x.txt").write_bytes(b"\xff\xfe latin-1 caption")
+        named = "x.txt"
+    with pytest.raises(DataError) as caught:
+        load_image_text_pairs(DataConfig(kind="image_text", source="folder", paths=(str(tmp_path),)), seed=0)
+    assert f"{named}: not UTF-8 text" in one_line(caught)
+
+
+def test_a_directory_named_like_an_image_is_a_one_line_error_naming_it(tmp_path):
+    (tmp_path / "a.png").write_bytes(png())
+    (tmp_path / "a.txt").write_text("fine")
+    (tmp_path / "b.png").mkdir()
+    (tmp_path / "b.txt").write_text("a folder, not an image")
+    with pytest.raises(DataError) as caught:
+        load_image_text_pairs(DataConfig(kind="image_text", source="folder", paths=(str(tmp_path),)), seed=0)
+    assert "b.png: cannot read it (Is a directory)" in one_line(caught)
+
+
+@pytest.mark.parametrize("cut", [2 / 3, None])
+def test_a_truncated_or_corrupt_compressed_shard_is_a_one_line_error(tmp_path, cut):
+    shard = tmp_path / "000.tar"
+    with tarfile.open(shard, "w:gz") as archive:  # tarfile reads a gzipped shard whatever its name
+        for name, data in {"k.png": png(), "k.txt": b"caption"}.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    data = shard.read_bytes()
+    # cut: the stream ends early (EOFError); None: a flipped byte inside the deflate stream (zlib.error)
+    shard.write_bytes(data[:int(len(data) * cut)] if cut else data[:40] + bytes([data[40] ^ 0xFF]) + data[41:])
+    with pytest.raises(DataError) as caught:
+        load_image_text_pairs(DataConfig(kind="image_text", source="webdataset", paths=(str(shard),)), seed=0)
+    assert "000.tar: not a readable tar shard" in one_line(caught)

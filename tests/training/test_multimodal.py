@@ -176,3 +176,24 @@ def test_the_step_runs_vision_forward_then_llm_then_vision_backward(tmp_path):
     assert set(phased) == set(one_call)
     assert all(torch.allclose(phased[n], one_call[n], rtol=1e-5, atol=1e-7) for n in phased), \
         [n for n in phased if not torch.allclose(phased[n], one_call[n], rtol=1e-5, atol=1e-7)]
+
+
+@pytest.mark.parametrize("case, words", [
+    ("no run", "config.yaml' does not exist"),
+    ("text run", "data: the run trained on data.kind 'synthetic'; eval_image_qa scores runs on the procedural "
+                 "image_text source"),
+    ("folder run", "data: the run trained on data.source 'folder'"),
+    ("no items", "--items: must be >= 1, got 0"),
+])
+def test_eval_image_qa_refuses_unusable_runs_in_one_line(tmp_path, capsys, case, words):
+    from megatron_s2.tools.eval_image_qa import main
+
+    run = tmp_path / "run"
+    recipe = {"text run": ROOT / "recipes" / "pretrain_tiny.yaml", "folder run": RECIPE}.get(case, RECIPE)
+    extra = [f"data.source=folder", f"data.paths=[{tmp_path}]"] if case == "folder run" else []
+    if case != "no run":
+        run.mkdir()
+        (run / "config.yaml").write_text(load_recipe(recipe, extra).to_yaml())
+    code = main([str(run), *(["--items", "0"] if case == "no items" else [])])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and words in err and "Traceback" not in err, err
