@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 __all__ = ["score_heldout", "main"]
@@ -36,8 +37,17 @@ def score_heldout(run_dir: str | Path, items: int = 300, step: int | None = None
     from megatron_s2.inference.weights import load_model
     from megatron_s2.models.family import family_of
 
+    from megatron_s2.config.schema import ConfigError
+
+    if items < 1:
+        raise ConfigError(f"--items: must be >= 1, got {items}")
     run_dir = Path(run_dir)
     recipe = load_recipe(run_dir / "config.yaml")
+    # the questions, their answers and the held-out split exist only for the procedural source
+    if recipe.data.kind != "image_text" or recipe.data.source != "procedural":
+        field = "kind" if recipe.data.kind != "image_text" else "source"
+        raise ConfigError(f"data: the run trained on data.{field} {getattr(recipe.data, field)!r}; eval_image_qa "
+                          "scores runs on the procedural image_text source (recipes/pretrain_mm_tiny.yaml)")
     checkpoints = run_dir / "checkpoints"
     path = checkpoints / f"step_{step:08d}" if step is not None else checkpoints
     model, tokenizer, _ = load_model(str(path), device="cpu")
@@ -81,7 +91,15 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--blank-images", action="store_true", help="ablation: uniform grey images instead")
     args = parser.parse_args(argv)
-    result = score_heldout(args.run_dir, args.items, args.step, args.blank_images)
+    from megatron_s2.checkpoint.format import CheckpointError
+    from megatron_s2.config.schema import ConfigError
+    from megatron_s2.data.errors import DataError
+
+    try:
+        result = score_heldout(args.run_dir, args.items, args.step, args.blank_images)
+    except (ConfigError, DataError, CheckpointError) as exc:  # a user's mistake: one line, no traceback
+        print(f"eval_image_qa: error: {exc}", file=sys.stderr)
+        return getattr(exc, "exit_code", 1)
     if args.json:
         print(json.dumps(result))
         return 0

@@ -43,7 +43,8 @@ def serve_command(args: argparse.Namespace) -> int:
     config = ServeConfig(host=args.host, port=args.port, served_model_name=args.served_model_name or "",
                          return_routed_experts=args.enable_return_routed_experts, logprobs_mode=args.logprobs_mode,
                          max_logprobs=args.max_logprobs,
-                         allowed_local_media_path=args.allowed_local_media_path or "")
+                         allowed_local_media_path=args.allowed_local_media_path or "",
+                         max_images_per_request=args.max_images_per_request)
     engine_config = _engine_config(args)
     if not Path(args.checkpoint).exists():
         raise ConfigError(f"checkpoint: {args.checkpoint} does not exist; give a run, checkpoints, step or Hugging "
@@ -86,6 +87,8 @@ def register(subparsers) -> None:
     p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="let chat image_url parts read file:// images under DIR, as vLLM's flag (default: none; "
                         "only inline data: URLs, remote http(s) URLs are always refused)")
+    p.add_argument("--max-images-per-request", type=int, default=8, metavar="N",
+                   help="most chat image parts one request may hold, refused before decoding (default 8)")
     p.add_argument("--speculative", action="store_true",
                    help="speculative decoding with the checkpoint's DSpark drafter (lossless; report §2.4.3)")
     p.add_argument("--speculative-tokens", type=int, default=0,

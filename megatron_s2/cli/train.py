@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_s2.runtime.health import maybe_run_health_checks
     from megatron_s2.runtime.peer_loss import EXIT_PEER_LOST, lost_peer
     from megatron_s2.runtime.preemption import EXIT_PREEMPTED, PreemptionGuard
-    from megatron_s2.training.run_checks import check_drafter_phase
+    from megatron_s2.training.run_checks import check_phase_layout
 
     recipe = load_recipe(args.recipe, list(args.overrides))
     if args.run_dir:  # a path, not YAML: never parsed as an override value
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         # Validate the layout against the model first (an impossible layout is wrong whatever
         # the number of ranks), then the number of ranks this process was started with.
         ParallelLayout.from_recipe(recipe, world if world > 1 else needed)
-        check_drafter_phase(recipe)  # a layout the phase's drafter cannot use is wrong at any rank count
+        check_phase_layout(recipe)  # a layout the phase cannot use is wrong at any rank count
         if world == 1 and needed > 1:
             raise ConfigError(f"parallel: this layout needs {needed} ranks but the process runs alone; start it "
                               f"with `megatron-s2 launch {args.recipe} --local`")
@@ -76,6 +76,12 @@ def run(args: argparse.Namespace) -> int:
                 from megatron_s2.posttrain.trainer import PosttrainTrainer as Trainer
             elif recipe.phase.kind == "contrastive":  # SigLIP vision pre-training (two towers)
                 from megatron_s2.training.contrastive_trainer import ContrastiveTrainer as Trainer
+            elif recipe.phase.kind == "visual_next_patch":  # text + rendered pages (walkthrough Ch. 3)
+                from megatron_s2.training.next_patch_trainer import VisualNextPatchTrainer as Trainer
+            elif recipe.phase.kind in ("memdec", "memdec_router"):  # the Memory Decoder's phases
+                from megatron_s2.posttrain.memdec.trainer import memdec_trainer
+
+                Trainer = memdec_trainer(recipe.phase.kind)
             else:
                 from megatron_s2.training.trainer import Trainer
 

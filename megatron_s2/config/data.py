@@ -72,11 +72,11 @@ class TaskDifficulty:
 class DataConfig:
     """Training data of a phase: source, tokenizer, rendering and loss masking."""
 
-    kind: Literal["synthetic", "indexed", "chat", "image_text"] = "synthetic"
+    kind: Literal["synthetic", "indexed", "chat", "image_text", "procedural_text"] = "synthetic"
     """'synthetic': generated verifiable tasks; 'indexed': .bin/.idx files from
     tools/preprocess_data.py listed in `paths`; 'chat': conversations in the local .jsonl /
     .parquet files listed in `paths`; 'image_text': image-text pairs from `source` (needs a
-    model with a vision tower)."""
+    model with a vision tower); 'procedural_text': generated text of the `corpus` language."""
     tokenizer: str = "char"
     """'char' (the project's character-level tokenizer, vocab 102) or a local Hugging Face
     tokenizer directory (tokenizer.json + tokenizer_config.json with a chat_template), e.g.
@@ -92,6 +92,14 @@ class DataConfig:
     dataset_seed: int | None = None
     """Seed of synthetic generation; None uses the run seed. Fix it to keep the data while
     varying the run seed (shuffling always follows the run seed)."""
+
+    # ---- procedural_text ---------------------------------------------------------------------
+    corpus: Literal["general", "domain"] = "general"
+    """kind 'procedural_text': which language — 'general' (broad) or 'domain' (a narrow, distinct
+    vocabulary: the Memory Decoder's domain corpus). num_documents / dataset_seed apply."""
+    language_seed: int = 0
+    """kind 'procedural_text': seed of the language itself (lexicon and grammar); keep it fixed
+    across the phases of one experiment and vary dataset_seed for held-out splits."""
 
     # ---- indexed -------------------------------------------------------------------------
     paths: tuple[str, ...] = ()
@@ -156,6 +164,8 @@ class DataConfig:
         if self.dataset_seed is not None and not 0 <= self.dataset_seed < 2 ** 63:
             raise ConfigError(f"dataset_seed: must be a non-negative integer below 2**63 or null, "
                               f"got {self.dataset_seed}")
+        if not 0 <= self.language_seed < 2 ** 63:
+            raise ConfigError(f"language_seed: must be a non-negative integer below 2**63, got {self.language_seed}")
         if self.kind == "indexed":
             if not self.paths:
                 raise ConfigError("paths: kind 'indexed' needs at least one dataset prefix "

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from megatron_s2.config.data import DataConfig
+from megatron_s2.config.next_patch import VisualNextPatchConfig
 from megatron_s2.config.schema import ConfigError
 
 __all__ = ["PhaseConfig"]
@@ -12,7 +14,8 @@ __all__ = ["PhaseConfig"]
 
 @dataclass(frozen=True)
 class PhaseConfig:
-    kind: Literal["pretrain", "sft", "rl", "opd", "dspark", "contrastive"] = "pretrain"
+    kind: Literal["pretrain", "sft", "rl", "opd", "dspark", "contrastive", "visual_next_patch", "memdec",
+                  "memdec_router"] = "pretrain"
     """pretrain: loss on every token; sft: loss only on answer tokens (prompt masked); rl:
     reinforcement learning from verifiable rewards (the recipe's ``rl:`` section); opd: on-policy
     distillation (the ``opd:`` section). rl and opd roll out with the inference engine on the
@@ -21,7 +24,15 @@ class PhaseConfig:
     §2.4.3); the backbone is frozen and not stored in the optimiser. contrastive: SigLIP pre-training
     of the vision encoder over image-text pairs with a small text tower (report §4.2.2; the
     optional ``contrastive:`` section, megatron_s2/training/contrastive_trainer.py); the vision
-    encoder is stored under the ``vision.*`` names of the model's encoder."""
+    encoder is stored under the ``vision.*`` names of the model's encoder. visual_next_patch:
+    continued pre-training on text and rendered pages together, the pages' contrastive next-patch
+    loss added to the text loss (Intern-S2 walkthrough Ch. 3, Eq. 5-9; settings in ``next_patch``). memdec: Memory
+    Decoder pre-training (Intern-S2 walkthrough Ch. 2, Eq. 1-2): ``model:`` is the small memory decoder,
+    trained on the domain corpus (``data:``) to imitate the kNN distribution of a datastore built
+    from the frozen ``memdec_backbone``. memdec_router: router training (Eq. 3-4): ``model:`` is
+    the memory decoder (``checkpoint.load``: its memdec run), frozen with the backbone; only the
+    router trains, on ``data:`` (domain) and ``memdec_general_data`` mixed 1:1
+    (megatron_s2/posttrain/memdec)."""
     freeze: tuple[str, ...] = ()
     """Parameter-name globs frozen in this phase (e.g. the backbone while training a drafter)."""
     train_drafter: bool = False
@@ -34,6 +45,27 @@ class PhaseConfig:
     drafter_temperature: float = 1.0
     """Temperature at which the drafter's distributions are matched to the policy's."""
 
+    next_patch: VisualNextPatchConfig = field(default_factory=VisualNextPatchConfig)
+    """Visual next-patch pre-training (``kind: visual_next_patch``): loss weights, temperature,
+    page rendering and chunking (megatron_s2/config/next_patch.py)."""
+    memdec_backbone: str = ""
+    """The frozen backbone of the memdec / memdec_router phases: a run, checkpoints or step
+    directory (``${phase:<name>}`` names an earlier phase of a pipeline); it shares the tokenizer."""
+    memdec_knn_k: int = 16
+    """Neighbours retrieved per position for the kNN target (Eq. 1's N(k_t))."""
+    memdec_knn_temperature: float = 1.0
+    """tau of Eq. 1 (distances are squared L2 between final hidden states)."""
+    memdec_beta: float = 0.5
+    """beta of Eq. 2: weight of KL(p_kNN || p_mem) against the gold token's cross-entropy."""
+    memdec_router_alpha: float = 0.05
+    """alpha_s of Eq. 4: strength of the signed linear prior on lambda (-1 domain, +1 general)."""
+    memdec_router_init_lambda: float = 0.1
+    """lambda of the freshly initialised router (a constant dial until its weights learn)."""
+    memdec_router_hidden: int = 64
+    """Width of the router's hidden layer (features -> hidden -> GELU -> lambda logit)."""
+    memdec_general_data: DataConfig | None = None
+    """memdec_router: the general corpus mixed 1:1 with ``data:`` (the domain corpus)."""
+
     def __post_init__(self) -> None:
         if len(set(self.freeze)) != len(self.freeze):
             raise ConfigError("phase.freeze: duplicate patterns")
@@ -41,6 +73,24 @@ class PhaseConfig:
             raise ConfigError(f"phase.drafter_eta: must be >= 0, got {self.drafter_eta}")
         if not self.drafter_temperature > 0:
             raise ConfigError(f"phase.drafter_temperature: must be positive, got {self.drafter_temperature}")
+        if self.kind in ("memdec", "memdec_router") and not self.memdec_backbone:
+            raise ConfigError(f"phase.memdec_backbone: phase.kind {self.kind} needs the frozen backbone's run or "
+                              "checkpoint directory")
+        if self.kind == "memdec_router" and self.memdec_general_data is None:
+            raise ConfigError("phase.memdec_general_data: router training mixes the domain corpus (data:) with a "
+                              "general one; give its data section here (e.g. {kind: procedural_text, corpus: general})")
+        if self.memdec_knn_k < 1:
+            raise ConfigError(f"phase.memdec_knn_k: must be >= 1, got {self.memdec_knn_k}")
+        if not self.memdec_knn_temperature > 0:
+            raise ConfigError(f"phase.memdec_knn_temperature: must be positive, got {self.memdec_knn_temperature}")
+        if not 0.0 <= self.memdec_beta <= 1.0:
+            raise ConfigError(f"phase.memdec_beta: must be in [0, 1], got {self.memdec_beta}")
+        if not self.memdec_router_alpha >= 0:
+            raise ConfigError(f"phase.memdec_router_alpha: must be >= 0, got {self.memdec_router_alpha}")
+        if self.memdec_router_hidden < 1:
+            raise ConfigError(f"phase.memdec_router_hidden: must be >= 1, got {self.memdec_router_hidden}")
+        if not 0.0 < self.memdec_router_init_lambda < 1.0:
+            raise ConfigError(f"phase.memdec_router_init_lambda: must be in (0, 1), got {self.memdec_router_init_lambda}")
 
     @property
     def trains_drafter(self) -> bool:

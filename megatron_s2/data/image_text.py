@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import tarfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -132,11 +133,22 @@ def _decoded(data: bytes, source: str, limits: ImageLimits, caption: str) -> Ima
 
 
 def _read(path: Path, limits: ImageLimits) -> bytes:
-    size = path.stat().st_size
-    if size > limits.max_bytes:
-        raise DataError(f"{path}: {size} bytes exceeds the image size limit of {limits.max_bytes} bytes; "
-                        "downscale it or remove it")
-    return path.read_bytes()
+    try:
+        size = path.stat().st_size
+        if size > limits.max_bytes:
+            raise DataError(f"{path}: {size} bytes exceeds the image size limit of {limits.max_bytes} bytes; "
+                            "downscale it or remove it")
+        return path.read_bytes()
+    except OSError as exc:  # a directory named a.png, no permission, a dangling link: one line naming it
+        raise DataError(f"{path}: cannot read it ({exc.strerror or exc}); replace or remove it") from None
+
+
+def _read_text(path: Path) -> str:
+    """A caption file's or manifest's text; bytes that are not UTF-8 are refused naming the file."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text (byte {exc.start}); re-save it as UTF-8") from None
 
 
 def _folder_pairs(directory: str, limits: ImageLimits) -> list[ImageTextPair]:
@@ -146,7 +158,7 @@ def _folder_pairs(directory: str, limits: ImageLimits) -> list[ImageTextPair]:
     manifest = root / "captions.jsonl"
     pairs = []
     if manifest.is_file():
-        for line_no, line in enumerate(manifest.read_text(encoding="utf-8").splitlines(), 1):
+        for line_no, line in enumerate(_read_text(manifest).splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -164,7 +176,7 @@ def _folder_pairs(directory: str, limits: ImageLimits) -> list[ImageTextPair]:
             caption = path.with_suffix(".txt")
             if not caption.is_file():
                 raise DataError(f"{path}: no caption {caption.name}; add it (or a captions.jsonl) or remove the image")
-            pairs.append(_decoded(_read(path, limits), str(path), limits, caption.read_text(encoding="utf-8")))
+            pairs.append(_decoded(_read(path, limits), str(path), limits, _read_text(caption)))
     if not pairs:
         raise DataError(f"{root}: no images ({', '.join(IMAGE_SUFFIXES)}) with captions; add image + .txt pairs "
                         "or a captions.jsonl")
@@ -223,8 +235,9 @@ def _webdataset_pairs(path: str, limits: ImageLimits) -> list[ImageTextPair]:
                                     f"{limits.max_bytes} bytes")
                 samples.setdefault(key, {})["txt" if ext.lower() == "txt" else "image"] = \
                     archive.extractfile(member).read()
-    except tarfile.TarError as exc:
-        raise DataError(f"{path}: not a readable tar shard ({exc})") from None
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:  # a cut or corrupt gzip / bz2 / xz stream too
+        reason = str(exc).splitlines()[0].rstrip(":") if str(exc) else type(exc).__name__  # "r:*" lists every method
+        raise DataError(f"{path}: not a readable tar shard ({reason}); rewrite or remove it") from None
     pairs = []
     for key, fields in samples.items():
         source = f"{path}:{key}"
@@ -290,13 +303,20 @@ def _caption_ids(tokenizer: Tokenizer, caption: str) -> tuple[np.ndarray, int]:
 
 
 def image_inputs_of_row(store: ImageTextDocuments, segments: Sequence[tuple[int, int, int, int]], processor,
-                        seq_length: int) -> tuple[list[Any], np.ndarray]:
+                        seq_length: int, cp_rank: int = 0, cp_size: int = 1) -> tuple[list[Any], np.ndarray]:
     """The image inputs of one packed row and its image mask over the row's ``seq_length + 1`` slots.
 
     ``segments``: (document, start inside it, length, row position) of each segment. A span lies
     whole in the input positions (``[0, seq_length)``) of the segment holding its document's
-    start (:func:`build_image_text_documents` checks it), so a row either holds it whole or not at all."""
-    inputs, mask = [], np.zeros(seq_length + 1, dtype=bool)
+    start (:func:`build_image_text_documents` checks it), so a row either holds it whole or not at all.
+
+    Under context parallelism (``cp_size > 1``) the row's images are split across the CP ranks by
+    :func:`~megatron_s2.parallel.image_sharding.plan_image_owners` (sizes from the resize planning,
+    no pixel read): this rank loads only its own and gets a
+    :class:`~megatron_s2.parallel.image_sharding.RemoteImage` for each of the others."""
+    from megatron_s2.parallel.image_sharding import RemoteImage, plan_image_owners
+
+    placed, mask = [], np.zeros(seq_length + 1, dtype=bool)
     for document, start, length, cursor in segments:
         for span in store.images_of(document):
             if not (start <= span.offset and span.offset + span.length <= start + length):
@@ -305,6 +325,12 @@ def image_inputs_of_row(store: ImageTextDocuments, segments: Sequence[tuple[int,
             if at + span.length > seq_length:  # build_image_text_documents rules this out
                 raise RuntimeError(f"image span at {at}..{at + span.length - 1} runs past the {seq_length} inputs")
             mask[at:at + span.length] = True
-            inputs.append(processor.prepare(store.load_image(span.pair), at))
+            placed.append((span, at))
+    owners = [cp_rank] * len(placed)
+    if cp_size > 1:
+        pairs = [store.pairs[span.pair] for span, _ in placed]
+        owners = plan_image_owners([processor.work(p.width, p.height) for p in pairs], cp_size)
+    inputs = [processor.prepare(store.load_image(span.pair), at) if owner == cp_rank
+              else RemoteImage(at, span.length, owner) for (span, at), owner in zip(placed, owners)]
     return inputs, mask
 

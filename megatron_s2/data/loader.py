@@ -25,7 +25,8 @@ image_mask      [b, s]  bool      image data only: True at image-span positions 
                                   image correction bias, §2.1.1; Engram skips them)
 images          b lists           image data only: per row, the model family's image inputs
                                   (``ImageProcessor.prepare``, span start = row position), for
-                                  ``model.embed(tokens, images=...)``
+                                  ``model.embed(tokens, images=...)``; under context parallelism
+                                  a ``RemoteImage`` for each image another CP rank loads
 ==============  ======  ========  =============================================================
 
 Image-span positions are never targets: a label that is an image token has loss_mask 0.
@@ -64,7 +65,8 @@ class DataIterator:
 
     def __init__(self, stores: Sequence[DocumentStore], *, seq_length: int, global_batch_size: int,
                  micro_batch_size: int, dp_rank: int, dp_size: int, seed: int, answer_only: bool,
-                 pad_id: int, weights: Sequence[float] | None = None, image_processor=None) -> None:
+                 pad_id: int, weights: Sequence[float] | None = None, image_processor=None,
+                 cp_rank: int = 0, cp_size: int = 1) -> None:
         _check_layout(seq_length, global_batch_size, micro_batch_size, dp_rank, dp_size)
         self.seq_length = seq_length
         self.global_batch_size = global_batch_size
@@ -76,6 +78,9 @@ class DataIterator:
         self.stores = list(stores)
         self.image_processor = image_processor
         """The model family's ImageProcessor when a store holds images (``data.kind: image_text``)."""
+        self.cp_rank, self.cp_size = cp_rank, cp_size
+        """This rank's place in its context-parallel group: each CP rank loads only its share of a
+        row's images (balanced image sharding, :mod:`megatron_s2.parallel.image_sharding`)."""
         self.packed: list[PackedRows] = [best_fit_pack(store.sizes, seq_length + 1) for store in self.stores]
         self.order = BlendedSampleOrder([len(p) for p in self.packed], weights, seed)
         self.consumed_samples = 0
@@ -147,7 +152,8 @@ class DataIterator:
             length = int(packed.segment_length[index])
             segments.append((int(packed.segment_document[index]), int(packed.segment_start[index]), length, cursor))
             cursor += length
-        return image_inputs_of_row(self.stores[dataset], segments, self.image_processor, self.seq_length)
+        return image_inputs_of_row(self.stores[dataset], segments, self.image_processor, self.seq_length,
+                                   self.cp_rank, self.cp_size)
 
     @staticmethod
     def _collate(examples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
@@ -201,6 +207,11 @@ def load_document_stores(cfg: DataConfig, *, seed: int, tokenizer: Tokenizer, lo
                                            seq_length=seq_length)]
     if cfg.kind == "synthetic":
         return [build_synthetic_documents(cfg, seed, tokenizer)]
+    if cfg.kind == "procedural_text":
+        from megatron_s2.data.procedural_text import build_procedural_text_documents
+
+        return [build_procedural_text_documents(cfg.corpus, cfg.num_documents, cfg.generation_seed(seed), tokenizer,
+                                                cfg.language_seed)]
     if cfg.kind == "chat":
         from megatron_s2.data.chat import load_chat_documents
 
@@ -219,9 +230,10 @@ def load_document_stores(cfg: DataConfig, *, seed: int, tokenizer: Tokenizer, lo
 
 def build_data_iterator(cfg: DataConfig, *, seq_length: int, global_batch_size: int, micro_batch_size: int,
                         dp_rank: int, dp_size: int, seed: int, phase: str, tokenizer: Tokenizer,
-                        log=print, image_processor=None) -> DataIterator:
+                        log=print, image_processor=None, cp_rank: int = 0, cp_size: int = 1) -> DataIterator:
     """The data iterator of one data-parallel rank (see module docstring); ``image_processor``:
-    the model family's (``family_of(model).image_processor(model)``), needed by kind 'image_text'."""
+    the model family's (``family_of(model).image_processor(model)``), needed by kind 'image_text';
+    ``cp_rank`` / ``cp_size``: this rank's context-parallel place (which images it loads)."""
     _check_layout(seq_length, global_batch_size, micro_batch_size, dp_rank, dp_size)
     return DataIterator(
         load_document_stores(cfg, seed=seed, tokenizer=tokenizer, log=log, image_processor=image_processor,
@@ -229,6 +241,7 @@ def build_data_iterator(cfg: DataConfig, *, seq_length: int, global_batch_size: 
         seq_length=seq_length, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
         dp_rank=dp_rank, dp_size=dp_size, seed=seed, answer_only=cfg.loss_mode(phase) == "answer",
         pad_id=tokenizer.pad_id, weights=cfg.weights or None, image_processor=image_processor,
+        cp_rank=cp_rank, cp_size=cp_size,
     )
 
 

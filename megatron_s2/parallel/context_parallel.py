@@ -13,7 +13,9 @@ is written in positions, so a chunk computes exactly what the full sequence woul
 * per-query work (queries, indexer scores, top-k, candidate pools) stays local.
 
 The full token ids and document ids travel with the micro-batch (Engram hashes n-grams that
-cross chunk boundaries; documents decide visibility of gathered keys).
+cross chunk boundaries; documents decide visibility of gathered keys). Image inputs (per row:
+the images this rank owns, placeholders for the others) become a
+:class:`~megatron_s2.parallel.image_sharding.ShardedImages` holding the local chunks' positions.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import Group
+from megatron_s2.parallel.image_sharding import ShardedImages
 
 __all__ = ["local_chunk_positions", "split_micro_batch", "gather_sequence_ordered", "window_keys_with_halo"]
 
@@ -49,6 +52,8 @@ def split_micro_batch(mb: dict[str, torch.Tensor], cp: Group) -> dict[str, torch
     out["full_tokens"] = mb["tokens"]
     out["full_doc_ids"] = mb.get("doc_ids")
     out["full_image_mask"] = mb.get("image_mask")
+    if mb.get("images") is not None:  # each rank encodes its own images, spans exchanged (image_sharding)
+        out["images"] = ShardedImages(mb["images"], idx, cp)
     out["full_seq"] = seq
     return out
 

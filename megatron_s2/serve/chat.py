@@ -108,6 +108,8 @@ def chat_prompt_ids(tokenizer, f: Fields, refuse_overlong: Callable[[list[str], 
                          "defines none); use /v1/completions with a text or token-id prompt", param="messages")
     urls: list[tuple[object, str]] = []
     messages = _messages(f.raw("messages"), images, urls)
+    if urls:
+        images.refuse_too_many(len(urls), "messages")
     kwargs = f.object("chat_template_kwargs")
     kwargs.only(set(TEMPLATE_KWARGS))
     effort = kwargs.int("reasoning_effort", None, minimum=1, maximum=100)

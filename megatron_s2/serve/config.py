@@ -58,6 +58,10 @@ class ServeConfig:
     allowed_local_media_path: str = ""
     """A directory whose files chat ``image_url`` parts may name as ``file://`` URLs (vLLM's
     ``--allowed-local-media-path``); "" = none: only inline ``data:`` URLs are read."""
+    max_images_per_request: int = 8
+    """Most chat image parts one request may hold (as vLLM's ``--limit-mm-per-prompt``), refused
+    before any is decoded: a ~100 KB PNG can decode to the ~96 MB the pixel cap allows, so the body
+    limit alone let one request hold gigabytes of pixels."""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -79,6 +83,9 @@ class ServeConfig:
             raise ConfigError(f"max_body_bytes: must be >= 1024, got {self.max_body_bytes}")
         if not self.disconnect_poll_s > 0:
             raise ConfigError(f"disconnect_poll_s: must be positive, got {self.disconnect_poll_s}")
+        if self.max_images_per_request < 0:
+            raise ConfigError(f"--max-images-per-request: must be >= 0 (0 = no image parts), got "
+                              f"{self.max_images_per_request}")
         if self.allowed_local_media_path and not Path(self.allowed_local_media_path).is_dir():
             raise ConfigError(f"--allowed-local-media-path: {self.allowed_local_media_path} is not a directory; give "
                               "an existing directory whose images clients may name with file:// URLs")

@@ -22,9 +22,10 @@ __all__ = ["ServedImages"]
 class ServedImages:
     """What the chat endpoint needs of the engine and the server's media policy for images."""
 
-    def __init__(self, engine, allowed_local_media_path: str = ""):
+    def __init__(self, engine, allowed_local_media_path: str = "", max_images: int = 8):
         self.engine = engine
         self.allowed_local_media_path = allowed_local_media_path or None
+        self.max_images = max_images
 
     @property
     def token_id(self) -> int | None:
@@ -35,6 +36,12 @@ class ServedImages:
         if self.token_id is None:
             raise BadRequest(f"{param}: this model takes no images (it has no vision tower); send text parts only",
                              param=param)
+
+    def refuse_too_many(self, count: int, param: str) -> None:
+        """A 400 for more image parts than ``--max-images-per-request``, before any is decoded."""
+        if count > self.max_images:
+            raise BadRequest(f"{param}: {count} image parts; this server takes at most {self.max_images} per request "
+                             "(--max-images-per-request)", param=param)
 
     def load(self, url: Any, param: str):
         """The decoded RGB image of an ``image_url`` part's URL, or a 400 naming the problem."""

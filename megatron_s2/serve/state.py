@@ -56,7 +56,8 @@ class ServerState:
     @cached_property
     def images(self) -> ServedImages:
         """How chat ``image_url`` parts are read and expanded (:mod:`megatron_s2.serve.media`)."""
-        return ServedImages(self.backend.engine, self.config.allowed_local_media_path)
+        return ServedImages(self.backend.engine, self.config.allowed_local_media_path,
+                            self.config.max_images_per_request)
 
     @property
     def eos_token_id(self) -> int | None:

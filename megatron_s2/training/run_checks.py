@@ -100,8 +100,8 @@ def check_data(recipe: RecipeConfig, tokenizer) -> None:
 
 def check_image_layout(recipe: RecipeConfig) -> None:
     """Image data (``data.kind: image_text``) needs a model with a vision pathway and a layout the
-    image wiring supports: whole sequences on each rank (no sequence or context parallelism yet)
-    and no DSpark drafter training."""
+    image wiring supports: no sequence parallelism (context parallelism shards the images across
+    the CP ranks, :mod:`megatron_s2.parallel.image_sharding`) and no DSpark drafter training."""
     if recipe.data.kind != "image_text":
         return
     from megatron_s2.models.family import family_of
@@ -113,9 +113,6 @@ def check_image_layout(recipe: RecipeConfig) -> None:
     if p.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel: image spans are merged into whole-sequence embeddings, which "
                           "sequence parallelism shards; set sequence_parallel: false for image data")
-    if p.cp > 1:
-        raise ConfigError("parallel.cp: image data under context parallelism needs balanced image sharding across CP "
-                          "ranks (not implemented yet); set cp: 1 for image data")
     if recipe.phase.trains_drafter:
         raise ConfigError(f"data.kind: 'image_text' with a phase that trains the DSpark drafter is not supported; "
                           "train the drafter on text data")
@@ -230,6 +227,20 @@ def check_drafter_phase(recipe: RecipeConfig) -> None:
                           "rank; set cp: 1 and sequence_parallel: false")
 
 
+def check_phase_layout(recipe: RecipeConfig) -> None:
+    """A layout the phase cannot use is wrong at any rank count: the drafter's
+    (:func:`check_drafter_phase`), and visual next-patch pre-training's — data parallelism only, its
+    pages' forward runs inside the loss over whole sequences (megatron_s2/training/next_patch_trainer.py)."""
+    check_drafter_phase(recipe)
+    if recipe.phase.kind != "visual_next_patch":
+        return
+    p = recipe.parallel
+    split = [f"parallel.{name}={getattr(p, name)}" for name in ("tp", "pp", "cp", "ep", "etp") if getattr(p, name) > 1]
+    if split:
+        raise ConfigError(f"phase.kind: visual_next_patch runs on data-parallel layouts only (the pages' forward runs "
+                          f"inside the loss over whole sequences); got {', '.join(split)}: set them to 1")
+
+
 def check_run_inputs(recipe: RecipeConfig, world_size: int, host: HostMemory | None,
                      run_dir: str | Path | None = None, *, ranks_here: bool = True, pending: Sequence[str | Path] = ()):
     """All start-up checks of a run (module docstring); returns the run's tokenizer.
@@ -240,7 +251,7 @@ def check_run_inputs(recipe: RecipeConfig, world_size: int, host: HostMemory | N
         check_backend(recipe)
     run_dir = run_dir if run_dir is not None else recipe.training.run_dir
     check_run_dir(run_dir)
-    check_drafter_phase(recipe)
+    check_phase_layout(recipe)
     check_image_layout(recipe)
     tokenizer = check_tokenizer(recipe)
     check_data(recipe, tokenizer)

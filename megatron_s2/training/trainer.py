@@ -26,6 +26,7 @@ from megatron_s2.models.family import family_of
 from megatron_s2.optim import build_optimizer, describe_param_groups
 from megatron_s2.optim.lr_schedule import LRSchedule
 from megatron_s2.parallel.context_parallel import split_micro_batch
+from megatron_s2.pipeline.encoder_phase import EncoderPhase
 from megatron_s2.optim.distributed_optimizer import DistributedOptimizer
 from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.optim.optimizer_shards import optimizer_shard_groups
@@ -58,6 +59,10 @@ class TrainResult:
 
 
 class Trainer:
+    fresh_on_load: tuple[str, ...] = ("dspark.",)
+    """Name prefixes of model tensors a new phase may add to a loaded checkpoint (they keep their
+    initialisation): the DSpark drafter (report §2.4.3); a phase adds its own."""
+
     def __init__(self, recipe: RecipeConfig, run_dir: Path, *, rank: int = 0, world_size: int = 1, guard=None,
                  log=print, device=None):
         """``device``: where this rank computes; default :func:`~megatron_s2.runtime.device.process_device`
@@ -79,6 +84,7 @@ class Trainer:
         host = HostMemory.for_this_rank()
         with build_on(self.device):  # parameters, buffers and what modules build at construction
             self.model, self.pipeline = self.build_model(host)
+        self.attach_phase_modules()
         self._freeze(recipe.phase.freeze)
         if recipe.phase.kind == "dspark":  # §2.4.3: only the drafter trains; the backbone holds no optimiser state
             for name, p in self.model.named_parameters():
@@ -140,6 +146,10 @@ class Trainer:
         """Training FLOPs per token of the metrics' throughput line."""
         return family_of(self.recipe.model).train_flops_per_token(self.recipe.model, self.recipe.training.seq_length)
 
+    def attach_phase_modules(self) -> None:
+        """Modules a phase adds to the built model before the optimiser sees it (the Memory
+        Decoder's router, megatron_s2/posttrain/memdec); none here."""
+
     def build_data(self):
         """The phase's data source; its ``state_dict`` is the checkpoint's ``data`` entry
         (post-training phases supply their rollout orchestrator instead, megatron_s2/posttrain)."""
@@ -148,7 +158,8 @@ class Trainer:
                                    micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank,
                                    dp_size=self.layout.dp, seed=t.seed, phase=self.recipe.phase.kind,
                                    tokenizer=self.tokenizer, log=self.log,
-                                   image_processor=family_of(self.recipe.model).image_processor(self.recipe.model))
+                                   image_processor=family_of(self.recipe.model).image_processor(self.recipe.model),
+                                   cp_rank=self.groups.cp.rank, cp_size=self.groups.cp.size)
 
     def _freeze(self, patterns: tuple[str, ...]) -> None:
         from fnmatch import fnmatch
@@ -249,9 +260,10 @@ class Trainer:
                          "initialised backbone; set checkpoint.load to the pre-trained backbone's checkpoints")
             return False
         try:  # a refusal leaves the run directory as it was: nothing has been written yet
-            # a new phase may add the DSpark drafter to a backbone checkpoint (report §2.4.3)
+            # a new phase may add the DSpark drafter (report §2.4.3) or the visual next-patch pieces
+            # (walkthrough Ch. 3) to a backbone checkpoint
             loaded = self.checkpoints.load(path, self.model, self.optimizer if full else None,
-                                           may_be_missing=() if full else ("dspark.",),
+                                           may_be_missing=() if full else self.fresh_on_load,
                                            load_only=() if full else self.load_only(path))
             if full:
                 self.data.load_state_dict(loaded.data)
@@ -298,8 +310,10 @@ class Trainer:
     def compute_gradients(self, micro_batches: list[dict]):
         """Forward/backward over this rank's micro-batches and reduce the gradients."""
         micro_batches = [split_micro_batch(to_device(mb, self.device), self.groups.cp) for mb in micro_batches]
+        vision = EncoderPhase.forward(self.model, micro_batches)  # disaggregated encoder step (§3.1.1)
         inputs = StepInputs(micro_batches, self.groups, self.num_micro_global, loss_fn=self.step_objective(micro_batches))
         result = self.forward_backward(self.model, inputs)
+        vision.backward()
         finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb, zero1=self.zero1)
         return result
 

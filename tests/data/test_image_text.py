@@ -261,3 +261,96 @@ def test_sft_trains_only_answers():
     sep = int((row == TOKENIZER.sep_id).nonzero()[0])
     eos = int((row == TOKENIZER.eos_id).nonzero()[0])
     assert mb["loss_mask"][0, sep:eos].all() and not mb["loss_mask"][0, :sep].any()
+
+
+# ---- balanced image sharding across context-parallel ranks (report §3.1.1) ---------------------
+class CountingDocuments:
+    """An image-text store that counts its image loads (the real loads run)."""
+
+    def __init__(self, store):
+        self.store, self.loads = store, []
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def __len__(self):
+        return len(self.store)
+
+    def load_image(self, pair: int):
+        self.loads.append(pair)
+        return self.store.load_image(pair)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_each_image_is_loaded_exactly_once_across_the_cp_group(cp):
+    """Every CP rank sees the same rows; each image of a row is loaded (and prepared) by exactly one
+    rank, the planned owner, and every other rank holds a RemoteImage naming that owner."""
+    from megatron_s2.data.loader import DataIterator
+    from megatron_s2.parallel.image_sharding import RemoteImage
+
+    data = DataConfig(kind="image_text", num_documents=40, image_size=48)
+    store = build_image_text_documents(data, seed=3, tokenizer=TOKENIZER, processor=PROCESSOR, seq_length=192)
+
+    def ranks_iterator(rank):
+        counted = CountingDocuments(store)
+        it = DataIterator([counted], seq_length=192, global_batch_size=4, micro_batch_size=2, dp_rank=0, dp_size=1,
+                          seed=3, answer_only=False, pad_id=TOKENIZER.pad_id, image_processor=PROCESSOR,
+                          cp_rank=rank, cp_size=cp)
+        return counted, it
+
+    ranks = [ranks_iterator(r) for r in range(cp)]
+    images = 0
+    for _ in range(2):
+        steps = [it.next_step() for _, it in ranks]
+        for mbs in zip(*steps):
+            for row in range(len(mbs[0]["images"])):
+                per_rank = [mb["images"][row] for mb in mbs]
+                assert len({len(entries) for entries in per_rank}) == 1
+                for slots in zip(*per_rank):
+                    loaded = [r for r, entry in enumerate(slots) if not isinstance(entry, RemoteImage)]
+                    assert len(loaded) == 1, slots
+                    assert all(entry.owner == loaded[0] for entry in slots if isinstance(entry, RemoteImage))
+                    assert {entry.start for entry in slots} == {slots[loaded[0]].start}
+                    images += 1
+    assert images > 2 * cp and sum(len(counted.loads) for counted, _ in ranks) == images
+    assert all(counted.loads for counted, _ in ranks)  # the work is shared
+
+
+@pytest.mark.parametrize("manifest", [False, True])
+def test_a_caption_that_is_not_utf8_is_a_one_line_error_naming_the_file(tmp_path, manifest):
+    (tmp_path / "x.png").write_bytes(png())
+    if manifest:
+        (tmp_path / "captions.jsonl").write_bytes(b'{"image": "x.png", "text": "\xff\xfe"}\n')
+        named = "captions.jsonl"
+    else:
+        (tmp_path / "x.txt").write_bytes(b"\xff\xfe latin-1 caption")
+        named = "x.txt"
+    with pytest.raises(DataError) as caught:
+        load_image_text_pairs(DataConfig(kind="image_text", source="folder", paths=(str(tmp_path),)), seed=0)
+    assert f"{named}: not UTF-8 text" in one_line(caught)
+
+
+def test_a_directory_named_like_an_image_is_a_one_line_error_naming_it(tmp_path):
+    (tmp_path / "a.png").write_bytes(png())
+    (tmp_path / "a.txt").write_text("fine")
+    (tmp_path / "b.png").mkdir()
+    (tmp_path / "b.txt").write_text("a folder, not an image")
+    with pytest.raises(DataError) as caught:
+        load_image_text_pairs(DataConfig(kind="image_text", source="folder", paths=(str(tmp_path),)), seed=0)
+    assert "b.png: cannot read it (Is a directory)" in one_line(caught)
+
+
+@pytest.mark.parametrize("cut", [2 / 3, None])
+def test_a_truncated_or_corrupt_compressed_shard_is_a_one_line_error(tmp_path, cut):
+    shard = tmp_path / "000.tar"
+    with tarfile.open(shard, "w:gz") as archive:  # tarfile reads a gzipped shard whatever its name
+        for name, data in {"k.png": png(), "k.txt": b"caption"}.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    data = shard.read_bytes()
+    # cut: the stream ends early (EOFError); None: a flipped byte inside the deflate stream (zlib.error)
+    shard.write_bytes(data[:int(len(data) * cut)] if cut else data[:40] + bytes([data[40] ^ 0xFF]) + data[41:])
+    with pytest.raises(DataError) as caught:
+        load_image_text_pairs(DataConfig(kind="image_text", source="webdataset", paths=(str(shard),)), seed=0)
+    assert "000.tar: not a readable tar shard" in one_line(caught)

@@ -136,3 +136,30 @@ def test_account_cli(flagship_cfg, tiny_cfg, capsys):
     text = capsys.readouterr().out
     assert f"{count_parameters(tiny_cfg).backbone:,}" in text
     assert main(["account", f"{RECIPES_DIR}/missing.yaml"]) == 2  # a ConfigError, not a traceback
+
+
+def test_image_io_criterion_flagship_compute_bound_small_io_bound(capsys):
+    """Report §3.1.1: rho < (B_IO/B_GPU)·C. rho of the largest admitted image: flagship 93x93 patches
+    of 14 px (1302 px square) behind a 31x31 grid's 994-token span, 3·1302²/994 = 5116 B/token; the
+    mm tiny recipe 60 px behind 32 tokens, 337.5 B/token. At 1 GB/s and 400 TFLOP/s per GPU the
+    flagship (C ~1.06e11) is compute-bound by ~50x and the tiny one (C ~4.1e6) I/O-bound by ~30x;
+    40 GB/s per GPU would hide the tiny one's loading too."""
+    from megatron_s2.cli import main
+
+    assert main(["account", f"{RECIPES_DIR}/flagship.yaml", "--json"]) == 0
+    flagship = json.loads(capsys.readouterr().out)["image_io_criterion"]
+    assert flagship["rho_bytes_per_token"] == pytest.approx(3 * 1302 ** 2 / 994)
+    assert flagship["bound_bytes_per_token"] == pytest.approx(1e9 / 400e12 * flagship["flops_per_token"])
+    assert flagship["compute_bound"] and flagship["bound_bytes_per_token"] > 40 * flagship["rho_bytes_per_token"]
+    tiny_mm = RECIPES_DIR.parent / "pretrain_mm_tiny.yaml"
+    assert main(["account", str(tiny_mm), "--json"]) == 0
+    tiny = json.loads(capsys.readouterr().out)["image_io_criterion"]
+    assert tiny["rho_bytes_per_token"] == 337.5
+    assert not tiny["compute_bound"] and tiny["rho_bytes_per_token"] > 20 * tiny["bound_bytes_per_token"]
+    assert main(["account", str(tiny_mm), "--io-gbps", "40"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("image I/O criterion") and "B_IO 40 GB/s" in line and line.endswith("compute-bound: "
+                                                                                               "loading hides behind compute")
+    assert main(["account", f"{RECIPES_DIR}/tiny.yaml"]) == 0
+    assert "image I/O criterion" not in capsys.readouterr().out  # no vision tower, no criterion
+    assert main(["account", str(tiny_mm), "--gpu-tflops", "0"]) == 2

@@ -177,6 +177,21 @@ def test_hostile_images_get_a_400_naming_the_problem_while_good_requests_are_ser
     assert all(f.result().choices[0].model_extra["token_ids"] == expected for f in good_answers)
 
 
+def test_a_request_with_more_images_than_the_cap_is_refused_before_any_is_decoded(client):
+    """Each decoded image may hold up to ImageLimits.max_pixels (~96 MB as RGB) and a 97 KB PNG
+    decodes to that: without a per-request count, one 16 MB body held ~160 of them at once."""
+    cap = ServeConfig().max_images_per_request
+    corrupt = data_url(b"\x89PNG\r\n\x1a\nbroken")  # never reached: the count is refused first
+    parts = [{"type": "image_url", "image_url": {"url": data_url(png(noise()))}} for _ in range(cap)]
+    parts.append({"type": "image_url", "image_url": {"url": corrupt}})
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(client, [{"role": "user", "content": parts}])
+    assert message_of(caught.value) == (f"messages: {cap + 1} image parts; this server takes at most {cap} per "
+                                        "request (--max-images-per-request)")
+    r = ask(client, [{"role": "user", "content": parts[:cap]}])  # exactly the cap is served
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
 @pytest.mark.parametrize("mode", ["RGBA", "CMYK", "I;16"])
 def test_alpha_cmyk_and_16_bit_images_are_converted_not_refused(client, mode):
     image = Image.new(mode, (20, 20)) if mode == "I;16" else noise(mode=mode)

@@ -58,7 +58,11 @@ class FamilyModel(Protocol):
 
     A forward of one stage is ``embed`` (first stage) -> ``run_layers`` -> ``head`` (last stage);
     the hidden state between them is a tuple of tensors (one for a plain residual stream; the
-    V4.1 backbone carries its mHC streams and input mix). ``forward(tokens, ctx)`` chains them."""
+    V4.1 backbone carries its mHC streams and input mix). ``forward(tokens, ctx)`` chains them.
+
+    Optional: ``embed_vectors(vectors [b, s, d]) -> hidden`` (vectors in place of token embeddings)
+    and ``final_hidden(*hidden) -> [b, s, d]`` (the normed state the head reads) — what visual
+    next-patch pre-training needs of a backbone (:mod:`megatron_s2.models.next_patch`)."""
 
     config: ModelSchema
     groups: "ParallelGroups"
@@ -79,6 +83,10 @@ class FamilyModel(Protocol):
 
     def run_layers(self, hidden: tuple[torch.Tensor, ...], ctx, layer_ids: Iterable[int] | None = None
                    ) -> tuple[torch.Tensor, ...]: ...
+
+    def final_hidden(self, *hidden: torch.Tensor) -> torch.Tensor:
+        """The normalised last hidden state [b, s, d] that ``head`` projects to the logits (the
+        Memory Decoder's datastore keys and router features read it)."""
 
     def head(self, *hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits, float32."""
@@ -120,6 +128,10 @@ class ImageProcessor(Protocol):
 
     def prepare(self, image: Any, start: int) -> Any:
         """A decoded RGB Pillow image -> the model's input for a span starting at position ``start``."""
+
+    def work(self, width: int, height: int) -> float:
+        """Relative vision-forward cost of an image of ``width x height`` pixels (resize planning
+        only): what balanced image sharding across context-parallel ranks balances."""
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,9 @@ class Chunk:
     length: int
     logits: str = "last"
     """Logits to return: "last" (of the chunk's last token), "all" or "none"."""
+    hidden: bool = False
+    """Also return the normalised last hidden state of the same rows (``RowOutput.hidden``: the
+    Memory Decoder's router reads both models' hidden states)."""
 
 
 @dataclass(eq=False)
@@ -87,6 +90,8 @@ def image_key(*parts) -> bytes:
 class RowOutput:
     logits: torch.Tensor | None = None
     """[V] (last) or [s, V] (all), float32, full vocabulary."""
+    hidden: torch.Tensor | None = None
+    """[d] / [s, d] float32: the hidden state the head projected for those logits (``Chunk.hidden``)."""
     routing: torch.Tensor | None = None
     """[s, num_layers, top_k] int32 expert ids per token and layer (-1: layer not run)."""
     topk: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -233,10 +233,14 @@ class HybridExecutor(ModelExecutor):
             cols = torch.tensor([i for _, idx in picks for i in idx], device=dev)
             logits = self.model.head(x[rows, cols].unsqueeze(0))[0]
             logits = mappings.gather_from_group(logits, self.model.groups.tp, dim=-1)
+            hidden = self.model.final_hidden(x[rows, cols].unsqueeze(0))[0] if any(c.hidden for c in chunks) else None
             at = 0
             for r, idx in picks:
                 part = logits[at:at + len(idx)]
                 out[r].logits = part if chunks[r].logits == "all" else part[0]
+                if hidden is not None and chunks[r].hidden:
+                    h = hidden[at:at + len(idx)].float()
+                    out[r].hidden = h if chunks[r].logits == "all" else h[0]
                 at += len(idx)
         if record_routing:
             layers, k = self.model.layer_ids, self.cfg.moe_topk

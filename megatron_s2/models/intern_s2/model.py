@@ -112,6 +112,11 @@ class InternS2Model(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor]:
         return (self.embedding["word_embeddings"](input_ids).to(getattr(torch, self.config.compute_dtype)),)
 
+    def embed_vectors(self, vectors: torch.Tensor) -> tuple[torch.Tensor]:
+        """Vectors [b, s, d] in place of token embeddings (visual next-patch pre-training,
+        walkthrough Ch. 3 Eq. 6: the projected visual latents enter the backbone here)."""
+        return (vectors.to(getattr(torch, self.config.compute_dtype)),)
+
     def run_layers(self, hidden: tuple[torch.Tensor], ctx: InternContext, layer_ids=None) -> tuple[torch.Tensor]:
         (x,) = hidden
         for i in (self.layer_ids if layer_ids is None else layer_ids):
@@ -122,8 +127,12 @@ class InternS2Model(nn.Module):
                 x = block(x, ctx)
         return (x,)
 
+    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalised last hidden state [b, s, d] the output layer projects (float32)."""
+        return self.final_norm(x).float()
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output_layer(self.final_norm(x).float())
+        return self.output_layer(self.final_hidden(x))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.groups.tp)

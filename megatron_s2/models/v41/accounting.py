@@ -24,7 +24,8 @@ from megatron_s2.models.v41.engram.hashing import EngramHasher
 from megatron_s2.models.v41.engram.table import padded_rows
 
 __all__ = ["ParamCounts", "count_parameters", "kv_bytes", "decode_flops_per_token", "train_flops_per_token",
-           "account", "report_lines", "dspark_parameters", "vision_parameters", "fp4_bytes", "fp8_bytes", "kv_cache_bytes"]
+           "account", "report_lines", "dspark_parameters", "vision_parameters", "image_bytes_per_token", "fp4_bytes",
+           "fp8_bytes", "kv_cache_bytes"]
 
 
 def fp4_bytes(channels: int, block: int) -> float:
@@ -127,6 +128,19 @@ def vision_parameters(c: V41Config) -> int:
     block = 2 * v + (v * 3 * v + 3 * v) + (v * v + v) + 3 * v * c.vision_inter_dim
     aligner = (v * r * r * d + d) + (d * d + d)
     return patch + c.vision_n_layers * block + v + aligner + 3 * d
+
+
+def image_bytes_per_token(c: V41Config) -> float:
+    """Raw bytes (decoded RGB, 3 a pixel) per span token of the largest image the resize planning
+    admits: ``rho`` of the report's I/O criterion (§3.1.1, :mod:`megatron_s2.planning.image_io`).
+    Roughly ``3 (p r)^2``: each visual token stands for an ``r x r`` block of ``p x p`` patches."""
+    from megatron_s2.models.v41.vision.processor import plan_for
+
+    if not c.vision_n_layers:
+        return 0.0
+    side = c.vision_patch_size * c.vision_downsample_ratio * c.vision_max_n_token  # beyond any cap
+    grid = plan_for(c, side, side)
+    return 3 * grid.width * grid.height / grid.num_tokens
 
 
 def dspark_parameters(c: V41Config) -> tuple[int, int]:
@@ -239,6 +253,7 @@ def account(c: V41Config) -> dict:
         "dspark_params": counts.dspark,
         "dspark_activated_params": dspark_parameters(c)[1],
         "vision_params": counts.vision,
+        "image_bytes_per_token": image_bytes_per_token(c),
         "breakdown": {"params": asdict(counts), "kv": kv},
     }
 

@@ -79,7 +79,9 @@ class V41Model(nn.Module):
         """Token ids -> (streams [b, s, n, d], initial one-hot input mix [b, s, n]).
 
         ``images``: per sequence, the :class:`~megatron_s2.models.v41.vision.processor.ImageInput`
-        list whose spans take the vision encoder's embeddings (§2.1.1); whole sequences only."""
+        list whose spans take the vision encoder's embeddings (§2.1.1); under context parallelism a
+        :class:`~megatron_s2.parallel.image_sharding.ShardedImages` (each rank encodes its own images);
+        in a training step the :class:`~.vision.phase.EncodedImages` of :meth:`encode_images`."""
         h = self.embedding["word_embeddings"](input_ids).to(getattr(torch, self.config.compute_dtype))
         if images is not None:
             if self.vision is None:
@@ -87,11 +89,22 @@ class V41Model(nn.Module):
             if self.groups.sequence.sp:  # refused at start-up (training.run_checks.check_image_layout)
                 raise ValueError("parallel.sequence_parallel: image spans are merged into whole-sequence embeddings; "
                                  "set sequence_parallel: false for image data")
-            from megatron_s2.models.v41.vision.tower import merge_image_embeddings
+            from megatron_s2.models.v41.vision.phase import merge_images
 
-            h = merge_image_embeddings(h, images, self.vision)
+            h = merge_images(h, images, self.vision)
         x = expand_embedding(h, self.config.hc_mult)
         return x, one_hot_pre(x)
+
+    def encode_images(self, images):
+        """Phase 1 of the disaggregated encoder step (§3.1.1, :mod:`.vision.phase`): one
+        micro-batch's images -> :class:`~megatron_s2.models.v41.vision.phase.EncodedImages` for
+        ``embed`` (call its ``backward()`` after the LLM backward); None without images or without
+        the encoder on this rank (a later pipeline stage)."""
+        if images is None or self.vision is None:
+            return None
+        from megatron_s2.models.v41.vision.phase import encode_images
+
+        return encode_images(images, self.vision, getattr(torch, self.config.compute_dtype))
 
     def run_layers(self, hidden: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext,
                    layer_ids: Iterable[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,9 +134,13 @@ class V41Model(nn.Module):
             for path in SELECTIVE_RECOMPUTE:
                 block.get_submodule(path).selective_recompute = mode == "selective"
 
+    def final_hidden(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """Streams -> the normalised last hidden state [b, s, d] the output layer projects."""
+        return self.final_norm(collapse(x, pre))
+
     def head(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """Streams -> this rank's vocabulary shard of the logits (float32)."""
-        return self.output_layer(self.final_norm(collapse(x, pre)))
+        return self.output_layer(self.final_hidden(x, pre))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy [b, s] (vocabulary-parallel)."""

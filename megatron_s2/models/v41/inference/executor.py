@@ -319,7 +319,7 @@ class V41Executor(SpeculativeExecutor):
             req = c.request
             rows.append(ForwardRow(req.kv, req.tokens[c.start:c.start + c.length], c.start,
                                    self._history(req, c.start), logits=c.logits, decoder_from=req.kv.decoder_from,
-                                   images=self._image_rows(req, c.start, c.length)))
+                                   images=self._image_rows(req, c.start, c.length), hidden=c.hidden))
         capture = self.drafter.targets if self.drafter is not None else ()
         out = self.runner.forward(rows, record_routing=record_routing, record_topk=record_topk, capture=capture)
         if capture:  # the drafter's main input of every computed token, pushed once the step keeps it

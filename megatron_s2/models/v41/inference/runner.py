@@ -60,6 +60,8 @@ class ForwardRow:
     images: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     """(offset in ``tokens``, input embeddings [n, hidden]) of each run of image positions in the
     chunk; ``history`` carries -1 at image positions (dead for Engram's n-grams)."""
+    hidden: bool = False
+    """Also return the normalised last hidden state of the logits rows (``RowOutput.hidden``)."""
 
     def engram_tokens(self) -> list[int]:
         """``tokens`` with -1 at image positions (Engram's history convention)."""
@@ -206,10 +208,15 @@ class ModelRunner:
             ti = torch.tensor([i for _, _, t in picks for i in t], device=self.device)
             logits = self.model.head(x[bi, ti].unsqueeze(0), pre[bi, ti].unsqueeze(0))[0]
             logits = mappings.gather_from_group(logits, self.tp, dim=-1)
+            hidden = (self.model.final_hidden(x[bi, ti].unsqueeze(0), pre[bi, ti].unsqueeze(0))[0]
+                      if any(row.hidden for row in rows) else None)
             at = 0
             for r, _, t in picks:
                 chunk = logits[at:at + len(t)]
                 out[r].logits = chunk[0] if rows[r].logits == "last" else chunk
+                if hidden is not None and rows[r].hidden:
+                    h = hidden[at:at + len(t)].float()
+                    out[r].hidden = h[0] if rows[r].logits == "last" else h
                 at += len(t)
         if record_routing:
             self._routing(rows, views, out)

@@ -248,3 +248,10 @@ class V41ImageProcessor:
 
     def prepare(self, image, start: int) -> ImageInput:
         return prepare_image(image, self.cfg, start=start)
+
+    def work(self, width: int, height: int) -> int:
+        """The vision forward's cost of one image, for balanced image sharding across CP ranks
+        (:func:`~megatron_s2.parallel.image_sharding.image_work`; resize planning only)."""
+        from megatron_s2.parallel.image_sharding import image_work
+
+        return image_work(plan_for(self.cfg, width, height).num_patches, self.cfg.vision_dim, self.cfg.vision_inter_dim)

@@ -21,6 +21,8 @@ vision weights import and export under the same tensor names
 
 The encoder is not part of the backbone's layers: it sits beside the embedding on the first
 pipeline stage and is replicated on every rank (the report's disaggregated encoder, §3.1.1).
+The training step runs it as its own phases around the LLM (:mod:`.phase`); under context
+parallelism each CP rank encodes only the images it owns (:mod:`megatron_s2.parallel.image_sharding`).
 """
 
 from __future__ import annotations
@@ -216,3 +218,4 @@ def merge_image_embeddings(h: torch.Tensor, images, encoder: VisionEncoder) -> t
     if not values:
         return h
     return h.index_put((torch.cat(rows), torch.cat(cols)), torch.cat(values))
+

@@ -1,0 +1,136 @@
+"""The trainers of ``phase.kind: memdec`` and ``memdec_router`` (package docstring).
+
+Both load the frozen backbone (``phase.memdec_backbone``) next to the model of ``model:`` — the
+memory decoder — on every rank, whole (tp = pp = cp = 1; data parallelism splits the batch).
+``memdec`` builds or reads the datastore before the first step; ``memdec_router`` attaches a
+:class:`~megatron_s2.models.memory_decoder.MemoryRouter` to the memory decoder as
+``memdec_router`` (its checkpoint then holds the whole plug-in: memory + router), freezes every
+other tensor, and feeds the domain (``data:``) and general (``phase.memdec_general_data``)
+corpora 1:1, each micro-batch flagged ``is_domain``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.data import build_data_iterator
+from megatron_s2.data.loader import load_document_stores
+from megatron_s2.models.memory_decoder import MemoryRouter
+from megatron_s2.pipeline.losses import global_token_count
+from megatron_s2.posttrain.frozen import load_frozen_model
+from megatron_s2.posttrain.memdec.datastore import datastore_meta, load_or_build_datastore, weights_fingerprint
+from megatron_s2.posttrain.memdec.fusion import ROUTER_PREFIX
+from megatron_s2.posttrain.memdec.objectives import MemoryDecoderObjective, RouterObjective
+from megatron_s2.training.trainer import Trainer
+
+__all__ = ["MemoryDecoderTrainer", "RouterTrainer", "MixedCorpusIterator", "memdec_trainer", "ROUTER_PREFIX"]
+
+
+class _MemdecTrainer(Trainer):
+    """Start-up shared by both phases: layout checks and the frozen backbone."""
+
+    def check_phase_inputs(self) -> None:
+        par, phase = self.recipe.parallel, self.recipe.phase
+        if par.tp != 1 or par.pp != 1 or par.cp != 1:
+            raise ConfigError(f"parallel: phase.kind {phase.kind} holds the backbone and the memory decoder whole on "
+                              f"every rank (tp = pp = cp = 1), got tp={par.tp} pp={par.pp} cp={par.cp}; scale it with "
+                              "data parallelism")
+        self.backbone = load_frozen_model(phase.memdec_backbone, self.groups, vocab_size=self.recipe.model.vocab_size,
+                                          tokenizer=self.tokenizer, what="phase.memdec_backbone", device=self.device)
+        self.log(f"memdec: frozen backbone '{self.backbone.config.name}' from {phase.memdec_backbone}")
+
+
+class MemoryDecoderTrainer(_MemdecTrainer):
+    """``phase.kind: memdec``: the memory decoder learns the datastore's kNN distributions (Eq. 2)."""
+
+    def check_phase_inputs(self) -> None:
+        super().check_phase_inputs()
+        t, phase = self.recipe.training, self.recipe.phase
+        seed = self.recipe.data.generation_seed(t.seed)
+        stores = load_document_stores(self.recipe.data, seed=t.seed, tokenizer=self.tokenizer, log=self.log)
+        meta = datastore_meta(weights_fingerprint(self.backbone), self.recipe.data, seed, t.seq_length)
+        self.datastore = load_or_build_datastore(self.run_dir, self.backbone, stores, meta=meta,
+                                                 seq_length=t.seq_length, pad_id=self.tokenizer.pad_id,
+                                                 device=self.device, save=self.is_main, log=self.log)
+        if phase.memdec_knn_k > len(self.datastore):
+            raise ConfigError(f"phase.memdec_knn_k: {phase.memdec_knn_k} neighbours but the datastore holds "
+                              f"{len(self.datastore)} keys; lower it or enlarge the domain corpus")
+
+    def step_objective(self, micro_batches):
+        phase = self.recipe.phase
+        return MemoryDecoderObjective(self.backbone, self.datastore, k=phase.memdec_knn_k,
+                                      temperature=phase.memdec_knn_temperature, beta=phase.memdec_beta,
+                                      global_tokens=global_token_count(micro_batches, self.groups.dp_cp),
+                                      num_micro_global=self.num_micro_global)
+
+
+class MixedCorpusIterator:
+    """Half of each step's micro-batches from the domain corpus, half from the general one,
+    flagged ``is_domain`` (the sign of Eq. 4's prior); checkpointable like the data iterator."""
+
+    def __init__(self, domain, general):
+        self.domain, self.general = domain, general
+
+    def next_step(self) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for flag, micro_batches in ((True, self.domain.next_step()), (False, self.general.next_step())):
+            for mb in micro_batches:
+                mb["is_domain"] = torch.full_like(mb["tokens"], flag, dtype=torch.bool)
+                out.append(mb)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"domain": self.domain.state_dict(), "general": self.general.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.domain.load_state_dict(state["domain"])
+        self.general.load_state_dict(state["general"])
+
+
+class RouterTrainer(_MemdecTrainer):
+    """``phase.kind: memdec_router``: both models frozen, the router learns lambda_t (Eq. 3-4)."""
+
+    fresh_on_load = Trainer.fresh_on_load + (ROUTER_PREFIX,)
+
+    def check_phase_inputs(self) -> None:
+        super().check_phase_inputs()
+        general = self.recipe.phase.memdec_general_data
+        if general.tokenizer != self.recipe.data.tokenizer:
+            raise ConfigError(f"phase.memdec_general_data.tokenizer: '{general.tokenizer}' differs from data.tokenizer "
+                              f"'{self.recipe.data.tokenizer}'; both corpora must use the models' tokenizer")
+        t = self.recipe.training
+        if t.global_batch_size % (2 * self.layout.dp * t.micro_batch_size):
+            raise ConfigError(f"training.global_batch_size: router training splits it 1:1 between the domain and "
+                              f"general corpora, so it must be a multiple of 2 x dp x micro_batch_size = "
+                              f"{2 * self.layout.dp * t.micro_batch_size}, got {t.global_batch_size}")
+
+    def attach_phase_modules(self) -> None:
+        for p in self.model.parameters():  # the memory decoder is frozen with the backbone
+            p.requires_grad_(False)
+        phase = self.recipe.phase
+        self.model.memdec_router = MemoryRouter(self.backbone.config.hidden_size, self.recipe.model.hidden_size,
+                                                phase.memdec_router_init_lambda, phase.memdec_router_hidden).to(self.device)
+
+    def build_data(self):
+        t = self.recipe.training
+        half = t.global_batch_size // 2
+
+        def stream(cfg):
+            return build_data_iterator(cfg, seq_length=t.seq_length, global_batch_size=half,
+                                       micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.layout.dp,
+                                       seed=t.seed, phase=self.recipe.phase.kind, tokenizer=self.tokenizer, log=self.log)
+
+        return MixedCorpusIterator(stream(self.recipe.data), stream(self.recipe.phase.memdec_general_data))
+
+    def step_objective(self, micro_batches):
+        return RouterObjective(self.backbone, alpha=self.recipe.phase.memdec_router_alpha,
+                               global_tokens=global_token_count(micro_batches, self.groups.dp_cp),
+                               num_micro_global=self.num_micro_global)
+
+
+def memdec_trainer(kind: str) -> type[Trainer]:
+    """The trainer class of a Memory Decoder phase kind."""
+    return {"memdec": MemoryDecoderTrainer, "memdec_router": RouterTrainer}[kind]
