@@ -100,8 +100,9 @@ def check_data(recipe: RecipeConfig, tokenizer) -> None:
 
 def check_image_layout(recipe: RecipeConfig) -> None:
     """Image data (``data.kind: image_text``) needs a model with a vision pathway and a layout the
-    image wiring supports: no sequence parallelism (context parallelism shards the images across
-    the CP ranks, :mod:`megatron_s2.parallel.image_sharding`) and no DSpark drafter training."""
+    image wiring supports: no DSpark drafter training (context parallelism shards the images across
+    the CP ranks, :mod:`megatron_s2.parallel.image_sharding`; under sequence parallelism each tp
+    rank writes its slice's span rows, :func:`megatron_s2.models.v41.vision.phase.merge_images`)."""
     if recipe.data.kind != "image_text":
         return
     from megatron_s2.models.family import family_of
@@ -109,10 +110,6 @@ def check_image_layout(recipe: RecipeConfig) -> None:
     if family_of(recipe.model).image_processor(recipe.model) is None:
         raise ConfigError("data.kind: 'image_text' needs a model with a vision tower; set model.vision_n_layers "
                           "(and the other vision_* fields) or use text data")
-    p = recipe.parallel
-    if p.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel: image spans are merged into whole-sequence embeddings, which "
-                          "sequence parallelism shards; set sequence_parallel: false for image data")
     if recipe.phase.trains_drafter:
         raise ConfigError(f"data.kind: 'image_text' with a phase that trains the DSpark drafter is not supported; "
                           "train the drafter on text data")

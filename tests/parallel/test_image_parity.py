@@ -21,6 +21,8 @@ recipe, 3 steps) in brackets:
   bound 2e-2 as in every parity test)].
 
 * tp2 — vision encoder replicated over the TP pair, backbone tensor-parallel;
+* tp2_sp — the same with sequence parallelism: each rank writes the span rows of its sequence
+  slice, so the encoder's gradients are partial sums over tp (all-reduced by the finaliser);
 * ep2 — experts split; image tokens routed with the image correction bias on both ranks;
 * dp2 — each replica its own images; vision gradients all-reduced with the rest;
 * pp2 — images embedded on the first stage only (the encoder lives there), cut at the
@@ -43,6 +45,7 @@ IMAGE_BASE = [*[o for o in BASE if not o.startswith("data.num_documents")], "dat
               "training.freeze_vision_until_decay=false"]
 LAYOUTS = {
     "tp2": ["parallel.tp=2"],
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "ep2": ["parallel.ep=2"],
     "dp2": [],
     "pp2": ["parallel.pp=2"],

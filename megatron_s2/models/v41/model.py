@@ -86,12 +86,13 @@ class V41Model(nn.Module):
         if images is not None:
             if self.vision is None:
                 raise ValueError("images given, but this model has no vision tower (model.vision_n_layers: 0)")
-            if self.groups.sequence.sp:  # refused at start-up (training.run_checks.check_image_layout)
-                raise ValueError("parallel.sequence_parallel: image spans are merged into whole-sequence embeddings; "
-                                 "set sequence_parallel: false for image data")
             from megatron_s2.models.v41.vision.phase import merge_images
 
-            h = merge_images(h, images, self.vision)
+            tp = self.groups.tp
+            # under SP ``h`` is this tp rank's contiguous slice of the (CP-local) sequence: only the
+            # span rows that land there are written (the encoder's gradients are tp-partial then)
+            sp_slice = (tp.rank, tp.size) if self.groups.sequence.sp and tp.size > 1 else None
+            h = merge_images(h, images, self.vision, sp_slice=sp_slice)
         x = expand_embedding(h, self.config.hc_mult)
         return x, one_hot_pre(x)
 

@@ -87,10 +87,10 @@ PLAN: dict[str, dict[str, Rule]] = {
         "markov_w*":         Rule(R),                                        # full-vocabulary bias
         "confidence":        Rule(R),
     },
-    "vision": {                                                              # the encoder (§2.1.1), replicated
-        "tower.*":           Rule(R),                                        # whole images on every rank:
-        "aligner.*":         Rule(R),                                        # identical gradients, never
-        "image_*":           Rule(R),                                        # partial over tp
+    "vision": {                                                              # the encoder (§2.1.1), replicated:
+        "tower.*":           Rule(R, SP),                                    # whole images on every tp rank;
+        "aligner.*":         Rule(R, SP),                                    # under SP each writes only its
+        "image_*":           Rule(R, SP),                                    # sequence slice's span rows
     },
 }
 

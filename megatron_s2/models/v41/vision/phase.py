@@ -21,7 +21,7 @@ training; the vision phases are where image load balancing happens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -120,13 +120,31 @@ def merge_sharded_image_embeddings(h: torch.Tensor, sharded: ShardedImages, enco
     return h if encoded is None else merge_encoded_images(h, encoded)
 
 
-def merge_images(h: torch.Tensor, images, encoder) -> torch.Tensor:
+def merge_images(h: torch.Tensor, images, encoder, sp_slice: tuple[int, int] | None = None) -> torch.Tensor:
     """``embed``'s image merge for any form of image input: encoded by phase 1 (the training step),
-    sharded across CP ranks (encoded here), or per-row image lists (encoded here, whole rows)."""
-    if isinstance(images, EncodedImages):
-        return merge_encoded_images(h, images)
-    if isinstance(images, ShardedImages):
-        return merge_sharded_image_embeddings(h, images, encoder)
-    from megatron_s2.models.v41.vision.tower import merge_image_embeddings
+    sharded across CP ranks (encoded here), or per-row image lists (encoded here, whole rows).
 
-    return merge_image_embeddings(h, images, encoder)
+    ``sp_slice``: (tp rank, tp size) under sequence parallelism, where ``h`` [b, s / tp, d] holds
+    the rank's contiguous slice of the (CP-local) sequence; only the span rows that fall there are
+    written. Every tp rank encodes the same images, so each holds a partial sum of the encoder's
+    gradient (its slice's share) that the finaliser all-reduces over tp (the ``vision`` rules of
+    :mod:`megatron_s2.models.v41.parallel_plan` are partial under SP)."""
+    if sp_slice is None:
+        if isinstance(images, EncodedImages):
+            return merge_encoded_images(h, images)
+        if isinstance(images, ShardedImages):
+            return merge_sharded_image_embeddings(h, images, encoder)
+        from megatron_s2.models.v41.vision.tower import merge_image_embeddings
+
+        return merge_image_embeddings(h, images, encoder)
+    encoded = images if isinstance(images, EncodedImages) else encode_images(images, encoder, h.dtype, detach=False)
+    if encoded is None:
+        return h
+    rank, size = sp_slice
+    n = h.size(1)
+    chunk = (encoded.local_positions if encoded.local_positions is not None
+             else torch.arange(n * size, device=encoded.positions.device))  # the pre-SP local sequence
+    if chunk.numel() != n * size:
+        raise ValueError(f"sequence parallelism: {chunk.numel()} local positions do not split into {size} slices "
+                         f"of {n}")
+    return merge_encoded_images(h, replace(encoded, local_positions=chunk[rank * n:(rank + 1) * n]))
