@@ -42,12 +42,15 @@ class ContrastiveConfig:
     """Hide the feature all-gathers behind the text tower (report §3.1.1); false: blocking gathers
     (same loss and gradients, for comparison)."""
     source: Literal["procedural"] = "procedural"
-    """Image-text pairs: 'procedural' (megatron_s2.data.procedural_images, rendered on the fly)."""
+    """Image-text pairs: 'procedural' (megatron_s2.data.procedural_images, rendered on the fly).
+    Local pairs instead: ``data.kind: image_text`` with a file ``data.source`` (folder / parquet /
+    webdataset) and ``data.paths`` (megatron_s2.data.image_text_pairs)."""
     image_size: int = 56
     """Side of the procedural images (pixels)."""
     eval_items: int = 0
-    """Held-out procedural items for zero-shot image->caption top-1 retrieval at the end of the run
-    (logged with chance); 0 = none."""
+    """Held-out pairs for zero-shot image->caption top-1 retrieval at the end of the run (logged
+    with chance): procedural items of another seed, or the last ``eval_items`` local pairs (never
+    trained on); 0 = none."""
 
     def __post_init__(self) -> None:
         for name in ("text_layers", "text_dim", "text_heads", "text_inter_dim", "text_max_tokens", "embed_dim",

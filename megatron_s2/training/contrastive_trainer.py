@@ -67,7 +67,7 @@ class ContrastiveTrainer(Trainer):
                               f"spans the batch); set it to global_batch_size / dp = "
                               f"{t.global_batch_size // self.layout.dp}")
         return build_pair_source(self.contrastive, seed=t.seed, global_batch_size=t.global_batch_size,
-                                 dp_rank=self.dp_rank, dp_size=self.layout.dp)
+                                 dp_rank=self.dp_rank, dp_size=self.layout.dp, data=self.recipe.data)
 
     def describe_model(self) -> list[str]:
         count = lambda prefix: sum(p.numel() for n, p in self.model.named_parameters() if n.startswith(prefix))  # noqa: E731
@@ -121,7 +121,8 @@ class ContrastiveTrainer(Trainer):
         result = super().train()
         n = self.contrastive.eval_items
         if n and self.is_main:
-            pairs = heldout_pairs(n, seed=self.recipe.training.seed, image_size=self.contrastive.image_size)
+            pairs = heldout_pairs(n, seed=self.recipe.training.seed, image_size=self.contrastive.image_size,
+                                  data=self.recipe.data)
             top1, chance = retrieval_accuracy(self, pairs)
             self.log(f"zero-shot retrieval (image -> caption top-1, {n} held-out pairs): {top1:.3f} "
                      f"(chance {chance:.3f})")

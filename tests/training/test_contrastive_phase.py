@@ -119,3 +119,33 @@ def test_encoder_stages_pipeline_checks_every_phase(tmp_path):
     assert shapes["contrastive"] == shapes["ar"] == shapes["pretrain_mm"]  # one encoder through the stages
     assert stages["pretrain_mm"].checkpoint.load_only == ("vision.",)
     assert not stages["ar"].training.freeze_vision_until_decay and stages["pretrain_mm"].training.freeze_vision_until_decay
+
+
+def test_local_pairs_train_in_order_and_hold_out_the_last_ones(tmp_path):
+    """``data.kind: image_text`` with a folder source feeds the contrastive phase: each step takes
+    the next global batch of local pairs (wrapping), data-parallel ranks take contiguous shares of
+    it, the last ``eval_items`` pairs are held out, never trained on, and resume continues the order."""
+    from megatron_s2.data.image_text_pairs import build_pair_source, heldout_pairs
+    from megatron_s2.data.procedural_images import procedural_items
+
+    for i, item in enumerate(procedural_items(10, seed=5, size=32)):
+        item.image.save(tmp_path / f"{i:02d}.png")
+        (tmp_path / f"{i:02d}.txt").write_text(f"caption {i}")
+    recipe = load_recipe(RECIPE, ["data.kind=image_text", "data.source=folder", f"data.paths=[{tmp_path}]",
+                                  "contrastive.eval_items=3"])
+    source = lambda rank, dp: build_pair_source(recipe.contrastive, seed=0, global_batch_size=4, dp_rank=rank,  # noqa: E731
+                                                dp_size=dp, data=recipe.data)
+    one = source(0, 1)
+    steps = [[caption for _, caption in one.next_step()] for _ in range(3)]
+    assert steps == [[f"caption {i % 7}" for i in range(s * 4, s * 4 + 4)] for s in range(3)]  # 7 trained, wrapping
+    halves = [source(r, 2) for r in range(2)]
+    assert [c for h in halves for _, c in h.next_step()] == steps[0]
+    held = heldout_pairs(3, seed=0, image_size=56, data=recipe.data)
+    assert [c for _, c in held] == ["caption 7", "caption 8", "caption 9"] and held[0][0].size == (32, 32)
+    resumed = source(0, 1)
+    resumed.load_state_dict(one.state_dict())
+    assert [c for _, c in resumed.next_step()] == [f"caption {i % 7}" for i in range(12, 16)]
+    with pytest.raises(ConfigError, match="contrastive.eval_items: 10 held-out pairs leave none"):
+        build_pair_source(load_recipe(RECIPE, ["data.kind=image_text", "data.source=folder",
+                                               f"data.paths=[{tmp_path}]", "contrastive.eval_items=10"]).contrastive,
+                          seed=0, global_batch_size=4, dp_rank=0, dp_size=1, data=recipe.data)
