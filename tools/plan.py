@@ -38,7 +38,9 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _ranges(ids: list[int]) -> str:
-    """[0, 1, 4, 5] -> '0-1,4-5'."""
+    """[0, 1, 4, 5] -> '0-1,4-5'; [] -> '-' (a rank without backbone layers: the contrastive towers)."""
+    if not ids:
+        return "-"
     out, start = [], ids[0]
     for a, b in zip(ids, ids[1:] + [None]):
         if b != a + 1:

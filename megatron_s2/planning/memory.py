@@ -135,6 +135,14 @@ def estimate_memory(recipe: RecipeConfig, world_size: int | None = None) -> Memo
     world = world_size or default_world_size(recipe)
     layout = ParallelLayout.from_recipe(recipe, world)
     plan = MemoryPlan(layout)
+    if recipe.phase.kind == "contrastive":  # two towers per data-parallel rank, no language model
+        from megatron_s2.planning.contrastive import contrastive_rank_state
+
+        state, parts = contrastive_rank_state(recipe)
+        t = recipe.training
+        plan.ranks.append(RankMemory(0, 0, [], state, sum(parts.values()), parts, 0.0, 0.0, 1,
+                                     t.global_batch_size // (t.micro_batch_size * layout.dp)))
+        return plan
     for rank in representative_ranks(layout):
         plan.ranks.append(rank_memory(recipe, layout, rank, worst_zero1=True))
     return plan

@@ -43,6 +43,8 @@ def component_of(name: str) -> str:
     ``mlp`` / ``attention`` / ``engram`` / ``*_hc``, Intern-S2's ``moe`` / ``linear_attn``)."""
     if name.startswith(("embedding.", "output_layer.")):
         return "embedding + head"
+    if name.startswith("vision."):
+        return "vision encoder"
     if ".engram." in name:
         return "engram"
     if ".experts." in name:
@@ -121,7 +123,8 @@ def _stage_state(cfg: ModelSchema, layout: ParallelLayout, rank: int) -> tuple[d
     def keep(name: str) -> bool:
         if name.startswith("layers."):
             return int(name.split(".")[1]) in layers
-        return pre if name.startswith("embedding.") else post
+        # the embedding and the vision encoder sit on the first stage (§3.1.1), the rest with the head
+        return pre if name.startswith(("embedding.", "vision.")) else post
 
     params = {n: p for n, p in model.named_parameters() if keep(n)}
     buffers = {n: b for n, b in model.state_dict(keep_vars=True).items() if keep(n) and n not in params}

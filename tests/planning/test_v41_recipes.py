@@ -38,7 +38,23 @@ def flagship_inputs(tmp_path, monkeypatch):
     (tmp_path / "data" / "sft").mkdir(parents=True)
     chats = [json.loads(line) for line in (RECIPES_DIR / "data" / "tiny_chat.jsonl").read_text().splitlines()[:8]]
     pq.write_table(pa.Table.from_pylist(chats), tmp_path / "data" / "sft" / "conversations.parquet")
-    for name in ("pretrain_64k", "extend_1m", "sft", "rl", "teachers/math", "teachers/logic"):  # what phases load
+    import io
+    import tarfile
+
+    from megatron_s2.data.procedural_images import procedural_items
+
+    for shard in ("data/multimodal/shards-000000.tar", "data/multimodal/shards-000001.tar",
+                  "data/vision/alt_text-000000.tar", "data/vision/alt_text-000001.tar"):  # image-text stand-ins
+        (tmp_path / shard).parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(tmp_path / shard, "w") as archive:
+            for i, item in enumerate(procedural_items(2, seed=0, size=48)):
+                png = io.BytesIO()
+                item.image.save(png, format="PNG")
+                for name, data in ((f"{i:03d}.png", png.getvalue()), (f"{i:03d}.txt", item.caption.encode())):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    archive.addfile(info, io.BytesIO(data))
+    for name in ("pretrain_64k", "extend_1m", "sft", "rl", "vision_ar", "teachers/math", "teachers/logic"):  # what phases load
         start = f"checkpoints/{name}" if name.startswith("teachers") else f"runs/v41_flagship/{name}/checkpoints"
         (tmp_path / start / "step_00000001").mkdir(parents=True)
         (tmp_path / start / "step_00000001" / "COMMITTED").write_text("stand-in")
@@ -51,7 +67,8 @@ def flagship_inputs(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name, nodes", [("flagship_pretrain_64k", 512), ("flagship_extend_1m", 512),
-                                         ("flagship_sft", 128), ("flagship_rl", 128), ("flagship_opd", 128)])
+                                         ("flagship_sft", 128), ("flagship_rl", 128), ("flagship_opd", 128),
+                                         ("flagship_pretrain_mm_64k", 512), ("flagship_vision_contrastive", 32)])
 @pytest.mark.slow
 def test_flagship_phase_fits_its_cluster(name, nodes, flagship_inputs):
     recipe = load_recipe(V41 / f"{name}.yaml")
@@ -59,6 +76,10 @@ def test_flagship_phase_fits_its_cluster(name, nodes, flagship_inputs):
     assert f"{nodes} nodes x 8 H200" in (V41 / f"{name}.yaml").read_text()  # the header states the cluster
     plan = estimate_memory(recipe, nodes * 8)
     assert plan.peak.total < 0.95 * H200_BYTES, f"{name}: {plan.peak.total / 2 ** 30:.1f} GiB"
+    if recipe.model.vision_n_layers:  # the encoder is planned where it lives: the first stage (§3.1.1)
+        first = min(plan.ranks, key=lambda r: r.pp_rank)
+        assert first.state.parameters["vision encoder"] > 0.4e9 * 2  # ~485M parameters, bfloat16
+        assert all("vision encoder" not in r.state.parameters for r in plan.ranks if r.pp_rank > 0)
     [run] = prepare_runs(str(V41 / f"{name}.yaml"), [], {}, None, local=False)  # launch --slurm --dry-run checks
     assert run.plan.world_size == nodes * 8
 

@@ -149,3 +149,22 @@ def test_local_pairs_train_in_order_and_hold_out_the_last_ones(tmp_path):
         build_pair_source(load_recipe(RECIPE, ["data.kind=image_text", "data.source=folder",
                                                f"data.paths=[{tmp_path}]", "contrastive.eval_items=10"]).contrastive,
                           seed=0, global_batch_size=4, dp_rank=0, dp_size=1, data=recipe.data)
+
+
+def test_plan_memory_counts_the_two_towers_not_the_language_model():
+    """`plan memory` on a contrastive recipe plans what its ranks hold: the two towers (their real
+    parameter count), gradients, optimiser state and the towers' activations — no backbone layers."""
+    from megatron_s2.models.family import family_of
+    from megatron_s2.planning.memory import estimate_memory
+
+    recipe = load_recipe(RECIPE)
+    plan = estimate_memory(recipe, 1)
+    [rank] = plan.ranks
+    with torch.device("meta"):
+        model = family_of(recipe.model).build_contrastive_model(recipe.model, recipe.contrastive,
+                                                                recipe.model.vocab_size)
+    assert rank.state.parameter_bytes == 4 * sum(p.numel() for p in model.parameters())  # float32 parameters
+    assert set(rank.state.parameters) == {"vision encoder", "text tower", "projections + t', b"}
+    assert rank.layers == [] and rank.activation_parts["vision tower"] > 0
+    bigger = estimate_memory(load_recipe(RECIPE, ["training.micro_batch_size=64", "training.global_batch_size=64"]), 1)
+    assert bigger.peak.saved_activations > 1.9 * rank.saved_activations  # activations scale with the micro-batch
