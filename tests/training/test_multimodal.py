@@ -185,3 +185,52 @@ def test_eval_image_qa_refuses_unusable_runs_in_one_line(tmp_path, capsys, case,
     code = main([str(run), *(["--items", "0"] if case == "no items" else [])])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and words in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("case, words", [
+    ("no run", "config.yaml' does not exist"),
+    ("text run", "data: the run trained on data.kind 'synthetic'; serve_image_qa asks about the procedural "
+                 "image_text source"),
+    ("no items", "--items: must be >= 1, got 0"),
+])
+def test_serve_image_qa_refuses_unusable_runs_in_one_line(tmp_path, capsys, case, words):
+    from megatron_s2.tools.serve_image_qa import main
+
+    run = tmp_path / "run"
+    if case != "no run":
+        run.mkdir()
+        recipe = ROOT / "recipes" / ("pretrain_tiny.yaml" if case == "text run" else "sft_image_qa_tiny.yaml")
+        (run / "config.yaml").write_text(load_recipe(recipe).to_yaml())
+    code = main([str(run), *(["--items", "0"] if case == "no items" else [])])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and words in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_sft_image_qa_tiny_answers_through_serve_with_image_parts(tmp_path):
+    """Two steps of recipes/sft_image_qa_tiny.yaml, then tools/serve_image_qa.py --smoke: the
+    script starts `megatron-s2 serve` on the run, asks held-out questions with image_url parts
+    through the openai client and scores the greedy replies, with the run's images and blank ones
+    (the full measurement, images vs blank vs chance, is in the recipe's header: too slow here)."""
+    import json
+
+    run = tmp_path / "run"
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "megatron_s2.cli", "train", str(ROOT / "recipes" / "sft_image_qa_tiny.yaml"),
+                          "training.train_steps=2", "training.global_batch_size=4", "training.micro_batch_size=4",
+                          "data.num_documents=40", "schedule.warmup_steps=1", "logging.progress_bar=false",
+                          "logging.tensorboard=false", f"training.run_dir={run}"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for blank in ([], ["--blank-images"]):
+        out = subprocess.run([sys.executable, str(ROOT / "tools" / "serve_image_qa.py"), str(run), "--smoke", "--json",
+                              *blank], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        scored = json.loads(out.stdout)
+        assert scored["items"] == 4 and 0 <= scored["accuracy"] <= 1 and 0.14 < scored["chance"] <= 0.2, scored
+        assert set(scored["per_question"]) <= {"what shape is this?", "what colour is the shape?"}, scored
+        assert all(isinstance(e["reply"], str) for e in scored["examples"]), scored
+        # the server ran the training layout: bos, the 22-token image span, the question, sep
+        first = scored["examples"][0]
+        assert first["prompt_token_ids"] == [1, *[120] * 22, *first["prompt_token_ids"][23:-1], 3], first
+        assert len(first["prompt_token_ids"]) == 24 + len(first["question"]), first
