@@ -49,14 +49,14 @@ def _run(tmp_path, monkeypatch, taskset: str, plugins: str, *extra: str, steps: 
     calls: dict[str, dict] = {}
     add_request = trainer.engine.add_request
 
-    def spy(prompt, params=None, *, request_id=None, on_output=None):
+    def spy(prompt, params=None, *, request_id=None, on_output=None, **kwargs):  # kwargs: e.g. images
         rec = calls[request_id] = {"prompt": list(prompt), "ids": [], "versions": []}
 
         def out(o):
             rec["ids"] += list(o.token_ids)
             rec["versions"] += list(o.versions)
             on_output(o)
-        return add_request(prompt, params, request_id=request_id, on_output=out)
+        return add_request(prompt, params, request_id=request_id, on_output=out, **kwargs)
 
     monkeypatch.setattr(trainer.engine, "add_request", spy)
     traces, trained = {}, []
