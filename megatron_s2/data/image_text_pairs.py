@@ -24,22 +24,33 @@ HELDOUT_SEED_OFFSET = 1_000_003
 """Held-out items are the source seeded ``training.seed + HELDOUT_SEED_OFFSET``."""
 
 
-class ProceduralPairs:
-    """This rank's share of each step's global batch of procedural (image, caption) pairs."""
+class _RankShare:
+    """Step ``s`` of rank ``r``: global items ``s*G + r*G/dp .. + G/dp`` (module docstring)."""
 
-    def __init__(self, *, seed: int, image_size: int, global_batch_size: int, dp_rank: int, dp_size: int):
+    def __init__(self, *, global_batch_size: int, dp_rank: int, dp_size: int):
         if global_batch_size % dp_size:
             raise ConfigError(f"training.global_batch_size: {global_batch_size} pairs do not split over {dp_size} "
                               "data-parallel ranks; use a multiple of dp")
-        self.seed, self.image_size = seed, image_size
         self.global_batch_size, self.per_rank = global_batch_size, global_batch_size // dp_size
         self.first = dp_rank * self.per_rank
         self.step = 0
 
-    def next_step(self) -> list[tuple[object, str]]:
+    def _next_start(self) -> int:
+        """The global index of this rank's first item of the next step (and advance)."""
         start = self.step * self.global_batch_size + self.first
         self.step += 1
-        items = procedural_items(self.per_rank, seed=self.seed, start=start, size=self.image_size)
+        return start
+
+
+class ProceduralPairs(_RankShare):
+    """This rank's share of each step's global batch of procedural (image, caption) pairs."""
+
+    def __init__(self, *, seed: int, image_size: int, global_batch_size: int, dp_rank: int, dp_size: int):
+        super().__init__(global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+        self.seed, self.image_size = seed, image_size
+
+    def next_step(self) -> list[tuple[object, str]]:
+        items = procedural_items(self.per_rank, seed=self.seed, start=self._next_start(), size=self.image_size)
         return [(item.image, item.caption) for item in items]
 
     def state_dict(self) -> dict:
@@ -54,23 +65,17 @@ class ProceduralPairs:
         self.step = int(state["step"])
 
 
-class LocalPairs:
+class LocalPairs(_RankShare):
     """This rank's share of each step's global batch of local (image, caption) pairs, in the
     order :func:`~megatron_s2.data.image_text.load_image_text_pairs` lists them; images are decoded
     when a batch needs them."""
 
     def __init__(self, pairs: list, *, global_batch_size: int, dp_rank: int, dp_size: int):
-        if global_batch_size % dp_size:
-            raise ConfigError(f"training.global_batch_size: {global_batch_size} pairs do not split over {dp_size} "
-                              "data-parallel ranks; use a multiple of dp")
+        super().__init__(global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
         self.pairs = pairs
-        self.global_batch_size, self.per_rank = global_batch_size, global_batch_size // dp_size
-        self.first = dp_rank * self.per_rank
-        self.step = 0
 
     def next_step(self) -> list[tuple[object, str]]:
-        start = self.step * self.global_batch_size + self.first
-        self.step += 1
+        start = self._next_start()
         picked = [self.pairs[(start + i) % len(self.pairs)] for i in range(self.per_rank)]
         return [(pair.load(), caption_of(pair)) for pair in picked]
 

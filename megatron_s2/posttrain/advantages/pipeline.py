@@ -19,6 +19,8 @@ Each response ends with one scalar shared by all its policy tokens (sessions: se
 
 from __future__ import annotations
 
+import abc
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -97,14 +99,15 @@ class _Unit:
     entropy: float | None = None
 
 
-class AdvantageTransform:
+class AdvantageTransform(abc.ABC):
     """A step applied to each unit's advantages after the estimator (registry entries)."""
 
     def prepare(self, units: list[_Unit], config: "AdvantageConfig") -> None:
         """Batch-level preparation (e.g. GEPO thresholds as quantiles of this step)."""
 
+    @abc.abstractmethod
     def apply(self, adv: torch.Tensor, unit: _Unit, config: "AdvantageConfig", diag: dict[str, float]) -> torch.Tensor:
-        raise NotImplementedError
+        """This unit's advantages after the step (``diag``: diagnostics it adds)."""
 
 
 class _Gepo(AdvantageTransform):
