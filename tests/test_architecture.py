@@ -54,6 +54,23 @@ def test_import_contracts_hold(tmp_path):
     assert "5 kept, 0 broken" in report
 
 
+PLUGIN_FOLDERS = {"megatron_s2/posttrain/envs/vf_plugins"}
+"""Folders put on ``sys.path`` by design (verifiers plugins are importable by their own ids)."""
+
+
+def test_every_module_folder_is_a_package():
+    """``lint-imports`` skips namespace packages: a folder of modules without ``__init__.py``
+    would escape every contract (megatron_s2/posttrain/rollout did, hiding an upward import)."""
+    holes = []
+    for top in ("megatron_s2", "launcher", "kernels", "tools"):
+        for folder, dirs, files in os.walk(REPO / top):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            rel = Path(folder).relative_to(REPO).as_posix()
+            if any(f.endswith(".py") for f in files) and "__init__.py" not in files and rel not in PLUGIN_FOLDERS:
+                holes.append(rel)
+    assert not holes, f"add an __init__.py to: {holes}"
+
+
 def test_loading_a_recipe_imports_no_torch():
     code = ("import sys; from megatron_s2.config.recipe import load_recipe; "
             "r = load_recipe('recipes/pretrain_tiny.yaml'); "
