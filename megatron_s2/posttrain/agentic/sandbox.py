@@ -1,0 +1,354 @@
+"""Isolated sandboxes for agentic episodes (V4.1 report §5.1.3, in miniature; walkthrough Ch. 7).
+
+An episode's tools run in a sandbox of their own: a private copy of the task workspace on a
+size-limited tmpfs, no network, the system read-only, and per-command limits on CPU, memory,
+wall time, processes and file size (:class:`~megatron_s2.config.posttrain.agentic.SandboxConfig`).
+When a command ends — finished, timed out, or crashed — every process it left behind is killed;
+when the sandbox closes, its whole pid namespace goes with it. A fork bomb, a full disk, an
+infinite loop or a crashed sandbox therefore cost only that command or that episode (the report
+treats "an agent crashes its environment" as a failed trajectory).
+
+The interface is :class:`SandboxRuntime` (``open() -> Sandbox``), so a cluster can plug in
+containers; here two runtimes implement it, both around the same in-sandbox command server
+(:mod:`._sandbox_server`):
+
+* :class:`BwrapRuntime` — bubblewrap: ``--unshare-all`` (user, pid, net, ipc, uts, cgroup
+  namespaces), ``/usr`` read-only, a private ``/tmp`` and workspace on tmpfs, nothing else of
+  the host visible;
+* :class:`UnshareRuntime` — util-linux ``unshare`` (user, mount, pid, net, ipc, uts namespaces)
+  when bwrap is absent: private tmpfs workspace and ``/tmp``, the task data hidden, capabilities
+  dropped before the server starts; the host file system stays visible but not writable.
+
+:func:`detect_runtime` picks one at run time and says what to install when neither works.
+Run as root, the sandbox drops to an unprivileged uid first (``sandbox.uid``): root is exempt from
+the process limit, and the uid's file permissions are what keep an ``unshare`` sandbox from
+writing outside its workspace.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import resource
+import select
+import shutil
+import signal
+import subprocess
+import tarfile
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Protocol
+
+from megatron_s2.config.posttrain.agentic import SandboxConfig
+
+__all__ = ["CommandResult", "Sandbox", "SandboxRuntime", "SandboxCrashed", "SandboxUnavailable",
+           "BwrapRuntime", "UnshareRuntime", "detect_runtime", "tar_directory"]
+
+_SERVER = Path(__file__).with_name("_sandbox_server.py")
+_REAPER = Path(__file__).with_name("_reaper.py")
+_TASK_DATA = Path(__file__).with_name("tasks")
+"""The embedded tasks' folder (references, canonical tests): hidden from ``unshare`` sandboxes."""
+_HOST_GRACE_S = 5.0
+"""Seconds the host waits beyond a command's own timeout before it declares the sandbox dead."""
+
+
+class SandboxCrashed(RuntimeError):
+    """The sandbox died or stopped answering (the agent killed its server, memory ran out, ...):
+    the episode is lost, a failed trajectory — never a reason to stop training."""
+
+
+class SandboxUnavailable(RuntimeError):
+    """No isolation backend works on this machine."""
+
+
+@dataclass
+class CommandResult:
+    """What one shell command did."""
+
+    exit_code: int
+    """Exit status; negative: killed by that signal (-9 SIGKILL, -24 SIGXCPU, -25 SIGXFSZ)."""
+    stdout: str
+    stderr: str
+    timed_out: bool
+    seconds: float
+
+    @property
+    def status(self) -> str:
+        """'ok', 'error' (non-zero exit), 'timeout', or 'killed:<signal>' (a limit or a crash)."""
+        if self.timed_out:
+            return "timeout"
+        if self.exit_code < 0:
+            return f"killed:{signal.Signals(-self.exit_code).name}"
+        return "ok" if self.exit_code == 0 else "error"
+
+
+def tar_directory(root: Path, arcroot: str = "") -> bytes:
+    """Regular files under ``root`` as a gzip tar (names relative, under ``arcroot``)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for path in sorted(p for p in Path(root).rglob("*") if p.is_file() and not p.is_symlink()):
+            if "__pycache__" not in path.parts:
+                tar.add(path, arcname=str(Path(arcroot) / path.relative_to(root)), recursive=False)
+    return buf.getvalue()
+
+
+class Sandbox(ABC):
+    """One episode's isolated environment; a context manager (closing kills everything in it)."""
+
+    workspace: str
+    """The workspace's path inside the sandbox (commands start there)."""
+    mounts: dict[str, str]
+    """Read-only host files made visible inside: name -> path inside the sandbox."""
+
+    @abstractmethod
+    def run(self, command: str, timeout: float | None = None) -> CommandResult:
+        """Run ``command`` with ``/bin/sh -c`` in the workspace."""
+
+    @abstractmethod
+    def read_file(self, path: str) -> str:
+        """A workspace file's text (cut at ``output_chars``); OSError/ValueError if unreadable."""
+
+    @abstractmethod
+    def write_file(self, path: str, content: str) -> None:
+        """Create or replace a workspace file."""
+
+    @abstractmethod
+    def import_tar(self, data: bytes) -> None:
+        """Extract a tar (files and folders only) into the workspace, replacing what is there."""
+
+    @abstractmethod
+    def export_tar(self) -> bytes:
+        """The workspace's regular files as a gzip tar."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Kill every process of the sandbox and release it (idempotent)."""
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class SandboxRuntime(Protocol):
+    """Something that opens sandboxes (bubblewrap and unshare here; containers on a cluster)."""
+
+    name: str
+
+    def open(self, readonly: Mapping[str, Path] | None = None) -> Sandbox:
+        """A fresh sandbox with an empty workspace; ``readonly`` maps names to host files or
+        folders to show read-only inside (their paths: ``Sandbox.mounts``)."""
+
+
+class _ServerSandbox(Sandbox):
+    """A sandbox driven through :mod:`._sandbox_server` over pipes."""
+
+    def __init__(self, argv: list[str], config: SandboxConfig, workspace: str, mounts: dict[str, str]):
+        self.config, self.workspace, self.mounts = config, workspace, mounts
+        self._next_id = 0
+        argv = [_python_inside(), "-I", "-S", str(_REAPER), *argv]
+        try:
+            self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          preexec_fn=self._drop_privileges, start_new_session=True)
+        except OSError as exc:  # the isolation tool is missing or not executable
+            raise SandboxUnavailable(f"cannot start {argv[4]}: {exc.strerror or exc}") from None
+        try:
+            self._reply(timeout=30.0, request_id=0)
+        except SandboxCrashed as exc:
+            raise SandboxUnavailable(f"sandbox did not start: {exc}") from None
+
+    def _drop_privileges(self) -> None:  # runs in the child before exec
+        resource.setrlimit(resource.RLIMIT_NPROC, (self.config.max_processes,) * 2)
+        if os.geteuid() == 0:  # root ignores RLIMIT_NPROC and file permissions: become nobody-like
+            os.setgroups([])
+            os.setgid(self.config.uid)
+            os.setuid(self.config.uid)
+
+    def _reply(self, timeout: float, request_id: int) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._proc.stdout], [], [], left)[0]:
+                self.close()
+                raise SandboxCrashed(f"no answer within {timeout:.0f} s")
+            line = self._proc.stdout.readline()
+            if not line:
+                err = self._proc.stderr.read().decode("utf-8", "replace")[-500:] if self._proc.poll() is not None else ""
+                self.close()
+                raise SandboxCrashed(f"the sandbox exited{': ' + err.strip() if err.strip() else ''}")
+            try:
+                reply = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # not ours (a forged or torn line): keep waiting for our id
+            if reply.get("id") == request_id:
+                return reply
+
+    def _call(self, op: str, wait_s: float = 30.0, **fields) -> dict:
+        if self._proc.poll() is not None:
+            raise SandboxCrashed("the sandbox is closed")
+        self._next_id += 1
+        try:
+            self._proc.stdin.write((json.dumps({"id": self._next_id, "op": op, **fields}) + "\n").encode())
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            self.close()
+            raise SandboxCrashed("the sandbox exited") from None
+        reply = self._reply(wait_s, self._next_id)
+        if not reply.get("ok"):
+            raise (OSError if reply.get("error", "").startswith(("OSError", "FileNotFound", "IsADirectory",
+                                                                 "PermissionError", "NotADirectory"))
+                   else ValueError)(reply.get("error", "sandbox error"))
+        return reply
+
+    def run(self, command: str, timeout: float | None = None) -> CommandResult:
+        timeout = self.config.command_timeout_s if timeout is None else timeout
+        r = self._call("run", wait_s=timeout + _HOST_GRACE_S, command=command, timeout=timeout)
+        return CommandResult(r["exit_code"], r["stdout"], r["stderr"], r["timed_out"], r["seconds"])
+
+    def read_file(self, path: str) -> str:
+        return self._call("read", path=path)["content"]
+
+    def write_file(self, path: str, content: str) -> None:
+        self._call("write", path=path, content=content)
+
+    def import_tar(self, data: bytes) -> None:
+        self._call("import", tar=base64.b64encode(data).decode())
+
+    def export_tar(self) -> bytes:
+        return base64.b64decode(self._call("export")["tar"])
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:  # orderly first: the server kills everything, the sandbox's init reaps it and exits
+                self._proc.stdin.write(b'{"id": -1, "op": "exit"}\n')
+                self._proc.stdin.flush()
+                self._proc.wait(timeout=2.0)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                pass
+        if self._proc.poll() is None:  # stuck: the reaper kills the launcher (the pid namespace dies with it)
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
+        if self._proc.poll() is None:
+            try:  # last resort: the whole process group
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._proc.wait()
+        for stream in (self._proc.stdin, self._proc.stdout, self._proc.stderr):
+            stream.close()
+
+
+def _server_config(config: SandboxConfig, workspace: str, scratch: str) -> str:
+    return json.dumps({"workspace": workspace, "scratch": scratch, "cpu_seconds": config.cpu_seconds,
+                       "memory_mb": config.memory_mb, "max_file_mb": config.max_file_mb,
+                       "output_chars": config.output_chars})
+
+
+def _python_inside() -> str:
+    """The interpreter the sandbox runs (the system's python3 under /usr, never the host venv)."""
+    for path in ("/usr/local/bin/python3", "/usr/bin/python3"):
+        if os.access(path, os.X_OK):
+            return path
+    raise SandboxUnavailable("no python3 under /usr/local/bin or /usr/bin to run the sandbox's command server")
+
+
+class BwrapRuntime:
+    """bubblewrap sandboxes (module docstring)."""
+
+    name = "bwrap"
+
+    def __init__(self, config: SandboxConfig = SandboxConfig(), bwrap: str | None = None):
+        self.config = config
+        self.bwrap = bwrap or shutil.which("bwrap") or "/usr/bin/bwrap"
+
+    def open(self, readonly: Mapping[str, Path] | None = None) -> Sandbox:
+        mb = 1 << 20
+        argv = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
+                "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
+                "--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev"]
+        for link in ("bin", "lib", "lib64", "sbin"):  # merged-/usr Debian: /bin -> usr/bin, ...
+            if os.path.islink(f"/{link}"):
+                argv += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
+        for etc in ("/etc/alternatives", "/etc/ld.so.cache", "/etc/passwd", "/etc/group"):
+            if os.path.exists(etc):
+                argv += ["--ro-bind", etc, etc]
+        argv += ["--size", str(self.config.workspace_mb * mb), "--tmpfs", "/tmp",
+                 "--size", str(self.config.workspace_mb * mb), "--tmpfs", "/workspace"]
+        mounts = {}
+        for name, host in (readonly or {}).items():
+            mounts[name] = f"/mnt/{name}"
+            argv += ["--ro-bind", str(host), mounts[name]]
+        argv += ["--ro-bind", str(_SERVER), "/opt/sandbox_server.py", "--chdir", "/workspace", "--",
+                 _python_inside(), "-I", "/opt/sandbox_server.py",
+                 _server_config(self.config, "/workspace", "/tmp/.sandbox")]
+        return _ServerSandbox(argv, self.config, "/workspace", mounts)
+
+
+class UnshareRuntime:
+    """util-linux ``unshare`` + rlimits (module docstring). ``hide``: host folders made invisible
+    inside (empty read-only tmpfs over them) — the task data with its solutions by default."""
+
+    name = "unshare"
+
+    def __init__(self, config: SandboxConfig = SandboxConfig(), hide: tuple[Path, ...] | None = None):
+        self.config = config
+        self.hide = tuple(Path(h) for h in ((_TASK_DATA,) if hide is None else hide))
+
+    def open(self, readonly: Mapping[str, Path] | None = None) -> Sandbox:
+        size = f"{self.config.workspace_mb}m"
+        # run as the userns's root (mapped onto the unprivileged uid): mounts first, then drop every
+        # capability for good before the server starts (no remounting, no writing host files)
+        lines = [f"mount -t tmpfs -o size={size},mode=1777 tmpfs /tmp", "mkdir -p /tmp/.ro /tmp/workspace",
+                 f"mount -t tmpfs -o size={size} tmpfs /tmp/workspace",
+                 "mount -t tmpfs -o size=1m tmpfs /dev/shm 2>/dev/null || true"]
+        mounts = {}
+        for name, host in (readonly or {}).items():
+            target = f"/tmp/.ro/{name}"
+            mounts[name] = target
+            lines += [f"{'mkdir -p' if Path(host).is_dir() else 'touch'} {target}",
+                      f"mount --bind {host} {target}", f"mount -o remount,bind,ro {target}"]
+        lines += [f"mount -t tmpfs -o size=4k,ro tmpfs {h}" for h in self.hide if h.exists()]
+        lines.append(f"cd /tmp/workspace && exec setpriv --no-new-privs --bounding-set=-all --inh-caps=-all "
+                     f"{_python_inside()} -I {_SERVER} '{_server_config(self.config, '/tmp/workspace', '/tmp/.sandbox')}'")
+        argv = ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork",
+                "--kill-child", "--mount-proc", "--", "/bin/sh", "-ec", "\n".join(lines)]
+        return _ServerSandbox(argv, self.config, "/tmp/workspace", mounts)
+
+
+def _probe(runtime) -> str | None:
+    """None if ``runtime`` runs a trivial command here, else why not."""
+    try:
+        with runtime.open() as box:
+            result = box.run("echo ok", timeout=10)
+        return None if result.stdout.strip() == "ok" else f"probe printed {result.stdout!r} {result.stderr!r}"
+    except (SandboxUnavailable, SandboxCrashed, OSError) as exc:
+        return str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+
+
+def detect_runtime(config: SandboxConfig = SandboxConfig(), bwrap: str | None = None) -> SandboxRuntime:
+    """The runtime ``config.backend`` asks for, checked to work here; 'auto': bwrap, else unshare.
+    ``bwrap``: its path (default: found on PATH). Raises :class:`SandboxUnavailable` (one line
+    naming the fix) when none works."""
+    candidates = {"bwrap": [BwrapRuntime], "unshare": [UnshareRuntime],
+                  "auto": [BwrapRuntime, UnshareRuntime]}[config.backend]
+    reasons = []
+    for make in candidates:
+        runtime = make(config, bwrap) if make is BwrapRuntime else make(config)
+        if make is BwrapRuntime and not os.access(runtime.bwrap, os.X_OK):
+            reasons.append(f"bwrap: not installed ({runtime.bwrap})")
+            continue
+        why = _probe(runtime)
+        if why is None:
+            return runtime
+        reasons.append(f"{runtime.name}: {why}")
+    raise SandboxUnavailable(f"sandbox.backend={config.backend}: no isolation backend works here ({'; '.join(reasons)}); "
+                             "install bubblewrap (apt-get install bubblewrap) or allow unprivileged user namespaces "
+                             "(sysctl kernel.unprivileged_userns_clone=1)")

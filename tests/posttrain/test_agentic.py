@@ -1,0 +1,130 @@
+"""Agentic episodes: sandbox containment (V4.1 report §5.1.3), the embedded executable tasks,
+verifier integrity against reward hacking and the process annotator (walkthrough Ch. 7, Eq. 30).
+
+Everything runs for real: bubblewrap (and the ``unshare`` fallback) sandboxes, the tasks'
+graders, scripted agents speaking the Hermes tool-call format.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from megatron_s2.config.posttrain.agentic import ProcessAnnotatorConfig, SandboxConfig
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.posttrain.agentic.sandbox import (
+    BwrapRuntime,
+    SandboxCrashed,
+    SandboxUnavailable,
+    UnshareRuntime,
+    detect_runtime,
+)
+
+LIMITS = SandboxConfig(command_timeout_s=1.5, cpu_seconds=5, max_processes=48, max_file_mb=4, workspace_mb=16)
+BACKENDS = {"bwrap": BwrapRuntime, "unshare": UnshareRuntime}
+
+
+def _sandbox_uid_processes(uid: int) -> list[str]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid == uid:
+                out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80])
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
+
+
+@pytest.fixture(params=list(BACKENDS))
+def runtime(request):
+    return BACKENDS[request.param](LIMITS)
+
+
+# ---- sandbox containment: each attack costs only that command, the next one runs normally ----------
+def test_infinite_loop_and_fork_bomb_are_bounded_and_leave_nothing(runtime):
+    with runtime.open() as box:
+        start = time.monotonic()
+        loop = box.run("while :; do :; done")
+        assert loop.status == "timeout" and time.monotonic() - start < LIMITS.command_timeout_s + 2
+        start = time.monotonic()
+        bomb = box.run("bomb() { bomb | bomb & }; bomb; sleep 1; echo survived")
+        assert time.monotonic() - start < LIMITS.command_timeout_s + 3
+        # the sandbox's process limit stopped the bomb ("Cannot fork"); its shell carried on
+        assert "Cannot fork" in bomb.stderr or "fork" in bomb.stderr.lower()
+        box.run("(sleep 30; touch late.txt) & setsid sleep 30 & echo started")
+        after = box.run("echo ok; ls")
+        assert after.status == "ok" and after.stdout.startswith("ok") and "late.txt" not in after.stdout
+        assert len(box.run("ls /proc | grep -c '^[0-9]'").stdout.strip()) > 0
+        # nothing but the sandbox's init, its server and this very command is running
+        alive = box.run("for p in /proc/[0-9]*; do cat $p/comm; echo; done").stdout.split()
+        assert "sleep" not in alive and "sh" in alive and len(alive) <= 5, alive
+    assert _sandbox_uid_processes(LIMITS.uid) == []  # closing left nothing running on the host
+
+
+def test_full_disk_and_huge_file_cost_only_the_command(runtime):
+    with runtime.open() as box, runtime.open() as neighbour:
+        big = box.run("head -c 64M /dev/zero > big.bin")
+        assert big.exit_code == 128 + signal.SIGXFSZ  # the shell reports head's death by the file-size limit
+        assert box.run("stat -c %s big.bin").stdout.strip() == str(4 << 20)
+        fill = box.run("for i in 1 2 3 4 5 6; do head -c 3M /dev/zero > f$i.bin || exit 1; done")
+        assert fill.status == "error" and "No space left" in fill.stderr  # the 16 MiB workspace is full
+        assert box.run("rm -f *.bin && echo freed").stdout.strip() == "freed"
+        assert neighbour.run("head -c 3M /dev/zero > x.bin && echo fine").stdout.strip() == "fine"
+
+
+def test_no_network(runtime):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.2)
+    port = server.getsockname()[1]
+    with runtime.open() as box:
+        r = box.run(f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=1)\"; "
+                    "python3 -c \"import socket; socket.create_connection(('1.1.1.1', 80), timeout=1)\"")
+    assert r.stderr.count("Error") >= 2 and r.exit_code != 0  # refused / unreachable, both
+    with pytest.raises(socket.timeout):
+        server.accept()  # the host's listener never saw a connection
+    server.close()
+
+
+def test_writes_outside_the_workspace_fail(runtime):
+    tag = uuid.uuid4().hex
+    repo = Path(__file__).resolve().parents[2]
+    targets = [f"/tmp/{tag}", f"{repo}/{tag}", f"/usr/{tag}", f"/etc/{tag}", f"/{tag}"]
+    with runtime.open() as box:
+        for target in targets:
+            box.run(f"echo pwned > {target}")
+        assert box.run(f"cat /tmp/{tag} 2>/dev/null; echo inside > ok.txt && cat ok.txt").stdout.endswith("inside\n")
+    assert not any(os.path.exists(t) for t in targets)
+
+
+def test_killing_the_sandbox_costs_only_the_episode():
+    runtime = BwrapRuntime(LIMITS)
+    with runtime.open() as box:
+        with pytest.raises(SandboxCrashed):
+            box.run("kill -9 $PPID; sleep 5")  # the command server is our parent
+    with runtime.open() as box:
+        assert box.run("echo next").stdout == "next\n"
+
+
+def test_runtime_detection_falls_back_and_fails_with_the_fix(monkeypatch):
+    assert detect_runtime(LIMITS).name == "bwrap"
+    assert detect_runtime(LIMITS, bwrap="/nonexistent/bwrap").name == "unshare"
+    monkeypatch.setenv("PATH", "/nonexistent")  # neither bwrap nor unshare can be found
+    with pytest.raises(SandboxUnavailable, match=r"bwrap: not installed.*unshare: .*apt-get install bubblewrap"):
+        detect_runtime(LIMITS, bwrap="/nonexistent/bwrap")
+
+
+def test_sandbox_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="sandbox.backend"):
+        SandboxConfig(backend="docker")
+    with pytest.raises(ConfigError, match="sandbox.max_processes"):
+        SandboxConfig(max_processes=0)
+    with pytest.raises(ConfigError, match=r"process_annotator.clean: .*\[-1, 1\]"):
+        ProcessAnnotatorConfig(clean=1.5)
