@@ -18,6 +18,7 @@ import pytest
 
 from megatron_s2.config.posttrain.agentic import ProcessAnnotatorConfig, SandboxConfig
 from megatron_s2.config.schema import ConfigError
+from megatron_s2.posttrain.agentic.runner import run_episode, scripted_policy
 from megatron_s2.posttrain.agentic.sandbox import (
     BwrapRuntime,
     SandboxCrashed,
@@ -25,6 +26,8 @@ from megatron_s2.posttrain.agentic.sandbox import (
     UnshareRuntime,
     detect_runtime,
 )
+from megatron_s2.posttrain.agentic.tasks import load_task, task_names
+from megatron_s2.posttrain.agentic.tools import ToolCall, execute, parse_tool_calls
 
 LIMITS = SandboxConfig(command_timeout_s=1.5, cpu_seconds=5, max_processes=48, max_file_mb=4, workspace_mb=16)
 BACKENDS = {"bwrap": BwrapRuntime, "unshare": UnshareRuntime}
@@ -128,3 +131,45 @@ def test_sandbox_config_errors_name_the_field():
         SandboxConfig(max_processes=0)
     with pytest.raises(ConfigError, match=r"process_annotator.clean: .*\[-1, 1\]"):
         ProcessAnnotatorConfig(clean=1.5)
+
+
+# ---- the embedded tasks: reference solution scores 1, a do-nothing agent 0 ----------------------------
+@pytest.fixture(scope="module")
+def bwrap():
+    return BwrapRuntime(LIMITS)
+
+
+def test_task_set():
+    names = task_names()
+    assert len(names) >= 6 and {"fix_median", "fix_report", "primes_file", "archive_logs"} <= set(names)
+    assert load_task("fix_median").test_ids() == {f"test_stats.py::{t}" for t in (
+        "test_mean", "test_median_odd", "test_median_even", "test_median_single_and_unsorted")}
+    with pytest.raises(ValueError, match="no such task; known: archive_logs"):
+        load_task("nope")
+
+
+@pytest.mark.parametrize("name", task_names())
+def test_reference_solution_scores_one_and_doing_nothing_zero(name, bwrap):
+    task = load_task(name)
+    solved = run_episode(task, scripted_policy(task.reference), bwrap)
+    assert (solved.reward, solved.status, solved.stop_reason) == (1.0, "passed", "submitted"), solved.grade
+    assert all(w == 1.0 for w in solved.weights)  # a clean session: full credit on every segment
+    idle = run_episode(task, scripted_policy([]), bwrap)  # submits at once
+    assert (idle.reward, idle.status) == (0.0, "failed"), idle.grade
+
+
+def test_tool_calls_parse_strictly_and_observations_are_text(bwrap):
+    turn = parse_tool_calls('think <tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
+                            '<tool_call>{"name": "bash", "arguments": {"command": </tool_call>')
+    assert [c.name for c in turn.calls] == ["bash"] and turn.malformed == ["tool call is not JSON (Expecting value)"]
+    assert parse_tool_calls("I am done.").malformed == ["no <tool_call> block"]
+    assert parse_tool_calls('<tool_call>["bash"]</tool_call>').malformed[0].startswith("tool call must be")
+    with bwrap.open() as box:
+        wrote = execute(ToolCall("write_file", {"path": "a/b.txt", "content": "hi"}), box)
+        assert wrote.ok and execute(ToolCall("read_file", {"path": "a/b.txt"}), box).observation == "hi"
+        ran = execute(ToolCall("bash", {"command": "cat a/b.txt; exit 3"}), box)
+        assert not ran.ok and ran.observation.startswith("exit: 3 (error)\nstdout:\nhi")
+        assert not execute(ToolCall("read_file", {"path": "../../etc/passwd"}), box).ok  # outside the workspace
+        assert execute(ToolCall("browse", {}), box).observation.startswith("error: unknown tool 'browse'")
+        assert not execute(ToolCall("bash", {"cmd": "ls"}), box).ok
+        assert execute(ToolCall("submit", {}), box).done
