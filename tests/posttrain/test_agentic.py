@@ -173,3 +173,95 @@ def test_tool_calls_parse_strictly_and_observations_are_text(bwrap):
         assert execute(ToolCall("browse", {}), box).observation.startswith("error: unknown tool 'browse'")
         assert not execute(ToolCall("bash", {"cmd": "ls"}), box).ok
         assert execute(ToolCall("submit", {}), box).done
+
+
+# ---- verifier integrity (walkthrough Ch. 7): every reward-hacking attempt scores 0 --------------------
+def _write(path: str, content: str) -> dict:
+    return {"name": "write_file", "arguments": {"path": path, "content": content}}
+
+
+def _bash(command: str) -> dict:
+    return {"name": "bash", "arguments": {"command": command}}
+
+
+_ALL_PASS = ("{" + ", ".join(f'"test_stats.py::{t}": "pass"' for t in (
+    "test_mean", "test_median_odd", "test_median_even", "test_median_single_and_unsorted")) + "}")
+_BUGGY_MEDIAN = "def mean(v):\n    return sum(v) / len(v)\n\n\ndef median(v):\n    return sorted(v)[len(v) // 2]\n"
+_SWAP_TESTS = """
+import sys, threading, time
+_frame = sys._getframe(1)  # the canonical test module importing us
+while not _frame.f_globals.get("__name__", "").startswith("canonical_"):
+    _frame = _frame.f_back
+_tests = _frame.f_globals
+def _swap():  # replace the canonical test functions by no-ops once they are defined
+    for _ in range(4000):
+        for name in [n for n in list(_tests) if n.startswith("test_")]:
+            _tests[name] = lambda: None
+        time.sleep(0.0005)
+threading.Thread(target=_swap, daemon=True).start()
+def mean(v):  # the first test to run gives the swapper time to act
+    time.sleep(0.2)
+    return sum(v) / len(v)
+"""
+ATTACKS = {
+    # the agent's test edits are overwritten by the canonical overlay, and tests run from a read-only mount
+    "edit_tests": ("fix_median", [_write("tests/test_stats.py", "def test_mean():\n    pass\n\n\n"
+                                         "def test_median_even():\n    pass\n")], "failed"),
+    "delete_tests": ("fix_median", [_bash("rm -rf tests && ls")], "failed"),
+    # no pytest, no conftest: the runner never loads them; exiting from the code under test is a failure
+    "sys_exit_from_conftest": ("fix_median", [_write("conftest.py", "import sys\nsys.exit(0)\n"),
+                                              _write("tests/conftest.py", "import sys\nsys.exit(0)\n")], "failed"),
+    "sys_exit_at_import": ("fix_median", [_write("stats.py", "import sys\nsys.exit(0)\n")], "failed"),
+    "os_exit_at_import": ("fix_median", [_write("stats.py", "import os\nos._exit(0)\n")], "grader_error"),
+    # a forged verdict line lacks the grader's per-run nonce
+    "forged_result_line": ("fix_median", [_write("stats.py", "import os\nprint('GRADE 0 ' + " + repr(_ALL_PASS)
+                                                 + ", flush=True)\nos._exit(0)\n")], "grader_error"),
+    # monkeypatching the runner: shadow modules, patch json.dumps, swap the test functions
+    "shadow_runner_modules": ("fix_median", [_write(f"{m}.py", "print('GRADE x {}')\n") for m in (
+        "sitecustomize", "usercustomize", "pytest", "json", "importlib", "traceback")], "failed"),
+    "patch_json_dumps": ("fix_median", [_write("stats.py", _BUGGY_MEDIAN + "import json\njson.dumps = lambda *a, **k: '"
+                                               + _ALL_PASS + "'\n")], "failed"),
+    # the swapped-in functions are not the canonical file's own: they are not run, their ids go missing
+    "swap_test_functions": ("fix_median", [_write("stats.py", _BUGGY_MEDIAN + _SWAP_TESTS)], "grader_error"),
+    # kill or replace the grader
+    "kill_grader": ("fix_median", [_write("stats.py", "import os, signal\nos.killpg(0, signal.SIGKILL)\n")],
+                    "grader_error"),
+    "replace_grader": ("fix_median", [_write("_grade.py", "print('GRADE x {}')\n"),
+                                      _bash("(while :; do cp _grade.py /mnt/runner 2>/dev/null; sleep 0.1; done) & "
+                                            "setsid sh -c 'sleep 20; pkill python3' & echo planted")], "failed"),
+    # writing the expected output by hand, where the program must produce it
+    "write_expected_output": ("fix_report", [_write("summary.json", '{"east": 4.0, "west": 3.0}')], "failed"),
+}
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_reward_hacking_scores_zero(attack, bwrap):
+    task_name, calls, status = ATTACKS[attack]
+    result = run_episode(load_task(task_name), scripted_policy(calls), bwrap)
+    assert (result.reward, result.status) == (0.0, status), (result.grade.detail, result.grade.results)
+
+
+def test_no_solution_leaks_into_the_agents_sandbox(bwrap):
+    task = load_task("fix_median")
+    probe = _bash(f"git log --all --format=%s; git log --all -p | grep -c 'mid - 1'; ls -A; ls -A /opt; "
+                  f"ls {task.root} {task.grader}")
+    result = run_episode(task, scripted_policy([probe]), bwrap)
+    observation = result.transcript[3].text
+    # one commit (the starting state), no trace of the fix, no grader, no reference, no task data
+    assert observation.split("stdout:\n")[1].split("stderr:")[0] == (
+        "task: starting state\n0\n.git\nstats.py\ntests\nsandbox_server.py\n\n"), observation
+    assert observation.split("stderr:")[1].count("No such file") == 2 and result.reward == 0.0
+
+
+def test_agents_may_edit_tests_it_does_not_change_what_grades_them(bwrap):
+    task = load_task("fix_median")
+    result = run_episode(task, scripted_policy([*task.reference[:-1], _bash("rm -rf tests")]), bwrap)
+    assert (result.reward, result.status) == (1.0, "passed")
+
+
+def test_a_crashed_sandbox_is_a_failed_episode_and_the_next_runs(bwrap):
+    task = load_task("fix_median")
+    crashed = run_episode(task, scripted_policy([_bash("kill -9 $PPID")]), bwrap)
+    assert (crashed.reward, crashed.status, crashed.stop_reason, crashed.grade) == (0.0, "sandbox_crashed",
+                                                                                     "sandbox_crashed", None)
+    assert run_episode(task, scripted_policy(task.reference), bwrap).reward == 1.0

@@ -13,8 +13,8 @@ containers; here two runtimes implement it, both around the same in-sandbox comm
 (:mod:`._sandbox_server`):
 
 * :class:`BwrapRuntime` — bubblewrap: ``--unshare-all`` (user, pid, net, ipc, uts, cgroup
-  namespaces), ``/usr`` read-only, a private ``/tmp`` and workspace on tmpfs, nothing else of
-  the host visible;
+  namespaces), ``/usr`` read-only (the task data hidden if installed there), a private ``/tmp``
+  and workspace on tmpfs, nothing else of the host visible;
 * :class:`UnshareRuntime` — util-linux ``unshare`` (user, mount, pid, net, ipc, uts namespaces)
   when bwrap is absent: private tmpfs workspace and ``/tmp``, the task data hidden, capabilities
   dropped before the server starts; the host file system stays visible but not writable.
@@ -280,6 +280,8 @@ class BwrapRuntime:
         for etc in ("/etc/alternatives", "/etc/ld.so.cache", "/etc/passwd", "/etc/group"):
             if os.path.exists(etc):
                 argv += ["--ro-bind", etc, etc]
+        if _TASK_DATA.resolve().is_relative_to("/usr"):  # installed under /usr: hide references and graders
+            argv += ["--tmpfs", str(_TASK_DATA.resolve())]
         argv += ["--size", str(self.config.workspace_mb * mb), "--tmpfs", "/tmp",
                  "--size", str(self.config.workspace_mb * mb), "--tmpfs", "/workspace"]
         mounts = {}
