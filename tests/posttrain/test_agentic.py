@@ -18,6 +18,8 @@ import pytest
 
 from megatron_s2.config.posttrain.agentic import ProcessAnnotatorConfig, SandboxConfig
 from megatron_s2.config.schema import ConfigError
+from megatron_s2.posttrain.advantages import leave_one_out_advantages
+from megatron_s2.posttrain.agentic.annotator import annotate, process_weights
 from megatron_s2.posttrain.agentic.runner import run_episode, scripted_policy
 from megatron_s2.posttrain.agentic.sandbox import (
     BwrapRuntime,
@@ -27,7 +29,7 @@ from megatron_s2.posttrain.agentic.sandbox import (
     detect_runtime,
 )
 from megatron_s2.posttrain.agentic.tasks import load_task, task_names
-from megatron_s2.posttrain.agentic.tools import ToolCall, execute, parse_tool_calls
+from megatron_s2.posttrain.agentic.tools import ToolCall, execute, format_call, parse_tool_calls, tools_prompt
 
 LIMITS = SandboxConfig(command_timeout_s=1.5, cpu_seconds=5, max_processes=48, max_file_mb=4, workspace_mb=16)
 BACKENDS = {"bwrap": BwrapRuntime, "unshare": UnshareRuntime}
@@ -265,3 +267,55 @@ def test_a_crashed_sandbox_is_a_failed_episode_and_the_next_runs(bwrap):
     assert (crashed.reward, crashed.status, crashed.stop_reason, crashed.grade) == (0.0, "sandbox_crashed",
                                                                                      "sandbox_crashed", None)
     assert run_episode(task, scripted_policy(task.reference), bwrap).reward == 1.0
+
+
+# ---- the process annotator feeding Eq. 30 (walkthrough Ch. 7, worked examples 21-23) ----------------
+FIXED_MEDIAN = load_task("fix_median").reference[1]  # the reference's write_file of the fix
+WE21_SESSION = [  # four assistant segments: good, malformed, repeated failed call, good (and submit)
+    format_call("read_file", {"path": "helpers.py"}),  # fails (no such file) — a first failure is fine
+    '<tool_call>{"name": "bash", "arguments": {"command": "ls"</tool_call>',
+    "let me look again " + format_call("read_file", {"path": "helpers.py"}),
+    format_call(FIXED_MEDIAN["name"], FIXED_MEDIAN["arguments"]) + format_call("submit", {}),
+]
+
+
+def _replay(answers):
+    def policy(messages):
+        return answers[sum(m["role"] == "assistant" for m in messages)]
+    return policy
+
+
+def test_worked_examples_21_to_23_on_an_annotated_session(bwrap):
+    result = run_episode(load_task("fix_median"), _replay(WE21_SESSION), bwrap)
+    assert (result.reward, result.stop_reason) == (1.0, "submitted")
+    assert result.categories == ["clean", "malformed", "repeated_failed_call", "clean"]
+    assert result.weights == [1.0, 0.0, -0.5, 1.0]
+    # system, user, then per answer: the answer and its observations (2 after the last: write + submit)
+    assert result.labels == ["observation"] * 2 + ["policy", "observation"] * 3 + ["policy"] + ["observation"] * 2
+    policy_values = lambda a: [v for v, s in zip(result.segment_advantages(a), result.transcript) if s.trainable]
+    # WE 21: A = +0.60 -> (0.60, 0, -0.30, 0.60); A = -0.60 -> -0.60 on every segment, weights ignored
+    assert policy_values(0.60) == pytest.approx([0.60, 0.0, -0.30, 0.60])
+    assert policy_values(-0.60) == pytest.approx([-0.60] * 4)
+    # WE 23, middle column: an expected success (A = +0.10) is the same shape scaled down sixfold
+    assert policy_values(0.10) == pytest.approx([0.10, 0.0, -0.05, 0.10])
+    # ... and observations are zero under every verdict
+    for a in (0.60, 0.10, -0.60):
+        assert all(v == 0.0 for v, s in zip(result.segment_advantages(a), result.transcript) if not s.trainable)
+    # WE 22: G = 6, R = (1,0,0,1,0,0): this success is worth +0.800, broadcast through Eq. 30
+    loo = leave_one_out_advantages([1, 0, 0, 1, 0, 0]).tolist()
+    assert loo == pytest.approx([0.8, -0.4, -0.4, 0.8, -0.4, -0.4]) and sum(loo) == pytest.approx(0.0)
+    assert policy_values(loo[0]) == pytest.approx([0.8, 0.0, -0.4, 0.8])
+
+
+def test_annotator_invalid_tool_and_limit_stops(bwrap):
+    task = load_task("fix_median")
+    invalid = run_episode(task, _replay([format_call("browse", {"url": "x"}), format_call("submit", {})]), bwrap)
+    assert invalid.categories == ["invalid_tool", "clean"] and invalid.weights == [0.0, 1.0]
+    looping = _replay([format_call("bash", {"command": "true"})] * 3)
+    turns = run_episode(task, looping, bwrap, max_turns=2)
+    assert turns.stop_reason == "turn_limit" and turns.categories == ["clean", "limit_stop"]
+    context = run_episode(task, looping, bwrap, max_context_chars=len(tools_prompt() + task.prompt) + 1)
+    assert context.stop_reason == "context_limit" and context.weights == [-0.5]
+    custom = ProcessAnnotatorConfig(invalid_tool=-1.0, limit_stop=0.0)
+    assert [annotate(s, set(), custom)[0] for s in invalid.transcript if s.trainable] == [-1.0, 1.0]
+    assert process_weights(turns.transcript, custom) == [(1.0, "clean"), (0.0, "limit_stop")]

@@ -63,10 +63,10 @@ class EpisodeResult:
     def segment_advantages(self, advantage: float) -> list[float]:
         """Eq. 30 per transcript segment for session advantage ``advantage``: w * A on policy
         segments when A > 0, A when A <= 0; 0 on observations."""
-        from megatron_s2.posttrain.advantages.session_credit import segment_advantages  # torch: only when training
+        # imported here: the advantages package imports torch, which an episode never needs
+        from megatron_s2.posttrain.advantages.session_credit import labelled_segment_advantages
 
-        policy_values = iter(segment_advantages(advantage, self.weights))
-        return [next(policy_values) if s.trainable else 0.0 for s in self.transcript]
+        return labelled_segment_advantages(advantage, [s.trainable for s in self.transcript], self.weights)
 
     def to_dict(self) -> dict:
         return {"task": self.task, "reward": self.reward, "status": self.status, "stop_reason": self.stop_reason,
