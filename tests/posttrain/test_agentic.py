@@ -7,6 +7,7 @@ graders, scripted agents speaking the Hermes tool-call format.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ import pytest
 from megatron_s2.config.posttrain.agentic import ProcessAnnotatorConfig, SandboxConfig
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.posttrain.advantages import leave_one_out_advantages
+from megatron_s2.posttrain.agentic.__main__ import main as agentic_cli
 from megatron_s2.posttrain.agentic.annotator import annotate, process_weights
 from megatron_s2.posttrain.agentic.runner import run_episode, scripted_policy
 from megatron_s2.posttrain.agentic.sandbox import (
@@ -319,3 +321,15 @@ def test_annotator_invalid_tool_and_limit_stops(bwrap):
     custom = ProcessAnnotatorConfig(invalid_tool=-1.0, limit_stop=0.0)
     assert [annotate(s, set(), custom)[0] for s in invalid.transcript if s.trainable] == [-1.0, 1.0]
     assert process_weights(turns.transcript, custom) == [(1.0, "clean"), (0.0, "limit_stop")]
+
+
+def test_command_line_runs_a_reference_solution(capsys):
+    assert agentic_cli(["run", "fix_median", "--json"]) == 0
+    episode = json.loads(capsys.readouterr().out)
+    assert (episode["reward"], episode["status"], episode["weights"]) == (1.0, "passed", [1.0] * 4)
+    assert [s["label"] for s in episode["segments"]][:3] == ["observation", "observation", "policy"]
+    assert agentic_cli(["run", "implement_slugify", "--agent", "idle", "--backend", "unshare"]) == 0
+    out = capsys.readouterr().out
+    assert "sandbox: unshare  stop: submitted  status: failed  reward: 0.0" in out and "NotImplementedError" in out
+    assert agentic_cli(["run", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: agentic task 'nope': no such task; known: archive_logs")
