@@ -155,7 +155,8 @@ def main():
         try:
             answer = {"ok": True, **OPS[req["op"]](req, cfg, ws)}
         except (OSError, ValueError, tarfile.TarError) as exc:
-            answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                      "os_error": isinstance(exc, OSError)}
         answer["id"] = req["id"]
         reply.write(json.dumps(answer) + "\n")
         reply.flush()

@@ -27,12 +27,12 @@ import json
 import secrets
 import tarfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from megatron_s2.posttrain.agentic.sandbox import SandboxCrashed, SandboxRuntime, tar_directory
 from megatron_s2.posttrain.agentic.tasks import AgenticTask
-from pathlib import Path
 
-__all__ = ["Grade", "grade_workspace", "grading_tar"]
+__all__ = ["Grade", "grade_workspace", "grading_tar", "workspace_tar"]
 
 _RUNNER = Path(__file__).with_name("_grade.py")
 GRADE_TIMEOUT_S = 30.0
@@ -61,7 +61,7 @@ def grading_tar(task: AgenticTask, agent_tar: bytes) -> bytes:
     out = io.BytesIO()
     with tarfile.open(fileobj=io.BytesIO(agent_tar)) as src, tarfile.open(fileobj=out, mode="w:gz") as dst:
         for member in src.getmembers():
-            name = member.name.lstrip("./")
+            name = member.name.removeprefix("./")
             blocked = name in dropped or any(d.startswith(name + "/") for d in dropped)  # a folder in a file's way
             if member.isfile() and not blocked and not name.startswith(".git/"):
                 dst.addfile(member, src.extractfile(member))

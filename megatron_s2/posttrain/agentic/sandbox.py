@@ -36,10 +36,14 @@ import select
 import shutil
 import signal
 import subprocess
+import atexit
+import shlex
 import tarfile
+import tempfile
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Mapping, Protocol
 
@@ -50,6 +54,8 @@ __all__ = ["CommandResult", "Sandbox", "SandboxRuntime", "SandboxCrashed", "Sand
 
 _SERVER = Path(__file__).with_name("_sandbox_server.py")
 _REAPER = Path(__file__).with_name("_reaper.py")
+# (both are handed to the interpreter as source, ``python3 -c``: the unprivileged sandbox uid may
+# not be able to read the repository at all — a clone under /root)
 _TASK_DATA = Path(__file__).with_name("tasks")
 """The embedded tasks' folder (references, canonical tests): hidden from ``unshare`` sandboxes."""
 _HOST_GRACE_S = 5.0
@@ -151,12 +157,12 @@ class _ServerSandbox(Sandbox):
     def __init__(self, argv: list[str], config: SandboxConfig, workspace: str, mounts: dict[str, str]):
         self.config, self.workspace, self.mounts = config, workspace, mounts
         self._next_id = 0
-        argv = [_python_inside(), "-I", "-S", str(_REAPER), *argv]
+        argv = [_python_inside(), "-I", "-S", "-c", _REAPER.read_text(encoding="utf-8"), *argv]
         try:
             self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           preexec_fn=self._drop_privileges, start_new_session=True)
         except OSError as exc:  # the isolation tool is missing or not executable
-            raise SandboxUnavailable(f"cannot start {argv[4]}: {exc.strerror or exc}") from None
+            raise SandboxUnavailable(f"cannot start {argv[5]}: {exc.strerror or exc}") from None
         try:
             self._reply(timeout=30.0, request_id=0)
         except SandboxCrashed as exc:
@@ -178,7 +184,11 @@ class _ServerSandbox(Sandbox):
                 raise SandboxCrashed(f"no answer within {timeout:.0f} s")
             line = self._proc.stdout.readline()
             if not line:
-                err = self._proc.stderr.read().decode("utf-8", "replace")[-500:] if self._proc.poll() is not None else ""
+                try:
+                    self._proc.wait(timeout=2.0)
+                    err = self._proc.stderr.read().decode("utf-8", "replace")[-500:]
+                except subprocess.TimeoutExpired:
+                    err = ""
                 self.close()
                 raise SandboxCrashed(f"the sandbox exited{': ' + err.strip() if err.strip() else ''}")
             try:
@@ -199,10 +209,8 @@ class _ServerSandbox(Sandbox):
             self.close()
             raise SandboxCrashed("the sandbox exited") from None
         reply = self._reply(wait_s, self._next_id)
-        if not reply.get("ok"):
-            raise (OSError if reply.get("error", "").startswith(("OSError", "FileNotFound", "IsADirectory",
-                                                                 "PermissionError", "NotADirectory"))
-                   else ValueError)(reply.get("error", "sandbox error"))
+        if not reply.get("ok"):  # the agent's mistake (a missing file, a path outside the workspace)
+            raise (OSError if reply.get("os_error") else ValueError)(reply.get("error", "sandbox error"))
         return reply
 
     def run(self, command: str, timeout: float | None = None) -> CommandResult:
@@ -252,6 +260,29 @@ def _server_config(config: SandboxConfig, workspace: str, scratch: str) -> str:
                        "output_chars": config.output_chars})
 
 
+@lru_cache(maxsize=None)
+def _stage_root() -> Path:
+    """A root-owned, world-readable folder of this process for the host files sandboxes are shown
+    read-only (removed at exit): the unprivileged sandbox uid may not reach the repository."""
+    root = Path(tempfile.mkdtemp(prefix="megatron_s2-sandbox-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
+    root.chmod(0o755)
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+@lru_cache(maxsize=None)
+def _staged(host: Path) -> Path:
+    """``host`` (a file or folder) copied once into :func:`_stage_root`, readable by anyone."""
+    target = _stage_root() / f"{len(list(_stage_root().iterdir()))}-{host.name}"
+    if host.is_dir():
+        shutil.copytree(host, target, ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        shutil.copy2(host, target)
+    for path in (target, *(target.rglob("*") if target.is_dir() else ())):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return target
+
+
 def _python_inside() -> str:
     """The interpreter the sandbox runs (the system's python3 under /usr, never the host venv)."""
     for path in ("/usr/local/bin/python3", "/usr/bin/python3"):
@@ -287,9 +318,8 @@ class BwrapRuntime:
         mounts = {}
         for name, host in (readonly or {}).items():
             mounts[name] = f"/mnt/{name}"
-            argv += ["--ro-bind", str(host), mounts[name]]
-        argv += ["--ro-bind", str(_SERVER), "/opt/sandbox_server.py", "--chdir", "/workspace", "--",
-                 _python_inside(), "-I", "/opt/sandbox_server.py",
+            argv += ["--ro-bind", str(_staged(Path(host))), mounts[name]]
+        argv += ["--chdir", "/workspace", "--", _python_inside(), "-I", "-c", _SERVER.read_text(encoding="utf-8"),
                  _server_config(self.config, "/workspace", "/tmp/.sandbox")]
         return _ServerSandbox(argv, self.config, "/workspace", mounts)
 
@@ -313,13 +343,19 @@ class UnshareRuntime:
                  "mount -t tmpfs -o size=1m tmpfs /dev/shm 2>/dev/null || true"]
         mounts = {}
         for name, host in (readonly or {}).items():
-            target = f"/tmp/.ro/{name}"
+            target, staged = f"/tmp/.ro/{name}", shlex.quote(str(_staged(Path(host))))
             mounts[name] = target
             lines += [f"{'mkdir -p' if Path(host).is_dir() else 'touch'} {target}",
-                      f"mount --bind {host} {target}", f"mount -o remount,bind,ro {target}"]
-        lines += [f"mount -t tmpfs -o size=4k,ro tmpfs {h}" for h in self.hide if h.exists()]
+                      f"mount --bind {staged} {target}", f"mount -o remount,bind,ro {target}"]
+        # after the binds: hide the task data and the stage (tmpfs over them; a folder the sandbox
+        # cannot even reach, such as one under /root, is hidden already)
+        for hidden in (*self.hide, _stage_root()):
+            if hidden.exists():
+                path = shlex.quote(str(hidden))
+                lines.append(f"mount -t tmpfs -o size=4k,ro tmpfs {path} 2>/dev/null || ! ls {path} >/dev/null 2>&1")
+        server = _server_config(self.config, "/tmp/workspace", "/tmp/.sandbox")
         lines.append(f"cd /tmp/workspace && exec setpriv --no-new-privs --bounding-set=-all --inh-caps=-all "
-                     f"{_python_inside()} -I {_SERVER} '{_server_config(self.config, '/tmp/workspace', '/tmp/.sandbox')}'")
+                     f"{_python_inside()} -I -c {shlex.quote(_SERVER.read_text(encoding='utf-8'))} {shlex.quote(server)}")
         argv = ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork",
                 "--kill-child", "--mount-proc", "--", "/bin/sh", "-ec", "\n".join(lines)]
         return _ServerSandbox(argv, self.config, "/tmp/workspace", mounts)
