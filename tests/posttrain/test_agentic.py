@@ -333,3 +333,22 @@ def test_command_line_runs_a_reference_solution(capsys):
     assert "sandbox: unshare  stop: submitted  status: failed  reward: 0.0" in out and "NotImplementedError" in out
     assert agentic_cli(["run", "nope"]) == 2
     assert capsys.readouterr().err.startswith("error: agentic task 'nope': no such task; known: archive_logs")
+
+
+def test_memory_of_all_processes_together_is_bounded(runtime):
+    small = type(runtime)(SandboxConfig(memory_mb=200, command_timeout_s=10))
+    hog = "python3 -c 'import time; x = b\"a\" * 90_000_000; time.sleep(20)'"
+    with small.open() as box:
+        alone = box.run("python3 -c 'x = b\"a\" * 400_000_000'")  # one process: its address-space limit
+        assert alone.exit_code == 1 and "MemoryError" in alone.stderr
+        start = time.monotonic()
+        many = box.run(f"for i in 1 2 3 4; do {hog} & done; wait")  # 4 x 90 MB, each under the limit
+        assert many.status == "memory" and time.monotonic() - start < 5
+        assert box.run("echo fine").stdout == "fine\n"
+
+
+def test_cpu_seconds_are_bounded(runtime):
+    with type(runtime)(SandboxConfig(cpu_seconds=1, command_timeout_s=10)).open() as box:
+        start = time.monotonic()
+        spin = box.run("while :; do :; done")
+        assert spin.status == "killed:SIGXCPU" and time.monotonic() - start < 5

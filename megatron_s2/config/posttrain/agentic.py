@@ -34,7 +34,8 @@ class SandboxConfig:
     cpu_seconds: int = 10
     """RLIMIT_CPU of each command (CPU seconds)."""
     memory_mb: int = 1024
-    """RLIMIT_AS of each command (address space, MiB)."""
+    """Memory of a command (MiB): RLIMIT_AS of each of its processes, and the resident memory of
+    all the sandbox's processes together (the server kills the command past it)."""
     max_processes: int = 64
     """RLIMIT_NPROC: processes of the sandbox uid (stops fork bombs)."""
     max_file_mb: int = 16

@@ -7,7 +7,8 @@ workspace as a tar, ``exit``. The server holds no privilege the agent lacks — 
 shell the agent would have — so an agent that kills it merely crashes its own episode.
 
 Each command runs in its own session with the per-command rlimits (CPU, address space, file
-size); at the end of the command, whether it finished, timed out or crashed, every other process
+size), and the server watches the resident memory of the whole sandbox (many processes under one
+address-space limit each could still exhaust the host); at the end of the command, whether it finished, timed out or crashed, every other process
 in the sandbox's private pid namespace is killed, so nothing outlives a tool call.
 """
 
@@ -24,6 +25,9 @@ import tarfile
 import time
 
 PR_SET_DUMPABLE = 4
+PAGE = os.sysconf("SC_PAGE_SIZE")
+WATCH_S = 0.02
+"""Seconds between two looks at a running command's clock and memory."""
 
 
 def _limits(cfg):
@@ -39,9 +43,8 @@ def _limits(cfg):
 def _kill_all_but_me():
     """SIGKILL every process of the pid namespace except pid 1 (the sandbox's init) and this server;
     repeat until none is left (a fork bomb may still be forking)."""
-    me = os.getpid()
     for _ in range(200):
-        others = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
+        others = _others()
         if not others:
             return
         for pid in others:
@@ -57,6 +60,24 @@ def _kill_all_but_me():
         time.sleep(0.01)
 
 
+def _others():
+    me = os.getpid()
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
+
+
+def _resident_bytes():
+    """Resident memory of every process of the sandbox but its init and this server: RLIMIT_AS
+    bounds one process, this bounds them all together (no cgroup is needed)."""
+    total = 0
+    for pid in _others():
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * PAGE
+        except (OSError, IndexError, ValueError):
+            pass  # exited meanwhile
+    return total
+
+
 def _tail(path, limit):
     with open(path, "rb") as f:
         data = f.read(limit + 1)
@@ -69,23 +90,32 @@ def _run(req, cfg, ws):
     out, err = os.path.join(out_dir, "stdout"), os.path.join(out_dir, "stderr")
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": ws, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
     start = time.monotonic()
-    timed_out = False
+    deadline, memory = start + req["timeout"], cfg["memory_mb"] << 20
+    stopped = None  # 'timeout' or 'memory' when the server ended the command
     with open(out, "wb") as fo, open(err, "wb") as fe:
         proc = subprocess.Popen(["/bin/sh", "-c", req["command"]], cwd=ws, env=env, stdin=subprocess.DEVNULL,
                                 stdout=fo, stderr=fe, preexec_fn=_limits(cfg), close_fds=True)
-        try:
-            code = proc.wait(timeout=req["timeout"])
-        except subprocess.TimeoutExpired:
-            timed_out = True
+        while True:  # wait in short slices, watching the clock and the sandbox's total memory
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
+                code = proc.wait(timeout=WATCH_S)
+                break
+            except subprocess.TimeoutExpired:
                 pass
-            code = proc.wait()
+            if time.monotonic() >= deadline:
+                stopped = "timeout"
+            elif _resident_bytes() > memory:
+                stopped = "memory"
+            if stopped:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                code = proc.wait()
+                break
     _kill_all_but_me()  # background jobs, setsid'd daemons, fork-bomb leftovers
     limit = cfg["output_chars"]
-    return {"exit_code": code, "timed_out": timed_out, "seconds": time.monotonic() - start,
-            "stdout": _tail(out, limit), "stderr": _tail(err, limit)}
+    return {"exit_code": code, "timed_out": stopped == "timeout", "memory_exceeded": stopped == "memory",
+            "seconds": time.monotonic() - start, "stdout": _tail(out, limit), "stderr": _tail(err, limit)}
 
 
 def _inside(ws, path):

@@ -81,12 +81,16 @@ class CommandResult:
     stderr: str
     timed_out: bool
     seconds: float
+    memory_exceeded: bool = False
+    """The sandbox's processes together held more than ``sandbox.memory_mb`` resident: killed."""
 
     @property
     def status(self) -> str:
-        """'ok', 'error' (non-zero exit), 'timeout', or 'killed:<signal>' (a limit or a crash)."""
+        """'ok', 'error' (non-zero exit), 'timeout', 'memory', or 'killed:<signal>' (a limit or a crash)."""
         if self.timed_out:
             return "timeout"
+        if self.memory_exceeded:
+            return "memory"
         if self.exit_code < 0:
             return f"killed:{signal.Signals(-self.exit_code).name}"
         return "ok" if self.exit_code == 0 else "error"
@@ -216,7 +220,8 @@ class _ServerSandbox(Sandbox):
     def run(self, command: str, timeout: float | None = None) -> CommandResult:
         timeout = self.config.command_timeout_s if timeout is None else timeout
         r = self._call("run", wait_s=timeout + _HOST_GRACE_S, command=command, timeout=timeout)
-        return CommandResult(r["exit_code"], r["stdout"], r["stderr"], r["timed_out"], r["seconds"])
+        return CommandResult(r["exit_code"], r["stdout"], r["stderr"], r["timed_out"], r["seconds"],
+                             r["memory_exceeded"])
 
     def read_file(self, path: str) -> str:
         return self._call("read", path=path)["content"]
