@@ -50,7 +50,7 @@ from typing import Mapping, Protocol
 from megatron_s2.config.posttrain.agentic import SandboxConfig
 
 __all__ = ["CommandResult", "Sandbox", "SandboxRuntime", "SandboxCrashed", "SandboxUnavailable",
-           "BwrapRuntime", "UnshareRuntime", "detect_runtime", "tar_directory"]
+           "BwrapRuntime", "UnshareRuntime", "detect_runtime", "probe", "tar_directory"]
 
 _SERVER = Path(__file__).with_name("_sandbox_server.py")
 _REAPER = Path(__file__).with_name("_reaper.py")
@@ -366,7 +366,7 @@ class UnshareRuntime:
         return _ServerSandbox(argv, self.config, "/tmp/workspace", mounts)
 
 
-def _probe(runtime) -> str | None:
+def probe(runtime: SandboxRuntime) -> str | None:
     """None if ``runtime`` runs a trivial command here, else why not."""
     try:
         with runtime.open() as box:
@@ -388,7 +388,7 @@ def detect_runtime(config: SandboxConfig = SandboxConfig(), bwrap: str | None = 
         if make is BwrapRuntime and not os.access(runtime.bwrap, os.X_OK):
             reasons.append(f"bwrap: not installed ({runtime.bwrap})")
             continue
-        why = _probe(runtime)
+        why = probe(runtime)
         if why is None:
             return runtime
         reasons.append(f"{runtime.name}: {why}")
