@@ -15,6 +15,7 @@ import os
 import signal
 import shutil
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -42,11 +43,11 @@ LIMITS = SandboxConfig(command_timeout_s=1.5, cpu_seconds=5, max_processes=48, m
 BACKENDS = {"bwrap": BwrapRuntime, "unshare": UnshareRuntime}
 
 
-def _sandbox_uid_processes(uid: int) -> list[str]:
+def _sandbox_uid_processes(config: SandboxConfig) -> list[str]:
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if os.stat(f"/proc/{pid}").st_uid == uid:
+            if config.uid <= os.stat(f"/proc/{pid}").st_uid < config.uid + config.uid_pool:
                 out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80])
         except (FileNotFoundError, ProcessLookupError):
             pass
@@ -92,7 +93,19 @@ def test_infinite_loop_and_fork_bomb_are_bounded_and_leave_nothing(runtime):
         # nothing but the sandbox's init, its server and this very command is running
         alive = box.run("for p in /proc/[0-9]*; do cat $p/comm; echo; done").stdout.split()
         assert "sleep" not in alive and "sh" in alive and len(alive) <= 5, alive
-    assert _sandbox_uid_processes(LIMITS.uid) == []  # closing left nothing running on the host
+    assert _sandbox_uid_processes(LIMITS) == []  # closing left nothing running on the host
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="uids of their own need root to switch to them")
+def test_a_fork_bomb_does_not_starve_a_neighbouring_sandbox(runtime):
+    with runtime.open() as bombed, runtime.open() as neighbour:
+        assert bombed.uid != neighbour.uid  # the process limit is per sandbox
+        thread = threading.Thread(target=bombed.run, args=("bomb() { bomb | bomb & }; bomb; sleep 1",))
+        thread.start()
+        time.sleep(0.3)  # the bomb is at its limit now
+        during = neighbour.run("for i in 1 2 3 4 5 6 7 8; do sleep 0.1 & done; wait; echo forked")
+        thread.join()
+        assert during.stdout == "forked\n" and during.stderr == ""
 
 
 def test_full_disk_and_huge_file_cost_only_the_command(runtime):

@@ -26,9 +26,11 @@ class SandboxConfig:
     'unshare': Linux namespaces via util-linux ``unshare`` + rlimits (no bwrap needed);
     'auto': bwrap when it works here, else unshare (a one-line error when neither does)."""
     uid: int = 61000
-    """Unprivileged host uid the sandboxed processes run as when the runner is root (the process
-    limit counts processes per host uid, and root is exempt from it). Episodes that run in
-    parallel share the limit unless given different uids."""
+    """First unprivileged host uid the sandboxed processes run as when the runner is root (root
+    ignores the process limit and file permissions)."""
+    uid_pool: int = 64
+    """Uids ``uid .. uid + uid_pool - 1``: every open sandbox takes one of its own (the process
+    limit counts processes per host uid), so sandboxes open at once are at most this many."""
     command_timeout_s: float = 10.0
     """Wall-clock limit of one tool command; past it the command's whole process tree is killed."""
     cpu_seconds: int = 10
@@ -52,7 +54,8 @@ class SandboxConfig:
             raise ConfigError(f"sandbox.uid: must be a positive uid other than root, got {self.uid}")
         if self.command_timeout_s <= 0:
             raise ConfigError(f"sandbox.command_timeout_s: must be > 0, got {self.command_timeout_s}")
-        for name in ("cpu_seconds", "memory_mb", "max_processes", "max_file_mb", "workspace_mb", "output_chars"):
+        for name in ("uid_pool", "cpu_seconds", "memory_mb", "max_processes", "max_file_mb", "workspace_mb",
+                     "output_chars"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"sandbox.{name}: must be >= 1, got {getattr(self, name)}")
 

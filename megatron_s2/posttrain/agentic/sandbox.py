@@ -40,6 +40,7 @@ import atexit
 import shlex
 import tarfile
 import tempfile
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -155,17 +156,60 @@ class SandboxRuntime(Protocol):
         folders to show read-only inside (their paths: ``Sandbox.mounts``)."""
 
 
+def _processes_of(uid: int) -> int:
+    """Processes of ``uid`` on this host (what RLIMIT_NPROC counts)."""
+    count = 0
+    for pid in os.listdir("/proc"):
+        try:
+            count += pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid
+        except OSError:
+            pass  # exited meanwhile
+    return count
+
+
+class _UidLeases:
+    """The sandbox uids in use by this process. RLIMIT_NPROC counts processes per host uid, so a
+    fork bomb in one sandbox would starve every other sandbox of the same uid: each open sandbox
+    takes a uid of its own from ``sandbox.uid .. uid + uid_pool - 1`` (skipping any uid that has
+    processes on the host, e.g. another trainer's sandboxes)."""
+
+    _lock = threading.Lock()
+    _taken: set[int] = set()
+
+    @classmethod
+    def take(cls, config: SandboxConfig) -> int:
+        with cls._lock:
+            for uid in range(config.uid, config.uid + config.uid_pool):
+                if uid not in cls._taken and _processes_of(uid) == 0:
+                    cls._taken.add(uid)
+                    return uid
+        raise SandboxUnavailable(f"all {config.uid_pool} sandbox uids ({config.uid}..{config.uid + config.uid_pool - 1}) "
+                                 "are busy; raise sandbox.uid_pool or open fewer sandboxes at once")
+
+    @classmethod
+    def give_back(cls, uid: int) -> None:
+        with cls._lock:
+            cls._taken.discard(uid)
+
+
 class _ServerSandbox(Sandbox):
     """A sandbox driven through :mod:`._sandbox_server` over pipes."""
 
     def __init__(self, argv: list[str], config: SandboxConfig, workspace: str, mounts: dict[str, str]):
         self.config, self.workspace, self.mounts = config, workspace, mounts
         self._next_id = 0
+        if os.geteuid() == 0:  # root ignores RLIMIT_NPROC and file permissions: an unprivileged uid of its own
+            self.uid = _UidLeases.take(config)
+            self._nproc = config.max_processes
+        else:  # the limit counts the user's own processes too: allow max_processes more than it has
+            self.uid = None
+            self._nproc = _processes_of(os.getuid()) + config.max_processes
         argv = [_python_inside(), "-I", "-S", "-c", _REAPER.read_text(encoding="utf-8"), *argv]
         try:
             self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           preexec_fn=self._drop_privileges, start_new_session=True)
         except OSError as exc:  # the isolation tool is missing or not executable
+            self._release_uid()
             raise SandboxUnavailable(f"cannot start {argv[5]}: {exc.strerror or exc}") from None
         try:
             self._reply(timeout=30.0, request_id=0)
@@ -173,11 +217,16 @@ class _ServerSandbox(Sandbox):
             raise SandboxUnavailable(f"sandbox did not start: {exc}") from None
 
     def _drop_privileges(self) -> None:  # runs in the child before exec
-        resource.setrlimit(resource.RLIMIT_NPROC, (self.config.max_processes,) * 2)
-        if os.geteuid() == 0:  # root ignores RLIMIT_NPROC and file permissions: become nobody-like
+        resource.setrlimit(resource.RLIMIT_NPROC, (self._nproc,) * 2)
+        if self.uid is not None:
             os.setgroups([])
-            os.setgid(self.config.uid)
-            os.setuid(self.config.uid)
+            os.setgid(self.uid)
+            os.setuid(self.uid)
+
+    def _release_uid(self) -> None:
+        if self.uid is not None:
+            _UidLeases.give_back(self.uid)
+            self.uid = None
 
     def _reply(self, timeout: float, request_id: int) -> dict:
         deadline = time.monotonic() + timeout
@@ -255,6 +304,7 @@ class _ServerSandbox(Sandbox):
             except ProcessLookupError:
                 pass
         self._proc.wait()
+        self._release_uid()
         for stream in (self._proc.stdin, self._proc.stdout, self._proc.stderr):
             stream.close()
 
