@@ -137,7 +137,8 @@ def test_no_network(runtime):
 def test_writes_outside_the_workspace_fail(runtime):
     tag = uuid.uuid4().hex
     repo = Path(__file__).resolve().parents[2]
-    targets = [f"/tmp/{tag}", f"{repo}/{tag}", f"/usr/{tag}", f"/etc/{tag}", f"/{tag}"]
+    targets = [f"/tmp/{tag}", f"/var/tmp/{tag}", f"/dev/shm/{tag}", f"{repo}/{tag}", f"/usr/{tag}", f"/etc/{tag}",
+               f"/{tag}"]  # /var/tmp and /dev/shm are world-writable on the host
     with runtime.open() as box:
         for target in targets:
             box.run(f"echo pwned > {target}")

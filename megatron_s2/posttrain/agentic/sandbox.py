@@ -16,8 +16,9 @@ containers; here two runtimes implement it, both around the same in-sandbox comm
   namespaces), ``/usr`` read-only (the task data hidden if installed there), a private ``/tmp``
   and workspace on tmpfs, nothing else of the host visible;
 * :class:`UnshareRuntime` — util-linux ``unshare`` (user, mount, pid, net, ipc, uts namespaces)
-  when bwrap is absent: private tmpfs workspace and ``/tmp``, the task data hidden, capabilities
-  dropped before the server starts; the host file system stays visible but not writable.
+  when bwrap is absent: every host mount remounted read-only, private tmpfs workspace and
+  ``/tmp``, the task data hidden, capabilities dropped before the server starts; the host file
+  system stays visible (read-only).
 
 :func:`detect_runtime` picks one at run time and says what to install when neither works.
 Run as root, the sandbox drops to an unprivileged uid first (``sandbox.uid``): root is exempt from
@@ -393,7 +394,11 @@ class UnshareRuntime:
         size = f"{self.config.workspace_mb}m"
         # run as the userns's root (mapped onto the unprivileged uid): mounts first, then drop every
         # capability for good before the server starts (no remounting, no writing host files)
-        lines = [f"mount -t tmpfs -o size={size},mode=1777 tmpfs /tmp", "mkdir -p /tmp/.ro /tmp/workspace",
+        lines = [  # every host mount read-only first (a non-root runner's own files, /var/tmp, ...)
+            'while read -r dev mp rest; do case "$mp" in /proc|/proc/*|/sys|/sys/*|/dev|/dev/*) ;; '
+            '*) mount -o remount,bind,ro "$mp" || { echo "cannot make $mp read-only" >&2; exit 1; } ;; esac; '
+            'done < /proc/self/mounts',
+            f"mount -t tmpfs -o size={size},mode=1777 tmpfs /tmp", "mkdir -p /tmp/.ro /tmp/workspace",
                  f"mount -t tmpfs -o size={size} tmpfs /tmp/workspace",
                  "mount -t tmpfs -o size=1m tmpfs /dev/shm 2>/dev/null || true"]
         mounts = {}
