@@ -21,24 +21,26 @@ containers; here two runtimes implement it, both around the same in-sandbox comm
   system stays visible (read-only).
 
 :func:`detect_runtime` picks one at run time and says what to install when neither works.
-Run as root, the sandbox drops to an unprivileged uid first (``sandbox.uid``): root is exempt from
-the process limit, and the uid's file permissions are what keep an ``unshare`` sandbox from
-writing outside its workspace.
+Run as root, each open sandbox drops to an unprivileged uid of its own (``sandbox.uid + k``):
+root is exempt from the process limit and from file permissions, and the limit counts processes
+per uid, so sandboxes sharing one would starve each other. Memory is bounded per process
+(RLIMIT_AS) and for the sandbox as a whole (the server's watch of resident memory): no cgroup is
+needed, so this runs unprivileged inside an ordinary container.
 """
 
 from __future__ import annotations
 
+import atexit
 import base64
 import io
 import json
 import os
 import resource
 import select
+import shlex
 import shutil
 import signal
 import subprocess
-import atexit
-import shlex
 import tarfile
 import tempfile
 import threading
@@ -94,7 +96,10 @@ class CommandResult:
         if self.memory_exceeded:
             return "memory"
         if self.exit_code < 0:
-            return f"killed:{signal.Signals(-self.exit_code).name}"
+            try:
+                return f"killed:{signal.Signals(-self.exit_code).name}"
+            except ValueError:  # a real-time signal has no name
+                return f"killed:{-self.exit_code}"
         return "ok" if self.exit_code == 0 else "error"
 
 
@@ -130,7 +135,8 @@ class Sandbox(ABC):
 
     @abstractmethod
     def import_tar(self, data: bytes) -> None:
-        """Extract a tar (files and folders only) into the workspace, replacing what is there."""
+        """Extract a tar (files and folders only) into the workspace; files of the same names are
+        replaced, others kept."""
 
     @abstractmethod
     def export_tar(self) -> bytes:
@@ -198,7 +204,7 @@ class _ServerSandbox(Sandbox):
 
     def __init__(self, argv: list[str], config: SandboxConfig, workspace: str, mounts: dict[str, str]):
         self.config, self.workspace, self.mounts = config, workspace, mounts
-        self._next_id = 0
+        self._next_id, self._buffer = 0, b""
         if os.geteuid() == 0:  # root ignores RLIMIT_NPROC and file permissions: an unprivileged uid of its own
             self.uid = _UidLeases.take(config)
             self._nproc = config.max_processes
@@ -229,14 +235,27 @@ class _ServerSandbox(Sandbox):
             _UidLeases.give_back(self.uid)
             self.uid = None
 
+    def _readline(self, deadline: float) -> bytes | None:
+        """The server's next line, b"" at end of output, None past ``deadline``. Our own buffer over
+        os.read: select() cannot see lines already sitting in a file object's buffer."""
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._proc.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(self._proc.stdout.fileno(), 1 << 20)
+            if not chunk:
+                return b""
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
+
     def _reply(self, timeout: float, request_id: int) -> dict:
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self._proc.stdout], [], [], left)[0]:
+            line = self._readline(deadline)
+            if line is None:
                 self.close()
                 raise SandboxCrashed(f"no answer within {timeout:.0f} s")
-            line = self._proc.stdout.readline()
             if not line:
                 try:
                     self._proc.wait(timeout=2.0)
