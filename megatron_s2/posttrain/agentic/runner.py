@@ -16,7 +16,6 @@ as a failed trajectory"): reward 0, status ``sandbox_crashed``, training goes on
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 

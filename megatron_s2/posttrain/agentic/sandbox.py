@@ -293,7 +293,8 @@ class _ServerSandbox(Sandbox):
                              r["memory_exceeded"])
 
     def read_file(self, path: str) -> str:
-        return self._call("read", path=path)["content"]
+        r = self._call("read", path=path)
+        return r["content"] + ("\n[... file truncated]" if r["truncated"] else "")
 
     def write_file(self, path: str, content: str) -> None:
         self._call("write", path=path, content=content)
