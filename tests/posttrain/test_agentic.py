@@ -27,7 +27,7 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.posttrain.advantages import leave_one_out_advantages
 from megatron_s2.posttrain.agentic.__main__ import main as agentic_cli
 from megatron_s2.posttrain.agentic.annotator import annotate, process_weights
-from megatron_s2.posttrain.agentic.runner import run_episode, scripted_policy
+from megatron_s2.posttrain.agentic.runner import group_segment_advantages, run_episode, scripted_policy
 from megatron_s2.posttrain.agentic.sandbox import (
     BwrapRuntime,
     SandboxCrashed,
@@ -354,9 +354,25 @@ def test_annotator_invalid_tool_and_limit_stops(bwrap):
     assert turns.stop_reason == "turn_limit" and turns.categories == ["clean", "limit_stop"]
     context = run_episode(task, looping, bwrap, max_context_chars=len(tools_prompt() + task.prompt) + 1)
     assert context.stop_reason == "context_limit" and context.weights == [-0.5]
+    timed = run_episode(task, looping, bwrap, max_session_s=0.0)  # out of time before a second answer
+    assert timed.stop_reason == "session_limit" and timed.categories == [] and timed.reward == 0.0
+    slow = run_episode(task, lambda m: (time.sleep(0.3), format_call("bash", {"command": "true"}))[1], bwrap,
+                       max_session_s=0.5)
+    assert slow.stop_reason == "session_limit" and slow.categories[-1] == "limit_stop"
     custom = ProcessAnnotatorConfig(invalid_tool=-1.0, limit_stop=0.0)
     assert [annotate(s, set(), custom)[0] for s in invalid.transcript if s.trainable] == [-1.0, 1.0]
     assert process_weights(turns.transcript, custom) == [(1.0, "clean"), (0.0, "limit_stop")]
+
+
+def test_group_credit_of_real_sessions_worked_example_22(bwrap):
+    task = load_task("implement_slugify")
+    solve, idle = scripted_policy(task.reference), scripted_policy([])
+    group = [run_episode(task, policy, bwrap) for policy in (solve, idle, idle, solve, idle, idle)]
+    assert [r.reward for r in group] == [1, 0, 0, 1, 0, 0]
+    credit = group_segment_advantages(group)
+    # a success: +0.800 on each of its answers (write_file, submit), 0 on the system/user/tool text
+    assert credit[0] == pytest.approx([0, 0, 0.8, 0, 0.8, 0]) and credit[0] == credit[3]
+    assert credit[1] == pytest.approx([0, 0, -0.4, 0])  # a failure: -0.400 on its one answer (submit)
 
 
 def test_command_line_runs_a_reference_solution(capsys):

@@ -72,7 +72,7 @@ class ProcessAnnotatorConfig:
     repeated_failed_call: float = -0.5
     """The same call (name and arguments) as an earlier call of the session that failed: pushed down."""
     limit_stop: float = -0.5
-    """The last segment of a session stopped by the turn or context limit: pushed down."""
+    """The last segment of a session cut by the turn, context or session-time limit: pushed down."""
     clean: float = 1.0
     """Everything else: full credit."""
 

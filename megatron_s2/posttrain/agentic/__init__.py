@@ -13,7 +13,8 @@ grading with verifier integrity (Ch. 7)      ``grading.py`` (+ ``_grade.py``, th
 process annotator, w in [-1, 1] (Eq. 30)     ``annotator.py`` (Eq. 30 itself:
                                              ``advantages/session_credit.py``)
 episode runner: policy callable -> labelled  ``runner.py``, ``transcript.py``
-transcript, reward, weights
+transcript, reward, weights; group credit
+(leave-one-out + Eq. 30 per segment)
 command line (a task's reference solution)   ``__main__.py``
 ===========================================  ====================================================
 

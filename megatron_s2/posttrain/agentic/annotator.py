@@ -9,7 +9,7 @@ check                                                  category                 
 a ``<tool_call>`` block does not parse (or none)       malformed output               0.0
 a call names a tool not in the registry                invalid tool name              0.0
 a call identical to an earlier call that failed        repeated failed call           -0.5
-the session stopped after it at the turn/context limit context/turn-limit stop        -0.5
+the session was cut after it (turns, context, time)    context/turn/session-limit     -0.5
 otherwise                                                                             1.0
 =====================================================  =============================  =======
 
@@ -27,7 +27,10 @@ from megatron_s2.config.posttrain.agentic import ProcessAnnotatorConfig
 from megatron_s2.posttrain.agentic.tools import TOOLS
 from megatron_s2.posttrain.agentic.transcript import Segment
 
-__all__ = ["annotate", "process_weights"]
+__all__ = ["annotate", "process_weights", "LIMIT_STOPS"]
+
+LIMIT_STOPS = ("turn_limit", "context_limit", "session_limit")
+"""How a session can be cut short (walkthrough: "context-, turn-, or session-limit termination")."""
 
 
 def annotate(segment: Segment, failed_before: set[str],
@@ -41,7 +44,7 @@ def annotate(segment: Segment, failed_before: set[str],
         return config.invalid_tool, "invalid_tool"
     if any(call.key() in failed_before for call in parsed.calls):
         return config.repeated_failed_call, "repeated_failed_call"
-    if segment.stop in ("turn_limit", "context_limit"):
+    if segment.stop in LIMIT_STOPS:
         return config.limit_stop, "limit_stop"
     return config.clean, "clean"
 

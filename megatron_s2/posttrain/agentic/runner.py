@@ -7,7 +7,8 @@ of HTTP or of the trainer. :func:`run_episode` returns what a trainer consumes: 
 labelled policy / observation per segment, the session's reward (grading, :mod:`.grading`) and
 the annotator's weight per policy segment (:mod:`.annotator`); with the group-relative
 advantage A_i of the session, :meth:`EpisodeResult.segment_advantages` gives Eq. 30's value of
-every segment (0 on observations). On the token side, each policy segment is one
+every segment (0 on observations); :func:`group_segment_advantages` does both steps for a group
+of sessions of one task. On the token side, each policy segment is one
 ``SessionBuilder.add_model_call(..., process_weight=w)`` (:mod:`megatron_s2.posttrain.multiturn`).
 
 An episode that crashes its sandbox is a failed trajectory (report §5.1.3: "we treat the crash
@@ -16,18 +17,19 @@ as a failed trajectory"): reward 0, status ``sandbox_crashed``, training goes on
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from megatron_s2.config.posttrain.agentic import ProcessAnnotatorConfig
-from megatron_s2.posttrain.agentic.annotator import process_weights
+from megatron_s2.posttrain.agentic.annotator import LIMIT_STOPS, process_weights
 from megatron_s2.posttrain.agentic.grading import Grade, grade_workspace, workspace_tar
 from megatron_s2.posttrain.agentic.sandbox import SandboxCrashed, SandboxRuntime
 from megatron_s2.posttrain.agentic.tasks import AgenticTask
 from megatron_s2.posttrain.agentic.tools import execute, format_call, parse_tool_calls, tools_prompt
 from megatron_s2.posttrain.agentic.transcript import Segment
 
-__all__ = ["Policy", "EpisodeResult", "run_episode", "scripted_policy"]
+__all__ = ["Policy", "EpisodeResult", "run_episode", "scripted_policy", "group_segment_advantages"]
 
 Policy = Callable[[list[dict]], str]
 
@@ -47,7 +49,7 @@ class EpisodeResult:
     status: str
     """'passed', 'failed', 'grader_error' (from grading) or 'sandbox_crashed'."""
     stop_reason: str
-    """'submitted', 'turn_limit', 'context_limit' or 'sandbox_crashed'."""
+    """'submitted', 'turn_limit', 'context_limit', 'session_limit' or 'sandbox_crashed'."""
     weights: list[float] = field(default_factory=list)
     """Process weight of each policy segment, in order (Eq. 30's w_{i,k})."""
     categories: list[str] = field(default_factory=list)
@@ -89,11 +91,14 @@ def _observe(segment: Segment, box) -> list[Segment]:
 
 
 def run_episode(task: AgenticTask, policy: Policy, runtime: SandboxRuntime, *, max_turns: int = 16,
-                max_context_chars: int = 64_000,
+                max_context_chars: int = 64_000, max_session_s: float | None = None,
                 annotator: ProcessAnnotatorConfig = ProcessAnnotatorConfig()) -> EpisodeResult:
-    """Roll ``policy`` out on ``task`` in a fresh sandbox of ``runtime`` and grade it."""
+    """Roll ``policy`` out on ``task`` in a fresh sandbox of ``runtime`` and grade it. The session
+    stops at ``max_turns`` answers, at ``max_context_chars`` of transcript, or after
+    ``max_session_s`` seconds (the walkthrough's "context-, turn-, or session-limit termination")."""
     transcript = [Segment("system", tools_prompt()), Segment("user", task.prompt)]
     stop, agent_tar = "turn_limit", None
+    session_end = None if max_session_s is None else time.monotonic() + max_session_s
     try:
         with runtime.open() as box:
             box.import_tar(workspace_tar(task))
@@ -101,6 +106,9 @@ def run_episode(task: AgenticTask, policy: Policy, runtime: SandboxRuntime, *, m
             for _ in range(max_turns):
                 if sum(len(s.text) for s in transcript) > max_context_chars:
                     stop = "context_limit"
+                    break
+                if session_end is not None and time.monotonic() >= session_end:
+                    stop = "session_limit"
                     break
                 text = policy([s.message() for s in transcript])
                 segment = Segment("assistant", text, parse_tool_calls(text))
@@ -112,7 +120,7 @@ def run_episode(task: AgenticTask, policy: Policy, runtime: SandboxRuntime, *, m
             agent_tar = box.export_tar()
     except SandboxCrashed:
         stop = "sandbox_crashed"
-    if stop in ("turn_limit", "context_limit"):
+    if stop in LIMIT_STOPS:
         last_policy = next((s for s in reversed(transcript) if s.trainable), None)
         if last_policy is not None:
             last_policy.stop = stop
@@ -122,6 +130,16 @@ def run_episode(task: AgenticTask, policy: Policy, runtime: SandboxRuntime, *, m
     annotated = process_weights(transcript, annotator)
     return EpisodeResult(task.name, transcript, grade.reward if grade else 0.0, status, stop,
                          [w for w, _ in annotated], [c for _, c in annotated], grade)
+
+
+def group_segment_advantages(group: Sequence[EpisodeResult]) -> list[list[float]]:
+    """Credit for a group of sessions of one task (walkthrough Ch. 7): the leave-one-out advantage
+    of each complete-session reward (Eq. 27, worked example 22), broadcast through Eq. 30 to every
+    segment of that session (0 on observations)."""
+    from megatron_s2.posttrain.advantages.group import leave_one_out_advantages  # torch: only when training
+
+    advantages = leave_one_out_advantages([result.reward for result in group]).tolist()
+    return [result.segment_advantages(a) for result, a in zip(group, advantages)]
 
 
 def scripted_policy(calls: Sequence[dict]) -> Policy:

@@ -26,7 +26,7 @@ class Segment:
     results: list[ToolResult] = field(default_factory=list)
     """assistant: the outcome of each of its calls, in order."""
     stop: str | None = None
-    """assistant: 'turn_limit' or 'context_limit' when the session was stopped after it."""
+    """assistant: 'turn_limit', 'context_limit' or 'session_limit' when the session was cut after it."""
 
     @property
     def trainable(self) -> bool:
