@@ -15,6 +15,8 @@ import os
 import signal
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -405,3 +407,12 @@ def test_cpu_seconds_are_bounded(runtime):
         start = time.monotonic()
         spin = box.run("while :; do :; done")
         assert spin.status == "killed:SIGXCPU" and time.monotonic() - start < 5
+
+
+def test_episodes_import_no_torch():
+    """An episode (sandbox, tasks, grading, annotator, runner, command line) never needs torch: only
+    the advantages do, imported where used."""
+    code = ("import sys; import megatron_s2.posttrain.agentic.__main__, megatron_s2.posttrain.agentic.runner; "
+            "print([m for m in ('torch', 'megatron') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["[]"], out.stderr
