@@ -416,3 +416,11 @@ def test_episodes_import_no_torch():
             "print([m for m in ('torch', 'megatron') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.split() == ["[]"], out.stderr
+
+
+def test_hard_linked_files_are_graded_as_files(bwrap):
+    config = '{"name": "sandbox", "workers": 4, "ports": [8000, 8001, 8002]}'
+    # config.json sorts after a_draft.json: the tar records it as a hard link to the first
+    result = run_episode(load_task("make_config"), scripted_policy([
+        _write("a_draft.json", config), _bash("ln a_draft.json config.json")]), bwrap)
+    assert result.reward == 1.0, result.grade

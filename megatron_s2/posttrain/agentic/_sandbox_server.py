@@ -158,7 +158,10 @@ def _export(req, cfg, ws):
             for name in sorted(files):
                 full = os.path.join(root, name)
                 if os.path.isfile(full) and not os.path.islink(full):
-                    tar.add(full, arcname=os.path.relpath(full, ws), recursive=False)
+                    info = tar.gettarinfo(full, arcname=os.path.relpath(full, ws))
+                    info.type, info.size = tarfile.REGTYPE, os.path.getsize(full)  # a hard link: a file of its own
+                    with open(full, "rb") as f:
+                        tar.addfile(info, f)
     return {"tar": base64.b64encode(buf.getvalue()).decode()}
 
 
