@@ -347,6 +347,7 @@ def test_worked_examples_21_to_23_on_an_annotated_session(bwrap):
     assert policy_values(loo[0]) == pytest.approx([0.8, 0.0, -0.4, 0.8])
 
 
+@pytest.mark.slow  # five or six episodes: ~2 s on a quiet machine, 5 s under load
 def test_annotator_invalid_tool_and_limit_stops(bwrap):
     task = load_task("fix_median")
     invalid = run_episode(task, _replay([format_call("browse", {"url": "x"}), format_call("submit", {})]), bwrap)
@@ -366,6 +367,7 @@ def test_annotator_invalid_tool_and_limit_stops(bwrap):
     assert process_weights(turns.transcript, custom) == [(1.0, "clean"), (0.0, "limit_stop")]
 
 
+@pytest.mark.slow  # five or six episodes: ~2 s on a quiet machine, 5 s under load
 def test_group_credit_of_real_sessions_worked_example_22(bwrap):
     task = load_task("implement_slugify")
     solve, idle = scripted_policy(task.reference), scripted_policy([])
