@@ -57,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{segment.label:<11}] {segment.role:<9} {first_line[:100]}")
     print(f"sandbox: {runtime.name}  stop: {result.stop_reason}  status: {result.status}  reward: {result.reward}")
     for test, verdict in sorted((result.grade.results if result.grade else {}).items()):
-        lines = verdict.strip().splitlines()
-        print(f"  {test}: {lines[0] if len(lines) == 1 else 'fail: ' + ' / '.join(lines[-2:]).strip()}")
+        lines = [line.strip() for line in verdict.strip().splitlines() if line.strip().strip("^~")]
+        failing = [line for line in lines if line.startswith("assert ")][-1:]  # the failing assertion's source
+        print(f"  {test}: {lines[0] if len(lines) == 1 else 'fail: ' + ' / '.join(failing + lines[-1:])}")
     print(f"process weights: {result.weights} ({', '.join(result.categories)})")
     return 0
 
