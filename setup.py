@@ -68,6 +68,7 @@ setup(
     install_requires=install_requires,
     extras_require=extras_require,
     include_package_data=True,
+    package_data={"megatron_s2.posttrain.agentic": ["tasks/**/*"]},  # the embedded tasks' data files
     entry_points={
         "console_scripts": ["megatron-s2=megatron_s2.cli:main"],
         # Model families by name (``model.family`` in a recipe; megatron_s2/config/model_schema.py).

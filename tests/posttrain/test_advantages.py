@@ -17,6 +17,7 @@ from megatron_s2.posttrain.advantages import (
     group_entropy,
     group_mean_advantages,
     is_informative,
+    labelled_segment_advantages,
     leave_one_out_advantages,
     length_weights,
     segment_advantages,
@@ -165,3 +166,7 @@ def test_session_credit_positive_only_eq_30():
     assert adv.tolist() == [0, 0, 0.8, 0.8, 0.8, 0, 0, 0, 0.4, 0.4, 0, 0]  # tool/user tokens stay zero
     with pytest.raises(ValueError, match=r"\[-1, 1\]"):
         segment_advantages(0.5, [1.5])
+    # the walkthrough's assign over a transcript: observations (system, user, tools) stay zero
+    assert labelled_segment_advantages(0.6, [False, True, False, True], [1.0, -0.5]) == pytest.approx([0, 0.6, 0, -0.3])
+    with pytest.raises(ValueError, match="2 trainable segments but 1 process weights"):
+        labelled_segment_advantages(0.6, [True, False, True], [1.0])

@@ -6,6 +6,7 @@ naming the field and the fix, non-finite numbers rejected). Not yet wired into
 ``from_mapping(RLConfig, tree["rl"], "rl")``.
 """
 
+from megatron_s2.config.posttrain.agentic import ProcessAnnotatorConfig, SandboxConfig
 from megatron_s2.config.posttrain.advantage import AdvantageConfig, EffortConfig, GepoConfig, LengthRegularizationConfig
 from megatron_s2.config.posttrain.loss import LossConfig, LossTermConfig
 from megatron_s2.config.posttrain.opd import OPDConfig, SftWarmupConfig, TeacherConfig
@@ -15,5 +16,5 @@ from megatron_s2.config.posttrain.rollout import DatasetSlotConfig, RolloutConfi
 __all__ = [
     "AdvantageConfig", "EffortConfig", "GepoConfig", "LengthRegularizationConfig", "LossConfig", "LossTermConfig",
     "OPDConfig", "SftWarmupConfig", "TeacherConfig", "RLConfig", "DatasetSlotConfig", "RolloutConfig",
-    "ShortSampleDiscardConfig",
+    "ShortSampleDiscardConfig", "SandboxConfig", "ProcessAnnotatorConfig",
 ]

@@ -26,12 +26,17 @@ from megatron_s2.posttrain.advantages.pipeline import (
     GroupAdvantages,
     GroupRollouts,
 )
-from megatron_s2.posttrain.advantages.session_credit import segment_advantages, token_advantages
+from megatron_s2.posttrain.advantages.session_credit import (
+    labelled_segment_advantages,
+    segment_advantages,
+    token_advantages,
+)
 
 __all__ = [
     "EFFORT_PROMPT", "EFFORT_TIERS", "effort_instruction", "length_penalty", "penalty_coefficient", "tier_effort",
     "with_effort", "batch_thresholds", "gepo_rebalance", "group_entropy", "GROUP_ESTIMATORS",
     "group_mean_advantages", "is_informative", "leave_one_out_advantages", "register_group_estimator",
     "std_normalize", "adaptive_length_regularization", "length_weights", "ADVANTAGE_TRANSFORMS",
-    "AdvantagePipeline", "GroupAdvantages", "GroupRollouts", "segment_advantages", "token_advantages",
+    "AdvantagePipeline", "GroupAdvantages", "GroupRollouts", "segment_advantages", "labelled_segment_advantages",
+    "token_advantages",
 ]

@@ -11,7 +11,9 @@ advantages (**Eq. 30**)::
 
 so a failed session keeps its full negative signal on every segment, and a malformed or
 repeated step inside a successful session earns nothing or is pushed down. Non-trainable
-tokens (system, user, tool observations) get advantage zero.
+tokens (system, user, tool observations) get advantage zero. The weights come from the
+deterministic process annotator (:mod:`megatron_s2.posttrain.agentic.annotator`);
+:func:`labelled_segment_advantages` is the walkthrough's ``assign`` over a whole transcript.
 
 Worked example 22: six sessions with R = (1,0,0,1,0,0) have leave-one-out advantages +0.8 and
 -0.4; worked example 21/23: with weights (1, 0, -0.5, 1) a success at +0.60 gives
@@ -24,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["segment_advantages", "token_advantages"]
+__all__ = ["segment_advantages", "labelled_segment_advantages", "token_advantages"]
 
 
 def segment_advantages(advantage: float, process_weights: Sequence[float]) -> list[float]:
@@ -35,6 +37,16 @@ def segment_advantages(advantage: float, process_weights: Sequence[float]) -> li
             raise ValueError(f"process weight of segment {k} must lie in [-1, 1], got {w}")
         out.append(float(w) * advantage if advantage > 0 else float(advantage))
     return out
+
+
+def labelled_segment_advantages(advantage: float, trainable: Sequence[bool],
+                                process_weights: Sequence[float]) -> list[float]:
+    """Every segment of a session in order (walkthrough Ch. 7, ``assign``): Eq. 30 on the trainable
+    (policy) segments, whose weights ``process_weights`` lists in order; 0 on the rest."""
+    if sum(map(bool, trainable)) != len(process_weights):
+        raise ValueError(f"{sum(map(bool, trainable))} trainable segments but {len(process_weights)} process weights")
+    values = iter(segment_advantages(advantage, process_weights))
+    return [next(values) if t else 0.0 for t in trainable]
 
 
 def token_advantages(advantage: float, spans: Sequence[tuple[int, int]], process_weights: Sequence[float],

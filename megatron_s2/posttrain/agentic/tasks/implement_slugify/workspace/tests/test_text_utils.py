@@ -1,0 +1,5 @@
+from text_utils import slugify
+
+
+def test_example():
+    assert slugify("Hello, World!") == "hello-world"

@@ -1,0 +1,3 @@
+def slugify(title):
+    """URL slug of ``title`` (see the task)."""
+    raise NotImplementedError
