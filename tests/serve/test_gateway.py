@@ -11,6 +11,7 @@ tokenizer; only the next-token choice is dictated) — everything else is the mo
 from __future__ import annotations
 
 import json
+import time
 
 import anthropic
 import httpx
@@ -365,3 +366,40 @@ def test_store_survives_a_torn_write(server, traces, tmp_path):
     assert np.array_equal(sample.token_ids, again.token_ids) and np.array_equal(sample.loss_mask, again.loss_mask)
     with np.load(next((copy / "curate-1" / "nodes").glob("0.npz")), allow_pickle=False) as data:
         assert set(data.files) >= {"token_ids", "logprobs"}
+
+
+@pytest.mark.slow
+def test_serve_command_with_gateway_traces_captures_a_session(run_dir, tmp_path):
+    """``megatron-s2 serve --gateway-traces DIR`` as a user starts it: an Anthropic client on a
+    session base URL leaves a readable trace."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_s2.cli", "serve", str(run_dir), "--port", "0",
+                             "--device", "cpu", "--max-model-len", "256", "--gateway-traces", str(tmp_path / "t"),
+                             "--served-model-name", "tiny", "--log-level", "warning"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stderr:
+            found = re.search(r"listening on http://[^:]+:(\d+)", line)
+            if found:
+                break
+        url = f"http://127.0.0.1:{found.group(1)}"
+        for _ in range(600):  # the port is printed once bound; uvicorn listens a moment later
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        client = anthropic.Anthropic(base_url=f"{url}/sessions/cli-1", api_key="x",
+                                     max_retries=0, timeout=60)
+        reply = client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+        assert reply.usage.output_tokens >= 1
+        (sample,) = read_samples(tmp_path / "t")
+        assert sample.session == "cli-1" and sample.loss_mask.sum() == reply.usage.output_tokens
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
