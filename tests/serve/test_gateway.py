@@ -403,3 +403,35 @@ def test_serve_command_with_gateway_traces_captures_a_session(run_dir, tmp_path)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_openai_agents_sdk_runs_a_tool_loop_through_a_session(server, tok, traces, api):
+    """An unmodified harness, the OpenAI Agents SDK, on a session base URL: it calls the tool the
+    policy asked for, sends the result back, and gets the final answer; the trace holds the
+    policy's exact ids and the second call reuses them."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    seen = []
+
+    @agents.function_tool
+    def read_file(path: str) -> str:
+        """Read a file."""
+        seen.append(path)
+        return "hello"
+
+    session = f"agents-{api}"
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/sessions/{session}/v1", api_key="unused", max_retries=0)
+    model = (agents.OpenAIResponsesModel if api == "responses" else agents.OpenAIChatCompletionsModel)(
+        model="tiny", openai_client=client)
+    agent = agents.Agent(name="reader", instructions="Use the tools.", tools=[read_file], model=model,
+                         model_settings=agents.ModelSettings(max_tokens=40))
+    first, final = tok.encode(TOOL_ANSWER), tok.encode("Done.<｜end▁of▁sentence｜>")
+    server.policy.queue += [first, final]
+    result = agents.Runner.run_sync(agent, "Read a")
+    assert seen == ["a"] and result.final_output == "Done."
+    store = TraceStore(traces)
+    one, two = store.session_calls(session)
+    tree = store.tree(session)
+    assert tree.nodes[one.response].token_ids == first and tree.nodes[two.response].token_ids == final
+    assert tree.path(two.context)[:2] == [one.context, one.response]

@@ -93,28 +93,22 @@ class OutputParser:
         for token in token_ids:
             marker = self.marker.get(int(token))
             if marker is None:
-                self.stream.detokenizer.push([int(token)])
+                self._take(self.stream.push([int(token)]), events)
                 continue
-            events += self._flush()
+            self._take(self.stream.finish(), events)  # a marker ends the run: its text is whole
             self._on_marker(marker, events)
-        events += self._flush(final=last)
         if last:
+            self._take(self.stream.finish(), events)
             events += self._close()
         return events
 
     # ---- internals ---------------------------------------------------------------------------
-    def _flush(self, final: bool = True) -> list:
-        """The text of the current run that can be sent (all of it at a marker or the end)."""
-        delta = self.stream.finish() if final else self.stream._send(hold=0)
-        if self.state == "text" and delta:
-            return [self._emit("text", delta)]
-        if self.state == "reasoning" and delta:
-            return [self._emit("reasoning", delta)]
-        if self.state in ("name", "arguments"):
-            return []  # a call is sent whole, once complete
-        if delta:  # text between calls, outside any marker pair: relayed as text
-            return [self._emit("text", delta)]
-        return []
+    def _take(self, delta: str, events: list) -> None:
+        """Relay a run's new text: answer text (also stray text between calls) or reasoning; a
+        call's name and arguments stay in the run until the call is complete."""
+        if not delta or self.state in ("name", "arguments"):
+            return
+        events.append(self._emit("reasoning" if self.state == "reasoning" else "text", delta))
 
     def _emit(self, kind: str, text: str) -> TextDelta:
         self.text[kind] += text

@@ -358,6 +358,8 @@ def read_samples(directory: str | os.PathLike, groups: list[str] | None = None) 
     A session yields one sample per branch it took: the path from the root to each of its
     responses that no later response of the same session extends (a harness that rewrote its
     history made a new branch). Loss masks follow the node labels and ``skip`` marks."""
+    if not Path(directory).is_dir():
+        raise FileNotFoundError(f"{directory}: no trace store here (megatron-s2 serve --gateway-traces DIR writes one)")
     store = TraceStore(directory)
     for group in groups if groups is not None else store.groups():
         tree = store.tree(group)

@@ -19,7 +19,7 @@ from megatron_s2.serve.errors import BadRequest
 from megatron_s2.serve.gateway.conversation import Turn, assistant_message
 from megatron_s2.serve.gateway.tito import Capture, PromptPlan
 from megatron_s2.serve.gateway.tool_format import OutputParser, ToolCall
-from megatron_s2.serve.sampling import build_sampling
+from megatron_s2.serve.sampling import build_sampling, refuse_unsupported_sampling
 from megatron_s2.serve.state import ServerState, new_id
 
 __all__ = ["TurnOutput", "RunningTurn", "start_turn", "check_gateway_tokenizer"]
@@ -65,6 +65,14 @@ class RunningTurn:
         return self.output
 
 
+_NOT_HERE = {"logprobs": False, "top_logprobs": None, "echo": False, "prompt_logprobs": None,
+             "response_format": None, "continue_final_message": False, "add_generation_prompt": True,
+             "chat_template": None, "documents": None, "truncate_prompt_tokens": None, "guided_json": None,
+             "guided_regex": None, "guided_choice": None, "guided_grammar": None, "best_of": None,
+             "use_beam_search": False}
+"""Chat Completions / vLLM fields the gateway's turns do not implement (refused unless neutral)."""
+
+
 def check_gateway_tokenizer(tokenizer, field: str) -> None:
     if not _renders_text(tokenizer) or not OutputParser.supported(tokenizer):
         raise BadRequest(f"{field}: this model's tokenizer ({type(tokenizer).__name__}) has no text chat template with "
@@ -78,6 +86,10 @@ async def start_turn(state: ServerState, request, turn: Turn, session: str | Non
     f = turn.fields
     if f.has("n") and f.raw("n") != 1:
         f.fail("n", "one choice per call on this endpoint; send n: 1 or leave it out")
+    refuse_unsupported_sampling(f)
+    for key in _NOT_HERE:
+        f.refuse_unless_default(key, _NOT_HERE[key], "not supported on the gateway protocols (tools or a session "
+                                                     "endpoint); leave it out")
     for key in ("stop", "stop_sequences"):
         if f.raw(key) not in (None, [], ""):
             f.fail(key, "stop sequences are not supported on this endpoint (the parsed text and the captured tokens "
