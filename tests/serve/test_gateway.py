@@ -405,6 +405,7 @@ def test_serve_command_with_gateway_traces_captures_a_session(run_dir, tmp_path)
         proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", ["responses", "chat"])
 def test_openai_agents_sdk_runs_a_tool_loop_through_a_session(server, tok, traces, api):
     """An unmodified harness, the OpenAI Agents SDK, on a session base URL: it calls the tool the
@@ -435,3 +436,32 @@ def test_openai_agents_sdk_runs_a_tool_loop_through_a_session(server, tok, trace
     tree = store.tree(session)
     assert tree.nodes[one.response].token_ids == first and tree.nodes[two.response].token_ids == final
     assert tree.path(two.context)[:2] == [one.context, one.response]
+
+
+def test_concurrent_sessions_of_one_group_share_their_trunk(server, traces):
+    """Four rollouts of one task at once (the engine batches them): one tree, the shared first
+    answer stored once, each session's sample its own calls' exact ids."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def rollout(member: int) -> list[list[int]]:
+        client, messages, prompts = oa(server, f"together@{member}"), [{"role": "user", "content": "Task."}], []
+        for turn in range(2):
+            r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                               seed=turn if turn == 0 else 100 + member,
+                                               extra_body={"ignore_eos": True})
+            messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Next."}]
+        return messages
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(rollout, range(4)))
+    store = TraceStore(traces)
+    tree = store.tree("together")
+    assert len(tree.roots) == 1 and len(tree.calls) == 8
+    firsts = {c.response for c in tree.calls if c.call == 0}
+    assert len(firsts) == 1  # the same first answer (same seed, same prompt): one node for all four
+    samples = list(read_samples(traces, ["together"]))
+    assert sorted(s.session for s in samples) == [f"together@{m}" for m in range(4)]
+    for sample in samples:
+        (last,) = [c for c in store.session_calls(sample.session) if c.call == 1]
+        assert len(sample.token_ids) == last.prompt_tokens + last.output_tokens  # its last call, whole
+        assert sample.loss_mask.sum() == 8
