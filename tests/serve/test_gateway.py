@@ -465,3 +465,40 @@ def test_concurrent_sessions_of_one_group_share_their_trunk(server, traces):
         (last,) = [c for c in store.session_calls(sample.session) if c.call == 1]
         assert len(sample.token_ids) == last.prompt_tokens + last.output_tokens  # its last call, whole
         assert sample.loss_mask.sum() == 8
+
+
+def test_sessions_sharing_part_of_a_context_share_its_tokens(server, traces):
+    """Two sessions of one group whose first messages differ only at the end: the stored context
+    node is split between two tokens, both sessions' prompts hold the same stored front ids, and
+    the first session's sample reads back unchanged from disk."""
+    task = "You are an agent. Sort the list [3, 1, 2] and then"
+    r = oa(server, "split@0").chat.completions.create(model="tiny", max_tokens=3, messages=[
+        {"role": "user", "content": task + " report the result."}])
+    (before,) = read_samples(traces, ["split"])
+    oa(server, "split@1").chat.completions.create(model="tiny", max_tokens=3, messages=[
+        {"role": "user", "content": task + " explain each step."}])
+    tree = TraceStore(traces).tree("split")
+    (root,) = tree.roots
+    front = tree.nodes[root]
+    assert front.kind == "context" and len(front.children) == 2 and "Sort the list" in front.text
+    samples = {s.session: s for s in read_samples(traces, ["split"])}
+    assert np.array_equal(samples["split@0"].token_ids, before.token_ids)
+    assert np.array_equal(samples["split@0"].loss_mask, before.loss_mask)
+    n = len(front.token_ids)
+    assert list(samples["split@1"].token_ids[:n]) == front.token_ids == list(before.token_ids[:n])
+    flat, stored = TraceStore(traces).token_counts("split")
+    closing = sum(len(node.token_ids) for node in tree.nodes.values() if node.parent in tree.nodes
+                  and tree.nodes[node.parent].kind == "response")  # end-of-message after a length stop
+    assert stored == flat - n + closing and r.usage.completion_tokens == 3  # the shared front once
+
+
+def test_a_split_interrupted_before_its_arrays_were_rewritten_reads_back_whole(tmp_path):
+    store = TraceStore(tmp_path)
+    node = store.add_node("g", -1, "context", "abcdef", [1, 2, 3])
+    saved = (tmp_path / "g" / "nodes" / f"{node}.npz").read_bytes()  # the arrays before the split
+    front = store.split("g", node, 1, 2, -1)
+    (tmp_path / "g" / "nodes" / f"{node}.npz").write_bytes(saved)  # a crash before the rewrite
+    for reread in (TraceStore(tmp_path).tree("g"), store.tree("g")):
+        assert reread.roots == [front] and reread.nodes[front].children == [node]
+        assert (reread.nodes[front].text, reread.nodes[front].token_ids) == ("ab", [1])
+        assert (reread.nodes[node].text, reread.nodes[node].token_ids) == ("cdef", [2, 3])

@@ -5,8 +5,9 @@ does not reproduce the sampled ids (tokenisers are not injective over rendering 
 so the gateway never re-tokenises a session's stable history. The new request is rendered with
 the chat template; the longest chain of stored PrefixTree nodes whose texts spell its beginning
 (:meth:`~.traces.TraceStore.longest_prefix`) contributes its stored ids verbatim — the exact
-sampled ids of earlier responses included — and only the rest, the new context delta, is
-tokenised. The walkthrough's ``on_model_call``::
+sampled ids of earlier responses included —, so do the first tokens of a context node the request
+shares only in part (cut between two tokens; the node is split when the call is recorded), and
+only the rest, the new context delta, is tokenised. The walkthrough's ``on_model_call``::
 
     prefix_ids = session.tokenised_prefix      # reused, never re-tokenised
     new_ids    = tokenize(new_context)         # only the delta
@@ -26,6 +27,7 @@ sampled token is first fed by the session's next call: that call completes its r
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,6 +46,9 @@ class PromptPlan:
     session: str | None
     text: str
     path: list[int]
+    cut: tuple[int, int, int] | None
+    """(context node, tokens, characters): the request shares that node's first tokens only; they are
+    reused and the node is split there when the call is recorded."""
     delta_text: str
     delta_ids: list[int]
     ids: list[int]
@@ -65,7 +70,7 @@ class Capture:
         text = render_prompt(tokenizer, turn)
         refuse_overlong(text)
         ids = tokenizer.encode(text)
-        return PromptPlan(None, text, [], text, ids, ids)
+        return PromptPlan(None, text, [], None, text, ids, ids)
 
     def plan(self, tokenizer, turn: Turn, session: str, refuse_overlong: Callable[[str], None]) -> PromptPlan:
         """The prompt of ``session``'s next call; ``refuse_overlong`` sees the delta before it is
@@ -75,10 +80,36 @@ class Capture:
         path, matched = self.store.longest_prefix(group, text)
         tree = self.store.tree(group)
         reused = [t for node in path for t in tree.nodes[node].token_ids]
+        cut = self._cut(tokenizer, group, path[-1] if path else ROOT, text, matched)
+        if cut is not None:
+            node, tokens, chars = cut
+            reused += tree.nodes[node].token_ids[:tokens]
+            matched += chars
         delta = text[matched:]
         refuse_overlong(delta)
         delta_ids = tokenizer.encode(delta) if delta else []
-        return PromptPlan(session, text, path, delta, delta_ids, reused + delta_ids)
+        return PromptPlan(session, text, path, cut, delta, delta_ids, reused + delta_ids)
+
+    def _cut(self, tokenizer, group: str, parent: int, text: str, at: int) -> tuple[int, int, int] | None:
+        """The context child of ``parent`` sharing the longest token-aligned prefix with
+        ``text[at:]``: (node, tokens, characters), or None. A cut lies between two tokens whose
+        character spans do not overlap, so the node's stored ids spell exactly the shared text."""
+        tree, best = self.store.tree(group), None
+        for child in tree.children(parent):
+            node = tree.nodes[child]
+            if node.kind != CONTEXT:
+                continue
+            common = len(os.path.commonprefix([node.text, text[at:at + len(node.text)]]))
+            if common == 0:
+                continue
+            ids, offsets = tokenizer.encode_with_offsets(node.text)
+            if list(ids) != node.token_ids:
+                continue
+            tokens = max((k for k in range(1, len(ids)) if offsets[k - 1][1] <= common
+                          and offsets[k - 1][1] <= offsets[k][0]), default=0)
+            if tokens and (best is None or offsets[tokens - 1][1] > best[2]):
+                best = (child, tokens, offsets[tokens - 1][1])
+        return best
 
     def record(self, tokenizer, turn: Turn, plan: PromptPlan, message: dict, result, finish_reason: str | None) -> int:
         """Store one finished call (module docstring); returns the response node's id."""
@@ -103,14 +134,22 @@ class Capture:
                 if rows is not None:
                     store.fill_experts(group, node_id, experts(at, size))
                 at += size
-            parent = plan.parent
-            if plan.delta_text:
-                start = len(ids) - len(plan.delta_ids)
-                parent = store.add_node(group, parent, CONTEXT, plan.delta_text, plan.delta_ids,
-                                        experts=experts(start, len(plan.delta_ids)))
+            parent, delta_text, delta_ids = plan.parent, plan.delta_text, plan.delta_ids
+            if plan.cut is not None:
+                node, tokens, chars = plan.cut
+                front = store.split(group, node, tokens, chars, parent)
+                if front is None:  # the node was split elsewhere meanwhile: the shared part is new here
+                    delta_text = plan.text[len(plan.text) - len(plan.delta_text) - chars:]
+                    delta_ids = ids[len(ids) - len(plan.delta_ids) - tokens:]
+                else:
+                    parent = front
+            if delta_text:
+                start = len(ids) - len(delta_ids)
+                parent = store.add_node(group, parent, CONTEXT, delta_text, delta_ids,
+                                        experts=experts(start, len(delta_ids)))
             context = parent
             text, alt_text = render_response(tokenizer, turn, message)
-            eos_text = getattr(tokenizer, "decode")([tokenizer.eos_id], keep_special=True)
+            eos_text = tokenizer.decode([tokenizer.eos_id], keep_special=True)
             closed = bool(sampled) and sampled[-1] == tokenizer.eos_id
             closing = not closed and text.endswith(eos_text)
             if closing:  # the template closes the message; the sample did not: a masked closing node

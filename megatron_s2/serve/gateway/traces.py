@@ -13,7 +13,10 @@ A node is a **context delta** (system / user / tool text and the template's fram
 ``trainable``). A response can be marked ``skip`` (step-level curation, Ch. 6: it stays in the
 context of later steps but is excluded from the loss). Every node keeps the rendered text it
 covers (a response: the chat template's rendering of the message the gateway returned), which
-is what the gateway matches a later request against (:mod:`megatron_s2.serve.gateway.tito`).
+is what the gateway matches a later request against (:mod:`megatron_s2.serve.gateway.tito`). A
+context node that a later request shares only in part is split at a token boundary
+(:meth:`TraceStore.split`), so the tree shares every common token prefix of context; responses
+are never split (two different samples are two nodes).
 
 On disk, no pickle anywhere::
 
@@ -22,6 +25,7 @@ On disk, no pickle anywhere::
                                      {"event": "call", "session", "call", "context", "response",
                                       "prompt_tokens", "output_tokens", "finish_reason", "protocol"}
                                      {"event": "skip", "node", "skip"}
+                                     {"event": "split", "node", "parent", "drop", "chars", "before"}
     DIR/<group>/nodes/<id>.npz       token_ids int64, logprobs float32 (NaN: not sampled),
                                      experts int16 [n, MoE layers, top-k] (-1: no record; absent
                                      for a dense model); read with allow_pickle=False
@@ -214,11 +218,31 @@ def _load_tree(directory: Path) -> _Tree:
                 continue
             tree.attach(TraceNode(event["id"], event["parent"], event["kind"], event["text"], ids, logprobs,
                                   experts, event.get("alt_text")))
+        elif kind == "split" and event["node"] in tree.nodes and event["parent"] in tree.nodes:
+            node = tree.nodes[event["node"]]
+            tree.children(node.parent).remove(node.id)
+            tree.nodes[event["parent"]].children.append(node.id)
+            node.parent, node.text = event["parent"], node.text[event["chars"]:]
+            if len(node.token_ids) == event["before"]:  # the arrays were not rewritten yet (a crash)
+                _drop_front(node, event["drop"])
         elif kind == "call" and event["response"] in tree.nodes:
             tree.calls.append(Call(**{k: event[k] for k in Call.__dataclass_fields__}))
         elif kind == "skip" and event["node"] in tree.nodes:
             tree.nodes[event["node"]].skip = bool(event["skip"])
     return tree
+
+
+def _drop_front(node: TraceNode, count: int) -> None:
+    node.token_ids = node.token_ids[count:]
+    node.logprobs = node.logprobs[count:]
+    node.experts = None if node.experts is None else node.experts[count:]
+
+
+def _node_arrays(node: TraceNode) -> dict[str, np.ndarray]:
+    arrays = {"token_ids": np.asarray(node.token_ids, np.int64), "logprobs": node.logprobs}
+    if node.experts is not None:
+        arrays["experts"] = node.experts
+    return arrays
 
 
 class TraceStore:
@@ -278,10 +302,7 @@ class TraceStore:
             node = TraceNode(tree.next_id, parent, kind, text, list(map(int, token_ids)), logprobs,
                              None if experts is None else np.asarray(experts, np.int16), alt_text)
             (tree.directory / "nodes").mkdir(parents=True, exist_ok=True)
-            arrays = {"token_ids": np.asarray(node.token_ids, np.int64), "logprobs": node.logprobs}
-            if node.experts is not None:
-                arrays["experts"] = node.experts
-            _atomic_npz(tree.directory / "nodes" / f"{node.id}.npz", arrays)
+            _atomic_npz(tree.directory / "nodes" / f"{node.id}.npz", _node_arrays(node))
             _append_line(tree.directory / "trace.jsonl",
                          {"event": "node", "id": node.id, "parent": parent, "kind": kind, "n_tokens": n,
                           "text": text, "alt_text": alt_text})
@@ -301,9 +322,30 @@ class TraceStore:
             if not missing.any():
                 return
             node.experts = np.where(missing, rows, node.experts).astype(np.int16)
-            _atomic_npz(tree.directory / "nodes" / f"{node_id}.npz",
-                        {"token_ids": np.asarray(node.token_ids, np.int64), "logprobs": node.logprobs,
-                         "experts": node.experts})
+            _atomic_npz(tree.directory / "nodes" / f"{node_id}.npz", _node_arrays(node))
+
+    def split(self, group: str, node_id: int, tokens: int, chars: int, parent: int) -> int | None:
+        """Cut context node ``node_id`` after its first ``tokens`` tokens (``chars`` characters of
+        its text), so a request that shares only that much of it can share it: a new node holds
+        the front, the node keeps the rest under it. None when the node moved since the request
+        was matched (another split got there first). Crash-safe: the ``split`` event is written
+        before the node's arrays are rewritten, and the loader cuts arrays that were not."""
+        tree = self.tree(group)
+        with self.lock:
+            node = tree.nodes[node_id]
+            if node.parent != parent or node.kind != CONTEXT or not 0 < tokens < len(node.token_ids):
+                return None
+            front = self.add_node(group, parent, CONTEXT, node.text[:chars], node.token_ids[:tokens],
+                                  experts=None if node.experts is None else node.experts[:tokens])
+            _append_line(tree.directory / "trace.jsonl",
+                         {"event": "split", "node": node_id, "parent": front, "drop": tokens, "chars": chars,
+                          "before": len(node.token_ids)})
+            tree.children(parent).remove(node_id)
+            tree.nodes[front].children.append(node_id)
+            node.parent, node.text = front, node.text[chars:]
+            _drop_front(node, tokens)
+            _atomic_npz(tree.directory / "nodes" / f"{node_id}.npz", _node_arrays(node))
+            return front
 
     def add_call(self, call: Call) -> None:
         tree = self.tree(group_of(call.session))
