@@ -21,7 +21,8 @@ are never split (two different samples are two nodes).
 On disk, no pickle anywhere::
 
     DIR/<group>/trace.jsonl          append-only events, one JSON object a line:
-                                     {"event": "node", "id", "parent", "kind", "n_tokens", "text", "alt_text"}
+                                     {"event": "node", "id", "parent", "kind", "label", "n_tokens", "text",
+                                      "alt_text"}
                                      {"event": "call", "session", "call", "context", "response",
                                       "prompt_tokens", "output_tokens", "finish_reason", "protocol"}
                                      {"event": "skip", "node", "skip"}
@@ -304,8 +305,9 @@ class TraceStore:
             (tree.directory / "nodes").mkdir(parents=True, exist_ok=True)
             _atomic_npz(tree.directory / "nodes" / f"{node.id}.npz", _node_arrays(node))
             _append_line(tree.directory / "trace.jsonl",
-                         {"event": "node", "id": node.id, "parent": parent, "kind": kind, "n_tokens": n,
-                          "text": text, "alt_text": alt_text})
+                         {"event": "node", "id": node.id, "parent": parent, "kind": kind,
+                          "label": "trainable" if kind == RESPONSE else "masked", "n_tokens": n, "text": text,
+                          "alt_text": alt_text})
             tree.attach(node)
             return node.id
 
