@@ -502,3 +502,16 @@ def test_a_split_interrupted_before_its_arrays_were_rewritten_reads_back_whole(t
         assert reread.roots == [front] and reread.nodes[front].children == [node]
         assert (reread.nodes[front].text, reread.nodes[front].token_ids) == ("ab", [1])
         assert (reread.nodes[node].text, reread.nodes[node].token_ids) == ("cdef", [2, 3])
+
+
+def test_session_endpoints_without_a_trace_store_say_how_to_get_one(loaded):
+    srv = start_server(loaded)
+    try:
+        with pytest.raises(anthropic.NotFoundError) as err:
+            an(srv, "s1").messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+        assert err.value.response.json()["error"]["type"] == "not_found_error"
+        assert "--gateway-traces" in err.value.response.json()["error"]["message"]
+        assert an(srv).messages.create(model="tiny", max_tokens=2,
+                                       messages=[{"role": "user", "content": "x"}]).usage.output_tokens >= 1
+    finally:
+        srv.stop()
