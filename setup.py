@@ -45,9 +45,11 @@ extras_require = {
     # transformers and openai); nothing is downloaded at test time.
     # import-linter: the layer contracts of .importlinter (tests/test_architecture.py).
     # lm-eval: the server's conformance test with EleutherAI's harness (tests/serve/test_lm_eval.py).
+    # anthropic / openai-agents: the gateway's protocols through the real clients and an unmodified
+    # harness (tests/serve/test_gateway.py); openai-agents 0.20 is the newest on openai 2.x.
     "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "mpi4py>=3.1", "matplotlib>=3.7", "triton==3.9.0",
             "fastapi==0.165.0", "uvicorn==0.54.0", "openai==2.54.0", "verifiers==0.4.0", "import-linter==2.16",
-            "lm-eval==0.4.13", "pillow>=10.1"],
+            "lm-eval==0.4.13", "pillow>=10.1", "anthropic==2.15.0", "openai-agents==0.20.0"],
 }
 
 subpackages = {"launcher": "launcher", "kernels": "kernels", "tools": "tools"}

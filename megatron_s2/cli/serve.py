@@ -44,7 +44,8 @@ def serve_command(args: argparse.Namespace) -> int:
                          return_routed_experts=args.enable_return_routed_experts, logprobs_mode=args.logprobs_mode,
                          max_logprobs=args.max_logprobs,
                          allowed_local_media_path=args.allowed_local_media_path or "",
-                         max_images_per_request=args.max_images_per_request)
+                         max_images_per_request=args.max_images_per_request,
+                         gateway_traces=args.gateway_traces or "")
     engine_config = _engine_config(args)
     if not Path(args.checkpoint).exists():
         raise ConfigError(f"checkpoint: {args.checkpoint} does not exist; give a run, checkpoints, step or Hugging "
@@ -89,6 +90,9 @@ def register(subparsers) -> None:
                         "only inline data: URLs, remote http(s) URLs are always refused)")
     p.add_argument("--max-images-per-request", type=int, default=8, metavar="N",
                    help="most chat image parts one request may hold, refused before decoding (default 8)")
+    p.add_argument("--gateway-traces", default=None, metavar="DIR",
+                   help="agent gateway: capture every call on /sessions/<id>/v1/... (chat, responses, messages) "
+                        "as token-in/token-out PrefixTree traces under DIR, for RL (default: off)")
     p.add_argument("--speculative", action="store_true",
                    help="speculative decoding with the checkpoint's DSpark drafter (lossless; report §2.4.3)")
     p.add_argument("--speculative-tokens", type=int, default=0,

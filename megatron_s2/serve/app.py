@@ -8,6 +8,8 @@ GET  /v1/models            the served model, with ``max_model_len`` (vLLM's Mode
 POST /v1/completions       :func:`megatron_s2.serve.completions_api.completions`
 POST /v1/chat/completions  :func:`megatron_s2.serve.chat_api.chat_completions`
 POST /inference/v1/generate  :func:`megatron_s2.serve.token_api.generate`
+POST /v1/responses         OpenAI Responses, :mod:`megatron_s2.serve.gateway` (also per session:
+POST /v1/messages          Anthropic Messages      ``/sessions/<id>/v1/...``, :mod:`~.gateway.routes`)
 GET  /health               200 while the engine driver runs, 503 with the reason after it died
 GET  /stats                engine and server counters (running / waiting requests, free KV pages,
                            policy version, submitted / finished / aborted / refused requests)
@@ -20,7 +22,8 @@ engine's queue is full, 503 when the engine stopped; an unknown path (404) or me
 the same object with the status phrase as its type, as vLLM answers. Anything unexpected is a
 500 with the exception's message (and the traceback in the server log), never a hang, on a
 connection that stays open for the client's next request (:class:`ErrorBoundary`). A client
-that leaves while its request is still arriving is an INFO line, not an error.
+that leaves while its request is still arriving is an INFO line, not an error. On ``/v1/messages``
+(and its session route) the same statuses carry Anthropic's error object instead.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from megatron_s2.serve.errors import HTTPError, error_body
 from megatron_s2.serve.fields import shown_text
 from megatron_s2.serve.chat_api import chat_completions
 from megatron_s2.serve.completions_api import completions
+from megatron_s2.serve.gateway.messages_protocol import anthropic_error
+from megatron_s2.serve.gateway.routes import add_gateway_routes
 from megatron_s2.serve.state import ServerState
 from megatron_s2.serve.token_api import generate
 
@@ -86,23 +91,28 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.server = state
     app.add_middleware(ErrorBoundary)
 
+    def error_response(request: Request, body: dict, status: int, headers=None) -> JSONResponse:
+        if request.url.path.endswith("/v1/messages"):  # Anthropic clients read their own error object
+            body = anthropic_error(status, body["error"]["message"])
+        return JSONResponse(body, status_code=status, headers=headers)
+
     @app.exception_handler(HTTPError)
-    async def _http_error(_: Request, exc: HTTPError):
-        return JSONResponse(exc.body(), status_code=int(exc.status))
+    async def _http_error(request: Request, exc: HTTPError):
+        return error_response(request, exc.body(), int(exc.status))
 
     @app.exception_handler(RouteError)
     async def _route_error(request: Request, exc: RouteError):
         """An unknown path (404) or a method the path does not take (405), as vLLM answers them."""
         phrase = HTTPStatus(exc.status_code).phrase
         where = f"{request.method} {shown_text(request.url.path)}"
-        hint = {404: "; this server answers /v1/models, /v1/completions, /v1/chat/completions, "
-                     "/inference/v1/generate, /health and /stats",
+        hint = {404: "; this server answers /v1/models, /v1/completions, /v1/chat/completions, /v1/responses, "
+                     "/v1/messages, /sessions/<id>/v1/..., /inference/v1/generate, /health and /stats",
                 405: f"; this path takes {exc.headers.get('Allow', 'another method')}" if exc.headers else ""}
         body = error_body(f"{phrase}: {where}{hint.get(exc.status_code, '')}", phrase, exc.status_code)
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        return error_response(request, body, exc.status_code, exc.headers)
 
     @app.get("/v1/models")
-    async def models():
+    async def models():  # noqa: F811 - also served per session
         card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "megatron-s2",
                 "root": state.description, "parent": None, "max_model_len": state.max_model_len}
         return {"object": "list", "data": [card]}
@@ -118,6 +128,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/inference/v1/generate")
     async def _generate(request: Request):
         return await generate(state, request)
+
+    add_gateway_routes(app, state, models)
 
     @app.get("/health")
     async def health():

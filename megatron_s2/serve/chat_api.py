@@ -19,10 +19,11 @@ Images: user messages may carry ``image_url`` parts (:mod:`megatron_s2.serve.cha
 :mod:`megatron_s2.serve.media`); such a prompt is not truncated (``truncate_prompt_tokens`` would
 cut an image's span) and gets no ``prompt_logprobs`` (they are scored without the images).
 
-Tools are not parsed: ``tools`` is refused (render them client-side and call
-``/inference/v1/generate``), and so is a ``tool_choice`` other than ``"none"`` without tools (vLLM's
-rule); a request's own ``chat_template`` is refused as vLLM refuses it by default, and
-``documents`` (RAG input to a template) is refused too.
+Tools: a request with ``tools`` is answered by the gateway's Chat Completions
+(:mod:`megatron_s2.serve.gateway.chat_protocol`: tool schemas rendered by the chat template, tool
+calls and reasoning parsed from the sampled ids, ``message.tool_calls``); a ``tool_choice`` other
+than ``"none"`` without tools is refused (vLLM's rule). A request's own ``chat_template`` is refused
+as vLLM refuses it by default, and ``documents`` (RAG input to a template) is refused too.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from starlette.concurrency import run_in_threadpool
 from megatron_s2.serve.backend import ClientDisconnected, Generation
 from megatron_s2.serve.chat import chat_prompt_ids
 from megatron_s2.serve.fields import Fields, read_json_object
+from megatron_s2.serve.gateway.routes import gateway_chat
 from megatron_s2.serve.options import OutputOptions, read_truncation, refuse_unsupported_fields
 from megatron_s2.serve.prompt_logprobs import prompt_logprobs, read_prompt_logprobs
 from megatron_s2.serve.responses import build_choices, collect, event_stream, finish_reasons, submit, usage
@@ -52,12 +54,9 @@ _FIELDS_REFUSED_HERE = {
 
 
 def _refuse_tool_fields(f: Fields) -> None:
-    if f.has("tools"):
-        f.fail("tools", "tool calls are not parsed by this server; render tools client-side (renderers) and call "
-                        "/inference/v1/generate")
     choice = f.raw("tool_choice")
     if choice is not None and choice != "none":  # vLLM: any other tool_choice needs tools
-        f.fail("tool_choice", "needs tools, which this server does not parse; leave it out or send \"none\"")
+        f.fail("tool_choice", "needs tools; declare them, or leave it out or send \"none\"")
 
 
 def _echoed_content(f: Fields) -> str:
@@ -74,6 +73,8 @@ def _echoed_content(f: Fields) -> str:
 
 async def chat_completions(state: ServerState, request):
     f = Fields(await read_json_object(request, state.config.max_body_bytes))
+    if f.raw("tools") is not None:
+        return await gateway_chat(state, request, f)
     state.check_model(f)
     opts = OutputOptions(f, state, chat=True)
     refuse_unsupported_sampling(f)

@@ -63,6 +63,11 @@ class ServeConfig:
     before any is decoded: a ~100 KB PNG can decode to the ~96 MB the pixel cap allows, so the body
     limit alone let one request hold gigabytes of pixels."""
 
+    gateway_traces: str = ""
+    """A directory for the agent gateway's PrefixTree trace store (``--gateway-traces``): session
+    endpoints ``/sessions/<id>/v1/...`` capture every model call's token ids, log-probs and routed
+    experts there (:mod:`megatron_s2.serve.gateway`); "" = no capture, no session endpoints."""
+
     def __post_init__(self) -> None:
         if not self.host:
             raise ConfigError("--host: give an address to listen on, e.g. 127.0.0.1 or 0.0.0.0")
@@ -86,6 +91,9 @@ class ServeConfig:
         if self.max_images_per_request < 0:
             raise ConfigError(f"--max-images-per-request: must be >= 0 (0 = no image parts), got "
                               f"{self.max_images_per_request}")
+        if self.gateway_traces and Path(self.gateway_traces).exists() and not Path(self.gateway_traces).is_dir():
+            raise ConfigError(f"--gateway-traces: {self.gateway_traces} is a file; give a directory (created if "
+                              "missing) for the trace store")
         if self.allowed_local_media_path and not Path(self.allowed_local_media_path).is_dir():
             raise ConfigError(f"--allowed-local-media-path: {self.allowed_local_media_path} is not a directory; give "
                               "an existing directory whose images clients may name with file:// URLs")

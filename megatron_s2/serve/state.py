@@ -59,6 +59,17 @@ class ServerState:
         return ServedImages(self.backend.engine, self.config.allowed_local_media_path,
                             self.config.max_images_per_request)
 
+    @cached_property
+    def capture(self):
+        """Token-in / token-out capture into the PrefixTree trace store (``ServeConfig.gateway_traces``),
+        or None: :mod:`megatron_s2.serve.gateway`."""
+        if not self.config.gateway_traces:
+            return None
+        from megatron_s2.serve.gateway.tito import Capture
+        from megatron_s2.serve.gateway.traces import TraceStore
+
+        return Capture(TraceStore(self.config.gateway_traces))
+
     @property
     def eos_token_id(self) -> int | None:
         return getattr(self.tokenizer, "eos_id", None)

@@ -209,7 +209,7 @@ def test_chat_streaming_with_n_and_log_probs(client):
     (dict(messages=[]), "messages: must be a non-empty list"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
      "messages[0].content[0]: this model takes no images"),  # a text-only model (tests/serve/test_images.py)
-    (dict(messages=CHAT, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools:"),
+    (dict(messages=CHAT, tools=[{"type": "web_search"}]), "tools[0]: only"),  # tools: tests/serve/test_gateway.py
     (dict(messages=CHAT, top_logprobs=2), "top_logprobs: needs logprobs: true"),
     (dict(messages=CHAT, extra_body={"chat_template_kwargs": {"reasoning_effort": 500}}),
      "chat_template_kwargs.reasoning_effort: must be <= 100"),

@@ -168,6 +168,7 @@ def test_bad_command_line_input_exits_2_with_one_line(run_dir, capsys):
         ([str(run_dir), "--allowed-local-media-path", "/does/not/exist"],
          "--allowed-local-media-path: /does/not/exist is not a directory"),
         ([str(run_dir), "--max-images-per-request", "-1"], "--max-images-per-request: must be >= 0"),
+        ([str(run_dir), "--gateway-traces", __file__], "--gateway-traces: "),
     ]
     try:
         for args, words in cases:

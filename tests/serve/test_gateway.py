@@ -1,0 +1,517 @@
+"""The agent gateway (Intern-S2 walkthrough Ch. 6) through the real ``openai`` and ``anthropic``
+clients: OpenAI Responses, Anthropic Messages and Chat Completions with tools, streaming and not,
+per-session endpoints, token-in / token-out capture and the PrefixTree trace store (worked
+example 19 on stored traces).
+
+A tiny random model does not write tool calls, so the tests that need one steer the engine's
+logits towards a scripted answer (:class:`ScriptedPolicy`: the real engine, sampler, server and
+tokenizer; only the next-token choice is dictated) — everything else is the model's own output.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from megatron_s2.serve import ServeConfig
+from megatron_s2.serve.gateway.tool_format import OutputParser, TextDelta, ToolCall
+from megatron_s2.serve.gateway.traces import TraceStore, read_samples, worked_example_19, flat_and_tree_tokens
+from tests.serve.conftest import start_server
+
+TOOLS_CHAT = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"path": {"type": "string"}}}}}]
+TOOL_ANSWER = ("<think>hm</think>Ok.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>read_file<｜tool▁sep｜>"
+               '{"path":"a"}<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>')
+
+
+class ScriptedPolicy:
+    """Steers the engine towards the next scripted answer: the logits of each request that starts
+    while a script is queued get +1e4 on the script's next token until it is spelled out."""
+
+    def __init__(self, engine):
+        self.queue: list[list[int]] = []
+        self.active: dict[str, list[int]] = {}
+        real = engine.executor.forward
+
+        def forward(chunks, **kw):
+            results = real(chunks, **kw)
+            for chunk, res in zip(chunks, results):
+                req = chunk.request
+                if res.logits is None:
+                    continue
+                if req.num_generated == 0 and req.request_id not in self.active and self.queue:
+                    self.active[req.request_id] = self.queue.pop(0)
+                script = self.active.get(req.request_id)
+                if script is not None and req.num_generated < len(script):
+                    res.logits[script[req.num_generated]] += 1e4
+            return results
+
+        engine.executor.forward = forward
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    return tmp_path_factory.mktemp("traces")
+
+
+@pytest.fixture(scope="module")
+def server(loaded, traces):
+    srv = start_server(loaded, serve=ServeConfig(disconnect_poll_s=0.05, gateway_traces=str(traces)),
+                       max_model_len=512)
+    srv.policy = ScriptedPolicy(srv.state.backend.engine)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tok(loaded):
+    return loaded[1]
+
+
+def oa(server, session=None):
+    base = f"{server.url}/sessions/{session}/v1" if session else f"{server.url}/v1"
+    return openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
+
+
+def an(server, session=None):
+    base = f"{server.url}/sessions/{session}" if session else server.url
+    return anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=120)
+
+
+# ---- pure pieces -------------------------------------------------------------------------------
+def test_worked_example_19_arithmetic():
+    numbers = worked_example_19()
+    assert numbers["flat"] == 768_000 and numbers["tree"] == 3_000 + 2_400 + 8 * 9_600 == 82_200
+    assert numbers["one_session_flat"] == 96_000 and numbers["one_session_tree"] == 15_000
+    assert numbers["one_session_saving"] == pytest.approx(6.4)
+    assert numbers["saving"] == pytest.approx(768_000 / 82_200)
+
+
+def test_output_parser_splits_reasoning_text_and_calls(tok):
+    ids = tok.encode(TOOL_ANSWER)
+    whole = OutputParser(tok)
+    whole.push(ids, last=True)
+    assert whole.text == {"text": "Ok.", "reasoning": "hm"}
+    assert [(c.name, c.input) for c in whole.calls] == [("read_file", {"path": "a"})]
+    streamed, events = OutputParser(tok), []  # one token at a time: the same events
+    for i, token in enumerate(ids):
+        events += streamed.push([token], last=i == len(ids) - 1)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta) and e.kind == "text") == "Ok."
+    assert [e.name for e in events if isinstance(e, ToolCall)] == ["read_file"]
+    bad = OutputParser(tok)  # arguments that are not a JSON object: relayed as text, not a call
+    bad.push(tok.encode("<｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]<｜tool▁call▁end｜>"), last=True)
+    assert bad.calls == [] and bad.text["text"] == "f[1]"
+
+
+# ---- protocols ---------------------------------------------------------------------------------
+def test_responses_plain_and_streamed_agree(server):
+    client = oa(server)
+    kw = dict(model="tiny", input="Say something.", max_output_tokens=8, temperature=0)
+    plain = client.responses.create(**kw)
+    assert plain.status in ("completed", "incomplete") and plain.usage.output_tokens >= 1
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    final = events[-1].response
+    assert final.output_text == plain.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == plain.output_text
+
+
+def test_messages_plain_and_streamed_agree(server):
+    client = an(server)
+    kw = dict(model="tiny", max_tokens=8, extra_body={"temperature": 0}, system="Be brief.",
+              messages=[{"role": "user", "content": "Say something."}])
+    plain = client.messages.create(**kw)
+    assert plain.type == "message" and plain.stop_reason in ("end_turn", "max_tokens")
+    with client.messages.stream(**kw) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == "".join(b.text for b in plain.content if b.type == "text")
+    assert final.usage.output_tokens == plain.usage.output_tokens
+
+
+@pytest.mark.parametrize("protocol", ["chat", "responses", "messages"])
+def test_tool_calls_are_relayed_natively(server, tok, protocol):
+    server.policy.queue.append(tok.encode(TOOL_ANSWER))
+    if protocol == "chat":
+        chat = oa(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Read a"}],
+                                                  tools=TOOLS_CHAT, max_tokens=40)
+        (choice,) = chat.choices
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Ok."
+        assert choice.message.model_extra["reasoning_content"] == "hm"
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "read_file" and json.loads(call.function.arguments) == {"path": "a"}
+    elif protocol == "responses":
+        tools = [{"type": "function", "name": "read_file", "description": "Read a file",
+                  "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}]
+        resp = oa(server).responses.create(model="tiny", input="Read a", tools=tools, max_output_tokens=40)
+        assert [item.type for item in resp.output] == ["reasoning", "message", "function_call"]
+        assert resp.output[0].content[0].text == "hm" and resp.output_text == "Ok."
+        assert resp.output[2].name == "read_file" and json.loads(resp.output[2].arguments) == {"path": "a"}
+    else:
+        tools = [{"name": "read_file", "description": "Read a file",
+                  "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
+        msg = an(server).messages.create(model="tiny", max_tokens=40, tools=tools,
+                                         messages=[{"role": "user", "content": "Read a"}])
+        assert [b.type for b in msg.content] == ["thinking", "text", "tool_use"] and msg.stop_reason == "tool_use"
+        assert msg.content[0].thinking == "hm" and msg.content[2].input == {"path": "a"}
+
+
+@pytest.mark.parametrize("protocol", ["chat", "responses", "messages"])
+def test_tool_calls_stream_natively(server, tok, protocol):
+    server.policy.queue.append(tok.encode(TOOL_ANSWER))
+    if protocol == "chat":
+        chunks = list(oa(server).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Read a"}], tools=TOOLS_CHAT, max_tokens=40,
+            stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(d.content or "" for d in deltas) == "Ok."
+        assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "hm"
+        (call,) = [t for d in deltas for t in d.tool_calls or []]
+        assert call.function.name == "read_file" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    elif protocol == "responses":
+        tools = [{"type": "function", "name": "read_file", "parameters": {"type": "object", "properties": {}}}]
+        events = list(oa(server).responses.create(model="tiny", input="Read a", tools=tools, max_output_tokens=40,
+                                                  stream=True))
+        final = events[-1].response
+        assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "hm"
+        assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == ['{"path": "a"}']
+    else:
+        with an(server).messages.stream(model="tiny", max_tokens=40, messages=[{"role": "user", "content": "Read"}],
+                                        tools=[{"name": "read_file", "input_schema": {"type": "object"}}]) as stream:
+            final = stream.get_final_message()
+        assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
+        assert final.content[2].input == {"path": "a"} and final.stop_reason == "tool_use"
+
+
+def test_client_errors_are_4xx_in_each_protocols_shape_and_the_server_goes_on(server):
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        oa(server).responses.create(model="tiny", input="x", previous_response_id="resp_1")
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\].type"):
+        oa(server).responses.create(model="tiny", input="x", tools=[{"type": "web_search"}])
+    with pytest.raises(openai.NotFoundError):
+        oa(server).responses.create(model="other", input="x")
+    with pytest.raises(anthropic.BadRequestError) as err:
+        an(server).messages.create(model="tiny", max_tokens=4, messages=[{"role": "robot", "content": "x"}])
+    body = err.value.response.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"].startswith("messages[0].role")
+    raw = httpx.post(f"{server.url}/v1/messages", content=b"{not json", timeout=30)
+    assert raw.status_code == 400 and raw.json()["type"] == "error"
+    with pytest.raises(openai.NotFoundError, match="session id"):
+        oa(server, "..bad").chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    assert oa(server).responses.create(model="tiny", input="still here", max_output_tokens=2).usage.output_tokens
+
+
+# ---- sessions, TITO, PrefixTree ----------------------------------------------------------------
+def test_session_turns_reuse_the_sampled_ids_never_retokenised(server, tok, traces):
+    """Turn k+1's prompt starts with exactly turn k's prompt + sampled ids, where re-tokenising
+    the decoded text gives other ids (found among the model's own samples)."""
+    client, messages, seen, differs = oa(server, "tito-1"), [{"role": "user", "content": "Go."}], [], 0
+    for turn in range(4):
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=1.0,
+                                           seed=turn, extra_body={"ignore_eos": True})
+        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": f"Again {turn}."}]
+    calls = TraceStore(traces).session_calls("tito-1")
+    assert len(calls) == 4
+    samples = list(read_samples(traces, ["tito-1"]))
+    (sample,) = samples
+    tree = TraceStore(traces).tree("tito-1")
+    for before, after in zip(calls, calls[1:]):
+        prompt = [t for n in tree.path(before.context) for t in tree.nodes[n].token_ids]
+        sampled = tree.nodes[before.response].token_ids
+        later = [t for n in tree.path(after.context) for t in tree.nodes[n].token_ids]
+        assert later[:len(prompt) + len(sampled)] == prompt + sampled
+        differs += tok.encode(tok.decode(sampled)) != sampled
+    assert differs >= 1, "no sample whose text re-tokenises differently: the check proved nothing"
+    assert sample.calls == 4 and sample.loss_mask.sum() == sum(c.output_tokens for c in calls)
+
+
+def _agent_loop(client_for, protocol: str, script_ids, policy, session: str) -> None:
+    """Two model calls of a harness in ``protocol``: a scripted tool call, its result, an answer."""
+    policy.queue.append(script_ids)
+    if protocol == "messages":
+        client = client_for(session)
+        tools = [{"name": "read_file", "description": "Read a file",
+                  "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
+        history = [{"role": "user", "content": "Read a"}]
+        first = client.messages.create(model="tiny", max_tokens=40, tools=tools, messages=history)
+        use = next(b for b in first.content if b.type == "tool_use")
+        history += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "hello"}]}]
+        client.messages.create(model="tiny", max_tokens=3, tools=tools, messages=history,
+                               extra_body={"temperature": 0})
+    elif protocol == "responses":
+        client = client_for(session)
+        tools = [{"type": "function", "name": "read_file", "description": "Read a file",
+                  "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}]
+        first = client.responses.create(model="tiny", input="Read a", tools=tools, max_output_tokens=40)
+        call = next(item for item in first.output if item.type == "function_call")
+        history = [{"role": "user", "content": "Read a"}, *[item.model_dump(exclude_none=True)
+                                                               for item in first.output],
+                   {"type": "function_call_output", "call_id": call.call_id, "output": "hello"}]
+        client.responses.create(model="tiny", input=history, tools=tools, max_output_tokens=3, temperature=0)
+    else:
+        client = client_for(session)
+        history = [{"role": "user", "content": "Read a"}]
+        first = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS_CHAT, max_tokens=40)
+        message = first.choices[0].message
+        history += [message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "hello"}]
+        client.chat.completions.create(model="tiny", messages=history, tools=TOOLS_CHAT, max_tokens=3, temperature=0)
+
+
+@pytest.mark.slow
+def test_three_protocols_render_one_conversation_to_the_same_tokens(server, tok, traces):
+    """A tool call and its result, through each protocol's session endpoint: the second call's
+    prompt ids are the same, and they hold the first call's sampled ids verbatim."""
+    script = tok.encode(TOOL_ANSWER)
+    clients = {"chat": lambda s: oa(server, s), "responses": lambda s: oa(server, s), "messages": lambda s: an(server, s)}
+    prompts = {}
+    for protocol, client_for in clients.items():
+        _agent_loop(client_for, protocol, script, server.policy, f"same-{protocol}")
+        store = TraceStore(traces)
+        first, second = store.session_calls(f"same-{protocol}")
+        tree = store.tree(f"same-{protocol}")
+        prompt = [t for n in tree.path(second.context) for t in tree.nodes[n].token_ids]
+        assert tree.path(second.context)[:2] == [first.context, first.response]  # the trunk is reused
+        assert tree.nodes[first.response].token_ids == script
+        prompts[protocol] = prompt
+    assert prompts["chat"] == prompts["responses"] == prompts["messages"]
+
+
+@pytest.mark.parametrize("sessions, turns, shared", [(2, 3, 1), pytest.param(8, 10, 2, marks=pytest.mark.slow)])
+def test_worked_example_19_on_stored_traces(server, tok, traces, sessions, turns, shared):
+    """G sessions x T turns through the gateway (the example's shape at small token sizes): the
+    first ``shared`` turns agree (same seeds), later ones diverge. Flat vs tree token counts of
+    the stored traces equal the example's arithmetic with the measured sizes."""
+    group, R = f"ex19-{sessions}x{turns}", 4
+    for s in range(sessions):
+        client = oa(server, f"{group}@{s}")
+        messages = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Task 19."}]
+        for t in range(turns):
+            seed = t if t < shared else 1000 * (s + 1) + t
+            r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=R, seed=seed,
+                                               temperature=1.0, extra_body={"ignore_eos": True})
+            messages += [r.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": "Observation: ok."}]
+    store = TraceStore(traces)
+    tree = store.tree(group)
+    calls = tree.calls
+    assert len(calls) == sessions * turns and all(c.output_tokens == R for c in calls)
+    header = len(tree.nodes[tree.roots[0]].token_ids)
+    assert len(tree.roots) == 1
+    observation = {len(n.token_ids) for n in tree.nodes.values()
+                   if n.kind == "context" and n.parent != -1 and n.text != tok.decode([tok.eos_id], keep_special=True)}
+    (d,) = observation  # every observation delta has one length
+    per_turn = R + 1 + d  # response, the closing end-of-message token (a length stop), the observation
+    flat, stored = store.token_counts(group)
+    formula_flat, formula_tree = flat_and_tree_tokens(sessions, turns, header, per_turn, shared)
+    # the formula counts turn t's observation in call t and an observation after the last turn
+    assert flat == formula_flat - sessions * turns * (1 + d)
+    assert stored == formula_tree - sessions * d
+    branching = [n for n in tree.nodes.values() if len(n.children) > 1]
+    assert len(branching) == 1 and len(branching[0].children) == sessions
+    print(f"worked example 19 on stored traces ({sessions} x {turns}): flat {flat}, tree {stored}, "
+          f"saving {flat / stored:.2f}x")
+    samples = list(read_samples(traces, [group]))
+    assert len(samples) == sessions and all(s.calls == turns for s in samples)
+    assert all(s.loss_mask.sum() == turns * R for s in samples)
+
+
+def test_skip_keeps_a_step_in_context_and_out_of_the_loss(server, tok, traces):
+    client = oa(server, "curate-1")
+    messages = [{"role": "user", "content": "Do it."}]
+    for t in range(3):
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, seed=t,
+                                           extra_body={"ignore_eos": True})
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+    store = TraceStore(traces)
+    node = store.mark_skip("curate-1", 1)
+    (sample,) = read_samples(traces, ["curate-1"])
+    (seg,) = [s for s in sample.segments if s.node == node]
+    assert seg.skip and not sample.loss_mask[seg.start:seg.end].any()
+    assert sample.loss_mask.sum() == 2 * 5  # the other two responses stay trainable
+    assert np.isfinite(sample.logprobs[sample.loss_mask]).all() and np.isnan(sample.logprobs[:seg.start][
+        ~sample.loss_mask[:seg.start]]).all()
+    trainable = [s for s in sample.segments if s.kind == "response"]
+    assert [s.trainable for s in trainable] == [True, False, True]
+    # R3: every fed position has its routed experts (a response's last token from the next call's
+    # forward); only the session's very last sampled token was never fed
+    assert sample.experts is not None and sample.experts.shape[0] == len(sample.token_ids)
+    assert (sample.experts[:-1] >= 0).all() and (sample.experts[-1] == -1).all()
+
+
+def test_store_survives_a_torn_write(server, traces, tmp_path):
+    """A crash mid-append leaves a torn last line and maybe an orphan array: both are skipped."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(traces / "curate-1", copy / "curate-1")
+    with open(copy / "curate-1" / "trace.jsonl", "a") as handle:
+        handle.write('{"event": "node", "id": 999, "par')
+    (copy / "curate-1" / "nodes" / "998.npz").write_bytes(b"partial")
+    (sample,) = read_samples(copy)
+    (again,) = read_samples(traces, ["curate-1"])
+    assert np.array_equal(sample.token_ids, again.token_ids) and np.array_equal(sample.loss_mask, again.loss_mask)
+    with np.load(next((copy / "curate-1" / "nodes").glob("0.npz")), allow_pickle=False) as data:
+        assert set(data.files) >= {"token_ids", "logprobs"}
+
+
+@pytest.mark.slow
+def test_serve_command_with_gateway_traces_captures_a_session(run_dir, tmp_path):
+    """``megatron-s2 serve --gateway-traces DIR`` as a user starts it: an Anthropic client on a
+    session base URL leaves a readable trace."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_s2.cli", "serve", str(run_dir), "--port", "0",
+                             "--device", "cpu", "--max-model-len", "256", "--gateway-traces", str(tmp_path / "t"),
+                             "--served-model-name", "tiny", "--log-level", "warning"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stderr:
+            found = re.search(r"listening on http://[^:]+:(\d+)", line)
+            if found:
+                break
+        url = f"http://127.0.0.1:{found.group(1)}"
+        for _ in range(600):  # the port is printed once bound; uvicorn listens a moment later
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        client = anthropic.Anthropic(base_url=f"{url}/sessions/cli-1", api_key="x",
+                                     max_retries=0, timeout=60)
+        reply = client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+        assert reply.usage.output_tokens >= 1
+        (sample,) = read_samples(tmp_path / "t")
+        assert sample.session == "cli-1" and sample.loss_mask.sum() == reply.usage.output_tokens
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_openai_agents_sdk_runs_a_tool_loop_through_a_session(server, tok, traces, api):
+    """An unmodified harness, the OpenAI Agents SDK, on a session base URL: it calls the tool the
+    policy asked for, sends the result back, and gets the final answer; the trace holds the
+    policy's exact ids and the second call reuses them."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    seen = []
+
+    @agents.function_tool
+    def read_file(path: str) -> str:
+        """Read a file."""
+        seen.append(path)
+        return "hello"
+
+    session = f"agents-{api}"
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/sessions/{session}/v1", api_key="unused", max_retries=0)
+    model = (agents.OpenAIResponsesModel if api == "responses" else agents.OpenAIChatCompletionsModel)(
+        model="tiny", openai_client=client)
+    agent = agents.Agent(name="reader", instructions="Use the tools.", tools=[read_file], model=model,
+                         model_settings=agents.ModelSettings(max_tokens=40))
+    first, final = tok.encode(TOOL_ANSWER), tok.encode("Done.<｜end▁of▁sentence｜>")
+    server.policy.queue += [first, final]
+    result = agents.Runner.run_sync(agent, "Read a")
+    assert seen == ["a"] and result.final_output == "Done."
+    store = TraceStore(traces)
+    one, two = store.session_calls(session)
+    tree = store.tree(session)
+    assert tree.nodes[one.response].token_ids == first and tree.nodes[two.response].token_ids == final
+    assert tree.path(two.context)[:2] == [one.context, one.response]
+
+
+def test_concurrent_sessions_of_one_group_share_their_trunk(server, traces):
+    """Four rollouts of one task at once (the engine batches them): one tree, the shared first
+    answer stored once, each session's sample its own calls' exact ids."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def rollout(member: int) -> list[list[int]]:
+        client, messages, prompts = oa(server, f"together@{member}"), [{"role": "user", "content": "Task."}], []
+        for turn in range(2):
+            r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                               seed=turn if turn == 0 else 100 + member,
+                                               extra_body={"ignore_eos": True})
+            messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Next."}]
+        return messages
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(rollout, range(4)))
+    store = TraceStore(traces)
+    tree = store.tree("together")
+    assert len(tree.roots) == 1 and len(tree.calls) == 8
+    firsts = {c.response for c in tree.calls if c.call == 0}
+    assert len(firsts) == 1  # the same first answer (same seed, same prompt): one node for all four
+    samples = list(read_samples(traces, ["together"]))
+    assert sorted(s.session for s in samples) == [f"together@{m}" for m in range(4)]
+    for sample in samples:
+        (last,) = [c for c in store.session_calls(sample.session) if c.call == 1]
+        assert len(sample.token_ids) == last.prompt_tokens + last.output_tokens  # its last call, whole
+        assert sample.loss_mask.sum() == 8
+
+
+def test_sessions_sharing_part_of_a_context_share_its_tokens(server, traces):
+    """Two sessions of one group whose first messages differ only at the end: the stored context
+    node is split between two tokens, both sessions' prompts hold the same stored front ids, and
+    the first session's sample reads back unchanged from disk."""
+    task = "You are an agent. Sort the list [3, 1, 2] and then"
+    r = oa(server, "split@0").chat.completions.create(model="tiny", max_tokens=3, messages=[
+        {"role": "user", "content": task + " report the result."}])
+    (before,) = read_samples(traces, ["split"])
+    oa(server, "split@1").chat.completions.create(model="tiny", max_tokens=3, messages=[
+        {"role": "user", "content": task + " explain each step."}])
+    tree = TraceStore(traces).tree("split")
+    (root,) = tree.roots
+    front = tree.nodes[root]
+    assert front.kind == "context" and len(front.children) == 2 and "Sort the list" in front.text
+    samples = {s.session: s for s in read_samples(traces, ["split"])}
+    assert np.array_equal(samples["split@0"].token_ids, before.token_ids)
+    assert np.array_equal(samples["split@0"].loss_mask, before.loss_mask)
+    n = len(front.token_ids)
+    assert list(samples["split@1"].token_ids[:n]) == front.token_ids == list(before.token_ids[:n])
+    flat, stored = TraceStore(traces).token_counts("split")
+    closing = sum(len(node.token_ids) for node in tree.nodes.values() if node.parent in tree.nodes
+                  and tree.nodes[node.parent].kind == "response")  # end-of-message after a length stop
+    assert stored == flat - n + closing and r.usage.completion_tokens == 3  # the shared front once
+
+
+def test_a_split_interrupted_before_its_arrays_were_rewritten_reads_back_whole(tmp_path):
+    store = TraceStore(tmp_path)
+    node = store.add_node("g", -1, "context", "abcdef", [1, 2, 3])
+    saved = (tmp_path / "g" / "nodes" / f"{node}.npz").read_bytes()  # the arrays before the split
+    front = store.split("g", node, 1, 2, -1)
+    (tmp_path / "g" / "nodes" / f"{node}.npz").write_bytes(saved)  # a crash before the rewrite
+    for reread in (TraceStore(tmp_path).tree("g"), store.tree("g")):
+        assert reread.roots == [front] and reread.nodes[front].children == [node]
+        assert (reread.nodes[front].text, reread.nodes[front].token_ids) == ("ab", [1])
+        assert (reread.nodes[node].text, reread.nodes[node].token_ids) == ("cdef", [2, 3])
+
+
+def test_session_endpoints_without_a_trace_store_say_how_to_get_one(loaded):
+    srv = start_server(loaded)
+    try:
+        with pytest.raises(anthropic.NotFoundError) as err:
+            an(srv, "s1").messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+        assert err.value.response.json()["error"]["type"] == "not_found_error"
+        assert "--gateway-traces" in err.value.response.json()["error"]["message"]
+        assert an(srv).messages.create(model="tiny", max_tokens=2,
+                                       messages=[{"role": "user", "content": "x"}]).usage.output_tokens >= 1
+    finally:
+        srv.stop()
