@@ -159,7 +159,7 @@ class Trainer:
                                    dp_size=self.layout.dp, seed=t.seed, phase=self.recipe.phase.kind,
                                    tokenizer=self.tokenizer, log=self.log,
                                    image_processor=family_of(self.recipe.model).image_processor(self.recipe.model),
-                                   cp_rank=self.groups.cp.rank, cp_size=self.groups.cp.size)
+                                   cp_rank=self.groups.cp.rank, cp_size=self.groups.cp.size, model=self.recipe.model)
 
     def _freeze(self, patterns: tuple[str, ...]) -> None:
         from fnmatch import fnmatch
