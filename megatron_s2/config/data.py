@@ -267,10 +267,11 @@ class DataConfig:
             raise ConfigError("weights: kind 'timeseries' reads its files as one dataset; drop weights")
 
     def loss_mode(self, phase: str) -> Literal["all", "answer"]:
-        """Resolve `loss_on` for a phase name ('auto' masks prompts only in 'sft')."""
+        """Resolve `loss_on` for a phase name ('auto' masks prompts only in 'sft' and in
+        'timeseries_forecast', whose text is instruction / answer turns)."""
         if self.loss_on != "auto":
             return self.loss_on
-        return "answer" if phase == "sft" else "all"
+        return "answer" if phase in ("sft", "timeseries_forecast") else "all"
 
     def generation_seed(self, run_seed: int) -> int:
         """Seed of synthetic generation: `dataset_seed`, or the run seed when unset."""
