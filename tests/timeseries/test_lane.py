@@ -170,3 +170,19 @@ def test_checkpoint_saves_and_restores_the_encoder(tmp_path):
     assert again.restore()
     for name, value in again.model.timeseries.state_dict().items():
         assert torch.equal(value, saved[name]), name
+
+
+@pytest.mark.slow
+def test_a_text_checkpoint_continues_with_a_fresh_encoder(tmp_path):
+    from megatron_s2.training.trainer import Trainer
+
+    quiet = lambda *a, **k: None  # noqa: E731
+    text = lane_recipe(tmp_path, ["model.timeseries=null", "data.kind=synthetic", "training.train_steps=1",
+                                  "schedule.warmup_steps=0", "schedule.decay_start_step=0", "schedule.decay_end_step=1",
+                                  "checkpoint.save_interval=1", "training.run_dir=" + str(tmp_path / "text")])
+    Trainer(text, tmp_path / "text", log=quiet).train()
+    lines = []
+    series = lane_recipe(tmp_path, ["checkpoint.load=" + str(tmp_path / "text"), "checkpoint.load_optimizer=false"])
+    trainer = Trainer(series, tmp_path / "run", log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    assert trainer.restore()
+    assert any("start from their initialisation" in line and "timeseries." in line for line in lines)
