@@ -38,7 +38,7 @@ from megatron_s2.models.timeseries.horizon import render_instruction
 from megatron_s2.models.timeseries.patching import plan_patching
 
 __all__ = ["SeriesItem", "SeriesSpan", "SeriesPlanner", "SeriesTextDocuments", "procedural_items", "file_items",
-           "build_series_documents", "series_inputs_of_row", "HELDOUT_SEED_OFFSET"]
+           "build_series_documents", "series_inputs_of_row", "series_prompt", "HELDOUT_SEED_OFFSET"]
 
 HELDOUT_SEED_OFFSET = 2_000_003
 """``split: heldout`` draws procedural items from seed ``dataset seed + HELDOUT_SEED_OFFSET``."""
@@ -187,6 +187,17 @@ def build_series_documents(cfg: DataConfig, *, seed: int, tokenizer: Tokenizer, 
         documents.append((np.concatenate([ids[:at], span, ids[at:]]), prompt_length + length))
         spans.append([SeriesSpan(at, length, index, prompt_end=prompt_length + length - 1)])
     return SeriesTextDocuments(InMemoryDocuments.from_documents(documents), spans, items)
+
+
+def series_prompt(tokenizer: Tokenizer, planner: SeriesPlanner, instruction: str, steps: int
+                  ) -> tuple[np.ndarray, int]:
+    """The prompt of a forecasting request as the data renders it (``bos [series span]
+    instruction sep``, no answer) and the span's first position."""
+    ids, prompt_length = render_prompt_answer(tokenizer, instruction, "")
+    ids = ids[:prompt_length]
+    at = 1 if len(ids) and ids[0] == tokenizer.bos_id else 0
+    span = np.full(planner.span_length(steps), planner.token_id, dtype=np.int64)
+    return np.concatenate([ids[:at], span, ids[at:]]), at
 
 
 @dataclass

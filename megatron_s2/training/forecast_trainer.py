@@ -31,7 +31,7 @@ from megatron_s2.pipeline.step import StepInputs
 from megatron_s2.runtime.device import to_device
 from megatron_s2.training.trainer import Trainer
 
-__all__ = ["ForecastTrainer", "ForecastObjective", "SeriesForecastForward"]
+__all__ = ["ForecastTrainer", "ForecastObjective", "SeriesForecastForward", "load_trained_forecaster"]
 
 
 class SeriesForecastForward:
@@ -81,7 +81,7 @@ class ForecastObjective:
 
 
 class ForecastTrainer(Trainer):
-    fresh_on_load = Trainer.fresh_on_load + ("forecaster.", "timeseries.")  # a text checkpoint starts the lane fresh
+    fresh_on_load = Trainer.fresh_on_load + ("forecaster.",)  # a text checkpoint starts the branch fresh
 
     def build_model(self, host):
         """The family model, given the forecasting branch as its ``forecaster`` submodule before the
@@ -109,3 +109,23 @@ class ForecastTrainer(Trainer):
         phase = self.recipe.phase
         return ForecastObjective(global_token_count(micro_batches, self.groups.dp_cp), self.num_micro_global,
                                  lambda_text=phase.forecast_lambda_text, lambda_forecast=phase.forecast_lambda)
+
+
+def load_trained_forecaster(run_dir) -> ForecastTrainer:
+    """The trainer of a ``timeseries_forecast`` run directory with its newest checkpoint loaded
+    (``.model`` in eval mode, ``.tokenizer``, ``.recipe``, ``.step``): what the forecasting bench
+    and ``tools/forecast.py`` answer with. Refuses, in one line, a directory without a checkpoint."""
+    from pathlib import Path
+
+    from megatron_s2.config.recipe import load_recipe
+
+    run_dir = Path(run_dir)
+    recipe = load_recipe(run_dir / "config.yaml")
+    if recipe.phase.kind != "timeseries_forecast":
+        raise ConfigError(f"{run_dir}: phase.kind is {recipe.phase.kind}, not timeseries_forecast; give the run "
+                          "directory of a forecasting phase")
+    trainer = ForecastTrainer(recipe, run_dir, log=lambda *a, **k: None)
+    if not trainer.restore():
+        raise ConfigError(f"{run_dir}: no checkpoint to load; train it first (megatron-s2 train <recipe>)")
+    trainer.model.eval()
+    return trainer

@@ -147,3 +147,17 @@ def test_forecast_and_text_losses_fall_in_the_trainer(tmp_path):
     forecast = [row["loss_forecast_raw"] for row in rows]
     text = [row["loss_text_raw"] for row in rows]
     assert len(forecast) == 10 and forecast[-1] < forecast[0] and text[-1] < text[0]
+    # the trained run answers a request with numbers on the series' scale (tools/forecast.py)
+    from tools.forecast import answer
+    from megatron_s2.training.forecast_trainer import load_trained_forecaster
+
+    trained = load_trained_forecaster(tmp_path / "run")
+    steps = torch.arange(60.0)
+    series = [(100 + 5 * torch.sin(steps / 4)).tolist(), (-3 + torch.cos(steps / 4)).tolist()]
+    response = answer(trained, {"instruction": "forecast the next two seconds", "sample_rate": 4, "series": series})
+    assert response["horizon"] == 8 and [len(c) for c in response["forecast"]] == [8, 8]
+    assert all(80 < v < 120 for v in response["forecast"][0]) and all(-10 < v < 4 for v in response["forecast"][1])
+    with pytest.raises(ValueError, match="max_horizon"):
+        answer(trained, {"instruction": "predict 500 steps ahead", "series": series})
+    with pytest.raises(ValueError, match="--allow-files"):
+        answer(trained, {"instruction": "predict 4 steps ahead", "path": "x.csv"})
