@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +162,27 @@ def test_forecast_and_text_losses_fall_in_the_trainer(tmp_path):
         answer(trained, {"instruction": "predict 500 steps ahead", "series": series})
     with pytest.raises(ValueError, match="--allow-files"):
         answer(trained, {"instruction": "predict 4 steps ahead", "path": "x.csv"})
+
+
+def _forecast_rank(rank: int, world: int, recipe_path: str, run_dir: str, overrides: list) -> None:
+    from megatron_s2.config.recipe import load_recipe
+    from megatron_s2.training.forecast_trainer import ForecastTrainer
+
+    recipe = load_recipe(recipe_path, overrides)
+    ForecastTrainer(recipe, Path(run_dir), rank=rank, world_size=world, log=lambda *a, **k: None).train()
+
+
+@pytest.mark.slow
+def test_data_parallel_forecast_phase_matches_one_rank(tmp_path):
+    """DP2 against one rank on the same seed: the global batch is split, the step is the same."""
+    from tests.parallel.spawn import run_distributed
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "timeseries_forecast_tiny.yaml"
+    base = ["training.train_steps=3", "data.num_documents=64", "checkpoint.save_interval=0"]
+    _forecast_rank(0, 1, str(recipe), str(tmp_path / "dp1"), base)
+    run_distributed(2, _forecast_rank, str(recipe), str(tmp_path / "dp2"), [*base, "parallel.dp=2"])
+    one, two = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                for d in ("dp1", "dp2"))
+    for a, b in zip(one, two, strict=True):
+        for key in ("loss", "loss_forecast_raw", "loss_text_raw", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key
