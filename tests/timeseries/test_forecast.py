@@ -160,6 +160,12 @@ def test_forecast_and_text_losses_fall_in_the_trainer(tmp_path):
     assert all(80 < v < 120 for v in response["forecast"][0]) and all(-10 < v < 4 for v in response["forecast"][1])
     with pytest.raises(ValueError, match="max_horizon"):
         answer(trained, {"instruction": "predict 500 steps ahead", "series": series})
+    # the engine's loader (generate / serve) takes the checkpoint with its branch, not refusing it
+    from megatron_s2.inference.weights import load_model
+
+    served, _, _ = load_model(str(tmp_path / "run"), device="cpu")
+    for name, value in trained.model.forecaster.state_dict().items():
+        assert torch.equal(served.forecaster.state_dict()[name], value), name
     with pytest.raises(ValueError, match="--allow-files"):
         answer(trained, {"instruction": "predict 4 steps ahead", "path": "x.csv"})
 
