@@ -78,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
                 from megatron_s2.training.contrastive_trainer import ContrastiveTrainer as Trainer
             elif recipe.phase.kind == "visual_next_patch":  # text + rendered pages (walkthrough Ch. 3)
                 from megatron_s2.training.next_patch_trainer import VisualNextPatchTrainer as Trainer
+            elif recipe.phase.kind == "timeseries_forecast":  # text + numerical forecasts (Intern-S2 §2.2.2)
+                from megatron_s2.training.forecast_trainer import ForecastTrainer as Trainer
             elif recipe.phase.kind in ("memdec", "memdec_router"):  # the Memory Decoder's phases
                 from megatron_s2.posttrain.memdec.trainer import memdec_trainer
 

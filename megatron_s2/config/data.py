@@ -14,6 +14,10 @@ Two kinds of data feed the trainer (implementation in :mod:`megatron_s2.data`):
   embedded procedural source, a folder of images with captions, parquet shards or webdataset
   ``.tar`` shards (``source``); each image becomes a span of image tokens planned by the model
   family (:mod:`megatron_s2.data.image_text`).
+* ``timeseries`` — a series with a text instruction and answer per document (Intern-S2 report
+  §2.2.1-2.2.2): from the embedded procedural generator (no ``paths``) or local .csv / .parquet /
+  .npz files (``paths``); each series becomes a span of series tokens planned from
+  ``model.timeseries``, and its known future is the forecasting target (:mod:`megatron_s2.data.timeseries_text`).
 
 Prompt/answer pairs are rendered as a one-turn chat (character tokenizer: ``bos + prompt +
 sep + answer + eos``), text as ``bos + text + eos``; documents are best-fit packed into rows
@@ -72,11 +76,12 @@ class TaskDifficulty:
 class DataConfig:
     """Training data of a phase: source, tokenizer, rendering and loss masking."""
 
-    kind: Literal["synthetic", "indexed", "chat", "image_text", "procedural_text"] = "synthetic"
+    kind: Literal["synthetic", "indexed", "chat", "image_text", "procedural_text", "timeseries"] = "synthetic"
     """'synthetic': generated verifiable tasks; 'indexed': .bin/.idx files from
     tools/preprocess_data.py listed in `paths`; 'chat': conversations in the local .jsonl /
     .parquet files listed in `paths`; 'image_text': image-text pairs from `source` (needs a
-    model with a vision tower); 'procedural_text': generated text of the `corpus` language."""
+    model with a vision tower); 'procedural_text': generated text of the `corpus` language;
+    'timeseries': series + instruction / answer documents (needs model.timeseries)."""
     tokenizer: str = "char"
     """'char' (the project's character-level tokenizer, vocab 102) or a local Hugging Face
     tokenizer directory (tokenizer.json + tokenizer_config.json with a chat_template), e.g.
@@ -151,6 +156,21 @@ class DataConfig:
     image_max_pixels: int = 32 * 1024 * 1024
     """Largest decoded width x height accepted; larger images are refused naming the file."""
 
+    # ---- timeseries ------------------------------------------------------------------------
+    series_length: int = 256
+    """kind 'timeseries': longest history (steps) of a document's series; procedural items draw
+    their length from [series_length / 2, series_length], file windows take series_length."""
+    series_horizon: int = 48
+    """kind 'timeseries': longest forecast horizon (steps); procedural items draw theirs from
+    [series_horizon / 4, series_horizon], files hold out the last series_horizon steps of a window."""
+    series_channels: int = 3
+    """kind 'timeseries', procedural: channels (lead/lag copies of one seasonal driver)."""
+    series_noise: float = 0.1
+    """kind 'timeseries', procedural: standard deviation of the additive noise (driver amplitude ~1)."""
+    series_sample_rates: tuple[float, ...] = (1.0, 2.0, 4.0)
+    """kind 'timeseries', procedural: sampling rates (Hz) drawn per item (instructions may then ask
+    in seconds); files use their npz ``sample_rate`` or none."""
+
     def __post_init__(self) -> None:
         if not self.tasks and self.kind == "synthetic":
             raise ConfigError(f"tasks: synthetic data needs at least one task; valid names: {', '.join(TASK_NAMES)}")
@@ -182,9 +202,11 @@ class DataConfig:
                 raise ConfigError(f"paths: duplicate files in {list(self.paths)}")
         elif self.kind == "image_text":
             self._check_image_text()
+        elif self.kind == "timeseries":
+            self._check_timeseries()
         elif self.paths or self.weights:
-            raise ConfigError("paths: only kinds 'indexed', 'chat' and 'image_text' read files; set the kind or drop "
-                              "paths/weights")
+            raise ConfigError("paths: only kinds 'indexed', 'chat', 'image_text' and 'timeseries' read files; set the "
+                              "kind or drop paths/weights")
         roles = ("system", "user", "assistant", "tool")
         bad = [r for r in self.loss_roles if r not in roles]
         if bad or not self.loss_roles:
@@ -225,11 +247,31 @@ class DataConfig:
         if self.image_max_pixels < 1:
             raise ConfigError(f"image_max_pixels: must be a positive integer, got {self.image_max_pixels}")
 
+    def _check_timeseries(self) -> None:
+        for name in ("series_length", "series_horizon", "series_channels"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.series_length < 2:
+            raise ConfigError(f"series_length: a series needs at least 2 steps, got {self.series_length}")
+        if self.series_noise < 0:
+            raise ConfigError(f"series_noise: must be >= 0, got {self.series_noise}")
+        if not self.series_sample_rates or not all(r > 0 for r in self.series_sample_rates):
+            raise ConfigError(f"series_sample_rates: give one or more positive rates in Hz, got "
+                              f"{list(self.series_sample_rates)}")
+        for path in self.paths:
+            if not path.lower().endswith((".csv", ".parquet", ".npz")):
+                raise ConfigError(f"paths: '{path}' is not a .csv, .parquet or .npz series file (kind 'timeseries')")
+        if len(set(self.paths)) != len(self.paths):
+            raise ConfigError(f"paths: duplicate files in {list(self.paths)}")
+        if self.weights:
+            raise ConfigError("weights: kind 'timeseries' reads its files as one dataset; drop weights")
+
     def loss_mode(self, phase: str) -> Literal["all", "answer"]:
-        """Resolve `loss_on` for a phase name ('auto' masks prompts only in 'sft')."""
+        """Resolve `loss_on` for a phase name ('auto' masks prompts only in 'sft' and in
+        'timeseries_forecast', whose text is instruction / answer turns)."""
         if self.loss_on != "auto":
             return self.loss_on
-        return "answer" if phase == "sft" else "all"
+        return "answer" if phase in ("sft", "timeseries_forecast") else "all"
 
     def generation_seed(self, run_seed: int) -> int:
         """Seed of synthetic generation: `dataset_seed`, or the run seed when unset."""

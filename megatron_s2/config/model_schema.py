@@ -27,6 +27,7 @@ from functools import lru_cache
 from typing import Any, Literal, Mapping
 
 from megatron_s2.config.schema import ConfigError
+from megatron_s2.config.timeseries import TimeSeriesConfig
 
 __all__ = ["ModelSchema", "LayoutRequirements", "DEFAULT_FAMILY", "ENTRY_POINT_GROUP", "family_package",
            "schema_class", "installed_families"]
@@ -77,6 +78,9 @@ class ModelSchema(abc.ABC):
     """Activation dtype of matrix products (the family's precision map keeps its float32 islands)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of matrices."""
+    timeseries: TimeSeriesConfig | None = None
+    """The time-series lane (Intern-S2 report §2.2.1-2.2.2): series encoder and forecasting
+    branch; absent = text only (megatron_s2/config/timeseries.py)."""
 
     @classmethod
     def resolve_schema(cls, data: Any, path: str) -> type:

@@ -15,7 +15,7 @@ __all__ = ["PhaseConfig"]
 @dataclass(frozen=True)
 class PhaseConfig:
     kind: Literal["pretrain", "sft", "rl", "opd", "dspark", "contrastive", "visual_next_patch", "memdec",
-                  "memdec_router"] = "pretrain"
+                  "memdec_router", "timeseries_forecast"] = "pretrain"
     """pretrain: loss on every token; sft: loss only on answer tokens (prompt masked); rl:
     reinforcement learning from verifiable rewards (the recipe's ``rl:`` section); opd: on-policy
     distillation (the ``opd:`` section). rl and opd roll out with the inference engine on the
@@ -32,7 +32,10 @@ class PhaseConfig:
     from the frozen ``memdec_backbone``. memdec_router: router training (Eq. 3-4): ``model:`` is
     the memory decoder (``checkpoint.load``: its memdec run), frozen with the backbone; only the
     router trains, on ``data:`` (domain) and ``memdec_general_data`` mixed 1:1
-    (megatron_s2/posttrain/memdec)."""
+    (megatron_s2/posttrain/memdec). timeseries_forecast: the forecasting branch (Intern-S2 report
+    §2.2.2) trained with the text: ``data.kind: timeseries`` documents, the answer's cross-entropy
+    (loss on answers, as in sft) times ``forecast_lambda_text`` plus the causal forecaster's error
+    on the series' known futures times ``forecast_lambda`` (megatron_s2/training/forecast_trainer.py)."""
     freeze: tuple[str, ...] = ()
     """Parameter-name globs frozen in this phase (e.g. the backbone while training a drafter)."""
     train_drafter: bool = False
@@ -65,6 +68,10 @@ class PhaseConfig:
     """Width of the router's hidden layer (features -> hidden -> GELU -> lambda logit)."""
     memdec_general_data: DataConfig | None = None
     """memdec_router: the general corpus mixed 1:1 with ``data:`` (the domain corpus)."""
+    forecast_lambda: float = 1.0
+    """timeseries_forecast: weight of the forecaster's loss (mean absolute error of the normalised values)."""
+    forecast_lambda_text: float = 1.0
+    """timeseries_forecast: weight of the text cross-entropy."""
 
     def __post_init__(self) -> None:
         if len(set(self.freeze)) != len(self.freeze):
@@ -79,6 +86,12 @@ class PhaseConfig:
         if self.kind == "memdec_router" and self.memdec_general_data is None:
             raise ConfigError("phase.memdec_general_data: router training mixes the domain corpus (data:) with a "
                               "general one; give its data section here (e.g. {kind: procedural_text, corpus: general})")
+        if self.forecast_lambda < 0 or self.forecast_lambda_text < 0:
+            raise ConfigError(f"phase.forecast_lambda / forecast_lambda_text: must be >= 0, got {self.forecast_lambda} "
+                              f"and {self.forecast_lambda_text}")
+        if self.kind == "timeseries_forecast" and self.forecast_lambda == 0:
+            raise ConfigError("phase.forecast_lambda: 0 trains no forecaster in phase.kind timeseries_forecast; use "
+                              "kind sft for text only, or a positive weight")
         if self.memdec_knn_k < 1:
             raise ConfigError(f"phase.memdec_knn_k: must be >= 1, got {self.memdec_knn_k}")
         if not self.memdec_knn_temperature > 0:

@@ -23,6 +23,9 @@ doc_ids         [b, s]  int64     segment id per position; attend only within eq
 position_ids    [b, s]  int64     0..s-1 within the packed row
 image_mask      [b, s]  bool      image data only: True at image-span positions (the router's
                                   image correction bias, §2.1.1; Engram skips them)
+series          b lists           time-series data only (``data.kind: timeseries``): per row, the
+                                  ``SeriesPlacement`` list for ``model.embed(tokens, series=...)``;
+                                  ``series_targets`` the known futures, ``series_mask`` [b, s] bool
 images          b lists           image data only: per row, the model family's image inputs
                                   (``ImageProcessor.prepare``, span start = row position), for
                                   ``model.embed(tokens, images=...)``; under context parallelism
@@ -134,6 +137,10 @@ class DataIterator:
             images, mask = self._images(dataset, row)
             is_target = is_target & ~mask  # nothing predicts an image token
             extra = {"image_mask": mask[:-1], "images": images}
+        elif hasattr(self.stores[dataset], "series_of"):  # series + text documents (data.timeseries_text)
+            placements, targets, mask = self._series(dataset, row)
+            is_target = is_target & ~mask  # nothing predicts a series token
+            extra = {"series_mask": mask[:-1], "series": placements, "series_targets": targets}
         return {
             "tokens": packed.tokens[:-1],
             "labels": packed.tokens[1:],
@@ -143,21 +150,32 @@ class DataIterator:
             **extra,
         }
 
-    def _images(self, dataset: int, row: int) -> tuple[list, np.ndarray]:
-        from megatron_s2.data.image_text import image_inputs_of_row
-
+    def _segments(self, dataset: int, row: int) -> list[tuple[int, int, int, int]]:
+        """(document, start inside it, length, row position) of each segment of a packed row."""
         packed = self.packed[dataset]
         segments, cursor = [], 0
         for index in range(packed.row_offsets[row], packed.row_offsets[row + 1]):
             length = int(packed.segment_length[index])
             segments.append((int(packed.segment_document[index]), int(packed.segment_start[index]), length, cursor))
             cursor += length
+        return segments
+
+    def _series(self, dataset: int, row: int) -> tuple[list, list, np.ndarray]:
+        from megatron_s2.data.timeseries_text import series_inputs_of_row
+
+        return series_inputs_of_row(self.stores[dataset], self._segments(dataset, row), self.seq_length)
+
+    def _images(self, dataset: int, row: int) -> tuple[list, np.ndarray]:
+        from megatron_s2.data.image_text import image_inputs_of_row
+
+        segments = self._segments(dataset, row)
         return image_inputs_of_row(self.stores[dataset], segments, self.image_processor, self.seq_length,
                                    self.cp_rank, self.cp_size)
 
     @staticmethod
     def _collate(examples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
-        return {key: ([e[key] for e in examples] if key == "images" else torch.from_numpy(np.stack([e[key] for e in examples])))
+        listed = ("images", "series", "series_targets")  # per-row Python objects, not stacked
+        return {key: ([e[key] for e in examples] if key in listed else torch.from_numpy(np.stack([e[key] for e in examples])))
                 for key in examples[0]}
 
     # ---- checkpointing ---------------------------------------------------------------------
@@ -195,9 +213,17 @@ def _check_layout(seq_length: int, global_batch_size: int, micro_batch_size: int
 
 
 def load_document_stores(cfg: DataConfig, *, seed: int, tokenizer: Tokenizer, log=print, image_processor=None,
-                         seq_length: int | None = None) -> list[DocumentStore]:
+                         seq_length: int | None = None, model=None) -> list[DocumentStore]:
     """The document stores named by a data config (generated or read from disk); kind
-    'image_text' needs the model family's ``image_processor`` and the run's ``seq_length``."""
+    'image_text' needs the model family's ``image_processor`` and the run's ``seq_length``;
+    kind 'timeseries' the ``model`` section (its ``timeseries`` sizes the series spans)."""
+    if cfg.kind == "timeseries":
+        from megatron_s2.data.timeseries_text import SeriesPlanner, build_series_documents
+
+        if model is None or getattr(model, "timeseries", None) is None:
+            raise ConfigError("data.kind: 'timeseries' needs a model with a time-series encoder; set model.timeseries")
+        return [build_series_documents(cfg, seed=seed, tokenizer=tokenizer, planner=SeriesPlanner.from_model(model),
+                                       seq_length=seq_length)]
     if cfg.kind == "image_text":
         if image_processor is None:
             raise ConfigError("data.kind: 'image_text' needs a model with a vision tower (model.vision_n_layers > 0)")
@@ -230,14 +256,15 @@ def load_document_stores(cfg: DataConfig, *, seed: int, tokenizer: Tokenizer, lo
 
 def build_data_iterator(cfg: DataConfig, *, seq_length: int, global_batch_size: int, micro_batch_size: int,
                         dp_rank: int, dp_size: int, seed: int, phase: str, tokenizer: Tokenizer,
-                        log=print, image_processor=None, cp_rank: int = 0, cp_size: int = 1) -> DataIterator:
+                        log=print, image_processor=None, cp_rank: int = 0, cp_size: int = 1,
+                        model=None) -> DataIterator:
     """The data iterator of one data-parallel rank (see module docstring); ``image_processor``:
     the model family's (``family_of(model).image_processor(model)``), needed by kind 'image_text';
     ``cp_rank`` / ``cp_size``: this rank's context-parallel place (which images it loads)."""
     _check_layout(seq_length, global_batch_size, micro_batch_size, dp_rank, dp_size)
     return DataIterator(
         load_document_stores(cfg, seed=seed, tokenizer=tokenizer, log=log, image_processor=image_processor,
-                             seq_length=seq_length),
+                             seq_length=seq_length, model=model),
         seq_length=seq_length, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
         dp_rank=dp_rank, dp_size=dp_size, seed=seed, answer_only=cfg.loss_mode(phase) == "answer",
         pad_id=tokenizer.pad_id, weights=cfg.weights or None, image_processor=image_processor,

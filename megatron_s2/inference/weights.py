@@ -160,6 +160,10 @@ def load_model(path: str, device: str | None = None):
                           f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}); use cpu or another GPU")
     with build_on(dev):
         model = family_of(cfg).build_model(cfg)
+        if getattr(cfg, "timeseries", None) is not None and any(k.startswith("forecaster.") for k in loaded.state):
+            from megatron_s2.models.timeseries.forecaster import ForecastBranch  # a timeseries_forecast run's branch
+
+            model.forecaster = ForecastBranch(cfg.timeseries, cfg.hidden_size)
     model.to(dev)  # host-computed buffers (RoPE frequencies) follow
     missing, unexpected = model.load_state_dict(loaded.state, strict=False)
     if missing or unexpected:

@@ -51,9 +51,10 @@ def get_forward_backward_func(layout, pipeline: "PipelineRuntime | None" = None)
 
 
 def image_inputs(mb: dict) -> dict:
-    """``{"images": ...}`` for a micro-batch with images (``data.kind: image_text``), else ``{}``:
+    """``{"images": ...}`` for a micro-batch with images (``data.kind: image_text``) and
+    ``{"series": ...}`` for one with time series (``data.kind: timeseries``), else ``{}``:
     text-only families and micro-batches are called exactly as before."""
-    return {"images": mb["images"]} if mb.get("images") is not None else {}
+    return {key: mb[key] for key in ("images", "series") if mb.get(key) is not None}
 
 
 def _prepare_step(model, inputs: StepInputs):

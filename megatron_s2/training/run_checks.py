@@ -115,6 +115,35 @@ def check_image_layout(recipe: RecipeConfig) -> None:
                           "train the drafter on text data")
 
 
+def check_series_layout(recipe: RecipeConfig) -> None:
+    """The time-series lane (``data.kind: timeseries``, ``phase.kind: timeseries_forecast``; Intern-S2
+    report §2.2) needs ``model.timeseries`` and runs on data-parallel layouts only: the encoder sits
+    beside the first stage's embedding and the forecaster beside the last stage's head (pipeline
+    parallelism would need the encoding sent across the cut), its parameters are replicated and
+    unplanned (tensor / sequence parallelism would need their placements), and a series span is
+    never split (context parallelism)."""
+    series_data, forecast = recipe.data.kind == "timeseries", recipe.phase.kind == "timeseries_forecast"
+    if not (series_data or forecast):
+        return
+    what = "phase.kind: timeseries_forecast" if forecast else "data.kind: 'timeseries'"
+    if forecast and not series_data:
+        raise ConfigError(f"data.kind: phase.kind timeseries_forecast trains on series with known futures; set "
+                          f"data.kind: timeseries (got '{recipe.data.kind}')")
+    ts = getattr(recipe.model, "timeseries", None)
+    if ts is None:
+        raise ConfigError(f"model.timeseries: {what} needs the model's time-series encoder; add a model.timeseries "
+                          "section (e.g. {hidden: 64, token_budget: 64})")
+    ts.placeholder_id(recipe.model.vocab_size)
+    p = recipe.parallel
+    split = [f"parallel.{name}={getattr(p, name)}" for name in ("tp", "pp", "cp", "ep", "etp") if getattr(p, name) > 1]
+    if split:
+        raise ConfigError(f"{what} runs on data-parallel layouts only (the series encoder and forecaster are "
+                          f"replicated beside the first and last stage); got {', '.join(split)}: set them to 1")
+    if recipe.phase.trains_drafter:
+        raise ConfigError(f"{what} with a phase that trains the DSpark drafter is not supported; train the drafter "
+                          "on text data")
+
+
 def check_checkpoint_load(recipe: RecipeConfig, run_dir: str | Path, pending: Sequence[str | Path] = ()) -> None:
     """``checkpoint.load`` names a loadable checkpoint, unless the run will resume from its own
     (``checkpoint.resume`` and a committed step in ``run_dir``: ``load`` is then not read) or the
@@ -229,6 +258,7 @@ def check_phase_layout(recipe: RecipeConfig) -> None:
     (:func:`check_drafter_phase`), and visual next-patch pre-training's — data parallelism only, its
     pages' forward runs inside the loss over whole sequences (megatron_s2/training/next_patch_trainer.py)."""
     check_drafter_phase(recipe)
+    check_series_layout(recipe)
     if recipe.phase.kind != "visual_next_patch":
         return
     p = recipe.parallel

@@ -59,9 +59,10 @@ class TrainResult:
 
 
 class Trainer:
-    fresh_on_load: tuple[str, ...] = ("dspark.",)
+    fresh_on_load: tuple[str, ...] = ("dspark.", "timeseries.")
     """Name prefixes of model tensors a new phase may add to a loaded checkpoint (they keep their
-    initialisation): the DSpark drafter (report §2.4.3); a phase adds its own."""
+    initialisation): the DSpark drafter (report §2.4.3) and the time-series encoder (a text
+    checkpoint continued with series, Intern-S2 §2.2.1); a phase adds its own."""
 
     def __init__(self, recipe: RecipeConfig, run_dir: Path, *, rank: int = 0, world_size: int = 1, guard=None,
                  log=print, device=None):
@@ -159,7 +160,7 @@ class Trainer:
                                    dp_size=self.layout.dp, seed=t.seed, phase=self.recipe.phase.kind,
                                    tokenizer=self.tokenizer, log=self.log,
                                    image_processor=family_of(self.recipe.model).image_processor(self.recipe.model),
-                                   cp_rank=self.groups.cp.rank, cp_size=self.groups.cp.size)
+                                   cp_rank=self.groups.cp.rank, cp_size=self.groups.cp.size, model=self.recipe.model)
 
     def _freeze(self, patterns: tuple[str, ...]) -> None:
         from fnmatch import fnmatch

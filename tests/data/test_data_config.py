@@ -19,7 +19,7 @@ def test_defaults_are_valid_synthetic_data():
     ({"num_documents": 0}, "num_documents: must be >= 1"),
     ({"dataset_seed": -1}, "dataset_seed"),
     ({"kind": "indexed"}, "paths: kind 'indexed' needs at least one dataset prefix"),
-    ({"paths": ("data/x",)}, "paths: only kinds 'indexed', 'chat' and 'image_text' read files"),
+    ({"paths": ("data/x",)}, "paths: only kinds 'indexed', 'chat', 'image_text' and 'timeseries' read files"),
     ({"kind": "indexed", "paths": ("a", "b"), "weights": (1.0,)}, "weights: 1 weights for 2 paths"),
     ({"kind": "indexed", "paths": ("a", "b"), "weights": (1.0, 0.0)}, "weights: every weight must be a positive"),
     ({"kind": "indexed", "paths": ("a", "a")}, "paths: duplicate prefixes"),

@@ -92,6 +92,11 @@ class InternS2Model(nn.Module):
             self.final_norm = RMSNorm(d, config.norm_eps)
             self.output_layer = VocabParallelHead(config.vocab_size, d, g.tp, sequence_parallel=sp)
         apply_plan(PLAN, self, g, config, source=SOURCE)
+        self.timeseries = None
+        if pre_process and config.timeseries is not None:  # the series lane beside the embedding (§2.2.1)
+            from megatron_s2.models.timeseries.attach import build_series_encoder
+
+            self.timeseries = build_series_encoder(config)
 
     @property
     def layer_ids(self) -> list[int]:
@@ -109,8 +114,15 @@ class InternS2Model(nn.Module):
         return InternContext(positions, micro_batch.get("doc_ids") if doc_ids is None else doc_ids,
                              routing=routing, full_doc_ids=micro_batch.get("full_doc_ids"))
 
-    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self.embedding["word_embeddings"](input_ids).to(getattr(torch, self.config.compute_dtype)),)
+    def embed(self, input_ids: torch.Tensor, series=None) -> tuple[torch.Tensor]:
+        """Token ids -> the residual stream; ``series``: per sequence, the series placements whose
+        spans take the time-series encoder's tokens (or their ``EncodedSeries``, §2.2.1)."""
+        h = self.embedding["word_embeddings"](input_ids).to(getattr(torch, self.config.compute_dtype))
+        if series is not None:
+            from megatron_s2.models.timeseries.attach import merge_series
+
+            h = merge_series(h, series, self.timeseries)
+        return (h,)
 
     def embed_vectors(self, vectors: torch.Tensor) -> tuple[torch.Tensor]:
         """Vectors [b, s, d] in place of token embeddings (visual next-patch pre-training,
@@ -137,9 +149,10 @@ class InternS2Model(nn.Module):
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.groups.tp)
 
-    def forward(self, input_ids: torch.Tensor, ctx: InternContext | None = None, labels=None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, ctx: InternContext | None = None, labels=None,
+                series=None) -> torch.Tensor:
         ctx = ctx or self.make_context({"tokens": input_ids})
-        logits = self.head(*self.run_layers(self.embed(input_ids), ctx))
+        logits = self.head(*self.run_layers(self.embed(input_ids, series), ctx))
         return logits if labels is None else self.loss(logits, labels)
 
     def routers(self) -> list[nn.Module]:

@@ -214,6 +214,10 @@ class QFormer(nn.Module):
 class TimeSeriesEncoder(nn.Module):
     """Series in, backbone-width tokens and retained (mu, sigma) out (see the module docstring)."""
 
+    PLAN_SECTION = "timeseries"
+    """A section of its own: a family's parallel plan skips it; its parameters stay unmarked (whole,
+    replicated, reduced over data parallelism: the lane runs data-parallel only)."""
+
     def __init__(self, cfg: TimeSeriesEncoderConfig):
         super().__init__()
         self.cfg = cfg

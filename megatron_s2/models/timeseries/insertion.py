@@ -31,19 +31,22 @@ class SeriesPlacement:
 
 
 def merge_series_embeddings(h: torch.Tensor, placements: Sequence[Sequence[SeriesPlacement] | None],
-                            encoder: TimeSeriesEncoder) -> tuple[torch.Tensor, TimeSeriesEncoding | None]:
+                            encoder: TimeSeriesEncoder, *, encoding: TimeSeriesEncoding | None = None
+                            ) -> tuple[torch.Tensor, TimeSeriesEncoding | None]:
     """Embeddings [b, s, d] with every series span overwritten by its series' tokens.
 
     ``placements[i]`` lists the series of sequence ``i`` (None or empty: text only). Out of place,
     like the image merge: gradients reach the encoder through the spans and the word embeddings
     through every other position. Returns the encoding too (mu/sigma per series, in the order of
-    ``placements`` flattened), or None when there was no series."""
+    ``placements`` flattened), or None when there was no series. ``encoding``: the encoder's output
+    over these placements when the caller already encoded them (it is not run again)."""
     flat = [(i, place) for i, sample in enumerate(placements) for place in (sample or ())]
     if not flat:
         return h, None
     if len(placements) != h.size(0):
         raise ValueError(f"placements cover {len(placements)} sequences, the embeddings {h.size(0)}")
-    encoding = encoder([place.series for _, place in flat])
+    if encoding is None:
+        encoding = encoder([place.series for _, place in flat])
     rows, cols, values = [], [], []
     for k, (i, place) in enumerate(flat):
         count = encoding.plans[k].num_tokens

@@ -69,19 +69,26 @@ class V41Model(nn.Module):
             self.vision = VisionEncoder(config, groups)
         apply_plan(self, groups, config)
         set_gemm_dtype(self, getattr(torch, config.compute_dtype))  # precision map (models/v41/precision.py)
+        self.timeseries = None
+        if pre_process and config.timeseries is not None:  # the series lane beside the embedding (Intern-S2 §2.2.1)
+            from megatron_s2.models.timeseries.attach import build_series_encoder
+
+            self.timeseries = build_series_encoder(config)
 
     @property
     def layer_ids(self) -> list[int]:
         return [int(k) for k in self.layers.keys()]
 
     # ---- stage pieces --------------------------------------------------------------------
-    def embed(self, input_ids: torch.Tensor, images=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def embed(self, input_ids: torch.Tensor, images=None, series=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids -> (streams [b, s, n, d], initial one-hot input mix [b, s, n]).
 
         ``images``: per sequence, the :class:`~megatron_s2.models.v41.vision.processor.ImageInput`
         list whose spans take the vision encoder's embeddings (§2.1.1); under context parallelism a
         :class:`~megatron_s2.parallel.image_sharding.ShardedImages` (each rank encodes its own images);
-        in a training step the :class:`~.vision.phase.EncodedImages` of :meth:`encode_images`."""
+        in a training step the :class:`~.vision.phase.EncodedImages` of :meth:`encode_images`.
+        ``series``: per sequence, the series placements whose spans take the time-series encoder's
+        tokens (or their :class:`~megatron_s2.models.timeseries.attach.EncodedSeries`)."""
         h = self.embedding["word_embeddings"](input_ids).to(getattr(torch, self.config.compute_dtype))
         if images is not None:
             if self.vision is None:
@@ -93,6 +100,10 @@ class V41Model(nn.Module):
             # span rows that land there are written (the encoder's gradients are tp-partial then)
             sp_slice = (tp.rank, tp.size) if self.groups.sequence.sp and tp.size > 1 else None
             h = merge_images(h, images, self.vision, sp_slice=sp_slice)
+        if series is not None:
+            from megatron_s2.models.timeseries.attach import merge_series
+
+            h = merge_series(h, series, self.timeseries)
         x = expand_embedding(h, self.config.hc_mult)
         return x, one_hot_pre(x)
 
@@ -182,12 +193,12 @@ class V41Model(nn.Module):
 
     # ---- single-stage convenience -----------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None,
-                labels: torch.Tensor | None = None, images=None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, images=None, series=None) -> torch.Tensor:
         """Logits shard [b, s, V/tp], or the per-token loss [b, s] when ``labels`` is given
-        (``images``: as :meth:`embed`)."""
+        (``images``, ``series``: as :meth:`embed`)."""
         if ctx is None:
             ctx = ForwardContext.create(input_ids, self.plan)
-        logits = self.head(*self.run_layers(self.embed(input_ids, images), ctx))
+        logits = self.head(*self.run_layers(self.embed(input_ids, images, series), ctx))
         return logits if labels is None else self.loss(logits, labels)
 
     # ---- training hooks ---------------------------------------------------------------------

@@ -1,0 +1,131 @@
+"""The trainer of ``phase.kind: timeseries_forecast`` (Intern-S2 report §2.2.2; walkthrough Ch. 1
+"The forecasting branch, and why it is not text").
+
+Series + instruction / answer documents (``data.kind: timeseries``) in every micro-batch; the
+backbone reads the prompt with the series inserted (the encoder's tokens at the placeholder span,
+§2.2.1) and learns the text answer, and the forecasting branch — two conditioning Q-Formers and
+the causal forecaster (:mod:`megatron_s2.models.timeseries.forecaster`) — learns the series' known
+future from the same forward: the loss is ``forecast_lambda_text * L_text + forecast_lambda *
+L_forecast`` (:class:`ForecastObjective`). The branch lives beside the family model as its
+``forecaster`` submodule, so it is optimised and checkpointed with it.
+
+The schedules call the model through :class:`SeriesForecastForward`, which encodes the micro-batch's
+series once, runs the backbone once and keeps (encoding, final hidden state) on the forward
+context for the objective: no second backbone pass.
+
+Layouts: data parallelism only (:func:`~megatron_s2.training.run_checks.check_series_layout`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.models.init import initialize_parameters
+from megatron_s2.models.timeseries.attach import tag_inits
+from megatron_s2.models.timeseries.forecaster import ForecastBranch
+from megatron_s2.models.timeseries.predict import forecast_loss, prompt_hidden
+from megatron_s2.parallel.grad_finalize import finalize_model_grads
+from megatron_s2.pipeline.losses import global_token_count, micro_batch_objective
+from megatron_s2.pipeline.step import StepInputs
+from megatron_s2.runtime.device import to_device
+from megatron_s2.training.trainer import Trainer
+
+__all__ = ["ForecastTrainer", "ForecastObjective", "SeriesForecastForward", "load_trained_forecaster"]
+
+
+class SeriesForecastForward:
+    """The family model as the schedules call it (``model(tokens, ctx, labels=..., series=...)``),
+    keeping ``ctx.forecast_state = (EncodedSeries, final hidden)`` for :class:`ForecastObjective`."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __getattr__(self, name):  # make_context, prepare_step, loss, forecaster ...
+        return getattr(self.model, name)
+
+    def __call__(self, tokens: torch.Tensor, ctx, labels=None, series=None):
+        hidden, encoded, final = prompt_hidden(self.model, tokens, ctx, series)
+        ctx.forecast_state = (encoded, final)
+        logits = self.model.head(*hidden)
+        return logits if labels is None else self.model.loss(logits, labels)
+
+
+class ForecastObjective:
+    """A step's ``loss_fn``: per micro-batch, ``lambda_text`` x the answer cross-entropy (its share
+    of the global token mean, as without series) + ``lambda_forecast`` x the forecaster's mean
+    absolute error on the normalised futures (a per-micro-batch mean counted as
+    ``1 / num_micro_global`` of the step, as auxiliary losses are). Logged beside the total:
+    ``loss_text``, ``loss_forecast`` (normalised MAE) and ``forecast_mae`` (original scale)."""
+
+    def __init__(self, global_tokens: torch.Tensor, num_micro_global: int, *, lambda_text: float,
+                 lambda_forecast: float):
+        self.global_tokens, self.num_micro_global = global_tokens, num_micro_global
+        self.lambda_text, self.lambda_forecast = lambda_text, lambda_forecast
+
+    def __call__(self, model, logits: torch.Tensor, mb: dict, ctx):
+        text_objective, text_summed = micro_batch_objective(model.loss(logits, mb["labels"]), mb["loss_mask"],
+                                                            self.global_tokens, None, self.num_micro_global)
+        encoded, final = ctx.forecast_state
+        if encoded.encoding is None:  # a micro-batch without series (cannot happen with data.kind timeseries)
+            loss_fc = mae = final.sum() * 0.0
+        else:
+            loss_fc, mae = forecast_loss(model.forecaster, final, encoded, mb["series_targets"])
+        objective = self.lambda_text * text_objective + self.lambda_forecast * loss_fc / self.num_micro_global
+        share = self.global_tokens.squeeze() / self.num_micro_global
+        summed = self.lambda_text * text_summed + self.lambda_forecast * loss_fc.detach() * share
+        ctx.aux_metrics["loss_text"] = text_summed / share
+        ctx.aux_metrics["loss_forecast"] = loss_fc.detach()
+        ctx.aux_metrics["forecast_mae"] = mae
+        return objective, summed
+
+
+class ForecastTrainer(Trainer):
+    fresh_on_load = Trainer.fresh_on_load + ("forecaster.",)  # a text checkpoint starts the branch fresh
+
+    def build_model(self, host):
+        """The family model, given the forecasting branch as its ``forecaster`` submodule before the
+        optimiser is built (it trains and checkpoints with it)."""
+        model, pipeline = super().build_model(host)
+        ts = self.recipe.model.timeseries
+        if getattr(model, "timeseries", None) is None or not hasattr(model, "final_hidden"):
+            raise ConfigError(f"phase.kind: timeseries_forecast: model family '{self.recipe.model.family}' has no "
+                              "time-series encoder or final_hidden; set model.timeseries on a v41 or intern_s2 model")
+        branch = tag_inits(ForecastBranch(ts, self.recipe.model.hidden_size))
+        initialize_parameters(branch, self.recipe.training.seed, self.recipe.model.init_std)
+        model.forecaster = branch.to(self.device)
+        return model, pipeline
+
+    def compute_gradients(self, micro_batches: list[dict]):
+        """Forward/backward through :class:`SeriesForecastForward` (data parallelism: no context
+        split, no images) and reduce the gradients."""
+        micro_batches = [to_device(mb, self.device) for mb in micro_batches]
+        inputs = StepInputs(micro_batches, self.groups, self.num_micro_global, loss_fn=self.step_objective(micro_batches))
+        result = self.forward_backward(SeriesForecastForward(self.model), inputs)
+        finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb, zero1=self.zero1)
+        return result
+
+    def step_objective(self, micro_batches: list[dict]):
+        phase = self.recipe.phase
+        return ForecastObjective(global_token_count(micro_batches, self.groups.dp_cp), self.num_micro_global,
+                                 lambda_text=phase.forecast_lambda_text, lambda_forecast=phase.forecast_lambda)
+
+
+def load_trained_forecaster(run_dir) -> ForecastTrainer:
+    """The trainer of a ``timeseries_forecast`` run directory with its newest checkpoint loaded
+    (``.model`` in eval mode, ``.tokenizer``, ``.recipe``, ``.step``): what the forecasting bench
+    and ``tools/forecast.py`` answer with. Refuses, in one line, a directory without a checkpoint."""
+    from pathlib import Path
+
+    from megatron_s2.config.recipe import load_recipe
+
+    run_dir = Path(run_dir)
+    recipe = load_recipe(run_dir / "config.yaml")
+    if recipe.phase.kind != "timeseries_forecast":
+        raise ConfigError(f"{run_dir}: phase.kind is {recipe.phase.kind}, not timeseries_forecast; give the run "
+                          "directory of a forecasting phase")
+    trainer = ForecastTrainer(recipe, run_dir, log=lambda *a, **k: None)
+    if not trainer.restore():
+        raise ConfigError(f"{run_dir}: no checkpoint to load; train it first (megatron-s2 train <recipe>)")
+    trainer.model.eval()
+    return trainer
