@@ -4,6 +4,7 @@ with the success rate in brackets).
 
     megatron-s2 train recipes/timeseries_forecast_tiny.yaml          # ~4 min on 2 CPU cores
     python bench/timeseries_forecast.py runs/timeseries_forecast_tiny [--items 200]
+    python bench/timeseries_forecast.py --smoke      # trains the recipe 4 steps in a temp dir, 8 items
 
 The run's newest checkpoint is loaded into its own model (config.yaml of the run directory); the
 held-out series come from the generator's held-out seed (``data.split: heldout``: no training
@@ -45,10 +46,17 @@ def seasonal_naive(history: np.ndarray, horizon: int, period: int) -> np.ndarray
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("run_dir", type=Path, nargs="?")
     parser.add_argument("--items", type=int, default=200, help="held-out series")
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--smoke", action="store_true",
+                        help="train recipes/timeseries_forecast_tiny.yaml 4 steps in a temporary run directory, "
+                             "then score 8 held-out items (the suite's check that the script runs)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        return _smoke(args)
+    if args.run_dir is None:
+        parser.error("give the run directory of a timeseries_forecast run (or --smoke)")
 
     import torch
 
@@ -117,6 +125,25 @@ def main(argv=None) -> int:
     win = np.concatenate(wins)
     print(f"forecaster beats seasonal naive on {100.0 * win.mean():.1f}% of (item, channel) pairs")
     return 0
+
+
+def _smoke(args) -> int:
+    import tempfile
+
+    import torch
+
+    from megatron_s2.config.recipe import load_recipe
+    from megatron_s2.training.forecast_trainer import ForecastTrainer
+
+    torch.set_num_threads(1)
+    recipe_path = Path(__file__).resolve().parents[1] / "recipes" / "timeseries_forecast_tiny.yaml"
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        recipe = load_recipe(recipe_path, [f"training.run_dir={run_dir}", "training.train_steps=4", "data.num_documents=16",
+                                           "schedule.warmup_steps=1", "schedule.decay_start_step=3", "schedule.decay_end_step=4",
+                                           "checkpoint.save_interval=4"])
+        ForecastTrainer(recipe, run_dir, log=lambda *a, **k: None).train()
+        return main([str(run_dir), "--items", "8", "--batch", "8"])
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ EXPECTED = {
     "speculative.py": ["plain tok/s", "acceptance per position", "ratio = speculative / plain"],
     "contrastive_overlap.py": ["ratio blocking/overlapped", "identical"],
     "timeseries_encoder.py": ["peak MiB", "time ratio"],
+    "timeseries_forecast.py": ["horizon predictor", "MASE mean", "vs naive", "seasonal naive"],
     "memory_decoder.py": ["held-out perplexity", "fused/backbone", "mean lambda"],
 }
 
