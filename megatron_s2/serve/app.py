@@ -8,6 +8,7 @@ GET  /v1/models            the served model, with ``max_model_len`` (vLLM's Mode
 POST /v1/completions       :func:`megatron_s2.serve.completions_api.completions`
 POST /v1/chat/completions  :func:`megatron_s2.serve.chat_api.chat_completions`
 POST /inference/v1/generate  :func:`megatron_s2.serve.token_api.generate`
+POST /update_weights       :func:`megatron_s2.serve.weights_api.update_weights` (disaggregated RL)
 GET  /health               200 while the engine driver runs, 503 with the reason after it died
 GET  /stats                engine and server counters (running / waiting requests, free KV pages,
                            policy version, submitted / finished / aborted / refused requests)
@@ -39,6 +40,7 @@ from megatron_s2.serve.chat_api import chat_completions
 from megatron_s2.serve.completions_api import completions
 from megatron_s2.serve.state import ServerState
 from megatron_s2.serve.token_api import generate
+from megatron_s2.serve.weights_api import update_weights
 
 __all__ = ["build_app", "ErrorBoundary"]
 
@@ -96,7 +98,7 @@ def build_app(state: ServerState) -> FastAPI:
         phrase = HTTPStatus(exc.status_code).phrase
         where = f"{request.method} {shown_text(request.url.path)}"
         hint = {404: "; this server answers /v1/models, /v1/completions, /v1/chat/completions, "
-                     "/inference/v1/generate, /health and /stats",
+                     "/inference/v1/generate, /update_weights, /health and /stats",
                 405: f"; this path takes {exc.headers.get('Allow', 'another method')}" if exc.headers else ""}
         body = error_body(f"{phrase}: {where}{hint.get(exc.status_code, '')}", phrase, exc.status_code)
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
@@ -118,6 +120,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/inference/v1/generate")
     async def _generate(request: Request):
         return await generate(state, request)
+
+    @app.post("/update_weights")
+    async def _update_weights(request: Request):
+        return await update_weights(state, request)
 
     @app.get("/health")
     async def health():

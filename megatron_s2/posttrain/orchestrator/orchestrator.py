@@ -319,7 +319,11 @@ class Orchestrator:
                 group = self.groups[self.owner.pop(s.sample_id)]
                 self.ledger["discarded_stale"] += 1
                 self._replace(group, group.in_flight.pop(s.sample_id))
-        for group in self.groups.values():  # completed but untrained samples age too
+        self.drop_stale_accepted()
+
+    def drop_stale_accepted(self) -> None:
+        """Completed but untrained samples age too: the stale ones are replaced (discard mode)."""
+        for group in self.groups.values():
             keep = [s for s in group.accepted if not self._stale(s)]
             if len(keep) == len(group.accepted):
                 continue
