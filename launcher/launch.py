@@ -19,7 +19,8 @@ from megatron_s2.config.recipe import RecipeConfig, load_recipe
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.launcher.capacity import check_capacity
 from megatron_s2.launcher.environment import check_passthrough
-from megatron_s2.launcher.job import JobDir, JobSpec, trainer_command
+from megatron_s2.launcher.job import JobDir, JobSpec, rank_python, trainer_command
+from megatron_s2.launcher.disaggregated import ServedRoles, is_disaggregated
 from megatron_s2.launcher.local import LocalRun
 from megatron_s2.launcher.pipeline import chain_from, is_pipeline_file, load_pipeline
 from megatron_s2.launcher.summary import summarise
@@ -154,7 +155,16 @@ def launch_local(runs: list[PreparedRun], dry_run: bool = False) -> int:
         with RunLock(run.job.run_dir, log=_say).acquire("megatron-s2 launch --local") as lock:
             _say(f"{label}{run.plan.describe()}")
             _write_job_dir(run, "local")
-            code = LocalRun(run.job, env={LOCK_TOKEN_ENV: lock.token}).run()
+            local = LocalRun(run.job, env={LOCK_TOKEN_ENV: lock.token})
+            roles = None
+            if is_disaggregated(run.recipe):  # inference servers and the orchestrator beside the trainer
+                roles = ServedRoles(run.recipe, run.job.run_dir, run.job.dir.config, local.log_dir,
+                                    python=rank_python(run.recipe.launcher), say=_say).start()
+            try:
+                code = local.run()
+            finally:
+                if roles is not None:
+                    roles.stop()
         if code != 0:
             return code
     if len(runs) > 1 and not dry_run:

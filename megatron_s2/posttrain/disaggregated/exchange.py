@@ -16,12 +16,15 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Callable
 
-__all__ = ["exchange_dir", "BatchQueue", "published_versions", "weights_path", "weights_root", "WAIT_POLL_S"]
+__all__ = ["exchange_dir", "BatchQueue", "ORCHESTRATOR_FAILED", "published_versions", "weights_path", "weights_root", "WAIT_POLL_S"]
 
 WAIT_POLL_S = 0.05
 """How often a waiting role looks for the file it waits for."""
+
+ORCHESTRATOR_FAILED = "ORCHESTRATOR_FAILED"
+"""Marker in the exchange directory of an orchestrator that stopped with an error (its reason):
+the trainer waiting for a batch stops on it instead of waiting out ``batch_wait_s``."""
 
 
 def exchange_dir(run_dir: Path) -> Path:
@@ -77,12 +80,15 @@ class BatchQueue:
             return []
         return sorted(int(p.stem[len("step_"):]) for p in self.root.glob("step_*.json"))
 
-    def wait(self, step: int, timeout_s: float, *, alive: Callable[[], bool] = lambda: True) -> dict:
-        """Batch ``step`` once it exists; TimeoutError naming the orchestrator after ``timeout_s``."""
+    def wait(self, step: int, timeout_s: float) -> dict:
+        """Batch ``step`` once it exists; an error naming the orchestrator when it failed or after
+        ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        path = self.path(step)
+        path, failed = self.path(step), self.root.parent / ORCHESTRATOR_FAILED
         while not path.exists():
-            if time.monotonic() > deadline or not alive():
+            if failed.exists():
+                raise RuntimeError(f"disaggregated RL: waiting for batch {step}: {failed.read_text().strip()}")
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"disaggregated RL: no batch for step {step} in {self.root} after {timeout_s:.0f} s; "
                                    "is the orchestrator running (its log: <run>/logs/orchestrator.log)?")
             time.sleep(WAIT_POLL_S)

@@ -30,7 +30,8 @@ from pathlib import Path
 
 from megatron_s2.config.posttrain.recipe_checks import environment_key, posttrain_section
 from megatron_s2.posttrain.advantages import AdvantagePipeline, GroupRollouts
-from megatron_s2.posttrain.disaggregated.exchange import WAIT_POLL_S, BatchQueue, published_versions, weights_path
+from megatron_s2.posttrain.disaggregated.exchange import (ORCHESTRATOR_FAILED, WAIT_POLL_S, BatchQueue, exchange_dir,
+                                                        published_versions, weights_path)
 from megatron_s2.posttrain.disaggregated.served_backend import ServedRolloutBackend
 from megatron_s2.posttrain.envs import build_environment
 from megatron_s2.posttrain.metrics import rollout_metrics
@@ -44,6 +45,14 @@ class ServedOrchestrator(Orchestrator):
     be trained at (``target``), which may be ahead of the version the servers run."""
 
     target = 0
+    async_level = 0
+
+    def _may_open_group(self) -> bool:
+        """A group dispatched now runs under the served version v, so its samples fit batches
+        ``target .. v + k`` only: open no more groups than those batches take (the rest would be
+        dropped as too old). Replacements of dropped or warm-up samples are always sent."""
+        batches = self.version + self.async_level - self.target + 1
+        return len(self.groups) < self.config.batch_groups * max(batches, 0)
 
     def _stale(self, sample: RolloutSample) -> bool:
         bound = self.config.max_staleness
@@ -93,6 +102,7 @@ def run_orchestrator(recipe, servers: list[str], *, log=print) -> int:
     effort = section.effort
     orch = ServedOrchestrator(rollout, envs, backend, seed=t.seed, effort_levels=effort.levels,
                               samples_per_level=effort.samples_per_level, group_filter=group_filter)
+    orch.async_level = k
     start = 0
     if state is not None:  # after the last batch this orchestrator wrote; in-flight attempts start again
         backend.update_weights(version)
@@ -107,6 +117,11 @@ def run_orchestrator(recipe, servers: list[str], *, log=print) -> int:
     try:
         for step in range(start, t.train_steps):
             queue.put(step, _produce(orch, step, k, run_dir, log))
+    except Exception as exc:  # the trainer waits for batches: tell it why none will come
+        exchange_dir(run_dir).mkdir(parents=True, exist_ok=True)
+        (exchange_dir(run_dir) / ORCHESTRATOR_FAILED).write_text(f"the orchestrator failed: {type(exc).__name__}: "
+                                                                f"{exc}\n")
+        raise
     finally:
         backend.close()
     log(f"orchestrator: wrote batches {start}..{t.train_steps - 1}; ledger {orch.ledger}")
@@ -116,6 +131,7 @@ def run_orchestrator(recipe, servers: list[str], *, log=print) -> int:
 def _produce(orch: ServedOrchestrator, step: int, k: int, run_dir: Path, log) -> dict:
     """Batch ``step``: wait for the off-policyness gate, then pump until it is complete."""
     t0 = time.perf_counter()
+    dropped_before = orch.ledger["discarded_stale"]
     orch.target = step
     # Nothing is dispatched for this step before the trainer is at most k versions behind: a
     # sample started earlier would be too old for it. Calls in flight complete meanwhile.
@@ -123,7 +139,6 @@ def _produce(orch: ServedOrchestrator, step: int, k: int, run_dir: Path, log) ->
         if not orch.pump():
             time.sleep(WAIT_POLL_S)
     t_gate = time.perf_counter() - t0
-    dropped_before = orch.ledger["discarded_stale"]
     orch.serve_version(max(orch.version, _latest(run_dir)))
     if orch.paused:
         orch.resume()
