@@ -29,7 +29,8 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.launcher.local import free_port
 from megatron_s2.posttrain.disaggregated.exchange import ORCHESTRATOR_FAILED, exchange_dir
 
-__all__ = ["is_disaggregated", "server_command", "orchestrator_command", "ServedRoles"]
+__all__ = ["is_disaggregated", "initial_weights", "server_command", "orchestrator_command", "slurm_roles",
+           "ServedRoles"]
 
 
 def is_disaggregated(recipe) -> bool:
@@ -58,9 +59,25 @@ def server_command(python: str, recipe, port: str | int, host: str = "127.0.0.1"
             "--log-level", "warning")
 
 
-def orchestrator_command(python: str, config: Path, run_dir: Path, servers: list[str]) -> tuple[str, ...]:
-    return (python, "-m", "megatron_s2.cli", "orchestrate", str(config), "--run-dir", str(run_dir),
-            "--servers", ",".join(servers))
+def orchestrator_command(python: str, config: Path, run_dir: Path, servers: list[str] | None) -> tuple[str, ...]:
+    """argv of the orchestrator; ``servers`` None: ``--servers`` is appended where they are known."""
+    argv = (python, "-m", "megatron_s2.cli", "orchestrate", str(config), "--run-dir", str(run_dir))
+    return argv if servers is None else (*argv, "--servers", ",".join(servers))
+
+
+SLURM_SERVER_PORT = 8100
+"""The servers' port on their nodes when ``rl.disaggregated.server_port`` is 0."""
+
+
+def slurm_roles(recipe, run_dir: Path, config: Path, python: str, gpus_per_node: int):
+    """The :class:`~megatron_s2.launcher.job.RoleSpec` of a heterogeneous SLURM job."""
+    from megatron_s2.launcher.job import RoleSpec
+
+    cfg = recipe.rl.disaggregated
+    port = cfg.server_port or SLURM_SERVER_PORT
+    return RoleSpec(servers=cfg.num_servers, server_command=server_command(python, recipe, port, host="0.0.0.0"),
+                    orchestrator_command=orchestrator_command(python, config, run_dir, None), port=port,
+                    server_gpus=1 if gpus_per_node else 0)
 
 
 def _healthy(url: str) -> bool:

@@ -36,6 +36,7 @@ EXPECTED = {
     "contrastive_overlap.py": ["ratio blocking/overlapped", "identical"],
     "timeseries_encoder.py": ["peak MiB", "time ratio"],
     "memory_decoder.py": ["held-out perplexity", "fused/backbone", "mean lambda"],
+    "async_rl.py": ["(a) Step throughput", "ratio = disaggregated / co-located", "(b) Rollout accuracy per step"],
 }
 
 
