@@ -17,7 +17,9 @@ orchestrator (``megatron-s2 orchestrate`` on the same resolved recipe, :mod:`meg
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -80,6 +82,11 @@ def slurm_roles(recipe, run_dir: Path, config: Path, python: str, gpus_per_node:
                     server_gpus=1 if gpus_per_node else 0)
 
 
+def _role_preexec() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):  # the role dies with its launcher, as the ranks do
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=1.0) as r:  # noqa: S310 - our own server
@@ -111,7 +118,7 @@ class ServedRoles:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / log_name, "ab") as sink:
             return subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=_role_preexec)
 
     def _start_server(self, i: int) -> None:
         self.servers[i] = self._spawn(server_command(self.python, self.recipe, self.ports[i]), f"server{i}.log")

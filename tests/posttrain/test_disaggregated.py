@@ -81,7 +81,8 @@ def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float 
 
 
 def _pid_of(*needles: str) -> int:
-    """The process whose command line holds every needle (ours: the run directory is in it)."""
+    """The process whose command line holds every needle as a word (ours: the run directory is
+    one of them)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -90,7 +91,7 @@ def _pid_of(*needles: str) -> int:
         except OSError:
             continue
         words = [a.decode(errors="replace") for a in argv]
-        if all(any(n == w or n in w for w in words) for n in needles):
+        if all(n in words for n in needles):
             return int(entry.name)
     raise AssertionError(f"no process with {needles}")
 
@@ -174,7 +175,7 @@ def test_synchronous_disaggregated_run_equals_colocated_while_a_server_is_killed
     run = sft.parent.parent / "killed_server"
     proc = _cli("launch", RL, *_common(sft), *DISAGGREGATED, "--local", "--run-dir", str(run), cwd=run.parent)
     _wait_for_step(run, 1, proc)
-    server = _pid_of("megatron_s2.cli", "serve", "--port", _server_port(run, 0))
+    server = _pid_of("megatron_s2.cli", "serve", _server_port(run, 0))
     os.kill(server, signal.SIGKILL)
     out = _finish(proc)
     assert "inference server 0 exited (-9); restarting it" in out

@@ -80,12 +80,14 @@ class BatchQueue:
             return []
         return sorted(int(p.stem[len("step_"):]) for p in self.root.glob("step_*.json"))
 
-    def wait(self, step: int, timeout_s: float) -> dict:
-        """Batch ``step`` once it exists; an error naming the orchestrator when it failed or after
-        ``timeout_s``."""
+    def wait(self, step: int, timeout_s: float, interrupted=lambda: False) -> dict | None:
+        """Batch ``step`` once it exists; None as soon as ``interrupted()`` (a preemption signal);
+        an error naming the orchestrator when it failed or after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         path, failed = self.path(step), self.root.parent / ORCHESTRATOR_FAILED
         while not path.exists():
+            if interrupted():
+                return None
             if failed.exists():
                 raise RuntimeError(f"disaggregated RL: waiting for batch {step}: {failed.read_text().strip()}")
             if time.monotonic() > deadline:

@@ -142,7 +142,13 @@ def _produce(orch: ServedOrchestrator, step: int, k: int, run_dir: Path, log) ->
     orch.serve_version(max(orch.version, _latest(run_dir)))
     if orch.paused:
         orch.resume()
+    filtered = orch.ledger["filtered"]
     while not orch.batch_ready():
+        if orch.ledger["filtered"] - filtered > 50 * orch.config.batch_groups:  # as the co-located trainer
+            raise RuntimeError(f"rollout: {orch.ledger['filtered'] - filtered} groups in a row were uninformative "
+                               "(every response got the same reward) and dynamic sampling dropped them; the policy "
+                               "cannot solve (or always solves) these prompts — start from an SFT checkpoint "
+                               "(checkpoint.load) or change the task difficulty")
         orch.pump()
         newest = _latest(run_dir)
         if newest > orch.version:  # a fresher policy is out: the servers take it at once

@@ -92,7 +92,14 @@ class DisaggregatedTrainer(PosttrainTrainer):
             self.started = True
         t0 = time.perf_counter()
         cfg = self.section.disaggregated
-        batch = self.queue.wait(self.step, cfg.batch_wait_s)
+        batch = self.queue.wait(self.step, cfg.batch_wait_s,
+                                interrupted=lambda: self.guard is not None and self.guard.received is not None)
+        if batch is None:  # preempted while waiting (every rank is): nothing trained since the last step
+            from megatron_s2.runtime.preemption import EXIT_PREEMPTED
+
+            self.log(f"preemption requested while waiting for batch {self.step}: saving step {self.step} and exiting")
+            self.save()
+            raise SystemExit(EXIT_PREEMPTED)
         t_wait = time.perf_counter() - t0
         groups = [PromptGroup.from_state_dict(g) for g in batch["groups"]]
         samples = [s for g in groups for s in g.accepted]
