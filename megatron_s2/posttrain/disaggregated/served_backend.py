@@ -254,15 +254,21 @@ class ServedRolloutBackend:
 
     def _generate(self, prompt: list[int], params: dict) -> dict:
         """One model call, re-routed until a server answers it."""
+        import httpx
+
+        server, retried = None, False
         while True:
-            server = self._pick()
+            server = server or self._pick()
             t0 = time.perf_counter()
             try:
                 r = self._http.post(f"{server.url}/inference/v1/generate",
                                     json={"token_ids": prompt, "sampling_params": params})
-            except Exception as exc:  # noqa: BLE001 - connection refused / reset, timeout: the server is gone
-                error = f"{type(exc).__name__}"
-                r = None
+            except Exception as exc:  # noqa: BLE001 - connection refused / reset, timeout
+                error, r = type(exc).__name__, None
+                # A pooled connection the server closed as idle fails once on reuse (ReadError,
+                # RemoteProtocolError): the same server is tried again on a new connection before
+                # it is presumed dead. A refused connection or a timeout means it is gone.
+                transient = not isinstance(exc, (httpx.ConnectError, httpx.TimeoutException))
             finally:
                 with self._lock:
                     server.open_calls -= 1
@@ -274,14 +280,20 @@ class ServedRolloutBackend:
             if r is not None and r.status_code < 500 and r.status_code != 429:
                 raise RuntimeError(f"inference server {server.url}: /inference/v1/generate -> {r.status_code} "
                                    f"{r.text[:300]}")
-            if r is not None and r.status_code == 429:  # queue full: wait, then any server
-                time.sleep(0.05)
-                continue
             if self._closing:
                 raise ServerUnavailable("the orchestrator is closing")
-            self._mark_dead(server, error if r is None else f"HTTP {r.status_code}")
-            with self._lock:
-                self.stats.rerouted += 1
+            if r is None and transient and not retried:
+                retried = True
+                with self._lock:
+                    server.open_calls += 1
+                continue
+            if r is not None and r.status_code == 429:  # queue full: wait, then any server
+                time.sleep(0.05)
+            else:
+                self._mark_dead(server, error if r is None else f"HTTP {r.status_code}")
+                with self._lock:
+                    self.stats.rerouted += 1
+            server, retried = None, False
 
     # ---- one episode (worker thread) ----------------------------------------------------------------
     def _run_episode(self, req: SampleRequest, order: int) -> None:
