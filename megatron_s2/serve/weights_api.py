@@ -4,7 +4,7 @@ The trainer of ``rl.mode: disaggregated`` publishes each policy version as a che
 orchestrator asks every server to load it (seed 004: the servers consume the trainer's weights).
 Request::
 
-    {"path": "<run>/disaggregated/weights/step_12", "version": 12}
+    {"path": "<run>/disaggregated/weights/step_00000012", "version": 12}
 
 The checkpoint is read off the event loop (any checkpoint form :func:`read_checkpoint` takes),
 then copied into the engine's model as a driver side task — *between two engine steps*, so no

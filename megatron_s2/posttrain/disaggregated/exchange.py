@@ -5,7 +5,7 @@ groups of samples (exact token ids, behaviour log-probs, per-token versions, rew
 the orchestrator's rollout metrics and its state after packaging. Written to a temporary name and
 renamed, so a reader never sees half a batch.
 
-``<run>/disaggregated/weights/step_12/`` — policy version 12, a committed checkpoint of the model
+``<run>/disaggregated/weights/step_00000012/`` — policy version 12, a committed checkpoint of the model
 alone (:class:`~megatron_s2.checkpoint.CheckpointManager`: any training layout, read back whole by
 ``read_checkpoint``). The newest few are kept; ``POST /update_weights`` loads one.
 """

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
+import torch
 
 from megatron_s2.posttrain.envs.base import Environment
 from megatron_s2.posttrain.multiturn import SessionBuilder
@@ -359,8 +360,6 @@ class ServedRolloutBackend:
         if rows.shape[0] != end - start:
             raise ValueError(f"routing: the server returned {rows.shape[0]} rows for positions {start}..{end}")
         fed = [versions[0]] * len(context) + versions[1:]
-        import torch
-
         rec = RoutingRecord.from_array(rows, list(range(rows.shape[1])), start=start)
         rec.versions = torch.tensor(fed[start:end], dtype=torch.int32)
         return rec
