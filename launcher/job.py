@@ -28,7 +28,7 @@ from pathlib import Path
 from megatron_s2.config.launcher import LauncherConfig
 from megatron_s2.runtime.markers import FINISHED_MARKER, PREEMPTED_MARKER, is_finished
 
-__all__ = ["JobSpec", "JobDir", "trainer_command", "rank_python", "FINISHED_MARKER", "PREEMPTED_MARKER"]
+__all__ = ["JobSpec", "JobDir", "RoleSpec", "trainer_command", "rank_python", "FINISHED_MARKER", "PREEMPTED_MARKER"]
 
 
 
@@ -87,6 +87,24 @@ class JobDir:
 
 
 @dataclass(frozen=True)
+class RoleSpec:
+    """Processes beside the trainer ranks: disaggregated RL's inference servers (one node each)
+    and its orchestrator (one task), run as further components of a heterogeneous SLURM job
+    (:mod:`megatron_s2.launcher.disaggregated`)."""
+
+    servers: int
+    """Inference server nodes (heterogeneous component 1)."""
+    server_command: tuple[str, ...]
+    """argv of one server (listening on ``port`` on every interface)."""
+    orchestrator_command: tuple[str, ...]
+    """argv of the orchestrator, to which ``--servers <the servers' URLs>`` is appended at run time."""
+    port: int
+    """The servers' TCP port."""
+    server_gpus: int = 0
+    """GPUs per server node (0 = CPU)."""
+
+
+@dataclass(frozen=True)
 class JobSpec:
     name: str
     """Job name (SLURM --job-name; log prefix locally)."""
@@ -102,6 +120,8 @@ class JobSpec:
     train_steps: int | None = None
     """The recipe's ``training.train_steps``: a FINISHED marker of an earlier, shorter target
     does not count as finished (None: any FINISHED marker does)."""
+    roles: RoleSpec | None = None
+    """Processes beside the ranks (disaggregated RL); None for every other phase."""
 
     @property
     def finished(self) -> bool:

@@ -19,7 +19,8 @@ from megatron_s2.config.recipe import RecipeConfig, load_recipe
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.launcher.capacity import check_capacity
 from megatron_s2.launcher.environment import check_passthrough
-from megatron_s2.launcher.job import JobDir, JobSpec, trainer_command
+from megatron_s2.launcher.job import JobDir, JobSpec, rank_python, trainer_command
+from megatron_s2.launcher.disaggregated import ServedRoles, initial_weights, is_disaggregated, slurm_roles
 from megatron_s2.launcher.local import LocalRun
 from megatron_s2.launcher.pipeline import chain_from, is_pipeline_file, load_pipeline
 from megatron_s2.launcher.summary import summarise
@@ -76,9 +77,14 @@ def _prepare(recipe: RecipeConfig, phase: str, job_name: str, run_dir: Path, loc
     recipe = recipe.replace(training=training, launcher=launcher)
     plan = plan_launch(recipe, local=local, pending=pending)
     check_passthrough(launcher)
+    roles = None
+    if is_disaggregated(recipe):  # inference servers and an orchestrator beside the trainer ranks
+        initial_weights(recipe)  # refused now, not when the servers start
+        if not local:
+            roles = slurm_roles(recipe, run_dir, JobDir(run_dir).config, rank_python(launcher), plan.gpus_per_node)
     job = JobSpec(name=launcher.job_name, run_dir=run_dir, command=trainer_command(launcher, run_dir),
                   nodes=plan.nodes, nproc_per_node=plan.nproc_per_node, gpus_per_node=plan.gpus_per_node,
-                  launcher=launcher, train_steps=recipe.training.train_steps)
+                  launcher=launcher, train_steps=recipe.training.train_steps, roles=roles)
     if not local:
         render_sbatch_script(job)  # refuses run directories SLURM cannot name
         check_capacity(job)
@@ -147,6 +153,9 @@ def launch_local(runs: list[PreparedRun], dry_run: bool = False) -> int:
         if dry_run:
             _say(f"{label}{run.plan.describe()}")
             print(shlex.join(run.job.command))
+            if is_disaggregated(run.recipe):
+                _say(f"{label}beside the ranks: {run.recipe.rl.disaggregated.num_servers} inference server(s) "
+                     "(megatron-s2 serve) and the orchestrator (megatron-s2 orchestrate), started first")
             continue
         # The launcher holds the run directory for its ranks (they inherit it by token), so a
         # second launch is refused before it rewrites anything here — in one line: the plan is
@@ -154,7 +163,16 @@ def launch_local(runs: list[PreparedRun], dry_run: bool = False) -> int:
         with RunLock(run.job.run_dir, log=_say).acquire("megatron-s2 launch --local") as lock:
             _say(f"{label}{run.plan.describe()}")
             _write_job_dir(run, "local")
-            code = LocalRun(run.job, env={LOCK_TOKEN_ENV: lock.token}).run()
+            local = LocalRun(run.job, env={LOCK_TOKEN_ENV: lock.token})
+            roles = None
+            if is_disaggregated(run.recipe):  # inference servers and the orchestrator beside the trainer
+                roles = ServedRoles(run.recipe, run.job.run_dir, run.job.dir.config, local.log_dir,
+                                    python=rank_python(run.recipe.launcher), say=_say).start()
+            try:
+                code = local.run()
+            finally:
+                if roles is not None:
+                    roles.stop()
         if code != 0:
             return code
     if len(runs) > 1 and not dry_run:
@@ -178,6 +196,9 @@ def launch_slurm(runs: list[PreparedRun], dry_run: bool = False) -> int:
             print(script, end="")
             _say(f"{label}{run.plan.describe()}")
             _say(f"srun line: {srun_line(run.job)}")
+            if run.job.roles is not None:
+                _say(f"heterogeneous job: trainer ranks (component 0), {run.job.roles.servers} inference server(s) "
+                     f"on port {run.job.roles.port} (component 1), the orchestrator (component 2)")
             _say(f"would run: {shlex.join(sbatch_argv(run.job.dir.script, previous))}")
             previous = f"<job id of phase {run.phase}>"
             continue

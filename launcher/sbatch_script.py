@@ -53,8 +53,43 @@ def _check_run_dir(job: JobSpec) -> None:
                           "backslash, which SLURM file names cannot carry; choose another run directory")
 
 
+def _role_directives(job: JobSpec) -> list[str]:
+    """The further components of a heterogeneous job: the servers, then the orchestrator."""
+    roles, cfg = job.roles, job.launcher
+    servers = ["hetjob", f"--nodes={roles.servers}", "--ntasks-per-node=1"]
+    if roles.server_gpus:
+        servers.append(f"--gpus-per-node={roles.server_gpus}")
+    orchestrator = ["hetjob", "--nodes=1", "--ntasks=1"]
+    for component in (servers, orchestrator):
+        component += [f"--{name}={getattr(cfg, name)}" for name in ("partition", "account") if getattr(cfg, name)]
+    return servers + orchestrator
+
+
+def _roles_block(job: JobSpec) -> list[str]:
+    """Start the servers and the orchestrator in the background (disaggregated RL)."""
+    roles = job.roles
+    if roles is None:
+        return []
+    q = shlex.quote
+    server = " ".join(q(w) for w in roles.server_command)
+    orchestrator = " ".join(q(w) for w in roles.orchestrator_command)
+    return [
+        "# Disaggregated RL (rl.mode: disaggregated): inference servers on heterogeneous component 1, one per",
+        "# node, the orchestrator on component 2; the trainer (component 0) and they only share the run directory.",
+        f'SERVERS=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_1" | sed "s|.*|http://&:{roles.port}|" '
+        "| paste -sd, -)",
+        f'srun --het-group=1 --ntasks-per-node=1 --output="$LOG_DIR"/server%t.log {server} &',
+        "ROLE_PIDS=$!",
+        f'srun --het-group=2 --ntasks=1 --output="$LOG_DIR"/orchestrator.log {orchestrator} --servers "$SERVERS" &',
+        'ROLE_PIDS="$ROLE_PIDS $!"',
+        'trap \'kill $ROLE_PIDS 2>/dev/null\' EXIT',
+        "",
+    ]
+
+
 def sbatch_directives(job: JobSpec) -> list[str]:
-    """sbatch options written as ``#SBATCH`` lines, unescaped (one option per item)."""
+    """sbatch options written as ``#SBATCH`` lines, unescaped (one option per item); for a job
+    with :class:`~megatron_s2.launcher.job.RoleSpec` roles, ``hetjob`` separates the components."""
     cfg = job.launcher
     per_node = 1 if cfg.mode == "torchrun" else job.nproc_per_node
     options = [f"--job-name={job.name}", f"--nodes={job.nodes}", f"--ntasks-per-node={per_node}"]
@@ -66,12 +101,15 @@ def sbatch_directives(job: JobSpec) -> list[str]:
     options += [f"--signal=B:{cfg.signal}@{cfg.signal_lead_time}", "--requeue", "--open-mode=append",
                 f"--output={job.dir.slurm_dir}/job-%j.out"]
     options += list(cfg.sbatch_args)
+    if job.roles is not None:
+        options += _role_directives(job)
     return options
 
 
 def _step_options(job: JobSpec, per_node: int, log_name: str) -> list[str]:
     cfg = job.launcher
-    words = [f"--nodes={job.nodes}", f"--ntasks-per-node={per_node}", "--kill-on-bad-exit=1",
+    words = ["--het-group=0"] if job.roles is not None else []
+    words += [f"--nodes={job.nodes}", f"--ntasks-per-node={per_node}", "--kill-on-bad-exit=1",
              f'--output="$LOG_DIR"/{log_name}']
     if cfg.mpi:
         words.append(shlex.quote(f"--mpi={cfg.mpi}"))
@@ -189,7 +227,7 @@ forward() {{
 }}
 trap 'forward {cfg.signal}' {cfg.signal}
 {"" if cfg.signal == "TERM" else "trap 'forward TERM' TERM"}
-
+{chr(10).join(_roles_block(job))}
 {srun_line(job)} &
 STEP_PID=$!
 [ -z "$PREEMPTED" ] || kill -s "$PREEMPTED" "$STEP_PID" 2>/dev/null

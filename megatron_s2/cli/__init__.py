@@ -28,6 +28,7 @@ _SUBCOMMANDS = (
     "megatron_s2.tools.plan",          # plan
     "megatron_s2.cli.generate",       # generate
     "megatron_s2.cli.serve",           # serve
+    "megatron_s2.cli.orchestrate",     # orchestrate (disaggregated RL)
 )
 
 

@@ -72,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
             if report is not None and not report.ok:
                 print(f"rank {rank}: health checks failed; not training on this allocation", file=sys.stderr)
                 return 1
-            if recipe.phase.kind in ("rl", "opd"):  # rollouts co-located on these ranks
+            if recipe.phase.kind == "rl" and recipe.rl.mode == "disaggregated":  # batches from an orchestrator
+                from megatron_s2.posttrain.disaggregated.trainer import DisaggregatedTrainer as Trainer
+            elif recipe.phase.kind in ("rl", "opd"):  # rollouts co-located on these ranks
                 from megatron_s2.posttrain.trainer import PosttrainTrainer as Trainer
             elif recipe.phase.kind == "contrastive":  # SigLIP vision pre-training (two towers)
                 from megatron_s2.training.contrastive_trainer import ContrastiveTrainer as Trainer

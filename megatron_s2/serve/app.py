@@ -10,6 +10,7 @@ POST /v1/chat/completions  :func:`megatron_s2.serve.chat_api.chat_completions`
 POST /inference/v1/generate  :func:`megatron_s2.serve.token_api.generate`
 POST /v1/responses         OpenAI Responses, :mod:`megatron_s2.serve.gateway` (also per session:
 POST /v1/messages          Anthropic Messages      ``/sessions/<id>/v1/...``, :mod:`~.gateway.routes`)
+POST /update_weights       :func:`megatron_s2.serve.weights_api.update_weights` (disaggregated RL)
 GET  /health               200 while the engine driver runs, 503 with the reason after it died
 GET  /stats                engine and server counters (running / waiting requests, free KV pages,
                            policy version, submitted / finished / aborted / refused requests)
@@ -44,6 +45,7 @@ from megatron_s2.serve.gateway.messages_protocol import anthropic_error
 from megatron_s2.serve.gateway.routes import add_gateway_routes
 from megatron_s2.serve.state import ServerState
 from megatron_s2.serve.token_api import generate
+from megatron_s2.serve.weights_api import update_weights
 
 __all__ = ["build_app", "ErrorBoundary"]
 
@@ -106,7 +108,7 @@ def build_app(state: ServerState) -> FastAPI:
         phrase = HTTPStatus(exc.status_code).phrase
         where = f"{request.method} {shown_text(request.url.path)}"
         hint = {404: "; this server answers /v1/models, /v1/completions, /v1/chat/completions, /v1/responses, "
-                     "/v1/messages, /sessions/<id>/v1/..., /inference/v1/generate, /health and /stats",
+                     "/v1/messages, /sessions/<id>/v1/..., /inference/v1/generate, /update_weights, /health and /stats",
                 405: f"; this path takes {exc.headers.get('Allow', 'another method')}" if exc.headers else ""}
         body = error_body(f"{phrase}: {where}{hint.get(exc.status_code, '')}", phrase, exc.status_code)
         return error_response(request, body, exc.status_code, exc.headers)
@@ -130,6 +132,10 @@ def build_app(state: ServerState) -> FastAPI:
         return await generate(state, request)
 
     add_gateway_routes(app, state, models)
+
+    @app.post("/update_weights")
+    async def _update_weights(request: Request):
+        return await update_weights(state, request)
 
     @app.get("/health")
     async def health():

@@ -173,3 +173,26 @@ def test_finished_at_a_lower_target_is_extended(tmp_path):
                                    srun_writes=(job.dir.finished, '{"step": 10, "loss": 0.5}'))
     assert result.srun is not None and result.returncode == 0, result.output
     assert "run complete" in result.output
+
+
+def test_disaggregated_rl_is_one_heterogeneous_job(capsys, tmp_path):
+    """recipes/rl_tiny_async.yaml's rl phase (rl.mode: disaggregated, issue 25): the trainer ranks,
+    the inference servers (one node each) and the orchestrator are the three components of one
+    heterogeneous job; the servers start from the SFT phase's checkpoint, the orchestrator gets
+    their URLs, the trainer step runs on component 0."""
+    code = main(["launch", str(RECIPES.parents[2] / "recipes" / "rl_tiny_async.yaml"), "--slurm", "--dry-run",
+                 "--run-dir", str(tmp_path / "run")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    script = out[out.rindex("#!/bin/bash"):]  # the rl phase's (the sft phase's comes first)
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    options = sbatch_options(script)
+    first, second = options.index("hetjob"), options.index("hetjob", options.index("hetjob") + 1)
+    assert options[first:second] == ["hetjob", "--nodes=2", "--ntasks-per-node=1"]  # the servers
+    assert options[second:] == ["hetjob", "--nodes=1", "--ntasks=1"]  # the orchestrator
+    lines = {line.split()[1]: line for line in script.splitlines() if line.startswith("srun ")}
+    assert set(lines) == {"--het-group=0", "--het-group=1", "--het-group=2"}
+    assert f"serve {tmp_path / 'run' / 'sft' / 'checkpoints'} --host 0.0.0.0 --port 8100" in lines["--het-group=1"]
+    assert lines["--het-group=2"].endswith('orchestrate ' + f"{tmp_path / 'run' / 'rl'}/launch/config.yaml --run-dir "
+                                           f'{tmp_path / "run" / "rl"} --servers "$SERVERS" &')
+    assert " train " in lines["--het-group=0"] and "heterogeneous job: trainer ranks (component 0), 2" in err

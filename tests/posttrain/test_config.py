@@ -86,10 +86,26 @@ def test_opd_round_trip_and_teacher_lookup():
     ({"advantage": {"gepo": {"low_positive_scale": 1.5}}}, r"rl\.advantage\.gepo\.low_positive_scale"),
     ({"advantage": {"length_regularization": {"gamma": 0}}}, r"length_regularization\.gamma: must be > 0"),
     ({"advantage": {"gepo": {"h_lo": 1.0}}}, r"unknown key 'rl\.advantage\.gepo\.h_lo'; did you mean 'h_low'"),
+    # rl.mode: disaggregated (issue 25)
+    ({"mode": "disaggregated", "eval": {"at_start": False}}, r"rl\.rollout\.max_staleness: .*set max_staleness: 1"),
+    ({"mode": "disaggregated", "rollout": {"max_staleness": 1}}, r"rl\.eval: .*set eval\.interval: 0"),
+    ({"mode": "disaggregated", "disaggregated": {"max_async_level": -1}},
+     r"rl\.disaggregated\.max_async_level: must be >= 0"),
+    ({"mode": "disaggregated", "disaggregated": {"num_servers": 0}}, r"rl\.disaggregated\.num_servers"),
+    ({"mode": "remote"}, r"rl\.mode"),
 ])
 def test_rl_errors_name_the_field_and_fix(patch, match):
     with pytest.raises(ConfigError, match=match):
         from_mapping(RLConfig, patch, "rl")
+
+
+def test_disaggregated_mode_is_opt_in_and_round_trips():
+    assert load(RLConfig, RL_YAML, "rl").mode == "colocated"  # the default stays co-located
+    cfg = from_mapping(RLConfig, {"mode": "disaggregated", "rollout": {"max_staleness": 2},
+                                  "disaggregated": {"max_async_level": 2, "num_servers": 3},
+                                  "eval": {"at_start": False}}, "rl")
+    assert cfg.disaggregated.num_servers == 3
+    assert from_mapping(RLConfig, yaml.safe_load(yaml.safe_dump(to_mapping(cfg))), "rl") == cfg
 
 
 @pytest.mark.parametrize("patch,match", [

@@ -17,9 +17,11 @@ Cross-section rules live here (each message names the field and the fix).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.config.posttrain.advantage import AdvantageConfig, EffortConfig
+from megatron_s2.config.posttrain.disaggregated import DisaggregatedConfig
 from megatron_s2.config.posttrain.loss import LossConfig
 from megatron_s2.config.posttrain.environment import EvaluationConfig
 from megatron_s2.config.posttrain.rollout import RolloutConfig
@@ -55,6 +57,12 @@ class RLConfig:
     """Frozen reference for a 'reference_kl' term: a checkpoint directory; '' = the initial weights."""
     eval: EvaluationConfig = field(default_factory=EvaluationConfig)
     """Held-out verifiable accuracy with the rollout engine (before, during, after)."""
+    mode: Literal["colocated", "disaggregated"] = "colocated"
+    """'colocated': the rollout engine runs on the training ranks, time-shared (report §5.2.1);
+    'disaggregated': inference servers, orchestrator and trainer are separate processes that only
+    consume from each other (seed 004; ``megatron_s2.posttrain.disaggregated``)."""
+    disaggregated: DisaggregatedConfig = field(default_factory=DisaggregatedConfig)
+    """Servers and the off-policyness bound of ``mode: disaggregated``."""
 
     def __post_init__(self) -> None:
         if self.rollout.source != "policy":
@@ -65,6 +73,8 @@ class RLConfig:
         if self.loss.has_term("full_vocab_kl"):
             raise ConfigError("rl.loss.terms: 'full_vocab_kl' needs a teacher; use the opd: section")
         check_staleness_pairing("rl", self.rollout, self.loss)
+        if self.mode == "disaggregated":
+            self._check_disaggregated()
         if self.effort.enabled:
             want = self.effort.group_size
             sizes = {self.rollout.group_size} | {self.rollout.group_of(d.name) for d in self.rollout.datasets}
@@ -77,3 +87,23 @@ class RLConfig:
                                   "need at least 2 samples per level")
         elif self.advantage.estimator == "leave_one_out" and self.rollout.group_size < 2:
             raise ConfigError("rl.rollout.group_size: leave-one-out advantages need groups of at least 2")
+
+    def _check_disaggregated(self) -> None:
+        """What the disaggregated roles support today (each message names the field and the fix)."""
+        k = self.disaggregated.max_async_level
+        if self.rollout.max_staleness != k:
+            raise ConfigError(f"rl.rollout.max_staleness: in disaggregated mode the staleness bound is "
+                              f"rl.disaggregated.max_async_level ({k}); set max_staleness: {k} too")
+        if self.rollout.uses_verifiers:
+            raise ConfigError("rl.mode: verifiers environments run their own server in the trainer; use "
+                              "mode: colocated for them (disaggregated mode plays the embedded task environments)")
+        if self.eval.interval or self.eval.at_start:
+            raise ConfigError("rl.eval: held-out evaluation runs on the co-located engine, which disaggregated mode "
+                              "has not; set eval.interval: 0 and eval.at_start: false (rollout_accuracy in "
+                              "metrics.jsonl is the policy's own accuracy)")
+        if self.reference_checkpoint or self.loss.has_term("reference_kl"):
+            raise ConfigError("rl.loss.terms: a reference_kl term is not supported in disaggregated mode yet; "
+                              "drop it or use mode: colocated")
+        if self.rollout.engine.train_aware_replay:
+            raise ConfigError("rl.rollout.engine.train_aware_replay: the servers run no decoder bounded replay; "
+                              "turn it off in disaggregated mode")

@@ -220,7 +220,7 @@ class Orchestrator:
             eligible = [(n, w) for n, w in zip(self.names, self.weights)
                         if self._group_size(n) <= free
                         and (not self.limits[n] or self.in_flight_of(n) + self._group_size(n) <= self.limits[n])]
-            if not eligible:
+            if not eligible or not self._may_open_group():
                 return
             name = choose_dataset([n for n, _ in eligible], [w for _, w in eligible], self.seed, self.dispatched)
             index, epoch = self.cursors[name].next()
@@ -233,6 +233,11 @@ class Orchestrator:
             self.groups[group.group_id] = group
             self.backend.submit([self._request(group, e) for e in group.efforts])
             free -= size
+
+    def _may_open_group(self) -> bool:
+        """Whether a new prompt group may be dispatched now (beyond the in-flight bounds): always
+        here; the disaggregated orchestrator limits it to groups its next batches can still use."""
+        return True
 
     # ---- completions ------------------------------------------------------------------------------------
     def pump(self) -> int:
@@ -319,7 +324,11 @@ class Orchestrator:
                 group = self.groups[self.owner.pop(s.sample_id)]
                 self.ledger["discarded_stale"] += 1
                 self._replace(group, group.in_flight.pop(s.sample_id))
-        for group in self.groups.values():  # completed but untrained samples age too
+        self.drop_stale_accepted()
+
+    def drop_stale_accepted(self) -> None:
+        """Completed but untrained samples age too: the stale ones are replaced (discard mode)."""
+        for group in self.groups.values():
             keep = [s for s in group.accepted if not self._stale(s)]
             if len(keep) == len(group.accepted):
                 continue

@@ -1,0 +1,183 @@
+"""Placing the roles of disaggregated RL (``rl.mode: disaggregated``; issue 25, seed 004).
+
+Beside the trainer ranks a disaggregated RL phase needs ``rl.disaggregated.num_servers`` inference
+servers (``megatron-s2 serve`` on the phase's initial weights, ``checkpoint.load``) and one
+orchestrator (``megatron-s2 orchestrate`` on the same resolved recipe, :mod:`megatron_s2.cli.orchestrate`).
+
+* Locally (:class:`ServedRoles`, used by ``launch --local``): the servers start first, each on its
+  own port, and are waited for (``/health``); then the orchestrator; then the trainer ranks as
+  for any phase. A server that dies is restarted (the orchestrator re-routes its calls meanwhile
+  and loads the current weights into it once it is back); an orchestrator that fails leaves a
+  marker (``ORCHESTRATOR_FAILED``), which the trainer, waiting for a batch, reports and stops on. Logs:
+  ``<run>/logs/restart<N>/server<i>.log`` and ``orchestrator.log``.
+* On SLURM (:func:`role_lines`): one heterogeneous job — component 0 the trainer's nodes,
+  component 1 the servers (one node each), component 2 the orchestrator — whose script starts the
+  servers and the orchestrator in the background and the trainer in the foreground.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.launcher.local import free_port
+from megatron_s2.posttrain.disaggregated.exchange import ORCHESTRATOR_FAILED, exchange_dir
+
+__all__ = ["is_disaggregated", "initial_weights", "server_command", "orchestrator_command", "slurm_roles",
+           "ServedRoles"]
+
+
+def is_disaggregated(recipe) -> bool:
+    return recipe.phase.kind == "rl" and recipe.rl is not None and recipe.rl.mode == "disaggregated"
+
+
+def initial_weights(recipe) -> str:
+    """The servers' weights at start-up: the phase's ``checkpoint.load`` (the trainer's too)."""
+    if not recipe.checkpoint.load:
+        raise ConfigError("checkpoint.load: rl.mode: disaggregated starts its inference servers from the phase's initial "
+                          "weights; set checkpoint.load to the SFT run's checkpoints")
+    return recipe.checkpoint.load
+
+
+def server_command(python: str, recipe, port: str | int, host: str = "127.0.0.1") -> tuple[str, ...]:
+    """argv of one inference server (the orchestrator asks each call's log-probs under the
+    distribution it sampled from: ``processed_logprobs``)."""
+    from megatron_s2.config.posttrain.engines import engine_max_model_len
+
+    rl = recipe.rl
+    return (python, "-m", "megatron_s2.cli", "serve", initial_weights(recipe), "--host", host, "--port", str(port),
+            "--served-model-name", "policy", "--logprobs-mode", "processed_logprobs",
+            "--max-num-seqs", str(rl.disaggregated.max_num_seqs),
+            "--max-waiting", str(max(256, rl.rollout.max_in_flight)),
+            "--max-model-len", str(engine_max_model_len(recipe, rl.rollout)), "--seed", str(recipe.training.seed),
+            "--log-level", "warning")
+
+
+def orchestrator_command(python: str, config: Path, run_dir: Path, servers: list[str] | None) -> tuple[str, ...]:
+    """argv of the orchestrator; ``servers`` None: ``--servers`` is appended where they are known."""
+    argv = (python, "-m", "megatron_s2.cli", "orchestrate", str(config), "--run-dir", str(run_dir))
+    return argv if servers is None else (*argv, "--servers", ",".join(servers))
+
+
+SLURM_SERVER_PORT = 8100
+"""The servers' port on their nodes when ``rl.disaggregated.server_port`` is 0."""
+
+
+def slurm_roles(recipe, run_dir: Path, config: Path, python: str, gpus_per_node: int):
+    """The :class:`~megatron_s2.launcher.job.RoleSpec` of a heterogeneous SLURM job."""
+    from megatron_s2.launcher.job import RoleSpec
+
+    cfg = recipe.rl.disaggregated
+    port = cfg.server_port or SLURM_SERVER_PORT
+    return RoleSpec(servers=cfg.num_servers, server_command=server_command(python, recipe, port, host="0.0.0.0"),
+                    orchestrator_command=orchestrator_command(python, config, run_dir, None), port=port,
+                    server_gpus=1 if gpus_per_node else 0)
+
+
+def _role_preexec() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):  # the role dies with its launcher, as the ranks do
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=1.0) as r:  # noqa: S310 - our own server
+            return r.status == 200
+    except OSError:
+        return False
+
+
+class ServedRoles:
+    """The servers and the orchestrator of one local run (module docstring)."""
+
+    def __init__(self, recipe, run_dir: Path, config: Path, log_dir: Path, *, python: str = sys.executable,
+                 env: dict[str, str] | None = None, say=print):
+        self.recipe, self.run_dir, self.config, self.log_dir = recipe, Path(run_dir), Path(config), Path(log_dir)
+        self.python, self.say = python, say
+        # CPU servers unless the machine has GPUs for them (the trainer keeps its own)
+        self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+        cfg = recipe.rl.disaggregated
+        self.ports = [cfg.server_port + i if cfg.server_port else free_port() for i in range(cfg.num_servers)]
+        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self.servers: list[subprocess.Popen | None] = [None] * cfg.num_servers
+        self.orchestrator: subprocess.Popen | None = None
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="megatron-s2-roles", daemon=True)
+
+    # ---- processes --------------------------------------------------------------------------------
+    def _spawn(self, argv, log_name: str) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / log_name, "ab") as sink:
+            return subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
+                                    start_new_session=True, preexec_fn=_role_preexec)
+
+    def _start_server(self, i: int) -> None:
+        self.servers[i] = self._spawn(server_command(self.python, self.recipe, self.ports[i]), f"server{i}.log")
+
+    def start(self, timeout_s: float = 300.0) -> "ServedRoles":
+        marker = exchange_dir(self.run_dir) / ORCHESTRATOR_FAILED
+        marker.unlink(missing_ok=True)
+        for i in range(len(self.servers)):
+            self._start_server(i)
+        deadline = time.monotonic() + timeout_s
+        while not all(_healthy(u) for u in self.urls):
+            dead = [i for i, p in enumerate(self.servers) if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                self.stop()
+                why = f"exited ({self.log_dir / f'server{dead[0]}.log'})" if dead else f"not up after {timeout_s:.0f} s"
+                raise RuntimeError(f"disaggregated RL: inference server {dead[0] if dead else ''} {why}")
+            time.sleep(0.2)
+        self.say(f"disaggregated RL: {len(self.urls)} inference server(s) up at {', '.join(self.urls)}")
+        self.orchestrator = self._spawn(orchestrator_command(self.python, self.config, self.run_dir, self.urls),
+                                        "orchestrator.log")
+        self._watcher.start()
+        return self
+
+    def _watch(self) -> None:
+        """Restart dead servers; mark a failed orchestrator for the trainer."""
+        while not self._stop.wait(0.25):
+            for i, p in enumerate(self.servers):
+                if p is not None and p.poll() is not None and not self._stop.is_set():
+                    self.say(f"disaggregated RL: inference server {i} exited ({p.returncode}); restarting it")
+                    self.restarts += 1
+                    self._start_server(i)
+            o = self.orchestrator
+            if o is not None and o.poll() is not None:
+                if o.returncode != 0:
+                    marker = exchange_dir(self.run_dir) / ORCHESTRATOR_FAILED
+                    marker.parent.mkdir(parents=True, exist_ok=True)
+                    if not marker.exists():  # the orchestrator's own reason is better
+                            marker.write_text(f"the orchestrator exited with code {o.returncode}; its log: "
+                                          f"{self.log_dir / 'orchestrator.log'}\n")
+                self.orchestrator = None
+
+    def kill_server(self, i: int, sig: int) -> None:
+        """Signal server ``i`` (tests: a server dying mid-run)."""
+        self.servers[i].send_signal(sig)
+
+    def stop(self) -> None:
+        self._stop.set()
+        procs = [p for p in [*self.servers, self.orchestrator] if p is not None and p.poll() is None]
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def __enter__(self) -> "ServedRoles":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
