@@ -324,7 +324,9 @@ class InferenceEngine:
             for chunks, reqs in self._forwards(plan):
                 speculate = self.speculator is not None and chunks[0].length == 1 and self.speculator.active()
                 if speculate:
-                    spec = [r for r in reqs if r.num_computed + 1 == len(r.tokens)]  # decoding, not a 1-token chunk
+                    # decoding, not a 1-token chunk; nor a forecast's last prompt token (its hidden state is read)
+                    spec = [r for r in reqs if r.num_computed + 1 == len(r.tokens)
+                            and not (r.forecast is not None and r.num_computed < len(r.prompt))]
                     if spec:
                         self._speculate(spec, version, outputs, plan)
                         chunks = [c for c in chunks if c.request not in spec]

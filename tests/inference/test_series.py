@@ -142,6 +142,29 @@ def test_forecast_through_the_engine_equals_predict_forecast(model):
     assert plain.forecast is None and plain.token_ids == result.token_ids
 
 
+def test_batched_forecast_requests_each_get_their_own_numbers(model):
+    """Two forecast requests prefilled in the same steps (other series, other horizons) and a text
+    one beside them: each forecast is its own prompt's ``predict.forecast``."""
+    prompt, inputs = two_series_prompt(model)
+    other = [series(1, 30, 5), series(2, 90, 6)]
+    engine = InferenceEngine(model, EngineConfig(max_num_seqs=3, max_model_len=256, prefill_chunk=6,
+                                                 max_prefill_tokens=18, page_tokens=8))
+    params = SamplingParams(max_tokens=2, temperature=0)
+    handles = [engine.submit(prompt, params, series=inputs, forecast=[3, 7]),
+               engine.submit(prompt, params, series=other, forecast=[16, 1]),
+               engine.submit(prompt, params, series=other)]
+    while engine.has_work():
+        engine.step()
+    for handle, asked, horizons in zip(handles, (inputs, other), ([3, 7], [16, 1])):
+        _, spans = engine.prepare_series(prompt, asked)
+        tokens = handle.prompt_token_ids
+        ref = forecast(model, torch.tensor([tokens]), [[SeriesPlacement(s.start, s.data) for s in spans]],
+                       [[(0, len(tokens) - 1)] * 2], horizons)
+        for got, want in zip(handle.result().forecast, ref):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert handles[2].result().forecast is None
+
+
 def test_prefix_cache_is_keyed_on_series_content():
     model = lane_model("tiny")
     prompt = text(3, 1) + [placeholder(model)] + text(20, 2)
