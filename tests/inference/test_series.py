@@ -37,8 +37,8 @@ LANE = {"hidden": 32, "heads": 2, "token_budget": 16, "queries_per_patch": 4, "f
         "max_horizon": 16, "forecast_queries": 4, "forecast_layers": 1}
 
 
-def lane_model(name: str, seed: int = 0, timeseries: bool = True):
-    raw = yaml.safe_load((MODELS / f"{name}.yaml").read_text())
+def lane_model(name: str, seed: int = 0, timeseries: bool = True, **changes):
+    raw = {**yaml.safe_load((MODELS / f"{name}.yaml").read_text()), **changes}
     if timeseries:
         raw["timeseries"] = LANE
     cfg = from_mapping(ModelSchema, raw)

@@ -8,6 +8,9 @@ client against a live server on a ``timeseries_forecast`` checkpoint trained a f
 * A local file path is read only under ``--allowed-local-media-path``.
 * Bad series (NaN, ragged, too long, too many channels, a horizon past the branch, a model without
   the lane) are one-line 400s, and the server answers good requests meanwhile.
+* The Hugging Face template path (text rendered, then tokenised) and the lane-less refusal run on
+  untrained tiny models with the shipped BPE tokenizer (fast); the rest is ``slow`` (its module
+  fixture trains the forecasting recipe 3 steps).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ STEPS = torch.arange(60.0)
 SERIES = [(100 + 5 * torch.sin(STEPS / 4)).tolist(), (-3 + torch.cos(STEPS / 4)).tolist()]
 ASK = {"instruction": "forecast the next two seconds", "sample_rate": 4, "series": SERIES}
 
-pytestmark = pytest.mark.slow  # trains a checkpoint (~10 s) and starts servers
+SLOW = pytest.mark.slow  # the tests on the trained checkpoint: its module fixture trains ~12 s
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +89,7 @@ def series_chat(client, spec, text="forecast the next two seconds", model="ts", 
                                           extra_body={"return_token_ids": True, **extra})
 
 
+@SLOW
 def test_forecast_route_answers_like_tools_forecast(client, run_dir):
     from megatron_s2.training.forecast_trainer import load_trained_forecaster
     from tools.forecast import answer
@@ -97,6 +101,7 @@ def test_forecast_route_answers_like_tools_forecast(client, run_dir):
     assert [len(c) for c in got["forecast"]] == [8, 8] and all(80 < v < 120 for v in got["forecast"][0])
 
 
+@SLOW
 def test_chat_series_part_returns_the_forecast_of_the_prompt_it_ran(client, loaded):
     from megatron_s2.models.timeseries.encoder import SeriesInput
     from megatron_s2.models.timeseries.insertion import SeriesPlacement
@@ -117,6 +122,7 @@ def test_chat_series_part_returns_the_forecast_of_the_prompt_it_ran(client, load
     assert np.asarray(explicit.model_extra["forecast"][0]["values"]).shape == (2, 3)
 
 
+@SLOW
 def test_a_local_file_is_read_only_under_the_allowed_directory(client, media, tmp_path):
     inline = forecast_post(client, ASK)
     from_file = forecast_post(client, {"instruction": ASK["instruction"], "path": str(media / "two.npz")})
@@ -127,6 +133,7 @@ def test_a_local_file_is_read_only_under_the_allowed_directory(client, media, tm
     assert "outside --allowed-local-media-path" in message_of(err.value)
 
 
+@SLOW
 def test_nan_values_are_a_one_line_400(client, server):
     """The openai client refuses to send NaN (not JSON); a raw body with the ``NaN`` literal is."""
     import json
@@ -141,6 +148,7 @@ def test_nan_values_are_a_one_line_400(client, server):
         assert reply.status_code == 400 and "NaN" in message and "\n" not in message, message
 
 
+@SLOW
 @pytest.mark.parametrize("spec, words", [    ({"values": [[1.0] * 30, [1.0] * 29]}, "ragged"),
     ({"values": [[0.5] * 20] * 17}, "max_channels"),
     ({"values": [0.5] * 300_001}, "300,000-step maximum"),
@@ -155,6 +163,18 @@ def test_bad_series_are_one_line_400s_while_others_are_served(client, spec, word
     assert forecast_post(client, ASK)["horizon"] == 8  # the server keeps answering
 
 
+@SLOW
+def test_a_bad_series_is_refused_while_a_long_request_is_in_flight(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(series_chat, client, {"values": SERIES, "sample_rate": 4}, forecast=True)
+        with pytest.raises(openai.BadRequestError):
+            series_chat(client, {"values": [[1.0] * 30, [1.0] * 29]}, forecast=True)
+        assert long.result(timeout=120).model_extra["forecast"][0]["horizon"] == 8
+
+
+@SLOW
 def test_bad_forecast_asks_are_refused(client):
     for extra, words in [({"forecast": {"horizon": 99}}, "max_horizon"), ({"forecast": "yes"}, "must be true"),
                          ({"forecast": True, "stream": True}, "streaming")]:
@@ -166,10 +186,16 @@ def test_bad_forecast_asks_are_refused(client):
     assert "max_horizon" in message_of(err.value)
 
 
-def test_a_model_without_the_lane_refuses_series(loaded):
+def bpe():
+    from megatron_s2.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(Path(__file__).resolve().parents[2] / "recipes" / "tokenizers" / "tiny-bpe")
+
+
+def test_a_model_without_the_lane_refuses_series():
     from tests.inference.test_series import lane_model
 
-    text_only = (lane_model("intern_s2_tiny", timeseries=False), loaded[1], "text-only")
+    text_only = (lane_model("intern_s2_tiny", timeseries=False, vocab_size=520), bpe(), "text-only")
     srv = start_server(text_only, name="plain")
     try:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -179,3 +205,34 @@ def test_a_model_without_the_lane_refuses_series(loaded):
             assert "no time-series lane" in message_of(err.value)
     finally:
         srv.stop()
+
+
+def test_a_tokenizer_that_renders_text_places_the_series_where_the_part_stands():
+    """The Hugging Face template path (rendered text, then ids): the ``<series>`` marker becomes
+    the placeholder between the text parts, and the forecast is ``predict.forecast``'s."""
+    from megatron_s2.models.timeseries.encoder import SeriesInput
+    from megatron_s2.models.timeseries.insertion import SeriesPlacement
+    from megatron_s2.models.timeseries.predict import forecast
+    from tests.inference.test_series import lane_model
+
+    tokenizer = bpe()
+    model = lane_model("intern_s2_tiny", vocab_size=520)  # placeholder 519: beyond the tokenizer's 512 ids
+    srv = start_server((model, tokenizer, "bpe"), name="bpe")
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": [{"type": "text", "text": "Here:"},
+                                                 {"type": "time_series", "time_series": {"values": SERIES}},
+                                                 {"type": "text", "text": "predict 5 steps ahead"}]}]
+        reply = client.chat.completions.create(model="bpe", messages=messages, max_tokens=1, temperature=0,
+                                               extra_body={"return_token_ids": True, "forecast": True})
+    finally:
+        srv.stop()
+    prompt = reply.model_extra["prompt_token_ids"]
+    start = prompt.index(519)
+    assert prompt.count(519) == 16 and prompt[start - 1] != 519
+    assert "Here:" in tokenizer.decode(prompt[:start]) and "predict 5" in tokenizer.decode(prompt[start + 16:])
+    [want] = forecast(model, torch.tensor([prompt]), [[SeriesPlacement(start, SeriesInput(torch.tensor(SERIES)))]],
+                      [[(0, len(prompt) - 1)]], [5])
+    [entry] = reply.model_extra["forecast"]
+    assert entry["horizon"] == 5
+    np.testing.assert_allclose(entry["values"], want.numpy(), rtol=1e-4, atol=1e-4)
