@@ -77,7 +77,8 @@ def _content(content, where: str, role: str, images: ServedImages | None, urls: 
                 parts.append(SERIES_MARKER)
             else:
                 raise BadRequest(f"{at}: only text parts ({{\"type\": \"text\", \"text\": ...}}) and image parts "
-                                 f"({{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}) are supported",
+                                 f"({{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}) are supported (and "
+                                 f"time_series parts for a model with a time-series lane)",
                                  param=at)
         return "".join(parts)
     raise BadRequest(f"{where}: must be a string or a list of text and image parts", param=where)

@@ -64,6 +64,7 @@ class ServedSeries:
     """What the chat and forecast endpoints need of the engine and the media policy for series."""
 
     def __init__(self, engine, allowed_local_media_path: str = "", max_series: int = 8):
+        """``max_series``: the server's ``--max-images-per-request``, which caps series parts too."""
         self.engine = engine
         self.allowed_local_media_path = allowed_local_media_path or None
         self.max_series = max_series
@@ -85,7 +86,7 @@ class ServedSeries:
     def refuse_too_many(self, count: int, param: str) -> None:
         if count > self.max_series:
             raise BadRequest(f"{param}: {count} time_series parts; this server takes at most {self.max_series} per "
-                             "request", param=param)
+                             "request (--max-images-per-request caps series parts too)", param=param)
 
     def read(self, spec: Any, param: str):
         """A :class:`SeriesInput` from a part's ``time_series`` object, or a one-line 400."""
