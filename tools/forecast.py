@@ -1,5 +1,7 @@
 """Answer one forecasting request with numbers, not text (Intern-S2 report §2.2.2), from a trained
-``phase.kind: timeseries_forecast`` run — the request/response a serving route would carry.
+``phase.kind: timeseries_forecast`` run, out of the engine — the request/response that ``megatron-s2
+serve``'s ``POST /v1/forecast`` carries through the engine (``megatron_s2/serve/series.py``, walkthrough
+§2.2.2), with the same numbers.
 
     python tools/forecast.py runs/timeseries_forecast_tiny request.json
     echo '{"instruction": "forecast the next two seconds", "sample_rate": 4,

@@ -44,6 +44,15 @@ spans :meth:`InferenceEngine.prepare_images` returned for ``ids`` (a server expa
 count the prompt's tokens). The executor embeds each image once; cached prefixes are keyed on
 the images' content, never on their placeholder ids (:mod:`megatron_s2.models.family.engine`).
 
+**Series** (Intern-S2 §2.2.1-§2.2.2; walkthrough §2.2.2 "through the engine and serve"):
+``add_request(ids, params, series=[SeriesInput, ...])`` expands each series placeholder of ``ids``
+(``model.timeseries.placeholder_id``) into its series' span and the executor inserts the
+encoder's tokens there during (chunked) prefill; cached prefixes are keyed on the series' content
+(:mod:`megatron_s2.models.timeseries.serving`). ``forecast=[horizon, ...]`` (one per series) also
+asks for the numbers: the forecasting branch reads the prompt's final hidden states as the engine
+computed them and the output that ends the prompt carries ``forecast`` (per series, [channels,
+horizon] real values on the series' own scale) — equal to ``predict.forecast`` out of the engine.
+
 Stop strings are found by one incremental detokenizer per request
 (:mod:`~megatron_s2.inference.detokenizer`): linear in the output, not quadratic.
 """
@@ -126,13 +135,14 @@ class InferenceEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None,
                     on_output: Callable[[RequestOutput], None] | None = None,
-                    cache_state: dict[str, torch.Tensor] | None = None, images: list | None = None) -> str:
+                    cache_state: dict[str, torch.Tensor] | None = None, images: list | None = None,
+                    series: list | None = None, forecast: list[int] | None = None) -> str:
         """Queue a request; returns its id. Raises :class:`PromptTooLong`, :class:`QueueFull`,
         ``ValueError`` for token ids outside the vocabulary or images the model cannot take
         (``images``: module docstring). ``cache_state`` (from
         :meth:`export_cache_state` of an engine of the same configuration, over these prompt
         tokens) is what the request resumes from at admission instead of a prefill; ``ValueError``
-        when it does not fit."""
+        when it does not fit. ``series`` / ``forecast``: module docstring."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
@@ -146,6 +156,11 @@ class InferenceEngine:
                                      "prepare_images returned with its spans")
             else:
                 prompt, spans = self.prepare_images(prompt, images)
+        series_spans: list = []
+        if series:
+            prompt, series_spans = self.prepare_series(prompt, series)
+        if forecast is not None:
+            self._check_forecast(series_spans, forecast, cache_state)
         vocab = self.model_config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt_token_ids: ids must lie in 0..{vocab - 1}")
@@ -163,18 +178,22 @@ class InferenceEngine:
         seed = params.seed if params.seed is not None else hash((self.config.seed, arrival)) & ((1 << 63) - 1)
         gen = torch.Generator(device=self.device)  # reseeded per token (_advance)
         self._inbox.put(("add", Request(rid, prompt, params, gen, arrival, on_output, seed=seed,
-                                        cache_state=cache_state, images=spans)))
+                                        cache_state=cache_state, images=spans, series=series_spans,
+                                        forecast=None if forecast is None else [int(h) for h in forecast])))
         self._notify()
         return rid
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
-               request_id: str | None = None, images: list | None = None) -> RequestHandle:
+               request_id: str | None = None, images: list | None = None, series: list | None = None,
+               forecast: list[int] | None = None) -> RequestHandle:
         """``add_request`` with a thread-safe handle streaming the outputs."""
         if images and not all(isinstance(image, ImageSpan) for image in images):
             prompt_token_ids, images = self.prepare_images(prompt_token_ids, images)
+        if series:
+            prompt_token_ids, series = self.prepare_series(prompt_token_ids, series)
         handle = RequestHandle("", prompt_token_ids)
         handle.request_id = self.add_request(prompt_token_ids, params, request_id=request_id, on_output=handle.put,
-                                             images=images)
+                                             images=images, series=series, forecast=forecast)
         return handle
 
     @property
@@ -188,6 +207,35 @@ class InferenceEngine:
         the model has no vision tower or the placeholders and images do not match; thread-safe
         (it only reads the configuration)."""
         return self.executor.prepare_images([int(t) for t in prompt_token_ids], list(images))
+
+    @property
+    def series_token_id(self) -> int | None:
+        """The series placeholder id of prompts; None when the model has no time-series lane."""
+        ts = getattr(self.model_config, "timeseries", None)
+        return None if ts is None else ts.placeholder_id(self.model_config.vocab_size)
+
+    def prepare_series(self, prompt_token_ids: list[int], series: list) -> tuple[list[int], list]:
+        """The prompt with each series placeholder expanded to its series' span, and the spans
+        (``series``: :class:`~megatron_s2.models.timeseries.encoder.SeriesInput` per placeholder, or
+        the spans this returned). ValueError when the model has no time-series lane or they do
+        not match; thread-safe."""
+        from megatron_s2.models.timeseries.serving import prepare_series
+
+        return prepare_series(self.model_config, [int(t) for t in prompt_token_ids], list(series))
+
+    def _check_forecast(self, spans: list, horizons: list[int], cache_state) -> None:
+        """ValueError (one line) for a forecast this engine cannot compute."""
+        if getattr(self.model, "forecaster", None) is None:
+            raise ValueError("forecast: this model has no forecasting branch (train it with phase.kind: "
+                             "timeseries_forecast)")
+        if len(horizons) != len(spans):
+            raise ValueError(f"forecast: give one horizon per series ({len(spans)} series, {len(horizons)} horizons)")
+        limit = self.model.forecaster.max_horizon
+        if any(not 1 <= int(h) <= limit for h in horizons):
+            raise ValueError(f"forecast: horizons must lie in 1..{limit} (model.timeseries.max_horizon), got {horizons}")
+        if self.config.decoder_bounded_replay or cache_state is not None:
+            raise ValueError("forecast: the forecaster reads every prompt position's hidden state; drop "
+                             "decoder_bounded_replay / cache_state for this request")
 
     def abort(self, request_id: str) -> None:
         """Stop a request (e.g. its client disconnected); its state is freed at the next step and
@@ -276,7 +324,9 @@ class InferenceEngine:
             for chunks, reqs in self._forwards(plan):
                 speculate = self.speculator is not None and chunks[0].length == 1 and self.speculator.active()
                 if speculate:
-                    spec = [r for r in reqs if r.num_computed + 1 == len(r.tokens)]  # decoding, not a 1-token chunk
+                    # decoding, not a 1-token chunk; nor a forecast's last prompt token (its hidden state is read)
+                    spec = [r for r in reqs if r.num_computed + 1 == len(r.tokens)
+                            and not (r.forecast is not None and r.num_computed < len(r.prompt))]
                     if spec:
                         self._speculate(spec, version, outputs, plan)
                         chunks = [c for c in chunks if c.request not in spec]
@@ -380,7 +430,7 @@ class InferenceEngine:
         """Out of pages: drop the newest request's cache; it re-runs its tokens when readmitted."""
         self._release(req, snapshot=False)
         self.running.remove(req)
-        req.num_computed, req.kv = 0, None
+        req.num_computed, req.kv, req.forecast_hidden = 0, None, {}
         self.waiting.appendleft(req)
         with self._count_lock:
             self._accepted += 1
@@ -390,9 +440,32 @@ class InferenceEngine:
         for group in ([p for p in plan if p[1] == 1], [p for p in plan if p[1] > 1]):
             if not group:
                 continue
-            chunks = [Chunk(req, req.num_computed, n, "last" if req.num_computed + n == len(req.tokens) else "none")
-                      for req, n in group]
+            chunks = [self._chunk(req, n) for req, n in group]
             yield chunks, [req for req, _ in group]
+
+    @staticmethod
+    def _chunk(req: Request, n: int) -> Chunk:
+        last = req.num_computed + n == len(req.tokens)
+        if req.forecast is not None and req.num_computed < len(req.prompt):
+            # the forecaster reads the final hidden state of every prompt position (§2.2.2)
+            return Chunk(req, req.num_computed, n, "all", hidden=True)
+        return Chunk(req, req.num_computed, n, "last" if last else "none")
+
+    def _forecast(self, req: Request, chunk: Chunk, res, out: RequestOutput) -> object:
+        """Keep a forecast request's prompt hidden states; once the prompt is done, run the
+        branch and put the numbers on ``out``. Returns the logits to sample from (or None)."""
+        from megatron_s2.models.timeseries.serving import forecast_from_hidden
+
+        req.forecast_hidden[chunk.start] = res.hidden
+        if chunk.start + chunk.length < len(req.tokens):
+            return None
+        prompt, dtype = len(req.prompt), getattr(torch, self.model_config.compute_dtype)
+        hidden = torch.cat([req.forecast_hidden[s] for s in sorted(req.forecast_hidden)])[:prompt]
+        values = forecast_from_hidden(self.model.forecaster, hidden.to(self.device, dtype), req.series, self.model.timeseries,
+                                      req.forecast, (0, prompt - 1))
+        out.forecast = [v.float().cpu() for v in values]
+        req.forecast_hidden = {}
+        return res.logits[-1]
 
     # ---- after the forward ---------------------------------------------------------------------
     def _advance(self, req: Request, chunk: Chunk, res, version: int) -> None:
@@ -406,11 +479,14 @@ class InferenceEngine:
             out.indexer_topk = res.topk
             out.fed_positions = range(start, start + n)
         self.executor.after_forward(req)
-        if res.logits is None:
+        logits = res.logits
+        if chunk.hidden and req.forecast is not None:
+            logits = self._forecast(req, chunk, res, out)
+        if logits is None:
             return
         if not req.params.greedy:  # the draw is a function of (seed, position) alone: module docstring
             req.generator.manual_seed(position_seed(req.seed, len(req.tokens)))
-        self._append(req, out, sample_next(res.logits, req.params, req.generator), version)
+        self._append(req, out, sample_next(logits, req.params, req.generator), version)
 
     def _append(self, req: Request, out: RequestOutput, tok, version: int) -> bool:
         """Append one generated token (a :class:`SampledToken`) to the request and this step's

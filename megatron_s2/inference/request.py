@@ -68,6 +68,10 @@ class RequestOutput:
     """The stop string or stop token that ended the request, if any."""
     error: str | None = None
     """Why the request failed (``finish_reason`` ERROR)."""
+    forecast: list[torch.Tensor] | None = None
+    """Per series of the prompt, its real-valued forecast [channels, horizon] (float32, host): set
+    once, on the output of the step that finished the prompt, when the request asked for one
+    (``add_request(..., forecast=)``, Intern-S2 §2.2.2)."""
 
 
 @dataclass
@@ -86,8 +90,12 @@ class CompletedRequest:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    forecast: list[torch.Tensor] | None = None
+    """:attr:`RequestOutput.forecast`, when asked for."""
 
     def add(self, out: RequestOutput) -> None:
+        if out.forecast is not None:
+            self.forecast = out.forecast
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
         self.top_logprobs += out.top_logprobs
@@ -187,6 +195,18 @@ class Request:
     """A saved cache state to admit the request with (``InferenceEngine.add_request``)."""
     images: list = field(default_factory=list)
     """The prompt's images (:class:`~megatron_s2.models.family.engine.ImageSpan`), by position."""
+    series: list = field(default_factory=list)
+    """The prompt's series (:class:`~megatron_s2.models.timeseries.serving.SeriesSpan`), by position."""
+    forecast: list[int] | None = None
+    """Horizons (one per series) of the numerical forecast asked for; None: text only."""
+    forecast_hidden: dict = field(default_factory=dict)
+    """Chunk start -> final hidden states [n, d] of the prompt positions it computed (a forecast request)."""
+
+    @property
+    def content_spans(self) -> list:
+        """The images and series: spans whose placeholder ids say nothing of their content, so
+        every cache key over their positions covers their content keys."""
+        return [*self.images, *self.series]
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -8,6 +8,8 @@ GET  /v1/models            the served model, with ``max_model_len`` (vLLM's Mode
 POST /v1/completions       :func:`megatron_s2.serve.completions_api.completions`
 POST /v1/chat/completions  :func:`megatron_s2.serve.chat_api.chat_completions`
 POST /inference/v1/generate  :func:`megatron_s2.serve.token_api.generate`
+POST /v1/forecast          a series' numerical forecast, :func:`megatron_s2.serve.series.forecast_route`
+                           (Intern-S2 §2.2.2; chat takes ``time_series`` parts and ``forecast`` too)
 POST /v1/responses         OpenAI Responses, :mod:`megatron_s2.serve.gateway` (also per session:
 POST /v1/messages          Anthropic Messages      ``/sessions/<id>/v1/...``, :mod:`~.gateway.routes`)
 POST /update_weights       :func:`megatron_s2.serve.weights_api.update_weights` (disaggregated RL)
@@ -126,6 +128,12 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def _chat(request: Request):
         return await chat_completions(state, request)
+
+    @app.post("/v1/forecast")
+    async def _forecast(request: Request):  # numbers for a series (serve/series.py, Intern-S2 §2.2.2)
+        from megatron_s2.serve.series import forecast_route
+
+        return await forecast_route(state, request)
 
     @app.post("/inference/v1/generate")
     async def _generate(request: Request):

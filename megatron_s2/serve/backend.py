@@ -95,17 +95,19 @@ class AsyncEngine:
 
     # ---- requests (event-loop thread) --------------------------------------------------------
     def submit(self, engine_id: str, prompt: list[int], params: SamplingParams, sink: asyncio.Queue, tag: int,
-               images: list | None = None) -> None:
+               images: list | None = None, *, series: list | None = None, forecast: list[int] | None = None) -> None:
         """Queue one engine request whose outputs go to ``sink`` as ``(tag, RequestOutput)``
         (or ``(tag, HTTPError)`` if the engine stops). Raises the HTTP error of a refusal.
-        ``images``: the prompt's image spans (``engine.prepare_images``)."""
+        ``images``: the prompt's image spans (``engine.prepare_images``); ``series`` / ``forecast``: its
+        series spans (``engine.prepare_series``) and the horizons asked for (:mod:`.series`)."""
         loop = asyncio.get_running_loop()
         with self._lock:
             if not self.alive:
                 raise self._unavailable()
             self._sinks[engine_id] = (loop, sink, tag)
         try:
-            self.engine.add_request(prompt, params, request_id=engine_id, on_output=self._deliver, images=images)
+            self.engine.add_request(prompt, params, request_id=engine_id, on_output=self._deliver, images=images,
+                                    series=series, forecast=forecast)
         except QueueFull as exc:
             self._sinks.pop(engine_id, None)
             self.counters["refused_queue_full"] += 1
@@ -201,11 +203,12 @@ class Generation:
         self._open: dict[int, str] = {}
         self._count = 0
 
-    def add(self, tag: int, prompt: list[int], params: SamplingParams, images: list | None = None) -> None:
+    def add(self, tag: int, prompt: list[int], params: SamplingParams, images: list | None = None, *,
+            series: list | None = None, forecast: list[int] | None = None) -> None:
         """Submit choice ``tag``; on refusal the already submitted choices are aborted."""
         engine_id = f"{self.request_id}-{tag}"
         try:
-            self.backend.submit(engine_id, prompt, params, self._queue, tag, images)
+            self.backend.submit(engine_id, prompt, params, self._queue, tag, images, series=series, forecast=forecast)
         except HTTPError:
             self.abort()
             raise

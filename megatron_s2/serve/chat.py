@@ -20,6 +20,11 @@ parts (:mod:`megatron_s2.serve.media` reads the URL). Each part is rendered as t
 text parts, so the template places it; after rendering, each marker becomes the model's image
 placeholder id and the engine expands it into the image's span. A request whose text itself
 contains ``<image>`` next to image parts is refused (the places would be ambiguous).
+
+**Series.** A user message may hold ``{"type": "time_series", "time_series": {"values": [[...]],
+"sample_rate": 4}}`` parts (or ``{"path": ...}`` under ``--allowed-local-media-path``), rendered as
+``<series>`` the same way and expanded by the engine into the series' span
+(:mod:`megatron_s2.serve.series`; Intern-S2 §2.2.1-§2.2.2).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from megatron_s2.inference.image_prompt import IMAGE_MARKER, encode_with_images,
 from megatron_s2.serve.errors import BadRequest
 from megatron_s2.serve.fields import Fields, shown, shown_text
 from megatron_s2.serve.media import ServedImages
+from megatron_s2.serve.series import SERIES_MARKER, encode_with_marker
 
 __all__ = ["has_chat_template", "chat_prompt_ids"]
 
@@ -43,7 +49,8 @@ def has_chat_template(tokenizer) -> bool:
                                                                                       True))
 
 
-def _content(content, where: str, role: str, images: ServedImages | None, urls: list) -> str:
+def _content(content, where: str, role: str, images: ServedImages | None, urls: list, series=None,
+             series_specs: list | None = None) -> str:
     """The content's text, each image part an :data:`IMAGE_MARKER` (its URL appended to ``urls``)."""
     if isinstance(content, str):
         return content
@@ -61,15 +68,24 @@ def _content(content, where: str, role: str, images: ServedImages | None, urls: 
                 url = part.get("image_url")
                 urls.append((url.get("url") if isinstance(url, dict) else url, f"{at}.image_url.url"))
                 parts.append(IMAGE_MARKER)
+            elif kind == "time_series" and series is not None:
+                series.refuse_unless_supported(at)
+                if role != "user":
+                    raise BadRequest(f"{at}: time_series parts are accepted in user messages only, not {role}",
+                                     param=at)
+                series_specs.append((part.get("time_series"), f"{at}.time_series"))
+                parts.append(SERIES_MARKER)
             else:
                 raise BadRequest(f"{at}: only text parts ({{\"type\": \"text\", \"text\": ...}}) and image parts "
-                                 f"({{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}) are supported",
+                                 f"({{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}) are supported (and "
+                                 f"time_series parts for a model with a time-series lane)",
                                  param=at)
         return "".join(parts)
     raise BadRequest(f"{where}: must be a string or a list of text and image parts", param=where)
 
 
-def _messages(value, images: ServedImages | None = None, urls: list | None = None) -> list[dict]:
+def _messages(value, images: ServedImages | None = None, urls: list | None = None, series=None,
+              series_specs: list | None = None) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise BadRequest("messages: must be a non-empty list of {role, content} objects", param="messages")
     out = []
@@ -85,7 +101,8 @@ def _messages(value, images: ServedImages | None = None, urls: list | None = Non
         content = message.get("content")
         if content is None and not (role == "assistant" and message.get("tool_calls")):
             raise BadRequest(f"{where}.content: required", param=f"{where}.content")
-        clean["content"] = (_content(content, f"{where}.content", role, images, urls if urls is not None else [])
+        clean["content"] = (_content(content, f"{where}.content", role, images, urls if urls is not None else [],
+                                     series, series_specs if series_specs is not None else [])
                             if content is not None else None)
         for key in ("reasoning_content", "tool_calls", "tool_call_id", "name"):
             if message.get(key) is not None:
@@ -95,9 +112,12 @@ def _messages(value, images: ServedImages | None = None, urls: list | None = Non
 
 
 def chat_prompt_ids(tokenizer, f: Fields, refuse_overlong: Callable[[list[str], str], None],
-                    images: ServedImages | None = None) -> tuple[list[int], list]:
+                    images: ServedImages | None = None, series=None, series_spans: list | None = None
+                    ) -> tuple[list[int], list]:
     """Token ids of the request's conversation, and its images' spans (module docstring; the ids
-    hold each image's whole span, as the engine runs them).
+    hold each image's whole span, as the engine runs them). ``series`` (a
+    :class:`~megatron_s2.serve.series.ServedSeries`): time_series parts are read, and their spans
+    appended to ``series_spans``.
 
     The conversation is rendered to text first and ``refuse_overlong`` sees that text before it is
     tokenised: whatever field holds the bulk (``content``, ``reasoning_content``, tool-call
@@ -107,9 +127,12 @@ def chat_prompt_ids(tokenizer, f: Fields, refuse_overlong: Callable[[list[str], 
         raise BadRequest(f"messages: this model has no chat template (its tokenizer {type(tokenizer).__name__} "
                          "defines none); use /v1/completions with a text or token-id prompt", param="messages")
     urls: list[tuple[object, str]] = []
-    messages = _messages(f.raw("messages"), images, urls)
+    specs: list[tuple[object, str]] = []
+    messages = _messages(f.raw("messages"), images, urls, series, specs)
     if urls:
         images.refuse_too_many(len(urls), "messages")
+    if specs:
+        series.refuse_too_many(len(specs), "messages")
     kwargs = f.object("chat_template_kwargs")
     kwargs.only(set(TEMPLATE_KWARGS))
     effort = kwargs.int("reasoning_effort", None, minimum=1, maximum=100)
@@ -123,11 +146,19 @@ def chat_prompt_ids(tokenizer, f: Fields, refuse_overlong: Callable[[list[str], 
     text = _render(tokenizer, messages, options, tokenize=False)  # Jinja only: cheap, whatever the size
     refuse_overlong([text], "messages")
 
+    def encode_text(rendered: str) -> list[int]:
+        """Ids of text without image markers; each series marker becomes the series placeholder."""
+        if not specs:
+            return tokenizer.encode(rendered)
+        return encode_with_marker(tokenizer.encode, rendered, SERIES_MARKER, series.token_id)[0]
+
     def encode(rendered: str) -> list[int]:
         """The rendered text's ids; each marker the template placed becomes the image placeholder."""
+        if specs:
+            _check_series_places(rendered.count(SERIES_MARKER), len(specs))
         if not urls:
-            return tokenizer.encode(rendered)
-        ids, found = encode_with_images(tokenizer.encode, rendered, images.token_id)
+            return encode_text(rendered)
+        ids, found = encode_with_images(encode_text, rendered, images.token_id)
         _check_placeholders(found, len(urls))
         return ids
 
@@ -140,12 +171,24 @@ def chat_prompt_ids(tokenizer, f: Fields, refuse_overlong: Callable[[list[str], 
         if urls:
             ids, found = replace_marker_ids(ids, tokenizer.encode(IMAGE_MARKER), images.token_id)
             _check_placeholders(found, len(urls))
+        if specs:
+            ids, found = replace_marker_ids(ids, tokenizer.encode(SERIES_MARKER), series.token_id)
+            _check_series_places(found, len(specs))
     bos = getattr(tokenizer, "bos_id", None)
     ids = ([bos] if f.bool("add_special_tokens") and bos is not None else []) + ids
+    if specs:  # series first: their placeholder ids differ from the image placeholder's
+        ids, spans = series.prepare(ids, [series.read(spec, param) for spec, param in specs], "messages")
+        series_spans.extend(spans)
     if not urls:
         return ids, []
     decoded = [images.load(url, param) for url, param in urls]
     return images.prepare(ids, decoded, "messages")
+
+
+def _check_series_places(found: int, expected: int) -> None:
+    if found != expected:
+        raise BadRequest(f"messages: the rendered chat holds {found} series places for {expected} time_series parts; "
+                         f"the text must not contain {SERIES_MARKER}, which marks time_series parts", param="messages")
 
 
 def _check_placeholders(found: int, expected: int) -> None:

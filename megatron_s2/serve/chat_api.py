@@ -18,6 +18,8 @@ adds usage), ``logprobs: true`` + ``top_logprobs: N``, the sampling fields of
 Images: user messages may carry ``image_url`` parts (:mod:`megatron_s2.serve.chat`,
 :mod:`megatron_s2.serve.media`); such a prompt is not truncated (``truncate_prompt_tokens`` would
 cut an image's span) and gets no ``prompt_logprobs`` (they are scored without the images).
+Series: ``time_series`` parts likewise, and the ``forecast`` extension returns the forecasting
+branch's numbers as a top-level ``forecast`` list (:mod:`megatron_s2.serve.series`, Intern-S2 §2.2.2).
 
 Tools: a request with ``tools`` is answered by the gateway's Chat Completions
 (:mod:`megatron_s2.serve.gateway.chat_protocol`: tool schemas rendered by the chat template, tool
@@ -41,6 +43,7 @@ from megatron_s2.serve.options import OutputOptions, read_truncation, refuse_uns
 from megatron_s2.serve.prompt_logprobs import prompt_logprobs, read_prompt_logprobs
 from megatron_s2.serve.responses import build_choices, collect, event_stream, finish_reasons, submit, usage
 from megatron_s2.serve.sampling import refuse_unsupported_sampling
+from megatron_s2.serve.series import forecast_entries, last_user_text
 from megatron_s2.serve.state import SSE_DONE, ServerState, new_id, sse
 from megatron_s2.serve.text import TextStream, chat_logprobs
 
@@ -92,7 +95,17 @@ async def chat_completions(state: ServerState, request):
     # rendering and tokenising run on a worker thread, off the event loop every client shares; a
     # truncated prompt fits whatever its length (vLLM tokenises it whole)
     refuse_overlong = state.refuse_overlong_text if truncation is None else (lambda texts, field: None)
-    prompt, images = await run_in_threadpool(chat_prompt_ids, state.tokenizer, f, refuse_overlong, state.images)
+    series_spans: list = []
+    prompt, images = await run_in_threadpool(chat_prompt_ids, state.tokenizer, f, refuse_overlong, state.images,
+                                             state.series, series_spans)
+    horizons = state.series.horizons(f.raw("forecast"), last_user_text(messages), [s.data for s in series_spans])
+    if horizons is not None and opts.stream:
+        f.fail("forecast", "not returned when streaming; set stream: false")
+    if series_spans and truncation is not None:
+        f.fail("truncate_prompt_tokens", "cannot be combined with time_series parts (it would cut a series' span); "
+                                         "leave it out")
+    if series_spans and asked is not None:
+        f.fail("prompt_logprobs", "not computed for prompts with time_series parts; leave it out")
     if images and truncation is not None:
         f.fail("truncate_prompt_tokens", "cannot be combined with image parts (it would cut an image's span); "
                                          "leave it out")
@@ -105,7 +118,7 @@ async def chat_completions(state: ServerState, request):
     echoed = _echoed_content(f) if opts.echo else ""
     rid, created = new_id("chatcmpl"), int(time.time())
     gen = Generation(state.backend, rid, request, state.config.disconnect_poll_s)
-    submit(gen, choices, images)
+    submit(gen, choices, images, series=series_spans, forecast=horizons)
     tags = list(range(opts.n))
     base = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
     stop = f.strings("stop")
@@ -141,6 +154,8 @@ async def chat_completions(state: ServerState, request):
             body["prompt_token_ids"] = prompt
         if scored is not None:
             body["prompt_logprobs"] = scored
+        if horizons is not None:  # the forecasting branch's numbers (the choices share the prompt)
+            body["forecast"] = forecast_entries(done[tags[0]].forecast or [], horizons)
         return JSONResponse(body)
 
     chunk_base = {**base, "object": "chat.completion.chunk"}

@@ -38,11 +38,13 @@ def build_choices(state: ServerState, f: Fields, prompts: list[list[int]], opts:
     return choices
 
 
-def submit(gen: Generation, choices: list[Choice], images: list | None = None) -> None:
+def submit(gen: Generation, choices: list[Choice], images: list | None = None, *, series: list | None = None,
+           forecast: list[int] | None = None) -> None:
     """Queue every choice; ``images``: the prompt's image spans, shared by its choices (each
-    image is embedded once however many choices read it)."""
+    image is embedded once however many choices read it); ``series`` / ``forecast``: its series
+    spans and the horizons asked for (:mod:`megatron_s2.serve.series`)."""
     for tag, prompt, params in choices:
-        gen.add(tag, prompt, params, images)
+        gen.add(tag, prompt, params, images, series=series, forecast=forecast)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

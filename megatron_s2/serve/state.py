@@ -54,6 +54,14 @@ class ServerState:
         return self.vocab_size if self.config.max_logprobs == -1 else self.config.max_logprobs
 
     @cached_property
+    def series(self):
+        """How chat ``time_series`` parts and ``/v1/forecast`` bodies are read (:mod:`megatron_s2.serve.series`)."""
+        from megatron_s2.serve.series import ServedSeries
+
+        return ServedSeries(self.backend.engine, self.config.allowed_local_media_path,
+                            self.config.max_images_per_request)
+
+    @cached_property
     def images(self) -> ServedImages:
         """How chat ``image_url`` parts are read and expanded (:mod:`megatron_s2.serve.media`)."""
         return ServedImages(self.backend.engine, self.config.allowed_local_media_path,

@@ -12,6 +12,9 @@ is taken at each row's last real token), and each attention layer every key and 
 its rows' last tokens. Chunked prefill followed by one-token decode therefore computes exactly
 the full forward (tests/models/intern_s2).
 
+A request's series (Intern-S2 §2.2.1) overwrite their spans' embeddings in every chunk that
+reaches them (:mod:`megatron_s2.models.timeseries.serving`), as ``embed(ids, series=)`` does.
+
 Recurrent states are not page-aligned snapshots of a prefix, so prefix caching does not apply;
 a request's state can be exported and restored exactly (a rollout resumed after a restart).
 """
@@ -224,7 +227,7 @@ class HybridExecutor(ModelExecutor):
         ctx.cache = HybridCacheStep([c.request for c in chunks], self.keys, self.values, self.page_tokens, tables,
                                     positions, valid)
         ctx.record = {} if record_routing else None
-        (x,) = self.model.run_layers(self.model.embed(ids), ctx)
+        (x,) = self.model.run_layers(self._embed(chunks, ids), ctx)
         out = [RowOutput() for _ in chunks]
         picks = [(r, list(range(c.length)) if c.logits == "all" else [c.length - 1])
                  for r, c in enumerate(chunks) if c.logits != "none"]
@@ -250,6 +253,19 @@ class HybridExecutor(ModelExecutor):
                     if layer in ctx.record:
                         out[r].routing[:, li] = ctx.record[layer][r, :c.length].to(torch.int32)
         return out
+
+    def _embed(self, chunks: list[Chunk], ids: torch.Tensor) -> tuple[torch.Tensor]:
+        """The word embeddings of the rows, each series span overwritten by the time-series
+        encoder's tokens (as ``embed(ids, series=)`` does in the whole-sequence forward)."""
+        (h,) = self.model.embed(ids)
+        for r, c in enumerate(chunks):
+            if not getattr(c.request, "series", None):  # engine requests carry it; bare ones may not
+                continue
+            from megatron_s2.models.timeseries.serving import series_rows
+
+            for offset, rows in series_rows(self.model.timeseries, c.request.series, c.start, c.length, h.dtype):
+                h[r, offset:offset + rows.size(0)] = rows
+        return (h,)
 
     def stats(self) -> dict:
         return {"free_pages": self.pool.num_free, "admitted": self.admitted}

@@ -22,6 +22,10 @@ placeholder of a prompt into its image's span (the reference's ``prepare_vl_inpu
 the image by its patches; the vision encoder runs once per image, the first time a chunk reaches
 its span, and every chunk that covers span positions (a span may cross chunk boundaries) takes
 its rows from that result (:meth:`V41Executor._image_rows`).
+
+**Series** (Intern-S2 §2.2.1, walkthrough §2.2.2): a request's series spans take the time-series
+encoder's tokens the same way (:mod:`megatron_s2.models.timeseries.serving`), without the image
+mask — the whole-sequence ``embed(ids, series=)`` forward sets none either.
 """
 
 from __future__ import annotations
@@ -301,6 +305,15 @@ class V41Executor(SpeculativeExecutor):
             out.append((lo - start, image.embeddings[lo - image.start:hi - image.start]))
         return out
 
+    def _series_rows(self, request, start: int, length: int) -> list[tuple[int, torch.Tensor]]:
+        """(offset in the chunk, span rows) of the series positions in the chunk (Intern-S2 §2.2.1)."""
+        if not getattr(request, "series", None):  # engine requests carry it; bare ones may not
+            return []
+        from megatron_s2.models.timeseries.serving import series_rows
+
+        dtype = getattr(torch, self.model_config.compute_dtype)
+        return series_rows(self.runner.model.timeseries, request.series, start, length, dtype)
+
     def _history(self, request, start: int) -> list[int]:
         """The tokens before ``start`` that Engram's n-grams may reach, -1 at image positions."""
         lo = max(0, start - self.runner.history)
@@ -319,7 +332,8 @@ class V41Executor(SpeculativeExecutor):
             req = c.request
             rows.append(ForwardRow(req.kv, req.tokens[c.start:c.start + c.length], c.start,
                                    self._history(req, c.start), logits=c.logits, decoder_from=req.kv.decoder_from,
-                                   images=self._image_rows(req, c.start, c.length), hidden=c.hidden))
+                                   images=self._image_rows(req, c.start, c.length), hidden=c.hidden,
+                                   series=self._series_rows(req, c.start, c.length)))
         capture = self.drafter.targets if self.drafter is not None else ()
         out = self.runner.forward(rows, record_routing=record_routing, record_topk=record_topk, capture=capture)
         if capture:  # the drafter's main input of every computed token, pushed once the step keeps it

@@ -62,6 +62,10 @@ class ForwardRow:
     chunk; ``history`` carries -1 at image positions (dead for Engram's n-grams)."""
     hidden: bool = False
     """Also return the normalised last hidden state of the logits rows (``RowOutput.hidden``)."""
+    series: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    """(offset in ``tokens``, the time-series encoder's tokens [n, hidden]) of each run of series
+    positions in the chunk (Intern-S2 §2.2.1): they replace the placeholders' word embeddings as
+    ``V41Model.embed(ids, series=)`` does; no mask, no Engram change (as in that forward)."""
 
     def engram_tokens(self) -> list[int]:
         """``tokens`` with -1 at image positions (Engram's history convention)."""
@@ -119,11 +123,13 @@ class ModelRunner:
         return self._outputs(rows, views, record_routing, record_topk)
 
     def _embed(self, rows: list[ForwardRow], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's embedding of ``ids``, image positions overwritten on every stream."""
+        """The model's embedding of ``ids``, image and series positions overwritten on every stream."""
         x, pre = self.model.embed(ids)
         for r, row in enumerate(rows):
             for offset, emb in row.images:
                 # the streams start as copies of the token embedding (expand_embedding): same here
+                x[r, offset:offset + emb.size(0)] = emb.to(x.dtype).unsqueeze(-2)
+            for offset, emb in row.series:  # likewise: merged before the streams are expanded
                 x[r, offset:offset + emb.size(0)] = emb.to(x.dtype).unsqueeze(-2)
         return x, pre
 

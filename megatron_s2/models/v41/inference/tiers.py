@@ -6,15 +6,16 @@
   finishes and are evicted least-recently-used only when an allocation needs them
   (:class:`~megatron_s2.models.family.engine.PagePool`). A new request reuses the longest chain
   of cached pages of its prompt: the whole cached prefix (leaving at least one prompt token to
-  process). A page an image reaches also hashes that image's content key
-  (:func:`~megatron_s2.models.family.engine.prefix_hashes`): the span's ids are placeholders.
+  process). A page an image or a series reaches also hashes its content key
+  (:func:`~megatron_s2.models.family.engine.prefix_hashes` over ``Request.content_spans``): the
+  span's ids are placeholders.
 * **Short-TTL SWA pool.** SWA state (every layer's ring, the compressor's partial blocks and
   the page table that goes with them) is copied at two points — after the prompt's
   last-but-one token (so a regeneration of the same prompt resumes there) and at the end of
   the output (so the next turn resumes there) — into one of ``swa_pool_slots`` slots, which
   expires after ``swa_pool_ttl_s`` seconds or when the least recently used slot is needed.
-  A request whose tokens extend a live snapshot resumes from it exactly — and whose images
-  before the snapshot's end are the snapshot's (same start, same content key).
+  A request whose tokens extend a live snapshot resumes from it exactly — and whose images and
+  series before the snapshot's end are the snapshot's (same start, same content key).
 * **Encoder SWA Bounded Replay** (``encoder_bounded_replay``): a prefix hit without an SWA
   snapshot replays the last ``window_size`` tokens of the cached prefix — SWA KV only, the
   cached global KV is reused, never recomputed or overwritten — together with the uncached
@@ -73,7 +74,8 @@ class KVTiers:
         self.expire()
         seq, tokens = req.kv, req.tokens
         req.num_computed, seq.hashed_pages = 0, 0
-        if self.config.prefix_caching:
+        # a numerical forecast reads every prompt position's final hidden state: no cached prefix
+        if self.config.prefix_caching and getattr(req, "forecast", None) is None:
             snap = self._snapshot_for(req)
             if snap is not None:
                 self._restore(req, snap)
@@ -89,7 +91,7 @@ class KVTiers:
 
     def _prefix_hit(self, req) -> None:
         tokens, t = req.tokens, self.page_tokens
-        hashes = prefix_hashes(tokens, t, (len(tokens) - 1) // t, req.images)
+        hashes = prefix_hashes(tokens, t, (len(tokens) - 1) // t, req.content_spans)
         pages = []
         for h in hashes:
             page = self.pool.lookup(h)
@@ -128,7 +130,7 @@ class KVTiers:
         complete = min(seq.kv_tokens.values(), default=req.num_computed) // t
         done = seq.hashed_pages
         if complete > done:
-            for i, h in enumerate(prefix_hashes(req.tokens, t, complete, req.images)[done:], start=done):
+            for i, h in enumerate(prefix_hashes(req.tokens, t, complete, req.content_spans)[done:], start=done):
                 self.pool.register(seq.pages[i], h)
             req.kv.hashed_pages = complete
         if (self.config.swa_pool_slots and req.num_generated == 0
@@ -142,7 +144,7 @@ class KVTiers:
     # ---- SWA pool ----------------------------------------------------------------------------
     def _snapshot(self, req) -> None:
         tokens = tuple(req.tokens[:req.num_computed])
-        images = _image_keys(req.images, req.num_computed)
+        images = _image_keys(req.content_spans, req.num_computed)
         key = (tokens, images)
         if key in self.snapshots:
             self.snapshots.move_to_end(key)
@@ -163,7 +165,7 @@ class KVTiers:
         for snap in self.snapshots.values():
             n = len(snap.tokens)
             if (n < len(tokens) and (best is None or n > len(best.tokens)) and tuple(tokens[:n]) == snap.tokens
-                    and _image_keys(req.images, n) == snap.images):
+                    and _image_keys(req.content_spans, n) == snap.images):
                 best = snap
         return best
 
