@@ -47,7 +47,12 @@ def cluster_inputs(tmp_path, monkeypatch):
         shutil.copytree(RECIPES_DIR / "tokenizers" / "tiny-bpe", tmp_path / "checkpoints" / name)
     preprocess_jsonl([text], tmp_path / "data/pretrain/text", load_tokenizer(tmp_path / "checkpoints" / name))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-cluster" / "slurm.conf"))
+    # no cluster: a configuration naming no controller, so sinfo says "cannot tell" at once (a
+    # missing file makes it retry until the capacity query's 10 s timeout)
+    conf = tmp_path / "no-cluster" / "slurm.conf"
+    conf.parent.mkdir()
+    conf.write_text("ClusterName=none\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
     return tmp_path
 
 

@@ -151,12 +151,23 @@ def _run_named_layouts(rank: int, world: int, root: str, layouts: dict[str, list
         run_layout(rank, world, overrides, str(out), recipe_path, base)
 
 
-def run_layouts(root: Path, world: int, layouts: dict[str, list[str]], references: dict[str, list[str]] | None = None,
-                *, recipe_path: Path = RECIPE, base: list[str] = BASE):
-    """Run the single-rank reference(s), then every layout on ``world`` spawned ranks (one spawn
-    for the whole module). Returns (root, reference record)."""
-    from tests.parallel.spawn import run_distributed
+# Single-rank reference records already run in this session, by (recipe, base + overrides): the
+# record is a pure function of them (same seed, data and kernels), and five modules of
+# tests/parallel use the default one. Each module still gets its own copy of the record file.
+_REFERENCES: dict[tuple[str, tuple[str, ...]], Path] = {}
 
+
+def run_reference(out_dir: Path, overrides: list[str], recipe_path: Path = RECIPE, base: list[str] = BASE) -> None:
+    """``run_layout`` on one rank into ``out_dir``, or a copy of the same run's record when this
+    session already ran it."""
+    import shutil
+
+    key = (str(recipe_path), (*base, *overrides))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    done = _REFERENCES.get(key)
+    if done is not None and (done / "rank0.pt").is_file():
+        shutil.copyfile(done / "rank0.pt", out_dir / "rank0.pt")
+        return
     # One intra-op thread, like every spawned rank (tests/parallel/spawn.py): the reference runs
     # the ranks' CPU kernels (two threads moved its first-step gradients by up to 2.7e-5 of a
     # tensor's largest value), and on 2 busy cores a 2-thread team waits at every barrier for a
@@ -164,11 +175,20 @@ def run_layouts(root: Path, world: int, layouts: dict[str, list[str]], reference
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for name, overrides in {"reference": [], **(references or {})}.items():
-            (root / name).mkdir(parents=True, exist_ok=True)
-            run_layout(0, 1, overrides, str(root / name), recipe_path, base)
+        run_layout(0, 1, overrides, str(out_dir), recipe_path, base)
     finally:
         torch.set_num_threads(threads)
+    _REFERENCES[key] = out_dir
+
+
+def run_layouts(root: Path, world: int, layouts: dict[str, list[str]], references: dict[str, list[str]] | None = None,
+                *, recipe_path: Path = RECIPE, base: list[str] = BASE):
+    """Run the single-rank reference(s) (once a session each: ``run_reference``), then every layout
+    on ``world`` spawned ranks (one spawn for the whole module). Returns (root, reference record)."""
+    from tests.parallel.spawn import run_distributed
+
+    for name, overrides in {"reference": [], **(references or {})}.items():
+        run_reference(root / name, overrides, recipe_path, base)
     run_distributed(world, _run_named_layouts, str(root), layouts, recipe_path, base)
     return root, load_records(root / "reference", 1)[0]
 

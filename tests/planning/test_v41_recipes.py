@@ -62,7 +62,12 @@ def flagship_inputs(tmp_path, monkeypatch):
     # The recipes name their clusters' partition; whatever SLURM this machine (or an earlier
     # launcher test's local cluster) knows is not that cluster, so sinfo is pointed at no
     # configuration and the capacity query says "cannot tell" (tests/launcher checks it for real).
-    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-cluster" / "slurm.conf"))
+    # A configuration naming no controller: sinfo exits 1 at once, where a missing file makes it
+    # retry for 60 s (the query's 10 s timeout, once per prepared phase: 120 s of this module).
+    conf = tmp_path / "no-cluster" / "slurm.conf"
+    conf.parent.mkdir()
+    conf.write_text("ClusterName=none\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
     return tmp_path
 
 

@@ -98,8 +98,10 @@ def test_served_teacher_commands_of_the_opd_recipe_run_as_documented(tmp_path):
     """recipes/opd_tiny.yaml's header, copied: the pipeline, then `megatron-s2 serve` of its teacher
     and the opd phase again with `opd.teachers=[{... endpoint ...}]` (the README shows the same
     commands). Shortened only as the header says (its `training.train_steps=N`); the port is a
-    free one instead of the documented 8001. The served run's warm-up and evaluation go through
-    the endpoint, and its eval.jsonl holds the in-process opd phase's distillation metrics."""
+    free one instead of the documented 8001; the served commands start as soon as the teacher and
+    student phases they read have finished (the pipeline's opd phase still running). The served
+    run's warm-up and evaluation go through the endpoint, and its eval.jsonl holds the in-process
+    opd phase's distillation metrics."""
     header = (RECIPES / "opd_tiny.yaml").read_text()
     commands = _documented_commands(header)
     assert [c.split()[1] for c in commands] == ["launch", "serve", "train"], commands
@@ -117,20 +119,35 @@ def test_served_teacher_commands_of_the_opd_recipe_run_as_documented(tmp_path):
     assert any(f"127.0.0.1:{port}/v1" in a for a in train)
     (tmp_path / "recipes").symlink_to(RECIPES)  # the commands' relative paths, run from a scratch directory
     cli = [sys.executable, "-m", "megatron_s2.cli"]
-    _cli(*launch[1:], quick.group(1), cwd=tmp_path)
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen([*cli, *serve[1:-1]], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    runs = tmp_path / "runs" / "opd_tiny"
+    # The served commands need only the teacher and student phases' checkpoints, so they start
+    # once those phases have FINISHED, while the pipeline's opd phase still runs: each run uses one
+    # thread (one_thread_children), and on 2 idle cores the two then overlap instead of queueing.
+    pipeline_log = open(tmp_path / "launch.log", "w")
+    pipeline = subprocess.Popen([*cli, *launch[1:], quick.group(1)], cwd=tmp_path, stdout=pipeline_log,
+                                stderr=subprocess.STDOUT)
+    server = log = None
     try:
+        deadline = time.monotonic() + 1800
+        while not all((runs / phase / "FINISHED").is_file() for phase in ("teacher", "student")):
+            assert pipeline.poll() is None and time.monotonic() < deadline, (tmp_path / "launch.log").read_text()
+            time.sleep(0.5)
+        log = open(tmp_path / "serve.log", "w")
+        server = subprocess.Popen([*cli, *serve[1:-1]], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while "listening on" not in (tmp_path / "serve.log").read_text():
             assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
             time.sleep(0.5)
         _cli(*train[1:], quick.group(1), cwd=tmp_path)
+        assert pipeline.wait(timeout=1800) == 0, (tmp_path / "launch.log").read_text()[-8000:]
     finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
-    runs = tmp_path / "runs" / "opd_tiny"
+        for proc in (server, pipeline):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
+        for f in (log, pipeline_log):
+            if f is not None:
+                f.close()
     served, in_process = _evals(runs / "opd_served"), _evals(runs / "opd")
     steps = int(quick.group(1).split("=")[1])
     assert [e["step"] for e in served] == [e["step"] for e in in_process] == [0, 5, steps]  # before, warm-up, end

@@ -19,6 +19,9 @@ from megatron_s2.posttrain.opd.payload import signal_bytes, signal_bytes_per_tok
 from megatron_s2.posttrain.vocab_parallel import token_log_probs, vocab_parallel_kl
 from tests.posttrain.tiny import tiny_config
 
+# one intra-op thread for the in-process runs (tests/conftest.py): tiny models, 2 shared cores
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SINGLE = Group.single()
 
 

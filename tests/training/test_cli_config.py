@@ -10,6 +10,9 @@ from megatron_s2.cli import main
 from megatron_s2.config.recipe import load_recipe
 from megatron_s2.config.schema import ConfigError
 
+# one intra-op thread for the in-process runs (tests/conftest.py): tiny models, 2 shared cores
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pretrain_tiny.yaml"
 
 

@@ -20,6 +20,9 @@ from megatron_s2.config.recipe import load_recipe
 from megatron_s2.runtime.finite import NonFiniteStep
 from megatron_s2.training.trainer import Trainer
 
+# one intra-op thread for the in-process runs (tests/conftest.py): tiny models, 2 shared cores
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pretrain_tiny.yaml"
 FAST = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=0", "training.seq_length=32", "training.global_batch_size=4",
         "training.micro_batch_size=2", "data.num_documents=300", "logging.progress_bar=false",

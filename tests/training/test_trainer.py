@@ -12,6 +12,10 @@ from megatron_s2.checkpoint import CheckpointStore, verify_checkpoint
 from megatron_s2.config.recipe import load_recipe
 from megatron_s2.training.trainer import Trainer
 
+# one intra-op thread for these in-process runs (tests/conftest.py): tiny models, 2 shared cores
+# (24 steps with two threads took 496 s at load 6; one thread ~34 s)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pretrain_tiny.yaml"
 FAST = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=0", "training.seq_length=32", "training.global_batch_size=4", "training.micro_batch_size=2",
         "data.num_documents=2000", "logging.progress_bar=false", "logging.log_interval=100",
@@ -40,11 +44,12 @@ def test_resume_is_bit_identical(tmp_path):
 @pytest.mark.slow
 def test_loss_falls_and_metrics_are_written(tmp_path):
     run = tmp_path / "run"
-    trainer = _train(run, 24, "schedule.lr=3e-3")
+    # 16 steps: the mean of the last 4 losses sits 0.55 below the first 4's (24 steps: 0.80; 12: 0.36)
+    trainer = _train(run, 16, "schedule.lr=3e-3")
     losses = trainer.result.losses
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 25))
+    assert [r["step"] for r in records] == list(range(1, 17))
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "model_tflops"):
         assert key in records[0]
     assert (run / "config.yaml").is_file() and (run / "FINISHED").is_file()
