@@ -2,7 +2,7 @@
 verifier integrity against reward hacking and the process annotator (walkthrough Ch. 7, Eq. 30).
 
 Everything runs for real: bubblewrap (and the ``unshare`` fallback) sandboxes, the tasks'
-graders, scripted agents speaking the Hermes tool-call format. A backend that cannot run here
+graders, scripted agents speaking the one tool-call format (the chat template's, as the gateway). A backend that cannot run here
 (no bwrap, user namespaces forbidden) skips its tests with the reason; set
 ``MEGATRON_S2_REQUIRE_SANDBOX=1`` (CI does) to turn that skip into a failure.
 """
@@ -201,11 +201,15 @@ def test_reference_solution_scores_one_and_doing_nothing_zero(name, bwrap):
 
 
 def test_tool_calls_parse_strictly_and_observations_are_text(bwrap):
-    turn = parse_tool_calls('think <tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
-                            '<tool_call>{"name": "bash", "arguments": {"command": </tool_call>')
-    assert [c.name for c in turn.calls] == ["bash"] and turn.malformed == ["tool call is not JSON (Expecting value)"]
-    assert parse_tool_calls("I am done.").malformed == ["no <tool_call> block"]
-    assert parse_tool_calls('<tool_call>["bash"]</tool_call>').malformed[0].startswith("tool call must be")
+    turn = parse_tool_calls("think " + format_call("bash", {"command": "ls"})
+                            + format_call("bash", {"command": "ls"}).replace('"ls"}', ""))
+    assert [c.name for c in turn.calls] == ["bash"] and turn.malformed == ["tool call arguments are not JSON "
+                                                                             "(Expecting value)"]
+    assert parse_tool_calls("I am done.").malformed == ["no tool call"]
+    assert parse_tool_calls(format_call("bash", {}).replace("{}", '["ls"]')).malformed[0].startswith(
+        "a tool call needs a name and a JSON object")
+    assert parse_tool_calls(format_call(" ", {})).malformed and parse_tool_calls("<｜tool▁call▁begin｜>bash").malformed \
+        == ["unterminated tool call"]
     with bwrap.open() as box:
         wrote = execute(ToolCall("write_file", {"path": "a/b.txt", "content": "hi"}), box)
         assert wrote.ok and execute(ToolCall("read_file", {"path": "a/b.txt"}), box).observation == "hi"
@@ -313,7 +317,7 @@ def test_a_crashed_sandbox_is_a_failed_episode_and_the_next_runs(bwrap):
 FIXED_MEDIAN = load_task("fix_median").reference[1]  # the reference's write_file of the fix
 WE21_SESSION = [  # four assistant segments: good, malformed, repeated failed call, good (and submit)
     format_call("read_file", {"path": "helpers.py"}),  # fails (no such file) — a first failure is fine
-    '<tool_call>{"name": "bash", "arguments": {"command": "ls"</tool_call>',
+    format_call("bash", {"command": "ls"}).replace('"ls"}', '"ls"'),  # arguments are not JSON
     "let me look again " + format_call("read_file", {"path": "helpers.py"}),
     format_call(FIXED_MEDIAN["name"], FIXED_MEDIAN["arguments"]) + format_call("submit", {}),
 ]

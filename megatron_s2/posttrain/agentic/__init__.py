@@ -8,7 +8,7 @@ piece                                        module
 sandbox runtime interface, bwrap / unshare   ``sandbox.py`` (+ ``_sandbox_server.py`` inside,
 (report §5.1.3)                              ``_reaper.py`` outside)
 embedded coding / terminal tasks             ``tasks.py`` + ``tasks/<name>/`` data
-agent tools, Hermes tool-call format         ``tools.py``
+agent tools, the one tool-call format        ``tools.py``
 grading with verifier integrity (Ch. 7)      ``grading.py`` (+ ``_grade.py``, the trusted runner)
 process annotator, w in [-1, 1] (Eq. 30)     ``annotator.py`` (Eq. 30 itself:
                                              ``advantages/session_credit.py``)
