@@ -418,7 +418,8 @@ def test_cpu_seconds_are_bounded(runtime):
 def test_episodes_import_no_torch():
     """An episode (sandbox, tasks, grading, annotator, runner, command line) never needs torch: only
     the advantages do, imported where used."""
-    code = ("import sys; import megatron_s2.posttrain.agentic.__main__, megatron_s2.posttrain.agentic.runner; "
+    code = ("import sys; import megatron_s2.posttrain.agentic.__main__, megatron_s2.posttrain.agentic.runner, "
+            "megatron_s2.posttrain.agentic.harnesses, megatron_s2.posttrain.agentic.gateway_episode; "
             "print([m for m in ('torch', 'megatron') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.split() == ["[]"], out.stderr

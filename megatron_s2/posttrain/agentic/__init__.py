@@ -15,9 +15,14 @@ process annotator, w in [-1, 1] (Eq. 30)     ``annotator.py`` (Eq. 30 itself:
 episode runner: policy callable -> labelled  ``runner.py``, ``transcript.py``
 transcript, reward, weights; group credit
 (leave-one-out + Eq. 30 per segment)
+real harnesses through the gateway (OpenAI   ``harnesses.py`` (adapters: sandbox tools as each
+Agents SDK, anthropic, smolagents, builtin)  harness's native function tools)
+one harness episode: PrefixTree trace,        ``gateway_episode.py``
+grading, process weights per token span,
+Eq. 30 over a group
 command line (a task's reference solution)   ``__main__.py``
 ===========================================  ====================================================
 
 Configuration: :mod:`megatron_s2.config.posttrain.agentic` (``sandbox``, ``process_annotator``).
-Nothing here imports torch or speaks HTTP.
+Nothing here imports torch; only the harnesses speak HTTP (to the gateway).
 """

@@ -27,7 +27,7 @@ from megatron_s2.posttrain.agentic.annotator import LIMIT_STOPS, process_weights
 from megatron_s2.posttrain.agentic.grading import Grade, grade_workspace, workspace_tar
 from megatron_s2.posttrain.agentic.sandbox import SandboxCrashed, SandboxRuntime
 from megatron_s2.posttrain.agentic.tasks import AgenticTask
-from megatron_s2.posttrain.agentic.tools import execute, format_call, parse_tool_calls, tools_prompt
+from megatron_s2.posttrain.agentic.tools import execute, format_call, malformed_observation, parse_tool_calls, tools_prompt
 from megatron_s2.posttrain.agentic.transcript import Segment
 
 __all__ = ["Policy", "EpisodeResult", "run_episode", "scripted_policy", "group_segment_advantages"]
@@ -81,7 +81,7 @@ def _observe(segment: Segment, box) -> list[Segment]:
     """Run the tool calls of an assistant segment; their observations, in order."""
     out = []
     for reason in segment.parsed.malformed:
-        out.append(Segment("tool", f"error: {reason}; call tools as {format_call('bash', {'command': 'ls'})}"))
+        out.append(Segment("tool", malformed_observation(reason)))
     for k, call in enumerate(segment.parsed.calls):
         result = execute(call, box)
         segment.results.append(result)

@@ -34,7 +34,7 @@ from megatron_s2.data.chat_format import TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CA
 from megatron_s2.posttrain.agentic.sandbox import Sandbox
 
 __all__ = ["TOOLS", "ToolCall", "ParsedTurn", "ToolResult", "parse_tool_calls", "execute", "format_call",
-           "tools_prompt", "tool_schemas", "strip_calls"]
+           "tools_prompt", "tool_schemas", "strip_calls", "malformed_observation"]
 
 TOOLS: dict[str, dict] = {
     "bash": {"description": "Run a shell command in the workspace; returns exit code, stdout and stderr.",
@@ -109,6 +109,12 @@ def format_call(name: str, arguments: dict) -> str:
     an assistant ``tool_calls`` entry, arguments spelled as the gateway spells them."""
     return (f"{TOOL_CALLS_BEGIN}{TOOL_CALL_BEGIN}{name}{TOOL_SEP}{json.dumps(arguments, ensure_ascii=False)}"
             f"{TOOL_CALL_END}{TOOL_CALLS_END}")
+
+
+def malformed_observation(reason: str) -> str:
+    """What an episode answers to an answer without a well-formed call (no format markers in it:
+    an observation never spells the policy's special tokens)."""
+    return f"error: {reason}; call one of the tools ({', '.join(TOOLS)}), or submit when you are done"
 
 
 def tool_schemas() -> list[dict]:
