@@ -21,6 +21,7 @@ from megatron_s2.posttrain.agentic.runner import run_episode
 from megatron_s2.posttrain.agentic.sandbox import SandboxUnavailable, detect_runtime
 from megatron_s2.posttrain.agentic.tasks import load_task
 from megatron_s2.posttrain.agentic.tools import format_call
+from megatron_s2.posttrain.rollout.agentic_trace import episode_samples
 from megatron_s2.config.posttrain.agentic import SandboxConfig
 from megatron_s2.serve import ServeConfig
 from megatron_s2.serve.gateway.traces import TraceStore
@@ -85,9 +86,10 @@ def test_a_harness_plays_a_task_into_trainable_traces(server, traces, loaded, ru
     submit: (1) every tool call ran in the episode's sandbox and the episodes are graded after the
     agent stopped (1 and 0); (2) each trace's token ids are exactly the engine's last request of
     that session (prompt + samples) and each trainable span is exactly one sample; (3) process
-    weights per policy segment and Eq. 30 over the group land on exactly those spans."""
+    weights per policy segment and Eq. 30 over the group land on exactly those spans; (4) the
+    trainer's samples (``episode_samples``) carry the same ids, mask, log-probs and weights."""
     tok = loaded[1]
-    task = load_task("fix_wordcount")
+    task = load_task("sum_pair")
     settings = HarnessSettings(model="policy", max_turns=6, max_tokens=160, temperature=1.0)
     episodes, scripts = [], []
     for member, calls in enumerate([list(task.reference), [{"name": "submit", "arguments": {}}]]):
@@ -117,6 +119,17 @@ def test_a_harness_plays_a_task_into_trainable_traces(server, traces, loaded, ru
     for episode, advantages, value in zip(episodes, group_token_advantages(episodes), (1.0, -1.0)):
         for sample, adv in zip(episode.samples, advantages):  # leave-one-out: +1 and -1, Eq. 30 with w = 1
             assert (adv[sample.loss_mask] == value).all() and not adv[~sample.loss_mask].any()
+    # (4) as the trainer's samples: the same ids, mask and log-probs, one span per policy segment
+    for episode, (script, _) in zip(episodes, scripts):
+        rollouts = episode_samples(episode, 0, version=3, layer_ids=None)
+        assert [r.sample_id for r in rollouts] == list(range(len(rollouts)))
+        assert [r.tokens[a:b] for r in rollouts for a, b in r.spans] == script
+        assert [w for r in rollouts for w in r.process_weights] == [1.0] * len(script)
+        assert all(r.reward == episode.reward and r.correct == (episode.reward > 0) for r in rollouts)
+        for r, branch in zip(rollouts, [b for b in episode.samples if b.loss_mask.any()]):
+            assert r.policy_mask == branch.loss_mask[:len(r.tokens)].tolist()
+            assert np.allclose([lp for lp, m in zip(r.logprobs, r.policy_mask) if m], branch.logprobs[branch.loss_mask])
+            assert {v for v, m in zip(r.versions, r.policy_mask) if m} == {3}
 
 
 @pytest.mark.slow
@@ -125,7 +138,7 @@ def test_runner_and_harness_give_the_same_labels_and_weights(server, traces, loa
     through the gateway, on one scripted session with a malformed answer, a failing call and its
     repetition: the same calls reach the sandbox and the annotator gives the same weights."""
     tok = loaded[1]
-    task = load_task("fix_wordcount")
+    task = load_task("sum_pair")
     answers = [format_call("read_file", {"path": "nope.py"}),
                format_call("bash", {"command": "ls"}).replace('"ls"}', '"ls"'),  # arguments are not JSON
                format_call("read_file", {"path": "nope.py"}), format_call("submit", {})]
