@@ -152,3 +152,22 @@ def test_runner_and_harness_give_the_same_labels_and_weights(server, traces, loa
     spans = [sample.token_ids[s.start:s.end].tolist() for s in sample.segments if s.trainable]
     assert spans == [tok.encode(a + EOS) for a in answers]
     assert TraceStore(traces).session_calls("same-labels")[-1].finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_play_command_serves_a_checkpoint_to_a_harness(run_dir, tmp_path, capsys):  # noqa: F811
+    """``python -m megatron_s2.posttrain.agentic play``: the (untrained) checkpoint served in-process,
+    our loop playing two turns against it, captured and graded; a missing checkpoint is exit 2."""
+    import json
+
+    from megatron_s2.posttrain.agentic.__main__ import main as agentic_cli
+
+    args = ["play", "sum_pair", "--checkpoint", str(run_dir), "--harness", "builtin", "--max-turns", "2",
+            "--max-tokens", "6", "--max-model-len", "2048", "--traces", str(tmp_path / "traces"), "--json"]
+    assert agentic_cli(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["reward"], out["status"], out["stop_reason"], out["branches"]) == (0.0, "failed", "turn_limit", 1)
+    assert 2 <= out["trainable_tokens"] <= 12 and len(out["weights"]) == 2 == len(out["categories"])
+    assert (tmp_path / "traces" / out["session"].split("@")[0] / "trace.jsonl").is_file()
+    assert agentic_cli(["play", "sum_pair", "--checkpoint", str(tmp_path / "nope")]) == 2
+    assert "checkpoint:" in capsys.readouterr().err
