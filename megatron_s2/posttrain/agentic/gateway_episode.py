@@ -30,7 +30,7 @@ from megatron_s2.config.posttrain.agentic import ProcessAnnotatorConfig
 from megatron_s2.posttrain.agentic.annotator import LIMIT_STOPS, process_weights
 from megatron_s2.posttrain.agentic.grading import Grade, grade_workspace, workspace_tar
 from megatron_s2.posttrain.agentic.harnesses import EpisodeTools, Harness, HarnessSettings
-from megatron_s2.posttrain.agentic.runner import _GIT_INIT
+from megatron_s2.posttrain.agentic.runner import GIT_INIT
 from megatron_s2.posttrain.agentic.sandbox import SandboxCrashed, SandboxRuntime
 from megatron_s2.posttrain.agentic.tasks import AgenticTask
 from megatron_s2.posttrain.agentic.tools import ToolCall, ToolResult, parse_tool_calls
@@ -128,7 +128,7 @@ def run_harness_episode(task: AgenticTask, harness: Harness, runtime: SandboxRun
     try:
         with runtime.open() as box:
             box.import_tar(workspace_tar(task))
-            box.run(_GIT_INIT)
+            box.run(GIT_INIT)
             tools = EpisodeTools(box)
             stop = harness.run(task.prompt, tools, server_url, session, settings)
             agent_tar = box.export_tar()

@@ -34,8 +34,8 @@ __all__ = ["Policy", "EpisodeResult", "run_episode", "scripted_policy", "group_s
 
 Policy = Callable[[list[dict]], str]
 
-_GIT_INIT = ("command -v git >/dev/null || exit 0; git init -q && git add -A && "
-             "git -c user.name=task -c user.email=task@sandbox commit -qm 'task: starting state'")
+GIT_INIT = ("command -v git >/dev/null || exit 0; git init -q && git add -A && "
+            "git -c user.name=task -c user.email=task@sandbox commit -qm 'task: starting state'")
 """The workspace as a fresh one-commit repository: the agent may diff its work, and there is no
 history that could hold the fix (the seed's SWE-Bench Pro git-log leak)."""
 
@@ -103,7 +103,7 @@ def run_episode(task: AgenticTask, policy: Policy, runtime: SandboxRuntime, *, m
     try:
         with runtime.open() as box:
             box.import_tar(workspace_tar(task))
-            box.run(_GIT_INIT)
+            box.run(GIT_INIT)
             for turn in range(max_turns):
                 if sum(len(s.text) for s in transcript) > max_context_chars:
                     stop = "context_limit"
