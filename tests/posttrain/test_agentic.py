@@ -433,3 +433,26 @@ def test_hard_linked_files_are_graded_as_files(bwrap):
     result = run_episode(load_task("make_config"), scripted_policy([
         _write("a_draft.json", config), _bash("ln a_draft.json config.json")]), bwrap)
     assert result.reward == 1.0, result.grade
+
+
+def test_scripted_sft_conversations_render_the_one_format(bwrap, tmp_path):
+    """The SFT traces of the tiny tasks: canonical chat messages whose assistant targets, rendered by
+    the shipped template, are exactly the tool calls in the one format; a failing script is refused."""
+    import json as _json
+    from pathlib import Path
+
+    from megatron_s2.data.chat import tokenize_conversation
+    from megatron_s2.data.tokenizer import load_tokenizer
+    from megatron_s2.posttrain.agentic.sft_traces import scripted_conversation, write_sft_jsonl
+
+    task = load_task("sum_pair")
+    assert write_sft_jsonl(tmp_path / "sft.jsonl", [task], bwrap, copies=2) == 2
+    convo = _json.loads((tmp_path / "sft.jsonl").read_text().splitlines()[0])
+    assert [m["role"] for m in convo["messages"]] == ["system", "user"] + ["assistant", "tool"] * 3
+    assert convo["messages"][3] == {"role": "tool", "content": "17 25\n", "tool_call_id": "call_0-0"}
+    tok = load_tokenizer(Path(__file__).resolve().parents[2] / "recipes" / "tokenizers" / "tiny-bpe")
+    ids, targets = tokenize_conversation(tok, convo["messages"], tools=convo["tools"])
+    trained = tok.decode(ids[targets].tolist(), keep_special=True)
+    assert trained == "".join(format_call(c["name"], c["arguments"]) + "<｜end▁of▁sentence｜>" for c in task.reference)
+    with pytest.raises(ValueError, match="sum_pair: the scripted calls score 0.0"):
+        scripted_conversation(task, bwrap, [{"name": "submit", "arguments": {}}])

@@ -6,6 +6,7 @@
     python -m megatron_s2.posttrain.agentic play sum_pair --checkpoint RUN_DIR \\
         [--harness openai_agents|anthropic|smolagents|builtin] [--traces DIR] [--max-turns 6] \\
         [--max-tokens 128] [--temperature 1.0] [--max-model-len 8192] [--json]
+    python -m megatron_s2.posttrain.agentic sft-data OUT.jsonl [--tasks sum_pair copy_word] [--copies 1]
 
 ``run`` plays the task's scripted reference solution (``--agent reference``, reward 1) or an agent
 that submits at once (``--agent idle``, reward 0) in a fresh sandbox, grades it, and prints the
@@ -17,6 +18,9 @@ unknown task is one line on stderr and exit code 2.
 default a fresh temporary folder) and lets a real harness play the task against a session URL
 (:mod:`.harnesses`, :mod:`.gateway_episode`); it prints the stop reason, the grade, the trace
 (branches, trainable tokens) and the process weights (``--json``: all of it, per call).
+
+``sft-data`` writes the tasks' reference solutions, played in real sandboxes, as chat
+conversations for a ``data.kind: chat`` SFT recipe (:mod:`.sft_traces`).
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
     play.add_argument("--temperature", type=float, default=1.0)
     play.add_argument("--max-model-len", type=int, default=8192, help="smolagents' own prompt is ~5k tokens")
     play.add_argument("--json", action="store_true", help="print the episode as JSON")
+    sft = sub.add_parser("sft-data", help="reference solutions as chat conversations (.jsonl) for SFT")
+    sft.add_argument("out", help="the .jsonl file to write")
+    sft.add_argument("--tasks", nargs="+", default=["sum_pair", "copy_word"], help="embedded task names")
+    sft.add_argument("--copies", type=int, default=1, help="each conversation this many times")
+    sft.add_argument("--backend", choices=("auto", "bwrap", "unshare"), default="auto")
     return parser
 
 
@@ -102,6 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         for name in task_names():
             print(f"{name}: {load_task(name).prompt}")
+        return 0
+    if args.command == "sft-data":
+        from megatron_s2.posttrain.agentic.sft_traces import write_sft_jsonl
+
+        try:
+            count = write_sft_jsonl(args.out, [load_task(name) for name in args.tasks],
+                                    detect_runtime(SandboxConfig(backend=args.backend)), args.copies)
+        except (ValueError, SandboxUnavailable) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return ConfigError.exit_code
+        print(f"wrote {count} conversations to {args.out}")
         return 0
     try:
         task = load_task(args.task)
