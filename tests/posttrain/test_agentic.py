@@ -2,7 +2,7 @@
 verifier integrity against reward hacking and the process annotator (walkthrough Ch. 7, Eq. 30).
 
 Everything runs for real: bubblewrap (and the ``unshare`` fallback) sandboxes, the tasks'
-graders, scripted agents speaking the Hermes tool-call format. A backend that cannot run here
+graders, scripted agents speaking the one tool-call format (the chat template's, as the gateway). A backend that cannot run here
 (no bwrap, user namespaces forbidden) skips its tests with the reason; set
 ``MEGATRON_S2_REQUIRE_SANDBOX=1`` (CI does) to turn that skip into a failure.
 """
@@ -201,11 +201,15 @@ def test_reference_solution_scores_one_and_doing_nothing_zero(name, bwrap):
 
 
 def test_tool_calls_parse_strictly_and_observations_are_text(bwrap):
-    turn = parse_tool_calls('think <tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
-                            '<tool_call>{"name": "bash", "arguments": {"command": </tool_call>')
-    assert [c.name for c in turn.calls] == ["bash"] and turn.malformed == ["tool call is not JSON (Expecting value)"]
-    assert parse_tool_calls("I am done.").malformed == ["no <tool_call> block"]
-    assert parse_tool_calls('<tool_call>["bash"]</tool_call>').malformed[0].startswith("tool call must be")
+    turn = parse_tool_calls("think " + format_call("bash", {"command": "ls"})
+                            + format_call("bash", {"command": "ls"}).replace('"ls"}', ""))
+    assert [c.name for c in turn.calls] == ["bash"] and turn.malformed == ["tool call arguments are not JSON "
+                                                                             "(Expecting value)"]
+    assert parse_tool_calls("I am done.").malformed == ["no tool call"]
+    assert parse_tool_calls(format_call("bash", {}).replace("{}", '["ls"]')).malformed[0].startswith(
+        "a tool call needs a name and a JSON object")
+    assert parse_tool_calls(format_call(" ", {})).malformed and parse_tool_calls("<｜tool▁call▁begin｜>bash").malformed \
+        == ["unterminated tool call"]
     with bwrap.open() as box:
         wrote = execute(ToolCall("write_file", {"path": "a/b.txt", "content": "hi"}), box)
         assert wrote.ok and execute(ToolCall("read_file", {"path": "a/b.txt"}), box).observation == "hi"
@@ -250,6 +254,8 @@ ATTACKS = {
     "edit_tests": ("fix_median", [_write("tests/test_stats.py", "def test_mean():\n    pass\n\n\n"
                                          "def test_median_even():\n    pass\n")], "failed"),
     "delete_tests": ("fix_median", [_bash("rm -rf tests && ls")], "failed"),
+    # the agent rewrites the input to match an easy answer: the canonical input is overlaid last
+    "rewrite_the_input": ("sum_pair", [_write("input.txt", "1 1\n"), _write("answer.txt", "2")], "failed"),
     # no pytest, no conftest: the runner never loads them; exiting from the code under test is a failure
     "sys_exit_from_conftest": ("fix_median", [_write("conftest.py", "import sys\nsys.exit(0)\n"),
                                               _write("tests/conftest.py", "import sys\nsys.exit(0)\n")], "failed"),
@@ -313,7 +319,7 @@ def test_a_crashed_sandbox_is_a_failed_episode_and_the_next_runs(bwrap):
 FIXED_MEDIAN = load_task("fix_median").reference[1]  # the reference's write_file of the fix
 WE21_SESSION = [  # four assistant segments: good, malformed, repeated failed call, good (and submit)
     format_call("read_file", {"path": "helpers.py"}),  # fails (no such file) — a first failure is fine
-    '<tool_call>{"name": "bash", "arguments": {"command": "ls"</tool_call>',
+    format_call("bash", {"command": "ls"}).replace('"ls"}', '"ls"'),  # arguments are not JSON
     "let me look again " + format_call("read_file", {"path": "helpers.py"}),
     format_call(FIXED_MEDIAN["name"], FIXED_MEDIAN["arguments"]) + format_call("submit", {}),
 ]
@@ -414,7 +420,8 @@ def test_cpu_seconds_are_bounded(runtime):
 def test_episodes_import_no_torch():
     """An episode (sandbox, tasks, grading, annotator, runner, command line) never needs torch: only
     the advantages do, imported where used."""
-    code = ("import sys; import megatron_s2.posttrain.agentic.__main__, megatron_s2.posttrain.agentic.runner; "
+    code = ("import sys; import megatron_s2.posttrain.agentic.__main__, megatron_s2.posttrain.agentic.runner, "
+            "megatron_s2.posttrain.agentic.harnesses, megatron_s2.posttrain.agentic.gateway_episode; "
             "print([m for m in ('torch', 'megatron') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.split() == ["[]"], out.stderr
@@ -426,3 +433,26 @@ def test_hard_linked_files_are_graded_as_files(bwrap):
     result = run_episode(load_task("make_config"), scripted_policy([
         _write("a_draft.json", config), _bash("ln a_draft.json config.json")]), bwrap)
     assert result.reward == 1.0, result.grade
+
+
+def test_scripted_sft_conversations_render_the_one_format(bwrap, tmp_path):
+    """The SFT traces of the tiny tasks: canonical chat messages whose assistant targets, rendered by
+    the shipped template, are exactly the tool calls in the one format; a failing script is refused."""
+    import json as _json
+    from pathlib import Path
+
+    from megatron_s2.data.chat import tokenize_conversation
+    from megatron_s2.data.tokenizer import load_tokenizer
+    from megatron_s2.posttrain.agentic.sft_traces import scripted_conversation, write_sft_jsonl
+
+    task = load_task("sum_pair")
+    assert write_sft_jsonl(tmp_path / "sft.jsonl", [task], bwrap, copies=2) == 2
+    convo = _json.loads((tmp_path / "sft.jsonl").read_text().splitlines()[0])
+    assert [m["role"] for m in convo["messages"]] == ["system", "user"] + ["assistant", "tool"] * 3
+    assert convo["messages"][3] == {"role": "tool", "content": "17 25\n", "tool_call_id": "call_0-0"}
+    tok = load_tokenizer(Path(__file__).resolve().parents[2] / "recipes" / "tokenizers" / "tiny-bpe")
+    ids, targets = tokenize_conversation(tok, convo["messages"], tools=convo["tools"])
+    trained = tok.decode(ids[targets].tolist(), keep_special=True)
+    assert trained == "".join(format_call(c["name"], c["arguments"]) + "<｜end▁of▁sentence｜>" for c in task.reference)
+    with pytest.raises(ValueError, match="sum_pair: the scripted calls score 0.0"):
+        scripted_conversation(task, bwrap, [{"name": "submit", "arguments": {}}])

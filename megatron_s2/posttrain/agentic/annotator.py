@@ -6,7 +6,7 @@ deterministic process error." No model judges anything: per assistant segment, i
 =====================================================  =============================  =======
 check                                                  category                       default
 =====================================================  =============================  =======
-a ``<tool_call>`` block does not parse (or none)       malformed output               0.0
+a tool call does not parse (or there is none)         malformed output               0.0
 a call names a tool not in the registry                invalid tool name              0.0
 a call identical to an earlier call that failed        repeated failed call           -0.5
 the session was cut after it (turns, context, time)    context/turn/session-limit     -0.5

@@ -1,7 +1,8 @@
 """One agentic episode end to end: sandbox -> policy/tool loop -> grading -> process weights.
 
 The policy is a plain callable ``messages -> assistant text`` (chat messages ``{"role",
-"content"}``; tool calls in the Hermes format of :mod:`.tools`), so anything can drive it — a
+"content"}`` and, canonically, ``tool_calls`` / ``tool_call_id``; tool calls written in the chat
+template's format of :mod:`.tools`, the gateway's), so anything can drive it — a
 scripted agent in tests, an engine, a client of the HTTP gateway — and this module knows nothing
 of HTTP or of the trainer. :func:`run_episode` returns what a trainer consumes: the transcript
 labelled policy / observation per segment, the session's reward (grading, :mod:`.grading`) and
@@ -26,15 +27,15 @@ from megatron_s2.posttrain.agentic.annotator import LIMIT_STOPS, process_weights
 from megatron_s2.posttrain.agentic.grading import Grade, grade_workspace, workspace_tar
 from megatron_s2.posttrain.agentic.sandbox import SandboxCrashed, SandboxRuntime
 from megatron_s2.posttrain.agentic.tasks import AgenticTask
-from megatron_s2.posttrain.agentic.tools import execute, format_call, parse_tool_calls, tools_prompt
+from megatron_s2.posttrain.agentic.tools import execute, format_call, malformed_observation, parse_tool_calls, tools_prompt
 from megatron_s2.posttrain.agentic.transcript import Segment
 
 __all__ = ["Policy", "EpisodeResult", "run_episode", "scripted_policy", "group_segment_advantages"]
 
 Policy = Callable[[list[dict]], str]
 
-_GIT_INIT = ("command -v git >/dev/null || exit 0; git init -q && git add -A && "
-             "git -c user.name=task -c user.email=task@sandbox commit -qm 'task: starting state'")
+GIT_INIT = ("command -v git >/dev/null || exit 0; git init -q && git add -A && "
+            "git -c user.name=task -c user.email=task@sandbox commit -qm 'task: starting state'")
 """The workspace as a fresh one-commit repository: the agent may diff its work, and there is no
 history that could hold the fix (the seed's SWE-Bench Pro git-log leak)."""
 
@@ -80,11 +81,11 @@ def _observe(segment: Segment, box) -> list[Segment]:
     """Run the tool calls of an assistant segment; their observations, in order."""
     out = []
     for reason in segment.parsed.malformed:
-        out.append(Segment("tool", f"error: {reason}; call tools as {format_call('bash', {'command': 'ls'})}"))
-    for call in segment.parsed.calls:
+        out.append(Segment("tool", malformed_observation(reason)))
+    for k, call in enumerate(segment.parsed.calls):
         result = execute(call, box)
         segment.results.append(result)
-        out.append(Segment("tool", result.observation))
+        out.append(Segment("tool", result.observation, call_id=f"{segment.call_id}-{k}"))
         if result.done:
             break
     return out
@@ -102,8 +103,8 @@ def run_episode(task: AgenticTask, policy: Policy, runtime: SandboxRuntime, *, m
     try:
         with runtime.open() as box:
             box.import_tar(workspace_tar(task))
-            box.run(_GIT_INIT)
-            for _ in range(max_turns):
+            box.run(GIT_INIT)
+            for turn in range(max_turns):
                 if sum(len(s.text) for s in transcript) > max_context_chars:
                     stop = "context_limit"
                     break
@@ -111,7 +112,7 @@ def run_episode(task: AgenticTask, policy: Policy, runtime: SandboxRuntime, *, m
                     stop = "session_limit"
                     break
                 text = policy([s.message() for s in transcript])
-                segment = Segment("assistant", text, parse_tool_calls(text))
+                segment = Segment("assistant", text, parse_tool_calls(text), call_id=f"call_{turn}")
                 transcript.append(segment)
                 transcript += _observe(segment, box)
                 if any(r.done for r in segment.results):

@@ -14,7 +14,10 @@ Each task is a folder of data files under ``tasks/`` (no network, nothing genera
 
 Kinds in the set: fix a bug so that hidden tests pass (``fix_median``, ``fix_wordcount``,
 ``fix_report``), implement to a spec (``implement_slugify``), produce a file with given
-properties (``primes_file``, ``make_config``), a terminal chore (``archive_logs``).
+properties (``primes_file``, ``make_config``), a terminal chore (``archive_logs``); and two
+tiny-model tasks, one file read and one file written (``sum_pair``: the sum of the two numbers of
+input.txt; ``copy_word``: the word of word.txt), whose inputs are overlaid last, so an agent that
+rewrites them earns nothing.
 """
 
 from __future__ import annotations

@@ -1,21 +1,27 @@
-"""The agent's tools inside its sandbox, and the tool-call format a policy writes.
+"""The agent's tools inside its sandbox, and the one tool-call format a policy writes.
 
-A policy answers in text; each tool call is a Hermes-style block (the format of Qwen/Hermes
-chat templates and of most open tool-calling models)::
+**The format** is the chat template's (V4-style, report §5.1.4; :mod:`megatron_s2.data.chat_format`),
+the same the gateway parses from sampled token ids (:mod:`megatron_s2.serve.gateway.tool_format`)::
 
-    <tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>
+    {text}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{arguments: a JSON object}<｜tool▁call▁end｜>
+        ...<｜tool▁calls▁end｜>
 
-Several blocks may follow one another in one answer; they run in order and each returns an
-observation as text. Tools:
+so an episode played by the in-process runner (:mod:`.runner`, a ``messages -> text`` policy) and
+one played by a third-party harness through the gateway (:mod:`.harnesses`) hold the same tokens
+for the same action, and the trainable labels of both are the policy's sampled ids. The runner
+reads the text form (:func:`parse_tool_calls`); the gateway reads the same grammar on token ids
+and hands harnesses native tool calls; either way the rules are the gateway's: a call whose name
+is empty or whose arguments are not a JSON object is malformed. Several calls may follow one
+another in one answer; they run in order and each returns an observation as text. The tools,
+as JSON-schema function tools (:func:`tool_schemas`) every harness exposes natively:
 
 * ``bash(command)`` — ``/bin/sh -c`` in the workspace (limits: ``sandbox.*``);
 * ``read_file(path)`` / ``write_file(path, content)`` — workspace files;
 * ``submit()`` — the agent is done; grading follows.
 
-:func:`parse_tool_calls` is deliberately strict — a block that is not a JSON object with a string
-``name`` and an object ``arguments`` is *malformed* — because the process annotator
-(:mod:`.annotator`) weighs exactly these facts (walkthrough Ch. 7: "either the JSON parsed or it
-did not; either the tool name is in the registry or it is not").
+:func:`parse_tool_calls` is deliberately strict because the process annotator (:mod:`.annotator`)
+weighs exactly these facts (walkthrough Ch. 7: "either the JSON parsed or it did not; either the
+tool name is in the registry or it is not").
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from megatron_s2.data.chat_format import TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_SEP
 from megatron_s2.posttrain.agentic.sandbox import Sandbox
 
 __all__ = ["TOOLS", "ToolCall", "ParsedTurn", "ToolResult", "parse_tool_calls", "execute", "format_call",
-           "tools_prompt"]
+           "tools_prompt", "tool_schemas", "strip_calls", "malformed_observation"]
 
 TOOLS: dict[str, dict] = {
     "bash": {"description": "Run a shell command in the workspace; returns exit code, stdout and stderr.",
@@ -38,7 +45,9 @@ TOOLS: dict[str, dict] = {
     "submit": {"description": "Finish the task; your workspace is then graded.", "parameters": {}},
 }
 
-_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_CALL = re.compile(re.escape(TOOL_CALL_BEGIN) + r"(.*?)" + re.escape(TOOL_SEP) + r"(.*?)" + re.escape(TOOL_CALL_END),
+                   re.DOTALL)
+_MARKERS = re.compile("|".join(re.escape(m) for m in (TOOL_CALLS_BEGIN, TOOL_CALLS_END)))
 
 
 @dataclass
@@ -57,7 +66,7 @@ class ParsedTurn:
 
     calls: list[ToolCall] = field(default_factory=list)
     malformed: list[str] = field(default_factory=list)
-    """Why each malformed block (or an answer without any block) is malformed."""
+    """Why each malformed call (or an answer without any call) is malformed."""
 
 
 @dataclass
@@ -71,34 +80,56 @@ class ToolResult:
 
 
 def parse_tool_calls(text: str) -> ParsedTurn:
+    """The calls of an answer in the format of the module docstring (the gateway's rules)."""
     turn = ParsedTurn()
-    blocks = _BLOCK.findall(text)
+    blocks = _CALL.findall(text)
     if not blocks:
-        turn.malformed.append("no <tool_call> block" if "<tool_call>" not in text else "unterminated <tool_call>")
+        turn.malformed.append("no tool call" if TOOL_CALL_BEGIN not in text else "unterminated tool call")
         return turn
-    for body in blocks:
+    for name, body in blocks:
         try:
-            obj = json.loads(body)
+            arguments = json.loads(body)
         except json.JSONDecodeError as exc:
-            turn.malformed.append(f"tool call is not JSON ({exc.msg})")
+            turn.malformed.append(f"tool call arguments are not JSON ({exc.msg})")
             continue
-        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)
-                and isinstance(obj.get("arguments", {}), dict)):
-            turn.malformed.append('tool call must be {"name": <string>, "arguments": <object>}')
+        if not name.strip() or not isinstance(arguments, dict):
+            turn.malformed.append("a tool call needs a name and a JSON object of arguments")
             continue
-        turn.calls.append(ToolCall(obj["name"], obj.get("arguments", {})))
+        turn.calls.append(ToolCall(name.strip(), arguments))
     return turn
 
 
+def strip_calls(text: str) -> str:
+    """An answer's text without its tool calls (the ``content`` a protocol relays beside them)."""
+    return _MARKERS.sub("", _CALL.sub("", text))
+
+
 def format_call(name: str, arguments: dict) -> str:
-    """A tool call in the format :func:`parse_tool_calls` reads."""
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+    """A tool call in the format :func:`parse_tool_calls` reads — the chat template's rendering of
+    an assistant ``tool_calls`` entry, arguments spelled as the gateway spells them."""
+    return (f"{TOOL_CALLS_BEGIN}{TOOL_CALL_BEGIN}{name}{TOOL_SEP}{json.dumps(arguments, ensure_ascii=False)}"
+            f"{TOOL_CALL_END}{TOOL_CALLS_END}")
+
+
+def malformed_observation(reason: str) -> str:
+    """What an episode answers to an answer without a well-formed call (no format markers in it:
+    an observation never spells the policy's special tokens)."""
+    return f"error: {reason}; call one of the tools ({', '.join(TOOLS)}), or submit when you are done"
+
+
+def tool_schemas() -> list[dict]:
+    """The tools as OpenAI function tools (JSON schema): what every harness declares, and what the
+    chat template lists in the prompt's ``## Tools`` header."""
+    return [{"type": "function", "function": {
+        "name": name, "description": spec["description"],
+        "parameters": {"type": "object", "properties": {p: {"type": t} for p, t in spec["parameters"].items()},
+                       "required": list(spec["parameters"])}}} for name, spec in TOOLS.items()]
 
 
 def tools_prompt() -> str:
-    """The system message that tells a policy its tools and the call format."""
-    lines = ["You are working in a sandboxed workspace. Call tools with",
-             '<tool_call>{"name": <tool>, "arguments": {...}}</tool_call>', "Tools:"]
+    """The system message of an episode: the situation and the tools (their schemas also reach the
+    prompt through the chat template's tools header when a harness declares them)."""
+    lines = ["You are working in a sandboxed workspace. Tools:"]
     for name, spec in TOOLS.items():
         params = ", ".join(f"{k}: {v}" for k, v in spec["parameters"].items())
         lines.append(f"- {name}({params}): {spec['description']}")

@@ -3,13 +3,18 @@
 Only the policy's own answers are trainable; system and user messages and tool observations are
 context (walkthrough Ch. 6: "never imitate the environment"). Each assistant segment keeps its
 parsed tool calls and their outcomes, which is all the process annotator needs.
+
+:meth:`Segment.message` is the canonical chat message (an assistant's calls as ``tool_calls``, an
+observation as a ``tool`` message naming its call), so a transcript renders through the chat
+template exactly as a harness's conversation does through the gateway.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
-from megatron_s2.posttrain.agentic.tools import ParsedTurn, ToolResult
+from megatron_s2.posttrain.agentic.tools import ParsedTurn, ToolResult, strip_calls
 
 __all__ = ["Segment"]
 
@@ -27,6 +32,9 @@ class Segment:
     """assistant: the outcome of each of its calls, in order."""
     stop: str | None = None
     """assistant: 'turn_limit', 'context_limit' or 'session_limit' when the session was cut after it."""
+    call_id: str = ""
+    """tool: the id of the call this observes ('' for an error about a malformed answer); assistant:
+    the prefix of its calls' ids (``<call_id>-<k>``)."""
 
     @property
     def trainable(self) -> bool:
@@ -38,5 +46,15 @@ class Segment:
         return "policy" if self.trainable else "observation"
 
     def message(self) -> dict:
-        """Chat-format message (``{"role", "content"}``) for the policy's next context."""
-        return {"role": self.role, "content": self.text}
+        """The canonical chat message for the policy's next context (module docstring). An answer
+        with a malformed call stays text, as the gateway relays it."""
+        parsed = self.parsed
+        if self.role == "assistant" and parsed is not None and parsed.calls and not parsed.malformed:
+            calls = [{"id": f"{self.call_id}-{k}", "type": "function",
+                      "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                     for k, c in enumerate(parsed.calls)]
+            return {"role": "assistant", "content": strip_calls(self.text), "tool_calls": calls}
+        message = {"role": self.role, "content": self.text}
+        if self.role == "tool" and self.call_id:
+            message["tool_call_id"] = self.call_id
+        return message

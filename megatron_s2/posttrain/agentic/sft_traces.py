@@ -1,0 +1,40 @@
+"""Scripted tool-call conversations for a short SFT before agentic RL (issue 25, "a rising curve").
+
+A tiny policy has to know the one tool-call format (:mod:`.tools`) before RL can reward it. This
+plays a task's scripted calls (its reference solution by default) with the in-process runner in a
+real sandbox, checks that the episode is graded 1, and returns the conversation in the canonical
+chat form a ``data.kind: chat`` recipe reads (``{"messages", "tools"}``, :mod:`megatron_s2.data.chat`):
+the same system prompt, tool schemas, ``tool_calls`` and tool observations the ``builtin`` harness
+sends through the gateway, so the chat template renders SFT targets with exactly the tokens the
+gateway later captures as the policy's (the observations are the sandbox's real outputs).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from megatron_s2.posttrain.agentic.runner import run_episode, scripted_policy
+from megatron_s2.posttrain.agentic.sandbox import SandboxRuntime
+from megatron_s2.posttrain.agentic.tasks import AgenticTask
+from megatron_s2.posttrain.agentic.tools import tool_schemas
+
+__all__ = ["scripted_conversation", "write_sft_jsonl"]
+
+
+def scripted_conversation(task: AgenticTask, runtime: SandboxRuntime, calls: Sequence[dict] | None = None) -> dict:
+    """The conversation of ``calls`` (default: the reference) played on ``task`` (module docstring);
+    ValueError when it does not solve the task (SFT must not imitate a failure)."""
+    result = run_episode(task, scripted_policy(task.reference if calls is None else calls), runtime)
+    if result.reward != 1.0:
+        raise ValueError(f"{task.name}: the scripted calls score {result.reward} ({result.status}); SFT traces must "
+                         "solve the task")
+    return {"messages": [segment.message() for segment in result.transcript], "tools": tool_schemas()}
+
+
+def write_sft_jsonl(path: str | Path, tasks: Sequence[AgenticTask], runtime: SandboxRuntime, copies: int = 1) -> int:
+    """``copies`` scripted conversations of each task, one JSON object a line; returns the count."""
+    lines = [json.dumps(scripted_conversation(task, runtime), ensure_ascii=False) for task in tasks]
+    Path(path).write_text("".join(line + "\n" for line in lines * copies), encoding="utf-8")
+    return len(lines) * copies
