@@ -515,3 +515,47 @@ def test_session_endpoints_without_a_trace_store_say_how_to_get_one(loaded):
                                        messages=[{"role": "user", "content": "x"}]).usage.output_tokens >= 1
     finally:
         srv.stop()
+
+
+def test_a_store_reopened_after_a_torn_line_keeps_what_it_writes_next(tmp_path):
+    """kill -9 mid-append leaves a torn last line; the restarted server's next event must not be
+    glued onto it (it, and every node under it, would be unreadable)."""
+    store = TraceStore(tmp_path)
+    first = store.add_node("g", -1, "context", "ab", [1, 2])
+    with open(tmp_path / "g" / "trace.jsonl", "a") as handle:
+        handle.write('{"event": "node", "id": 7, "par')  # the crash
+    reopened = TraceStore(tmp_path)
+    second = reopened.add_node("g", first, "response", "cd", [3, 4])
+    third = reopened.add_node("g", second, "context", "ef", [5])
+    tree = TraceStore(tmp_path).tree("g")
+    assert sorted(tree.nodes) == [first, second, third]
+    assert tree.path(third) == [first, second, third]
+
+
+def test_a_write_that_fails_mid_line_leaves_no_torn_line_or_temporary_file(tmp_path):
+    """A full disk (here: the file-size limit) mid-write: the call fails, the store stays readable
+    and what is written once space is back reads back."""
+    import resource
+    import signal
+
+    store = TraceStore(tmp_path)
+    first = store.add_node("g", -1, "context", "ab" * 2000, [1, 2])  # a long line: the next arrays fit
+    log = tmp_path / "g" / "trace.jsonl"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        store_size = log.stat().st_size
+        resource.setrlimit(resource.RLIMIT_FSIZE, (store_size + 20, hard))
+        with pytest.raises(OSError):  # the arrays fit, the event line does not
+            store.add_node("g", first, "response", "cd" * 100, list(range(10)))
+        assert log.read_text().endswith("\n")  # no torn line for the next event to be glued onto
+        with pytest.raises(OSError):  # the arrays themselves do not fit
+            store.add_node("g", first, "response", "x", list(range(10_000)))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert log.read_text().endswith("\n")
+    assert not [p.name for p in (tmp_path / "g" / "nodes").iterdir() if p.name.endswith(".tmp")]
+    second = store.add_node("g", first, "response", "cd" * 100, list(range(10)))
+    tree = TraceStore(tmp_path).tree("g")
+    assert tree.path(second) == [first, second] and len(tree.nodes[second].token_ids) == 10
