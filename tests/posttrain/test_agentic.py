@@ -426,3 +426,28 @@ def test_hard_linked_files_are_graded_as_files(bwrap):
     result = run_episode(load_task("make_config"), scripted_policy([
         _write("a_draft.json", config), _bash("ln a_draft.json config.json")]), bwrap)
     assert result.reward == 1.0, result.grade
+
+
+def test_a_runner_killed_9_leaves_no_stage_folder_behind(tmp_path):
+    """The host files shown read-only to sandboxes are staged in /var/tmp and removed at exit; a
+    runner killed -9 never exits, so the next runner removes its folder (a live runner's stays)."""
+    stage = ("from megatron_s2.posttrain.agentic.sandbox import _stage_root, _staged; import sys, time; "
+             "_staged(__import__('pathlib').Path(sys.argv[1])); print(_stage_root(), flush=True); time.sleep(60)")
+    (tmp_path / "f.txt").write_text("x")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    killed = subprocess.Popen([sys.executable, "-c", stage, str(tmp_path / "f.txt")], stdout=subprocess.PIPE, text=True,
+                              env=env)
+    alive = subprocess.Popen([sys.executable, "-c", stage, str(tmp_path / "f.txt")], stdout=subprocess.PIPE, text=True,
+                             env=env)
+    try:
+        killed_root, alive_root = Path(killed.stdout.readline().strip()), Path(alive.stdout.readline().strip())
+        killed.kill()
+        killed.wait()
+        assert killed_root.is_dir()
+        later = subprocess.run([sys.executable, "-c", stage.replace("time.sleep(60)", "pass"), str(tmp_path / "f.txt")],
+                               capture_output=True, text=True, env=env, timeout=60)
+        assert later.returncode == 0, later.stderr
+        assert not killed_root.exists() and alive_root.is_dir() and not Path(later.stdout.strip()).exists()
+    finally:
+        alive.kill()
+        alive.wait()
