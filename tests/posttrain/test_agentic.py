@@ -451,3 +451,14 @@ def test_a_runner_killed_9_leaves_no_stage_folder_behind(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_cli_run_exits_130_with_one_line_and_leaves_nothing_running(sig):
+    code = ("import os, signal, sys, threading; from megatron_s2.posttrain.agentic.__main__ import main; "
+            "threading.Timer(0.3, os.kill, (os.getpid(), %d)).start(); sys.exit(main(['run', 'archive_logs']))" % sig)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 130 and len(err) == 1 and err[0].startswith("interrupted"), (proc.returncode, err[-5:])

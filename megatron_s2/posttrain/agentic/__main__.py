@@ -8,14 +8,17 @@
 that submits at once (``--agent idle``, reward 0) in a fresh sandbox, grades it, and prints the
 transcript's labels, the reward, the grading status, each canonical test and the process weights
 (``--json``: the whole episode, as a trainer would consume it). A missing sandbox backend or an
-unknown task is one line on stderr and exit code 2.
+unknown task is one line on stderr and exit code 2; Ctrl-C or SIGTERM closes the sandboxes and exits
+130 with one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 
 from megatron_s2.config.posttrain.agentic import SandboxConfig
 from megatron_s2.config.schema import ConfigError
@@ -38,6 +41,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _main(args)
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: the sandboxes were closed on the way out
+        print("interrupted: the episode was abandoned and its sandboxes closed", file=sys.stderr)
+        return 130
+
+
+def _main(args) -> int:
+    if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds like Ctrl-C (sandboxes closed,
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # the stage folder removed at exit)
     if args.command == "list":
         for name in task_names():
             print(f"{name}: {load_task(name).prompt}")
