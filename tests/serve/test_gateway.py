@@ -207,6 +207,9 @@ def test_client_errors_are_4xx_in_each_protocols_shape_and_the_server_goes_on(se
     assert body["error"]["message"].startswith("messages[0].role")
     raw = httpx.post(f"{server.url}/v1/messages", content=b"{not json", timeout=30)
     assert raw.status_code == 400 and raw.json()["type"] == "error"
+    # max_tokens is required by the Messages API (else the call would run to the context's end)
+    raw = httpx.post(f"{server.url}/v1/messages", json={"messages": [{"role": "user", "content": "x"}]}, timeout=30)
+    assert raw.status_code == 400 and raw.json()["error"]["message"].startswith("max_tokens: required"), raw.text
     with pytest.raises(openai.NotFoundError, match="session id"):
         oa(server, "..bad").chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     assert oa(server).responses.create(model="tiny", input="still here", max_output_tokens=2).usage.output_tokens
@@ -559,3 +562,4 @@ def test_a_write_that_fails_mid_line_leaves_no_torn_line_or_temporary_file(tmp_p
     second = store.add_node("g", first, "response", "cd" * 100, list(range(10)))
     tree = TraceStore(tmp_path).tree("g")
     assert tree.path(second) == [first, second] and len(tree.nodes[second].token_ids) == 10
+
