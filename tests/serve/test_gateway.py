@@ -563,3 +563,29 @@ def test_a_write_that_fails_mid_line_leaves_no_torn_line_or_temporary_file(tmp_p
     tree = TraceStore(tmp_path).tree("g")
     assert tree.path(second) == [first, second] and len(tree.nodes[second].token_ids) == 10
 
+
+def test_a_trace_store_that_cannot_write_answers_in_the_protocols_shape(server):
+    """A full disk under --gateway-traces (here: the file-size limit) is the protocol's own error
+    — Anthropic's object, an error event mid-stream —, not an OpenAI-shaped 500 or a dropped
+    connection; once space is back the session records again."""
+    import resource
+    import signal
+
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "disk full?"}]}
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1, hard))
+        plain = httpx.post(f"{server.url}/sessions/full-1/v1/messages", json=body, timeout=60)
+        with httpx.stream("POST", f"{server.url}/sessions/full-1/v1/messages", json={**body, "stream": True},
+                          timeout=60) as streamed:
+            lines = list(streamed.iter_lines())
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert plain.status_code == 503 and plain.json()["type"] == "error", plain.text
+    assert "trace store" in plain.json()["error"]["message"]
+    assert "event: error" in lines and "trace store" in lines[lines.index("event: error") + 1], lines[-3:]
+    again = httpx.post(f"{server.url}/sessions/full-1/v1/messages", json=body, timeout=60)
+    assert again.status_code == 200 and len(TraceStore(server.state.config.gateway_traces).session_calls("full-1")) == 1
+
