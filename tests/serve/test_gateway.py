@@ -589,3 +589,26 @@ def test_a_trace_store_that_cannot_write_answers_in_the_protocols_shape(server):
     again = httpx.post(f"{server.url}/sessions/full-1/v1/messages", json=body, timeout=60)
     assert again.status_code == 200 and len(TraceStore(server.state.config.gateway_traces).session_calls("full-1")) == 1
 
+
+def test_a_plain_gateway_client_that_leaves_is_aborted_without_an_error(server, caplog):
+    """A non-streaming /v1/messages or /v1/responses client that times out: its request is
+    aborted, and the server logs no failure (it was logged as a 500 with a traceback)."""
+    import logging
+
+    engine = server.state.backend.engine
+    body = {"model": "tiny", "max_tokens": 200, "messages": [{"role": "user", "content": "x"}]}
+    with caplog.at_level(logging.INFO, logger="megatron_s2.serve"):
+        for path, payload in (("/v1/messages", body), ("/sessions/left-1/v1/responses",
+                                                       {"model": "tiny", "input": "x", "max_output_tokens": 200})):
+            engine.pause()
+            try:
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(f"{server.url}{path}", json=payload, timeout=1.0)
+                deadline = time.monotonic() + 30
+                while httpx.get(f"{server.url}/stats", timeout=10).json()["open_requests"]:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            finally:
+                engine.resume()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    assert TraceStore(server.state.config.gateway_traces).session_calls("left-1") == []
