@@ -612,3 +612,19 @@ def test_a_plain_gateway_client_that_leaves_is_aborted_without_an_error(server, 
                 engine.resume()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
     assert TraceStore(server.state.config.gateway_traces).session_calls("left-1") == []
+
+
+def test_responses_structured_output_is_refused_not_ignored():
+    """``text.format`` json_schema / json_object asks for structured output, which the engine does
+    not constrain: a 400 naming it (as ``response_format`` on chat), never a free-text answer."""
+    from megatron_s2.serve.errors import BadRequest
+    from megatron_s2.serve.fields import Fields
+    from megatron_s2.serve.gateway.responses_protocol import responses_turn
+
+    for fmt in ({"type": "json_schema", "name": "x", "schema": {"type": "object"}}, {"type": "json_object"}):
+        with pytest.raises(BadRequest, match=r"^text.format"):
+            responses_turn(Fields({"input": "x", "text": {"format": fmt}}))
+    with pytest.raises(BadRequest, match=r"^text"):
+        responses_turn(Fields({"input": "x", "text": "json"}))
+    assert responses_turn(Fields({"input": "x", "text": {"format": {"type": "text"}}})).messages
+    assert responses_turn(Fields({"input": "x", "text": {"verbosity": "low"}})).messages
