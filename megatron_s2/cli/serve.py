@@ -50,6 +50,8 @@ def serve_command(args: argparse.Namespace) -> int:
     if not Path(args.checkpoint).exists():
         raise ConfigError(f"checkpoint: {args.checkpoint} does not exist; give a run, checkpoints, step or Hugging "
                           "Face directory")
+    if config.gateway_traces:
+        _check_trace_dir(config.gateway_traces)
     sock = bind_socket(config.host, config.port)
     try:
         model, tokenizer, description = load_model(args.checkpoint, args.device)
@@ -62,6 +64,20 @@ def serve_command(args: argparse.Namespace) -> int:
     finally:
         sock.close()
     return 0
+
+
+def _check_trace_dir(path: str) -> None:
+    """Create the trace store's directory and write in it once now: a store that cannot be written
+    is a configuration error at start, not a 500 on every session call later."""
+    import tempfile
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--gateway-traces: cannot write the trace store in {path} ({exc.strerror or exc}); give a "
+                          "writable directory (created if missing)") from None
 
 
 def register(subparsers) -> None:

@@ -456,3 +456,39 @@ def test_scripted_sft_conversations_render_the_one_format(bwrap, tmp_path):
     assert trained == "".join(format_call(c["name"], c["arguments"]) + "<｜end▁of▁sentence｜>" for c in task.reference)
     with pytest.raises(ValueError, match="sum_pair: the scripted calls score 0.0"):
         scripted_conversation(task, bwrap, [{"name": "submit", "arguments": {}}])
+
+
+def test_a_runner_killed_9_leaves_no_stage_folder_behind(tmp_path):
+    """The host files shown read-only to sandboxes are staged in /var/tmp and removed at exit; a
+    runner killed -9 never exits, so the next runner removes its folder (a live runner's stays)."""
+    stage = ("from megatron_s2.posttrain.agentic.sandbox import _stage_root, _staged; import sys, time; "
+             "_staged(__import__('pathlib').Path(sys.argv[1])); print(_stage_root(), flush=True); time.sleep(60)")
+    (tmp_path / "f.txt").write_text("x")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    killed = subprocess.Popen([sys.executable, "-c", stage, str(tmp_path / "f.txt")], stdout=subprocess.PIPE, text=True,
+                              env=env)
+    alive = subprocess.Popen([sys.executable, "-c", stage, str(tmp_path / "f.txt")], stdout=subprocess.PIPE, text=True,
+                             env=env)
+    try:
+        killed_root, alive_root = Path(killed.stdout.readline().strip()), Path(alive.stdout.readline().strip())
+        killed.kill()
+        killed.wait()
+        assert killed_root.is_dir()
+        later = subprocess.run([sys.executable, "-c", stage.replace("time.sleep(60)", "pass"), str(tmp_path / "f.txt")],
+                               capture_output=True, text=True, env=env, timeout=60)
+        assert later.returncode == 0, later.stderr
+        assert not killed_root.exists() and alive_root.is_dir() and not Path(later.stdout.strip()).exists()
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_cli_run_exits_130_with_one_line_and_leaves_nothing_running(sig):
+    code = ("import os, signal, sys, threading; from megatron_s2.posttrain.agentic.__main__ import main; "
+            "threading.Timer(0.3, os.kill, (os.getpid(), %d)).start(); sys.exit(main(['run', 'archive_logs']))" % sig)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 130 and len(err) == 1 and err[0].startswith("interrupted"), (proc.returncode, err[-5:])

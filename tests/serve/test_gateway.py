@@ -207,6 +207,9 @@ def test_client_errors_are_4xx_in_each_protocols_shape_and_the_server_goes_on(se
     assert body["error"]["message"].startswith("messages[0].role")
     raw = httpx.post(f"{server.url}/v1/messages", content=b"{not json", timeout=30)
     assert raw.status_code == 400 and raw.json()["type"] == "error"
+    # max_tokens is required by the Messages API (else the call would run to the context's end)
+    raw = httpx.post(f"{server.url}/v1/messages", json={"messages": [{"role": "user", "content": "x"}]}, timeout=30)
+    assert raw.status_code == 400 and raw.json()["error"]["message"].startswith("max_tokens: required"), raw.text
     with pytest.raises(openai.NotFoundError, match="session id"):
         oa(server, "..bad").chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     assert oa(server).responses.create(model="tiny", input="still here", max_output_tokens=2).usage.output_tokens
@@ -356,15 +359,18 @@ def test_store_survives_a_torn_write(server, traces, tmp_path):
     """A crash mid-append leaves a torn last line and maybe an orphan array: both are skipped."""
     import shutil
 
+    # its own session: the test must not depend on what an earlier test left in the store
+    oa(server, "torn-1").chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Go."}],
+                                                 max_tokens=4, seed=0, extra_body={"ignore_eos": True})
     copy = tmp_path / "copy"
-    shutil.copytree(traces / "curate-1", copy / "curate-1")
-    with open(copy / "curate-1" / "trace.jsonl", "a") as handle:
+    shutil.copytree(traces / "torn-1", copy / "torn-1")
+    with open(copy / "torn-1" / "trace.jsonl", "a") as handle:
         handle.write('{"event": "node", "id": 999, "par')
-    (copy / "curate-1" / "nodes" / "998.npz").write_bytes(b"partial")
+    (copy / "torn-1" / "nodes" / "998.npz").write_bytes(b"partial")
     (sample,) = read_samples(copy)
-    (again,) = read_samples(traces, ["curate-1"])
+    (again,) = read_samples(traces, ["torn-1"])
     assert np.array_equal(sample.token_ids, again.token_ids) and np.array_equal(sample.loss_mask, again.loss_mask)
-    with np.load(next((copy / "curate-1" / "nodes").glob("0.npz")), allow_pickle=False) as data:
+    with np.load(next((copy / "torn-1" / "nodes").glob("0.npz")), allow_pickle=False) as data:
         assert set(data.files) >= {"token_ids", "logprobs"}
 
 
@@ -515,3 +521,113 @@ def test_session_endpoints_without_a_trace_store_say_how_to_get_one(loaded):
                                        messages=[{"role": "user", "content": "x"}]).usage.output_tokens >= 1
     finally:
         srv.stop()
+
+
+def test_a_store_reopened_after_a_torn_line_keeps_what_it_writes_next(tmp_path):
+    """kill -9 mid-append leaves a torn last line; the restarted server's next event must not be
+    glued onto it (it, and every node under it, would be unreadable)."""
+    store = TraceStore(tmp_path)
+    first = store.add_node("g", -1, "context", "ab", [1, 2])
+    with open(tmp_path / "g" / "trace.jsonl", "a") as handle:
+        handle.write('{"event": "node", "id": 7, "par')  # the crash
+    reopened = TraceStore(tmp_path)
+    second = reopened.add_node("g", first, "response", "cd", [3, 4])
+    third = reopened.add_node("g", second, "context", "ef", [5])
+    tree = TraceStore(tmp_path).tree("g")
+    assert sorted(tree.nodes) == [first, second, third]
+    assert tree.path(third) == [first, second, third]
+
+
+def test_a_write_that_fails_mid_line_leaves_no_torn_line_or_temporary_file(tmp_path):
+    """A full disk (here: the file-size limit) mid-write: the call fails, the store stays readable
+    and what is written once space is back reads back."""
+    import resource
+    import signal
+
+    store = TraceStore(tmp_path)
+    first = store.add_node("g", -1, "context", "ab" * 2000, [1, 2])  # a long line: the next arrays fit
+    log = tmp_path / "g" / "trace.jsonl"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        store_size = log.stat().st_size
+        resource.setrlimit(resource.RLIMIT_FSIZE, (store_size + 20, hard))
+        with pytest.raises(OSError):  # the arrays fit, the event line does not
+            store.add_node("g", first, "response", "cd" * 100, list(range(10)))
+        assert log.read_text().endswith("\n")  # no torn line for the next event to be glued onto
+        with pytest.raises(OSError):  # the arrays themselves do not fit
+            store.add_node("g", first, "response", "x", list(range(10_000)))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert log.read_text().endswith("\n")
+    assert not [p.name for p in (tmp_path / "g" / "nodes").iterdir() if p.name.endswith(".tmp")]
+    second = store.add_node("g", first, "response", "cd" * 100, list(range(10)))
+    tree = TraceStore(tmp_path).tree("g")
+    assert tree.path(second) == [first, second] and len(tree.nodes[second].token_ids) == 10
+
+
+def test_a_trace_store_that_cannot_write_answers_in_the_protocols_shape(server):
+    """A full disk under --gateway-traces (here: the file-size limit) is the protocol's own error
+    — Anthropic's object, an error event mid-stream —, not an OpenAI-shaped 500 or a dropped
+    connection; once space is back the session records again."""
+    import resource
+    import signal
+
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "disk full?"}]}
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1, hard))
+        plain = httpx.post(f"{server.url}/sessions/full-1/v1/messages", json=body, timeout=60)
+        with httpx.stream("POST", f"{server.url}/sessions/full-1/v1/messages", json={**body, "stream": True},
+                          timeout=60) as streamed:
+            lines = list(streamed.iter_lines())
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert plain.status_code == 503 and plain.json()["type"] == "error", plain.text
+    assert "trace store" in plain.json()["error"]["message"]
+    assert "event: error" in lines and "trace store" in lines[lines.index("event: error") + 1], lines[-3:]
+    again = httpx.post(f"{server.url}/sessions/full-1/v1/messages", json=body, timeout=60)
+    assert again.status_code == 200 and len(TraceStore(server.state.config.gateway_traces).session_calls("full-1")) == 1
+
+
+def test_a_plain_gateway_client_that_leaves_is_aborted_without_an_error(server, caplog):
+    """A non-streaming /v1/messages or /v1/responses client that times out: its request is
+    aborted, and the server logs no failure (it was logged as a 500 with a traceback)."""
+    import logging
+
+    engine = server.state.backend.engine
+    body = {"model": "tiny", "max_tokens": 200, "messages": [{"role": "user", "content": "x"}]}
+    with caplog.at_level(logging.INFO, logger="megatron_s2.serve"):
+        for path, payload in (("/v1/messages", body), ("/sessions/left-1/v1/responses",
+                                                       {"model": "tiny", "input": "x", "max_output_tokens": 200})):
+            engine.pause()
+            try:
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(f"{server.url}{path}", json=payload, timeout=1.0)
+                deadline = time.monotonic() + 30
+                while httpx.get(f"{server.url}/stats", timeout=10).json()["open_requests"]:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            finally:
+                engine.resume()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    assert TraceStore(server.state.config.gateway_traces).session_calls("left-1") == []
+
+
+def test_responses_structured_output_is_refused_not_ignored():
+    """``text.format`` json_schema / json_object asks for structured output, which the engine does
+    not constrain: a 400 naming it (as ``response_format`` on chat), never a free-text answer."""
+    from megatron_s2.serve.errors import BadRequest
+    from megatron_s2.serve.fields import Fields
+    from megatron_s2.serve.gateway.responses_protocol import responses_turn
+
+    for fmt in ({"type": "json_schema", "name": "x", "schema": {"type": "object"}}, {"type": "json_object"}):
+        with pytest.raises(BadRequest, match=r"^text.format"):
+            responses_turn(Fields({"input": "x", "text": {"format": fmt}}))
+    with pytest.raises(BadRequest, match=r"^text"):
+        responses_turn(Fields({"input": "x", "text": "json"}))
+    assert responses_turn(Fields({"input": "x", "text": {"format": {"type": "text"}}})).messages
+    assert responses_turn(Fields({"input": "x", "text": {"verbosity": "low"}})).messages

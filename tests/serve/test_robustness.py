@@ -169,6 +169,9 @@ def test_bad_command_line_input_exits_2_with_one_line(run_dir, capsys):
          "--allowed-local-media-path: /does/not/exist is not a directory"),
         ([str(run_dir), "--max-images-per-request", "-1"], "--max-images-per-request: must be >= 0"),
         ([str(run_dir), "--gateway-traces", __file__], "--gateway-traces: "),
+        # a store that cannot be created or written: refused at start, not a 500 on every session call
+        ([str(run_dir), "--gateway-traces", f"{__file__}/traces"], "--gateway-traces: "),
+        ([str(run_dir), "--gateway-traces", "/proc/megatron-s2-traces"], "--gateway-traces: "),
     ]
     try:
         for args, words in cases:

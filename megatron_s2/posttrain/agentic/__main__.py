@@ -12,6 +12,7 @@
 that submits at once (``--agent idle``, reward 0) in a fresh sandbox, grades it, and prints the
 transcript's labels, the reward, the grading status, each canonical test and the process weights
 (``--json``: the whole episode, as a trainer would consume it). A missing sandbox backend or an
+<<<<<<< HEAD
 unknown task is one line on stderr and exit code 2.
 
 ``play`` serves a checkpoint in-process (the agent gateway with a PrefixTree store: ``--traces``,
@@ -21,14 +22,23 @@ default a fresh temporary folder) and lets a real harness play the task against 
 
 ``sft-data`` writes the tasks' reference solutions, played in real sandboxes, as chat
 conversations for a ``data.kind: chat`` SFT recipe (:mod:`.sft_traces`).
+=======
+unknown task is one line on stderr and exit code 2; Ctrl-C or SIGTERM closes the sandboxes and exits
+130 with one line.
+>>>>>>> review25
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+<<<<<<< HEAD
 import os
+=======
+import signal
+>>>>>>> review25
 import sys
+import threading
 
 from megatron_s2.config.posttrain.agentic import SandboxConfig
 from megatron_s2.config.schema import ConfigError
@@ -108,6 +118,16 @@ def play(args, task, runtime) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _main(args)
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: the sandboxes were closed on the way out
+        print("interrupted: the episode was abandoned and its sandboxes closed", file=sys.stderr)
+        return 130
+
+
+def _main(args) -> int:
+    if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds like Ctrl-C (sandboxes closed,
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # the stage folder removed at exit)
     if args.command == "list":
         for name in task_names():
             print(f"{name}: {load_task(name).prompt}")

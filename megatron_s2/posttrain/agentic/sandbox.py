@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import fcntl
 import io
 import json
 import os
@@ -336,12 +337,42 @@ def _server_config(config: SandboxConfig, workspace: str, scratch: str) -> str:
                        "output_chars": config.output_chars})
 
 
+_STAGE_PREFIX = "megatron_s2-sandbox-"
+_stage_locks: list[int] = []
+"""Open descriptors of this process's stage locks (held until the process ends, however it ends)."""
+
+
+def _sweep_stale_stages(parent: Path) -> None:
+    """Remove the stage folders of processes that are gone without their ``atexit`` (kill -9): a
+    live one holds an exclusive lock on its ``.lock``, which the kernel drops with the process."""
+    for old in parent.glob(f"{_STAGE_PREFIX}*"):
+        try:
+            fd = os.open(old / ".lock", os.O_RDONLY)
+        except OSError:
+            continue  # no lock (yet): not ours to judge
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass  # its process is alive
+        finally:
+            os.close(fd)
+
+
 @lru_cache(maxsize=None)
 def _stage_root() -> Path:
     """A root-owned, world-readable folder of this process for the host files sandboxes are shown
-    read-only (removed at exit): the unprivileged sandbox uid may not reach the repository."""
-    root = Path(tempfile.mkdtemp(prefix="megatron_s2-sandbox-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
+    read-only (removed at exit, or by the next process when this one was killed): the unprivileged
+    sandbox uid may not reach the repository."""
+    parent = Path("/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir())
+    _sweep_stale_stages(parent)
+    root = Path(tempfile.mkdtemp(prefix=_STAGE_PREFIX, dir=parent))
     root.chmod(0o755)
+    # locked before it gets its name, so a sweeper never sees an unlocked lock of a live process
+    fd = os.open(root / ".lock.new", os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(root / ".lock.new", root / ".lock")
+    _stage_locks.append(fd)
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     return root
 

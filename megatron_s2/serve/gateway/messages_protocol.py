@@ -83,6 +83,8 @@ def _assistant(content, where: str) -> dict:
 
 
 def messages_turn(f: Fields) -> Turn:
+    if f.raw("max_tokens") is None:  # required by the protocol: without it a call would run to the context's end
+        f.fail("max_tokens", "required by the Messages API: the most tokens to generate, e.g. 1024")
     system = f.raw("system")
     messages = [{"role": "system", "content": text_of(system, "system")}] if system else []
     raw = f.raw("messages")

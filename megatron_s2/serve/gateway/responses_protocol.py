@@ -84,6 +84,12 @@ def responses_turn(f: Fields) -> Turn:
         f.fail("previous_response_id", "this server stores no responses; send the whole conversation as input")
     if f.bool("background"):
         f.fail("background", "background responses are not supported; leave it out")
+    text = f.raw("text")
+    if text is not None and not isinstance(text, dict):
+        f.fail("text", f"must be an object such as {{\"format\": {{\"type\": \"text\"}}}}, got {shown(text)}")
+    if (text or {}).get("format") not in (None, {"type": "text"}):  # as response_format on chat: never ignored
+        raise BadRequest("text.format: structured output (json_schema / json_object) is not implemented; send "
+                         "{\"type\": \"text\"} or leave it out, and validate the JSON client-side", param="text.format")
     instructions = f.str("instructions")
     schemas = []
     tools = f.raw("tools") or []

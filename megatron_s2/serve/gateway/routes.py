@@ -21,7 +21,9 @@ routes need the trace store (``megatron-s2 serve --gateway-traces DIR``); withou
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
+from megatron_s2.serve.backend import ClientDisconnected
 from megatron_s2.serve.errors import NotFound
 from megatron_s2.serve.fields import Fields, read_json_object, shown_text
 from megatron_s2.serve.gateway.chat_protocol import chat_answer, chat_turn
@@ -45,7 +47,10 @@ async def run_protocol(state: ServerState, request: Request, protocol: str, sess
     parse, answer = PROTOCOLS[protocol]
     turn = parse(f)
     running = await start_turn(state, request, turn, session, state.capture)
-    return await answer(state, running, f)
+    try:
+        return await answer(state, running, f)
+    except ClientDisconnected:  # a plain call whose client left: nobody to answer (its request is aborted)
+        return JSONResponse({}, status_code=499)
 
 
 async def gateway_chat(state: ServerState, request: Request, f: Fields):

@@ -32,9 +32,10 @@ On disk, no pickle anywhere::
                                      for a dense model); read with allow_pickle=False
 
 Crash safety: a node's arrays are written to a temporary file, fsynced and renamed before its
-event line is appended (one ``write`` + fsync), so a crash leaves at worst a torn last line or an
-orphan array file; :class:`TraceStore` and :func:`read_samples` skip both (and a node whose parent
-is missing), and a restarted server continues the stored trees.
+event line is appended (+ fsync), so a crash leaves at worst a torn last line or an orphan array
+file; :class:`TraceStore` and :func:`read_samples` skip both (and a node whose parent is missing),
+and a restarted server continues the stored trees (its first append cuts the torn line). A write
+that fails (a full disk) is cut back, so the call fails and the file stays whole.
 
 Post-training reads the store with :func:`read_samples`: one :class:`TrainableSample` per session
 branch (token ids, loss mask, log-probs, experts and segment boundaries).
@@ -180,19 +181,51 @@ class _Tree:
 
 def _atomic_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as handle:
-        np.savez(handle, **arrays)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as handle:
+            np.savez(handle, **arrays)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk: do not keep holding the space a half file took
+        raise
+
+
+def _complete_lines_end(fd: int, end: int) -> int:
+    """The offset just past the file's last newline (0: none): where a torn last line begins."""
+    at = end
+    while at > 0:
+        step = min(at, 1 << 16)
+        chunk = os.pread(fd, step, at - step)
+        newline = chunk.rfind(b"\n")
+        if newline >= 0:
+            return at - step + newline + 1
+        at -= step
+    return 0
 
 
 def _append_line(path: Path, event: dict) -> None:
-    line = json.dumps(event, ensure_ascii=False, separators=(",", ":")) + "\n"
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(line)  # one write: a crash tears at most this last line
-        handle.flush()
-        os.fsync(handle.fileno())
+    """Append one event line, never after a torn one and never leaving one: a line torn by a
+    crash (kill -9 mid-write) is cut before appending, else the next event would be glued onto it
+    and unreadable; a write that fails (a full disk) is cut back to where it started."""
+    line = (json.dumps(event, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        whole = _complete_lines_end(fd, end) if end and os.pread(fd, 1, end - 1) != b"\n" else end
+        if whole != end:
+            os.ftruncate(fd, whole)
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            os.ftruncate(fd, whole)
+            raise
+    finally:
+        os.close(fd)
 
 
 def _load_tree(directory: Path) -> _Tree:

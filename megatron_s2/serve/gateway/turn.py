@@ -9,20 +9,28 @@ it is recorded in the trace store before the protocol's last event is sent.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from http import HTTPStatus
 
 from starlette.concurrency import run_in_threadpool
 
 from megatron_s2.inference.request import CompletedRequest
 from megatron_s2.serve.backend import Generation
 from megatron_s2.serve.chat import _renders_text
-from megatron_s2.serve.errors import BadRequest
+from megatron_s2.serve.errors import BadRequest, HTTPError
 from megatron_s2.serve.gateway.conversation import Turn, assistant_message
 from megatron_s2.serve.gateway.tito import Capture, PromptPlan
 from megatron_s2.serve.gateway.tool_format import OutputParser, ToolCall
 from megatron_s2.serve.sampling import build_sampling, refuse_unsupported_sampling
 from megatron_s2.serve.state import ServerState, new_id
 
-__all__ = ["TurnOutput", "RunningTurn", "start_turn", "check_gateway_tokenizer"]
+__all__ = ["TurnOutput", "RunningTurn", "start_turn", "check_gateway_tokenizer", "TraceWriteFailed"]
+
+
+class TraceWriteFailed(HTTPError):
+    """The call ran but the trace store could not write it (503: the server's disk, not the request)."""
+
+    status = HTTPStatus.SERVICE_UNAVAILABLE
+    kind = "ServiceUnavailableError"
 
 
 @dataclass
@@ -56,8 +64,13 @@ class RunningTurn:
                                  len(self.result.token_ids), list(self.result.token_ids))
         if self.capture is not None and self.plan.session is not None:
             message = assistant_message(self.output.text, self.output.reasoning, self.output.calls)
-            await run_in_threadpool(self.capture.record, self.state.tokenizer, self.turn, self.plan, message,
-                                    self.result, self.output.finish_reason)
+            try:
+                await run_in_threadpool(self.capture.record, self.state.tokenizer, self.turn, self.plan, message,
+                                        self.result, self.output.finish_reason)
+            except OSError as exc:  # a full or failing disk: the protocol's own error (an event mid-stream)
+                raise TraceWriteFailed(f"the trace store could not record this call ({exc.strerror or exc}); it "
+                                       "was not captured: free space in the --gateway-traces directory and retry"
+                                       ) from None
 
     async def complete(self) -> TurnOutput:
         async for _ in self.events():
