@@ -95,3 +95,19 @@ def test_cli_help_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_no_merge_conflict_markers_are_committed():
+    """A conflicted merge committed by mistake: a syntax error in Python, silent in Markdown/YAML."""
+    marked = []
+    for top in ("megatron_s2", "launcher", "kernels", "tools", "tests", "recipes", "bench", ".ci"):
+        for path in (REPO / top).rglob("*"):
+            if path.suffix in {".py", ".md", ".yaml", ".yml", ".json", ".sh", ""} and path.is_file():
+                text = path.read_text(errors="replace")
+                if "\n<<<<<<< " in text or "\n>>>>>>> " in text or text.startswith("<<<<<<< "):
+                    marked.append(path.relative_to(REPO).as_posix())
+    for name in ("README.md", "setup.py", ".importlinter"):
+        text = (REPO / name).read_text()
+        if "\n<<<<<<< " in text or "\n>>>>>>> " in text:
+            marked.append(name)
+    assert not marked, f"merge conflict markers in: {marked}"

@@ -12,8 +12,8 @@
 that submits at once (``--agent idle``, reward 0) in a fresh sandbox, grades it, and prints the
 transcript's labels, the reward, the grading status, each canonical test and the process weights
 (``--json``: the whole episode, as a trainer would consume it). A missing sandbox backend or an
-<<<<<<< HEAD
-unknown task is one line on stderr and exit code 2.
+unknown task is one line on stderr and exit code 2; Ctrl-C or SIGTERM closes the sandboxes and exits
+130 with one line.
 
 ``play`` serves a checkpoint in-process (the agent gateway with a PrefixTree store: ``--traces``,
 default a fresh temporary folder) and lets a real harness play the task against a session URL
@@ -22,21 +22,14 @@ default a fresh temporary folder) and lets a real harness play the task against 
 
 ``sft-data`` writes the tasks' reference solutions, played in real sandboxes, as chat
 conversations for a ``data.kind: chat`` SFT recipe (:mod:`.sft_traces`).
-=======
-unknown task is one line on stderr and exit code 2; Ctrl-C or SIGTERM closes the sandboxes and exits
-130 with one line.
->>>>>>> review25
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-<<<<<<< HEAD
 import os
-=======
 import signal
->>>>>>> review25
 import sys
 import threading
 
