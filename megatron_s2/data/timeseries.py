@@ -56,9 +56,12 @@ def check_series(values, source: str, *, max_steps: int = MAX_STEPS, max_channel
     """``values`` as float32 [channels, steps], or a one-line :class:`DataError` naming ``source``."""
     try:
         array = np.asarray(values, dtype=np.float32)
-    except ValueError:
-        raise DataError(f"{source}: ragged series (channels or rows of different lengths); pad or trim every "
-                        f"channel to the same number of steps") from None
+    except (ValueError, TypeError) as exc:  # a request's series may be any JSON: text, objects, nulls
+        if "sequence" in str(exc):
+            raise DataError(f"{source}: ragged series (channels or rows of different lengths); pad or trim every "
+                            f"channel to the same number of steps") from None
+        raise DataError(f"{source}: holds values that are not numbers ({exc}); give [steps] or [channels][steps] "
+                        f"of numbers") from None
     if array.ndim == 1:
         array = array[None, :]
     if array.ndim != 2:

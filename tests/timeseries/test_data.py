@@ -97,6 +97,15 @@ def test_check_series_refuses_ragged_lists_and_inf():
         check_series([[1.0, 2.0], [np.inf, 0.0]], "mem")
 
 
+@pytest.mark.parametrize("values", [{"a": 1}, [[1.0, {"b": 2}]], [None, [1]], "abc"])
+def test_check_series_refuses_what_is_not_numbers_in_one_line(values):
+    """A request's ``series`` may be any JSON: a dict, objects inside the rows or text is one
+    line naming it (``tools/forecast.py`` exits 2), never a TypeError traceback."""
+    with pytest.raises(DataError, match=r"^request\.series: ") as info:
+        check_series(values, "request.series")
+    assert "\n" not in str(info.value)
+
+
 def test_unknown_and_missing_files(tmp_path):
     (tmp_path / "s.pkl").write_bytes(b"x")
     with pytest.raises(DataError, match="unsupported file type '.pkl'"):
