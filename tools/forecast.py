@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -38,9 +39,16 @@ def answer(trainer, request: dict, allow_files: bool = False) -> dict:
     if not isinstance(request, dict) or not isinstance(request.get("instruction"), str):
         raise ValueError("request: give a JSON object with an 'instruction' string and 'series' (or 'path')")
     rate = request.get("sample_rate")
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                             or not math.isfinite(rate) or rate <= 0):
+        raise ValueError(f"request.sample_rate: must be a number of Hz > 0, got {json.dumps(rate)}; "
+                         "give it or leave it out and ask in steps")
     if "path" in request:
         if not allow_files:
             raise ValueError("request.path: reading local files needs --allow-files; send the values as 'series'")
+        if not isinstance(request["path"], str) or not request["path"]:
+            raise ValueError(f"request.path: must be the path of a local .csv / .parquet / .npz file, got "
+                             f"{json.dumps(request['path'])}")
         loaded = load_series(request["path"])
         values, rate = loaded.values, rate if rate is not None else loaded.sample_rate
     else:

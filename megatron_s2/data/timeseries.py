@@ -56,9 +56,12 @@ def check_series(values, source: str, *, max_steps: int = MAX_STEPS, max_channel
     """``values`` as float32 [channels, steps], or a one-line :class:`DataError` naming ``source``."""
     try:
         array = np.asarray(values, dtype=np.float32)
-    except ValueError:
-        raise DataError(f"{source}: ragged series (channels or rows of different lengths); pad or trim every "
-                        f"channel to the same number of steps") from None
+    except (ValueError, TypeError) as exc:  # a request's series may be any JSON: text, objects, nulls
+        if "sequence" in str(exc):
+            raise DataError(f"{source}: ragged series (channels or rows of different lengths); pad or trim every "
+                            f"channel to the same number of steps") from None
+        raise DataError(f"{source}: holds values that are not numbers ({exc}); give [steps] or [channels][steps] "
+                        f"of numbers") from None
     if array.ndim == 1:
         array = array[None, :]
     if array.ndim != 2:
@@ -139,7 +142,9 @@ def _read_npz(path: Path) -> tuple[np.ndarray, Optional[float]]:
             if key is None:
                 raise DataError(f"{path}: holds arrays {names} but none named 'values'; name the series 'values'")
             values = archive[key]
-            rate = float(archive["sample_rate"]) if "sample_rate" in names else None
+            rate = _sample_rate(path, archive["sample_rate"]) if "sample_rate" in names else None
+    except DataError:  # already one line naming the file (a DataError is a ValueError)
+        raise
     except ValueError as exc:
         if "pickle" in str(exc):
             raise DataError(f"{path}: the array holds Python objects (ragged?) and pickles are never loaded; "
@@ -148,6 +153,18 @@ def _read_npz(path: Path) -> tuple[np.ndarray, Optional[float]]:
     except (OSError, EOFError) as exc:
         raise DataError(f"{path}: cannot read as .npz ({type(exc).__name__}: {exc})") from None
     return values, rate
+
+
+def _sample_rate(path: Path, stored: np.ndarray) -> float:
+    """The npz's ``sample_rate``: one finite number > 0 (Hz), or a one-line error naming the file."""
+    try:
+        rate = float(stored) if stored.size == 1 and stored.dtype.kind in "biuf" else None
+    except (TypeError, ValueError):
+        rate = None
+    if rate is None or not np.isfinite(rate) or rate <= 0:
+        raise DataError(f"{path}: sample_rate must be one finite number of Hz > 0, got {stored.dtype} of shape "
+                        f"{stored.shape} ({np.array2string(stored.ravel()[:3])}); save it as a scalar, or drop it")
+    return rate
 
 
 def load_series(path, *, max_steps: int = MAX_STEPS, max_channels: int = MAX_CHANNELS) -> LoadedSeries:

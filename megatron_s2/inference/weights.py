@@ -94,12 +94,14 @@ def load_weights_into(model: nn.Module, source: nn.Module | Mapping[str, torch.T
     missing = sorted(set(own) - set(source))
     if missing:
         raise ValueError(f"update_weights: the new weights lack {missing[:3]} (and {max(0, len(missing) - 3)} more)")
+    # every shape first: a misfit found half-way through the copy would leave the model half old, half new
     for name, target in own.items():
         value = source[name]
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"update_weights: '{name}' has shape {tuple(value.shape)}, this rank holds "
                              f"{tuple(target.shape)} (a different parallel layout?)")
-        target.copy_(value.to(device=target.device, dtype=target.dtype))
+    for name, target in own.items():
+        target.copy_(source[name].to(device=target.device, dtype=target.dtype))
 
 
 def _check_same_model(mine: ModelSchema, theirs: ModelSchema, where: str) -> None:

@@ -80,6 +80,15 @@ def check_data(recipe: RecipeConfig, tokenizer) -> None:
                 what = "a directory of images" if recipe.data.source == "folder" else "a readable file"
                 raise ConfigError(f"data.paths: {name} is not {what} (data.source: {recipe.data.source})")
         return
+    if recipe.data.kind == "timeseries":  # local series files, read and checked whole (NaN, ragged, size)
+        from megatron_s2.data.timeseries import load_series
+
+        for name in recipe.data.paths:
+            try:
+                load_series(name)
+            except DataError as exc:
+                raise ConfigError(f"data.paths: {exc}") from None
+        return
     if recipe.data.kind == "chat":
         for name in recipe.data.paths:
             path = resolve_local_path(name)

@@ -209,3 +209,23 @@ def test_dp2_trainer_killed_minus_9_resumes_exactly(colocated, sft):
     _assert_same_run(run, colocated)
     again = {m["step"]: m for m in _jsonl(run / "metrics.jsonl")}
     assert again[3]["loss"] == first[3]["loss"]  # the same batch file, the same restored weights
+
+
+@pytest.mark.parametrize("servers, needle", [
+    ("localhost:8100", "localhost:8100"),                       # no scheme
+    ("ftp://127.0.0.1:8100", "ftp://127.0.0.1:8100"),           # not HTTP
+    ("http://", "http://"),                                     # no host
+    ("http://127.0.0.1:99999", "http://127.0.0.1:99999"),       # no such port
+    ("http://127.0.0.1:8100,http://127.0.0.1:8100/", "twice"),  # one server listed twice
+])
+def test_orchestrate_refuses_bad_server_urls_before_it_starts(servers, needle, tmp_path, capsys):
+    """A malformed or repeated ``--servers`` entry is a configuration error (exit 2, one line
+    naming the flag), not a 300 s wait for a server that cannot exist followed by a traceback."""
+    from megatron_s2.cli import main
+
+    rc = main(["orchestrate", RL, "rl.mode=disaggregated", "rl.disaggregated.max_async_level=1",
+               "rl.rollout.max_staleness=1", "rl.eval.interval=0", "rl.eval.at_start=false",
+               "rl.disaggregated.server_wait_s=1", "--run-dir", str(tmp_path / "run"), "--servers", servers])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "--servers" in err and needle in err, err
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written

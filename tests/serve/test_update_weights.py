@@ -68,3 +68,31 @@ def test_update_weights_reloads_between_steps_and_tags_versions(run_dir, loaded)
         assert _generate(server.url)["policy_versions"] == [4] * 8  # the server serves on
     finally:
         server.stop()
+
+
+def _logprobs(choice: dict) -> list[float]:
+    return [e["logprob"] for e in choice["logprobs"]["content"]]
+
+
+def test_a_checkpoint_that_does_not_fit_leaves_the_served_weights_untouched(run_dir, tmp_path):
+    """A refused ``/update_weights`` changes nothing: every tensor's shape is checked before the
+    first one is copied (a tensor that does not fit, found half-way through the copy, used to
+    leave the server answering with half the old and half the new weights at the old version)."""
+    from megatron_s2.checkpoint.hf.checkpoint_io import read_full_state, write_full_state
+
+    model = load_model(str(run_dir), "cpu")
+    full = read_full_state(run_dir)
+    last = list(model[0].state_dict())[-1]
+    state = {k: (v + 0.5 if v.is_floating_point() else v) for k, v in full.state.items()}
+    state[last] = torch.cat([state[last], state[last][:1]])  # the last tensor copied: one row too many
+    bad = write_full_state(state, full.recipe, tmp_path / "other", step=7)
+    server = start_server(model)
+    try:
+        before = _generate(server.url)
+        r = httpx.post(f"{server.url}/update_weights", json={"path": str(bad), "version": 5}, timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "path", r.text
+        after = _generate(server.url)
+        assert after["policy_versions"] == [0] * 8 and after["token_ids"] == before["token_ids"]
+        assert _logprobs(after) == _logprobs(before)
+    finally:
+        server.stop()

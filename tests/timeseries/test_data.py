@@ -48,6 +48,17 @@ def test_npz_objects_are_never_unpickled(tmp_path):
         load_series(path)
 
 
+@pytest.mark.parametrize("rate", [np.array([1.0, 2.0]), np.float64("nan"), -4.0, 0.0, np.inf, "fast"])
+def test_npz_sample_rate_must_be_one_positive_number(tmp_path, rate):
+    """A sample_rate that is an array, NaN, inf, zero, negative or text is one line naming the
+    file, not a TypeError traceback or a NaN rate handed to the horizon predictor."""
+    path = tmp_path / "s.npz"
+    np.savez(path, values=np.ones((2, 50), np.float32), sample_rate=rate)
+    with pytest.raises(DataError, match=r"s\.npz: sample_rate") as info:
+        load_series(path)
+    assert str(info.value).startswith(f"{path}: sample_rate") and "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("writer,message", [
     (lambda p: p.write_text("a,b\n1,2\nnan,3\n"), r"s.csv: 1 of 4 values are NaN/inf \(first NaN at channel 0, step 1\); interpolate"),
     (lambda p: p.write_text("a,b\n"), r"s.csv: empty series .*remove the file or fill it"),
@@ -84,6 +95,15 @@ def test_check_series_refuses_ragged_lists_and_inf():
         check_series([[1.0, 2.0], [3.0]], "mem")
     with pytest.raises(DataError, match="first inf at channel 1, step 0"):
         check_series([[1.0, 2.0], [np.inf, 0.0]], "mem")
+
+
+@pytest.mark.parametrize("values", [{"a": 1}, [[1.0, {"b": 2}]], [None, [1]], "abc"])
+def test_check_series_refuses_what_is_not_numbers_in_one_line(values):
+    """A request's ``series`` may be any JSON: a dict, objects inside the rows or text is one
+    line naming it (``tools/forecast.py`` exits 2), never a TypeError traceback."""
+    with pytest.raises(DataError, match=r"^request\.series: ") as info:
+        check_series(values, "request.series")
+    assert "\n" not in str(info.value)
 
 
 def test_unknown_and_missing_files(tmp_path):

@@ -170,6 +170,25 @@ def test_forecast_and_text_losses_fall_in_the_trainer(tmp_path):
         answer(trained, {"instruction": "predict 4 steps ahead", "path": "x.csv"})
 
 
+@pytest.mark.parametrize("extra, needle", [
+    ({"sample_rate": "abc"}, "request.sample_rate"),
+    ({"sample_rate": -4}, "request.sample_rate"),
+    ({"sample_rate": float("nan")}, "request.sample_rate"),
+    ({"sample_rate": True}, "request.sample_rate"),
+    ({"path": 5}, "request.path"),
+])
+def test_forecast_request_fields_of_the_wrong_kind_are_one_line(extra, needle):
+    """tools/forecast.py exits 2 with one line on these (a TypeError traceback before, or a
+    negative rate answered with "needs the series' sampling rate; give it"); checked before the
+    model is touched, so no trained run is needed here."""
+    from tools.forecast import answer
+
+    request = {"instruction": "forecast the next two seconds", "series": [1.0, 2.0, 3.0, 4.0], **extra}
+    with pytest.raises(ValueError, match=needle) as info:
+        answer(None, request, allow_files=True)
+    assert "\n" not in str(info.value)
+
+
 def _forecast_rank(rank: int, world: int, recipe_path: str, run_dir: str, overrides: list) -> None:
     from megatron_s2.config.recipe import load_recipe
     from megatron_s2.training.forecast_trainer import ForecastTrainer

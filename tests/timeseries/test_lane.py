@@ -186,3 +186,18 @@ def test_a_text_checkpoint_continues_with_a_fresh_encoder(tmp_path):
     trainer = Trainer(series, tmp_path / "run", log=lambda *a, **k: lines.append(" ".join(map(str, a))))
     assert trainer.restore()
     assert any("start from their initialisation" in line and "timeseries." in line for line in lines)
+
+
+def test_run_checks_read_local_series_files_not_token_indexes(tmp_path):
+    """``data.kind: timeseries`` with ``data.paths``: the start-up data check reads the series
+    files (a good .csv passes; a NaN one is refused naming the file) instead of demanding a
+    ``.idx`` token index beside each, which refused every local series file."""
+    from megatron_s2.training.run_checks import check_data
+
+    good, bad = tmp_path / "good.csv", tmp_path / "bad.csv"
+    good.write_text("a,b\n" + "".join(f"{i % 7},{i % 5}\n" for i in range(200)))
+    bad.write_text("a,b\n1,2\nnan,3\n" + "".join(f"{i},{i}\n" for i in range(50)))
+    check_data(lane_recipe(tmp_path, [f"data.paths=[{good}]"]), tokenizer=None)
+    with pytest.raises(ConfigError, match=r"^data\.paths: .*bad\.csv: 1 of .* NaN") as err:
+        check_data(lane_recipe(tmp_path, [f"data.paths=[{good},{bad}]"]), tokenizer=None)
+    assert "\n" not in str(err.value)
