@@ -128,9 +128,12 @@ class Capture:
             return out
 
         with store.lock:
-            at = 0
-            for node_id in plan.path:  # reused nodes: routing this call recorded where they had none
-                size = len(store.tree(group).nodes[node_id].token_ids)
+            # reused nodes: routing this call recorded where they had none. Walk the tree as it is
+            # now, not plan.path: a call of the group recorded since the plan may have split a
+            # node on it, which spells the same tokens through one more node (shifted offsets)
+            at, tree = 0, store.tree(group)
+            for node_id in tree.path(plan.parent):
+                size = len(tree.nodes[node_id].token_ids)
                 if rows is not None:
                     store.fill_experts(group, node_id, experts(at, size))
                 at += size
