@@ -679,3 +679,54 @@ def test_a_split_between_a_calls_plan_and_record_keeps_its_routing_rows_in_place
     routed = ra.routed_experts.numpy()
     assert [p for p in range(fed) if not np.array_equal(sample.experts[p], routed[p])] == []
     assert (sample.experts[fed:] == -1).all()  # only the last sampled token was never fed
+
+
+def test_a_split_while_a_call_is_planned_does_not_drop_prompt_tokens(server, tok, tmp_path):
+    """Another call of the group records (and splits a node on this call's matched path) right
+    after the match, on its own thread: the prompt must still hold every stored id of the path.
+    Before the fix the plan read the nodes' ids after the split, so the split-off front was lost."""
+    import threading
+
+    from megatron_s2.inference.sampling import SamplingParams
+    from megatron_s2.serve.fields import Fields
+    from megatron_s2.serve.gateway.conversation import Turn, assistant_message
+    from megatron_s2.serve.gateway.tito import Capture
+
+    engine, store = server.state.backend.engine, TraceStore(tmp_path)
+    capture = Capture(store)
+
+    def turn(messages):
+        return Turn("chat", messages, None, Fields({}), ("max_tokens",), False, "messages")
+
+    def run(p):
+        return engine.submit(p.ids, SamplingParams(max_tokens=3, seed=0, ignore_eos=True, record_routing=True)).result()
+
+    def record(messages, p, result):
+        capture.record(tok, turn(messages), p, assistant_message(tok.decode(result.token_ids), "", []), result,
+                       "length")
+
+    task = "You are an agent. Sort the list [3, 1, 2] and then"
+    first = [{"role": "user", "content": task + " report the result."}]
+    p0 = capture.plan(tok, turn(first), "plan@0", lambda text: None)
+    r0 = run(p0)
+    record(first, p0, r0)
+    other = [{"role": "user", "content": task + " explain each step."}]
+    pb = capture.plan(tok, turn(other), "plan@1", lambda text: None)
+    rb = run(pb)
+    b = threading.Thread(target=record, args=(other, pb, rb))
+    matched = store.longest_prefix
+
+    def longest_prefix(*args, **kwargs):  # B records from another thread just after A's match
+        out = matched(*args, **kwargs)
+        if not b.is_alive() and b.ident is None:
+            b.start()
+            b.join(timeout=2.0)  # a plan holding the store's lock makes B wait for it instead
+        return out
+
+    store.longest_prefix = longest_prefix
+    second = first + [assistant_message(tok.decode(r0.token_ids), "", []), {"role": "user", "content": "Next."}]
+    pa = capture.plan(tok, turn(second), "plan@0", lambda text: None)
+    b.join()
+    stored = p0.ids + r0.token_ids
+    assert pa.ids[:len(stored)] == stored
+    assert len(store.tree("plan").roots) == 1 and store.tree("plan").nodes[pb.cut[0]].parent != -1  # B did split
