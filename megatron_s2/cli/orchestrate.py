@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from megatron_s2.config.recipe import load_recipe
 from megatron_s2.config.schema import ConfigError
@@ -38,8 +39,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"rl.mode: {args.recipe} is not a disaggregated RL phase (phase.kind: rl, rl.mode: "
                           "disaggregated); the co-located mode needs no orchestrator process")
     from megatron_s2.posttrain.disaggregated.orchestrator_role import run_orchestrator
+    from megatron_s2.posttrain.disaggregated.served_backend import ServerUnavailable
 
-    return run_orchestrator(recipe, servers, log=lambda m: print(m, flush=True))
+    try:
+        return run_orchestrator(recipe, servers, log=lambda m: print(m, flush=True))
+    except ServerUnavailable as exc:  # the servers, not the recipe: one line, exit 1 (the trainer is told too)
+        print(f"megatron-s2 orchestrate: {exc}", file=sys.stderr)
+        return ServerUnavailable.exit_code
 
 
 def server_urls(text: str) -> list[str]:

@@ -229,3 +229,27 @@ def test_orchestrate_refuses_bad_server_urls_before_it_starts(servers, needle, t
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "--servers" in err and needle in err, err
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_orchestrate_with_servers_that_never_answer_says_which_and_exits_1(tmp_path, capsys):
+    """Well-formed ``--servers`` URLs where nothing listens: after ``server_wait_s`` one line naming
+    the servers that never answered and what to do (an infrastructure failure: exit code 1), not
+    a ``ServerUnavailable`` traceback."""
+    import socket
+
+    from megatron_s2.cli import main
+
+    ports = []
+    for _ in range(2):  # ports that were free a moment ago: nothing answers there
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    rc = main(["orchestrate", RL, "rl.mode=disaggregated", "rl.disaggregated.max_async_level=1",
+               "rl.rollout.max_staleness=1", "rl.eval.interval=0", "rl.eval.at_start=false",
+               "rl.disaggregated.server_wait_s=0.5", *QUIET, "--run-dir", str(tmp_path / "run"),
+               "--servers", ",".join(urls)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and len(err.splitlines()) == 1, err
+    assert all(u in err for u in urls) and "never answered" in err and "server_wait_s" in err, err
+    assert "Traceback" not in err and "configuration error" not in err

@@ -631,3 +631,102 @@ def test_responses_structured_output_is_refused_not_ignored():
         responses_turn(Fields({"input": "x", "text": "json"}))
     assert responses_turn(Fields({"input": "x", "text": {"format": {"type": "text"}}})).messages
     assert responses_turn(Fields({"input": "x", "text": {"verbosity": "low"}})).messages
+
+
+def test_a_split_between_a_calls_plan_and_record_keeps_its_routing_rows_in_place(server, tok, tmp_path):
+    """R3 under concurrent calls of one group: call A is planned, call B splits a context node on
+    A's path (B shares only its first part) and is recorded, then A is recorded. Every position of
+    A's branch must hold the experts the engine routed for that token; before the fix A filled its
+    reused nodes at the offsets of its planned path, which the split had shifted."""
+    from megatron_s2.inference.sampling import SamplingParams
+    from megatron_s2.serve.fields import Fields
+    from megatron_s2.serve.gateway.conversation import Turn, assistant_message
+    from megatron_s2.serve.gateway.tito import Capture
+
+    engine, capture = server.state.backend.engine, Capture(TraceStore(tmp_path))
+
+    def turn(messages):
+        return Turn("chat", messages, None, Fields({}), ("max_tokens",), False, "messages")
+
+    def plan(messages, session):
+        return capture.plan(tok, turn(messages), session, lambda text: None)
+
+    def run(p):
+        params = SamplingParams(max_tokens=4, seed=0, ignore_eos=True, record_routing=True)
+        return engine.submit(p.ids, params).result()
+
+    def record(messages, p, result):
+        message = assistant_message(tok.decode(result.token_ids), "", [])
+        return capture.record(tok, turn(messages), p, message, result, "length")
+
+    task = "You are an agent. Sort the list [3, 1, 2] and then"
+    first = [{"role": "user", "content": task + " report the result."}]
+    p0 = plan(first, "race@0")
+    r0 = run(p0)
+    record(first, p0, r0)
+    second = first + [assistant_message(tok.decode(r0.token_ids), "", []), {"role": "user", "content": "Next."}]
+    pa = plan(second, "race@0")  # A: reuses the first prompt's context node and response
+    ra = run(pa)
+    other = [{"role": "user", "content": task + " explain each step."}]
+    pb = plan(other, "race@1")
+    assert pb.cut is not None and pb.cut[0] == pa.path[0]  # B shares only the front of A's first node
+    record(other, pb, run(pb))
+    record(second, pa, ra)
+
+    (sample,) = [s for s in read_samples(tmp_path, ["race"]) if s.session == "race@0"]
+    fed = len(ra.prompt_token_ids) + len(ra.token_ids) - 1
+    assert list(sample.token_ids) == pa.ids + ra.token_ids
+    routed = ra.routed_experts.numpy()
+    assert [p for p in range(fed) if not np.array_equal(sample.experts[p], routed[p])] == []
+    assert (sample.experts[fed:] == -1).all()  # only the last sampled token was never fed
+
+
+def test_a_split_while_a_call_is_planned_does_not_drop_prompt_tokens(server, tok, tmp_path):
+    """Another call of the group records (and splits a node on this call's matched path) right
+    after the match, on its own thread: the prompt must still hold every stored id of the path.
+    Before the fix the plan read the nodes' ids after the split, so the split-off front was lost."""
+    import threading
+
+    from megatron_s2.inference.sampling import SamplingParams
+    from megatron_s2.serve.fields import Fields
+    from megatron_s2.serve.gateway.conversation import Turn, assistant_message
+    from megatron_s2.serve.gateway.tito import Capture
+
+    engine, store = server.state.backend.engine, TraceStore(tmp_path)
+    capture = Capture(store)
+
+    def turn(messages):
+        return Turn("chat", messages, None, Fields({}), ("max_tokens",), False, "messages")
+
+    def run(p):
+        return engine.submit(p.ids, SamplingParams(max_tokens=3, seed=0, ignore_eos=True, record_routing=True)).result()
+
+    def record(messages, p, result):
+        capture.record(tok, turn(messages), p, assistant_message(tok.decode(result.token_ids), "", []), result,
+                       "length")
+
+    task = "You are an agent. Sort the list [3, 1, 2] and then"
+    first = [{"role": "user", "content": task + " report the result."}]
+    p0 = capture.plan(tok, turn(first), "plan@0", lambda text: None)
+    r0 = run(p0)
+    record(first, p0, r0)
+    other = [{"role": "user", "content": task + " explain each step."}]
+    pb = capture.plan(tok, turn(other), "plan@1", lambda text: None)
+    rb = run(pb)
+    b = threading.Thread(target=record, args=(other, pb, rb))
+    matched = store.longest_prefix
+
+    def longest_prefix(*args, **kwargs):  # B records from another thread just after A's match
+        out = matched(*args, **kwargs)
+        if not b.is_alive() and b.ident is None:
+            b.start()
+            b.join(timeout=2.0)  # a plan holding the store's lock makes B wait for it instead
+        return out
+
+    store.longest_prefix = longest_prefix
+    second = first + [assistant_message(tok.decode(r0.token_ids), "", []), {"role": "user", "content": "Next."}]
+    pa = capture.plan(tok, turn(second), "plan@0", lambda text: None)
+    b.join()
+    stored = p0.ids + r0.token_ids
+    assert pa.ids[:len(stored)] == stored
+    assert len(store.tree("plan").roots) == 1 and store.tree("plan").nodes[pb.cut[0]].parent != -1  # B did split

@@ -49,7 +49,10 @@ _RETRY_DEAD_S = 1.0
 
 
 class ServerUnavailable(RuntimeError):
-    """No inference server answered for longer than the configured wait."""
+    """No inference server answered for longer than the configured wait: an infrastructure
+    failure stated in one line (``megatron-s2 orchestrate`` exits with code 1, no traceback)."""
+
+    exit_code = 1
 
 
 @dataclass
@@ -72,6 +75,8 @@ class _Server:
     down_since: float = 0.0
     version: int = 0
     failures: int = 0
+    answered: bool = False
+    """It answered at least once (a server that never did is likely not started or a wrong URL)."""
 
 
 @dataclass(order=True)
@@ -199,6 +204,7 @@ class ServedRolloutBackend:
         except Exception as exc:  # noqa: BLE001 - a dead server is re-loaded when it comes back
             self._mark_dead(server, f"update_weights failed ({type(exc).__name__})")
             return
+        server.answered = True
         if r.status_code >= 500:
             self._mark_dead(server, f"update_weights answered {r.status_code}")
         elif r.status_code == 409:  # it serves a newer version already (another orchestrator's update)
@@ -221,7 +227,9 @@ class ServedRolloutBackend:
         """Probe a dead server; once it answers, give it the current weights and calls again."""
         server.down_since = time.monotonic()
         try:
-            if self._http.get(f"{server.url}/health", timeout=1.0).status_code != 200:
+            health = self._http.get(f"{server.url}/health", timeout=1.0)
+            server.answered = True
+            if health.status_code != 200:
                 return
             version = self._version
             if version != server.version or server.failures:
@@ -249,9 +257,16 @@ class ServedRolloutBackend:
                     server.open_calls += 1
                     return server
             if time.monotonic() > deadline:
-                raise ServerUnavailable(f"no inference server answered for {self.server_wait_s:.0f} s "
-                                        f"({', '.join(s.url for s in self.servers)}); see their logs")
+                raise ServerUnavailable(self._unavailable())
             time.sleep(0.2)
+
+    def _unavailable(self) -> str:
+        never = [s.url for s in self.servers if not s.answered]
+        gone = [s.url for s in self.servers if s.answered]
+        which = "; ".join([*([f"{', '.join(never)} never answered"] if never else []),
+                           *([f"{', '.join(gone)} stopped answering (see their logs)"] if gone else [])])
+        return (f"no inference server answered for {self.server_wait_s:g} s: {which}; start the servers "
+                "(megatron-s2 serve), check --servers, or raise rl.disaggregated.server_wait_s")
 
     def _generate(self, prompt: list[int], params: dict) -> dict:
         """One model call, re-routed until a server answers it."""
@@ -273,6 +288,8 @@ class ServedRolloutBackend:
             finally:
                 with self._lock:
                     server.open_calls -= 1
+            if r is not None:
+                server.answered = True
             if r is not None and r.status_code == 200:
                 with self._lock:
                     self.stats.calls += 1

@@ -77,14 +77,17 @@ class Capture:
         tokenised (a delta that cannot fit the context is refused without tokenising it)."""
         text = render_prompt(tokenizer, turn)
         group = group_of(session)
-        path, matched = self.store.longest_prefix(group, text)
-        tree = self.store.tree(group)
-        reused = [t for node in path for t in tree.nodes[node].token_ids]
-        cut = self._cut(tokenizer, group, path[-1] if path else ROOT, text, matched)
-        if cut is not None:
-            node, tokens, chars = cut
-            reused += tree.nodes[node].token_ids[:tokens]
-            matched += chars
+        # match and read the matched nodes' ids as one step: a call of the group recorded in
+        # between may split a node on the path, which would then hold only its back part
+        with self.store.lock:
+            path, matched = self.store.longest_prefix(group, text)
+            tree = self.store.tree(group)
+            reused = [t for node in path for t in tree.nodes[node].token_ids]
+            cut = self._cut(tokenizer, group, path[-1] if path else ROOT, text, matched)
+            if cut is not None:
+                node, tokens, chars = cut
+                reused += tree.nodes[node].token_ids[:tokens]
+                matched += chars
         delta = text[matched:]
         refuse_overlong(delta)
         delta_ids = tokenizer.encode(delta) if delta else []
@@ -128,9 +131,12 @@ class Capture:
             return out
 
         with store.lock:
-            at = 0
-            for node_id in plan.path:  # reused nodes: routing this call recorded where they had none
-                size = len(store.tree(group).nodes[node_id].token_ids)
+            # reused nodes: routing this call recorded where they had none. Walk the tree as it is
+            # now, not plan.path: a call of the group recorded since the plan may have split a
+            # node on it, which spells the same tokens through one more node (shifted offsets)
+            at, tree = 0, store.tree(group)
+            for node_id in tree.path(plan.parent):
+                size = len(tree.nodes[node_id].token_ids)
                 if rows is not None:
                     store.fill_experts(group, node_id, experts(at, size))
                 at += size
