@@ -57,6 +57,10 @@ def serve_command(args: argparse.Namespace) -> int:
         model, tokenizer, description = load_model(args.checkpoint, args.device)
         state = build_state(model, tokenizer, description, config, engine_config, model_name=args.checkpoint)
         host, port = sock.getsockname()[:2]
+        # Listen before saying so: uvicorn calls listen() only once its loop has started, and a client
+        # that connects on the line below would be refused in between; queued in the backlog, it is
+        # answered as soon as uvicorn accepts (a slow start under load made that window seconds long).
+        sock.listen(2048)
         print(f"megatron-s2 serve: {description}", file=sys.stderr)
         print(f"megatron-s2 serve: listening on http://{config.host}:{port} (model '{state.model_name}', "
               f"max_model_len {engine_config.max_model_len})", file=sys.stderr, flush=True)
