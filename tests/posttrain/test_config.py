@@ -88,7 +88,7 @@ def test_opd_round_trip_and_teacher_lookup():
     ({"advantage": {"gepo": {"h_lo": 1.0}}}, r"unknown key 'rl\.advantage\.gepo\.h_lo'; did you mean 'h_low'"),
     # rl.mode: disaggregated (issue 25)
     ({"mode": "disaggregated", "eval": {"at_start": False}}, r"rl\.rollout\.max_staleness: .*set max_staleness: 1"),
-    ({"mode": "disaggregated", "rollout": {"max_staleness": 1}}, r"rl\.eval: .*set eval\.interval: 0"),
+    ({"mode": "disaggregated", "rollout": {"max_staleness": 1}}, r"rl\.eval: .*set rl\.eval\.interval: 0"),
     ({"mode": "disaggregated", "disaggregated": {"max_async_level": -1}},
      r"rl\.disaggregated\.max_async_level: must be >= 0"),
     ({"mode": "disaggregated", "disaggregated": {"num_servers": 0}}, r"rl\.disaggregated\.num_servers"),

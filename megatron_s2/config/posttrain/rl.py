@@ -99,7 +99,7 @@ class RLConfig:
                               "mode: colocated for them (disaggregated mode plays the embedded task environments)")
         if self.eval.interval or self.eval.at_start:
             raise ConfigError("rl.eval: held-out evaluation runs on the co-located engine, which disaggregated mode "
-                              "has not; set eval.interval: 0 and eval.at_start: false (rollout_accuracy in "
+                              "has not; set rl.eval.interval: 0 and rl.eval.at_start: false (rollout_accuracy in "
                               "metrics.jsonl is the policy's own accuracy)")
         if self.reference_checkpoint or self.loss.has_term("reference_kl"):
             raise ConfigError("rl.loss.terms: a reference_kl term is not supported in disaggregated mode yet; "
