@@ -75,9 +75,10 @@ async def collect(gen: Generation, tags: list[int], prompts: list[list[int]], n:
     return done
 
 
-def event_stream(gen: Generation, chunks) -> StreamingResponse:
-    """Server-sent events from ``chunks``; an engine error becomes an error event, a client that
-    left ends the stream, and a cancelled stream frees its engine requests."""
+def event_stream(gen: Generation, chunks, error_event=None) -> StreamingResponse:
+    """Server-sent events from ``chunks``; an engine error becomes an error event (OpenAI's error
+    object and ``[DONE]``, or ``error_event(exc)`` for protocols that name their events), a client
+    that left ends the stream, and a cancelled stream frees its engine requests."""
 
     async def events():
         try:
@@ -86,8 +87,7 @@ def event_stream(gen: Generation, chunks) -> StreamingResponse:
         except ClientDisconnected:
             return
         except HTTPError as exc:
-            yield sse(exc.body())
-            yield SSE_DONE
+            yield error_event(exc) if error_event is not None else sse(exc.body()) + SSE_DONE
         finally:
             gen.abort()
 

@@ -18,9 +18,8 @@ from fastapi.responses import JSONResponse
 from megatron_s2.serve.errors import BadRequest
 from megatron_s2.serve.fields import Fields, shown
 from megatron_s2.serve.gateway.conversation import Turn, function_tool, text_of, tool_call_entry
-from megatron_s2.serve.gateway.streaming import sse_response
 from megatron_s2.serve.gateway.tool_format import TextDelta
-from megatron_s2.serve.responses import usage
+from megatron_s2.serve.responses import event_stream, usage
 from megatron_s2.serve.state import SSE_DONE, new_id, sse
 
 __all__ = ["chat_turn", "chat_answer"]
@@ -121,4 +120,4 @@ async def chat_answer(state, running, f: Fields):
             yield sse({**chunk, "choices": [], "usage": usage(out.prompt_tokens, out.output_tokens)})
         yield SSE_DONE
 
-    return sse_response(running.gen, events(), lambda exc: sse(exc.body()) + SSE_DONE)
+    return event_stream(running.gen, events())

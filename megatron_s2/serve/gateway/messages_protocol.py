@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse
 from megatron_s2.serve.errors import BadRequest, HTTPError
 from megatron_s2.serve.fields import Fields, shown
 from megatron_s2.serve.gateway.conversation import Turn, function_tool, text_of, tool_call_entry
-from megatron_s2.serve.gateway.streaming import named_event, sse_response
+from megatron_s2.serve.gateway.streaming import named_event
+from megatron_s2.serve.responses import event_stream
 from megatron_s2.serve.gateway.tool_format import TextDelta
 from megatron_s2.serve.state import new_id
 
@@ -177,4 +178,4 @@ async def messages_answer(state, running, f: Fields):
     def error_event(exc: HTTPError) -> str:
         return named_event("error", anthropic_error(int(exc.status), exc.message))
 
-    return sse_response(running.gen, events(), error_event)
+    return event_stream(running.gen, events(), error_event)

@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse
 from megatron_s2.serve.errors import BadRequest
 from megatron_s2.serve.fields import Fields, shown
 from megatron_s2.serve.gateway.conversation import Turn, function_tool, text_of, tool_call_entry
-from megatron_s2.serve.gateway.streaming import named_event, sse_response
+from megatron_s2.serve.gateway.streaming import named_event
+from megatron_s2.serve.responses import event_stream
 from megatron_s2.serve.gateway.tool_format import TextDelta
 from megatron_s2.serve.state import new_id
 
@@ -251,4 +252,4 @@ async def responses_answer(state, running, f: Fields):
         return named_event("error", {"type": "error", "code": str(body["code"]), "message": body["message"],
                                      "param": body["param"], "sequence_number": 0})
 
-    return sse_response(running.gen, events(), error_event)
+    return event_stream(running.gen, events(), error_event)
