@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("launch", help="run a recipe locally or on SLURM",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="recipe YAML, or a pipeline YAML with a phases: list")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="recipe overrides (every phase)")
+    p.add_argument("overrides", nargs="*", metavar="[PHASE:]section.key=value",
+                   help="recipe overrides; in a pipeline file they reach every phase, or only PHASE when prefixed")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--local", action="store_true", help="one process per rank on this machine")
     where.add_argument("--slurm", action="store_true", help="write an sbatch script and submit it")

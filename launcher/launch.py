@@ -95,6 +95,10 @@ def prepare_runs(path: str, overrides: list[str], launcher_flags: dict, run_dir:
                  local: bool) -> list[PreparedRun]:
     """Resolve and pre-flight a recipe, or every phase of a pipeline file, in order."""
     if not is_pipeline_file(path):
+        scoped = [o for o in overrides if _phase_of(o)]
+        if scoped:
+            raise ConfigError(f"{scoped[0]}: 'PHASE:section.key=value' scopes an override to one phase of a pipeline "
+                              f"file; {path} is a single recipe, so drop the 'PHASE:' prefix")
         recipe = load_recipe(path, overrides)
         recipe = recipe.replace(launcher=apply_launcher_flags(recipe.launcher, launcher_flags))
         target = Path(os.path.abspath(run_dir or recipe.training.run_dir))
@@ -108,13 +112,14 @@ def prepare_runs(path: str, overrides: list[str], launcher_flags: dict, run_dir:
     if moved:
         raise ConfigError(f"training.run_dir: a pipeline puts each phase in <run_dir>/<phase name>; give the parent "
                           f"directory as --run-dir instead of the override {moved[0]!r}")
+    scoped = phase_overrides(overrides, [entry.name for entry in pipeline.phases])
     runs: list[PreparedRun] = []
     phase_dirs: dict[str, str] = {}
     for index, entry in enumerate(pipeline.phases):
         try:
-            recipe = load_recipe(entry.recipe, [*entry.overrides, *overrides], phase_dirs=phase_dirs)
+            recipe = load_recipe(entry.recipe, [*entry.overrides, *scoped[entry.name]], phase_dirs=phase_dirs)
         except ConfigError as exc:
-            # command-line overrides reach every phase: say which phase refused them
+            # unscoped command-line overrides reach every phase: say which phase refused them
             raise ConfigError(f"phase {entry.name}: {exc}") from None
         recipe = recipe.replace(launcher=apply_launcher_flags(recipe.launcher, launcher_flags))
         if pipeline.chained(index):
@@ -126,6 +131,31 @@ def prepare_runs(path: str, overrides: list[str], launcher_flags: dict, run_dir:
                              pending=tuple(phase_dirs.values())))
         phase_dirs[entry.name] = str(target)
     return runs
+
+
+def _phase_of(override: str) -> str | None:
+    """``rl:rl.rollout.batch_size=8`` -> ``rl``; ``None`` for an override of every phase. Only the
+    key side is looked at: values may hold colons (URLs, ``${phase:sft}`` references)."""
+    key = override.split("=", 1)[0]
+    return key.split(":", 1)[0].strip() if ":" in key else None
+
+
+def phase_overrides(overrides: list[str], phases: list[str]) -> dict[str, list[str]]:
+    """The command-line overrides each phase of a pipeline gets, in order: ``section.key=value``
+    reaches every phase, ``PHASE:section.key=value`` only the phase named ``PHASE`` (an
+    ``rl.*`` override would fail the SFT phase's check, and a batch shrunk for the RL phase must
+    not shrink the SFT one)."""
+    out: dict[str, list[str]] = {name: [] for name in phases}
+    for override in overrides:
+        phase = _phase_of(override)
+        if phase is None:
+            for name in phases:
+                out[name].append(override)
+        elif phase in out:
+            out[phase].append(override.split(":", 1)[1].strip())
+        else:
+            raise ConfigError(f"{override}: no phase named '{phase}' in this pipeline (phases: {', '.join(phases)})")
+    return out
 
 
 def _write_job_dir(run: PreparedRun, mode: str) -> JobDir:

@@ -138,6 +138,26 @@ def test_pipeline_overrides_name_the_phase_that_refuses_them_and_run_dir_is_a_fl
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
+def test_a_phase_prefix_scopes_a_command_line_override_to_that_phase(tmp_path, capsys):
+    """``PHASE:section.key=value`` reaches one phase (an RL batch shrunk from the command line must
+    not reach the SFT phase, where an ``rl.*`` key fails its check); unknown phases and a prefix on a
+    single recipe are one-line errors naming the override."""
+    path = two_phases(tmp_path)
+    pretrain, sft = prepare_runs(path, ["sft:training.train_steps=3", "training.seed=5",
+                                        "pretrain:logging.log_interval=2"], {}, None, local=False)
+    assert (pretrain.recipe.training.train_steps, sft.recipe.training.train_steps) == (4, 3)
+    assert pretrain.recipe.logging.log_interval == 2
+    assert sft.recipe.logging.log_interval == load_recipe(RECIPE).logging.log_interval
+    assert pretrain.recipe.training.seed == sft.recipe.training.seed == 5
+    with pytest.raises(ConfigError, match=r"^rl:training\.seed=1: no phase named 'rl' in this pipeline "
+                                          r"\(phases: pretrain, sft\)"):
+        prepare_runs(path, ["rl:training.seed=1"], {}, None, local=False)
+    with pytest.raises(ConfigError, match=r"^sft:training\.seed=1: .*single recipe, so drop the 'PHASE:' prefix"):
+        prepare_runs(str(RECIPE), ["sft:training.seed=1"], {}, None, local=False)
+    assert main(["launch", path, "--local", "--dry-run", "rl:training.seed=1"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
 def test_the_first_phase_may_say_from_previous_false(tmp_path):
     path = write_pipeline(tmp_path, [{"name": "a", "recipe": str(RECIPE), "from_previous": False},
                                      {"name": "b", "recipe": str(RECIPE)}], run_dir=str(tmp_path / "runs"))
