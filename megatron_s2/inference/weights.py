@@ -20,7 +20,8 @@ from megatron_s2.config.model_schema import ModelSchema
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.parallel.sharding import shard_spec, slice_of
 
-__all__ = ["LoadedCheckpoint", "read_checkpoint", "load_weights_into", "load_tokenizer", "load_model"]
+__all__ = ["LoadedCheckpoint", "read_checkpoint", "load_weights_into", "load_tokenizer", "load_model",
+           "check_same_architecture"]
 
 
 @dataclass
@@ -109,6 +110,45 @@ def _check_same_model(mine: ModelSchema, theirs: ModelSchema, where: str) -> Non
     if a != b:
         diff = [k for k in a.__dataclass_fields__ if getattr(a, k) != getattr(b, k)]
         raise ConfigError(f"checkpoint: {where} is a different model (fields {diff[:4]} differ)")
+
+
+def check_same_architecture(mine: ModelSchema, theirs: ModelSchema, where: str) -> None:
+    """Refuse weights of another architecture even when every tensor shape fits.
+
+    Compared: the family's released-format description of the model (its Hugging Face
+    ``config.json`` without our own block and dtype) — layer modes, windows, top-k, rope, expert
+    routing, norms. Training-only fields (initialisation, loss coefficients, bias-update rate,
+    precision) may differ: an RL phase legitimately overrides them over the checkpoint it starts
+    from, and the weights it publishes still belong to the served model."""
+    from megatron_s2.models.family import family_of
+    from megatron_s2.models.family.hf import BLOCK_KEY
+
+    if mine.family != theirs.family:
+        raise ConfigError(f"checkpoint: {where} is a '{theirs.family}' model; this one is '{mine.family}'")
+    hf = family_of(mine).hf
+
+    def described(cfg: ModelSchema) -> dict:
+        out = hf.config_to_hf(cfg, "float32")
+        for key in (BLOCK_KEY, "torch_dtype", "dtype"):
+            out.pop(key, None)
+        return _flat(out)
+
+    a, b = described(mine), described(theirs)
+    diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    if diff:
+        shown = ", ".join(f"{k}: {b.get(k)!r} (served {a.get(k)!r})" for k in diff[:3])
+        more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
+        raise ConfigError(f"checkpoint: {where} is another architecture ({shown}{more})")
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def load_tokenizer(directory: Path):

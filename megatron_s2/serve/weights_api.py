@@ -11,7 +11,10 @@ then copied into the engine's model as a driver side task — *between two engin
 forward ever sees half the new weights — and the engine's policy version becomes ``version``.
 Requests in flight keep their KV and continue under the new weights (partial rollout): every
 token carries the version that produced it (``policy_versions`` of ``/inference/v1/generate``).
-A version older than the served one is refused (409), one equal to it is a no-op; answers
+Weights of another architecture are refused (400) even when every tensor shape fits
+(:func:`~megatron_s2.inference.weights.check_same_architecture`: the family's released-format
+description must match; training-only fields may differ). A version older than the served one
+is refused (409), one equal to it is a no-op; answers
 ``{"policy_version", "path", "load_s", "swap_s"}``.
 """
 
@@ -32,7 +35,7 @@ __all__ = ["update_weights"]
 
 
 async def update_weights(state: ServerState, request):
-    from megatron_s2.inference.weights import read_checkpoint
+    from megatron_s2.inference.weights import check_same_architecture, read_checkpoint
 
     f = Fields(await read_json_object(request, state.config.max_body_bytes))
     path = f.str("path")
@@ -52,6 +55,7 @@ async def update_weights(state: ServerState, request):
         t0 = time.perf_counter()
         try:  # reading and checking the files happens on a worker thread: other clients go on
             loaded = await asyncio.to_thread(read_checkpoint, path)
+            check_same_architecture(engine.model.config, loaded.model_config, path)
         except ConfigError as exc:
             raise BadRequest(f"path: {exc}", param="path") from None
         t1 = time.perf_counter()

@@ -96,3 +96,37 @@ def test_a_checkpoint_that_does_not_fit_leaves_the_served_weights_untouched(run_
         assert _logprobs(after) == _logprobs(before)
     finally:
         server.stop()
+
+
+def test_weights_of_another_architecture_are_refused_even_when_every_shape_fits(run_dir, tmp_path):
+    """Same tensor shapes, another model: a different sliding window or routing top-k changes what
+    the weights compute, so the server refuses them by name and keeps serving its own; a field
+    only training reads (the router bias update rate, the init scale) is no reason to refuse."""
+    from dataclasses import replace
+
+    from megatron_s2.checkpoint.hf.checkpoint_io import read_full_state, write_full_state
+
+    model = load_model(str(run_dir), "cpu")
+    full = read_full_state(run_dir)
+    cfg = full.recipe.model
+    other = write_full_state(full.state, replace(full.recipe, model=replace(cfg, window_size=cfg.window_size * 2,
+                                                                            moe_topk=cfg.moe_topk + 1)),
+                             tmp_path / "other", step=7)
+    retrained = write_full_state(full.state, replace(full.recipe, model=replace(
+        cfg, moe_bias_update_rate=cfg.moe_bias_update_rate * 3, init_std=cfg.init_std / 2)), tmp_path / "rl", step=8)
+    server = start_server(model)
+    try:
+        before = _generate(server.url)
+        r = httpx.post(f"{server.url}/update_weights", json={"path": str(other), "version": 5}, timeout=120)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "path", r.text
+        assert "another architecture" in error["message"] and "sliding_window" in error["message"]
+        assert "num_experts_per_tok" in error["message"]
+        after = _generate(server.url)
+        assert after["policy_versions"] == [0] * 8 and _logprobs(after) == _logprobs(before)
+        r = httpx.post(f"{server.url}/update_weights", json={"path": str(retrained), "version": 6}, timeout=120)
+        assert r.status_code == 200 and r.json()["policy_version"] == 6, r.text
+        again = _generate(server.url)
+        assert again["policy_versions"] == [6] * 8 and again["token_ids"] == before["token_ids"]
+    finally:
+        server.stop()
