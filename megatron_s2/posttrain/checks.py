@@ -15,7 +15,10 @@ model is built (``megatron-s2 train``):
    exist and hold a checkpoint — or lie in the run directory of an earlier phase of the pipeline;
 4. every prompt of the embedded-task environments fits the engine's ``max_model_len`` with room
    to generate;
-5. (trainer only: it needs the drawn prompt sets) evaluation has held-out prompts to play.
+5. every verifiers environment builds from its ``taskset`` / ``eval_taskset`` (the plugin's own
+   validation: unknown fields, types, ranges, ids), and its held-out tasks are not all training
+   tasks (the launch pre-flight builds them);
+6. (trainer only: it needs the drawn prompt sets) evaluation has held-out prompts to play.
 
 Each refusal is one :class:`ConfigError` line naming the recipe key and the fix (exit code 2).
 """
@@ -29,7 +32,7 @@ from megatron_s2.config.posttrain.recipe_checks import environment_key, posttrai
 from megatron_s2.config.schema import ConfigError
 
 __all__ = ["check_registered_names", "check_posttrain_inputs", "check_engine_settings", "check_frozen_checkpoints",
-           "check_prompts", "check_held_out_prompts"]
+           "check_prompts", "check_verifiers_tasksets", "check_held_out_prompts"]
 
 
 def _known(path: str, name: str, registry: dict, what: str) -> None:
@@ -131,6 +134,35 @@ def check_prompts(recipe, tokenizer, environments: Mapping | None = None) -> Non
                 raise ConfigError(_too_long(recipe, kind, key, longest, limit))
 
 
+def check_verifiers_tasksets(recipe, environments: Mapping | None = None) -> None:
+    """Every verifiers environment builds — its ``taskset`` and ``eval_taskset`` are configs its
+    plugin accepts (known fields, values of the right type and range, an id that imports) — and,
+    with evaluation on, its held-out tasks are not all training tasks. ``environments``: the
+    trainer's; without them (launch pre-flight) each verifiers environment is built here, so a
+    careless ``eval_taskset`` is refused before any rank starts, not by the rank."""
+    section, kind = posttrain_section(recipe), recipe.phase.kind
+    rollout = section.rollout
+    evaluating = bool(section.eval.interval or section.eval.at_start)
+    for name in rollout.dataset_names():
+        config, key = rollout.environment_of(name), environment_key(kind, rollout, name)
+        if config.kind != "verifiers":
+            continue
+        env = (environments or {}).get(name)
+        if env is None:
+            from megatron_s2.posttrain.envs import build_environment
+
+            env = build_environment(name, config, None, what=key)  # its tasks need no tokenizer
+        if evaluating and config.eval_taskset and not env.size("eval"):
+            raise ConfigError(_no_held_out_tasks(kind, [key]))
+
+
+def _no_held_out_tasks(kind: str, environment_keys: Sequence[str]) -> str:
+    keys = ", ".join(dict.fromkeys(f"{key}.eval_taskset" for key in environment_keys))
+    return (f"{keys}: every held-out task's opening chat is also a training task's, so evaluation "
+            "would have nothing to play; select tasks the training taskset does not hold (e.g. split: eval), or "
+            f"set {kind}.eval.interval=0 and {kind}.eval.at_start=false")
+
+
 def check_held_out_prompts(recipe, environments: Mapping) -> None:
     """With evaluation on, some environment has held-out prompts left once those that also occur
     among its training prompts are dropped (a small task space, or a verifiers ``eval_taskset``
@@ -145,10 +177,7 @@ def check_held_out_prompts(recipe, environments: Mapping) -> None:
         return
     off = f"{kind}.eval.interval=0 and {kind}.eval.at_start=false"
     if rollout.uses_verifiers:  # its held-out tasks exist (checked at build), all among the training tasks
-        keys = dict.fromkeys(f"{environment_key(kind, rollout, n)}.eval_taskset" for n in names)
-        raise ConfigError(f"{', '.join(keys)}: every held-out task's opening chat is also a training task's, so "
-                          "evaluation would have nothing to play; select tasks the training taskset does not hold "
-                          f"(e.g. split: eval), or set {off}")
+        raise ConfigError(_no_held_out_tasks(kind, [environment_key(kind, rollout, n) for n in names]))
     keys = dict.fromkeys(f"{environment_key(kind, rollout, n)}.eval_prompts" for n in names)
     raise ConfigError(f"{', '.join(keys)}: every held-out prompt also occurs among the training prompts (the "
                       "task has too few distinct prompts), so evaluation would have nothing to play; lower "
@@ -180,5 +209,6 @@ def check_posttrain_inputs(recipe, tokenizer, *, pending: Sequence[str] = (), en
     check_engine_settings(recipe)
     check_frozen_checkpoints(recipe, pending)
     check_prompts(recipe, tokenizer, environments)
+    check_verifiers_tasksets(recipe, environments)
     if environments is not None:
         check_held_out_prompts(recipe, environments)

@@ -193,6 +193,34 @@ def test_verifiers_evaluation_config_errors_exit_2_with_one_line_before_any_rank
     assert not (tmp_path / "run").exists()  # refused before anything started
 
 
+_EVAL = "rl.rollout.environment.eval_taskset"
+
+
+@pytest.mark.parametrize("value, message", [
+    ("eval", r"expected a mapping, got 'eval'$"),                                   # wrong type
+    ("[split, eval]", r"expected a mapping, got \['split', 'eval'\]$"),
+    ("{splt: eval}", r"verifiers cannot build the environment 'megatron_s2_tasks' \(splt: Extra inputs"),
+    ("{split: eval, count: ten}", r"verifiers cannot build .*\(count: Input should be a valid integer"),
+    ("{split: evaluation}", r"verifiers cannot build .*\(split: Input should be 'train' or 'eval'"),
+    ("{split: eval, count: 0}", r"verifiers cannot build .*\(count: Input should be greater than or equal to 1"),
+    ("{split: eval, count: -5}", r"verifiers cannot build .*\(count: Input should be greater than or equal to 1"),
+    ("{split: train, count: 128}", r"every held-out task's opening chat is also a training task's"),  # not held out
+    ("{count: 64}", r"every held-out task's opening chat is also a training task's"),  # split: train inherited
+    ("{id: no_such_taskset}", r"verifiers cannot build the environment 'no_such_taskset' \("),
+])
+def test_careless_eval_tasksets_are_one_line_config_errors_in_the_launch_pre_flight(value, message, capsys):
+    """What a careless user writes for eval_taskset: before, only the wrong types were refused at
+    launch; the rest started the rank and failed there (unknown fields, a missing id, count 0,
+    a held-out set that is the training set) or ran on (a negative count sliced the split from its
+    end: 512 - 5 tasks). Now each is refused by the pre-flight (`launch --dry-run` runs it too)."""
+    from megatron_s2.cli import main
+
+    code = main(["launch", str(RECIPE), "--local", "--dry-run", f"{_EVAL}={value}"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1, err
+    assert re.search(r"^" + re.escape(_EVAL) + r": " + message, err[0].split("configuration error: ", 1)[1]), err[0]
+
+
 def test_held_out_tasks_that_are_training_tasks_are_dropped_and_none_left_is_refused(tmp_path):
     """An eval_taskset that (partly) selects training tasks: those are not held out and are dropped;
     when none is left the trainer refuses to start (one line naming the field)."""
@@ -229,7 +257,7 @@ def test_verifiers_build_errors_name_the_field_and_a_broken_plugin(tmp_path):
     with a syntax error is a one-line ConfigError naming the file and line, not a traceback."""
     from megatron_s2.config.posttrain.environment import EnvironmentConfig
     from megatron_s2.posttrain.envs.vf_env import VerifiersEnvironment
-    with pytest.raises(ConfigError, match=r"taskset\.bogus_field: Extra inputs") as err:
+    with pytest.raises(ConfigError, match=r"^rollout\.environment\.taskset: .*\(bogus_field: Extra inputs") as err:
         VerifiersEnvironment("d", EnvironmentConfig(kind="verifiers", taskset={"id": "megatron_s2_tasks",
                                                                                "bogus_field": 3}), None)
     assert "\n" not in str(err.value)

@@ -61,7 +61,7 @@ class EnvironmentConfig:
     own): the fields that differ from ``taskset`` — e.g. ``{split: eval, count: 256}``, the embedded
     tasks' held-out prompts — or a whole taskset config with another ``id``. Tasks whose opening
     chat is also a training task's are dropped (held-out = never trained on). Needed when
-    evaluation is on; '' / {} = none."""
+    evaluation is on; {} = none."""
     agent: dict[str, Any] = field(default_factory=dict)
     """verifiers: the agent (``vf.AgentConfig``): ``harness: {id: <plugin id>, ...}`` (default: the
     taskset's harness), ``runtime`` (default ``{type: subprocess}``: on this host), ``max_turns`` ..."""

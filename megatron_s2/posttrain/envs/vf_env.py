@@ -84,7 +84,7 @@ class VerifiersEnvironment(Environment):
             env = vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset=dict(taskset), agent=agent))
             tasks = list(env.taskset)
         except (ImportError, ValueError, TypeError, KeyError, SyntaxError) as exc:
-            first = _first_line(exc)
+            first = _first_line(exc).removeprefix("taskset.")  # `what` already names the taskset
             raise ConfigError(f"{what}: verifiers cannot build the environment {taskset.get('id')!r} ({first}); check "
                               "the taskset id / config, agent and plugin_path") from None
         if not tasks:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
+from pydantic import Field
 from openai import AsyncOpenAI
 
 import verifiers.v1 as vf
@@ -56,9 +57,9 @@ class EmbeddedTasksetConfig(vf.TasksetConfig):
     """Difficulty: addition / multiplication operand digits (the other tasks use their defaults)."""
     split: Literal["train", "eval"] = "eval"
     """'eval': the held-out prompts (never trained on); 'train': the training prompts."""
-    num_prompts: int = 4096
+    num_prompts: int = Field(default=4096, ge=1)
     """Training prompts of the environment (defines what 'held-out' excludes)."""
-    count: int = 16
+    count: int = Field(default=16, ge=1)
     """Tasks in this taskset (the first ``count`` of the split)."""
     seed: int = 0
     """Prompt-generation seed (rollout.environment.seed of the trainer)."""
