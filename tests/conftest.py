@@ -1,5 +1,14 @@
 """Suite-wide set-up that must happen before any test module is imported.
 
+One intra-op thread everywhere: this process and every process a test starts (CLI runs, launches,
+ranks, servers) inherit ``OMP_NUM_THREADS=1``, set before torch (and its OpenMP runtime, which
+reads the variable once when it loads) is imported. The suite's models are tiny and its tests
+often run several processes side by side on 2 cores; a 2-thread OpenMP team then waits at every
+tiny op's barrier for a thread that is not running (8-15x slower modules beside other jobs; the
+``one_thread_children`` docstring has figures), and even alone it burns CPU spinning. Runs compared
+with each other (a single-rank reference and its ranks, an in-process run and a CLI one) thus
+always use the same thread count. A test that needs more sets it itself.
+
 Triton's standard library (``tl.zeros``, ``tl.max`` ...) is decorated when ``triton.language`` is
 first imported, and only then reads ``TRITON_INTERPRET``. Several of our dependencies import
 ``triton.language`` (megatron-core, transformers), so the interpreter switch for the CPU kernel
@@ -8,18 +17,22 @@ tests is set here, before any test module of any directory is collected, unless 
 
 import os
 
-import pytest
-import torch
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch loads (see above)
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # in case a plugin imported torch first
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
 def one_thread():
-    """One intra-op thread for the test (engine/server tests measure nothing and several run
-    processes side by side on 2 cores); restores the previous count. Directories and modules opt
-    in with ``pytestmark = pytest.mark.usefixtures("one_thread")`` or an autouse wrapper."""
+    """One intra-op thread for the test, restoring the previous count after it. The whole suite
+    already runs with one (above); modules keep opting in (``pytestmark =
+    pytest.mark.usefixtures("one_thread")`` or an autouse wrapper) so that a test which raised
+    the count cannot leak it into them."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -35,5 +48,7 @@ def one_thread_children(monkeypatch):
     2 threads and 24-26 s with 1 beside other jobs (load 3-4), two copies of it side by side 434 s
     and 35 s. Alone on a quiet machine the two are about as fast for these tiny models (SFT of
     `tiny`: ~1.3 s/step with one thread idle, 1.4 s/step with two at load 1).
-    Modules that spawn runs opt in with ``pytestmark = pytest.mark.usefixtures("one_thread_children")``."""
+    The suite sets the variable for every test now (above); this fixture restores it for a test
+    whose earlier code changed it. Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread_children")``."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

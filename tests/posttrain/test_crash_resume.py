@@ -128,18 +128,19 @@ def test_rl_run_killed_mid_save_resumes_from_a_complete_checkpoint(tmp_path):
 def test_rl_launch_survives_one_rank_of_two_killed(tmp_path):
     """DP2 under `megatron-s2 launch --local`: rank 1 is SIGKILLed inside a checkpoint write; the
     launch fails, the other rank does not hang, and launching again finishes the run with each
-    prompt trained once."""
+    prompt trained once. (3 steps: the kill is in the first save, step 2's, so the launch
+    again trains from step 1; steps 4-5 would add nothing to what is checked.)"""
     run_dir = tmp_path / "rl"
     args = [sys.executable, "-m", "megatron_s2.cli", "launch", str(RECIPE), "--local", *SMALL,
             "parallel.dp=2", "launcher.nproc_per_node=2", "training.global_batch_size=8",
-            "training.micro_batch_size=4", "--run-dir", str(run_dir)]
+            "training.micro_batch_size=4", "training.train_steps=3", "--run-dir", str(run_dir)]
     env = {**os.environ, "MEGATRON_S2_CKPT_FAULT": "mid_shard@1"}
     killed = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
     assert killed.returncode != 0, killed.stdout[-3000:] + killed.stderr[-3000:]
     assert not list((run_dir / "checkpoints").glob("step_*")), "a checkpoint one rank never finished was committed"
     resumed = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    _check_every_prompt_trained_once(_records(run_dir), 5, 2)
+    _check_every_prompt_trained_once(_records(run_dir), 3, 2)
 
 
 # ---- exact resume: final weights bit for bit ----------------------------------------------------------
