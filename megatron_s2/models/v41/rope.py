@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import torch
 
-from megatron_s2.kernels.precision import wide
+from megatron_s2.kernels.precision import cast, wide
 
 __all__ = ["rope_frequencies", "apply_rope"]
 
@@ -57,7 +57,7 @@ def _tables(positions: torch.Tensor, inv_freq: torch.Tensor, device: torch.devic
         if (pos_ref() is positions and freq_ref() is inv_freq and positions._version == pos_version
                 and inv_freq._version == freq_version):
             return cos, sin
-    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(device)  # [b, s, rd/2]
+    angles = cast(positions, torch.float32).unsqueeze(-1) * (inv_freq if inv_freq.device == device else inv_freq.to(device))  # [b, s, rd/2]
     c, s = angles.cos(), angles.sin()
     cos = torch.stack((c, c), dim=-1).flatten(-2)
     sin = torch.stack((-s, s), dim=-1).flatten(-2)
@@ -68,6 +68,17 @@ def _tables(positions: torch.Tensor, inv_freq: torch.Tensor, device: torch.devic
         while len(_MEMO) > _MEMO_ENTRIES:
             _MEMO.popitem(last=False)
     return cos, sin
+
+
+_SWAP: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _swap_index(rd: int, device: torch.device) -> torch.Tensor:
+    """Channel order (1, 0, 3, 2, ...) of ``rd`` channels: the pairs swapped (built once per device)."""
+    idx = _SWAP.get((rd, device))
+    if idx is None:
+        idx = _SWAP[(rd, device)] = torch.arange(rd, device=device).view(-1, 2).flip(-1).flatten()
+    return idx
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -81,6 +92,6 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     rd = 2 * inv_freq.numel()
     cos, sin = _tables(positions, inv_freq, x.device, x.dim())
     head, tail = x[..., :-rd], wide(x[..., -rd:])
-    swapped = tail.unflatten(-1, (rd // 2, 2)).flip(-1).flatten(-2)
+    swapped = tail.index_select(-1, _swap_index(rd, x.device))  # one gather, not unflatten/flip/flatten
     rot = tail * cos - swapped * sin if inverse else tail * cos + swapped * sin
-    return torch.cat((head, rot.to(x.dtype)), dim=-1)
+    return torch.cat((head, cast(rot, x.dtype)), dim=-1)
