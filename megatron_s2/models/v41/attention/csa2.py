@@ -312,6 +312,8 @@ class CSA2Attention(nn.Module):
         def q_idx(rows: slice) -> torch.Tensor:  # one scoring chunk's queries (select runs without autograd)
             if q_all is not None:
                 return q_all[:, rows]
+            if rows.start == 0 and rows.stop >= pos.size(1):  # the positions object: RoPE's tables are shared
+                return self.indexer.queries(qr_d, pos, self.inv_freq)
             return self.indexer.queries(qr_d[:, rows], pos[:, rows], self.inv_freq)
 
         candidates = None
