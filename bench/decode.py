@@ -13,10 +13,12 @@ operator are not counted again). ``ratio`` = baseline / this tree (> 1: this tre
 The worker uses only the API both trees share (``InferenceEngine``, ``EngineConfig``,
 ``SamplingParams``, ``add_request``, ``step``), imports each tree from a staged copy of its
 package layout (``megatron_s2`` + ``kernels`` / ``launcher`` / ``tools``), and runs fp32 on one
-thread by default (``--threads``), as the issue measured. ``--baseline-rev REV`` checks REV out
-into a temporary worktree (removed afterwards).
+thread by default (``--threads``), as the issue measured. ``--baseline-rev REV [REV ...]`` checks
+each REV out into a temporary worktree (removed afterwards); with several, all trees alternate in
+the same rounds and each baseline gets its own columns.
 
     python bench/decode.py --baseline-rev main                  # small, batch 1 8, contexts 512 2048 8192
+    python bench/decode.py --baseline-rev 6c2c05e arch --contexts 512 2048   # two baselines, one run
     python bench/decode.py --baseline-rev main --contexts 512 2048 --rounds 5
     python bench/decode.py --smoke                              # tiny, this tree against HEAD, seconds
 """
@@ -31,7 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -184,7 +186,8 @@ def measure(trees: dict[str, Path], args, batch: int, context: int) -> dict[str,
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline-rev", default=None, help="git revision to compare with (e.g. main, a commit)")
+    ap.add_argument("--baseline-rev", nargs="+", default=[],
+                    help="git revision(s) to compare with (e.g. main, a commit); several: one column group each")
     ap.add_argument("--model", default="small", help="model recipe (random weights): tiny | small")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
@@ -203,24 +206,27 @@ def main(argv=None) -> int:
         return 0
     if args.smoke:
         args.model, args.batches, args.contexts, args.steps, args.rounds = "tiny", [1, 2], [64], 2, 2
-        args.baseline_rev = args.baseline_rev or "HEAD"
-    with checkout(args.baseline_rev) as baseline:
-        trees = {"this tree": REPO, **({f"baseline {args.baseline_rev}": baseline} if baseline else {})}
+        args.baseline_rev = args.baseline_rev or ["HEAD"]
+    revs = list(dict.fromkeys(args.baseline_rev))
+    with ExitStack() as stack:
+        trees = {"this tree": REPO, **{rev: stack.enter_context(checkout(rev)) for rev in revs}}
         print(f"decode step, {args.model}, {args.device}, {args.threads} thread(s); {args.rounds} rounds of "
               f"{args.steps} steps, trees alternating")
         head = f"{'batch':>5s} {'context':>7s} {'ms/token':>9s} {'ops/step':>9s}"
-        if baseline:
-            head += f" {'base ms/token':>13s} {'base ops':>9s} {'ratio':>6s} {'ops ratio':>9s}"
+        for rev in revs:
+            name = rev if len(revs) > 1 else "base"
+            head += f" {name + ' ms/token':>13s} {name + ' ops':>9s} {'ratio':>6s} {'ops ratio':>9s}"
         print(head)
         for context in args.contexts:
             for batch in args.batches:
                 got = measure(trees, args, batch, context)
                 ours = got["this tree"]
                 row = f"{batch:5d} {context:7d} {ours['ms']:9.2f} {ours['ops']:9d}"
-                if baseline:
-                    base = got[f"baseline {args.baseline_rev}"]
-                    row += (f" {base['ms']:13.2f} {base['ops']:9d} {base['ms'] / ours['ms']:5.2f}x"
-                            f" {base['ops'] / ours['ops']:8.2f}x")
+                for rev in revs:
+                    name = rev if len(revs) > 1 else "base"
+                    base = got[rev]
+                    row += (f" {base['ms']:{max(13, len(name) + 9)}.2f} {base['ops']:{max(9, len(name) + 4)}d}"
+                            f" {base['ms'] / ours['ms']:5.2f}x {base['ops'] / ours['ops']:8.2f}x")
                 print(row, flush=True)
         print("ms/token: median step time (one token for each request of the batch); ratio = baseline / this tree")
     return 0

@@ -148,6 +148,9 @@ def sparse_attention_reference(q: torch.Tensor, kv: torch.Tensor, indices: torch
     Returns (output [b, s, h, d] in q's dtype, mass or None).
     """
     chunk = chunk_rows(chunk, indices.size(-1) * kv.size(-1))
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, kv, sink))):
+        # inference: the Function's own forward without its context (per layer per decode step)
+        return sparse_attention_eager(q, kv, indices, sink, scale, split=split, chunk=chunk)
     return _SparseAttention.apply(q, kv, sink, indices, scale, split, chunk)
 
 

@@ -97,11 +97,11 @@ class GroupedExperts(nn.Module):
         if not active:
             return x.new_zeros((0, x.size(-1)), dtype=tokens.dtype)
         outputs = []
-        row_blocks, weight_blocks = torch.split(x, tokens_per_expert), torch.split(probs, tokens_per_expert)
+        # the combine weights as a column once, not per expert
+        row_blocks, weight_blocks = torch.split(x, tokens_per_expert), torch.split(probs.unsqueeze(-1), tokens_per_expert)
         for e in active:
             rows, weight = row_blocks[e], weight_blocks[e]
-            h = swiglu(self.gemm(rows, self.w1[e]), self.gemm(rows, self.w3[e]), self.swiglu_limit,
-                       weight.unsqueeze(-1))
+            h = swiglu(self.gemm(rows, self.w1[e]), self.gemm(rows, self.w3[e]), self.swiglu_limit, weight)
             outputs.append(self.gemm(cast(h, x.dtype), self.w2[e]))
         return cast(outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0), tokens.dtype)
 
