@@ -6,7 +6,8 @@ recipe, seed and weights), fills ``batch`` requests with ``context`` prompt toke
 engine's own chunked prefill, and then waits. The parent alternates the trees round by round —
 ``--steps`` decode steps on one, then on the other — so both see the same machine load (this
 machine is noisy); a worker sleeps on its pipe while the other runs. Reported per tree: the
-median over rounds of the median step time (one step = one token for each of the ``batch``
+median over rounds of the median step time (wall clock, or with ``--clock cpu`` the worker's CPU
+time, which a shared machine's load inflates far less) (one step = one token for each of the ``batch``
 requests), and the ATen operators of one step (torch profiler; operators called by another
 operator are not counted again). ``ratio`` = baseline / this tree (> 1: this tree is faster).
 
@@ -99,13 +100,14 @@ def worker(tree: Path, model: str, batch: int, context: int, max_new: int, threa
     for line in sys.stdin:
         cmd = line.split()
         if cmd[0] == "time":
+            clock = time.process_time if cmd[2] == "cpu" else time.perf_counter
             times = []
             for _ in range(int(cmd[1])):
                 sync()
-                t0 = time.perf_counter()
+                t0 = clock()
                 engine.step()
                 sync()
-                times.append(time.perf_counter() - t0)
+                times.append(clock() - t0)
             reply({"ms": statistics.median(times) * 1e3})
         elif cmd[0] == "ops":
             from torch.profiler import ProfilerActivity, profile
@@ -176,7 +178,7 @@ def measure(trees: dict[str, Path], args, batch: int, context: int) -> dict[str,
         times = {name: [] for name in trees}
         for _ in range(args.rounds):
             for name, w in workers.items():
-                times[name].append(w.ask(f"time {args.steps}")["ms"])
+                times[name].append(w.ask(f"time {args.steps} {args.clock}")["ms"])
         return {name: {"ms": statistics.median(times[name]), "ops": w.ask("ops")["ops"]}
                 for name, w in workers.items()}
     finally:
@@ -194,6 +196,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="decode steps per round")
     ap.add_argument("--rounds", type=int, default=3, help="alternations between the trees")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="step time as wall clock, or as the worker's CPU time (steadier on a shared machine "
+                         "whose load makes a process wait for a core; one thread only, CPU device only)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny, batch 1 and 2, context 64, against HEAD")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -207,11 +212,15 @@ def main(argv=None) -> int:
     if args.smoke:
         args.model, args.batches, args.contexts, args.steps, args.rounds = "tiny", [1, 2], [64], 2, 2
         args.baseline_rev = args.baseline_rev or ["HEAD"]
+    if args.clock == "cpu" and (args.threads != 1 or args.device != "cpu"):
+        print("bench/decode.py: --clock cpu measures one CPU thread; use it with --threads 1 --device cpu",
+              file=sys.stderr)
+        return 2
     revs = list(dict.fromkeys(args.baseline_rev))
     with ExitStack() as stack:
         trees = {"this tree": REPO, **{rev: stack.enter_context(checkout(rev)) for rev in revs}}
         print(f"decode step, {args.model}, {args.device}, {args.threads} thread(s); {args.rounds} rounds of "
-              f"{args.steps} steps, trees alternating")
+              f"{args.steps} steps, trees alternating, {args.clock} clock")
         head = f"{'batch':>5s} {'context':>7s} {'ms/token':>9s} {'ops/step':>9s}"
         for rev in revs:
             name = rev if len(revs) > 1 else "base"
