@@ -6,17 +6,20 @@ recipe, seed and weights), fills ``batch`` requests with ``context`` prompt toke
 engine's own chunked prefill, and then waits. The parent alternates the trees round by round —
 ``--steps`` decode steps on one, then on the other — so both see the same machine load (this
 machine is noisy); a worker sleeps on its pipe while the other runs. Reported per tree: the
-median over rounds of the median step time (one step = one token for each of the ``batch``
+median over rounds of the median step time (wall clock, or with ``--clock cpu`` the worker's CPU
+time, which a shared machine's load inflates far less) (one step = one token for each of the ``batch``
 requests), and the ATen operators of one step (torch profiler; operators called by another
 operator are not counted again). ``ratio`` = baseline / this tree (> 1: this tree is faster).
 
 The worker uses only the API both trees share (``InferenceEngine``, ``EngineConfig``,
 ``SamplingParams``, ``add_request``, ``step``), imports each tree from a staged copy of its
 package layout (``megatron_s2`` + ``kernels`` / ``launcher`` / ``tools``), and runs fp32 on one
-thread by default (``--threads``), as the issue measured. ``--baseline-rev REV`` checks REV out
-into a temporary worktree (removed afterwards).
+thread by default (``--threads``), as the issue measured. ``--baseline-rev REV [REV ...]`` checks
+each REV out into a temporary worktree (removed afterwards); with several, all trees alternate in
+the same rounds and each baseline gets its own columns.
 
     python bench/decode.py --baseline-rev main                  # small, batch 1 8, contexts 512 2048 8192
+    python bench/decode.py --baseline-rev 6c2c05e arch --contexts 512 2048   # two baselines, one run
     python bench/decode.py --baseline-rev main --contexts 512 2048 --rounds 5
     python bench/decode.py --smoke                              # tiny, this tree against HEAD, seconds
 """
@@ -31,7 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,13 +100,14 @@ def worker(tree: Path, model: str, batch: int, context: int, max_new: int, threa
     for line in sys.stdin:
         cmd = line.split()
         if cmd[0] == "time":
+            clock = time.process_time if cmd[2] == "cpu" else time.perf_counter
             times = []
             for _ in range(int(cmd[1])):
                 sync()
-                t0 = time.perf_counter()
+                t0 = clock()
                 engine.step()
                 sync()
-                times.append(time.perf_counter() - t0)
+                times.append(clock() - t0)
             reply({"ms": statistics.median(times) * 1e3})
         elif cmd[0] == "ops":
             from torch.profiler import ProfilerActivity, profile
@@ -174,7 +178,7 @@ def measure(trees: dict[str, Path], args, batch: int, context: int) -> dict[str,
         times = {name: [] for name in trees}
         for _ in range(args.rounds):
             for name, w in workers.items():
-                times[name].append(w.ask(f"time {args.steps}")["ms"])
+                times[name].append(w.ask(f"time {args.steps} {args.clock}")["ms"])
         return {name: {"ms": statistics.median(times[name]), "ops": w.ask("ops")["ops"]}
                 for name, w in workers.items()}
     finally:
@@ -184,13 +188,17 @@ def measure(trees: dict[str, Path], args, batch: int, context: int) -> dict[str,
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline-rev", default=None, help="git revision to compare with (e.g. main, a commit)")
+    ap.add_argument("--baseline-rev", nargs="+", default=[],
+                    help="git revision(s) to compare with (e.g. main, a commit); several: one column group each")
     ap.add_argument("--model", default="small", help="model recipe (random weights): tiny | small")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--steps", type=int, default=5, help="decode steps per round")
     ap.add_argument("--rounds", type=int, default=3, help="alternations between the trees")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="step time as wall clock, or as the worker's CPU time (steadier on a shared machine "
+                         "whose load makes a process wait for a core; one thread only, CPU device only)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny, batch 1 and 2, context 64, against HEAD")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -203,24 +211,31 @@ def main(argv=None) -> int:
         return 0
     if args.smoke:
         args.model, args.batches, args.contexts, args.steps, args.rounds = "tiny", [1, 2], [64], 2, 2
-        args.baseline_rev = args.baseline_rev or "HEAD"
-    with checkout(args.baseline_rev) as baseline:
-        trees = {"this tree": REPO, **({f"baseline {args.baseline_rev}": baseline} if baseline else {})}
+        args.baseline_rev = args.baseline_rev or ["HEAD"]
+    if args.clock == "cpu" and (args.threads != 1 or args.device != "cpu"):
+        print("bench/decode.py: --clock cpu measures one CPU thread; use it with --threads 1 --device cpu",
+              file=sys.stderr)
+        return 2
+    revs = list(dict.fromkeys(args.baseline_rev))
+    with ExitStack() as stack:
+        trees = {"this tree": REPO, **{rev: stack.enter_context(checkout(rev)) for rev in revs}}
         print(f"decode step, {args.model}, {args.device}, {args.threads} thread(s); {args.rounds} rounds of "
-              f"{args.steps} steps, trees alternating")
+              f"{args.steps} steps, trees alternating, {args.clock} clock")
         head = f"{'batch':>5s} {'context':>7s} {'ms/token':>9s} {'ops/step':>9s}"
-        if baseline:
-            head += f" {'base ms/token':>13s} {'base ops':>9s} {'ratio':>6s} {'ops ratio':>9s}"
+        for rev in revs:
+            name = rev if len(revs) > 1 else "base"
+            head += f" {name + ' ms/token':>13s} {name + ' ops':>9s} {'ratio':>6s} {'ops ratio':>9s}"
         print(head)
         for context in args.contexts:
             for batch in args.batches:
                 got = measure(trees, args, batch, context)
                 ours = got["this tree"]
                 row = f"{batch:5d} {context:7d} {ours['ms']:9.2f} {ours['ops']:9d}"
-                if baseline:
-                    base = got[f"baseline {args.baseline_rev}"]
-                    row += (f" {base['ms']:13.2f} {base['ops']:9d} {base['ms'] / ours['ms']:5.2f}x"
-                            f" {base['ops'] / ours['ops']:8.2f}x")
+                for rev in revs:
+                    name = rev if len(revs) > 1 else "base"
+                    base = got[rev]
+                    row += (f" {base['ms']:{max(13, len(name) + 9)}.2f} {base['ops']:{max(9, len(name) + 4)}d}"
+                            f" {base['ms'] / ours['ms']:5.2f}x {base['ops'] / ours['ops']:8.2f}x")
                 print(row, flush=True)
         print("ms/token: median step time (one token for each request of the batch); ratio = baseline / this tree")
     return 0

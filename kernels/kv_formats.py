@@ -69,7 +69,7 @@ class VectorFormat:
 
     def pack(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.name == "float32":
-            return (x.float(),)
+            return (x if x.dtype is torch.float32 else x.float(),)
         return tuple(_PACK[self.name][0](x))
 
     def unpack(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_s2.kernels.precision import cast
+
 __all__ = ["pack_fp4_e4m3", "unpack_fp4_e4m3", "pack_mxfp4", "unpack_mxfp4", "pack_fp8", "unpack_fp8",
            "dequantize_fp4_e4m3", "dequantize_mxfp4", "dequantize_fp8", "DEQUANTIZE", "packed_bytes", "E8M0_BIAS",
            "E2M1_MAX", "E4M3_MAX", "FP4_MAIN_KV_MAX", "round_e2m1", "ceil_pow2"]
@@ -53,11 +55,11 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round to the nearest E2M1 value (ties to the even code), saturating at +-6."""
     grid = torch.tensor(_E2M1_GRID, dtype=torch.float32, device=x.device)
     mids = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=x.device)
-    mag = x.float().abs().clamp_max(E2M1_MAX)
+    mag = cast(x, torch.float32).abs().clamp_max(E2M1_MAX)
     idx = torch.bucketize(mag, mids)  # value == midpoint goes to the lower code
     tie = (idx < len(_E2M1_MIDPOINTS)) & (mag == mids[idx.clamp_max(len(_E2M1_MIDPOINTS) - 1)])
     idx = idx + (tie & (idx % 2 == 1)).long()  # ...unless the lower code is odd: round to even
-    return torch.copysign(grid[idx], x.float())
+    return torch.copysign(grid[idx], cast(x, torch.float32))
 
 
 def ceil_pow2(v: torch.Tensor) -> torch.Tensor:
@@ -71,7 +73,7 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     straight-through, so autograd keeps none of the quantiser's intermediates alive)."""
     if x.shape[-1] % block or x.shape[-1] % 2:
         raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the quantisation block {block}")
-    return x.detach().float().unflatten(-1, (-1, block))
+    return cast(x.detach(), torch.float32).unflatten(-1, (-1, block))
 
 
 # ---- the three quantisers: grid values [..., d/block, block] and their block scales ---------
@@ -111,7 +113,7 @@ def dequantize_mxfp4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 def dequantize_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """``dequant(quant(x))`` float32: E4M3 values, one power-of-two scale per ``block`` (SWA KV)."""
     values, scale = _quantize_fp8(x, block)
-    return (values.float() * scale).flatten(-2)
+    return (cast(values, torch.float32) * scale).flatten(-2)
 
 
 DEQUANTIZE = {"fp4_e4m3": dequantize_fp4_e4m3, "mxfp4": dequantize_mxfp4, "fp8": dequantize_fp8}
@@ -177,7 +179,7 @@ def pack_fp8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tens
 
 
 def unpack_fp8(values: torch.Tensor, exponents: torch.Tensor, block: int = 32) -> torch.Tensor:
-    vals = values.float().unflatten(-1, (-1, block))
+    vals = cast(values, torch.float32).unflatten(-1, (-1, block))
     return (vals * _from_e8m0(exponents).unsqueeze(-1)).flatten(-2)
 
 

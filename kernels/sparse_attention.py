@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from megatron_s2.kernels.dispatch import use_triton
-from megatron_s2.kernels.precision import wide
+from megatron_s2.kernels.precision import cast, wide
 
 __all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_eager", "chunk_rows"]
 
@@ -51,7 +51,7 @@ def _gather(kv: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Te
     b = kv.size(0)
     flat = idx.clamp_min(0).reshape(b, -1)
     keys = torch.gather(kv, 1, flat.unsqueeze(-1).expand(-1, -1, kv.size(-1)))
-    return keys.view(b, idx.size(1), idx.size(2), kv.size(-1)).to(dtype)
+    return cast(keys.view(b, idx.size(1), idx.size(2), kv.size(-1)), dtype)
 
 
 def _chunk_probs(q_c: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor | None,
@@ -62,7 +62,7 @@ def _chunk_probs(q_c: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sin
     scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
     if sink is None:
         return torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0), None
-    logits = torch.cat([scores, sink.to(scores.dtype).view(1, 1, h, 1).expand(b, c, h, 1)], dim=-1)
+    logits = torch.cat([scores, cast(sink, scores.dtype).view(1, 1, h, 1).expand(b, c, h, 1)], dim=-1)
     probs = torch.softmax(logits, dim=-1)
     return probs[..., :-1], probs[..., -1]
 
@@ -78,7 +78,7 @@ def sparse_attention_eager(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
         keys = wide(_gather(kv, idx, q.dtype))
         probs, _ = _chunk_probs(wide(q[:, start:start + chunk]), keys, idx >= 0,
                                 None if sink is None else wide(sink), scale)
-        outs.append(torch.einsum("bshk,bskd->bshd", probs, keys.to(probs.dtype)).to(q.dtype))
+        outs.append(cast(torch.einsum("bshk,bskd->bshd", probs, cast(keys, probs.dtype)), q.dtype))
         if split is not None:
             masses.append(probs[..., split:].detach().sum(dim=2))
         del keys, probs  # freed before the next chunk's gather
@@ -148,6 +148,9 @@ def sparse_attention_reference(q: torch.Tensor, kv: torch.Tensor, indices: torch
     Returns (output [b, s, h, d] in q's dtype, mass or None).
     """
     chunk = chunk_rows(chunk, indices.size(-1) * kv.size(-1))
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, kv, sink))):
+        # inference: the Function's own forward without its context (per layer per decode step)
+        return sparse_attention_eager(q, kv, indices, sink, scale, split=split, chunk=chunk)
     return _SparseAttention.apply(q, kv, sink, indices, scale, split, chunk)
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_s2.parallel import mappings
+from megatron_s2.kernels.precision import cast
 from megatron_s2.parallel.groups import Group
 from megatron_s2.parallel.placement import mark_param
 from megatron_s2.parallel.sequence import SequenceSharding
@@ -71,11 +72,11 @@ class _RowsLinear(torch.autograd.Function):
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x W^T`` in ``dtype`` (default: the weight's); ``.to`` is a no-op when the dtype matches.
+    """``x W^T`` in ``dtype`` (default: the weight's); no cast when the dtype matches.
     Under autograd a [..., in] input (more than two dims) goes through :class:`_RowsLinear`
     (same values; its gradient can be summed in place with other readers' gradients)."""
     dtype = dtype or weight.dtype
-    x, weight = x.to(dtype), weight.to(dtype)
+    x, weight = cast(x, dtype), cast(weight, dtype)
     if x.dim() > 2 and torch.is_grad_enabled() and x.requires_grad:
         return _RowsLinear.apply(x, weight)
     return F.linear(x, weight)

@@ -43,6 +43,7 @@ from megatron_s2.parallel.all_to_all import (
     reduce_scatter_rows,
 )
 from megatron_s2.parallel.groups import Group
+from megatron_s2.kernels.precision import cast
 
 __all__ = ["DispatchState", "DispatchedTokens", "AllToAllTokenDispatcher"]
 
@@ -144,5 +145,5 @@ class AllToAllTokenDispatcher:
             sent, received = state.ep_splits
             y = all_to_all(y[_inverse(state.ep_regroup)], sent, received, self.ep)
         y = y[_inverse(state.sort_order)]
-        acc = torch.promote_types(y.dtype, torch.float32)
-        return y.to(acc).view(state.num_tokens, state.topk, y.size(-1)).sum(dim=1)
+        acc = torch.float64 if y.dtype is torch.float64 else torch.float32  # promote_types, no operator call
+        return cast(y, acc).view(state.num_tokens, state.topk, y.size(-1)).sum(dim=1)

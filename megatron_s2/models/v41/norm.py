@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from megatron_s2.models.init import constant_init
-from megatron_s2.kernels.precision import wide
+from megatron_s2.kernels.precision import cast, wide
 from megatron_s2.parallel.placement import mark_param
 
 __all__ = ["RMSNorm", "rms_norm"]
@@ -17,7 +17,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
     if weight is not None:
         h = h * wide(weight)
-    return h.to(x.dtype)
+    return cast(h, x.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -68,7 +68,7 @@ from megatron_s2.models.v41.attention.visibility import entry_doc_ids, truncate_
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.norm import RMSNorm
 from megatron_s2.models.v41.parallel_plan import apply_plan
-from megatron_s2.kernels.precision import wide
+from megatron_s2.kernels.precision import cast, wide
 from megatron_s2.kernels import fake_quant_fp4_e4m3, fake_quant_fp8
 from megatron_s2.models.v41.rope import apply_rope, rope_frequencies
 from megatron_s2.models.v41.spec import LinearSubmodules
@@ -216,7 +216,7 @@ class CSA2Attention(nn.Module):
         b, c = o.shape[:2]
         o = o.reshape(b, c, self.local_groups, -1)
         wo_a = self.linear_out_a.view(self.local_groups, self.config.o_lora_rank, -1)
-        o = torch.einsum("bsgd,grd->bsgr", o, wo_a.to(o.dtype)).flatten(2)
+        o = torch.einsum("bsgd,grd->bsgr", o, cast(wo_a, o.dtype)).flatten(2)
         return self.linear_out_b.gemm(o), mass
 
     def attention_rows(self) -> int:
@@ -312,6 +312,8 @@ class CSA2Attention(nn.Module):
         def q_idx(rows: slice) -> torch.Tensor:  # one scoring chunk's queries (select runs without autograd)
             if q_all is not None:
                 return q_all[:, rows]
+            if rows.start == 0 and rows.stop >= pos.size(1):  # the positions object: RoPE's tables are shared
+                return self.indexer.queries(qr_d, pos, self.inv_freq)
             return self.indexer.queries(qr_d[:, rows], pos[:, rows], self.inv_freq)
 
         candidates = None
@@ -345,7 +347,7 @@ class CSA2Attention(nn.Module):
             main_kv, index_k = self._main_kv(x_in, ctx)
             keep = want_mass and not self.recomputes_core()
             topk, indexer_inputs = self._topk(x_in, qr, index_k, main_kv.size(1), ctx, keep_queries=keep)
-            kv = torch.cat([kv, main_kv.to(kv.dtype)], dim=1)
+            kv = torch.cat([kv, cast(main_kv, kv.dtype)], dim=1)
             split = self.window
         out, mass = self.attend(qr, kv, window_idx, topk, n_window, pos, split if want_mass else None)
         if want_mass:

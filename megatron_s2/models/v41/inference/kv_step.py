@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_s2.kernels.precision import cast
 from megatron_s2.models.v41.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
 from megatron_s2.models.v41.attention.visibility import window_indices
 
@@ -66,7 +67,7 @@ class KVCacheStep:
         group = 0 if attn.spec.is_encoder else 1
         swa_from = torch.tensor([seq.swa_from[group] for seq in self.seqs], device=self.device)
         cached_pos = torch.where(cached_pos < swa_from.unsqueeze(1), cached_pos - _MISSING, cached_pos)
-        keys = torch.cat([cached.to(kv.dtype), self._stored(kv)], dim=1)
+        keys = torch.cat([cast(cached, kv.dtype), self._stored(kv)], dim=1)
         indices = window_indices(positions, torch.cat([cached_pos, positions], dim=1), w)
         # the newest W real tokens of the chunk go into the ring
         end = self.start + self.lengths
@@ -81,15 +82,20 @@ class KVCacheStep:
         position p-W+((j-p) mod W); nothing is re-gathered into position order) followed by the
         new token; its window lists key W (itself), then ring slot (p-j) mod W for j = 1..W-1 —
         the order :func:`window_indices` gives, so the attention sums in the same order — with
-        -1 below position 0 and below the bounded-replay start. Then one ring slot is written."""
-        layer = attn.spec.index
-        ring = self.swa.read(layer, self.slots)  # [B, W, hd], a copy: the write below cannot reach it
-        keys = torch.cat([ring.to(kv.dtype), self._stored(kv)], dim=1)
+        -1 below position 0 and below the bounded-replay start. Then one ring slot is written.
+
+        The new vectors are packed once, for the keys and for the ring write, and the ring and
+        them are unpacked together: unpacking is per vector, so unpack(cat) = cat(unpack) bit for
+        bit, in half the operators of reading, round-tripping and writing separately."""
+        layer, fmt = attn.spec.index, self.swa.format
+        new = fmt.pack(kv)                                 # [B, 1, ...] parts
+        ring = self.swa.read_packed(layer, self.slots)     # [B, W, ...], a copy: the write cannot reach it
+        keys = cast(fmt.unpack(tuple(torch.cat(pair, dim=1) for pair in zip(ring, new))), kv.dtype)
         group = 0 if attn.spec.is_encoder else 1
         indices = self._decode_indices.get(group)
         if indices is None:
             indices = self._decode_indices[group] = self._decode_window_indices(group)
-        self.swa.write(layer, self.slots, self.start % self.swa.window, kv[:, 0])
+        self.swa.write_packed(layer, self.slots, self.start % self.swa.window, tuple(p[:, 0] for p in new))
         return keys, indices
 
     def _decode_window_indices(self, group: int) -> torch.Tensor:
@@ -103,7 +109,7 @@ class KVCacheStep:
     def _stored(self, kv: torch.Tensor) -> torch.Tensor:
         """The values the cache will hand back for these vectors (packing round trip)."""
         fmt = self.swa.format
-        return fmt.unpack(fmt.pack(kv)).to(kv.dtype)
+        return cast(fmt.unpack(fmt.pack(kv)), kv.dtype)
 
     # ---- compressed main KV ----------------------------------------------------------------------
     def compress(self, attn, kv: torch.Tensor, gate: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

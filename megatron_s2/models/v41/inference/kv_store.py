@@ -102,10 +102,19 @@ class SWAStore:
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """``[B]`` slots -> their rings ``[B, W, hd]`` (float32, ring order)."""
-        return self.format.unpack(tuple(buf[slots] for buf in self.rings[layer]))
+        return self.format.unpack(self.read_packed(layer, slots))
+
+    def read_packed(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``[B]`` slots -> the stored parts of their rings ``[B, W, ...]`` (ring order)."""
+        return tuple(buf[slots] for buf in self.rings[layer])
 
     def write(self, layer: int, slots: torch.Tensor, ring_index: torch.Tensor, values: torch.Tensor) -> None:
-        for buf, part in zip(self.rings[layer], self.format.pack(values)):
+        self.write_packed(layer, slots, ring_index, self.format.pack(values))
+
+    def write_packed(self, layer: int, slots: torch.Tensor, ring_index: torch.Tensor,
+                     parts: tuple[torch.Tensor, ...]) -> None:
+        """Store already packed vectors (:meth:`VectorFormat.pack`) at (slot, ring index) pairs."""
+        for buf, part in zip(self.rings[layer], parts):
             buf[slots, ring_index] = part
 
     def copy_slot(self, src: int, dst: int) -> None:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_s2.models.v41.config import V41Config
+from megatron_s2.kernels.precision import cast
 from megatron_s2.models.init import normal_init
 from megatron_s2.parallel.groups import Group, ParallelGroups
 from megatron_s2.parallel.placement import mark_param
@@ -43,13 +44,15 @@ __all__ = ["swiglu", "GroupedExperts", "SharedExpert"]
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Clamped SwiGLU in at least float32; ``weight`` ([n, 1]) scales each row (combine weight)."""
-    dtype = torch.promote_types(gate.dtype, torch.float32)
-    gate, up = gate.to(dtype), up.to(dtype)
+    # float64 stays (gradcheck), anything else is lifted to float32: promote_types without its
+    # ATen operator call (one per expert per layer at decode)
+    dtype = torch.float64 if gate.dtype is torch.float64 else torch.float32
+    gate, up = cast(gate, dtype), cast(up, dtype)
     if limit > 0:
         up = up.clamp(min=-limit, max=limit)
         gate = gate.clamp(max=limit)
     h = F.silu(gate) * up
-    return h if weight is None else h * weight.to(dtype)
+    return h if weight is None else h * cast(weight, dtype)
 
 
 class GroupedExperts(nn.Module):
@@ -83,7 +86,7 @@ class GroupedExperts(nn.Module):
         if len(tokens_per_expert) != self.num_local_experts or sum(tokens_per_expert) != tokens.size(0):
             raise ValueError(f"expert token counts {tokens_per_expert} do not match {tokens.size(0)} rows "
                              f"for {self.num_local_experts} local experts")
-        x = tokens.to(self.gemm_dtype or self.w1.dtype)
+        x = cast(tokens, self.gemm_dtype or self.w1.dtype)
         # Only experts that received tokens run: with top-k of E experts most are empty at decode
         # (6 of 384 in the flagship), and an empty expert would still cost three GEMM launches and
         # the SwiGLU. Under autograd one empty expert keeps the weights in the graph when every
@@ -94,17 +97,17 @@ class GroupedExperts(nn.Module):
         if not active:
             return x.new_zeros((0, x.size(-1)), dtype=tokens.dtype)
         outputs = []
-        row_blocks, weight_blocks = torch.split(x, tokens_per_expert), torch.split(probs, tokens_per_expert)
+        # the combine weights as a column once, not per expert
+        row_blocks, weight_blocks = torch.split(x, tokens_per_expert), torch.split(probs.unsqueeze(-1), tokens_per_expert)
         for e in active:
             rows, weight = row_blocks[e], weight_blocks[e]
-            h = swiglu(self.gemm(rows, self.w1[e]), self.gemm(rows, self.w3[e]), self.swiglu_limit,
-                       weight.unsqueeze(-1))
-            outputs.append(self.gemm(h.to(x.dtype), self.w2[e]))
-        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)).to(tokens.dtype)
+            h = swiglu(self.gemm(rows, self.w1[e]), self.gemm(rows, self.w3[e]), self.swiglu_limit, weight)
+            outputs.append(self.gemm(cast(h, x.dtype), self.w2[e]))
+        return cast(outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0), tokens.dtype)
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """One expert's product ``x W^T`` in ``x``'s dtype (overridden by the FP8 subclass)."""
-        return F.linear(x, weight.to(x.dtype))
+        return F.linear(x, cast(weight, x.dtype))
 
 
 class SharedExpert(nn.Module):
@@ -130,11 +133,11 @@ class SharedExpert(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[b, s, hidden] (sequence-sharded under SP) -> same shape and dtype."""
-        x = self.seq.enter_tp_region(hidden).to(self.gemm_dtype or self.w1.dtype)
+        x = cast(self.seq.enter_tp_region(hidden), self.gemm_dtype or self.w1.dtype)
         h = swiglu(self.gemm(x, self.w1), self.gemm(x, self.w3), self.swiglu_limit)
-        y = self.gemm(h.to(x.dtype), self.w2)
-        return self.seq.exit_tp_region(y).to(hidden.dtype)
+        y = self.gemm(cast(h, x.dtype), self.w2)
+        return cast(self.seq.exit_tp_region(y), hidden.dtype)
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The local product ``x W^T`` in ``x``'s dtype (overridden by the FP8 subclass)."""
-        return F.linear(x, weight.to(x.dtype))
+        return F.linear(x, cast(weight, x.dtype))

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from megatron_s2.models.v41.config import V41Config
+from megatron_s2.kernels.precision import cast
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.moe.experts import GroupedExperts, SharedExpert
 from megatron_s2.models.v41.moe.load_balancing import sequence_balance_loss
@@ -78,7 +79,7 @@ class MoELayer(nn.Module):
         output = self.seq.leave_routed(routed)  # float32 accumulator, like the reference
         if self.shared_expert is not None:
             output = output + self.shared_expert(hidden)
-        return output.to(hidden.dtype)
+        return cast(output, hidden.dtype)
 
     # ---- compute -----------------------------------------------------------------------------
     def _compute(self, dispatched) -> torch.Tensor:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_s2.models.v41.config import V41Config
+from megatron_s2.kernels.precision import cast
 from megatron_s2.models.init import normal_init
 from megatron_s2.models.v41.moe.load_balancing import expert_bias_update, update_expert_biases
 from megatron_s2.parallel.groups import ParallelGroups
@@ -84,7 +85,7 @@ class TopKRouter(nn.Module):
         """``x``: [N, hidden]; ``image_mask``: [N] bool or None; ``replayed``: [N, K] ids to
         use instead of top-k (routing replay) or None; ``counted``: [N] bool, the tokens whose
         selections count toward the expert loads of the bias update (None: all)."""
-        scores = self.score_fn(F.linear(x.float(), self.weight.float()))
+        scores = self.score_fn(F.linear(cast(x, torch.float32), cast(self.weight, torch.float32)))
         if replayed is None:
             with torch.no_grad():
                 indices = (scores + self._selection_bias(image_mask)).topk(self.topk, dim=-1).indices
@@ -104,7 +105,7 @@ class TopKRouter(nn.Module):
 
     def _selection_bias(self, image_mask: torch.Tensor | None) -> torch.Tensor:
         if image_mask is None or not self.modality_biases:
-            return self.expert_bias.float()
+            return cast(self.expert_bias, torch.float32)
         return torch.where(image_mask.unsqueeze(-1), self.image_expert_bias.float(), self.expert_bias.float())
 
     def _check_replayed(self, ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
