@@ -101,7 +101,8 @@ def test_memdec_recipes_train_backbone_memory_and_router(tmp_path):
 
     # the plug-in next to its backbone: Eq. 3 per token, a distribution at every position
     from megatron_s2.models.memory_decoder import interpolate
-    from megatron_s2.posttrain.memdec.fusion import load_fused, load_plugin
+    from megatron_s2.inference.memory_decoder import load_memory_decoder
+    from megatron_s2.posttrain.memdec.fusion import load_fused
 
     fused, tokenizer = load_fused(backbone, router)
     tokens = torch.tensor([[tokenizer.bos_id, *tokenizer.encode("ACGU GAC. ab")]])
@@ -111,7 +112,7 @@ def test_memdec_recipes_train_backbone_memory_and_router(tmp_path):
     torch.testing.assert_close(out.fused.exp(), interpolate(out.backbone.exp(), out.memory.exp(), out.lam),
                                rtol=1e-5, atol=1e-7)
     with pytest.raises(ConfigError, match="no router tensors"):
-        load_plugin(memory)
+        load_memory_decoder(memory)
 
 
 @pytest.mark.slow
