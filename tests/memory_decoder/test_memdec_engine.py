@@ -130,3 +130,57 @@ def test_settings_the_engine_cannot_honour_with_a_plugin_are_refused():
     wide = _model("intern_s2_tiny", 1, vocab_size=256)
     with pytest.raises(ConfigError, match=r"vocab_size 128, the backbone 256"):
         InferenceEngine(wide, EngineConfig(max_model_len=64), memory_decoder=_plugin(_model("intern_s2_tiny", 1)))
+    # same width and vocabulary, but the plug-in records a backbone of another architecture
+    shallow = _model("intern_s2_tiny", 1, layers=2, full_attention_interval=2)
+    recorded = _plugin(shallow)
+    recorded.backbone_config = _model("intern_s2_tiny", 1).config
+    with pytest.raises(ConfigError, match=r"^--memory-decoder: .*another architecture"):
+        InferenceEngine(shallow, EngineConfig(max_model_len=64), memory_decoder=recorded)
+
+
+@pytest.mark.parametrize("command, extra, message", [
+    ("generate", ["--prompt", "x"], "--memory-decoder: /nonexistent/router does not exist"),
+    ("generate", ["--prompt", "x", "--speculative"], "--memory-decoder: cannot be combined with --speculative"),
+    ("serve", ["--prefix-caching"], "--memory-decoder: cannot be combined with --prefix-caching"),
+])
+def test_cli_refuses_memory_decoder_flags_in_one_line_before_loading(tmp_path, capsys, command, extra, message):
+    from megatron_s2.cli import main
+
+    plugin = "/nonexistent/router" if "does not exist" in message else str(tmp_path)
+    assert main([command, str(tmp_path / "no-backbone"), "--memory-decoder", plugin, *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_server_tokens_logprobs_and_prompt_logprobs_are_the_fused_ones():
+    """``serve --memory-decoder``'s engine behind the HTTP server (in-process): the token endpoint's
+    greedy tokens, their log-probs and the prompt's log-probs are those of the full-forward fusion."""
+    import httpx
+
+    from megatron_s2.data.tokenizer import CharTokenizer
+    from megatron_s2.serve import ServeConfig, ServerThread, build_state
+
+    backbone = _model("intern_s2_tiny", 1)
+    plugin = _plugin(backbone)
+    tokenizer = CharTokenizer()
+    assert tokenizer.vocab_size <= backbone.config.vocab_size
+    state = build_state(backbone, tokenizer, "tiny", ServeConfig(disconnect_poll_s=0.05),
+                        EngineConfig(max_num_seqs=2, max_model_len=48, prefill_chunk=4, max_prefill_tokens=8),
+                        model_name="tiny", memory_decoder=plugin)
+    prompt = [5, 40, 41, 42, 43, 50, 51, 9, 12]
+    with ServerThread(state) as server:
+        r = httpx.post(f"{server.url}/inference/v1/generate", timeout=120, json={
+            "token_ids": prompt, "sampling_params": {"max_tokens": 5, "temperature": 0, "logprobs": 2,
+                                                     "prompt_logprobs": 2, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    ids = out["choices"][0]["token_ids"]
+    ref = plugin.full_forward(backbone, torch.tensor([prompt + ids])).fused[0]
+    got = torch.tensor([e["logprob"] for e in out["choices"][0]["logprobs"]["content"]])
+    assert ids == ref[len(prompt) - 1:-1].argmax(-1).tolist()
+    torch.testing.assert_close(got, ref[len(prompt) - 1:-1].gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1), **TOL)
+    entries = out["prompt_logprobs"]
+    assert entries[0] is None
+    scored = torch.tensor([entries[p][str(prompt[p])]["logprob"] for p in range(1, len(prompt))])
+    torch.testing.assert_close(scored, ref[:len(prompt) - 1].gather(-1, torch.tensor(prompt[1:]).unsqueeze(-1)).squeeze(-1),
+                               **TOL)
