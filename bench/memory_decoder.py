@@ -6,7 +6,7 @@ model p = (1 - lambda_t) p_base + lambda_t p_mem with the trained router (Eq. 3)
 mean lambda per corpus. The claims checked and printed: the fused model lowers held-out *domain*
 perplexity against the backbone, and keeps *general* perplexity within 2% of the backbone's.
 
-    megatron-s2 launch recipes/memdec_tiny.yaml --local           # ~10 minutes on 2 CPU cores
+    megatron-s2 launch recipes/memdec_tiny.yaml --local           # ~30 minutes on 2 shared CPU cores
     python bench/memory_decoder.py runs/memdec_tiny/backbone runs/memdec_tiny/router
     python bench/memory_decoder.py --smoke   # trains the three phases 3 steps each in a temp dir, no claims
 """

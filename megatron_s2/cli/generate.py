@@ -12,6 +12,11 @@ order; a prompt without ``<image>`` gets one per file prepended (images first, t
 A missing, corrupt or refused file (:func:`megatron_s2.data.images.load_image`: truncated,
 decompression bomb, extreme aspect ratio, animated, unsupported format), a count of ``<image>``
 that differs from the files, or a model without a vision tower exits with code 2 and one line.
+
+``--memory-decoder RUN`` (Intern-S2 walkthrough Ch. 2): a ``memdec_router`` run's plug-in decodes
+in lock-step with the backbone and every token comes from the router's per-token mix (Eq. 3); a
+plug-in made for another backbone (vocabulary, tokenizer, width, architecture), a missing path or
+a run without the router exits with code 2 and one line.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_s2.cli.flag_errors import built_from_flags, check_speculative_flags
+from megatron_s2.cli.flag_errors import (built_from_flags, check_memory_decoder_flags, check_speculative_flags,
+                                         memory_decoder_from_flags)
 from megatron_s2.config.schema import ConfigError
 
 __all__ = ["register", "generate_command"]
@@ -34,6 +40,7 @@ def generate_command(args: argparse.Namespace) -> int:
         raise ConfigError("--prompt: give the text to continue, e.g. --prompt 'Once upon a time'")
     # every option is checked before the (slow) model load, and an error names its flag
     check_speculative_flags(args)
+    check_memory_decoder_flags(args)
     images = _load_images(args.image or [])
     params = built_from_flags(SamplingParams, max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
@@ -41,7 +48,11 @@ def generate_command(args: argparse.Namespace) -> int:
                                      prefill_chunk=256, max_prefill_tokens=256, speculative=args.speculative,
                                      speculative_tokens=args.speculative_tokens)
     model, tokenizer, description = load_model(args.checkpoint, args.device)
-    engine = InferenceEngine(model, engine_config, eos_token_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+    plugin = memory_decoder_from_flags(args, model, tokenizer)
+    engine = InferenceEngine(model, engine_config, eos_token_ids=[tokenizer.eos_id], detokenize=tokenizer.decode,
+                             memory_decoder=plugin)
+    if plugin is not None:
+        description += f" + memory decoder {plugin.description}"
     prompt = ([tokenizer.bos_id] if args.bos else []) + _prompt_ids(args.prompt, tokenizer, engine, len(images))
     try:
         handle = engine.submit(prompt, params, images=images)
@@ -122,5 +133,8 @@ def register(subparsers) -> None:
                    help="speculative decoding with the checkpoint's DSpark drafter (lossless; report §2.4.3)")
     p.add_argument("--speculative-tokens", type=int, default=0,
                    help="drafts verified per step at most (default 0 = the drafter's block size)")
+    p.add_argument("--memory-decoder", default=None, metavar="RUN_OR_CHECKPOINT",
+                   help="decode with a Memory Decoder plug-in (the phase.kind: memdec_router run trained for this "
+                        "backbone): every token is sampled from the router's per-token mix of both models")
     p.add_argument("--no-bos", dest="bos", action="store_false", help="do not start the prompt with <bos>")
     p.set_defaults(func=generate_command)

@@ -5,7 +5,8 @@ Hugging Face export — the same resolution and tokenizer as ``megatron-s2 gener
 (:func:`megatron_s2.inference.weights.load_model`). The served model id defaults to the path as
 given. Bad input (a missing checkpoint, a port in use, a host that is not this machine's, an
 out-of-range option) exits with code 2 and one line naming the option, before the model loads
-where it can.
+where it can. ``--memory-decoder RUN`` serves the backbone with a Memory Decoder plug-in (as
+``megatron-s2 generate``): sampled tokens, their log-probs and ``prompt_logprobs`` are the fused ones.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_s2.cli.flag_errors import built_from_flags, check_speculative_flags
+from megatron_s2.cli.flag_errors import (built_from_flags, check_memory_decoder_flags, check_speculative_flags,
+                                         memory_decoder_from_flags)
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.config.engine import LOGPROBS_MODES
 
@@ -25,6 +27,7 @@ def _engine_config(args: argparse.Namespace):
     from megatron_s2.config.engine import EngineConfig
 
     check_speculative_flags(args)
+    check_memory_decoder_flags(args)
     return built_from_flags(EngineConfig, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                             max_model_len=args.max_model_len, prefix_caching=args.prefix_caching, seed=args.seed,
                             speculative=args.speculative, speculative_tokens=args.speculative_tokens)
@@ -55,7 +58,11 @@ def serve_command(args: argparse.Namespace) -> int:
     sock = bind_socket(config.host, config.port)
     try:
         model, tokenizer, description = load_model(args.checkpoint, args.device)
-        state = build_state(model, tokenizer, description, config, engine_config, model_name=args.checkpoint)
+        plugin = memory_decoder_from_flags(args, model, tokenizer)
+        if plugin is not None:
+            description += f" + memory decoder {plugin.description}"
+        state = build_state(model, tokenizer, description, config, engine_config, model_name=args.checkpoint,
+                            memory_decoder=plugin)
         host, port = sock.getsockname()[:2]
         # Listen before saying so: uvicorn calls listen() only once its loop has started, and a client
         # that connects on the line below would be refused in between; queued in the backlog, it is
@@ -117,6 +124,9 @@ def register(subparsers) -> None:
                    help="speculative decoding with the checkpoint's DSpark drafter (lossless; report §2.4.3)")
     p.add_argument("--speculative-tokens", type=int, default=0,
                    help="drafts verified per request and step at most (default 0 = the drafter's block size)")
+    p.add_argument("--memory-decoder", default=None, metavar="RUN_OR_CHECKPOINT",
+                   help="serve with a Memory Decoder plug-in (the phase.kind: memdec_router run trained for this "
+                        "backbone): tokens, log-probs and prompt_logprobs are those of the router's per-token mix")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that bring none (default 0)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

@@ -6,7 +6,8 @@ Entry points: :class:`InferenceEngine` (the token-level core, + :class:`EngineCo
 :class:`SamplingParams`), :class:`EngineDriver` (the one loop that runs it: server, rollouts,
 ``generate``). Module map: ``engine`` (admission, scheduling, sampling, stops), ``driver``,
 ``request``, ``sampling``, ``detokenizer`` (incremental text and stop strings), ``weights``
-(weight updates from checkpoints).
+(weight updates from checkpoints), ``memory_decoder`` (a Memory Decoder plug-in the engine mixes
+in every step).
 """
 
 from megatron_s2.config.engine import EngineConfig

@@ -53,6 +53,16 @@ asks for the numbers: the forecasting branch reads the prompt's final hidden sta
 computed them and the output that ends the prompt carries ``forecast`` (per series, [channels,
 horizon] real values on the series' own scale) — equal to ``predict.forecast`` out of the engine.
 
+**Memory Decoder** (Intern-S2 walkthrough Ch. 2, Eq. 3): ``InferenceEngine(model, ...,
+memory_decoder=MemoryDecoder)`` (:mod:`~megatron_s2.inference.memory_decoder`, the router run's
+plug-in) runs the memory model's own family executor over the very chunks of every backbone
+forward — its own cache state per request, admitted, preempted and released with the backbone's —
+and every sampled distribution is the router's per-token mix of the two (log space). Reported
+log-probs are the fused ones (a ``*_logits`` mode reports the fused log-probabilities: there are no
+fused logits). Refused with a plug-in, one ConfigError / ValueError each: speculative decoding (the
+drafter proposes for the backbone alone), prefix caching (the backbone would resume from a cached
+prefix the memory has not computed), images, series and restored cache states.
+
 Stop strings are found by one incremental detokenizer per request
 (:mod:`~megatron_s2.inference.detokenizer`): linear in the output, not quadratic.
 """
@@ -75,6 +85,7 @@ from megatron_s2.config.engine import EngineConfig
 from megatron_s2.models.family import family_of
 from megatron_s2.models.family.engine import Chunk, ImageSpan, OutOfPages, SpeculativeExecutor
 from megatron_s2.inference.detokenizer import IncrementalDetokenizer, StopStrings
+from megatron_s2.inference.memory_decoder import MemorySlot
 from megatron_s2.inference.request import (
     CompletedRequest,
     FinishReason,
@@ -91,10 +102,13 @@ __all__ = ["InferenceEngine"]
 
 class InferenceEngine:
     def __init__(self, model, config: EngineConfig | None = None, *, eos_token_ids: Iterable[int] = (),
-                 detokenize: Callable[[list[int]], str] | None = None, policy_version: int = 0):
+                 detokenize: Callable[[list[int]], str] | None = None, policy_version: int = 0,
+                 memory_decoder=None):
         """``model``: a :class:`V41Model` holding every layer (no pipeline stages), in eval mode;
         its parallel groups (tp / ep) are the training ones. ``eos_token_ids`` end generation
-        unless ``ignore_eos``; ``detokenize`` is needed for stop strings."""
+        unless ``ignore_eos``; ``detokenize`` is needed for stop strings. ``memory_decoder``: a
+        :class:`~megatron_s2.inference.memory_decoder.MemoryDecoder` whose mix every token is
+        sampled from (module docstring)."""
         self.config = config = config or EngineConfig()
         cfg = model.config
         family = family_of(cfg)
@@ -108,9 +122,16 @@ class InferenceEngine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.detokenize = detokenize
         self.policy_version = policy_version
-        _check_state_fits(family.engine_cache_bytes(cfg, config), config, self.device)
+        needed = family.engine_cache_bytes(cfg, config)
+        self.memory_decoder, self.memory_executor = memory_decoder, None
+        if memory_decoder is not None:
+            mem_family = _check_memory_decoder(memory_decoder, cfg, config)
+            needed += mem_family.engine_cache_bytes(memory_decoder.memory.config, config)
+        _check_state_fits(needed, config, self.device)
         # the family's per-request state (caches, tiers) and its one forward over a batch of chunks
         self.executor = family.executor(model, config, self.device)
+        if memory_decoder is not None:  # the memory's own state per request, stepped in lock-step
+            self.memory_executor = mem_family.executor(memory_decoder.memory, config, self.device)
         self.speculator = None
         if config.speculative:
             if not isinstance(self.executor, SpeculativeExecutor) or self.executor.drafter is None:
@@ -147,6 +168,10 @@ class InferenceEngine:
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise ValueError("prompt_token_ids: the prompt is empty")
+        if self.memory_decoder is not None and (images or series or forecast is not None or cache_state is not None):
+            what = "images" if images else "series" if series or forecast is not None else "cache_state"
+            raise ValueError(f"{what}: this engine serves a memory decoder, which reads text only (and keeps no "
+                             "exportable cache); send a text prompt")
         spans: list[ImageSpan] = []
         if images:
             if all(isinstance(image, ImageSpan) for image in images):
@@ -248,8 +273,8 @@ class InferenceEngine:
         steps); None when it holds none yet (waiting) or the model family cannot export it."""
         with self._lock:
             req = self.requests.get(request_id)
-            if req is None or req.kv is None:
-                return None
+            if req is None or req.kv is None or self.memory_executor is not None:
+                return None  # a memory decoder's second state is not exported: the request re-prefills
             return self.executor.export_state(req)
 
     def check_cache_state(self, cache_state: dict[str, torch.Tensor], prompt_length: int) -> None:
@@ -337,9 +362,14 @@ class InferenceEngine:
                 record_topk = any(r.params.record_indexer_topk for r in reqs)
                 # a forward that raises is the engine's failure (the device, the batch): it propagates
                 t0 = time.perf_counter()
+                if self.memory_executor is not None:
+                    for chunk in chunks:  # the router reads both models' hidden states
+                        chunk.hidden = chunk.logits != "none"
                 results = self.executor.forward(chunks, record_routing=record_routing, record_topk=record_topk)
                 if self.speculator is not None and chunks[0].length == 1:  # plain decode: a point of the curve
                     self.speculator.observe(len(chunks), time.perf_counter() - t0)
+                if self.memory_executor is not None:
+                    self._fuse(chunks, results)
                 for req, chunk, res in zip(reqs, chunks, results):
                     try:
                         self._advance(req, chunk, res, version)
@@ -396,7 +426,9 @@ class InferenceEngine:
 
     # ---- admission and scheduling -----------------------------------------------------------------
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_num_seqs and self.executor.can_admit():
+        mem = self.memory_executor
+        while self.waiting and len(self.running) < self.config.max_num_seqs and self.executor.can_admit() \
+                and (mem is None or mem.can_admit()):
             req = self.waiting.popleft()
             self._uncount()
             if req.cache_state is not None:  # resumed after a restart exactly where it stopped
@@ -404,11 +436,17 @@ class InferenceEngine:
                 req.cache_state = None
             else:
                 self.executor.admit(req)  # its cache state (and any cached prefix it resumes from)
+            if mem is not None:
+                req.memory = MemorySlot(req)
+                mem.admit(req.memory)
+                # lock-step: both models start at the same position (no cached prefix: refused at init)
+                assert req.num_computed == req.memory.num_computed == 0
             self.running.append(req)
 
     def _schedule(self) -> list[tuple[Request, int]]:
         """(request, tokens to process) for this step; preempts the newest requests when the
         page pool cannot hold this step's tokens."""
+        mem = self.memory_executor
         while True:
             plan, budget = [], self.config.max_prefill_tokens
             for req in self.running:
@@ -418,10 +456,15 @@ class InferenceEngine:
                 elif budget > 0:
                     n = min(todo, self.config.prefill_chunk, budget)
                     n = self.executor.limit_chunk(req, n)
+                    if mem is not None:
+                        n = mem.limit_chunk(req.memory, n)
                     plan.append((req, n))
                     budget -= n
             need = sum(self.executor.pages_needed(req, n) for req, n in plan)
-            if need <= self.executor.free_pages() or len(self.running) <= 1:
+            fits = need <= self.executor.free_pages()
+            if mem is not None:  # the memory's own page pool must hold the same chunks
+                fits = fits and sum(mem.pages_needed(req.memory, n) for req, n in plan) <= mem.free_pages()
+            if fits or len(self.running) <= 1:
                 return plan
             if not self.executor.reclaim():  # drop cached snapshots before preempting requests
                 self._preempt(self.running[-1])
@@ -442,6 +485,16 @@ class InferenceEngine:
                 continue
             chunks = [self._chunk(req, n) for req, n in group]
             yield chunks, [req for req, _ in group]
+
+    def _fuse(self, chunks: list[Chunk], results: list) -> None:
+        """The memory's forward over the same chunks (its own states); each row's logits become
+        the fused log-probabilities of Eq. (3), which sampling reads as logits (module docstring)."""
+        mirrored = [Chunk(c.request.memory, c.start, c.length, c.logits, hidden=c.hidden) for c in chunks]
+        for chunk, base, mem in zip(mirrored, results, self.memory_executor.forward(mirrored)):
+            chunk.request.num_computed = chunk.start + chunk.length
+            self.memory_executor.after_forward(chunk.request)
+            if base.logits is not None:
+                base.logits = self.memory_decoder.mix(base.hidden, base.logits, mem.hidden, mem.logits).fused
 
     @staticmethod
     def _chunk(req: Request, n: int) -> Chunk:
@@ -593,6 +646,9 @@ class InferenceEngine:
     def _release(self, req: Request, snapshot: bool = True) -> None:
         """Free the request's cache state now (after offering it to the cache tiers)."""
         self.executor.release(req, snapshot=snapshot)
+        if self.memory_executor is not None and req.memory is not None:
+            self.memory_executor.release(req.memory, snapshot=False)
+            req.memory = None
 
     # ---- observability ----------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -600,6 +656,8 @@ class InferenceEngine:
                **self.executor.stats()}
         if self.speculator is not None:
             out["speculative"] = self.speculator.stats.as_dict()
+        if self.memory_executor is not None:
+            out["memory_decoder"] = self.memory_executor.stats()
         return out
 
 
@@ -617,6 +675,23 @@ def _free_bytes(device: torch.device) -> tuple[int, str] | None:
         host = HostMemory.detect(1, gpus=False)
         return (int(host.bytes_per_rank), "of host memory is available") if host else None
     return None
+
+
+def _check_memory_decoder(plugin, cfg, config: EngineConfig):
+    """The memory model's family, once every engine setting it cannot honour is refused (one line each)."""
+    if config.speculative:
+        raise ConfigError("speculative: the drafter proposes for the backbone alone, not the memory decoder's mix; "
+                          "drop --speculative (or --memory-decoder)")
+    if config.prefix_caching:
+        raise ConfigError("prefix_caching: the backbone would resume from a cached prefix the memory decoder has not "
+                          "computed; drop --prefix-caching (or --memory-decoder)")
+    mem = plugin.memory
+    if set(mem.layer_ids) != set(range(mem.config.num_layers)):
+        raise ConfigError("memory decoder: inference needs every layer of the memory on each rank (pp: 1)")
+    plugin.check_backbone(cfg)
+    family = family_of(mem.config)
+    family.check_engine(mem.config, config)
+    return family
 
 
 def _check_state_fits(needed: int, config: EngineConfig, device: torch.device) -> None:

@@ -201,6 +201,9 @@ class Request:
     """Horizons (one per series) of the numerical forecast asked for; None: text only."""
     forecast_hidden: dict = field(default_factory=dict)
     """Chunk start -> final hidden states [n, d] of the prompt positions it computed (a forecast request)."""
+    memory: object | None = None
+    """The memory decoder's view of this request (:class:`~megatron_s2.inference.memory_decoder.MemorySlot`:
+    its own cache state), while admitted to an engine that serves one."""
 
     @property
     def content_spans(self) -> list:

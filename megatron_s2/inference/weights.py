@@ -20,7 +20,7 @@ from megatron_s2.config.model_schema import ModelSchema
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.parallel.sharding import shard_spec, slice_of
 
-__all__ = ["LoadedCheckpoint", "read_checkpoint", "load_weights_into", "load_tokenizer", "load_model",
+__all__ = ["LoadedCheckpoint", "read_checkpoint", "read_model_config", "load_weights_into", "load_tokenizer", "load_model",
            "check_same_architecture"]
 
 
@@ -32,6 +32,8 @@ class LoadedCheckpoint:
     directory: Path
     """Where the tokenizer is looked for (the run directory, or the export directory)."""
     description: str
+    recipe: object | None = None
+    """The resolved recipe the checkpoint was saved with (None for a Hugging Face export)."""
 
 
 def _tokenizer_home(step_dir: Path) -> Path:
@@ -69,7 +71,28 @@ def read_checkpoint(path: str | Path) -> LoadedCheckpoint:
     except CheckpointError as exc:
         raise ConfigError(f"checkpoint: {exc}") from None
     return LoadedCheckpoint(full.recipe.model, full.state, _tokenizer_home(full.path),
-                            f"{full.path} (step {full.step}, saved by {full.world_size} rank(s): {full.layout})")
+                            f"{full.path} (step {full.step}, saved by {full.world_size} rank(s): {full.layout})",
+                            recipe=full.recipe)
+
+
+def read_model_config(path: str | Path) -> ModelSchema:
+    """The model config of any checkpoint kind, without reading its tensors (a step's manifest)."""
+    from megatron_s2.checkpoint.format import CheckpointError
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return read_checkpoint(path).model_config
+    from megatron_s2.checkpoint.offline import resolve_step_dir
+    from megatron_s2.checkpoint.store import read_manifest
+    from megatron_s2.config.recipe import RecipeConfig
+    from megatron_s2.config.schema import from_mapping
+
+    try:
+        step_dir = resolve_step_dir(path, log=lambda *a: None)
+        manifest = read_manifest(step_dir)
+    except (CheckpointError, FileNotFoundError, ValueError) as exc:
+        raise ConfigError(f"checkpoint: {path}: {exc}") from None
+    return from_mapping(RecipeConfig, manifest.config, f"{step_dir.name}/checkpoint.json:config").model
 
 
 @torch.no_grad()

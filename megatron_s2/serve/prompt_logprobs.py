@@ -10,6 +10,9 @@ is the token's 1-based rank in the vocabulary (1 = most likely). Where it goes: 
 ``prompt_logprobs`` of the token endpoint's response, ``choices[i].prompt_logprobs`` of a
 completion (vLLM's places).
 
+With a Memory Decoder plug-in (``serve --memory-decoder``) the values are the fused distribution's
+(Eq. 3, one full forward of each model and the router's mix), as the engine samples from it.
+
 The values come from **one full forward of the prompt** on the engine's model (the same
 whole-sequence forward the trainer runs, log-softmax in fp32; the prompts of one request
 right-padded into batched forwards of at most ``ServeConfig.prompt_logprobs_tokens``), each batch
@@ -104,10 +107,11 @@ def _batches(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
 
 @torch.no_grad()
 def _score_batch(model, prompts: list[list[int]], k: int, temperature: float,
-                 as_logits: bool = False) -> list[ScoredPrompt]:
+                 as_logits: bool = False, memory_decoder=None) -> list[ScoredPrompt]:
     """Per prompt, its :class:`ScoredPrompt` (log-probs, or logits when ``as_logits``), from one
     forward of the prompts right-padded to the longest; the model is causal, so padding after a
-    prompt changes none of its values."""
+    prompt changes none of its values. With a ``memory_decoder`` the values are those of the
+    fused distribution (its log-probabilities stand in for logits, as in sampling)."""
     if model.groups.tp.size > 1:  # the server holds every layer on one rank (serve/server.py)
         raise RequestFailed("prompt_logprobs: the served model is split over tensor-parallel ranks; serve it on one")
     device = next(model.parameters()).device
@@ -115,7 +119,10 @@ def _score_batch(model, prompts: list[list[int]], k: int, temperature: float,
     tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
-    logits = model(tokens, model.make_context({"tokens": tokens}))[:, :-1].float() / temperature
+    if memory_decoder is not None:
+        logits = memory_decoder.full_forward(model, tokens).fused[:, :-1] / temperature
+    else:
+        logits = model(tokens, model.make_context({"tokens": tokens}))[:, :-1].float() / temperature
     values = logits if as_logits else torch.log_softmax(logits, dim=-1)
     chosen = values.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
     ranks = (values > chosen.unsqueeze(-1)).sum(-1) + 1
@@ -161,7 +168,7 @@ async def score_prompts(state, prompts: list[list[int]], request: PromptLogprobs
     for batch in _batches(prompts, state.config.prompt_logprobs_tokens):
         try:
             values = await state.backend.run(_score_batch, model, [prompts[i] for i in batch], request.k,
-                                             request.temperature, as_logits)
+                                             request.temperature, as_logits, state.backend.engine.memory_decoder)
         except HTTPError:
             raise
         except Exception as exc:  # noqa: BLE001 - one request fails, the server goes on

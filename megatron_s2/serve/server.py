@@ -24,9 +24,11 @@ __all__ = ["build_state", "bind_socket", "serve_forever", "ServerThread"]
 
 
 def build_state(model, tokenizer, description: str, config: ServeConfig, engine_config: EngineConfig,
-                model_name: str) -> ServerState:
-    """An engine over ``model`` (eval mode, every layer on this rank) behind a backend."""
-    engine = InferenceEngine(model, engine_config, eos_token_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+                model_name: str, memory_decoder=None) -> ServerState:
+    """An engine over ``model`` (eval mode, every layer on this rank) behind a backend;
+    ``memory_decoder``: a :class:`~megatron_s2.inference.memory_decoder.MemoryDecoder` plug-in."""
+    engine = InferenceEngine(model, engine_config, eos_token_ids=[tokenizer.eos_id], detokenize=tokenizer.decode,
+                             memory_decoder=memory_decoder)
     state = ServerState(AsyncEngine(engine), tokenizer, config, config.served_model_name or model_name, description)
     state.max_token_bytes  # computed once here, not on the first request's event-loop turn
     return state

@@ -101,7 +101,8 @@ def test_memdec_recipes_train_backbone_memory_and_router(tmp_path):
 
     # the plug-in next to its backbone: Eq. 3 per token, a distribution at every position
     from megatron_s2.models.memory_decoder import interpolate
-    from megatron_s2.posttrain.memdec.fusion import load_fused, load_plugin
+    from megatron_s2.inference.memory_decoder import load_memory_decoder
+    from megatron_s2.posttrain.memdec.fusion import load_fused
 
     fused, tokenizer = load_fused(backbone, router)
     tokens = torch.tensor([[tokenizer.bos_id, *tokenizer.encode("ACGU GAC. ab")]])
@@ -111,7 +112,22 @@ def test_memdec_recipes_train_backbone_memory_and_router(tmp_path):
     torch.testing.assert_close(out.fused.exp(), interpolate(out.backbone.exp(), out.memory.exp(), out.lam),
                                rtol=1e-5, atol=1e-7)
     with pytest.raises(ConfigError, match="no router tensors"):
-        load_plugin(memory)
+        load_memory_decoder(memory)
+
+    # `megatron-s2 generate --memory-decoder`: the plug-in decodes next to its backbone; a run without
+    # the router, or a backbone the plug-in was not made for, exits 2 with one line
+    def generate(checkpoint, plugin):
+        cmd = [sys.executable, "-m", "megatron_s2.cli", "generate", str(checkpoint), "--memory-decoder", str(plugin),
+               "--prompt", "ACGU", "--temperature", "0", "--max-tokens", "4", "--device", "cpu"]
+        return subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                              text=True, timeout=300)
+
+    out = generate(backbone, router)
+    assert out.returncode == 0 and "+ memory decoder" in out.stderr and "finish reason" in out.stderr, out.stderr[-2000:]
+    for checkpoint, plugin, said in ((backbone, memory, "no router tensors"), (memory, router, "the router of")):
+        out = generate(checkpoint, plugin)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and said in lines[0], out.stderr[-2000:]
 
 
 @pytest.mark.slow
