@@ -182,6 +182,7 @@ def test_rl_on_agentic_episodes_trains_the_engines_tokens(tmp_path, monkeypatch,
             policy.queue[:] = [tok.encode(format_call(c["name"], c["arguments"]) + EOS) for c in script]
             played.append(session)
         episode = play(self, env, task, session, **kw)
+        assert not (Path(self.trace_dir) / session).exists()  # consumed: the gateway's store forgot it
         policy.queue[:] = []
         if session.startswith("ep"):
             episodes[int(session[2:])] = episode

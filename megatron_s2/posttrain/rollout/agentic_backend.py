@@ -56,6 +56,7 @@ from megatron_s2.posttrain.rollout.agentic_trace import episode_samples
 from megatron_s2.posttrain.rollout.engine_backend import RolloutStats
 from megatron_s2.posttrain.rollout.replicas import ReplicaTopology, gather_objects
 from megatron_s2.posttrain.rollout.vf_backend import SERVED_MODEL, _bypass_proxies_for_loopback
+from megatron_s2.serve.gateway.traces import group_of
 
 __all__ = ["AgenticBackend"]
 
@@ -208,10 +209,13 @@ class AgenticBackend:
 
     # ---- episodes ---------------------------------------------------------------------------------------
     def _play(self, env, task, session: str, *, temperature: float, max_tokens: int) -> HarnessEpisode:
-        return run_harness_episode(task, _ContextLimited(env.harness()), env.runtime, server_url=self.server.url,
-                                   session=session, trace_dir=self.trace_dir,
-                                   settings=env.settings(temperature=temperature, max_tokens=max_tokens),
-                                   annotator=env.config.process_annotator)
+        try:
+            return run_harness_episode(task, _ContextLimited(env.harness()), env.runtime, server_url=self.server.url,
+                                       session=session, trace_dir=self.trace_dir,
+                                       settings=env.settings(temperature=temperature, max_tokens=max_tokens),
+                                       annotator=env.config.process_annotator)
+        finally:  # the episode holds its trace's samples: the gateway's store need not keep the tree
+            self.server.state.capture.store.forget(group_of(session))
 
     def _launch(self) -> None:
         pending, self._pending = self._pending, []
