@@ -81,6 +81,8 @@ def _environment(*overrides):
      "'sum_pairs'; known: archive_logs"),
     ("rl.rollout.environment.tasks=[fix_median]", "rl.rollout.environment.eval_prompts: agentic tasks ['fix_median'] "
      "have no variants"),
+    ("rl.rollout.environment.agent={harness: smolagents}", "rl.rollout.environment.agent.harness: smolagents "
+     "re-renders its history"),
 ])
 def test_the_environment_refuses_unknown_tasks_by_key(override, message):
     with pytest.raises(ConfigError) as err:

@@ -23,7 +23,8 @@ session advantage; the batch assembly spreads it over the episode's policy spans
 Eq. 30 (``w * A`` when A > 0, ``A`` otherwise) — what
 :func:`~megatron_s2.posttrain.agentic.gateway_episode.group_token_advantages` computes.
 A harness that re-renders its history (smolagents) leaves one branch per model call; training
-several samples of one episode is not wired yet, and such an episode is refused by name.
+several samples of one episode is not wired yet: the environment refuses such a harness, and an
+episode that still leaves several branches fails by name.
 
 **Weight updates.** As for verifiers: the trace keeps no per-token version, so :meth:`pause` lets
 every running episode finish before the engine pauses; no partial episodes are checkpointed
