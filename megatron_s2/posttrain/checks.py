@@ -120,8 +120,8 @@ def check_prompts(recipe, tokenizer, environments: Mapping | None = None) -> Non
     limit = engine_max_model_len(recipe, rollout)
     for name in rollout.dataset_names():
         config, key = rollout.environment_of(name), environment_key(kind, rollout, name)
-        if config.kind == "verifiers":
-            continue
+        if config.kind == "verifiers" or (config.kind == "agentic" and environments is None):
+            continue  # (agentic: the trainer checks the built environment's opening chat)
         env = (environments or {}).get(name)
         if env is None:
             bound = getattr(ENVIRONMENTS[config.kind], "prompt_tokens_at_most", None)

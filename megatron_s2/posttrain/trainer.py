@@ -23,8 +23,8 @@ preemption guard, markers and metrics — with a different step. One step (= one
 
 Evaluation on held-out prompts (greedy by default) runs before the first step, every
 ``eval.interval`` steps and after the last, with a second engine over the same weights — or, for
-verifiers environments, as episodes of their held-out tasks through the run's own server and
-engine, between steps (:class:`~megatron_s2.posttrain.rollout.evaluation.VerifiersEvaluator`).
+verifiers and agentic environments, as episodes of their held-out tasks through the run's own
+server and engine, between steps (:class:`~megatron_s2.posttrain.rollout.evaluation.VerifiersEvaluator`).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class PosttrainTrainer(Trainer):
             return super().train()
         finally:
             close = getattr(self.backend, "close", None)
-            if close is not None:  # the verifiers backend's server and loop threads
+            if close is not None:  # the verifiers / agentic backend's server, threads, sandboxes
                 close()
 
     def build_data(self):
@@ -164,15 +164,18 @@ class PosttrainTrainer(Trainer):
         configs, eos = engine_configs(recipe, self.rollout_cfg), [self.tokenizer.eos_id]
         self.engine = InferenceEngine(self.rollout_model, configs["rollout"], eos_token_ids=eos)
         loader = self._load_rollout_weights if self.transfer else None
-        if self.rollout_cfg.uses_verifiers:  # episodes over our server on this engine (rollout/vf_backend.py)
-            from megatron_s2.posttrain.rollout.vf_backend import VerifiersBackend
+        if self.rollout_cfg.served:  # episodes over our server on this engine (rollout/vf_backend.py, agentic_backend.py)
+            if self.rollout_cfg.uses_verifiers:
+                from megatron_s2.posttrain.rollout.vf_backend import VerifiersBackend as backend_class
+            else:
+                from megatron_s2.posttrain.rollout.agentic_backend import AgenticBackend as backend_class
 
             concurrent = max(e.max_concurrent for e in map(self.rollout_cfg.environment_of,
                                                            self.rollout_cfg.dataset_names()))
-            self.backend = VerifiersBackend(self.engine, self.environments, tokenizer=self.tokenizer,
-                                            topology=self.topology, layer_ids=self.rollout_model.layer_ids,
-                                            record_routing=engine_cfg.routing_replay, weight_loader=loader,
-                                            max_concurrent=concurrent or self.rollout_cfg.max_in_flight)
+            self.backend = backend_class(self.engine, self.environments, tokenizer=self.tokenizer,
+                                         topology=self.topology, layer_ids=self.rollout_model.layer_ids,
+                                         record_routing=engine_cfg.routing_replay, weight_loader=loader,
+                                         max_concurrent=concurrent or self.rollout_cfg.max_in_flight)
             # held-out tasks are played through the same server and engine, between steps
             self.eval_engine = None
             self.evaluator = VerifiersEvaluator(self.backend, self.environments, self.topology, self.section.eval,

@@ -95,6 +95,16 @@ def test_worked_example_19_arithmetic():
     assert numbers["saving"] == pytest.approx(768_000 / 82_200)
 
 
+def test_a_forgotten_group_leaves_memory_and_disk(tmp_path):
+    """A trainer that consumed a session's trace drops its tree (the agentic rollout back end)."""
+    store = TraceStore(tmp_path)
+    node = store.add_node("ep7", -1, "context", "hello", [1, 2, 3])
+    assert store.groups() == ["ep7"] and store.tree("ep7").nodes[node].text == "hello"
+    store.forget("ep7")
+    assert store.groups() == [] and not (tmp_path / "ep7").exists() and not store.tree("ep7").nodes
+    store.forget("never-seen")  # nothing to drop: no error
+
+
 def test_output_parser_splits_reasoning_text_and_calls(tok):
     ids = tok.encode(TOOL_ANSWER)
     whole = OutputParser(tok)

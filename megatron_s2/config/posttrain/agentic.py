@@ -14,7 +14,28 @@ from typing import Literal
 
 from megatron_s2.config.schema import ConfigError
 
-__all__ = ["SandboxConfig", "ProcessAnnotatorConfig"]
+__all__ = ["SandboxConfig", "ProcessAnnotatorConfig", "AGENT_HARNESSES", "check_agent"]
+
+AGENT_HARNESSES = ("builtin", "openai_agents", "anthropic", "smolagents")
+"""The harness adapters of ``megatron_s2/posttrain/agentic/harnesses.py`` (``HARNESSES``), by name."""
+
+
+def check_agent(agent: dict, what: str) -> None:
+    """An agentic environment's ``agent`` mapping: ``harness`` (one of :data:`AGENT_HARNESSES`) and,
+    for openai_agents, ``api``; nothing else."""
+    if not isinstance(agent, dict):
+        raise ConfigError(f"{what}: expected a mapping like {{harness: builtin}}, got {type(agent).__name__}")
+    unknown = sorted(set(agent) - {"harness", "api"})
+    if unknown:
+        raise ConfigError(f"{what}.{unknown[0]}: not a setting of an agentic environment's agent (known: harness, "
+                          "api); the turn budget is environment.max_turns, tokens per call rollout.max_new_tokens")
+    harness = agent.get("harness", "builtin")
+    if harness not in AGENT_HARNESSES:
+        raise ConfigError(f"{what}.harness: unknown harness {harness!r}; known: {', '.join(AGENT_HARNESSES)}")
+    api = agent.get("api", "chat")
+    if api not in ("chat", "responses") or ("api" in agent and harness != "openai_agents"):
+        raise ConfigError(f"{what}.api: {api!r} — api chooses the OpenAI Agents SDK's protocol (chat | responses) "
+                          "and needs harness: openai_agents")
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ def engine_max_model_len(recipe, rollout) -> int:
 def engine_configs(recipe, rollout) -> dict[str, EngineConfig]:
     """``{"rollout": ..., "eval": ...}``: the engine configurations of a post-training rank for the
     ``rollout`` section (:class:`~megatron_s2.config.posttrain.rollout` of ``rl`` / ``opd``); no
-    ``eval`` engine with verifiers environments (their held-out tasks are played through the rollout
-    engine's server, :class:`~megatron_s2.posttrain.rollout.evaluation.VerifiersEvaluator`)."""
+    ``eval`` engine with verifiers or agentic environments (their held-out tasks are played through the
+    rollout engine's server, :class:`~megatron_s2.posttrain.rollout.evaluation.VerifiersEvaluator`)."""
     engine = rollout.engine
     common = dict(max_model_len=engine_max_model_len(recipe, rollout), prefill_chunk=engine.prefill_chunk,
                   max_prefill_tokens=max(engine.prefill_chunk, 1024), page_tokens=engine.page_tokens,
@@ -34,6 +34,6 @@ def engine_configs(recipe, rollout) -> dict[str, EngineConfig]:
                   decoder_bounded_replay=engine.decoder_bounded_replay)
     configs = {"rollout": EngineConfig(max_waiting=max(4 * rollout.max_in_flight, 256),
                                        speculative=engine.speculative, **common)}
-    if not rollout.uses_verifiers:  # verifiers environments evaluate through the rollout engine's server
+    if not rollout.served:  # verifiers / agentic environments evaluate through the rollout engine's server
         configs["eval"] = EngineConfig(max_waiting=100_000, **common)
     return configs

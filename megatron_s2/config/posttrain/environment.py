@@ -10,7 +10,11 @@
   the whole session is one training sample;
 * ``verifiers`` — any verifiers v1 environment (taskset x harness), rolled out through our
   OpenAI-compatible server over the co-located engine exactly as verifiers reaches any model
-  (:mod:`megatron_s2.posttrain.rollout.vf_backend`).
+  (:mod:`megatron_s2.posttrain.rollout.vf_backend`);
+* ``agentic`` — the embedded agentic tasks (``megatron_s2/posttrain/agentic/tasks``), each episode a
+  real harness (``agent.harness``) playing a seeded task instance in a sandbox against the in-process
+  agent gateway over the co-located engine, its PrefixTree trace trained token-in/token-out with the
+  process weights of Eq. 30 (:mod:`megatron_s2.posttrain.rollout.agentic_backend`).
 (The same tasks as a ``verifiers`` v1 taskset + harness for any verifiers trainer, over
 ``megatron-s2 serve``: :mod:`megatron_s2.posttrain.envs.vf_tasks`.)
 
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megatron_s2.config.data import TASK_NAMES, TaskDifficulty
+from megatron_s2.config.posttrain.agentic import ProcessAnnotatorConfig, SandboxConfig, check_agent
 from megatron_s2.config.schema import ConfigError
 
 __all__ = ["EnvironmentConfig", "RolloutEngineConfig", "EvaluationConfig"]
@@ -33,10 +38,12 @@ __all__ = ["EnvironmentConfig", "RolloutEngineConfig", "EvaluationConfig"]
 class EnvironmentConfig:
     """Where a dataset's prompts come from and how responses are scored."""
 
-    kind: Literal["task", "task_retry", "verifiers"] = "task"
+    kind: Literal["task", "task_retry", "verifiers", "agentic"] = "task"
     """'task': single-turn embedded task; 'task_retry': multi-turn (retry after feedback);
     'verifiers': a verifiers (v1) environment — ``taskset`` x ``harness`` — whose rollouts reach
-    the co-located engine through our OpenAI-compatible server (:mod:`..rollout.vf_backend`)."""
+    the co-located engine through our OpenAI-compatible server (:mod:`..rollout.vf_backend`);
+    'agentic': harness episodes on the embedded agentic tasks through the in-process agent gateway
+    (:mod:`..rollout.agentic_backend`)."""
     task: str = "addition"
     """Embedded task name (any of megatron_s2.config.data.TASK_NAMES)."""
     difficulty: TaskDifficulty = field(default_factory=TaskDifficulty)
@@ -49,7 +56,8 @@ class EnvironmentConfig:
     """Seed of prompt generation (independent of the run seed, so runs with different seeds see
     the same prompts)."""
     max_turns: int = 1
-    """task_retry: attempts per session (>= 2 makes it multi-turn)."""
+    """task_retry: attempts per session (>= 2 makes it multi-turn); agentic: the harness's model
+    calls per episode (its turn budget; an episode cut by it ends 'turn_limit')."""
     feedback: str = " wrong, again:"
     """task_retry: the environment's reply after a wrong answer (tokenised, loss-masked)."""
     taskset: dict[str, Any] = field(default_factory=dict)
@@ -64,13 +72,25 @@ class EnvironmentConfig:
     evaluation is on; {} = none."""
     agent: dict[str, Any] = field(default_factory=dict)
     """verifiers: the agent (``vf.AgentConfig``): ``harness: {id: <plugin id>, ...}`` (default: the
-    taskset's harness), ``runtime`` (default ``{type: subprocess}``: on this host), ``max_turns`` ..."""
+    taskset's harness), ``runtime`` (default ``{type: subprocess}``: on this host), ``max_turns`` ...
+    agentic: ``{harness: builtin | openai_agents | anthropic | smolagents}`` (default builtin;
+    ``api: chat | responses`` for openai_agents)."""
+    tasks: tuple[str, ...] = ()
+    """agentic: the embedded agentic tasks played (``python -m megatron_s2.posttrain.agentic list``);
+    ``sum_pair`` / ``copy_word`` get a seeded instance per prompt (``num_prompts`` training
+    instances, ``eval_prompts`` distinct held-out ones, split by content: never trained on)."""
+    max_operand: int = 99
+    """agentic: the largest operand of ``sum_pair`` instances (9 = one-digit sums, the easiest)."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """agentic: each episode's sandbox (isolation backend and limits)."""
+    process_annotator: ProcessAnnotatorConfig = field(default_factory=ProcessAnnotatorConfig)
+    """agentic: process weights of the policy segments (Eq. 30)."""
     plugin_path: str = ""
     """verifiers: a folder put on ``sys.path`` so the taskset / harness ids import (relative paths:
     working directory, then the project root); '' = installed packages only. The embedded tasks
     (id ``megatron_s2_tasks``) are always importable."""
     max_concurrent: int = 0
-    """verifiers: episodes run at once on a rollout replica; 0 = rollout.max_in_flight."""
+    """verifiers, agentic: episodes run at once on a rollout replica; 0 = rollout.max_in_flight."""
     renderer: Literal["bridge", "default"] = "bridge"
     """verifiers: how the training client renders chats to token ids with the run's tokenizer:
     'default' = renderers' DefaultRenderer (the chat template, every call re-rendered from the
@@ -90,15 +110,28 @@ class EnvironmentConfig:
         if self.kind == "task_retry" and self.max_turns < 2:
             raise ConfigError("max_turns: a task_retry environment needs at least 2 turns; set max_turns: 2 "
                               "or use kind: task")
-        if self.kind != "task_retry" and self.max_turns != 1:
-            raise ConfigError(f"max_turns: only kind 'task_retry' has several turns; set kind: task_retry "
-                              f"or max_turns: 1 (kind is '{self.kind}')")
+        if self.kind not in ("task_retry", "agentic") and self.max_turns != 1:
+            raise ConfigError(f"max_turns: only kinds 'task_retry' and 'agentic' have several turns; set kind: "
+                              f"task_retry or max_turns: 1 (kind is '{self.kind}')")
         if self.kind == "verifiers" and not self.taskset.get("id"):
             raise ConfigError("taskset: a verifiers environment needs the taskset's plugin id; set taskset: {id: "
                               "<id>, ...} (e.g. megatron_s2_tasks)")
-        if self.kind != "verifiers" and (self.taskset or self.eval_taskset or self.agent or self.plugin_path):
-            raise ConfigError(f"taskset: taskset / eval_taskset / agent / plugin_path configure a verifiers "
+        if self.kind != "verifiers" and (self.taskset or self.eval_taskset or self.plugin_path):
+            raise ConfigError(f"taskset: taskset / eval_taskset / plugin_path configure a verifiers "
                               f"environment; set kind: verifiers or remove them (kind is '{self.kind}')")
+        if self.kind not in ("verifiers", "agentic") and self.agent:
+            raise ConfigError(f"agent: it configures the harness of a verifiers or agentic environment; set kind: "
+                              f"agentic (or verifiers) or remove it (kind is '{self.kind}')")
+        if self.kind == "agentic":
+            if not self.tasks:
+                raise ConfigError("tasks: an agentic environment needs its tasks, e.g. tasks: [copy_word] (python -m "
+                                  "megatron_s2.posttrain.agentic list names them)")
+            check_agent(self.agent, "agent")
+            if self.max_operand < 1:
+                raise ConfigError(f"max_operand: must be >= 1, got {self.max_operand}")
+        elif self.tasks:
+            raise ConfigError(f"tasks: it lists the tasks of an agentic environment; set kind: agentic or remove it "
+                              f"(kind is '{self.kind}')")
         if self.eval_taskset and self.held_out_taskset() == dict(self.taskset):
             raise ConfigError("eval_taskset: it names the training taskset itself, so nothing would be held out; give "
                               "the fields that select held-out tasks (e.g. {split: eval, count: 256} for "

@@ -72,6 +72,8 @@ def check_posttrain_recipe(recipe) -> None:
                               f"set eval_prompts >= 1, or {kind}.eval.interval=0 and {kind}.eval.at_start=false")
     if rollout.uses_verifiers:
         _check_verifiers(recipe, section, kind)
+    if rollout.uses_agentic:
+        _check_agentic(recipe, section, kind)
     if kind == "opd" and section.sft_warmup.steps > t.train_steps:
         raise ConfigError(f"opd.sft_warmup.steps: {section.sft_warmup.steps} warm-up steps exceed training.train_steps = "
                           f"{t.train_steps} (the warm-up steps are the phase's first steps); raise train_steps or "
@@ -109,3 +111,18 @@ def _check_verifiers(recipe, section, kind: str) -> None:
     if recipe.data.tokenizer == "char":
         raise ConfigError("data.tokenizer: a verifiers environment renders chats with a Hugging Face tokenizer "
                           "(renderers); set data.tokenizer to a tokenizer directory, e.g. recipes/tokenizers/tiny-bpe")
+
+
+def _check_agentic(recipe, section, kind: str) -> None:
+    """What the agentic rollout back end (megatron_s2/posttrain/rollout/agentic_backend.py) cannot do yet."""
+    if kind == "opd":
+        raise ConfigError("opd.rollout.environment.kind: agentic environments are trained by rl phases only so far "
+                          "(the distillation signal of a harness episode is not wired); use phase.kind: rl")
+    effort = getattr(section, "effort", None)
+    if effort is not None and effort.enabled:
+        raise ConfigError(f"{kind}.effort.levels: effort-conditioned prompts cannot be injected into a harness's own "
+                          "prompts; set levels: []")
+    if recipe.data.tokenizer == "char":
+        raise ConfigError("data.tokenizer: the agent gateway renders the harnesses' chats with the tokenizer's chat "
+                          "template, which the character tokenizer has not; set data.tokenizer to a tokenizer "
+                          "directory, e.g. recipes/tokenizers/tiny-bpe")

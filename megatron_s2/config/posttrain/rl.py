@@ -94,8 +94,8 @@ class RLConfig:
         if self.rollout.max_staleness != k:
             raise ConfigError(f"rl.rollout.max_staleness: in disaggregated mode the staleness bound is "
                               f"rl.disaggregated.max_async_level ({k}); set max_staleness: {k} too")
-        if self.rollout.uses_verifiers:
-            raise ConfigError("rl.mode: verifiers environments run their own server in the trainer; use "
+        if self.rollout.served:
+            raise ConfigError("rl.mode: verifiers and agentic environments run their own server in the trainer; use "
                               "mode: colocated for them (disaggregated mode plays the embedded task environments)")
         if self.eval.interval or self.eval.at_start:
             raise ConfigError("rl.eval: held-out evaluation runs on the co-located engine, which disaggregated mode "

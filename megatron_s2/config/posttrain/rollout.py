@@ -17,6 +17,9 @@ from megatron_s2.config.posttrain.environment import EnvironmentConfig, RolloutE
 
 __all__ = ["DatasetSlotConfig", "ShortSampleDiscardConfig", "RolloutConfig"]
 
+_BACKEND = {"verifiers": "verifiers", "agentic": "agentic"}
+"""Environment kind -> the rollout back end that plays it (the others: the engine's token-level one)."""
+
 
 @dataclass(frozen=True)
 class DatasetSlotConfig:
@@ -120,18 +123,19 @@ class RolloutConfig:
                 raise ConfigError(f"datasets.{d.name}.max_in_flight: {d.max_in_flight} is below its group size {size}")
         if self.group_size > self.max_in_flight:
             raise ConfigError(f"max_in_flight: {self.max_in_flight} is below group_size={self.group_size}")
-        kinds = {self.environment_of(n).kind == "verifiers" for n in self.dataset_names()}
-        if len(kinds) == 2:
-            raise ConfigError("datasets: every dataset's environment must be kind 'verifiers' or none is (one rollout "
-                              "backend per run); give all datasets verifiers environments or none")
+        backends = {_BACKEND.get(self.environment_of(n).kind, "engine") for n in self.dataset_names()}
+        if len(backends) > 1:
+            raise ConfigError(f"datasets: the environments need different rollout back ends ({', '.join(sorted(backends))}: "
+                              "verifiers, agentic and the token-level kinds each have their own); one back end per "
+                              "run, so give every dataset an environment of the same family")
         renderers = {self.environment_of(n).renderer for n in self.dataset_names()}
         if self.uses_verifiers and len(renderers) > 1:
             raise ConfigError(f"datasets: the verifiers environments use different renderers {sorted(renderers)}; one "
                               "training client serves them all, so set the same environment.renderer everywhere")
         if self.engine.train_aware_replay:
-            if self.uses_verifiers:
-                raise ConfigError("engine.train_aware_replay: not supported with verifiers environments yet (their "
-                                  "turns are not known in advance); turn train_aware_replay off")
+            if self.served:
+                raise ConfigError("engine.train_aware_replay: not supported with verifiers or agentic environments "
+                                  "yet (their turns are not known in advance); turn train_aware_replay off")
             if self.resume_in_flight != "discard":
                 raise ConfigError("resume_in_flight: with engine.train_aware_replay a sample resumed after a restart "
                                   "would be re-prefilled with a second replay boundary; set resume_in_flight: discard")
@@ -144,6 +148,17 @@ class RolloutConfig:
     def uses_verifiers(self) -> bool:
         """Rollouts come from verifiers environments (over the in-process server)."""
         return any(self.environment_of(n).kind == "verifiers" for n in self.dataset_names())
+
+    @property
+    def uses_agentic(self) -> bool:
+        """Rollouts are harness episodes on the agentic tasks (over the in-process agent gateway)."""
+        return any(self.environment_of(n).kind == "agentic" for n in self.dataset_names())
+
+    @property
+    def served(self) -> bool:
+        """Episodes reach the engine over the in-process server (verifiers or agentic): no token-level
+        episodes, no second evaluation engine."""
+        return self.uses_verifiers or self.uses_agentic
 
     def environment_of(self, dataset: str) -> EnvironmentConfig:
         for d in self.datasets:

@@ -6,7 +6,8 @@
     python -m megatron_s2.posttrain.agentic play sum_pair --checkpoint RUN_DIR \\
         [--harness openai_agents|anthropic|smolagents|builtin] [--traces DIR] [--max-turns 6] \\
         [--max-tokens 128] [--temperature 1.0] [--max-model-len 8192] [--json]
-    python -m megatron_s2.posttrain.agentic sft-data OUT.jsonl [--tasks sum_pair copy_word] [--copies 1]
+    python -m megatron_s2.posttrain.agentic sft-data OUT.jsonl [--tasks sum_pair copy_word] [--copies 1] \\
+        [--variants N [--seed 0] [--max-operand 99]]
 
 ``run`` plays the task's scripted reference solution (``--agent reference``, reward 1) or an agent
 that submits at once (``--agent idle``, reward 0) in a fresh sandbox, grades it, and prints the
@@ -21,7 +22,9 @@ default a fresh temporary folder) and lets a real harness play the task against 
 (branches, trainable tokens) and the process weights (``--json``: all of it, per call).
 
 ``sft-data`` writes the tasks' reference solutions, played in real sandboxes, as chat
-conversations for a ``data.kind: chat`` SFT recipe (:mod:`.sft_traces`).
+conversations for a ``data.kind: chat`` SFT recipe (:mod:`.sft_traces`); with ``--variants N``, N
+seeded training-split instances (:func:`~.tasks.task_variants`: never a held-out one) instead of
+the stored ones.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.posttrain.agentic.harnesses import HARNESSES, HarnessSettings, make_harness
 from megatron_s2.posttrain.agentic.runner import run_episode, scripted_policy
 from megatron_s2.posttrain.agentic.sandbox import SandboxUnavailable, detect_runtime
-from megatron_s2.posttrain.agentic.tasks import load_task, task_names
+from megatron_s2.posttrain.agentic.tasks import load_task, task_names, task_variants
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("out", help="the .jsonl file to write")
     sft.add_argument("--tasks", nargs="+", default=["sum_pair", "copy_word"], help="embedded task names")
     sft.add_argument("--copies", type=int, default=1, help="each conversation this many times")
+    sft.add_argument("--variants", type=int, default=0,
+                     help="N seeded training-split instances of the tasks instead of the stored ones")
+    sft.add_argument("--seed", type=int, default=0, help="first seed of --variants")
+    sft.add_argument("--max-operand", type=int, default=99, help="sum_pair's largest operand in --variants")
     sft.add_argument("--backend", choices=("auto", "bwrap", "unshare"), default="auto")
     return parser
 
@@ -129,8 +136,9 @@ def _main(args) -> int:
         from megatron_s2.posttrain.agentic.sft_traces import write_sft_jsonl
 
         try:
-            count = write_sft_jsonl(args.out, [load_task(name) for name in args.tasks],
-                                    detect_runtime(SandboxConfig(backend=args.backend)), args.copies)
+            tasks = (task_variants(args.tasks, "train", args.variants, args.seed, max_operand=args.max_operand)
+                     if args.variants else [load_task(name) for name in args.tasks])
+            count = write_sft_jsonl(args.out, tasks, detect_runtime(SandboxConfig(backend=args.backend)), args.copies)
         except (ValueError, SandboxUnavailable) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return ConfigError.exit_code

@@ -56,7 +56,8 @@ class Grade:
 def grading_tar(task: AgenticTask, agent_tar: bytes) -> bytes:
     """The grading view: the agent's regular files, minus ``reset`` outputs and anything at a
     canonical path, then the canonical overlay (last)."""
-    canonical = {dst: (task.grader / src).read_bytes() for src, dst in task.overlay.items()}
+    canonical = {dst: task.files[dst].encode() if dst in task.files else (task.grader / src).read_bytes()
+                 for src, dst in task.overlay.items()}  # a variant's input is the canonical one
     dropped = set(task.reset) | set(canonical)
     out = io.BytesIO()
     with tarfile.open(fileobj=io.BytesIO(agent_tar)) as src, tarfile.open(fileobj=out, mode="w:gz") as dst:
@@ -102,5 +103,19 @@ def grade_workspace(task: AgenticTask, agent_tar: bytes, runtime: SandboxRuntime
 
 
 def workspace_tar(task: AgenticTask) -> bytes:
-    """The task's starting workspace as a tar (what each episode's sandbox is filled with)."""
-    return tar_directory(task.workspace)
+    """The task's starting workspace as a tar (what each episode's sandbox is filled with), a
+    variant's files laid over it."""
+    if not task.files:
+        return tar_directory(task.workspace)
+    out = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(tar_directory(task.workspace))) as src, \
+            tarfile.open(fileobj=out, mode="w:gz") as dst:
+        for member in src.getmembers():
+            if member.name not in task.files:
+                dst.addfile(member, src.extractfile(member) if member.isfile() else None)
+        for name, text in sorted(task.files.items()):
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            dst.addfile(info, io.BytesIO(data))
+    return out.getvalue()

@@ -18,17 +18,28 @@ properties (``primes_file``, ``make_config``), a terminal chore (``archive_logs`
 tiny-model tasks, one file read and one file written (``sum_pair``: the sum of the two numbers of
 input.txt; ``copy_word``: the word of word.txt), whose inputs are overlaid last, so an agent that
 rewrites them earns nothing.
+
+**Variants** (issue 25): a policy trained on one fixed instance learns that instance. The two
+tiny-model tasks have seeded instances — :func:`task_variant` draws ``sum_pair``'s operands and
+``copy_word``'s word — as the same task with its input file replaced (in the starting workspace
+and in the canonical overlay) and the reference solution rewritten. A variant belongs to the
+``train`` or the ``eval`` split by its *content* (:func:`variant_split`: a hash of its files), so
+the held-out instances are never trained on, whatever the seeds or counts
+(:func:`task_variants`).
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
-from dataclasses import dataclass, field
+import random
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["TASKS_DIR", "AgenticTask", "load_task", "task_names"]
+__all__ = ["TASKS_DIR", "AgenticTask", "load_task", "task_names", "VARIANT_TASKS", "task_variant", "variant_split",
+           "task_variants"]
 
 TASKS_DIR = Path(__file__).with_name("tasks")
 
@@ -43,6 +54,11 @@ class AgenticTask:
     reset: tuple[str, ...] = ()
     overlay: dict[str, str] = field(default_factory=dict)
     reference: tuple[dict, ...] = ()
+    files: dict[str, str] = field(default_factory=dict)
+    """A variant's files (workspace path -> text): laid over the starting workspace and, for the
+    paths the overlay lands on, used as the canonical copy instead of the grader's (module docstring)."""
+    variant: str = ""
+    """The variant's key ('' = the task as stored)."""
 
     @property
     def workspace(self) -> Path:
@@ -76,3 +92,84 @@ def load_task(name: str) -> AgenticTask:
     reference = json.loads((root / "reference.json").read_text(encoding="utf-8"))
     return AgenticTask(name, spec["prompt"], root, tuple(spec.get("reset", ())), dict(spec.get("overlay", {})),
                        tuple(reference))
+
+
+# ---- variants ----------------------------------------------------------------------------------------
+# copy_word's words: short lowercase words, no two alike (any word the tokenizer spells works).
+WORDS = tuple("""
+apple amber anchor arrow aspen badge bamboo basil beacon berry birch bison blade bloom bolt brick
+brook cabin cable camel candle canyon carbon castle cedar cherry cider cliff clover cobalt comet
+copper coral cotton crane crystal dagger daisy delta desert dingo dolphin dragon eagle ember falcon
+fern ferry fiddle flame flint forest fossil fox garnet ginger glacier goose granite grape gravel
+harbor hazel heron hollow honey hornet iris island ivory jade jaguar jasmine kettle kite koala
+ladder lagoon lantern lemon lily linen lizard lotus maple marble meadow melon mint mirror moose
+nectar nickel oak ocean olive onyx orchid otter oyster panda parrot pebble pepper pine planet
+plum pony prism quartz quill rabbit raven reef ribbon river robin ruby saddle salmon sapphire
+shadow silver spruce squid stone summit swan tiger timber topaz tulip tundra velvet violet walnut
+willow wolf yarrow zebra zinc
+""".split())
+
+VARIANT_TASKS = ("sum_pair", "copy_word")
+"""The tasks with seeded instances (:func:`task_variant`)."""
+
+
+def _sum_pair(rng: random.Random, max_operand: int) -> tuple[dict[str, str], dict[str, str]]:
+    a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+    return {"input.txt": f"{a} {b}\n"}, {"answer.txt": str(a + b)}
+
+
+def _copy_word(rng: random.Random, max_operand: int) -> tuple[dict[str, str], dict[str, str]]:
+    word = rng.choice(WORDS)
+    return {"word.txt": f"{word}\n"}, {"answer.txt": word}
+
+
+_GENERATORS = {"sum_pair": _sum_pair, "copy_word": _copy_word}
+
+
+def task_variant(name: str, seed: int, *, max_operand: int = 99) -> AgenticTask:
+    """Instance ``seed`` of task ``name`` (one of :data:`VARIANT_TASKS`): its input file drawn from
+    ``random.Random(seed)`` (``sum_pair``: operands in 0..``max_operand``), the reference's
+    ``write_file`` contents set to the instance's answer."""
+    if name not in _GENERATORS:
+        raise ValueError(f"agentic task {name!r} has no variants; tasks with variants: {', '.join(VARIANT_TASKS)}")
+    base = load_task(name)
+    files, answers = _GENERATORS[name](random.Random(seed), max_operand)
+    reference = tuple({**call, "arguments": {**call["arguments"], "content": answers[call["arguments"]["path"]]}}
+                      if call["name"] == "write_file" and call["arguments"].get("path") in answers else call
+                      for call in base.reference)
+    key = ",".join(f"{k}={v.strip()}" for k, v in sorted(files.items()))
+    return replace(base, reference=reference, files=files, variant=key)
+
+
+def variant_split(task: AgenticTask, eval_fraction: float = 0.2) -> str:
+    """'eval' for the instances whose content hashes into the first ``eval_fraction`` of the hash
+    range, else 'train': the split is a property of the instance, so no seed draws a held-out
+    instance into training."""
+    digest = hashlib.sha256(f"{task.name}:{task.variant}".encode()).digest()
+    return "eval" if int.from_bytes(digest[:8], "big") < eval_fraction * 2 ** 64 else "train"
+
+
+def task_variants(names: list[str] | tuple[str, ...], split: str, count: int, seed: int, *,
+                  max_operand: int = 99, distinct: bool = False) -> list[AgenticTask]:
+    """``count`` instances of ``split``, the tasks ``names`` taking turns, drawn from seeds
+    ``seed, seed + 1, ...`` keeping those of ``split``; ``distinct``: no instance twice (a
+    held-out set). Tasks without variants (:data:`VARIANT_TASKS`) appear as stored, in ``train``
+    only."""
+    out, seen, k = [], set(), 0
+    fixed = [n for n in names if n not in _GENERATORS]
+    if split == "eval" and fixed:
+        raise ValueError(f"agentic tasks {fixed} have no variants, so none of their instances is held out")
+    space = {"sum_pair": (max_operand + 1) ** 2, "copy_word": len(WORDS)}
+    while len(out) < count:
+        name = names[len(out) % len(names)]
+        if name in fixed:
+            out.append(load_task(name))
+            continue
+        task = task_variant(name, seed * 1_000_003 + k, max_operand=max_operand)
+        k += 1
+        if variant_split(task) == split and not (distinct and (name, task.variant) in seen):
+            seen.add((name, task.variant))
+            out.append(task)
+        elif k > 200 * max(count, 1) or (distinct and len(seen) >= space[name]):
+            raise ValueError(f"agentic tasks {list(names)}: fewer than {count} distinct {split} instances exist")
+    return out

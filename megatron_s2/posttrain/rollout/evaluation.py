@@ -281,7 +281,10 @@ class VerifiersEvaluator(Evaluator):
     run's own server, training client and engine, exactly as the training episodes
     (:meth:`~megatron_s2.posttrain.rollout.vf_backend.VerifiersBackend.play_held_out`). Accuracy
     is the rubric's ``correct`` reward (left out when the rubric has none); reward is its weighted
-    sum. No teacher metrics (OPD refuses evaluation on verifiers environments)."""
+    sum. No teacher metrics (OPD refuses evaluation on verifiers environments). Agentic environments
+    are evaluated the same way: their back end
+    (:class:`~megatron_s2.posttrain.rollout.agentic_backend.AgenticBackend`) plays the held-out
+    instances through the in-process agent gateway; accuracy = graded 1."""
 
     def __init__(self, backend, environments: Mapping[str, Environment], topology: ReplicaTopology, config,
                  max_new_tokens: int):

@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -299,6 +300,14 @@ class TraceStore:
 
     def groups(self) -> list[str]:
         return sorted(p.name for p in self.directory.iterdir() if (p / "trace.jsonl").is_file())
+
+    def forget(self, group: str) -> None:
+        """Drop ``group``'s tree from memory and disk — a trainer that has consumed a finished
+        session's trace (its sessions must make no further calls): the store otherwise holds every
+        tree it ever matched against, for as long as the server runs."""
+        with self.lock:
+            self._trees.pop(group, None)
+            shutil.rmtree(self.directory / group, ignore_errors=True)
 
     # ---- matching ----------------------------------------------------------------------------
     def longest_prefix(self, group: str, text: str, start: int = ROOT) -> tuple[list[int], int]:

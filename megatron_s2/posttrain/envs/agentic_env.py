@@ -1,0 +1,110 @@
+"""The embedded agentic tasks as a rollout dataset (``environment.kind: agentic``; issue 25).
+
+To the orchestrator an :class:`AgenticEnvironment` is a
+:class:`~megatron_s2.posttrain.orchestrator.PromptSource`: prompt ``i`` of ``train`` is the ``i``-th
+seeded instance of the configured tasks (:func:`~megatron_s2.posttrain.agentic.tasks.task_variants`,
+the tasks taking turns), ``eval`` holds ``eval_prompts`` distinct held-out instances — split by
+content, so none is ever trained on. Its episodes are not token-level: a real harness plays each
+instance in a sandbox against the in-process agent gateway
+(:class:`~megatron_s2.posttrain.rollout.agentic_backend.AgenticBackend`), and the grader scores it.
+
+Built before the model, so what cannot run is refused here with one line naming the key: an
+unknown task, a task without instances asked for held-out ones, a sandbox backend this machine
+lacks (how to install bubblewrap), a harness whose library is not installed, a harness whose
+episodes leave several trace branches (smolagents; not trained yet).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.posttrain.agentic.harnesses import HARNESSES, Harness, HarnessSettings
+from megatron_s2.posttrain.agentic.sandbox import SandboxRuntime, SandboxUnavailable, detect_runtime
+from megatron_s2.posttrain.agentic.tasks import AgenticTask, task_names, task_variants
+from megatron_s2.posttrain.agentic.tools import tool_schemas, tools_prompt
+from megatron_s2.posttrain.envs.base import Environment, Episode, Split
+
+__all__ = ["AgenticEnvironment"]
+
+_HARNESS_MODULES = {"openai_agents": ("agents", "openai-agents"), "anthropic": ("anthropic", "anthropic"),
+                    "smolagents": ("smolagents", "smolagents"), "builtin": ("openai", "openai")}
+"""Harness -> (the module it imports, its package on the index)."""
+_MULTI_BRANCH = ("smolagents",)
+"""Harnesses that write earlier calls back as their own text: one branch per call (README, gateway)."""
+
+
+class AgenticEnvironment(Environment):
+    """Seeded instances of the embedded agentic tasks (module docstring)."""
+
+    def __init__(self, name: str, config, tokenizer, *, what: str = "rollout.environment"):
+        self.name, self.config, self.tokenizer, self.what = name, config, tokenizer, what
+        self.max_turns = config.max_turns
+        known = task_names()
+        for task in config.tasks:
+            if task not in known:
+                raise ConfigError(f"{what}.tasks: unknown agentic task {task!r}; known: {', '.join(known)}")
+        harness = config.agent.get("harness", "builtin")
+        if harness in _MULTI_BRANCH:
+            raise ConfigError(f"{what}.agent.harness: {harness} re-renders its history, so each episode leaves one "
+                              "trace branch per model call; training several samples of one episode is not supported "
+                              "yet — use harness: builtin, openai_agents or anthropic")
+        module, package = _HARNESS_MODULES[harness]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{what}.agent.harness: {harness} needs the '{package}' package, which is not "
+                              f"installed; pip install {package}, or use harness: builtin")
+        self.harness_name = harness
+        try:
+            self.runtime: SandboxRuntime = detect_runtime(config.sandbox)
+        except SandboxUnavailable as exc:
+            raise ConfigError(f"{what}.sandbox.backend: {exc}".splitlines()[0]) from None
+        try:
+            self.train = task_variants(config.tasks, "train", config.num_prompts, config.seed,
+                                       max_operand=config.max_operand)
+            self.held_out = task_variants(config.tasks, "eval", config.eval_prompts, config.seed,
+                                          max_operand=config.max_operand, distinct=True) if config.eval_prompts else []
+        except ValueError as exc:
+            raise ConfigError(f"{what}.eval_prompts: {exc}; lower eval_prompts, set it to 0, or use tasks with "
+                              "instances (sum_pair, copy_word)") from None
+
+    # ---- what the back end plays ----------------------------------------------------------------
+    def task(self, index: int, split: Split = "train") -> AgenticTask:
+        return (self.train if split == "train" else self.held_out)[index]
+
+    def harness(self) -> Harness:
+        cls = HARNESSES[self.harness_name]
+        api = self.config.agent.get("api")
+        return cls(api=api) if api else cls()
+
+    def settings(self, *, temperature: float, max_tokens: int) -> HarnessSettings:
+        return HarnessSettings(model="policy", max_turns=self.config.max_turns, max_tokens=max_tokens,
+                               temperature=temperature)
+
+    # ---- Environment ---------------------------------------------------------------------------------
+    def size(self, split: Split) -> int:
+        return len(self.train) if split == "train" else len(self.held_out)
+
+    def prompt_messages(self, index: int, split: Split = "train") -> list[dict]:
+        """The opening chat as the builtin harness sends it (other harnesses use their own prompts)."""
+        return [{"role": "system", "content": tools_prompt()}, {"role": "user", "content": self.task(index, split).prompt}]
+
+    def prompt_tokens(self, index: int, effort: int | None = None) -> list[int]:
+        """The builtin harness's rendered opening chat (informational: the trained ids come from the trace)."""
+        try:
+            return list(self.tokenizer.apply_chat_template(self.prompt_messages(index), tools=tool_schemas(),
+                                                           add_generation_prompt=True))
+        except Exception:  # noqa: BLE001 - a tokenizer without a chat template is refused by the recipe checks
+            return []
+
+    def longest_prompt_from(self, limit: int, split: Split = "train", efforts=(None,)) -> int:
+        # every instance has its task's prompt; the instances differ only in their files
+        longest = max((len(self.prompt_tokens(i)) for i in range(min(self.size("train"), len(self.config.tasks)))),
+                      default=0)
+        return longest if longest >= limit else 0
+
+    def episode(self, index: int, split: Split = "train", effort: int | None = None) -> Episode:
+        raise NotImplementedError("an agentic environment's episodes are harness episodes run by AgenticBackend "
+                                  "(megatron_s2/posttrain/rollout/agentic_backend.py), not token-level Episodes")
+
+    def reference_answer(self, index: int, split: Split) -> list[int]:
+        raise NotImplementedError("an agentic task's reference is a tool-call script, not an answer's tokens")

@@ -1,0 +1,296 @@
+"""Harness episodes on the agentic tasks as the orchestrator's rollout back end
+(``environment.kind: agentic``; issue 25, walkthrough Ch. 6-7).
+
+:class:`AgenticBackend` implements :class:`~megatron_s2.posttrain.orchestrator.RolloutBackend` the
+way :class:`~megatron_s2.posttrain.rollout.vf_backend.VerifiersBackend` does for verifiers, with a
+real third-party harness instead of verifiers' agent:
+
+* the co-located rollout engine (report §5.2.1: same ranks, time-shared with training) is served
+  by our app with the **agent gateway** capturing into a PrefixTree trace store (a temporary
+  folder), uvicorn on a background thread on 127.0.0.1 — its driver thread steps the engine;
+* each sample is one :func:`~megatron_s2.posttrain.agentic.gateway_episode.run_harness_episode` on
+  a worker thread: a fresh sandbox with the task instance's workspace, the harness
+  (``agent.harness``) against the session URL ``/sessions/ep<sample id>/v1`` for up to
+  ``max_turns`` model calls of ``rollout.max_new_tokens`` tokens, grading after the agent stopped,
+  the process annotator's weight per policy segment;
+* the finished episode becomes a sample with exactly the engine's token ids, log-probs and routed
+  experts (R3) from the trace (:func:`~megatron_s2.posttrain.rollout.agentic_trace.episode_samples`),
+  context and tool observations loss-masked, its policy spans carrying the process weights.
+
+**Credit.** A sample is an episode, so a prompt group is ``group_size`` episodes of one task
+instance and the recipe's advantage (``leave_one_out``: worked example 22) is the per-episode
+session advantage; the batch assembly spreads it over the episode's policy spans through
+Eq. 30 (``w * A`` when A > 0, ``A`` otherwise) — what
+:func:`~megatron_s2.posttrain.agentic.gateway_episode.group_token_advantages` computes.
+A harness that re-renders its history (smolagents) leaves one branch per model call; training
+several samples of one episode is not wired yet: the environment refuses such a harness, and an
+episode that still leaves several branches fails by name.
+
+**Weight updates.** As for verifiers: the trace keeps no per-token version, so :meth:`pause` lets
+every running episode finish before the engine pauses; no partial episodes are checkpointed
+(in-flight attempts restart from scratch after a restart). An episode that runs out of context
+(the gateway's 400 "maximum context length") ends with stop reason ``context_limit`` — graded,
+trained, its last segment weighted as a limit stop — rather than failing the step.
+
+**Held-out evaluation** (:meth:`play_held_out`): the environment's held-out instances played
+through the same gateway, harness and engine between steps, by the
+:class:`~megatron_s2.posttrain.rollout.evaluation.VerifiersEvaluator` (it only needs
+``play_held_out``).
+
+Rollout replicas must be single ranks (an HTTP request reaches one rank's engine).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.posttrain.agentic.gateway_episode import HarnessEpisode, run_harness_episode
+from megatron_s2.posttrain.orchestrator import RolloutSample, SampleRequest
+from megatron_s2.posttrain.rollout.agentic_trace import episode_samples
+from megatron_s2.posttrain.rollout.engine_backend import RolloutStats
+from megatron_s2.posttrain.rollout.replicas import ReplicaTopology, gather_objects
+from megatron_s2.posttrain.rollout.vf_backend import SERVED_MODEL, _bypass_proxies_for_loopback
+from megatron_s2.serve.gateway.traces import group_of
+
+__all__ = ["AgenticBackend"]
+
+
+class _ContextLimited:
+    """A harness whose episode ends with ``context_limit`` when the gateway refuses a call for the
+    context length (the session outgrew the engine's ``max_model_len``): graded and trained like a
+    turn-limit stop, instead of an exception that would fail the step."""
+
+    def __init__(self, harness):
+        self.harness, self.name = harness, harness.name
+
+    def run(self, objective, tools, server_url, session, settings):
+        try:
+            return self.harness.run(objective, tools, server_url, session, settings)
+        except Exception as exc:  # noqa: BLE001 - each client library has its own error class
+            if "maximum context length" in str(exc):
+                return "context_limit"
+            raise
+
+
+@dataclass
+class _Run:
+    request: SampleRequest
+    version: int
+    future: concurrent.futures.Future
+    end_version: int = -1
+
+
+class AgenticBackend:
+    def __init__(self, engine, environments: Mapping[str, object], *, tokenizer, topology: ReplicaTopology,
+                 layer_ids: Sequence[int], record_routing: bool, max_concurrent: int,
+                 weight_loader: Callable[[int], None] | None = None):
+        """``environments``: dataset name -> :class:`~megatron_s2.posttrain.envs.agentic_env.AgenticEnvironment`;
+        ``max_concurrent``: episodes running at once on this replica."""
+        if topology.count != topology.world_size:
+            raise ConfigError(f"parallel: agentic episodes reach the rollout engine over HTTP on one rank, but this "
+                              f"layout's rollout replicas span {topology.world_size // topology.count} ranks "
+                              "(tp / ep / engram parallel); use tp=1, ep=1 (data parallel only) for this phase")
+        self.engine, self.envs, self.tokenizer, self.topology = engine, dict(environments), tokenizer, topology
+        self.layer_ids = list(layer_ids) if record_routing else None
+        self.max_concurrent, self.weight_loader = max(1, max_concurrent), weight_loader
+        self._pending: list[SampleRequest] = []
+        self._running: dict[int, _Run] = {}
+        self._done: list[RolloutSample] = []
+        self._wake = threading.Event()
+        self._eval_keys = itertools.count()
+        self.paused = False
+        self.any_busy = False
+        self.stats = RolloutStats()
+        self.server = self.pool = None
+        self.trace_dir: str | None = None
+        self.episodes: list[HarnessEpisode] = []
+        """The training episodes finished since the last :meth:`take_episodes` (tests, logging)."""
+
+    # ---- set-up / tear-down ---------------------------------------------------------------------
+    def _start(self) -> None:
+        from megatron_s2.serve import ServeConfig, ServerThread
+        from megatron_s2.serve.backend import AsyncEngine
+        from megatron_s2.serve.state import ServerState
+
+        _bypass_proxies_for_loopback()
+        self.trace_dir = tempfile.mkdtemp(prefix="megatron-s2-agentic-traces-")
+        # logprobs_mode: the loss needs the behaviour log-prob under the distribution each token was drawn from
+        config = ServeConfig(return_routed_experts=self.layer_ids is not None, disconnect_poll_s=0.05,
+                             logprobs_mode="processed_logprobs", gateway_traces=self.trace_dir)
+        state = ServerState(AsyncEngine(self.engine), self.tokenizer, config, SERVED_MODEL,
+                            "the co-located rollout engine")
+        state.max_token_bytes  # noqa: B018 - computed once here, not on the first request's turn
+        self.server = ServerThread(state, keep_alive_s=3600.0).start()
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="megatron-s2-agentic")
+
+    def close(self) -> None:
+        """Stop the episodes (each closes its sandbox), the HTTP server; remove the traces."""
+        if self.pool is not None:
+            for run in self._running.values():
+                run.future.cancel()
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        if self.trace_dir is not None:
+            shutil.rmtree(self.trace_dir, ignore_errors=True)
+            self.trace_dir = None
+
+    # ---- protocol ---------------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def submit(self, requests: Sequence[SampleRequest]) -> None:
+        for req in requests:
+            if req.resume_from is not None and req.resume_from.num_generated:
+                raise ValueError(f"sample {req.sample_id}: agentic episodes cannot resume from a partial sample")
+            if self.topology.owns(req.sample_id):
+                self._pending.append(req)
+
+    def poll(self) -> list[RolloutSample]:
+        if self.server is None:
+            self._start()
+        if not self.paused:
+            self._launch()
+        if self._running and not self._collect():
+            self._wake.wait(0.05)
+            self._collect()
+        done = [s.state_dict() for s in self._done]
+        self._done = []
+        busy = bool(self._running or self._pending)
+        gathered = gather_objects({"done": done, "busy": busy}, self.topology)
+        self.any_busy = any(part["busy"] for part in gathered)
+        out = [RolloutSample.from_state_dict(x) for part in gathered for x in part["done"]]
+        return sorted(out, key=lambda s: s.sample_id)
+
+    def pause(self) -> None:
+        """Stop launching, let every running episode finish (no trace straddles an update), then
+        pause the engine."""
+        self.paused = True
+        concurrent.futures.wait([r.future for r in self._running.values()])
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+        self.paused = False
+
+    def update_weights(self, version: int) -> None:
+        if self.weight_loader is not None:
+            self.weight_loader(version)
+        self.engine.set_policy_version(version)
+
+    def snapshot(self) -> list[RolloutSample]:
+        return []  # no partial episodes (module docstring): in-flight attempts restart from scratch
+
+    def abort(self, sample_ids: Sequence[int]) -> None:
+        drop = set(sample_ids)
+        self._pending = [r for r in self._pending if r.sample_id not in drop]
+        self._done = [s for s in self._done if s.sample_id not in drop]
+        for sid in drop:
+            run = self._running.pop(sid, None)
+            if run is not None:
+                run.future.cancel()
+
+    def take_stats(self) -> RolloutStats:
+        stats, self.stats = self.stats, RolloutStats()
+        return stats
+
+    def take_episodes(self) -> list[HarnessEpisode]:
+        episodes, self.episodes = self.episodes, []
+        return episodes
+
+    # ---- episodes ---------------------------------------------------------------------------------------
+    def _play(self, env, task, session: str, *, temperature: float, max_tokens: int) -> HarnessEpisode:
+        try:
+            return run_harness_episode(task, _ContextLimited(env.harness()), env.runtime, server_url=self.server.url,
+                                       session=session, trace_dir=self.trace_dir,
+                                       settings=env.settings(temperature=temperature, max_tokens=max_tokens),
+                                       annotator=env.config.process_annotator)
+        finally:  # the episode holds its trace's samples: the gateway's store need not keep the tree
+            self.server.state.capture.store.forget(group_of(session))
+
+    def _launch(self) -> None:
+        pending, self._pending = self._pending, []
+        version = self.engine.policy_version
+        for req in pending:
+            env = self.envs[req.dataset]
+            future = self.pool.submit(self._play, env, env.task(req.index), f"ep{req.sample_id}",
+                                      temperature=req.temperature, max_tokens=req.max_new_tokens)
+            run = self._running[req.sample_id] = _Run(req, version, future)
+            future.add_done_callback(lambda _, run=run: self._finished(run))
+
+    def _finished(self, run: _Run) -> None:
+        run.end_version = self.engine.policy_version
+        self._wake.set()
+
+    def _collect(self) -> int:
+        self._wake.clear()
+        finished = [sid for sid, run in self._running.items() if run.future.done()]
+        for sid in sorted(finished):
+            run = self._running.pop(sid)
+            self._done.append(self._sample(run))
+        return len(finished)
+
+    def _sample(self, run: _Run) -> RolloutSample:
+        req = run.request
+        where = f"rollout: agentic episode of sample {req.sample_id} (prompt {req.prompt_uid})"
+        episode = run.future.result()
+        if run.end_version != run.version:
+            raise RuntimeError(f"{where} ran across a weight update (version {run.version} -> {run.end_version}); "
+                               "the backend must drain before an update")
+        sample = _only_sample(episode, req.sample_id, run.version, self.layer_ids, where)
+        sample.group_id, sample.prompt_uid, sample.dataset, sample.effort = (req.group_id, req.prompt_uid,
+                                                                             req.dataset, req.effort)
+        self.stats.generated_tokens += sample.num_generated
+        self.episodes.append(episode)
+        return sample
+
+    # ---- held-out evaluation ------------------------------------------------------------------------------
+    def play_held_out(self, items: Sequence[tuple[str, int]], *, temperature: float, max_tokens: int,
+                      seed: Callable[[int], int]) -> list[RolloutSample]:
+        """Episodes of held-out instances — ``(dataset, index)`` into each environment's ``eval``
+        split — through the same gateway, harness and engine as training, at ``temperature``
+        (0 = greedy); their samples in order, ``correct`` = graded 1. Called between steps, when no
+        training episode runs. (``seed`` is unused: the harnesses send none.)"""
+        if self.server is None:
+            self._start()
+        if any(not run.future.done() for run in self._running.values()):
+            raise RuntimeError("held-out episodes requested while training episodes run; evaluate between steps")
+        paused = self.engine.paused
+        if paused:
+            self.engine.resume()
+        try:
+            futures = [self.pool.submit(self._play, self.envs[name], self.envs[name].task(index, "eval"),
+                                        f"eval{next(self._eval_keys)}", temperature=temperature, max_tokens=max_tokens)
+                       for name, index in items]
+            episodes = [f.result() for f in futures]
+        finally:
+            if paused:
+                self.engine.pause()
+        version = self.engine.policy_version
+        return [_only_sample(episode, key, version, None, f"eval: agentic episode of held-out instance {index} of {name}")
+                for key, ((name, index), episode) in enumerate(zip(items, episodes))]
+
+
+def _only_sample(episode: HarnessEpisode, sample_id: int, version: int, layer_ids, where: str) -> RolloutSample:
+    """The one trainable sample of a finished episode (module docstring: one branch per episode)."""
+    samples = episode_samples(episode, sample_id, version=version, layer_ids=layer_ids)
+    if not samples:
+        detail = f": {episode.error}" if episode.error else ""
+        raise RuntimeError(f"{where} made no trainable model call (stop reason {episode.stop_reason}{detail})")
+    if len(samples) > 1:
+        raise ConfigError(f"agent.harness: {where}: the {episode.harness} harness re-renders its history, leaving "
+                          f"{len(samples)} trace branches for one episode; training several samples of one episode is "
+                          "not supported yet — use harness: builtin, openai_agents or anthropic")
+    sample = samples[0]
+    sample.finish_reason = episode.stop_reason
+    return sample

@@ -1,0 +1,239 @@
+"""An ``rl`` phase on the agentic tasks (``rollout.environment.kind: agentic``; issue 25).
+
+Fast: the configuration and pre-flight refusals (one line, naming the key), and the seeded task
+instances with their held-out split. Slow: two steps end to end on CPU with the tiny model and the
+BPE tokenizer — the co-located engine served in-process with the agent gateway, the builtin harness
+playing copy_word instances in real sandboxes; the engine is steered (``ScriptedPolicy``) so that in
+each group one episode plays the instance's reference solution and the other submits at once. Every
+trained sample is exactly what the engine generated (each policy span = one engine request's
+output, its context = that request's prompt), carries the grade and the process weights, the
+advantage on its tokens is Eq. 30 of the group's leave-one-out advantage
+(``group_token_advantages``), the step's metrics count every episode, and the held-out instances
+are evaluated through the same gateway into eval.jsonl."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_s2.config.posttrain.agentic import AGENT_HARNESSES
+from megatron_s2.config.recipe import load_recipe
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.posttrain.agentic.harnesses import HARNESSES
+from megatron_s2.posttrain.agentic.sandbox import SandboxUnavailable, detect_runtime
+from megatron_s2.posttrain.agentic.tasks import task_variant, task_variants, variant_split
+from megatron_s2.config.posttrain.agentic import SandboxConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "phases" / "rl_agentic.yaml"
+EOS = "<｜end▁of▁sentence｜>"
+
+
+# ---- configuration and pre-flight ------------------------------------------------------------------
+def test_the_config_knows_every_harness_adapter():
+    assert set(AGENT_HARNESSES) == set(HARNESSES)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rl.rollout.environment.agent={harness: codex}",
+     "rl.rollout.environment.agent.harness: unknown harness 'codex'; known: builtin, openai_agents"),
+    ("rl.rollout.environment.agent={harness: builtin, max_tokens: 9}",
+     "rl.rollout.environment.agent.max_tokens: not a setting"),
+    ("rl.rollout.environment.agent={harness: builtin, api: responses}",
+     "rl.rollout.environment.agent.api: 'responses'"),
+    ("rl.rollout.environment.tasks=[]", "rl.rollout.environment.tasks: an agentic environment needs its tasks"),
+    ("rl.rollout.environment.sandbox={backend: docker}", "sandbox.backend: 'docker' is not one of"),
+    ("data.tokenizer=char", "data.tokenizer: the agent gateway renders"),
+    ("rl.effort={levels: [1, 2], samples_per_level: 2}", "rl.effort.levels: effort-conditioned prompts"),
+    ("rl.rollout.engine.train_aware_replay=true", "not supported with verifiers or agentic environments"),
+])
+def test_a_recipe_that_cannot_run_is_refused_in_one_line(override, message):
+    extra = ["rl.rollout.engine.decoder_bounded_replay=true"] if "train_aware" in override else []
+    with pytest.raises(ConfigError) as err:
+        load_recipe(str(RECIPE), [override, *extra])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_loading_the_recipe_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = (f"import sys; from megatron_s2.config.recipe import load_recipe; load_recipe({str(RECIPE)!r}, []); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False"
+
+
+def _environment(*overrides):
+    from megatron_s2.data.tokenizer import load_tokenizer
+    from megatron_s2.posttrain.envs import build_environment
+
+    recipe = load_recipe(str(RECIPE), list(overrides))
+    tokenizer = load_tokenizer(ROOT / "recipes/tokenizers/tiny-bpe")
+    return build_environment("default", recipe.rl.rollout.environment, tokenizer, what="rl.rollout.environment")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rl.rollout.environment.tasks=[copy_word, sum_pairs]", "rl.rollout.environment.tasks: unknown agentic task "
+     "'sum_pairs'; known: archive_logs"),
+    ("rl.rollout.environment.tasks=[fix_median]", "rl.rollout.environment.eval_prompts: agentic tasks ['fix_median'] "
+     "have no variants"),
+    ("rl.rollout.environment.agent={harness: smolagents}", "rl.rollout.environment.agent.harness: smolagents "
+     "re-renders its history"),
+])
+def test_the_environment_refuses_unknown_tasks_by_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        _environment(override)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_missing_sandbox_says_how_to_install_bubblewrap(monkeypatch):
+    from megatron_s2.posttrain.envs import agentic_env
+
+    def unavailable(config):
+        raise SandboxUnavailable("sandbox.backend=bwrap: no isolation backend works here (bwrap: not found); install "
+                                 "bubblewrap (apt-get install bubblewrap) or allow unprivileged user namespaces")
+
+    monkeypatch.setattr(agentic_env, "detect_runtime", unavailable)
+    with pytest.raises(ConfigError) as err:
+        _environment()
+    assert str(err.value).startswith("rl.rollout.environment.sandbox.backend: ")
+    assert "apt-get install bubblewrap" in str(err.value)
+
+
+# ---- task instances ------------------------------------------------------------------------------------
+def test_task_instances_are_seeded_and_the_held_out_split_is_disjoint():
+    a, b = task_variant("sum_pair", 7, max_operand=9), task_variant("sum_pair", 7, max_operand=9)
+    assert a == b and len({task_variant("sum_pair", k, max_operand=9).variant for k in range(20)}) > 10
+    x, y = (int(v) for v in a.files["input.txt"].split())
+    assert max(x, y) <= 9 and a.reference[1]["arguments"] == {"path": "answer.txt", "content": str(x + y)}
+    train = task_variants(["copy_word", "sum_pair"], "train", 400, seed=0, max_operand=9)
+    held = task_variants(["copy_word", "sum_pair"], "eval", 24, seed=0, max_operand=9, distinct=True)
+    assert [t.name for t in train[:4]] == ["copy_word", "sum_pair"] * 2
+    assert all(variant_split(t) == "train" for t in train) and all(variant_split(t) == "eval" for t in held)
+    assert len({(t.name, t.variant) for t in held}) == 24
+    assert not {(t.name, t.variant) for t in held} & {(t.name, t.variant) for t in train}
+    assert task_variants(["copy_word"], "train", 5, seed=3) == task_variants(["copy_word"], "train", 5, seed=3)
+
+
+def test_an_instance_is_solved_by_its_reference_and_graded_on_its_own_input():
+    """The reference of instance k solves instance k in a real sandbox and fails another instance
+    (the grader reads the instance's input, overlaid last)."""
+    from megatron_s2.posttrain.agentic.runner import run_episode, scripted_policy
+
+    try:
+        runtime = detect_runtime(SandboxConfig())
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
+    one, other = task_variants(["copy_word"], "train", 2, seed=11)
+    assert one.variant != other.variant
+    assert run_episode(one, scripted_policy(one.reference), runtime).reward == 1.0
+    assert run_episode(other, scripted_policy(one.reference), runtime).reward == 0.0
+
+
+# ---- end to end ----------------------------------------------------------------------------------------
+SMALL = ["training.train_steps=2", "training.seq_length=1536", "training.global_batch_size=2",
+         "training.micro_batch_size=2", "rl.rollout.group_size=2", "rl.rollout.batch_groups=1",
+         "rl.rollout.max_in_flight=2", "rl.rollout.max_new_tokens=64", "rl.rollout.engine.max_num_seqs=2",
+         "rl.rollout.environment.max_concurrent=1", "rl.rollout.environment.tasks=[copy_word]",
+         "rl.rollout.environment.max_turns=3", "rl.rollout.environment.num_prompts=8",
+         "rl.rollout.environment.eval_prompts=2", "rl.advantage.dynamic_sampling=false",
+         "rl.eval={interval: 2, at_start: false, temperature: 1.0}", "checkpoint.save_interval=0",
+         "logging.progress_bar=false", "logging.tensorboard=false"]
+
+
+@pytest.mark.slow
+def test_rl_on_agentic_episodes_trains_the_engines_tokens(tmp_path, monkeypatch, one_thread):
+    from megatron_s2.posttrain import batch as batch_module
+    from megatron_s2.posttrain.agentic.gateway_episode import group_token_advantages
+    from megatron_s2.posttrain.agentic.tools import format_call
+    from megatron_s2.posttrain.rollout import agentic_backend
+    from megatron_s2.posttrain.trainer import PosttrainTrainer
+    from tests.serve.test_gateway import ScriptedPolicy
+
+    try:
+        detect_runtime(SandboxConfig())
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
+    recipe = load_recipe(str(RECIPE), SMALL)
+    trainer = PosttrainTrainer(recipe, tmp_path / "run", log=lambda *a: None)
+    tok, engine = trainer.tokenizer, trainer.engine
+    policy = ScriptedPolicy(engine)
+    calls: dict[str, dict] = {}
+    add_request = engine.add_request
+
+    def spy(prompt, params=None, *, request_id=None, on_output=None, **kwargs):
+        rec = calls[request_id] = {"prompt": list(prompt), "ids": [], "versions": []}
+
+        def out(o):
+            rec["ids"] += list(o.token_ids)
+            rec["versions"] += list(o.versions)
+            on_output(o)
+        return add_request(prompt, params, request_id=request_id, on_output=out, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", spy)
+    played, episodes = [], {}
+    play = agentic_backend.AgenticBackend._play
+
+    def scripted_play(self, env, task, session, **kw):  # one call at a time (max_concurrent: 1)
+        if session.startswith("ep"):  # training: reference solution, then an immediate submit, in turn
+            script = task.reference if len(played) % 2 == 0 else [{"name": "submit", "arguments": {}}]
+            policy.queue[:] = [tok.encode(format_call(c["name"], c["arguments"]) + EOS) for c in script]
+            played.append(session)
+        episode = play(self, env, task, session, **kw)
+        assert not (Path(self.trace_dir) / session).exists()  # consumed: the gateway's store forgot it
+        policy.queue[:] = []
+        if session.startswith("ep"):
+            episodes[int(session[2:])] = episode
+        return episode
+
+    monkeypatch.setattr(agentic_backend.AgenticBackend, "_play", scripted_play)
+    trained, advantages = [], []
+    collate = batch_module.collate
+
+    def keep(samples, advs, *a, **kw):
+        out = collate(samples, advs, *a, **kw)
+        trained.append(list(samples))
+        advantages.append(out.advantages.clone())
+        return out
+
+    monkeypatch.setattr(batch_module, "collate", keep)
+    monkeypatch.setattr("megatron_s2.posttrain.train_batch.collate", keep)
+    result = trainer.train()
+    assert result.final_step == 2 and not result.preempted
+    assert trainer.backend.server is None  # closed with the run
+
+    assert [len(step) for step in trained] == [2, 2]
+    for step, adv in zip(trained, advantages):
+        group = [episodes[s.sample_id] for s in step]
+        assert sorted(e.reward for e in group) == [0.0, 1.0]
+        expected = group_token_advantages(group)
+        for row, (s, episode, exp) in enumerate(zip(step, group, expected)):
+            assert len(episode.samples) == 1  # builtin keeps its history verbatim: one branch
+            assert s.tokens == episode.samples[0].token_ids.tolist()
+            for start, end in s.spans:  # every policy span is one engine request's output, token for token
+                match = [c for c in calls.values() if c["prompt"] == s.tokens[:start] and c["ids"] == s.tokens[start:end]]
+                assert match, f"sample {s.sample_id}: span {start}..{end} is not an engine request's output"
+                # (every instance's opening chat is the same: step 1's first call can match step 2's too)
+                assert s.versions[start:end] in [c["versions"] for c in match]
+            assert s.reward == episode.reward and s.correct == (episode.reward > 0)
+            assert s.process_weights == episode.weights and len(s.spans) == len(episode.weights)
+            assert s.routing is not None and (s.routing.start, s.routing.end) == (0, len(s.tokens) - 1)
+            # the trainer's per-token advantage = Eq. 30 of the group's leave-one-out advantage
+            n = len(s.tokens) - 1
+            assert np.allclose(adv[row, :n].numpy(), exp[0][1:n + 1])
+    assert {v for s in trained[0] for v in s.policy_versions} == {0}
+    assert {v for s in trained[1] for v in s.policy_versions} == {1}
+
+    run = tmp_path / "run"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    for m in metrics:
+        extra = m.get("extra", m)
+        assert extra["rollout_episodes"] == 2 and extra["rollout_accuracy"] == 0.5
+        assert extra["trained_reward_mean"] == 0.5 and np.isfinite(m["loss"])
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [2] and 0.0 <= evals[0]["eval_accuracy"] <= 1.0
