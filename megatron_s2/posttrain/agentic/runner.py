@@ -96,14 +96,17 @@ def run_episode(task: AgenticTask, policy: Policy, runtime: SandboxRuntime, *, m
                 annotator: ProcessAnnotatorConfig = ProcessAnnotatorConfig()) -> EpisodeResult:
     """Roll ``policy`` out on ``task`` in a fresh sandbox of ``runtime`` and grade it. The session
     stops at ``max_turns`` answers, at ``max_context_chars`` of transcript, or after
-    ``max_session_s`` seconds (the walkthrough's "context-, turn-, or session-limit termination")."""
+    ``max_session_s`` seconds from the moment its workspace is ready (the walkthrough's "context-,
+    turn-, or session-limit termination")."""
     transcript = [Segment("system", tools_prompt()), Segment("user", task.prompt)]
     stop, agent_tar = "turn_limit", None
-    session_end = None if max_session_s is None else time.monotonic() + max_session_s
     try:
         with runtime.open() as box:
             box.import_tar(workspace_tar(task))
             box.run(GIT_INIT)
+            # the agent's clock starts once its workspace is ready: setting the sandbox up is the
+            # infrastructure's time, and on a loaded machine it would eat a short budget whole
+            session_end = None if max_session_s is None else time.monotonic() + max_session_s
             for turn in range(max_turns):
                 if sum(len(s.text) for s in transcript) > max_context_chars:
                     stop = "context_limit"
