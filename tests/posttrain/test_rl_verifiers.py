@@ -180,7 +180,7 @@ def test_verifiers_recipes_refuse_what_is_not_supported_yet():
     (["rl.rollout.environment.eval_taskset={split: train}"],
      r"^rl\.rollout\.environment\.eval_taskset: it names the training taskset itself"),
     (["rl.rollout.environment={kind: task, eval_taskset: {split: eval}}"],
-     r"^rl\.rollout\.environment\.taskset: taskset / eval_taskset / agent / plugin_path configure a verifiers"),
+     r"^rl\.rollout\.environment\.taskset: taskset / eval_taskset / plugin_path configure a verifiers"),
 ])
 def test_verifiers_evaluation_config_errors_exit_2_with_one_line_before_any_rank_starts(overrides, message, tmp_path,
                                                                                        capsys):

@@ -46,17 +46,14 @@ import concurrent.futures
 import itertools
 import shutil
 import tempfile
-import threading
-from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.posttrain.agentic.gateway_episode import HarnessEpisode, run_harness_episode
-from megatron_s2.posttrain.orchestrator import RolloutSample, SampleRequest
+from megatron_s2.posttrain.orchestrator import RolloutSample
 from megatron_s2.posttrain.rollout.agentic_trace import episode_samples
-from megatron_s2.posttrain.rollout.engine_backend import RolloutStats
-from megatron_s2.posttrain.rollout.replicas import ReplicaTopology, gather_objects
-from megatron_s2.posttrain.rollout.vf_backend import SERVED_MODEL, _bypass_proxies_for_loopback
+from megatron_s2.posttrain.rollout.episode_backend import (SERVED_MODEL, EpisodeBackend, EpisodeRun,
+                                                           bypass_proxies_for_loopback)
 from megatron_s2.serve.gateway.traces import group_of
 
 __all__ = ["AgenticBackend"]
@@ -79,39 +76,22 @@ class _ContextLimited:
             raise
 
 
-@dataclass
-class _Run:
-    request: SampleRequest
-    version: int
-    future: concurrent.futures.Future
-    end_version: int = -1
+class AgenticBackend(EpisodeBackend):
+    WHAT = "agentic episodes"
 
-
-class AgenticBackend:
-    def __init__(self, engine, environments: Mapping[str, object], *, tokenizer, topology: ReplicaTopology,
-                 layer_ids: Sequence[int], record_routing: bool, max_concurrent: int,
-                 weight_loader: Callable[[int], None] | None = None):
-        """``environments``: dataset name -> :class:`~megatron_s2.posttrain.envs.agentic_env.AgenticEnvironment`;
-        ``max_concurrent``: episodes running at once on this replica."""
-        if topology.count != topology.world_size:
-            raise ConfigError(f"parallel: agentic episodes reach the rollout engine over HTTP on one rank, but this "
-                              f"layout's rollout replicas span {topology.world_size // topology.count} ranks "
-                              "(tp / ep / engram parallel); use tp=1, ep=1 (data parallel only) for this phase")
-        self.engine, self.envs, self.tokenizer, self.topology = engine, dict(environments), tokenizer, topology
-        self.layer_ids = list(layer_ids) if record_routing else None
-        self.max_concurrent, self.weight_loader = max(1, max_concurrent), weight_loader
-        self._pending: list[SampleRequest] = []
-        self._running: dict[int, _Run] = {}
-        self._done: list[RolloutSample] = []
-        self._wake = threading.Event()
+    def __init__(self, *args, **kwargs):
+        """As :class:`~.episode_backend.EpisodeBackend`; ``environments``: dataset name ->
+        :class:`~megatron_s2.posttrain.envs.agentic_env.AgenticEnvironment`."""
+        super().__init__(*args, **kwargs)
         self._eval_keys = itertools.count()
-        self.paused = False
-        self.any_busy = False
-        self.stats = RolloutStats()
         self.server = self.pool = None
         self.trace_dir: str | None = None
         self.episodes: list[HarnessEpisode] = []
         """The training episodes finished since the last :meth:`take_episodes` (tests, logging)."""
+
+    @property
+    def started(self) -> bool:
+        return self.server is not None
 
     # ---- set-up / tear-down ---------------------------------------------------------------------
     def _start(self) -> None:
@@ -119,7 +99,7 @@ class AgenticBackend:
         from megatron_s2.serve.backend import AsyncEngine
         from megatron_s2.serve.state import ServerState
 
-        _bypass_proxies_for_loopback()
+        bypass_proxies_for_loopback()
         self.trace_dir = tempfile.mkdtemp(prefix="megatron-s2-agentic-traces-")
         # logprobs_mode: the loss needs the behaviour log-prob under the distribution each token was drawn from
         config = ServeConfig(return_routed_experts=self.layer_ids is not None, disconnect_poll_s=0.05,
@@ -144,66 +124,6 @@ class AgenticBackend:
             shutil.rmtree(self.trace_dir, ignore_errors=True)
             self.trace_dir = None
 
-    # ---- protocol ---------------------------------------------------------------------------------
-    @property
-    def policy_version(self) -> int:
-        return self.engine.policy_version
-
-    def submit(self, requests: Sequence[SampleRequest]) -> None:
-        for req in requests:
-            if req.resume_from is not None and req.resume_from.num_generated:
-                raise ValueError(f"sample {req.sample_id}: agentic episodes cannot resume from a partial sample")
-            if self.topology.owns(req.sample_id):
-                self._pending.append(req)
-
-    def poll(self) -> list[RolloutSample]:
-        if self.server is None:
-            self._start()
-        if not self.paused:
-            self._launch()
-        if self._running and not self._collect():
-            self._wake.wait(0.05)
-            self._collect()
-        done = [s.state_dict() for s in self._done]
-        self._done = []
-        busy = bool(self._running or self._pending)
-        gathered = gather_objects({"done": done, "busy": busy}, self.topology)
-        self.any_busy = any(part["busy"] for part in gathered)
-        out = [RolloutSample.from_state_dict(x) for part in gathered for x in part["done"]]
-        return sorted(out, key=lambda s: s.sample_id)
-
-    def pause(self) -> None:
-        """Stop launching, let every running episode finish (no trace straddles an update), then
-        pause the engine."""
-        self.paused = True
-        concurrent.futures.wait([r.future for r in self._running.values()])
-        self.engine.pause()
-
-    def resume(self) -> None:
-        self.engine.resume()
-        self.paused = False
-
-    def update_weights(self, version: int) -> None:
-        if self.weight_loader is not None:
-            self.weight_loader(version)
-        self.engine.set_policy_version(version)
-
-    def snapshot(self) -> list[RolloutSample]:
-        return []  # no partial episodes (module docstring): in-flight attempts restart from scratch
-
-    def abort(self, sample_ids: Sequence[int]) -> None:
-        drop = set(sample_ids)
-        self._pending = [r for r in self._pending if r.sample_id not in drop]
-        self._done = [s for s in self._done if s.sample_id not in drop]
-        for sid in drop:
-            run = self._running.pop(sid, None)
-            if run is not None:
-                run.future.cancel()
-
-    def take_stats(self) -> RolloutStats:
-        stats, self.stats = self.stats, RolloutStats()
-        return stats
-
     def take_episodes(self) -> list[HarnessEpisode]:
         episodes, self.episodes = self.episodes, []
         return episodes
@@ -225,10 +145,10 @@ class AgenticBackend:
             env = self.envs[req.dataset]
             future = self.pool.submit(self._play, env, env.task(req.index), f"ep{req.sample_id}",
                                       temperature=req.temperature, max_tokens=req.max_new_tokens)
-            run = self._running[req.sample_id] = _Run(req, version, future)
+            run = self._running[req.sample_id] = EpisodeRun(req, version, future)
             future.add_done_callback(lambda _, run=run: self._finished(run))
 
-    def _finished(self, run: _Run) -> None:
+    def _finished(self, run: EpisodeRun) -> None:
         run.end_version = self.engine.policy_version
         self._wake.set()
 
@@ -240,7 +160,7 @@ class AgenticBackend:
             self._done.append(self._sample(run))
         return len(finished)
 
-    def _sample(self, run: _Run) -> RolloutSample:
+    def _sample(self, run: EpisodeRun) -> RolloutSample:
         req = run.request
         where = f"rollout: agentic episode of sample {req.sample_id} (prompt {req.prompt_uid})"
         episode = run.future.result()

@@ -37,24 +37,18 @@ as in :class:`~megatron_s2.posttrain.rollout.engine_backend.EngineRolloutBackend
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import os
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.posttrain.orchestrator import RolloutSample, SampleRequest
-from megatron_s2.posttrain.rollout.engine_backend import RolloutStats
-from megatron_s2.posttrain.rollout.replicas import ReplicaTopology, gather_objects
+from megatron_s2.posttrain.orchestrator import RolloutSample
+from megatron_s2.posttrain.rollout.episode_backend import (SERVED_MODEL, EpisodeBackend, EpisodeRun,
+                                                           bypass_proxies_for_loopback)
 from megatron_s2.posttrain.rollout.vf_trace import trace_sample
 
 __all__ = ["VerifiersBackend", "SERVED_MODEL"]
-
-SERVED_MODEL = "policy"
-"""The model id the in-process server serves and the episodes ask for."""
 
 _LOOP: asyncio.AbstractEventLoop | None = None
 _LOOP_GUARD = threading.Lock()
@@ -72,50 +66,20 @@ def episode_loop() -> asyncio.AbstractEventLoop:
         return _LOOP
 
 
-def _bypass_proxies_for_loopback() -> None:
-    """The episodes' HTTP hops (harness -> verifiers' interception server -> our server) are all on
-    127.0.0.1, but httpx (and the harness subprocesses, which inherit the environment) send them to
-    ``http_proxy`` / ``ALL_PROXY`` when those are set, as on many clusters: every episode then fails
-    with a connection error. Loopback is added to ``NO_PROXY`` / ``no_proxy`` (other entries kept)."""
-    for var in ("NO_PROXY", "no_proxy"):
-        hosts = [h.strip() for h in os.environ.get(var, "").split(",") if h.strip()]
-        if "*" not in hosts:
-            os.environ[var] = ",".join(hosts + [h for h in ("127.0.0.1", "localhost") if h not in hosts])
+class VerifiersBackend(EpisodeBackend):
+    WHAT = "verifiers environments"
 
-
-@dataclass
-class _Run:
-    request: SampleRequest
-    version: int
-    """Policy version of the engine when the episode started."""
-    future: concurrent.futures.Future
-    end_version: int = -1
-    """Policy version of the engine when the episode finished (equal unless an update overlapped it)."""
-
-
-class VerifiersBackend:
-    def __init__(self, engine, environments: Mapping[str, object], *, tokenizer, topology: ReplicaTopology,
-                 layer_ids: Sequence[int], record_routing: bool, max_concurrent: int,
-                 weight_loader: Callable[[int], None] | None = None):
-        """``environments``: dataset name -> :class:`~megatron_s2.posttrain.envs.vf_env.VerifiersEnvironment`;
-        ``max_concurrent``: episodes running at once on this replica."""
-        if topology.count != topology.world_size:
-            raise ConfigError(f"parallel: verifiers environments reach the rollout engine over HTTP on one rank, but "
-                              f"this layout's rollout replicas span {topology.world_size // topology.count} ranks "
-                              "(tp / ep / engram parallel); use tp=1, ep=1 (data parallel only) for this phase")
-        self.engine, self.envs, self.tokenizer, self.topology = engine, dict(environments), tokenizer, topology
-        self.layer_ids = list(layer_ids) if record_routing else None
-        self.max_concurrent, self.weight_loader = max(1, max_concurrent), weight_loader
-        self._pending: list[SampleRequest] = []
-        self._running: dict[int, _Run] = {}
-        self._done: list[RolloutSample] = []
-        self._wake = threading.Event()
-        self.paused = False
-        self.any_busy = False
-        self.stats = RolloutStats()
+    def __init__(self, *args, **kwargs):
+        """As :class:`~.episode_backend.EpisodeBackend`; ``environments``: dataset name ->
+        :class:`~megatron_s2.posttrain.envs.vf_env.VerifiersEnvironment`."""
+        super().__init__(*args, **kwargs)
         self.server = self._loop = None
         self._tokenizer_dir: str | None = None
         self._serving: list = []
+
+    @property
+    def started(self) -> bool:
+        return self._loop is not None
 
     # ---- set-up / tear-down ---------------------------------------------------------------------
     def _start(self) -> None:
@@ -128,7 +92,7 @@ class VerifiersBackend:
         from megatron_s2.serve.backend import AsyncEngine
         from megatron_s2.serve.state import ServerState
 
-        _bypass_proxies_for_loopback()
+        bypass_proxies_for_loopback()
         self._tokenizer_dir = tempfile.mkdtemp(prefix="megatron-s2-vf-tokenizer-")
         self.tokenizer.save(self._tokenizer_dir)  # renderers loads the run's tokenizer (its chat template)
         # logprobs_mode: the loss needs the behaviour log-prob under the distribution each token was
@@ -183,67 +147,6 @@ class VerifiersBackend:
             shutil.rmtree(self._tokenizer_dir, ignore_errors=True)
             self._tokenizer_dir = None
 
-    # ---- protocol ---------------------------------------------------------------------------------
-    @property
-    def policy_version(self) -> int:
-        return self.engine.policy_version
-
-    def submit(self, requests: Sequence[SampleRequest]) -> None:
-        for req in requests:
-            if req.resume_from is not None and req.resume_from.num_generated:
-                raise ValueError(f"sample {req.sample_id}: verifiers traces cannot resume from a partial sample")
-            if self.topology.owns(req.sample_id):
-                self._pending.append(req)  # launched by the next poll (the engine runs only while polled)
-
-    def poll(self) -> list[RolloutSample]:
-        if self._loop is None:
-            self._start()
-        if not self.paused:
-            self._launch()
-        if self._running and not self._collect():
-            self._wake.wait(0.05)  # let the engine and the episodes run instead of spinning
-            self._collect()
-        done = [s.state_dict() for s in self._done]
-        self._done = []
-        busy = bool(self._running or self._pending)
-        gathered = gather_objects({"done": done, "busy": busy}, self.topology)
-        self.any_busy = any(part["busy"] for part in gathered)
-        out = [RolloutSample.from_state_dict(x) for part in gathered for x in part["done"]]
-        return sorted(out, key=lambda s: s.sample_id)
-
-    def pause(self) -> None:
-        """Stop launching, let every running episode finish (no trace straddles an update), then
-        pause the engine."""
-        self.paused = True
-        concurrent.futures.wait([r.future for r in self._running.values()])
-        self.engine.pause()
-
-    def resume(self) -> None:
-        self.engine.resume()
-        self.paused = False
-
-    def update_weights(self, version: int) -> None:
-        if self.weight_loader is not None:
-            self.weight_loader(version)
-        self.engine.set_policy_version(version)
-
-    def snapshot(self) -> list[RolloutSample]:
-        return []  # no partial traces (module docstring): in-flight attempts restart from scratch
-
-    def abort(self, sample_ids: Sequence[int]) -> None:
-        drop = set(sample_ids)
-        self._pending = [r for r in self._pending if r.sample_id not in drop]
-        self._done = [s for s in self._done if s.sample_id not in drop]
-        for sid in drop:
-            run = self._running.pop(sid, None)
-            if run is not None:
-                run.future.cancel()
-
-    # ---- extras ---------------------------------------------------------------------------------------
-    def take_stats(self) -> RolloutStats:
-        stats, self.stats = self.stats, RolloutStats()
-        return stats
-
     # ---- held-out evaluation ------------------------------------------------------------------------------
     def play_held_out(self, items: Sequence[tuple[str, int]], *, temperature: float, max_tokens: int,
                       seed: Callable[[int], int]) -> list[RolloutSample]:
@@ -289,10 +192,10 @@ class VerifiersBackend:
                                          seed=req.seed % (2 ** 63))
             ctx = vf.ModelContext(model=SERVED_MODEL, client=self.client, sampling=sampling)
             future = asyncio.run_coroutine_threadsafe(self._episode(env.env, env.tasks[req.index], ctx), self._loop)
-            run = self._running[req.sample_id] = _Run(req, version, future)
+            run = self._running[req.sample_id] = EpisodeRun(req, version, future)
             future.add_done_callback(lambda _, run=run: self._finished(run))
 
-    def _finished(self, run: _Run) -> None:
+    def _finished(self, run: EpisodeRun) -> None:
         run.end_version = self.engine.policy_version
         self._wake.set()
 
@@ -308,7 +211,7 @@ class VerifiersBackend:
             self._done.append(self._sample(run))
         return len(finished)
 
-    def _sample(self, run: _Run) -> RolloutSample:
+    def _sample(self, run: EpisodeRun) -> RolloutSample:
         req = run.request
         where = f"rollout: verifiers episode of sample {req.sample_id} (prompt {req.prompt_uid})"
         trace = _only_trace(run.future.result(), where)

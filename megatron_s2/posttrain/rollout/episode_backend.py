@@ -1,0 +1,159 @@
+"""The part of the orchestrator's rollout back end that every *episode* back end shares: episodes
+played by a client through our in-process server on the co-located engine (report §5.2.1), whose
+finished traces become samples — verifiers environments (:mod:`.vf_backend`) and agentic harness
+episodes (:mod:`.agentic_backend`).
+
+What is common, and lives here once: the single-rank replica rule (an HTTP request reaches one
+rank's engine), the queue of owned requests, the poll that launches, collects and all-gathers
+finished samples across data-parallel replicas, the pause that lets every running episode *finish*
+before the engine pauses (a trace keeps no per-token policy version, so none may straddle an
+update), no partial samples at a snapshot (in-flight attempts restart from scratch), aborts and
+the rollout statistics. A subclass says how to start its clients (:meth:`_start`), launch pending
+requests (:meth:`_launch`) and collect finished episodes (:meth:`_collect`).
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.posttrain.orchestrator import RolloutSample, SampleRequest
+from megatron_s2.posttrain.rollout.engine_backend import RolloutStats
+from megatron_s2.posttrain.rollout.replicas import ReplicaTopology, gather_objects
+
+__all__ = ["EpisodeBackend", "EpisodeRun", "SERVED_MODEL", "bypass_proxies_for_loopback"]
+
+SERVED_MODEL = "policy"
+"""The model id the in-process server serves and the episodes ask for."""
+
+
+def bypass_proxies_for_loopback() -> None:
+    """The episodes' HTTP hops (harness -> our server, possibly through verifiers' interception
+    server) are all on 127.0.0.1, but httpx (and harness subprocesses, which inherit the
+    environment) send them to ``http_proxy`` / ``ALL_PROXY`` when those are set, as on many
+    clusters: every episode then fails with a connection error. Loopback is added to
+    ``NO_PROXY`` / ``no_proxy`` (other entries kept)."""
+    for var in ("NO_PROXY", "no_proxy"):
+        hosts = [h.strip() for h in os.environ.get(var, "").split(",") if h.strip()]
+        if "*" not in hosts:
+            os.environ[var] = ",".join(hosts + [h for h in ("127.0.0.1", "localhost") if h not in hosts])
+
+
+@dataclass
+class EpisodeRun:
+    request: SampleRequest
+    version: int
+    """Policy version of the engine when the episode started."""
+    future: concurrent.futures.Future
+    end_version: int = -1
+    """Policy version of the engine when the episode finished (equal unless an update overlapped it)."""
+
+
+class EpisodeBackend(abc.ABC):
+    """:class:`~megatron_s2.posttrain.orchestrator.RolloutBackend` for client-played episodes
+    (module docstring). ``WHAT`` names the episodes in errors ("verifiers environments")."""
+
+    WHAT = "episodes"
+
+    def __init__(self, engine, environments: Mapping[str, object], *, tokenizer, topology: ReplicaTopology,
+                 layer_ids: Sequence[int], record_routing: bool, max_concurrent: int,
+                 weight_loader: Callable[[int], None] | None = None):
+        """``environments``: dataset name -> the kind's environment; ``max_concurrent``: episodes
+        running at once on this replica."""
+        if topology.count != topology.world_size:
+            raise ConfigError(f"parallel: {self.WHAT} reach the rollout engine over HTTP on one rank, but this "
+                              f"layout's rollout replicas span {topology.world_size // topology.count} ranks "
+                              "(tp / ep / engram parallel); use tp=1, ep=1 (data parallel only) for this phase")
+        self.engine, self.envs, self.tokenizer, self.topology = engine, dict(environments), tokenizer, topology
+        self.layer_ids = list(layer_ids) if record_routing else None
+        self.max_concurrent, self.weight_loader = max(1, max_concurrent), weight_loader
+        self._pending: list[SampleRequest] = []
+        self._running: dict[int, EpisodeRun] = {}
+        self._done: list[RolloutSample] = []
+        self._wake = threading.Event()
+        self.paused = False
+        self.any_busy = False
+        self.stats = RolloutStats()
+
+    # ---- what a kind provides -------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def started(self) -> bool:
+        """Whether :meth:`_start` has run (the server and the clients are up)."""
+
+    @abc.abstractmethod
+    def _start(self) -> None:
+        """Serve the engine in process and set up the clients; called by the first poll."""
+
+    @abc.abstractmethod
+    def _launch(self) -> None:
+        """Start pending requests' episodes, up to ``max_concurrent`` running."""
+
+    @abc.abstractmethod
+    def _collect(self) -> bool:
+        """Ingest finished episodes into ``_done``; whether any finished."""
+
+    # ---- protocol ---------------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def submit(self, requests: Sequence[SampleRequest]) -> None:
+        for req in requests:
+            if req.resume_from is not None and req.resume_from.num_generated:
+                raise ValueError(f"sample {req.sample_id}: {self.WHAT} cannot resume from a partial sample")
+            if self.topology.owns(req.sample_id):
+                self._pending.append(req)  # launched by the next poll (the engine runs only while polled)
+
+    def poll(self) -> list[RolloutSample]:
+        if not self.started:
+            self._start()
+        if not self.paused:
+            self._launch()
+        if self._running and not self._collect():
+            self._wake.wait(0.05)  # let the engine and the episodes run instead of spinning
+            self._collect()
+        done = [s.state_dict() for s in self._done]
+        self._done = []
+        busy = bool(self._running or self._pending)
+        gathered = gather_objects({"done": done, "busy": busy}, self.topology)
+        self.any_busy = any(part["busy"] for part in gathered)
+        out = [RolloutSample.from_state_dict(x) for part in gathered for x in part["done"]]
+        return sorted(out, key=lambda s: s.sample_id)
+
+    def pause(self) -> None:
+        """Stop launching, let every running episode finish (no trace straddles an update), then
+        pause the engine."""
+        self.paused = True
+        concurrent.futures.wait([r.future for r in self._running.values()])
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+        self.paused = False
+
+    def update_weights(self, version: int) -> None:
+        if self.weight_loader is not None:
+            self.weight_loader(version)
+        self.engine.set_policy_version(version)
+
+    def snapshot(self) -> list[RolloutSample]:
+        return []  # no partial traces (module docstring): in-flight attempts restart from scratch
+
+    def abort(self, sample_ids: Sequence[int]) -> None:
+        drop = set(sample_ids)
+        self._pending = [r for r in self._pending if r.sample_id not in drop]
+        self._done = [s for s in self._done if s.sample_id not in drop]
+        for sid in drop:
+            run = self._running.pop(sid, None)
+            if run is not None:
+                run.future.cancel()
+
+    def take_stats(self) -> RolloutStats:
+        stats, self.stats = self.stats, RolloutStats()
+        return stats
