@@ -52,8 +52,7 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.posttrain.agentic.gateway_episode import HarnessEpisode, run_harness_episode
 from megatron_s2.posttrain.orchestrator import RolloutSample
 from megatron_s2.posttrain.rollout.agentic_trace import episode_samples
-from megatron_s2.posttrain.rollout.episode_backend import (SERVED_MODEL, EpisodeBackend, EpisodeRun,
-                                                           bypass_proxies_for_loopback)
+from megatron_s2.posttrain.rollout.episode_backend import EpisodeBackend, EpisodeRun
 from megatron_s2.serve.gateway.traces import group_of
 
 __all__ = ["AgenticBackend"]
@@ -95,19 +94,8 @@ class AgenticBackend(EpisodeBackend):
 
     # ---- set-up / tear-down ---------------------------------------------------------------------
     def _start(self) -> None:
-        from megatron_s2.serve import ServeConfig, ServerThread
-        from megatron_s2.serve.backend import AsyncEngine
-        from megatron_s2.serve.state import ServerState
-
-        bypass_proxies_for_loopback()
         self.trace_dir = tempfile.mkdtemp(prefix="megatron-s2-agentic-traces-")
-        # logprobs_mode: the loss needs the behaviour log-prob under the distribution each token was drawn from
-        config = ServeConfig(return_routed_experts=self.layer_ids is not None, disconnect_poll_s=0.05,
-                             logprobs_mode="processed_logprobs", gateway_traces=self.trace_dir)
-        state = ServerState(AsyncEngine(self.engine), self.tokenizer, config, SERVED_MODEL,
-                            "the co-located rollout engine")
-        state.max_token_bytes  # noqa: B018 - computed once here, not on the first request's turn
-        self.server = ServerThread(state, keep_alive_s=3600.0).start()
+        self.server = self._serve(gateway_traces=self.trace_dir)
         self.pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="megatron-s2-agentic")
 
     def close(self) -> None:
@@ -147,18 +135,6 @@ class AgenticBackend(EpisodeBackend):
                                       temperature=req.temperature, max_tokens=req.max_new_tokens)
             run = self._running[req.sample_id] = EpisodeRun(req, version, future)
             future.add_done_callback(lambda _, run=run: self._finished(run))
-
-    def _finished(self, run: EpisodeRun) -> None:
-        run.end_version = self.engine.policy_version
-        self._wake.set()
-
-    def _collect(self) -> int:
-        self._wake.clear()
-        finished = [sid for sid, run in self._running.items() if run.future.done()]
-        for sid in sorted(finished):
-            run = self._running.pop(sid)
-            self._done.append(self._sample(run))
-        return len(finished)
 
     def _sample(self, run: EpisodeRun) -> RolloutSample:
         req = run.request

@@ -9,7 +9,7 @@ finished samples across data-parallel replicas, the pause that lets every runnin
 before the engine pauses (a trace keeps no per-token policy version, so none may straddle an
 update), no partial samples at a snapshot (in-flight attempts restart from scratch), aborts and
 the rollout statistics. A subclass says how to start its clients (:meth:`_start`), launch pending
-requests (:meth:`_launch`) and collect finished episodes (:meth:`_collect`).
+requests (:meth:`_launch`) and turn a finished episode into a sample (:meth:`_sample`).
 """
 
 from __future__ import annotations
@@ -95,8 +95,40 @@ class EpisodeBackend(abc.ABC):
         """Start pending requests' episodes, up to ``max_concurrent`` running."""
 
     @abc.abstractmethod
-    def _collect(self) -> bool:
-        """Ingest finished episodes into ``_done``; whether any finished."""
+    def _sample(self, run: EpisodeRun) -> RolloutSample:
+        """The trainer sample of a finished episode (its future is done)."""
+
+    def _finished(self, run: EpisodeRun) -> None:
+        """Done-callback of an episode's future (a worker thread): note the engine's version, wake the poll."""
+        run.end_version = self.engine.policy_version
+        self._wake.set()
+
+    def _collect(self) -> int:
+        """Ingest finished episodes into ``_done`` in sample order; how many finished."""
+        self._wake.clear()
+        finished = [sid for sid, run in self._running.items() if run.future.done()]
+        for sid in sorted(finished):
+            run = self._running.pop(sid)
+            self._done.append(self._sample(run))
+        return len(finished)
+
+    def _serve(self, **config):
+        """Serve the co-located engine on 127.0.0.1 in this process (uvicorn on a background
+        thread; its driver thread steps the engine): the server the episodes' clients call.
+        ``config``: further :class:`~megatron_s2.serve.ServeConfig` fields."""
+        from megatron_s2.serve import ServeConfig, ServerThread
+        from megatron_s2.serve.backend import AsyncEngine
+        from megatron_s2.serve.state import ServerState
+
+        bypass_proxies_for_loopback()
+        # logprobs_mode: the loss needs the behaviour log-prob under the distribution each token was
+        # drawn from, not the server's (vLLM's) default of the raw model distribution
+        settings = ServeConfig(return_routed_experts=self.layer_ids is not None, disconnect_poll_s=0.05,
+                               logprobs_mode="processed_logprobs", **config)
+        state = ServerState(AsyncEngine(self.engine), self.tokenizer, settings, SERVED_MODEL,
+                            "the co-located rollout engine")
+        state.max_token_bytes  # noqa: B018 - computed once here, not on the first request's turn
+        return ServerThread(state, keep_alive_s=3600.0).start()  # see ServerThread
 
     # ---- protocol ---------------------------------------------------------------------------------
     @property

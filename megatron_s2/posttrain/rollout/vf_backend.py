@@ -44,11 +44,10 @@ from typing import Callable, Sequence
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.posttrain.orchestrator import RolloutSample
-from megatron_s2.posttrain.rollout.episode_backend import (SERVED_MODEL, EpisodeBackend, EpisodeRun,
-                                                           bypass_proxies_for_loopback)
+from megatron_s2.posttrain.rollout.episode_backend import SERVED_MODEL, EpisodeBackend, EpisodeRun
 from megatron_s2.posttrain.rollout.vf_trace import trace_sample
 
-__all__ = ["VerifiersBackend", "SERVED_MODEL"]
+__all__ = ["VerifiersBackend"]
 
 _LOOP: asyncio.AbstractEventLoop | None = None
 _LOOP_GUARD = threading.Lock()
@@ -88,21 +87,9 @@ class VerifiersBackend(EpisodeBackend):
 
         from megatron_s2.posttrain.envs.vf_renderer import IMPORT_PATH as BRIDGE_RENDERER
 
-        from megatron_s2.serve import ServeConfig, ServerThread
-        from megatron_s2.serve.backend import AsyncEngine
-        from megatron_s2.serve.state import ServerState
-
-        bypass_proxies_for_loopback()
         self._tokenizer_dir = tempfile.mkdtemp(prefix="megatron-s2-vf-tokenizer-")
         self.tokenizer.save(self._tokenizer_dir)  # renderers loads the run's tokenizer (its chat template)
-        # logprobs_mode: the loss needs the behaviour log-prob under the distribution each token was
-        # drawn from, not the server's (vLLM's) default of the raw model distribution
-        config = ServeConfig(return_routed_experts=self.layer_ids is not None, disconnect_poll_s=0.05,
-                             logprobs_mode="processed_logprobs")
-        state = ServerState(AsyncEngine(self.engine), self.tokenizer, config, SERVED_MODEL,
-                            "the co-located rollout engine")
-        state.max_token_bytes  # noqa: B018 - computed once here, not on the first request's turn
-        self.server = ServerThread(state, keep_alive_s=3600.0).start()  # see ServerThread
+        self.server = self._serve()
         bridge = all(e.config.renderer == "bridge" for e in self.envs.values())  # one renderer (RolloutConfig)
         renderer = CustomRendererConfig(import_path=BRIDGE_RENDERER) if bridge else DefaultRendererConfig()
         self.client = vf.TrainClientConfig(base_url=f"{self.server.url}/v1", api_key_var="MEGATRON_S2_UNUSED_KEY",
@@ -195,21 +182,9 @@ class VerifiersBackend(EpisodeBackend):
             run = self._running[req.sample_id] = EpisodeRun(req, version, future)
             future.add_done_callback(lambda _, run=run: self._finished(run))
 
-    def _finished(self, run: EpisodeRun) -> None:
-        run.end_version = self.engine.policy_version
-        self._wake.set()
-
     async def _episode(self, vf_env, task, ctx):
         async with self._gate:
             return await vf_env.run_episode(task, ctx)
-
-    def _collect(self) -> int:
-        self._wake.clear()
-        finished = [sid for sid, run in self._running.items() if run.future.done()]
-        for sid in sorted(finished):
-            run = self._running.pop(sid)
-            self._done.append(self._sample(run))
-        return len(finished)
 
     def _sample(self, run: EpisodeRun) -> RolloutSample:
         req = run.request
