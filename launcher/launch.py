@@ -108,7 +108,8 @@ def prepare_runs(path: str, overrides: list[str], launcher_flags: dict, run_dir:
     if not base:
         raise ConfigError("run_dir: a pipeline needs a parent run directory; add run_dir: to "
                           f"{path} or pass --run-dir")
-    moved = [o for o in overrides if o.split("=", 1)[0].strip() == "training.run_dir"]
+    # scoped or not (``sft:training.run_dir=...``): each phase's directory is <run_dir>/<phase name>
+    moved = [o for o in overrides if o.split("=", 1)[0].split(":", 1)[-1].strip() == "training.run_dir"]
     if moved:
         raise ConfigError(f"training.run_dir: a pipeline puts each phase in <run_dir>/<phase name>; give the parent "
                           f"directory as --run-dir instead of the override {moved[0]!r}")

@@ -42,8 +42,11 @@ def check_memory_decoder_flags(args) -> None:
     from pathlib import Path
 
     path = getattr(args, "memory_decoder", None)
-    if not path:
+    if path is None:
         return
+    if not path.strip():  # e.g. an unset shell variable: never serve the plain backbone silently
+        raise ConfigError("--memory-decoder: empty path; give the run (or checkpoint) directory of a "
+                          "phase.kind: memdec_router run, or drop the flag")
     if not Path(path).exists():
         raise ConfigError(f"--memory-decoder: {path} does not exist; give the run (or checkpoint) directory of a "
                           "phase.kind: memdec_router run")
@@ -58,7 +61,7 @@ def check_memory_decoder_flags(args) -> None:
 def memory_decoder_from_flags(args, model, tokenizer):
     """The plug-in of ``--memory-decoder`` on the backbone's device, checked against the backbone
     (vocabulary, tokenizer, router width, architecture); None without the flag."""
-    if not getattr(args, "memory_decoder", None):
+    if getattr(args, "memory_decoder", None) is None:
         return None
     from megatron_s2.inference.memory_decoder import load_memory_decoder
 

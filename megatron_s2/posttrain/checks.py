@@ -18,7 +18,9 @@ model is built (``megatron-s2 train``):
 5. every verifiers environment builds from its ``taskset`` / ``eval_taskset`` (the plugin's own
    validation: unknown fields, types, ranges, ids), and its held-out tasks are not all training
    tasks (the launch pre-flight builds them);
-6. (trainer only: it needs the drawn prompt sets) evaluation has held-out prompts to play.
+6. every agentic environment's tasks exist and its held-out instances do (launch pre-flight: the
+   trainer builds the environment, which draws them);
+7. (trainer only: it needs the drawn prompt sets) evaluation has held-out prompts to play.
 
 Each refusal is one :class:`ConfigError` line naming the recipe key and the fix (exit code 2).
 """
@@ -32,7 +34,7 @@ from megatron_s2.config.posttrain.recipe_checks import environment_key, posttrai
 from megatron_s2.config.schema import ConfigError
 
 __all__ = ["check_registered_names", "check_posttrain_inputs", "check_engine_settings", "check_frozen_checkpoints",
-           "check_prompts", "check_verifiers_tasksets", "check_held_out_prompts"]
+           "check_prompts", "check_verifiers_tasksets", "check_agentic_tasks", "check_held_out_prompts"]
 
 
 def _known(path: str, name: str, registry: dict, what: str) -> None:
@@ -156,6 +158,22 @@ def check_verifiers_tasksets(recipe, environments: Mapping | None = None) -> Non
             raise ConfigError(_no_held_out_tasks(kind, [key]))
 
 
+def check_agentic_tasks(recipe, environments: Mapping | None = None) -> None:
+    """Every agentic environment's ``tasks`` are known and ``eval_prompts`` distinct held-out
+    instances exist — checked in the launch pre-flight (``environments`` None) by drawing them,
+    without the sandbox probe the environment's build makes (a login node may lack bubblewrap)."""
+    if environments is not None:
+        return  # the trainer's environments drew them when built
+    section, kind = posttrain_section(recipe), recipe.phase.kind
+    rollout = section.rollout
+    for name in rollout.dataset_names():
+        config = rollout.environment_of(name)
+        if config.kind == "agentic":
+            from megatron_s2.posttrain.envs.agentic_env import draw_instances
+
+            draw_instances(config, environment_key(kind, rollout, name))
+
+
 def _no_held_out_tasks(kind: str, environment_keys: Sequence[str]) -> str:
     keys = ", ".join(dict.fromkeys(f"{key}.eval_taskset" for key in environment_keys))
     return (f"{keys}: every held-out task's opening chat is also a training task's, so evaluation "
@@ -210,5 +228,6 @@ def check_posttrain_inputs(recipe, tokenizer, *, pending: Sequence[str] = (), en
     check_frozen_checkpoints(recipe, pending)
     check_prompts(recipe, tokenizer, environments)
     check_verifiers_tasksets(recipe, environments)
+    check_agentic_tasks(recipe, environments)
     if environments is not None:
         check_held_out_prompts(recipe, environments)

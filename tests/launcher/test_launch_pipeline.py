@@ -139,6 +139,12 @@ def test_pipeline_overrides_name_the_phase_that_refuses_them_and_run_dir_is_a_fl
         prepare_runs(path, ["training.run_dir=/tmp/x"], {}, None, local=True)
     assert main(["launch", path, "--local", "--dry-run", "training.run_dir=/tmp/x"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    # scoped to one phase it would be dropped just the same (each phase's run directory is set by
+    # the launcher): refused, not silently ignored
+    with pytest.raises(ConfigError, match=r"^training\.run_dir: a pipeline puts each phase in .*'sft:training"):
+        prepare_runs(path, ["sft:training.run_dir=/tmp/x"], {}, None, local=True)
+    with pytest.raises(ConfigError, match=r"^training\.run_dir: a pipeline puts each phase in "):
+        prepare_runs(path, ["sft: training.run_dir = /tmp/x"], {}, None, local=True)
 
 
 def test_a_phase_prefix_scopes_a_command_line_override_to_that_phase(tmp_path, capsys):

@@ -142,11 +142,15 @@ def test_settings_the_engine_cannot_honour_with_a_plugin_are_refused():
     ("generate", ["--prompt", "x"], "--memory-decoder: /nonexistent/router does not exist"),
     ("generate", ["--prompt", "x", "--speculative"], "--memory-decoder: cannot be combined with --speculative"),
     ("serve", ["--prefix-caching"], "--memory-decoder: cannot be combined with --prefix-caching"),
+    # an empty value (an unset shell variable) must not silently serve the plain backbone
+    ("generate", ["--prompt", "x"], "--memory-decoder: empty path"),
+    ("serve", [], "--memory-decoder: empty path"),
 ])
 def test_cli_refuses_memory_decoder_flags_in_one_line_before_loading(tmp_path, capsys, command, extra, message):
     from megatron_s2.cli import main
 
-    plugin = "/nonexistent/router" if "does not exist" in message else str(tmp_path)
+    plugin = ("/nonexistent/router" if "does not exist" in message else "" if "empty path" in message
+              else str(tmp_path))
     assert main([command, str(tmp_path / "no-backbone"), "--memory-decoder", plugin, *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err

@@ -104,6 +104,28 @@ def test_a_missing_sandbox_says_how_to_install_bubblewrap(monkeypatch):
     assert "apt-get install bubblewrap" in str(err.value)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("rl.rollout.environment.tasks=[copy_word, sum_pairs]", "rl.rollout.environment.tasks: unknown agentic task "
+     "'sum_pairs'; known: archive_logs"),
+    ("rl.rollout.environment.eval_prompts=100000", "rl.rollout.environment.eval_prompts: agentic tasks "
+     "['copy_word', 'sum_pair']: fewer than 100000 distinct eval instances exist"),
+])
+def test_the_launch_preflight_refuses_unknown_tasks_and_too_many_held_out_instances(override, message):
+    """The launch pre-flight (no environments built: no sandbox probe) refuses what the trainer's
+    environment would — before a pipeline's SFT phase runs for half an hour — and fast: asking for
+    more held-out instances than exist must not draw 200 seeds per asked-for instance."""
+    import time
+
+    from megatron_s2.posttrain.checks import check_posttrain_inputs
+
+    recipe = load_recipe(str(RECIPE), [override])
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        check_posttrain_inputs(recipe, None)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert time.perf_counter() - t0 < 10
+
+
 # ---- task instances ------------------------------------------------------------------------------------
 def test_task_instances_are_seeded_and_the_held_out_split_is_disjoint():
     a, b = task_variant("sum_pair", 7, max_operand=9), task_variant("sum_pair", 7, max_operand=9)

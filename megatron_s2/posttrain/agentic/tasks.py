@@ -156,6 +156,7 @@ def task_variants(names: list[str] | tuple[str, ...], split: str, count: int, se
     held-out set). Tasks without variants (:data:`VARIANT_TASKS`) appear as stored, in ``train``
     only."""
     out, seen, k = [], set(), 0
+    stale = dict.fromkeys(names, 0)  # draws of a task since its last new distinct instance
     fixed = [n for n in names if n not in _GENERATORS]
     if split == "eval" and fixed:
         raise ValueError(f"agentic tasks {fixed} have no variants, so none of their instances is held out")
@@ -170,6 +171,11 @@ def task_variants(names: list[str] | tuple[str, ...], split: str, count: int, se
         if variant_split(task) == split and not (distinct and (name, task.variant) in seen):
             seen.add((name, task.variant))
             out.append(task)
-        elif k > 200 * max(count, 1) or (distinct and len(seen) >= space[name]):
+            stale[name] = 0
+            continue
+        stale[name] += 1
+        # distinct: 20x the task's space in draws without a new instance of the split leaves one
+        # unseen at odds ~e^-20, so the split is exhausted (not 200 draws per asked-for instance)
+        if k > 200 * max(count, 1) or (distinct and stale[name] > 20 * space[name]):
             raise ValueError(f"agentic tasks {list(names)}: fewer than {count} distinct {split} instances exist")
     return out

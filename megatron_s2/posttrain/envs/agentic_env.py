@@ -25,7 +25,7 @@ from megatron_s2.posttrain.agentic.tasks import AgenticTask, task_names, task_va
 from megatron_s2.posttrain.agentic.tools import tool_schemas, tools_prompt
 from megatron_s2.posttrain.envs.base import Environment, Episode, Split
 
-__all__ = ["AgenticEnvironment"]
+__all__ = ["AgenticEnvironment", "draw_instances"]
 
 _HARNESS_MODULES = {"openai_agents": ("agents", "openai-agents"), "anthropic": ("anthropic", "anthropic"),
                     "smolagents": ("smolagents", "smolagents"), "builtin": ("openai", "openai")}
@@ -34,16 +34,31 @@ _MULTI_BRANCH = ("smolagents",)
 """Harnesses that write earlier calls back as their own text: one branch per call (README, gateway)."""
 
 
+def draw_instances(config, what: str) -> tuple[list[AgenticTask], list[AgenticTask]]:
+    """(train, held-out) instances of an agentic environment ``config``; ConfigError (one line,
+    naming the key) for an unknown task or more held-out instances than exist. Needs no sandbox:
+    the launch pre-flight calls it too (:func:`~megatron_s2.posttrain.checks.check_agentic_tasks`)."""
+    known = task_names()
+    for task in config.tasks:
+        if task not in known:
+            raise ConfigError(f"{what}.tasks: unknown agentic task {task!r}; known: {', '.join(known)}")
+    try:
+        train = task_variants(config.tasks, "train", config.num_prompts, config.seed, max_operand=config.max_operand)
+        held_out = task_variants(config.tasks, "eval", config.eval_prompts, config.seed,
+                                 max_operand=config.max_operand, distinct=True) if config.eval_prompts else []
+    except ValueError as exc:
+        raise ConfigError(f"{what}.eval_prompts: {exc}; lower eval_prompts, set it to 0, or use tasks with "
+                          "instances (sum_pair, copy_word)") from None
+    return train, held_out
+
+
 class AgenticEnvironment(Environment):
     """Seeded instances of the embedded agentic tasks (module docstring)."""
 
     def __init__(self, name: str, config, tokenizer, *, what: str = "rollout.environment"):
         self.name, self.config, self.tokenizer, self.what = name, config, tokenizer, what
         self.max_turns = config.max_turns
-        known = task_names()
-        for task in config.tasks:
-            if task not in known:
-                raise ConfigError(f"{what}.tasks: unknown agentic task {task!r}; known: {', '.join(known)}")
+        self.train, self.held_out = draw_instances(config, what)
         harness = config.agent.get("harness", "builtin")
         if harness in _MULTI_BRANCH:
             raise ConfigError(f"{what}.agent.harness: {harness} re-renders its history, so each episode leaves one "
@@ -58,14 +73,6 @@ class AgenticEnvironment(Environment):
             self.runtime: SandboxRuntime = detect_runtime(config.sandbox)
         except SandboxUnavailable as exc:
             raise ConfigError(f"{what}.sandbox.backend: {exc}".splitlines()[0]) from None
-        try:
-            self.train = task_variants(config.tasks, "train", config.num_prompts, config.seed,
-                                       max_operand=config.max_operand)
-            self.held_out = task_variants(config.tasks, "eval", config.eval_prompts, config.seed,
-                                          max_operand=config.max_operand, distinct=True) if config.eval_prompts else []
-        except ValueError as exc:
-            raise ConfigError(f"{what}.eval_prompts: {exc}; lower eval_prompts, set it to 0, or use tasks with "
-                              "instances (sum_pair, copy_word)") from None
 
     # ---- what the back end plays ----------------------------------------------------------------
     def task(self, index: int, split: Split = "train") -> AgenticTask:
