@@ -49,7 +49,7 @@ extras_require = {
     # harness (tests/serve/test_gateway.py); openai-agents 0.20 is the newest on openai 2.x.
     # smolagents: a third harness playing the agentic tasks (tests/posttrain/test_agentic_harness.py);
     # 1.26 runs on openai 2.54 through its OpenAIModel.
-    "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "mpi4py>=3.1", "matplotlib>=3.7", "triton==3.9.0",
+    "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "pytest-xdist>=3.5", "mpi4py>=3.1", "matplotlib>=3.7", "triton==3.9.0",
             "fastapi==0.165.0", "uvicorn==0.54.0", "openai==2.54.0", "verifiers==0.4.0", "import-linter==2.16",
             "lm-eval==0.4.13", "pillow>=10.1", "anthropic==2.15.0", "openai-agents==0.20.0",
             "smolagents==1.26.0"],

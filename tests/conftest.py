@@ -52,3 +52,16 @@ def one_thread_children(monkeypatch):
     whose earlier code changed it. Modules opt in with
     ``pytestmark = pytest.mark.usefixtures("one_thread_children")``."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+# Fixtures that own a machine-wide resource: the local SLURM clusters (fixed state directories,
+# ports and munge sockets under /tmp/slurm-local). Under pytest-xdist every test that uses one is
+# kept on one worker (``--dist loadgroup``), so two workers never start the same cluster.
+_SERIAL_FIXTURES = {"slurm": "slurm", "slurm2": "slurm", "slurm_one_node": "slurm", "slurm_two_nodes": "slurm"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        groups = {_SERIAL_FIXTURES[name] for name in getattr(item, "fixturenames", ()) if name in _SERIAL_FIXTURES}
+        for group in groups:
+            item.add_marker(pytest.mark.xdist_group(group))

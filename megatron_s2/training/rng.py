@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 
 import numpy as np
 import torch
@@ -15,7 +16,21 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     np.random.seed(seed % (2 ** 32))
     torch.manual_seed(seed)
     if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        _use_deterministic_algorithms()
+
+
+def _use_deterministic_algorithms() -> None:
+    """``torch.use_deterministic_algorithms(True, warn_only=True)`` without its import cost.
+
+    The public call imports ``torch._inductor.config`` (and with it torch._dynamo and triton: ~1.7 s
+    of CPU in every rank and CLI process) only to mirror the flag into Inductor's config. Nothing
+    here compiles with Inductor, so set the ATen flag directly, and mirror it only when Inductor is
+    already loaded (the one case where its config can matter).
+    """
+    torch._C._set_deterministic_algorithms(True, warn_only=True)
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:
+        inductor_config.deterministic = True
 
 
 def rng_state() -> dict:

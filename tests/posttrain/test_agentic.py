@@ -45,11 +45,14 @@ LIMITS = SandboxConfig(command_timeout_s=1.5, cpu_seconds=5, max_processes=48, m
 BACKENDS = {"bwrap": BwrapRuntime, "unshare": UnshareRuntime}
 
 
-def _sandbox_uid_processes(config: SandboxConfig) -> list[str]:
+def _sandbox_uid_processes(config: SandboxConfig, uid: int | None = None) -> list[str]:
+    """Command lines of host processes under the sandbox uids (only ``uid`` when given: other
+    sandboxes of this host, e.g. another pytest-xdist worker's, hold other uids)."""
     out = []
+    low, high = (uid, uid + 1) if uid is not None else (config.uid, config.uid + config.uid_pool)
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if config.uid <= os.stat(f"/proc/{pid}").st_uid < config.uid + config.uid_pool:
+            if low <= os.stat(f"/proc/{pid}").st_uid < high:
                 out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80])
         except (FileNotFoundError, ProcessLookupError):
             pass
@@ -95,7 +98,27 @@ def test_infinite_loop_and_fork_bomb_are_bounded_and_leave_nothing(runtime):
         # nothing but the sandbox's init, its server and this very command is running
         alive = box.run("for p in /proc/[0-9]*; do cat $p/comm; echo; done").stdout.split()
         assert "sleep" not in alive and "sh" in alive and len(alive) <= 5, alive
-    assert _sandbox_uid_processes(LIMITS) == []  # closing left nothing running on the host
+        uid = box.uid
+    assert _sandbox_uid_processes(LIMITS, uid) == []  # closing left nothing running on the host
+
+
+def test_two_processes_never_lease_the_same_sandbox_uid():
+    """The uid lease is host-wide (a flock per uid), not per process: a second process starting a
+    sandbox while this one holds a uid gets the next one, and the first uid is free again once
+    given back."""
+    from megatron_s2.posttrain.agentic.sandbox import _UidLeases
+
+    config = SandboxConfig(uid=64100, uid_pool=4)
+    other = [sys.executable, "-c", "from megatron_s2.config.posttrain.agentic import SandboxConfig; "
+             "from megatron_s2.posttrain.agentic.sandbox import _UidLeases; "
+             "print(_UidLeases.take(SandboxConfig(uid=64100, uid_pool=4)))"]
+    mine = _UidLeases.take(config)
+    try:
+        theirs = int(subprocess.run(other, capture_output=True, text=True, check=True).stdout)
+        assert mine == 64100 and theirs == 64101
+    finally:
+        _UidLeases.give_back(mine)
+    assert int(subprocess.run(other, capture_output=True, text=True, check=True).stdout) == 64100
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="uids of their own need root to switch to them")

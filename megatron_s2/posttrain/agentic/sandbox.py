@@ -176,28 +176,45 @@ def _processes_of(uid: int) -> int:
 
 
 class _UidLeases:
-    """The sandbox uids in use by this process. RLIMIT_NPROC counts processes per host uid, so a
+    """The sandbox uids in use on this host. RLIMIT_NPROC counts processes per host uid, so a
     fork bomb in one sandbox would starve every other sandbox of the same uid: each open sandbox
-    takes a uid of its own from ``sandbox.uid .. uid + uid_pool - 1`` (skipping any uid that has
-    processes on the host, e.g. another trainer's sandboxes)."""
+    takes a uid of its own from ``sandbox.uid .. uid + uid_pool - 1``. A lease is an exclusive
+    ``flock`` on ``<tmp>/megatron-s2-sandbox-uids/<uid>.lock``, held while the sandbox is open and
+    dropped by the kernel when its process ends however it ends, so two trainers (or two threads)
+    starting sandboxes at the same moment never share a uid; a uid that still has processes on the
+    host (a sandbox of a tool that takes no lease) is skipped too."""
 
     _lock = threading.Lock()
-    _taken: set[int] = set()
+    _held: dict[int, int] = {}
+    """uid -> descriptor of its lock file, for this process's open sandboxes."""
 
     @classmethod
     def take(cls, config: SandboxConfig) -> int:
+        folder = Path(tempfile.gettempdir()) / "megatron-s2-sandbox-uids"
+        folder.mkdir(mode=0o700, exist_ok=True)
         with cls._lock:
             for uid in range(config.uid, config.uid + config.uid_pool):
-                if uid not in cls._taken and _processes_of(uid) == 0:
-                    cls._taken.add(uid)
+                if uid in cls._held:
+                    continue
+                fd = os.open(folder / f"{uid}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # another process's sandbox holds it
+                    os.close(fd)
+                    continue
+                if _processes_of(uid) == 0:
+                    cls._held[uid] = fd
                     return uid
+                os.close(fd)  # leftovers of an unleased sandbox: not ours to share
         raise SandboxUnavailable(f"all {config.uid_pool} sandbox uids ({config.uid}..{config.uid + config.uid_pool - 1}) "
                                  "are busy; raise sandbox.uid_pool or open fewer sandboxes at once")
 
     @classmethod
     def give_back(cls, uid: int) -> None:
         with cls._lock:
-            cls._taken.discard(uid)
+            fd = cls._held.pop(uid, None)
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor releases the flock
 
 
 class _ServerSandbox(Sandbox):
