@@ -95,7 +95,7 @@ from megatron_s2.inference.request import (
     RequestHandle,
     RequestOutput,
 )
-from megatron_s2.inference.sampling import SamplingParams, position_seed, sample_next, sampled_token
+from megatron_s2.inference.sampling import SamplingParams, constrain_logits, position_seed, sample_next, sampled_token
 
 __all__ = ["InferenceEngine"]
 
@@ -350,7 +350,7 @@ class InferenceEngine:
                 speculate = self.speculator is not None and chunks[0].length == 1 and self.speculator.active()
                 if speculate:
                     # decoding, not a 1-token chunk; nor a forecast's last prompt token (its hidden state is read)
-                    spec = [r for r in reqs if r.num_computed + 1 == len(r.tokens)
+                    spec = [r for r in reqs if r.num_computed + 1 == len(r.tokens) and not r.params.constrained
                             and not (r.forecast is not None and r.num_computed < len(r.prompt))]
                     if spec:
                         self._speculate(spec, version, outputs, plan)
@@ -537,6 +537,8 @@ class InferenceEngine:
             logits = self._forecast(req, chunk, res, out)
         if logits is None:
             return
+        if req.params.constrained:  # masked tokens (the gateway's tool_choice); never speculated
+            logits = constrain_logits(logits, req.params, req.tokens[len(req.prompt):], self.eos_token_ids)
         if not req.params.greedy:  # the draw is a function of (seed, position) alone: module docstring
             req.generator.manual_seed(position_seed(req.seed, len(req.tokens)))
         self._append(req, out, sample_next(logits, req.params, req.generator), version)

@@ -36,7 +36,7 @@ import torch
 from megatron_s2.config.engine import LOGPROBS_MODES
 from megatron_s2.config.schema import ConfigError
 
-__all__ = ["SamplingParams", "SampledToken", "sample_next", "sampled_token", "position_seed", "LOGPROBS_MODES"]
+__all__ = ["SamplingParams", "SampledToken", "constrain_logits", "sample_next", "sampled_token", "position_seed", "LOGPROBS_MODES"]
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,18 @@ class SamplingParams:
     """Record the routed experts of every token fed to the model (Rollout Routing Replay, §5.2.1)."""
     record_indexer_topk: bool = False
     """Record every indexing layer's top-k entry ids of every token fed to the model."""
+    banned_token_ids: tuple[int, ...] = ()
+    """Tokens never drawn (their logits are -inf before sampling): the gateway's
+    ``tool_choice: "none"`` bans the tool-call marker."""
+    required_token_id: int | None = None
+    """End-of-sequence and ``stop_token_ids`` cannot be drawn until this token has been generated
+    (the gateway's ``tool_choice: "required"``: no answer ends before a tool call begins)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "logprob_token_ids", tuple(int(t) for t in self.logprob_token_ids))
+        object.__setattr__(self, "banned_token_ids", tuple(int(t) for t in self.banned_token_ids))
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens: must be >= 1, got {self.max_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -94,6 +101,11 @@ class SamplingParams:
             raise ConfigError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError("stop: every stop string must be a non-empty string")
+
+    @property
+    def constrained(self) -> bool:
+        """Some tokens are masked (:func:`constrain_logits`)."""
+        return bool(self.banned_token_ids) or self.required_token_id is not None
 
     @property
     def greedy(self) -> bool:
@@ -162,6 +174,21 @@ def reported_values(logits: torch.Tensor, params: SamplingParams, sampling_logp:
     temperature = 1.0 if params.greedy else params.temperature  # processed_logits: what is sampled from
     outside = torch.isneginf(sampling_logp)  # dropped by top-k / top-p
     return (logits.double() / temperature).masked_fill(outside, float("-inf")).float()
+
+
+def constrain_logits(logits: torch.Tensor, params: SamplingParams, generated, end_ids) -> torch.Tensor:
+    """``logits`` [V] with the tokens ``params`` forbids at this position set to -inf: its
+    ``banned_token_ids``, and ``end_ids`` (end-of-sequence and stop tokens) while
+    ``required_token_id`` is not among the ``generated`` ids. The model's logits otherwise, so the
+    reported log-probs are those of the distribution actually sampled from."""
+    banned = set(params.banned_token_ids)
+    if params.required_token_id is not None and params.required_token_id not in generated:
+        banned.update(int(t) for t in end_ids)
+        banned.update(params.stop_token_ids)
+    banned = sorted(t for t in banned if 0 <= t < logits.size(-1))
+    if not banned:
+        return logits
+    return logits.float().index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf"))
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> SampledToken:

@@ -2,7 +2,7 @@
 
 Request: ``messages`` (system / developer / user / assistant / tool; assistant ``tool_calls`` and
 ``reasoning_content``), ``tools`` (``{"type": "function", "function": {...}}``), ``tool_choice``
-(accepted, not enforced: there is no constrained decoding), ``max_completion_tokens`` /
+(``auto`` / ``none`` / ``required`` enforced by token masks, a named function refused: :mod:`.tool_choice`), ``max_completion_tokens`` /
 ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stream`` (+ ``stream_options``).
 Answer: ``message.content``, ``message.reasoning_content`` (vLLM's field), ``message.tool_calls``
 with ``finish_reason: "tool_calls"``; streamed as ``delta.reasoning_content``, ``delta.content``

@@ -3,7 +3,8 @@
 Request: ``system`` (a string or text blocks), ``messages`` (``user`` / ``assistant``; content a
 string or blocks: ``text``, ``thinking``, ``tool_use`` on the assistant's side, ``tool_result``
 on the user's), ``tools`` (``{"name", "description", "input_schema"}``), ``max_tokens``,
-``temperature``, ``top_p``, ``top_k``, ``stream``; ``thinking``, ``tool_choice``, ``metadata`` are
+``temperature``, ``top_p``, ``top_k``, ``stream``; ``tool_choice`` (``auto`` / ``any`` / ``none``
+enforced by token masks, a named tool refused: :mod:`.tool_choice`); ``thinking``, ``metadata`` are
 accepted (not enforced). Answer: a ``message`` whose ``content`` holds ``thinking``, ``text`` and
 ``tool_use`` blocks, ``stop_reason`` ``end_turn`` / ``tool_use`` / ``max_tokens``; streamed as
 ``message_start``, ``content_block_start`` / ``_delta`` (``thinking_delta``, ``text_delta``,

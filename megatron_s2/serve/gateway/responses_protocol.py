@@ -5,7 +5,8 @@ Request: ``input`` (a string, or items: messages with ``input_text`` / ``output_
 sends a conversation back), ``instructions`` (the system message), ``tools`` (function tools),
 ``max_output_tokens``, ``temperature``, ``top_p``, ``stream``. ``previous_response_id`` is refused:
 nothing is stored server-side for a client to point at (send the whole ``input``); ``tool_choice``
-is accepted, not enforced. Answer: a ``response`` object whose ``output`` holds a ``reasoning``
+``auto`` / ``none`` / ``required`` is enforced by token masks, a named function refused
+(:mod:`.tool_choice`). Answer: a ``response`` object whose ``output`` holds a ``reasoning``
 item (``reasoning_text`` content), a ``message`` item (``output_text``) and ``function_call``
 items; streamed as the API's named events (``response.created`` ... ``response.completed``).
 """

@@ -19,6 +19,7 @@ from megatron_s2.serve.chat import _renders_text
 from megatron_s2.serve.errors import BadRequest, HTTPError
 from megatron_s2.serve.gateway.conversation import Turn, assistant_message
 from megatron_s2.serve.gateway.tito import Capture, PromptPlan
+from megatron_s2.serve.gateway.tool_choice import apply_tool_choice, tool_choice_mode
 from megatron_s2.serve.gateway.tool_format import OutputParser, ToolCall
 from megatron_s2.serve.sampling import build_sampling, refuse_unsupported_sampling
 from megatron_s2.serve.state import ServerState, new_id
@@ -100,6 +101,7 @@ async def start_turn(state: ServerState, request, turn: Turn, session: str | Non
     if f.has("n") and f.raw("n") != 1:
         f.fail("n", "one choice per call on this endpoint; send n: 1 or leave it out")
     refuse_unsupported_sampling(f)
+    choice = tool_choice_mode(turn)
     for key in _NOT_HERE:
         f.refuse_unless_default(key, _NOT_HERE[key], "not supported on the gateway protocols (tools or a session "
                                                      "endpoint); leave it out")
@@ -122,6 +124,7 @@ async def start_turn(state: ServerState, request, turn: Turn, session: str | Non
                             prompt_field=turn.prompt_field, max_tokens_keys=turn.max_tokens_keys,
                             max_stops=state.config.max_stops, logprobs_mode=state.config.logprobs_mode,
                             record_routing=plan.session is not None)
+    params = apply_tool_choice(params, choice, tokenizer)
     gen = Generation(state.backend, new_id("turn"), request, state.config.disconnect_poll_s)
     gen.add(0, plan.ids, params)
     return RunningTurn(state, turn, plan, gen, capture)
