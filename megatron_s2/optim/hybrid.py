@@ -51,8 +51,9 @@ _FAMILY = {"muon": "muon", "muon_headwise": "muon", "sinkhorn": "sinkhorn", "ada
 class HybridOptimizer:
     """Several ``torch.optim.Optimizer`` instances stepped, scheduled and checkpointed as one."""
 
-    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]) -> None:
-        if not optimizers:
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], *, allow_empty: bool = False) -> None:
+        """``allow_empty``: no sub-optimiser (a rank with nothing to train; :func:`build_optimizer`)."""
+        if not optimizers and not allow_empty:
             raise ValueError("HybridOptimizer needs at least one sub-optimiser")
         self.optimizers = dict(optimizers)
         self._lr_set = False
@@ -161,17 +162,19 @@ def build_optimizer(
     *,
     row_groups: Mapping[str, dist.ProcessGroup | None] | None = None,
     matrix_shards: Mapping[str, tuple[Any, int]] | None = None,
+    allow_empty: bool = False,
 ) -> HybridOptimizer:
     """Assign ``model``'s trainable parameters by ``cfg.rules`` and build the hybrid optimiser.
 
     ``row_groups`` maps the name of a row-partitioned Sinkhorn table to the process group of
     its row shards. Learning rates start at zero; call ``set_lr`` (the schedule) before the
-    first ``step``.
+    first ``step``. ``allow_empty``: a rank may hold nothing to train (a pipeline stage of a frozen
+    backbone while the DSpark drafter on the last stage trains); its optimiser is then empty.
     """
     row_groups = dict(row_groups or {})
     matrix_shards = dict(matrix_shards or {})
     assignments = assign_param_groups(model, cfg.rules_for(getattr(model, "config", None)))
-    if not assignments:
+    if not assignments and not allow_empty:
         raise ConfigError("model has no trainable parameters to optimise")
     unknown = set(row_groups) - {a.name for a in assignments if a.rule.kind == "sinkhorn"}
     if unknown:
@@ -203,4 +206,4 @@ def build_optimizer(
     if by_family["adamw"]:
         optimizers["adamw"] = torch.optim.AdamW(by_family["adamw"], lr=0.0, betas=cfg.adamw_betas,
                                                 eps=cfg.adamw_eps, weight_decay=0.0)
-    return HybridOptimizer(optimizers)
+    return HybridOptimizer(optimizers, allow_empty=allow_empty)

@@ -200,7 +200,7 @@ def forward_backward_pipelined(model, inputs: StepInputs, *, runtime: "PipelineR
                     if t.requires_grad:
                         outs.append(t)
                         gs.append(g)
-                if unit.objective is not None:
+                if unit.objective is not None and unit.objective.requires_grad:  # not from frozen layers
                     outs.append(unit.objective)
                     gs.append(torch.ones_like(unit.objective))
                 if outs:

@@ -255,11 +255,29 @@ def check_drafter_phase(recipe: RecipeConfig) -> None:
         raise ConfigError(f"model.dspark_layers: {what} trains the DSpark drafter, but the model has none; set "
                           "model.dspark_layers (and dspark_target_layer_ids) or use another phase")
     p = recipe.parallel
-    if p.pp > 1:
-        raise ConfigError(f"parallel.pp: {what} runs the drafter beside the embedding and the head; use pp: 1")
-    if p.cp > 1 or p.sequence_parallel:
-        raise ConfigError(f"parallel.cp / sequence_parallel: {what} needs whole, unsharded sequences on each "
-                          "rank; set cp: 1 and sequence_parallel: false")
+    if p.cp > 1:
+        raise ConfigError(f"parallel.cp: {what} needs whole, unsharded sequences on each rank (the drafter's "
+                          "128-token window and its targets span the sequence); set cp: 1 and use tp (+ "
+                          "sequence_parallel) or pp to split the model")
+
+
+def check_drafter_stages(recipe: RecipeConfig, world_size: int) -> None:
+    """Under pipeline parallelism the drafter lives on the last stage, beside the head (§2.4.3),
+    and reads the target layers' outputs there: every ``dspark_target_layer_ids`` must fall in the
+    last (virtual) stage's layers. (The first stage's embedding is replicated to it.)"""
+    if not recipe.phase.trains_drafter or recipe.parallel.pp == 1 or not getattr(recipe.model, "dspark_layers", 0):
+        return
+    from megatron_s2.parallel.layout import ParallelLayout
+
+    try:
+        last = ParallelLayout.from_recipe(recipe, world_size).stage_layers[-1]
+    except ConfigError:  # a layout that does not fit world_size: the launcher / trainer names it
+        return
+    away = [i for i in recipe.model.dspark_target_layer_ids if i not in last]
+    if away:
+        raise ConfigError(f"model.dspark_target_layer_ids: layer(s) {away} are not on the last pipeline stage "
+                          f"(layers {last[0]}-{last[-1]}), where the drafter reads them; move the cut with "
+                          "parallel.pipeline_layers so the last stage holds them, or lower parallel.pp")
 
 
 def check_phase_layout(recipe: RecipeConfig) -> None:
@@ -288,6 +306,7 @@ def check_run_inputs(recipe: RecipeConfig, world_size: int, host: HostMemory | N
     run_dir = run_dir if run_dir is not None else recipe.training.run_dir
     check_run_dir(run_dir)
     check_phase_layout(recipe)
+    check_drafter_stages(recipe, world_size)
     check_image_layout(recipe)
     tokenizer = check_tokenizer(recipe)
     check_data(recipe, tokenizer)

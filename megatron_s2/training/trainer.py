@@ -93,13 +93,17 @@ class Trainer:
                     p.requires_grad_(False)
         if recipe.phase.trains_drafter:
             self.model.capture_dspark = True
+            if self.pipeline is not None:  # the last stage's replica of the embedding (models/v41/model.py)
+                self.pipeline.refresh()
         else:  # a phase that does not train the drafter keeps it as it is (no gradient, no optimiser state)
             for name, p in self.model.named_parameters():
                 if name.startswith("dspark."):
                     p.requires_grad_(False)
         row_groups, matrix_shards = optimizer_shard_groups(self.model, self.groups, recipe.optimizer)
+        # the DSpark stage under pipeline parallelism: the stages before the last hold only frozen layers
         self.optimizer = build_optimizer(self.model, recipe.optimizer, row_groups=row_groups,
-                                         matrix_shards=matrix_shards)
+                                         matrix_shards=matrix_shards,
+                                         allow_empty=recipe.phase.kind == "dspark" and self.layout.pp > 1)
         if recipe.parallel.distributed_optimizer:
             self.optimizer = DistributedOptimizer(self.optimizer, self.model, self.groups,
                                                   bucket_mb=recipe.parallel.grad_bucket_mb)
@@ -363,6 +367,8 @@ class Trainer:
     def train(self) -> TrainResult:
         t = self.recipe.training
         resumed = self.restore()  # a refused resume raises before anything is written
+        if resumed and self.pipeline is not None:
+            self.pipeline.refresh()  # replicas follow the loaded owners
         self.write_run_files()
         if self.is_main:
             clear_preempted(self.run_dir)  # this attempt decides afresh how it ends

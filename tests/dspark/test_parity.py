@@ -7,8 +7,11 @@ went in on every layout.
 
 Layouts: TP2 (the drafter's attention heads and shared expert split like the backbone's, its
 logits gathered to the full vocabulary), DP2 with ZeRO-1, EP2 (the drafter's own 4 experts, two
-per rank) and ETP2. Pipeline, context and sequence parallelism are refused for this stage
-(tests/dspark/test_stage.py).
+per rank), ETP2 and PP2 (the drafter on the last stage beside the head, reading the target
+layers held there and a replica of the first stage's embedding; the first stage holds only
+frozen layers and an empty optimiser) and TP2 with sequence parallelism (the backbone's
+sequence slices gathered for the drafter, whose draft blocks are never sequence-sharded).
+Context parallelism is refused for this stage (tests/dspark/test_stage.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ LAYOUTS = {
     "dp2_zero1": ["parallel.distributed_optimizer=true"],
     "ep2": ["parallel.ep=2"],
     "etp2": ["parallel.etp=2"],
+    # the drafter on the last stage (layers 4-7 hold its targets 5-7), the embedding replicated to it
+    "pp2": ["parallel.pp=2"],
+    # the drafter's blocks are never sequence-sharded: it gathers the recorded targets over tp
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
 }
 
 HC_HEAD = ("dspark.head_hc_",)
@@ -47,3 +54,25 @@ def test_layout_matches_one_rank(parity, layout):
     records = load_records(root / layout, 2)
     check_against_reference(records, ref, layout, **TOLERANCES, loose_params=HC_HEAD)
     assert ref["opt_state_names"] and all(n.startswith("dspark.") for n in ref["opt_state_names"])
+
+
+SFT = RECIPE.parent / "sft_sort_copy.yaml"
+CO_TRAINING = ["model.dspark_layers=2", "model.dspark_block_size=4", "model.dspark_noise_token_id=127",
+               "model.dspark_target_layer_ids=[5,6,7]", "model.dspark_markov_rank=8",
+               "model.dspark_num_routed_experts=4", "model.dspark_moe_topk=2", "phase.train_drafter=true"]
+
+
+@pytest.fixture(scope="module")
+def co_training(tmp_path_factory):
+    return run_layouts(tmp_path_factory.mktemp("dspark_cotrain_parity"), 2, {"pp2": ["parallel.pp=2"]},
+                       recipe_path=SFT, base=[*BASE, *CO_TRAINING])
+
+
+def test_co_training_under_pipeline_matches_one_rank(co_training):
+    """`phase.train_drafter` in SFT under PP2: the backbone trains on both stages and the drafter on
+    the last; the last stage's embedding replica follows the first stage's after every step, so
+    the drafter's parameters after three steps (which read the updated embedding) match too."""
+    root, ref = co_training
+    check_against_reference(load_records(root / "pp2", 2), ref, "co-training pp2", **TOLERANCES, loose_params=HC_HEAD)
+    assert any(n.startswith("dspark.") for n in ref["opt_state_names"])
+    assert any(not n.startswith("dspark.") for n in ref["opt_state_names"])

@@ -76,8 +76,7 @@ def test_cotraining_leaves_the_backbone_gradients_bitwise_unchanged(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["model=tiny"], "model.dspark_layers: phase.kind: dspark trains the DSpark drafter, but the model has none"),
-    (["parallel.pp=2"], "parallel.pp: phase.kind: dspark runs the drafter beside the embedding and the head"),
-    (["parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.cp / sequence_parallel"),
+    (["parallel.cp=2"], "parallel.cp: phase.kind: dspark needs whole, unsharded sequences"),
 ])
 def test_bad_stage_recipes_are_refused_before_ranks_start(tmp_path, overrides, message):
     from megatron_s2.training.run_checks import check_drafter_phase
@@ -143,14 +142,26 @@ def test_the_rl_log_shows_the_online_draft_update(tmp_path):
 
 
 def test_train_names_the_drafter_layout_before_the_rank_count(tmp_path, capsys):
-    """`megatron-s2 train <dspark recipe> parallel.pp=2` in one process: the layout the drafter
+    """`megatron-s2 train <dspark recipe> parallel.cp=2` in one process: the layout the drafter
     cannot use is the error (exit 2, one line), not "start it with launch" — launching would only
     be refused again."""
     from megatron_s2.cli import main
 
-    code = main(["train", str(STAGE), *QUICK, "parallel.pp=2", "--run-dir", str(tmp_path / "run")])
+    code = main(["train", str(STAGE), *QUICK, "parallel.cp=2", "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and "Traceback" not in err and len(lines) == 1, err
-    assert "parallel.pp" in lines[0] and "drafter" in lines[0] and "start it with" not in lines[0], err
+    assert "parallel.cp" in lines[0] and "dspark" in lines[0] and "start it with" not in lines[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_pipeline_target_layers_must_sit_on_the_last_stage():
+    """PP2 runs the drafter on the last stage (tests/dspark/test_parity.py); a target layer on an
+    earlier stage is refused before any rank starts, naming the key and the fix."""
+    from megatron_s2.training.run_checks import check_drafter_stages
+
+    check_drafter_stages(load_recipe(STAGE, [*QUICK, "parallel.pp=2"]), 2)  # targets 5-7 on layers 4-7
+    with pytest.raises(ConfigError, match=r"model.dspark_target_layer_ids: layer\(s\) \[3\] are not on the last"):
+        check_drafter_stages(load_recipe(STAGE, [*QUICK, "parallel.pp=2", "model.dspark_target_layer_ids=[3,6,7]"]), 2)
+    with pytest.raises(ConfigError, match="parallel.pipeline_layers"):
+        check_drafter_stages(load_recipe(STAGE, [*QUICK, "parallel.pp=2", "parallel.pipeline_layers=[6,2]"]), 2)

@@ -10,9 +10,11 @@ layout. The forward pass of one stage is ``embed`` (first stage) -> ``run_layers
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron_s2.models.v41.config import V41Config
@@ -61,7 +63,15 @@ class V41Model(nn.Module):
         if post_process and config.dspark_layers:  # the drafter lives with the head (§2.4.3)
             from megatron_s2.models.v41.dspark.drafter import DSparkDrafter
 
-            self.dspark = DSparkDrafter(config, groups, provider or get_provider(config.transformer_impl, config.fp8))
+            # its draft blocks are short [N, K] batches, never sequence-sharded: no sequence parallelism inside
+            self.dspark = DSparkDrafter(config, dataclasses.replace(groups, sequence_parallel=False),
+                                        provider or get_provider(config.transformer_impl, config.fp8))
+        self._dspark_embedding: list[VocabParallelEmbedding] = []
+        """Under pipeline parallelism the last stage holds the drafter but not the embedding: a frozen
+        replica of this tp rank's embedding shard, filled from the first stage by
+        :meth:`sync_dspark_embedding` (after a load and after every optimiser step). Kept in a list
+        so it is no module of the model: no parameter, no checkpoint entry, no optimiser state; built
+        on the first sync, where the model has its storage (it is constructed on the meta device)."""
         self.vision = None
         if pre_process and config.vision_n_layers:  # beside the embedding, outside the layers (§2.1.1, §3.1.1)
             from megatron_s2.models.v41.vision.tower import VisionEncoder
@@ -162,14 +172,44 @@ class V41Model(nn.Module):
     def dspark_embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The backbone's embedding for the drafter, its weight detached: the drafter objective
         never trains the backbone (§2.4.3)."""
+        if not self.pre_process:  # a later pipeline stage: the first stage's embedding, replicated
+            if not self._dspark_embedding:
+                raise RuntimeError("DSpark: this pipeline stage has no replica of the embedding yet; the "
+                                   "pipeline runtime's refresh() fills it from the first stage")
+            return self._dspark_embedding[0](ids)
         emb = self.embedding["word_embeddings"]
+        if emb.seq.sp:  # draft blocks are not sequence-sharded: the lookup's tp sum, not its reduce-scatter
+            local = ids - emb.start
+            outside = (local < 0) | (local >= emb.part)
+            y = F.embedding(local.masked_fill(outside, 0), emb.weight.detach())
+            return mappings.reduce_from_group(y.masked_fill(outside.unsqueeze(-1), 0.0), self.groups.tp)
         return torch.func.functional_call(emb, {"weight": emb.weight.detach()}, (ids,))
+
+    @torch.no_grad()
+    def sync_dspark_embedding(self, pp, first_pp: int, last_pp: int) -> None:
+        """Copy this tp rank's embedding shard from the first pipeline stage (``first_pp``) to the
+        drafter's replica on the last (``last_pp``); other stages take no part. ``pp``: this rank's
+        pipeline group."""
+        import torch.distributed as dist
+
+        if pp.rank == first_pp:
+            w = self.embedding["word_embeddings"].weight.detach()
+            dist.send(w.float().contiguous(), dst=pp.ranks[last_pp])
+        elif pp.rank == last_pp and self.dspark is not None:
+            if not self._dspark_embedding:
+                with torch.device(self.output_layer.weight.device):
+                    built = VocabParallelEmbedding(self.config.vocab_size, self.config.hidden_size, self.groups.tp)
+                self._dspark_embedding.append(built.requires_grad_(False))
+            replica = self._dspark_embedding[0].weight
+            buf = torch.empty(replica.shape, dtype=torch.float32, device=replica.device)
+            dist.recv(buf, src=pp.ranks[first_pp])
+            replica.copy_(buf)
 
     def dspark_head(self, h: torch.Tensor) -> torch.Tensor:
         """The backbone's head for the drafter (weight detached) -> full-vocabulary float32 logits."""
-        head = self.output_layer
-        logits = torch.func.functional_call(head, {"weight": head.weight.detach()}, (h,))
-        return mappings.gather_from_group(logits, self.groups.tp, dim=-1)
+        tp = self.groups.tp  # the head's tp entry without its sequence gather (draft blocks are whole)
+        logits = F.linear(mappings.copy_to_group(h, tp).float(), self.output_layer.weight.detach().float())
+        return mappings.gather_from_group(logits, tp, dim=-1)
 
     def dspark_targets(self, ctx: ForwardContext) -> torch.Tensor:
         """The drafter's main input recorded by the forward: the target layers' outputs
@@ -178,7 +218,10 @@ class V41Model(nn.Module):
         if missing:
             raise RuntimeError(f"DSpark: the forward did not record target layer(s) {missing}; build the context "
                                "with capture_dspark=True")
-        return torch.cat([ctx.capture[i] for i in self.config.dspark_target_layer_ids], dim=-1).detach()
+        targets = torch.cat([ctx.capture[i] for i in self.config.dspark_target_layer_ids], dim=-1).detach()
+        if self.groups.sequence.sp and self.groups.tp.active:  # each tp rank recorded its slice of the sequence
+            targets = mappings.gather_sequence(targets, self.groups.tp, dim=1)
+        return targets
 
     def dspark_teacher_forced(self, logits: torch.Tensor, mb: dict[str, torch.Tensor], ctx: ForwardContext):
         """Everything the drafter's objective needs from one micro-batch whose forward recorded the

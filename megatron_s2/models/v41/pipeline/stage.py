@@ -62,6 +62,9 @@ class V41StagePayloads(StagePayloads):
 
     def refresh(self) -> None:
         self.shadows.refresh()
+        if self.model.capture_dspark and self.cfg.dspark_layers and self.layout.pp > 1:
+            # the drafter on the last stage reads the first stage's embedding (§2.4.3): its replica follows
+            self.model.sync_dspark_embedding(self.groups.pp, 0, self.layout.pp - 1)
 
     def sync_grads(self) -> None:
         self.shadows.sync_grads()
