@@ -187,10 +187,7 @@ def expand(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Ten
     ``f [b, s, d]``, ``x [b, s, n, d]``, ``post [b, s, n]``, ``comb [b, s, n, n]`` -> ``[b, s, n, d]``.
     """
     fw, xw, pw, cw = _wide(f, x, post, comb)
-    # The product is rounded before the sum (no fused addcmul_): an FMA here changed the last bit
-    # of some stream values, and with packed FP8/FP4 KV such a bit can round a cached value the
-    # other way under TP2 than on one rank (8e-4 relative in test_parallel_decode's tp2 logits).
-    out = torch.matmul(cw.transpose(-1, -2), xw).add_(pw.unsqueeze(-1) * fw.unsqueeze(-2))
+    out = torch.matmul(cw.transpose(-1, -2), xw).addcmul_(pw.unsqueeze(-1), fw.unsqueeze(-2))
     return cast(out, x.dtype)
 
 
