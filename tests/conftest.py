@@ -60,6 +60,7 @@ def one_thread_children(monkeypatch):
 _SERIAL_FIXTURES = {"slurm": "slurm", "slurm2": "slurm", "slurm_one_node": "slurm", "slurm_two_nodes": "slurm"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marker into the nodeid's @group
 def pytest_collection_modifyitems(config, items):
     for item in items:
         groups = {_SERIAL_FIXTURES[name] for name in getattr(item, "fixturenames", ()) if name in _SERIAL_FIXTURES}

@@ -5,7 +5,7 @@ Two gloo processes are spawned once for the module; each builds the model for a 
 the layout-independent initialisation, runs chunked prefill + decode through the KV cache
 (packed formats on) and the engine's seeded sampling, and writes its results; the parent
 compares them with the same runs on one rank: logits at every position within 1e-5 of the
-largest logit, routing and indexer top-k identical, sampled tokens identical, log-probs within
+largest logit with float KV (within one quantum with packed KV, ``PACKED_RTOL``), routing and indexer top-k identical, sampled tokens identical, log-probs within
 1e-5 relative — also after each rank swapped in new weights from a checkpoint directory
 (full tensors on disk, sliced by every rank's ShardSpec).
 """
@@ -27,6 +27,12 @@ from tests.parallel.spawn import run_distributed
 LAYOUTS = {"tp2": dict(tp=2), "ep2": dict(ep=2)}
 PROMPT_LENS = [11, 6]
 SEED = 21
+PACKED_RTOL = 2e-3
+"""Packed (FP8 / FP4) KV under a layout vs one rank: the float-noise difference of a reduction order
+(TP's all-reduce) can round a cached value that sits near a quantisation boundary to the neighbouring
+code — one quantum, not noise. Measured: 8.4e-4 of the largest logit under TP2 after a last-bit
+change of the mHC expansion (an FMA); 0 before it. The float-KV run of the same sequences keeps the
+1e-5 bound, and top-k / routing decisions stay identical in both."""
 
 
 def config(quant: bool = True):
@@ -47,6 +53,8 @@ def run_all(groups: ParallelGroups, checkpoint: str) -> dict:
     model = V41Model(config(), groups).init_weights(SEED).eval()
     seqs = random_tokens(model.config, [27, 19], seed=3)
     out["logits"], out["topk"] = incremental(model, seqs, PROMPT_LENS, chunk=4, record_topk=True)
+    float_model = V41Model(config(quant=False), groups).init_weights(SEED).eval()
+    out["float_logits"], _ = incremental(float_model, seqs, PROMPT_LENS, chunk=4, record_topk=True)
     model = V41Model(config(quant=False), groups).init_weights(SEED).eval()
     engine = InferenceEngine(model, EngineConfig(max_num_seqs=2, max_model_len=48, prefill_chunk=5, page_tokens=8))
     params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i, record_routing=True) for i in range(2)]
@@ -101,9 +109,12 @@ def test_parallel_decode_equals_single_rank(results, layout):
                 assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
         for a, b in zip(ref["routing"], got["routing"]):
             assert torch.equal(a, b)
-        for a, b in zip(ref["logits"], got["logits"]):
+        for a, b in zip(ref["float_logits"], got["float_logits"]):
             err = (a - b).abs().max() / a.abs().max()
             assert err <= 1e-5, f"{layout}: max |parallel - single| / max |single| = {err:.2e}"
+        for a, b in zip(ref["logits"], got["logits"]):  # packed KV: see PACKED_RTOL
+            err = (a - b).abs().max() / a.abs().max()
+            assert err <= PACKED_RTOL, f"{layout} (packed KV): max |parallel - single| / max |single| = {err:.2e}"
         assert got["tokens"] == ref["tokens"]
         for a, b in zip(ref["logprobs"], got["logprobs"]):
             assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5 * max(abs(x) for x in a)
