@@ -2,7 +2,7 @@
 naive and seasonal-naive baselines (Intern-S2 report §2.2.2; walkthrough Table 5 style: the error,
 with the success rate in brackets).
 
-    megatron-s2 train recipes/timeseries_forecast_tiny.yaml          # ~4 min on 2 CPU cores
+    megatron-s2 train recipes/timeseries_forecast_tiny.yaml          # ~3 min on 2 CPU cores
     python bench/timeseries_forecast.py runs/timeseries_forecast_tiny [--items 200]
     python bench/timeseries_forecast.py --smoke      # trains the recipe 4 steps in a temp dir, 8 items
 
