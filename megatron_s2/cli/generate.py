@@ -17,6 +17,9 @@ that differs from the files, or a model without a vision tower exits with code 2
 in lock-step with the backbone and every token comes from the router's per-token mix (Eq. 3); a
 plug-in made for another backbone (vocabulary, tokenizer, width, architecture), a missing path or
 a run without the router exits with code 2 and one line.
+
+``--series JSON_OR_FILE`` (a ``phase.kind: timeseries_forecast`` checkpoint; Intern-S2 §2.2.2):
+numbers, not text — :mod:`megatron_s2.cli.generate_series`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ def generate_command(args: argparse.Namespace) -> int:
 
     if not args.prompt:
         raise ConfigError("--prompt: give the text to continue, e.g. --prompt 'Once upon a time'")
+    if args.series is not None:
+        from megatron_s2.cli.generate_series import forecast_command
+
+        return forecast_command(args)
     # every option is checked before the (slow) model load, and an error names its flag
     check_speculative_flags(args)
     check_memory_decoder_flags(args)
@@ -120,6 +127,13 @@ def register(subparsers) -> None:
     p.add_argument("--image", action="append", metavar="FILE",
                    help="an image for a vision-language model (repeatable); each <image> in the prompt is where the "
                         "next one goes, or all go first when the prompt has none")
+    p.add_argument("--series", default=None, metavar="JSON_OR_FILE",
+                   help="forecast a series instead of generating text: a JSON array ([steps] or [channels][steps]) or "
+                        "a local .csv/.parquet/.npz file; --prompt is the instruction (\"predict 12 steps ahead\"); "
+                        "prints {\"horizon\", \"forecast\"} (cli/generate_series.py)")
+    p.add_argument("--sample-rate", type=float, default=None, metavar="HZ",
+                   help="the series' sampling rate, for instructions in time units (default: the file's, if any)")
+    p.add_argument("--horizon", type=int, default=None, help="forecast steps (default: read from --prompt)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus probability (default 1.0 = off)")

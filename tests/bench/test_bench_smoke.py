@@ -35,7 +35,7 @@ EXPECTED = {
     "speculative.py": ["plain tok/s", "acceptance per position", "ratio = speculative / plain"],
     "contrastive_overlap.py": ["ratio blocking/overlapped", "identical"],
     "timeseries_encoder.py": ["peak MiB", "time ratio"],
-    "timeseries_forecast.py": ["horizon predictor", "MASE mean", "vs naive", "seasonal naive"],
+    "timeseries_forecast.py": ["horizon predictor", "MASE mean", "vs naive", "seasonal naive", "(acf lag)"],
     "memory_decoder.py": ["held-out perplexity", "fused/backbone", "mean lambda"],
     "async_rl.py": ["(a) Step throughput", "ratio = disaggregated / co-located", "(b) Rollout accuracy per step"],
 }

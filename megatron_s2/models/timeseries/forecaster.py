@@ -28,7 +28,7 @@ from torch import nn
 
 from megatron_s2.models.timeseries.encoder import Attention, Block, denormalise
 
-__all__ = ["ConditioningQFormer", "CausalForecaster", "ForecastBranch", "ForecastRows"]
+__all__ = ["ConditioningQFormer", "CausalForecaster", "ForecastBranch", "ForecastRows", "seasonal_lag"]
 
 
 class ConditioningQFormer(nn.Module):
@@ -67,27 +67,78 @@ class _ForecasterBlock(nn.Module):
         return x + self.mlp(self.norm_mlp(x))
 
 
+def seasonal_lag(history: torch.Tensor, valid: torch.Tensor, min_overlap: int = 8) -> torch.Tensor:
+    """Dominant seasonal lag [R] (steps, >= 2) of each left-padded history [R, K], from its
+    autocorrelation (Autoformer-style period discovery: no period is given to the model).
+
+    Each row's valid part is linearly detrended; the biased autocorrelation (so of two multiples
+    of the period the shorter wins) is maximised over lags after its first negative value, with
+    at least ``min_overlap`` overlapping steps. A row with no such lag (too short, no cycle, a
+    pure trend) gets lag 1: its seasonal candidate is the naive last value.
+    """
+    rows, steps = history.shape
+    x = history.float()
+    w = valid.float()
+    n = w.sum(1, keepdim=True).clamp(min=1.0)
+    t = torch.arange(steps, device=x.device, dtype=x.dtype).expand(rows, -1)
+    t_mean, x_mean = (t * w).sum(1, keepdim=True) / n, (x * w).sum(1, keepdim=True) / n
+    slope = ((t - t_mean) * (x - x_mean) * w).sum(1, keepdim=True) / (((t - t_mean) ** 2 * w).sum(1, keepdim=True) + 1e-8)
+    y = (x - x_mean - slope * (t - t_mean)) * w                       # detrended, zero outside the valid part
+    spectrum = torch.fft.rfft(y, n=2 * steps)
+    acf = torch.fft.irfft(spectrum.abs() ** 2, n=2 * steps)[:, :steps]
+    energy = acf[:, :1]
+    acf = acf / energy.clamp(min=1e-8)
+    lags = torch.arange(steps, device=x.device).expand(rows, -1)
+    crossed = torch.cumsum((acf < 0).int(), dim=1) > 0                 # at or after the first negative value
+    allowed = crossed & (lags >= 2) & (lags <= n.long() - min_overlap)
+    score = acf.masked_fill(~allowed, float("-inf"))
+    best, lag = score.max(dim=1)
+    cyclic = torch.isfinite(best) & (best > 0) & (energy[:, 0] > 1e-6 * n[:, 0])   # a pure trend leaves ~0
+    return torch.where(cyclic, lag, torch.ones_like(lag))
+
+
 class CausalForecaster(nn.Module):
-    """Value sequence [R, S] (normalised; ``valid`` [R, S]) -> next-value predictions [R, S]."""
+    """Value sequence [R, S] (normalised; ``valid`` [R, S]) -> next-value predictions [R, S].
+
+    Every position ``s`` also reads its seasonal candidate for the next step, ``values[s + 1 - lag]``
+    (``lag`` from :func:`seasonal_lag`; the last value where that falls in the padding), and its
+    prediction is a learned gate between that candidate and the last value plus a learned
+    correction (trend, harmonics, lead/lag from the conditioning slots): the Transformer learns
+    the residual of a seasonal / naive forecast instead of copying a cycle from scratch.
+    """
 
     def __init__(self, hidden: int, heads: int, layers: int, positions: int, channels: int):
         super().__init__()
-        self.value_in = nn.Linear(1, hidden)
+        self.positions = positions
+        self.value_in = nn.Linear(4, hidden)       # value, seasonal candidate, their difference, lag / positions
         self.position = nn.Embedding(positions, hidden)
         self.channel = nn.Embedding(channels, hidden)
         self.blocks = nn.ModuleList(_ForecasterBlock(hidden, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(hidden)
-        self.value_head = nn.Linear(hidden, 1)
+        self.value_head = nn.Linear(hidden, 2)     # correction, gate logit (seasonal vs last value)
+        with torch.no_grad():
+            self.value_head.weight[1].zero_()
+            self.value_head.bias.copy_(torch.tensor([0.0, 2.0]))   # start near the seasonal candidate
 
-    def forward(self, values: torch.Tensor, valid: torch.Tensor, channel: torch.Tensor, cond: torch.Tensor):
+    def forward(self, values: torch.Tensor, valid: torch.Tensor, channel: torch.Tensor, cond: torch.Tensor,
+                lag: torch.Tensor):
         s = values.size(1)
-        x = self.value_in(values[..., None]) + self.position.weight[:s] + self.channel(channel)[:, None]
+        index = torch.arange(s, device=values.device)[None] + 1 - lag[:, None]        # [R, S]
+        usable = index >= 0
+        index = index.clamp(min=0)
+        usable = usable & valid.gather(1, index)
+        seasonal = torch.where(usable, values.gather(1, index), values)
+        feats = torch.stack([values, seasonal, seasonal - values,
+                             (lag.to(values.dtype) / self.positions)[:, None].expand(-1, s)], dim=-1)
+        x = self.value_in(feats) + self.position.weight[:s] + self.channel(channel)[:, None]
         causal = torch.ones(s, s, dtype=torch.bool, device=values.device).tril()
         # a padded (left) position attends to nobody real: let every position see itself
         attend = (causal & valid[:, None, :]) | torch.eye(s, dtype=torch.bool, device=values.device)
         for block in self.blocks:
             x = block(x, cond, attend)
-        return self.value_head(self.norm(x)).squeeze(-1)
+        correction, gate = self.value_head(self.norm(x)).unbind(-1)
+        gate = torch.sigmoid(gate)
+        return gate * seasonal + (1 - gate) * values + correction
 
 
 @dataclass
@@ -148,7 +199,8 @@ class ForecastBranch(nn.Module):
             raise ValueError(f"horizon {future.size(1)} exceeds model.timeseries.max_horizon ({self.max_horizon})")
         values = torch.cat([rows.history, future[:, :-1]], dim=1)
         valid = torch.cat([rows.history_valid, torch.ones_like(future[:, :-1], dtype=torch.bool)], dim=1)
-        out = self.forecaster(values, valid, rows.channel, cond[rows.series])
+        out = self.forecaster(values, valid, rows.channel, cond[rows.series],
+                              seasonal_lag(rows.history, rows.history_valid))
         return out[:, self.context - 1:]
 
     @torch.no_grad()
@@ -158,8 +210,9 @@ class ForecastBranch(nn.Module):
             raise ValueError(f"horizon {horizon} is outside 1..model.timeseries.max_horizon ({self.max_horizon})")
         values, valid = rows.history, rows.history_valid
         slots = cond[rows.series]
+        lag = seasonal_lag(rows.history, rows.history_valid)
         for _ in range(horizon):
-            nxt = self.forecaster(values, valid, rows.channel, slots)[:, -1:]
+            nxt = self.forecaster(values, valid, rows.channel, slots, lag)[:, -1:]
             values = torch.cat([values, nxt], dim=1)
             valid = torch.cat([valid, torch.ones_like(nxt, dtype=torch.bool)], dim=1)
         return values[:, self.context:]

@@ -1,0 +1,115 @@
+"""``megatron-s2 generate RUN --series SERIES --prompt INSTRUCTION``: numbers for a series, not text
+(Intern-S2 report §2.2.2; walkthrough: "a request with a series returns numbers, not text").
+
+``SERIES`` is a JSON array (``[steps]`` or ``[channels][steps]``) or a local ``.csv`` / ``.parquet``
+/ ``.npz`` file (:func:`megatron_s2.data.timeseries.load_series`; the terminal's own files, so no
+allow-list). ``--prompt`` is the instruction the horizon predictor reads ("forecast the next two
+seconds" with ``--sample-rate 4`` is 8 steps; "predict 12 steps ahead"), or ``--horizon N`` sets it.
+The prompt is rendered as the forecasting phase trained it (``bos [series] instruction sep``,
+as ``POST /v1/forecast`` does), the engine inserts the encoder's tokens and runs the forecasting
+branch on the prompt's hidden states, and stdout gets one JSON line ``{"horizon": H, "forecast":
+[[H values] per channel]}`` on the series' own scale. A NaN / inf, empty, ragged or enormous series,
+an unreadable instruction, a horizon past ``model.timeseries.max_horizon`` or a checkpoint without
+the lane or the branch exits with code 2 and one line naming the flag — the series is checked
+before the model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from megatron_s2.config.schema import ConfigError
+
+__all__ = ["read_series_flag", "forecast_command"]
+
+
+def read_series_flag(spec: str, rate: float | None):
+    """(float32 [channels, steps], Hz or None) of ``--series`` (module docstring), or a one-line ConfigError."""
+    from megatron_s2.data.errors import DataError
+    from megatron_s2.data.timeseries import check_series, load_series
+
+    if rate is not None and (not math.isfinite(rate) or rate <= 0):
+        raise ConfigError(f"--sample-rate: must be a positive number of Hz, got {rate}")
+    try:
+        if spec.lstrip().startswith("["):
+            try:
+                values = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--series: not a JSON array ({exc.msg} at character {exc.pos}); give "
+                                  "[steps], [[channel 0 steps], [channel 1 steps]] or a .csv/.parquet/.npz path") from None
+            return check_series(values, "--series"), rate
+        loaded = load_series(spec)
+        return loaded.values, rate if rate is not None else loaded.sample_rate
+    except DataError as exc:
+        message = str(exc).replace(" before training", "")
+        raise ConfigError(message if message.startswith("--series") else f"--series: {message}") from None
+
+
+def forecast_command(args: argparse.Namespace) -> int:
+    """The ``--series`` path of ``generate`` (module docstring)."""
+    import numpy as np
+    import torch
+
+    from megatron_s2.data.timeseries_text import SeriesPlanner, series_prompt
+    from megatron_s2.inference import EngineConfig, EngineDriver, InferenceEngine, SamplingParams
+    from megatron_s2.inference.weights import load_model
+    from megatron_s2.models.timeseries.encoder import SeriesInput
+    from megatron_s2.models.timeseries.horizon import parse_horizon
+
+    for flag, given in (("--image", args.image), ("--memory-decoder", args.memory_decoder),
+                        ("--speculative", args.speculative)):
+        if given:
+            raise ConfigError(f"{flag}: not with --series (a forecast is one prompt forward, no sampling); drop {flag}")
+    values, rate = read_series_flag(args.series, args.sample_rate)
+    if args.horizon is not None:
+        if args.horizon < 1:
+            raise ConfigError(f"--horizon: must be >= 1 steps, got {args.horizon}")
+        horizon = args.horizon
+    else:
+        try:
+            horizon = parse_horizon(args.prompt, rate)
+        except ValueError as exc:
+            raise ConfigError(f"--prompt: {exc}; or give --horizon N") from None
+    model, tokenizer, description = load_model(args.checkpoint, args.device)
+    engine = InferenceEngine(model, EngineConfig(max_num_seqs=1, max_model_len=args.max_model_len, prefill_chunk=256,
+                                                 max_prefill_tokens=256),
+                             eos_token_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+    lane = engine.model_config.timeseries if engine.series_token_id is not None else None
+    if lane is None:
+        raise ConfigError(f"--series: {args.checkpoint} has no time-series lane (model.timeseries is not set); use a "
+                          "phase.kind: timeseries_forecast run")
+    if getattr(model, "forecaster", None) is None:
+        raise ConfigError(f"--series: {args.checkpoint} has no forecasting branch (train it with phase.kind: "
+                          "timeseries_forecast)")
+    if horizon > lane.max_horizon:
+        raise ConfigError(f"--horizon: {horizon} steps asked, above this model's model.timeseries.max_horizon "
+                          f"({lane.max_horizon}); ask for fewer steps")
+    if values.shape[0] > lane.max_channels:
+        raise ConfigError(f"--series: {values.shape[0]} channels, above this model's model.timeseries.max_channels "
+                          f"({lane.max_channels}); give at most {lane.max_channels} channels")
+    planner = SeriesPlanner.from_model(engine.model_config)
+    ids, at = series_prompt(tokenizer, planner, args.prompt, values.shape[1])
+    span = planner.span_length(values.shape[1])
+    # one placeholder where the span goes: the engine expands it by the model's own plan
+    prompt = [int(t) for t in ids[:at]] + [engine.series_token_id] + [int(t) for t in ids[at + span:]]
+    series = SeriesInput(torch.from_numpy(np.ascontiguousarray(values)), None if rate is None else float(rate))
+    try:
+        handle = engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0), series=[series], forecast=[horizon])
+    except ValueError as exc:
+        raise ConfigError(f"--series: {exc}") from None
+    print(f"[{description}]", file=sys.stderr)
+    driver, result = EngineDriver(engine), None
+    while engine.has_work():
+        driver.step()
+        while not handle.empty():
+            out = handle.get()
+            if out.forecast is not None:
+                result = out.forecast[0]
+    if result is None:
+        print("--series: the engine returned no forecast", file=sys.stderr)
+        return 1
+    print(json.dumps({"horizon": horizon, "forecast": result.float().tolist()}))
+    return 0

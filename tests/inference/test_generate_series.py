@@ -1,0 +1,113 @@
+"""``megatron-s2 generate RUN --series ... --prompt INSTRUCTION`` (Intern-S2 §2.2.2): numbers out,
+the same as ``tools/forecast.py`` / ``POST /v1/forecast``; bad series are one line, exit 2, before
+the model loads (the fast tests). The slow ones train the forecasting recipe 3 steps (~15 s)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_s2.cli import main
+from megatron_s2.cli.generate_series import read_series_flag
+from megatron_s2.config.schema import ConfigError
+from megatron_s2.data.timeseries import MAX_STEPS
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "timeseries_forecast_tiny.yaml"
+STEPS = np.arange(60.0)
+SERIES = [(100 + 5 * np.sin(STEPS / 4)).tolist(), (-3 + np.cos(STEPS / 4)).tolist()]
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("[1, NaN, 2]", "NaN/inf"),
+    ("[1, Infinity]", "NaN/inf"),
+    ("[]", "empty series"),
+    ("[[1, 2, 3], [4]]", "ragged"),
+    ("[1, 2", "not a JSON array"),
+    ("[[\"a\", 1]]", "not numbers"),
+    ("missing.csv", "file not found"),
+    ("series.txt", "file not found"),
+])
+def test_bad_series_are_one_line_naming_the_flag(spec, words):
+    with pytest.raises(ConfigError) as exc:
+        read_series_flag(spec, None)
+    message = str(exc.value)
+    assert message.startswith("--series") and words in message and "\n" not in message
+
+
+def test_enormous_and_nan_files_are_refused(tmp_path):
+    big = tmp_path / "big.npz"
+    np.savez(big, values=np.zeros((1, MAX_STEPS + 1), np.float32))
+    with pytest.raises(ConfigError, match=r"^--series: .*big.npz: 300,001 steps exceeds"):
+        read_series_flag(str(big), None)
+    csv = tmp_path / "gap.csv"
+    csv.write_text("a,b\n1,2\n,3\n")
+    with pytest.raises(ConfigError, match=r"^--series: .*gap.csv: 1 of 4 values are NaN/inf"):
+        read_series_flag(str(csv), None)
+    ragged = tmp_path / "ragged.csv"
+    ragged.write_text("1,2\n3\n")
+    with pytest.raises(ConfigError, match="ragged CSV"):
+        read_series_flag(str(ragged), None)
+
+
+def test_values_rate_and_file_rate():
+    values, rate = read_series_flag(json.dumps(SERIES), 4.0)
+    assert values.shape == (2, 60) and values.dtype == np.float32 and rate == 4.0
+    with pytest.raises(ConfigError, match="^--sample-rate"):
+        read_series_flag("[1, 2]", -1.0)
+
+
+def test_bad_series_exits_2_before_the_model_loads(capsys, tmp_path):
+    # the checkpoint does not exist: the series is refused first, so the message names --series
+    assert main(["generate", str(tmp_path / "nothing"), "--series", "[1, NaN]", "--prompt", "predict 4 steps ahead"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--series" in err[0] and "NaN" in err[0]
+    assert main(["generate", str(tmp_path / "nothing"), "--series", "[1, 2, 3]", "--prompt", "hello"]) == 2
+    assert "--horizon N" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    from megatron_s2.config.recipe import load_recipe
+    from megatron_s2.training.forecast_trainer import ForecastTrainer
+
+    run = tmp_path_factory.mktemp("ts-generate") / "run"
+    recipe = load_recipe(RECIPE, [f"training.run_dir={run}", "training.train_steps=3", "data.num_documents=16",
+                                  "schedule.warmup_steps=1", "schedule.decay_start_step=2",
+                                  "schedule.decay_end_step=3", "checkpoint.save_interval=3"])
+    ForecastTrainer(recipe, run, log=lambda *a, **k: None).train()
+    return run
+
+
+@pytest.mark.slow
+def test_generate_series_prints_the_numbers_tools_forecast_gives(run_dir, capsys, tmp_path):
+    from megatron_s2.training.forecast_trainer import load_trained_forecaster
+    from tools.forecast import answer
+
+    ask = {"instruction": "forecast the next two seconds", "sample_rate": 4, "series": SERIES}
+    want = answer(load_trained_forecaster(run_dir), ask)
+    capsys.readouterr()
+    assert main(["generate", str(run_dir), "--series", json.dumps(SERIES), "--sample-rate", "4",
+                 "--prompt", ask["instruction"], "--device", "cpu"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["horizon"] == want["horizon"] == 8 and [len(c) for c in got["forecast"]] == [8, 8]
+    np.testing.assert_allclose(got["forecast"], want["forecast"], rtol=1e-4, atol=1e-4)
+    # the same series from a file (its sample rate read from the npz)
+    path = tmp_path / "two.npz"
+    np.savez(path, values=np.asarray(SERIES, np.float32), sample_rate=4.0)
+    assert main(["generate", str(run_dir), "--series", str(path), "--prompt", ask["instruction"],
+                 "--device", "cpu"]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    np.testing.assert_allclose(again["forecast"], got["forecast"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_model_limits_are_one_line(run_dir, capsys):
+    assert main(["generate", str(run_dir), "--series", "[1, 2, 3, 4, 5, 6, 7, 8]", "--horizon", "999",
+                 "--prompt", "x", "--device", "cpu"]) == 2
+    assert "max_horizon (32)" in capsys.readouterr().err
+    many = json.dumps([[float(i)] * 8 for i in range(65)])
+    assert main(["generate", str(run_dir), "--series", many, "--prompt", "predict 4 steps ahead", "--device", "cpu"]) == 2
+    assert "max_channels" in capsys.readouterr().err
