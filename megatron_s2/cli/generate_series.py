@@ -59,8 +59,12 @@ def forecast_command(args: argparse.Namespace) -> int:
     from megatron_s2.models.timeseries.encoder import SeriesInput
     from megatron_s2.models.timeseries.horizon import parse_horizon
 
+    # sampling and text flags have no meaning for a forecast: refused when set, never ignored
     for flag, given in (("--image", args.image), ("--memory-decoder", args.memory_decoder),
-                        ("--speculative", args.speculative)):
+                        ("--speculative", args.speculative), ("--max-tokens", args.max_tokens != 64),
+                        ("--temperature", args.temperature != 1.0), ("--top-p", args.top_p != 1.0),
+                        ("--top-k", args.top_k != 0), ("--seed", args.seed is not None), ("--stop", args.stop),
+                        ("--no-bos", not args.bos)):
         if given:
             raise ConfigError(f"{flag}: not with --series (a forecast is one prompt forward, no sampling); drop {flag}")
     values, rate = read_series_flag(args.series, args.sample_rate)

@@ -111,3 +111,14 @@ def test_model_limits_are_one_line(run_dir, capsys):
     many = json.dumps([[float(i)] * 8 for i in range(65)])
     assert main(["generate", str(run_dir), "--series", many, "--prompt", "predict 4 steps ahead", "--device", "cpu"]) == 2
     assert "max_channels" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [["--temperature", "0"], ["--max-tokens", "5"], ["--top-k", "3"], ["--seed", "1"],
+                                  ["--stop", "x"], ["--no-bos"], ["--top-p", "0.5"]])
+def test_sampling_flags_with_a_series_are_refused_not_ignored(tmp_path, capsys, flag):
+    """A forecast is one prompt forward: a sampling / text flag set with --series is a mistake the
+    user should hear about (exit 2, one line naming it), before anything is loaded."""
+    code = main(["generate", str(tmp_path / "no_run"), "--series", "[1, 2, 3]", "--prompt", "forecast the next 4 steps",
+                 *flag])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and flag[0] in err and "--series" in err and "\n" not in err
