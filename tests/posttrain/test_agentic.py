@@ -506,12 +506,40 @@ def test_a_runner_killed_9_leaves_no_stage_folder_behind(tmp_path):
         alive.wait()
 
 
+_INTERRUPT_MID_EPISODE = """
+import os, sys
+from megatron_s2.posttrain.agentic import sandbox
+from megatron_s2.posttrain.agentic.__main__ import main
+run = sandbox._ServerSandbox.run
+def interrupted_run(self, command, timeout=None):
+    # the signal arrives while the sandbox is open and a command is on its way in, wherever the machine's speed
+    print("sandbox-group", self._proc.pid, flush=True)
+    os.kill(os.getpid(), SIG)
+    return run(self, command, timeout)
+sandbox._ServerSandbox.run = interrupted_run
+sys.exit(main(["run", "archive_logs"]))
+"""
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # exited while we looked
+            continue
+        if int(fields[2]) == pgid:  # fields after the command: state, ppid, pgrp, ...
+            members.append(int(stat.parent.name))
+    return members
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_cli_run_exits_130_with_one_line_and_leaves_nothing_running(sig):
-    code = ("import os, signal, sys, threading; from megatron_s2.posttrain.agentic.__main__ import main; "
-            "threading.Timer(0.3, os.kill, (os.getpid(), %d)).start(); sys.exit(main(['run', 'archive_logs']))" % sig)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPT_MID_EPISODE.replace("SIG", str(int(sig)))],
+                          capture_output=True, text=True, env=env, timeout=120)
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 130 and len(err) == 1 and err[0].startswith("interrupted"), (proc.returncode, err[-5:])
+    pgid = int(proc.stdout.split("sandbox-group", 1)[1].split()[0])
+    assert _group_members(pgid) == [], f"sandbox process group {pgid} outlived the interrupted run"
