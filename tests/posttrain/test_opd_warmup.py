@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from megatron_s2.config.recipe import RECIPES_DIR, load_recipe
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.models.v41.context import ForwardContext
 from megatron_s2.models.v41.model import V41Model
-from megatron_s2.posttrain.opd.warmup import keep_verified, warmup_micro_batches
+from megatron_s2.posttrain.envs.base import PromptSet
+from megatron_s2.posttrain.opd.warmup import SftWarmup, keep_verified, warmup_micro_batches
 from megatron_s2.posttrain.opd.warmup_data import Trajectory, TrajectoryFile, WarmupPrompts
 from megatron_s2.posttrain.trainer import PosttrainTrainer
 
@@ -353,3 +355,28 @@ def test_run_killed_inside_the_warmup_resumes_it_without_repeating_or_skipping_a
     assert len(warm) == 3 * 4 and len(set(warm)) == len(warm)
     assert final[2]["warmup"] == killed_step3  # the re-run step trains the same prompts
     assert [m.get("sft_warmup") for m in _jsonl(run_dir / "metrics.jsonl")] == [1.0, 1.0, 1.0, None]
+
+
+class _HarnessPrompts(PromptSet):
+    """A prompt set whose episodes only a harness back end plays (as verifiers / agentic)."""
+
+    name = "harness"
+
+    def size(self, split):
+        return 3
+
+    def prompt_tokens(self, index, effort=None):
+        return [1, 2, 3]
+
+    def longest_prompt_from(self, limit, split="train", efforts=(None,)):
+        return 0
+
+
+def test_warmup_without_a_file_refuses_a_prompt_set_with_no_token_level_episodes():
+    trainer = SimpleNamespace(
+        section=SimpleNamespace(sft_warmup=SimpleNamespace(steps=2, data="", verified_only=False)),
+        recipe=SimpleNamespace(training=SimpleNamespace(global_batch_size=4, seq_length=32, seed=0)),
+        rollout_cfg=SimpleNamespace(dataset_names=lambda: ["tools"]),
+        environments={"tools": _HarnessPrompts()})
+    with pytest.raises(ConfigError, match=r"opd.sft_warmup.data: the environment of dataset 'tools' plays no"):
+        SftWarmup(trainer)

@@ -1,7 +1,7 @@
 """Rollout environments: the embedded verifiable tasks (single- and multi-turn), token-in /
 token-out for the co-located engine, and ``verifiers`` environments (:mod:`.vf_env`).
 :data:`ENVIRONMENTS` maps ``environment.kind`` to a factory ``(dataset name, EnvironmentConfig,
-tokenizer) -> Environment``; ``agentic`` environments (:mod:`.agentic_env`) are the embedded
+tokenizer) -> PromptSet`` (an :class:`Environment` for the token-level kinds); ``agentic`` environments (:mod:`.agentic_env`) are the embedded
 agentic tasks' seeded instances played by real harnesses. The same tasks packaged as a
 ``verifiers`` v1 environment (reached over ``megatron-s2 serve``) are in :mod:`.vf_tasks`."""
 
@@ -9,20 +9,20 @@ from __future__ import annotations
 
 from typing import Callable
 
-from megatron_s2.posttrain.envs.base import Environment, Episode, EpisodeStep, Split
+from megatron_s2.posttrain.envs.base import Environment, Episode, EpisodeStep, PromptSet, Split
 from megatron_s2.posttrain.envs.tasks import RetryTaskEnvironment, TaskEnvironment
 
-__all__ = ["Environment", "Episode", "EpisodeStep", "Split", "TaskEnvironment", "RetryTaskEnvironment",
+__all__ = ["Environment", "Episode", "EpisodeStep", "PromptSet", "Split", "TaskEnvironment", "RetryTaskEnvironment",
            "ENVIRONMENTS", "build_environment"]
 
 
-def _verifiers(name: str, config, tokenizer, what: str = "rollout.environment") -> Environment:
+def _verifiers(name: str, config, tokenizer, what: str = "rollout.environment") -> PromptSet:
     from megatron_s2.posttrain.envs.vf_env import VerifiersEnvironment  # imports verifiers only when used
 
     return VerifiersEnvironment(name, config, tokenizer, what=what)
 
 
-def _agentic(name: str, config, tokenizer, what: str = "rollout.environment") -> Environment:
+def _agentic(name: str, config, tokenizer, what: str = "rollout.environment") -> PromptSet:
     from megatron_s2.posttrain.envs.agentic_env import AgenticEnvironment  # the sandbox runtime only when used
 
     return AgenticEnvironment(name, config, tokenizer, what=what)
@@ -36,7 +36,7 @@ ENVIRONMENTS: dict[str, Callable] = {
 }
 
 
-def build_environment(name: str, config, tokenizer, what: str = "rollout.environment") -> Environment:
+def build_environment(name: str, config, tokenizer, what: str = "rollout.environment") -> PromptSet:
     """``what``: the recipe path of ``config`` (named in configuration errors)."""
     if config.kind in ("verifiers", "agentic"):
         return ENVIRONMENTS[config.kind](name, config, tokenizer, what)

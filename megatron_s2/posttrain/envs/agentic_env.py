@@ -23,7 +23,7 @@ from megatron_s2.posttrain.agentic.harnesses import HARNESSES, Harness, HarnessS
 from megatron_s2.posttrain.agentic.sandbox import SandboxRuntime, SandboxUnavailable, detect_runtime
 from megatron_s2.posttrain.agentic.tasks import AgenticTask, task_names, task_variants
 from megatron_s2.posttrain.agentic.tools import tool_schemas, tools_prompt
-from megatron_s2.posttrain.envs.base import Environment, Episode, Split
+from megatron_s2.posttrain.envs.base import PromptSet, Split
 
 __all__ = ["AgenticEnvironment", "draw_instances"]
 
@@ -52,7 +52,7 @@ def draw_instances(config, what: str) -> tuple[list[AgenticTask], list[AgenticTa
     return train, held_out
 
 
-class AgenticEnvironment(Environment):
+class AgenticEnvironment(PromptSet):
     """Seeded instances of the embedded agentic tasks (module docstring)."""
 
     def __init__(self, name: str, config, tokenizer, *, what: str = "rollout.environment"):
@@ -87,7 +87,7 @@ class AgenticEnvironment(Environment):
         return HarnessSettings(model="policy", max_turns=self.config.max_turns, max_tokens=max_tokens,
                                temperature=temperature)
 
-    # ---- Environment ---------------------------------------------------------------------------------
+    # ---- PromptSet ---------------------------------------------------------------------------------
     def size(self, split: Split) -> int:
         return len(self.train) if split == "train" else len(self.held_out)
 
@@ -108,10 +108,3 @@ class AgenticEnvironment(Environment):
         longest = max((len(self.prompt_tokens(i)) for i in range(min(self.size("train"), len(self.config.tasks)))),
                       default=0)
         return longest if longest >= limit else 0
-
-    def episode(self, index: int, split: Split = "train", effort: int | None = None) -> Episode:
-        raise NotImplementedError("an agentic environment's episodes are harness episodes run by AgenticBackend "
-                                  "(megatron_s2/posttrain/rollout/agentic_backend.py), not token-level Episodes")
-
-    def reference_answer(self, index: int, split: Split) -> list[int]:
-        raise NotImplementedError("an agentic task's reference is a tool-call script, not an answer's tokens")

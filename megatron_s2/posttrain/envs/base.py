@@ -1,11 +1,16 @@
 """What a rollout environment is to the trainer: prompts, and episodes that score responses.
 
-An :class:`Environment` holds two fixed prompt sets — ``train`` (what the orchestrator reads in
-per-epoch shuffles, :class:`~megatron_s2.posttrain.orchestrator.PromptSource`) and ``eval``
-(held out, never trained on) — and opens an :class:`Episode` per rollout sample. An episode is
-token-in/token-out (walkthrough Ch. 6): it hands the engine the token ids of each model call's
+Every rollout kind has a :class:`PromptSet`: two fixed prompt sets — ``train`` (what the
+orchestrator reads in per-epoch shuffles, :class:`~megatron_s2.posttrain.orchestrator.PromptSource`)
+and ``eval`` (held out, never trained on). An :class:`Environment` is a prompt set whose episodes
+the engine back ends play in process: it opens an :class:`Episode` per rollout sample. An episode
+is token-in/token-out (walkthrough Ch. 6): it hands the engine the token ids of each model call's
 context and receives exactly the ids the engine generated; between calls it may append its own
 tokens (feedback, tool results), which the session assembly loss-masks. It ends with a reward.
+The verifiers and agentic kinds are prompt sets only: their episodes are harness sessions run by
+their own back ends (:mod:`~megatron_s2.posttrain.rollout.vf_backend`,
+:mod:`~megatron_s2.posttrain.rollout.agentic_backend`), so they have no :meth:`Environment.episode`
+to call, rather than one that raises.
 
 Episodes are deterministic functions of (prompt, completions), so every rank of a rollout
 replica that runs the same requests takes the same decisions.
@@ -17,7 +22,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-__all__ = ["Split", "Episode", "Environment", "EpisodeStep"]
+__all__ = ["Split", "Episode", "Environment", "EpisodeStep", "PromptSet"]
 
 Split = Literal["train", "eval"]
 
@@ -49,8 +54,8 @@ class Episode(ABC):
         stopped it); decide what happens next."""
 
 
-class Environment(ABC):
-    """A prompt set with a verifier (see the module docstring)."""
+class PromptSet(ABC):
+    """The train and held-out prompts of one data set (see the module docstring)."""
 
     name: str
     max_turns: int = 1
@@ -60,25 +65,33 @@ class Environment(ABC):
         """Number of prompts of ``split``."""
 
     @abstractmethod
-    def episode(self, index: int, split: Split = "train", effort: int | None = None) -> Episode:
-        """A fresh episode of prompt ``index`` of ``split``."""
+    def prompt_tokens(self, index: int, effort: int | None = None) -> list[int]:
+        """Token ids of the first model call's context of training prompt ``index``."""
 
     @abstractmethod
-    def reference_answer(self, index: int, split: Split) -> list[int]:
-        """Token ids of the reference answer (ending with eos) of a prompt: what SFT trained on."""
+    def longest_prompt_from(self, limit: int, split: Split = "train", efforts: Sequence[int | None] = (None,)) -> int:
+        """Tokens of the longest first-turn prompt of ``split`` (at each of ``efforts``) when it has
+        ``limit`` tokens or more, else 0 — the start-up check that every prompt leaves the engine
+        room to generate."""
 
     # ---- PromptSource (orchestrator) ----------------------------------------------------------
     def __len__(self) -> int:
         return self.size("train")
 
+
+class Environment(PromptSet):
+    """A prompt set with a verifier whose episodes are token-level (module docstring)."""
+
+    @abstractmethod
+    def episode(self, index: int, split: Split = "train", effort: int | None = None) -> Episode:
+        """A fresh episode of prompt ``index`` of ``split``."""
+
     def prompt_tokens(self, index: int, effort: int | None = None) -> list[int]:
         return self.episode(index, "train", effort).prompt_tokens()
 
     def longest_prompt_from(self, limit: int, split: Split = "train", efforts: Sequence[int | None] = (None,)) -> int:
-        """Tokens of the longest first-turn prompt of ``split`` (at each of ``efforts``) when it has
-        ``limit`` tokens or more, else 0 — the start-up check that every prompt leaves the engine
-        room to generate. This default tokenizes every prompt; environments with many prompts
-        override it with a cheaper bound."""
+        """As :meth:`PromptSet.longest_prompt_from`. This default tokenizes every prompt;
+        environments with many prompts override it with a cheaper bound."""
         longest = max((len(self.episode(i, split, e).prompt_tokens()) for i in range(self.size(split))
                        for e in efforts), default=0)
         return longest if longest >= limit else 0

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.posttrain.envs.base import Environment, Episode, Split
+from megatron_s2.posttrain.envs.base import PromptSet, Split
 
 __all__ = ["VerifiersEnvironment", "resolve_plugin_path"]
 
@@ -58,7 +58,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-class VerifiersEnvironment(Environment):
+class VerifiersEnvironment(PromptSet):
     """A verifiers taskset x agent; prompts = its tasks (module docstring)."""
 
     def __init__(self, name: str, config, tokenizer, *, what: str = "rollout.environment"):
@@ -109,12 +109,17 @@ class VerifiersEnvironment(Environment):
         except Exception:  # noqa: BLE001 - a prompt the template cannot render is still a valid task
             return []
 
-    def episode(self, index: int, split: Split = "train", effort: int | None = None) -> Episode:
-        raise NotImplementedError("a verifiers environment's episodes run through VerifiersBackend "
-                                  "(megatron_s2/posttrain/rollout/vf_backend.py), not token-level Episodes")
-
-    def reference_answer(self, index: int, split: Split) -> list[int]:
-        raise NotImplementedError("a verifiers taskset has no reference answers for the evaluator")
+    def longest_prompt_from(self, limit: int, split: Split = "train", efforts=(None,)) -> int:
+        """The longest rendered opening chat of ``split`` (the harness may send a longer one: its
+        trace, not this, is what the engine sees)."""
+        longest = 0
+        for index in range(self.size(split)):
+            try:
+                longest = max(longest, len(self.tokenizer.apply_chat_template(self.prompt_messages(index, split),
+                                                                              add_generation_prompt=True)))
+            except Exception:  # noqa: BLE001 - as prompt_tokens
+                continue
+        return longest if longest >= limit else 0
 
 
 def _messages(task) -> list[dict]:

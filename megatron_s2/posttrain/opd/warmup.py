@@ -32,6 +32,7 @@ from typing import Sequence
 import torch
 
 from megatron_s2.config.schema import ConfigError
+from megatron_s2.posttrain.envs.base import Environment
 from megatron_s2.posttrain.opd.warmup_data import TeacherGenerator, Trajectory, TrajectoryFile, WarmupPrompts
 from megatron_s2.config.posttrain.engines import engine_configs
 
@@ -90,12 +91,10 @@ class SftWarmup:
             rollout = tr.rollout_cfg
             names = rollout.dataset_names()
             for n in names:  # e.g. a verifiers environment: its episodes run only through its own backend
-                try:
-                    tr.environments[n].episode(0, "train")
-                except NotImplementedError:
+                if not isinstance(tr.environments[n], Environment):
                     raise ConfigError(f"opd.sft_warmup.data: the environment of dataset '{n}' plays no in-process "
                                       "episodes for the teachers; give teacher trajectories in a file (data) or set "
-                                      "sft_warmup.steps: 0") from None
+                                      "sft_warmup.steps: 0")
             weights = {d.name: d.weight for d in rollout.datasets}
             self.prompts = WarmupPrompts({n: tr.environments[n].size("train") for n in names}, weights, t.seed,
                                          self.batch)

@@ -38,7 +38,7 @@ from typing import Mapping, Sequence
 import torch
 
 from megatron_s2.inference import EngineConfig, EngineDriver, InferenceEngine, SamplingParams
-from megatron_s2.posttrain.envs.base import Environment
+from megatron_s2.posttrain.envs.base import Environment, PromptSet
 from megatron_s2.posttrain.frozen import full_logits
 from megatron_s2.posttrain.opd.remote_teacher import RemoteTeacher, once_per_replica
 from megatron_s2.posttrain.rollout.replicas import ReplicaTopology, gather_objects
@@ -286,7 +286,7 @@ class VerifiersEvaluator(Evaluator):
     (:class:`~megatron_s2.posttrain.rollout.agentic_backend.AgenticBackend`) plays the held-out
     instances through the in-process agent gateway; accuracy = graded 1."""
 
-    def __init__(self, backend, environments: Mapping[str, Environment], topology: ReplicaTopology, config,
+    def __init__(self, backend, environments: Mapping[str, PromptSet], topology: ReplicaTopology, config,
                  max_new_tokens: int):
         super().__init__(backend.engine, environments, topology, config, max_new_tokens,
                          max_model_len=backend.engine.config.max_model_len)
