@@ -1,6 +1,6 @@
 """The one helper for "a tiny run" that many test modules start: the real trainer on the `tiny`
 recipe (``recipes/pretrain_tiny.yaml``) with a module's base overrides, in this process or in a
-spawned rank. Modules keep their own base overrides (batch geometry, steps, seed) and pass them
+spawned rank (and a tiny forecaster checkpoint, :func:`trained_forecaster`). Modules keep their own base overrides (batch geometry, steps, seed) and pass them
 as ``base``; nothing else is duplicated.
 """
 
@@ -12,7 +12,7 @@ from typing import Sequence
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = REPO / "recipes" / "pretrain_tiny.yaml"
 
-__all__ = ["TINY_RECIPE", "tiny_recipe", "tiny_trainer", "tiny_train"]
+__all__ = ["TINY_RECIPE", "tiny_recipe", "tiny_trainer", "tiny_train", "FORECAST_RECIPE", "trained_forecaster"]
 
 
 def tiny_recipe(overrides: Sequence[str] = (), *, base: Sequence[str] = (), run_dir: Path | str | None = None,
@@ -43,3 +43,18 @@ def tiny_train(rank: int, world: int, run_dir: Path | str, overrides: Sequence[s
     result = t.train()
     return {"losses": result.losses, "fingerprints": result.fingerprints, "logs": logs, "trainer": t,
             "final_step": result.final_step}
+
+
+FORECAST_RECIPE = REPO / "recipes" / "timeseries_forecast_tiny.yaml"
+
+
+def trained_forecaster(run: Path) -> Path:
+    """A 3-step ``timeseries_forecast_tiny`` run in ``run`` (~12 s): a checkpoint to forecast from."""
+    from megatron_s2.config.recipe import load_recipe
+    from megatron_s2.training.forecast_trainer import ForecastTrainer
+
+    recipe = load_recipe(FORECAST_RECIPE, [f"training.run_dir={run}", "training.train_steps=3", "data.num_documents=16",
+                                           "schedule.warmup_steps=1", "schedule.decay_start_step=2",
+                                           "schedule.decay_end_step=3", "checkpoint.save_interval=3"])
+    ForecastTrainer(recipe, run, log=lambda *a, **k: None).train()
+    return run

@@ -14,8 +14,8 @@ from megatron_s2.cli import main
 from megatron_s2.cli.generate_series import read_series_flag
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.data.timeseries import MAX_STEPS
+from tests.tiny_runs import trained_forecaster
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "timeseries_forecast_tiny.yaml"
 STEPS = np.arange(60.0)
 SERIES = [(100 + 5 * np.sin(STEPS / 4)).tolist(), (-3 + np.cos(STEPS / 4)).tolist()]
 
@@ -70,15 +70,7 @@ def test_bad_series_exits_2_before_the_model_loads(capsys, tmp_path):
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    from megatron_s2.config.recipe import load_recipe
-    from megatron_s2.training.forecast_trainer import ForecastTrainer
-
-    run = tmp_path_factory.mktemp("ts-generate") / "run"
-    recipe = load_recipe(RECIPE, [f"training.run_dir={run}", "training.train_steps=3", "data.num_documents=16",
-                                  "schedule.warmup_steps=1", "schedule.decay_start_step=2",
-                                  "schedule.decay_end_step=3", "checkpoint.save_interval=3"])
-    ForecastTrainer(recipe, run, log=lambda *a, **k: None).train()
-    return run
+    return trained_forecaster(tmp_path_factory.mktemp("ts-generate") / "run")
 
 
 @pytest.mark.slow

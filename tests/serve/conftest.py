@@ -39,6 +39,12 @@ def loaded(run_dir):
     return load_model(str(run_dir), "cpu")
 
 
+@pytest.fixture(scope="session")
+def tok(loaded):
+    """The trained checkpoint's tokenizer."""
+    return loaded[1]
+
+
 def start_server(loaded, name="tiny", serve=None, **engine) -> ServerThread:
     model, tokenizer, description = loaded
     engine_config = EngineConfig(**{**dict(max_num_seqs=8, max_model_len=256, seed=0), **engine})

@@ -62,18 +62,18 @@ def traces(tmp_path_factory):
     return tmp_path_factory.mktemp("traces")
 
 
+def start_scripted_server(loaded, **serve):
+    """A server over the trained checkpoint whose engine follows a :class:`ScriptedPolicy` (``.policy``)."""
+    srv = start_server(loaded, serve=ServeConfig(disconnect_poll_s=0.05, **serve), max_model_len=512)
+    srv.policy = ScriptedPolicy(srv.state.backend.engine)
+    return srv
+
+
 @pytest.fixture(scope="module")
 def server(loaded, traces):
-    srv = start_server(loaded, serve=ServeConfig(disconnect_poll_s=0.05, gateway_traces=str(traces)),
-                       max_model_len=512)
-    srv.policy = ScriptedPolicy(srv.state.backend.engine)
+    srv = start_scripted_server(loaded, gateway_traces=str(traces))
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def tok(loaded):
-    return loaded[1]
 
 
 def oa(server, session=None):

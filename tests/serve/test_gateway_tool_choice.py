@@ -10,9 +10,7 @@ import pytest
 import torch
 
 from megatron_s2.inference.sampling import SamplingParams, constrain_logits
-from megatron_s2.serve import ServeConfig
-from tests.serve.conftest import start_server
-from tests.serve.test_gateway import TOOL_ANSWER, TOOLS_CHAT, ScriptedPolicy, an, oa
+from tests.serve.test_gateway import TOOL_ANSWER, TOOLS_CHAT, an, oa, start_scripted_server
 
 TOOLS_MESSAGES = [{"name": "read_file", "description": "Read a file",
                    "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
@@ -21,15 +19,9 @@ USER = [{"role": "user", "content": "Read a"}]
 
 @pytest.fixture(scope="module")
 def server(loaded):
-    srv = start_server(loaded, serve=ServeConfig(disconnect_poll_s=0.05), max_model_len=512)
-    srv.policy = ScriptedPolicy(srv.state.backend.engine)
+    srv = start_scripted_server(loaded)
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def tok(loaded):
-    return loaded[1]
 
 
 def test_constrain_logits_bans_tokens_and_the_end_until_the_required_token():

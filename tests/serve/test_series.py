@@ -25,8 +25,8 @@ import torch
 
 from megatron_s2.serve import ServeConfig
 from tests.serve.conftest import start_server
+from tests.tiny_runs import trained_forecaster
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "timeseries_forecast_tiny.yaml"
 STEPS = torch.arange(60.0)
 SERIES = [(100 + 5 * torch.sin(STEPS / 4)).tolist(), (-3 + torch.cos(STEPS / 4)).tolist()]
 ASK = {"instruction": "forecast the next two seconds", "sample_rate": 4, "series": SERIES}
@@ -36,15 +36,7 @@ SLOW = pytest.mark.slow  # the tests on the trained checkpoint: its module fixtu
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    from megatron_s2.config.recipe import load_recipe
-    from megatron_s2.training.forecast_trainer import ForecastTrainer
-
-    run = tmp_path_factory.mktemp("ts-serve") / "run"
-    recipe = load_recipe(RECIPE, [f"training.run_dir={run}", "training.train_steps=3", "data.num_documents=16",
-                                  "schedule.warmup_steps=1", "schedule.decay_start_step=2",
-                                  "schedule.decay_end_step=3", "checkpoint.save_interval=3"])
-    ForecastTrainer(recipe, run, log=lambda *a, **k: None).train()
-    return run
+    return trained_forecaster(tmp_path_factory.mktemp("ts-serve") / "run")
 
 
 @pytest.fixture(scope="module")
