@@ -157,7 +157,7 @@ def test_an_instance_is_solved_by_its_reference_and_graded_on_its_own_input():
 
 
 # ---- end to end ----------------------------------------------------------------------------------------
-SMALL = ["training.train_steps=2", "training.seq_length=1536", "training.global_batch_size=2",
+SMALL = ["training.train_steps=2", "training.seq_length=832", "training.global_batch_size=2",
          "training.micro_batch_size=2", "rl.rollout.group_size=2", "rl.rollout.batch_groups=1",
          "rl.rollout.max_in_flight=2", "rl.rollout.max_new_tokens=64", "rl.rollout.engine.max_num_seqs=2",
          "rl.rollout.environment.max_concurrent=1", "rl.rollout.environment.tasks=[copy_word]",

@@ -227,7 +227,10 @@ class SmolagentsHarness:
 class BuiltinHarness:
     """Our own Chat Completions tool loop: the in-process runner's loop (:func:`.runner.run_episode`)
     over the gateway — an answer without a call is told so and the loop goes on, until ``submit``
-    or ``max_turns`` — the white-box reference next to the black boxes."""
+    or ``max_turns`` — the white-box reference next to the black boxes. Like the runner it names the
+    tools once, in the system message (:func:`.tools.tools_prompt`), and declares no JSON schemas:
+    the chat template would render them again (~890 more tokens of a ~400-token opening with the
+    tiny 512-id tokenizer). The gateway parses tool calls either way."""
 
     name = "builtin"
 
@@ -238,7 +241,7 @@ class BuiltinHarness:
                                timeout=settings.timeout_s)
         history: list[dict] = [{"role": "system", "content": tools_prompt()}, {"role": "user", "content": objective}]
         for _ in range(settings.max_turns):
-            reply = client.chat.completions.create(model=settings.model, messages=history, tools=tool_schemas(),
+            reply = client.chat.completions.create(model=settings.model, messages=history,
                                                    max_tokens=settings.max_tokens, temperature=settings.temperature)
             message = reply.choices[0].message
             history.append(message.model_dump(exclude_none=True))

@@ -3,9 +3,9 @@
 A tiny policy has to know the one tool-call format (:mod:`.tools`) before RL can reward it. This
 plays a task's scripted calls (its reference solution by default) with the in-process runner in a
 real sandbox, checks that the episode is graded 1, and returns the conversation in the canonical
-chat form a ``data.kind: chat`` recipe reads (``{"messages", "tools"}``, :mod:`megatron_s2.data.chat`):
-the same system prompt, tool schemas, ``tool_calls`` and tool observations the ``builtin`` harness
-sends through the gateway, so the chat template renders SFT targets with exactly the tokens the
+chat form a ``data.kind: chat`` recipe reads (``{"messages"}``, :mod:`megatron_s2.data.chat`):
+the same system prompt (the tools named once, no JSON schemas), ``tool_calls`` and tool
+observations the ``builtin`` harness sends through the gateway, so the chat template renders SFT targets with exactly the tokens the
 gateway later captures as the policy's (the observations are the sandbox's real outputs).
 """
 
@@ -18,7 +18,6 @@ from typing import Sequence
 from megatron_s2.posttrain.agentic.runner import run_episode, scripted_policy
 from megatron_s2.posttrain.agentic.sandbox import SandboxRuntime
 from megatron_s2.posttrain.agentic.tasks import AgenticTask
-from megatron_s2.posttrain.agentic.tools import tool_schemas
 
 __all__ = ["scripted_conversation", "write_sft_jsonl"]
 
@@ -30,7 +29,7 @@ def scripted_conversation(task: AgenticTask, runtime: SandboxRuntime, calls: Seq
     if result.reward != 1.0:
         raise ValueError(f"{task.name}: the scripted calls score {result.reward} ({result.status}); SFT traces must "
                          "solve the task")
-    return {"messages": [segment.message() for segment in result.transcript], "tools": tool_schemas()}
+    return {"messages": [segment.message() for segment in result.transcript]}
 
 
 def write_sft_jsonl(path: str | Path, tasks: Sequence[AgenticTask], runtime: SandboxRuntime, copies: int = 1) -> int:

@@ -22,7 +22,7 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.posttrain.agentic.harnesses import HARNESSES, Harness, HarnessSettings
 from megatron_s2.posttrain.agentic.sandbox import SandboxRuntime, SandboxUnavailable, detect_runtime
 from megatron_s2.posttrain.agentic.tasks import AgenticTask, task_names, task_variants
-from megatron_s2.posttrain.agentic.tools import tool_schemas, tools_prompt
+from megatron_s2.posttrain.agentic.tools import tools_prompt
 from megatron_s2.posttrain.envs.base import PromptSet, Split
 
 __all__ = ["AgenticEnvironment", "draw_instances"]
@@ -98,8 +98,7 @@ class AgenticEnvironment(PromptSet):
     def prompt_tokens(self, index: int, effort: int | None = None) -> list[int]:
         """The builtin harness's rendered opening chat (informational: the trained ids come from the trace)."""
         try:
-            return list(self.tokenizer.apply_chat_template(self.prompt_messages(index), tools=tool_schemas(),
-                                                           add_generation_prompt=True))
+            return list(self.tokenizer.apply_chat_template(self.prompt_messages(index), add_generation_prompt=True))
         except Exception:  # noqa: BLE001 - a tokenizer without a chat template is refused by the recipe checks
             return []
 
