@@ -74,7 +74,8 @@ class DraftObjective:
         lk, metrics = hybrid_lk_loss(target, draft, mask, temperature=self.temperature, eta=self.eta, group=group)
         overlap = position_overlap(target, draft, temperature=self.temperature)
         conf = confidence_loss(tf.confidence.flatten(0, 1), overlap, mask, group=group)
-        drafter = lk + conf + (self._balance_share(tf.aux_loss, mask.size(0), group) if tf.aux_loss is not None else 0.0)
+        balance = 0.0 if tf.aux_loss is None else self._balance_share(tf.aux_loss, mask.size(0), group)
+        drafter = lk + conf + balance
         objective = objective + drafter / self.num_micro_global
         if not self.language_model and self.primary is None:  # the logged loss of the stage is the drafter's
             summed = (lk + conf).detach() * self.global_tokens.squeeze() / self.num_micro_global

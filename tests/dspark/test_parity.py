@@ -100,7 +100,8 @@ CO_TRAINING = ["model.dspark_layers=2", "model.dspark_block_size=4", "model.dspa
 @pytest.fixture(scope="module")
 def co_training(tmp_path_factory):
     return run_layouts(tmp_path_factory.mktemp("dspark_cotrain_parity"), 2,
-                       {"pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}, recipe_path=SFT, base=[*BASE, *CO_TRAINING])
+                       {"pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}, recipe_path=SFT,
+                       base=[*BASE, *CO_TRAINING])
 
 
 def test_co_training_under_pipeline_matches_one_rank(co_training):

@@ -34,7 +34,9 @@ The backbone's embedding and head are *shared, never trained through the drafter
 drafter reads their weights detached, so no gradient from the drafter objective reaches the
 backbone (§2.4.3: "without propagating gradients from the DSpark objective into the
 backbone"). Under tensor parallelism the drafter's attention heads and experts shard like the
-backbone's and its logits are gathered to the full vocabulary.
+backbone's and its logits are gathered to the full vocabulary. Under context parallelism each
+rank drafts from the anchors of its own sequence chunks (:meth:`DSparkDrafter.teacher_forced`'s
+``anchors`` / ``main_rows``); its draft blocks are never sequence- or context-sharded.
 """
 
 from __future__ import annotations
