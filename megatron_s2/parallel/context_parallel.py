@@ -10,9 +10,12 @@ is written in positions, so a chunk computes exactly what the full sequence woul
   compression groups straddling a chunk boundary are pooled exactly;
 * the sliding window needs only the ``n_win`` tokens before each local chunk: a halo of every
   chunk's tail is all-gathered (reduce-scatter in backward);
-* per-query work (queries, indexer scores, top-k, candidate pools) stays local.
+* per-query work (queries, indexer scores, top-k, candidate pools) stays local;
+* the DSpark drafter (§2.4.3) drafts from the anchors of the local chunks: it reads the target
+  layers' window before each chunk (the same halo) and the backbone's distributions at the ``K``
+  rows after each chunk (the head of the next chunk, :func:`rows_after_chunks`).
 
-The full token ids and document ids travel with the micro-batch (Engram hashes n-grams that
+The full token ids, document ids, position ids and loss mask travel with the micro-batch (Engram hashes n-grams that
 cross chunk boundaries; documents decide visibility of gathered keys). Image inputs (per row:
 the images this rank owns, placeholders for the others) become a
 :class:`~megatron_s2.parallel.image_sharding.ShardedImages` holding the local chunks' positions.
@@ -26,7 +29,8 @@ from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import Group
 from megatron_s2.parallel.image_sharding import ShardedImages
 
-__all__ = ["local_chunk_positions", "split_micro_batch", "gather_sequence_ordered", "window_keys_with_halo"]
+__all__ = ["local_chunk_positions", "split_micro_batch", "gather_sequence_ordered", "window_keys_with_halo",
+           "rows_after_chunks"]
 
 
 def local_chunk_positions(seq: int, cp: Group, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -51,6 +55,9 @@ def split_micro_batch(mb: dict[str, torch.Tensor], cp: Group) -> dict[str, torch
     out["position_ids"] = positions.index_select(1, idx)
     out["full_tokens"] = mb["tokens"]
     out["full_doc_ids"] = mb.get("doc_ids")
+    out["full_position_ids"] = positions
+    if mb.get("loss_mask") is not None:  # the drafter's rollout states (draft_objective) cross chunks
+        out["full_loss_mask"] = mb["loss_mask"]
     out["full_image_mask"] = mb.get("image_mask")
     if mb.get("images") is not None:  # each rank encodes its own images, spans exchanged (image_sharding)
         out["images"] = ShardedImages(mb["images"], idx, cp)
@@ -93,3 +100,34 @@ def window_keys_with_halo(kv: torch.Tensor, positions: torch.Tensor, window: int
     w = torch.arange(window, device=kv.device)
     pos = torch.cat([ca * c - window + w, positions[0, :c], cb * c - window + w, positions[0, c:]])
     return keys, pos.unsqueeze(0).expand(b, -1)
+
+
+def rows_after_chunks(t: torch.Tensor, n: int, cp: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``t`` [b, s_local, ...] (two chunks) with the ``n`` rows after each chunk: the
+    head of the next chunk, held by another rank (zeros past the sequence end). Not
+    differentiable (the drafter's targets are detached).
+
+    Returns (rows [b, 2(c + n), ...], their sequence rows [2(c + n)]), the mirror of
+    :func:`window_keys_with_halo`'s halo before each chunk.
+    """
+    c = t.size(1) // 2
+    if c < n:
+        raise ValueError(f"context parallel chunks of {c} tokens are shorter than the {n} rows needed after "
+                         "each; use fewer CP ranks or longer sequences")
+    t = t.detach()
+    heads = torch.stack([t[:, :n], t[:, c:c + n]], dim=1)                  # [b, 2, n, ...]
+    gathered = mappings.all_gather_sequence(heads, cp, dim=1)               # [b, 2cp, n, ...]
+    last = 2 * cp.size
+
+    def head_of(chunk: int) -> torch.Tensor:
+        if chunk >= last:
+            return t.new_zeros(t.size(0), n, *t.shape[2:])
+        rank = chunk if chunk < cp.size else last - 1 - chunk
+        return gathered[:, 2 * rank + (0 if chunk < cp.size else 1)]
+
+    ca, cb = cp.rank, last - 1 - cp.rank
+    rows = torch.cat([t[:, :c], head_of(ca + 1), t[:, c:], head_of(cb + 1)], dim=1)
+    ar_c, ar_n = torch.arange(c, device=t.device), torch.arange(n, device=t.device)
+    where = torch.cat([ca * c + ar_c, (ca + 1) * c + ar_n, cb * c + ar_c, (cb + 1) * c + ar_n])
+    return rows, where
+

@@ -166,8 +166,6 @@ def forward_backward_pipelined(model, inputs: StepInputs, *, runtime: "PipelineR
                 inputs_f = received
             hidden = model.run_layers(hidden, ctx, layer_ids=rt.stage_layers[stage])
             aux = ctx.total_aux_loss()
-            for name, value in list(ctx.aux_losses.items()) + [(f"{n}_raw", v) for n, v in ctx.aux_metrics.items()]:
-                metric_sums[name] = metric_sums.get(name, 0) + value.detach()
             if rt.is_last(stage):
                 if inputs.loss_fn is not None:  # post-training objective on the logits
                     objective, summed = inputs.loss_fn(model, model.head(*hidden), mb, ctx)
@@ -187,6 +185,9 @@ def forward_backward_pipelined(model, inputs: StepInputs, *, runtime: "PipelineR
                 aux_obj = aux / inputs.num_micro_global if aux is not None else None
                 units[(vi, k)] = _Unit(inputs_f, [f.requires_grad for f in spec.fields] if spec else [],
                                        outputs, aux_obj, rt.num_hidden)
+            # after the loss_fn: its metrics (e.g. the drafter's draft_*) join the layers' own
+            for name, value in list(ctx.aux_losses.items()) + [(f"{n}_raw", v) for n, v in ctx.aux_metrics.items()]:
+                metric_sums[name] = metric_sums.get(name, 0) + value.detach()
         else:
             unit = units.pop((vi, k))
             if rt.is_last(stage):

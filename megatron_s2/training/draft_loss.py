@@ -24,6 +24,11 @@ conditional acceptance probabilities"): binary cross-entropy of the head's logit
 realised conditional acceptance probability at each position, the overlap of ``p`` and ``q``
 there (a soft target, detached).
 
+Under context parallelism each rank holds the anchors of its own sequence chunks: with ``group``
+(the CP group) the token counts and the acceptance are all-reduced over it, so every rank weighs
+its tokens by the whole micro-batch's counts and the per-rank losses sum to the loss over all
+anchors (the gradients are then summed over the CP ranks like the backbone's).
+
 Everything is computed in float32 (``log_softmax``); a target with zero-probability tokens
 (``-inf`` logits) contributes ``0 log 0 = 0`` to the KL.
 """
@@ -32,6 +37,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from megatron_s2.parallel import mappings
+from megatron_s2.parallel.groups import Group
 
 __all__ = ["lk_lambda", "position_overlap", "acceptance_rates", "hybrid_lk_loss", "confidence_loss"]
 
@@ -71,11 +79,21 @@ def position_overlap(policy_logits: torch.Tensor, draft_logits: torch.Tensor,
         return torch.minimum(p, q).sum(-1)
 
 
+def _masked_position_sum(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum over N of ``values [N, K]`` where ``mask``; and the valid counts [K]."""
+    weights = mask.to(values.dtype)
+    return (values * weights).sum(0), weights.sum(0)
+
+
 def _masked_position_mean(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean over N of ``values [N, K]`` where ``mask``; and the valid counts [K]."""
-    weights = mask.to(values.dtype)
-    counts = weights.sum(0)
-    return (values * weights).sum(0) / counts.clamp(min=1), counts
+    sums, counts = _masked_position_sum(values, mask)
+    return sums / counts.clamp(min=1), counts
+
+
+def _all_ranks(t: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """``t`` summed over the ranks sharing the micro-batch's anchors (detached; itself without a group)."""
+    return t.detach() if group is None else mappings.all_reduce_sum(t.detach(), group)
 
 
 def acceptance_rates(policy_logits: torch.Tensor, draft_logits: torch.Tensor, mask: torch.Tensor,
@@ -88,14 +106,15 @@ def acceptance_rates(policy_logits: torch.Tensor, draft_logits: torch.Tensor, ma
 
 
 def hybrid_lk_loss(policy_logits: torch.Tensor, draft_logits: torch.Tensor, mask: torch.Tensor, *,
-                   temperature: float = 1.0, eta: float = DEFAULT_ETA, alpha_bar: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   temperature: float = 1.0, eta: float = DEFAULT_ETA, alpha_bar: torch.Tensor | None = None,
+                   group: Group | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The hybrid LK loss (Eq. 22-24; module docstring).
 
     ``policy_logits``, ``draft_logits``: ``[N, K, V]`` at N anchor positions and K draft
     positions; ``mask [N, K]``: which (anchor, position) pairs count. ``alpha_bar [K]``: the
     acceptance rates that set lambda (e.g. a running average kept by the caller); None = this
-    batch's (:func:`acceptance_rates`).
+    batch's (:func:`acceptance_rates`). ``group``: the ranks the micro-batch's anchors are split
+    over (context parallelism): this rank's share of the loss, the metrics of the whole micro-batch.
 
     Returns ``(loss, metrics)``: the scalar loss (gradient into ``draft_logits`` only) and
     detached ``[K]`` tensors ``acceptance`` (this batch's), ``lambda``, ``kl``, ``tv``,
@@ -110,10 +129,13 @@ def hybrid_lk_loss(policy_logits: torch.Tensor, draft_logits: torch.Tensor, mask
     kl = torch.where(target > 0, target * (target_logp - draft_logp), 0.0).sum(-1)            # [N, K]
     tv = 0.5 * (target - draft_logp.exp()).abs().sum(-1)                                      # [N, K]
 
-    kl_k, tokens = _masked_position_mean(kl, mask)
-    tv_k, _ = _masked_position_mean(tv, mask)
+    kl_sum, tokens = _masked_position_sum(kl, mask)
+    tv_sum, _ = _masked_position_sum(tv, mask)
+    tokens = _all_ranks(tokens, group)
+    kl_k, tv_k = kl_sum / tokens.clamp(min=1), tv_sum / tokens.clamp(min=1)   # this rank's share of the means
+    tv_all = _all_ranks(tv_k, group)
     # overlap = 1 - TV per token (Eq. 21); 0 where nothing was measured, as acceptance_rates
-    acceptance = torch.where(tokens > 0, 1.0 - tv_k.detach(), 0.0)
+    acceptance = torch.where(tokens > 0, 1.0 - tv_all, 0.0)
     if alpha_bar is None:
         alpha_bar = acceptance
     alpha_bar = torch.as_tensor(alpha_bar, dtype=torch.float32, device=kl.device).detach()
@@ -126,16 +148,17 @@ def hybrid_lk_loss(policy_logits: torch.Tensor, draft_logits: torch.Tensor, mask
     # Eq. 24 over the positions this batch has tokens at; an all-masked batch gives a zero that
     # still belongs to the graph (every rank runs the same backward)
     loss = (per_position * present).sum() / present.sum().clamp(min=1)
-    metrics = {"acceptance": acceptance, "lambda": weight, "kl": kl_k.detach(),
-               "tv": tv_k.detach(), "tokens": tokens}
+    metrics = {"acceptance": acceptance, "lambda": weight, "kl": _all_ranks(kl_k, group),
+               "tv": tv_all, "tokens": tokens}
     return loss, metrics
 
 
 def confidence_loss(confidence_logits: torch.Tensor, accept_prob_targets: torch.Tensor,
-                    mask: torch.Tensor) -> torch.Tensor:
+                    mask: torch.Tensor, group: Group | None = None) -> torch.Tensor:
     """Binary cross-entropy of the confidence head's logits ``[N, K]`` against soft targets
     ``[N, K]`` (the realised conditional acceptance probabilities, :func:`position_overlap`;
-    detached here), averaged over the valid tokens of ``mask [N, K]`` (0 if there are none)."""
+    detached here), averaged over the valid tokens of ``mask [N, K]`` (0 if there are none);
+    ``group``: as :func:`hybrid_lk_loss` (this rank's share of the mean)."""
     if confidence_logits.shape != accept_prob_targets.shape or confidence_logits.shape != mask.shape:
         raise ValueError(f"confidence_loss: confidence_logits, accept_prob_targets and mask must share one shape "
                          f"[N, K], got {list(confidence_logits.shape)}, {list(accept_prob_targets.shape)}, "
@@ -143,4 +166,4 @@ def confidence_loss(confidence_logits: torch.Tensor, accept_prob_targets: torch.
     weights = mask.float()
     per_token = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept_prob_targets.detach().float(),
                                                    reduction="none")
-    return (per_token * weights).sum() / weights.sum().clamp(min=1)
+    return (per_token * weights).sum() / _all_ranks(weights.sum(), group).clamp(min=1)

@@ -23,12 +23,21 @@ plus the confidence head's cross-entropy against the realised acceptance probabi
 sum_x min(p, q) of each position (§2.4.3: "a confidence head predicts per-position conditional
 acceptance probabilities"). Both are means over the micro-batch's valid (anchor, position)
 pairs and count as one micro-batch's share of the global mean, as the auxiliary losses do.
+
+Under context parallelism each CP rank drafts from the anchors of its own chunks
+(:meth:`~megatron_s2.models.v41.model.V41Model.dspark_teacher_forced`) and adds its share of
+the micro-batch's means (the counts all-reduced over CP, :mod:`.draft_loss`), so the shares sum
+to the one-rank loss, and the gradients summed over dp x cp are the one-rank gradients; the
+drafter MoEs' balance loss (a mean over draft blocks) is weighed by the rank's share of the
+blocks, and each rank logs its share of the acceptance rates, so the logged metrics are the
+one-rank ones.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megatron_s2.parallel import mappings
 from megatron_s2.pipeline.losses import micro_batch_objective
 from megatron_s2.training.draft_loss import confidence_loss, hybrid_lk_loss, position_overlap
 
@@ -54,20 +63,33 @@ class DraftObjective:
             objective, summed = micro_batch_objective(model.loss(logits, mb["labels"]), mb["loss_mask"],
                                                       self.global_tokens, None, self.num_micro_global)
         tf, policy = model.dspark_teacher_forced(logits, mb, ctx)
+        cp = model.groups.cp
+        group = cp if cp.active else None
         k = tf.logits.size(-2)
         valid = tf.valid
         if self.primary is not None:  # rollouts: the states where the policy sampled (its loss-bearing rows)
-            valid = valid & (mb["loss_mask"][:, tf.target_rows] > 0)
+            loss_mask = mb.get("full_loss_mask", mb["loss_mask"])  # target rows may lie in another rank's chunk
+            valid = valid & (loss_mask[:, tf.target_rows] > 0)
         draft, target, mask = tf.logits.flatten(0, 1), policy.flatten(0, 1), valid.flatten(0, 1)
-        lk, metrics = hybrid_lk_loss(target, draft, mask, temperature=self.temperature, eta=self.eta)
+        lk, metrics = hybrid_lk_loss(target, draft, mask, temperature=self.temperature, eta=self.eta, group=group)
         overlap = position_overlap(target, draft, temperature=self.temperature)
-        conf = confidence_loss(tf.confidence.flatten(0, 1), overlap, mask)
-        drafter = lk + conf + (tf.aux_loss if tf.aux_loss is not None else 0.0)
+        conf = confidence_loss(tf.confidence.flatten(0, 1), overlap, mask, group=group)
+        balance = 0.0 if tf.aux_loss is None else self._balance_share(tf.aux_loss, mask.size(0), group)
+        drafter = lk + conf + balance
         objective = objective + drafter / self.num_micro_global
         if not self.language_model and self.primary is None:  # the logged loss of the stage is the drafter's
             summed = (lk + conf).detach() * self.global_tokens.squeeze() / self.num_micro_global
         ctx.add_metric("draft_lk", lk)
         ctx.add_metric("draft_confidence", conf)
-        for i in range(k):
-            ctx.add_metric(f"draft_accept_{i + 1}", metrics["acceptance"][i])
+        for i in range(k):  # the same whole-micro-batch rate on every CP rank: each logs its share
+            ctx.add_metric(f"draft_accept_{i + 1}", metrics["acceptance"][i] / cp.size)
         return objective, summed
+
+    @staticmethod
+    def _balance_share(aux: torch.Tensor, blocks: int, group) -> torch.Tensor:
+        """The drafter MoEs' balance loss, a mean over this rank's draft blocks -> its share of the
+        mean over the micro-batch's blocks (itself without context parallelism)."""
+        if group is None:
+            return aux
+        here = torch.tensor([float(blocks)], device=aux.device)
+        return aux * (here / mappings.all_reduce_sum(here, group)).squeeze()

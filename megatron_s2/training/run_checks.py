@@ -108,10 +108,10 @@ def check_data(recipe: RecipeConfig, tokenizer) -> None:
 
 
 def check_image_layout(recipe: RecipeConfig) -> None:
-    """Image data (``data.kind: image_text``) needs a model with a vision pathway and a layout the
-    image wiring supports: no DSpark drafter training (context parallelism shards the images across
-    the CP ranks, :mod:`megatron_s2.parallel.image_sharding`; under sequence parallelism each tp
-    rank writes its slice's span rows, :func:`megatron_s2.models.v41.vision.phase.merge_images`)."""
+    """Image data (``data.kind: image_text``) needs a model with a vision pathway, and no DSpark
+    drafter training (the drafter trains on text data). Every parallel layout carries images: context parallelism shards them across the CP ranks
+    (:mod:`megatron_s2.parallel.image_sharding`), under sequence parallelism each tp rank writes its
+    slice's span rows (:func:`megatron_s2.models.v41.vision.phase.merge_images`)."""
     if recipe.data.kind != "image_text":
         return
     from megatron_s2.models.family import family_of
@@ -254,11 +254,12 @@ def check_drafter_phase(recipe: RecipeConfig) -> None:
     if not getattr(recipe.model, "dspark_layers", 0):
         raise ConfigError(f"model.dspark_layers: {what} trains the DSpark drafter, but the model has none; set "
                           "model.dspark_layers (and dspark_target_layer_ids) or use another phase")
-    p = recipe.parallel
-    if p.cp > 1:
-        raise ConfigError(f"parallel.cp: {what} needs whole, unsharded sequences on each rank (the drafter's "
-                          "128-token window and its targets span the sequence); set cp: 1 and use tp (+ "
-                          "sequence_parallel) or pp to split the model")
+    p, seq = recipe.parallel, recipe.training.seq_length
+    chunk = seq // (2 * p.cp)
+    if p.cp > 1 and chunk < recipe.model.dspark_block_size:  # each chunk's last anchors read the next chunk's head
+        raise ConfigError(f"parallel.cp: {what} under cp={p.cp} cuts training.seq_length {seq} into chunks of {chunk} "
+                          f"tokens, shorter than model.dspark_block_size {recipe.model.dspark_block_size}; lower cp "
+                          "or raise seq_length")
 
 
 def check_drafter_stages(recipe: RecipeConfig, world_size: int) -> None:

@@ -76,7 +76,10 @@ def test_cotraining_leaves_the_backbone_gradients_bitwise_unchanged(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["model=tiny"], "model.dspark_layers: phase.kind: dspark trains the DSpark drafter, but the model has none"),
-    (["parallel.cp=2"], "parallel.cp: phase.kind: dspark needs whole, unsharded sequences"),
+    # under cp each chunk's last anchors read the next chunk's first dspark_block_size rows
+    (["parallel.cp=2", "model.dspark_block_size=12"],
+     "parallel.cp: phase.kind: dspark under cp=2 cuts training.seq_length 32 into chunks of 8 tokens, shorter than "
+     "model.dspark_block_size 12"),
 ])
 def test_bad_stage_recipes_are_refused_before_ranks_start(tmp_path, overrides, message):
     from megatron_s2.training.run_checks import check_drafter_phase
@@ -142,12 +145,13 @@ def test_the_rl_log_shows_the_online_draft_update(tmp_path):
 
 
 def test_train_names_the_drafter_layout_before_the_rank_count(tmp_path, capsys):
-    """`megatron-s2 train <dspark recipe> parallel.cp=2` in one process: the layout the drafter
-    cannot use is the error (exit 2, one line), not "start it with launch" — launching would only
-    be refused again."""
+    """`megatron-s2 train <dspark recipe> parallel.cp=2` with draft blocks longer than the CP chunks,
+    in one process: the layout the drafter cannot use is the error (exit 2, one line), not "start
+    it with launch" — launching would only be refused again."""
     from megatron_s2.cli import main
 
-    code = main(["train", str(STAGE), *QUICK, "parallel.cp=2", "--run-dir", str(tmp_path / "run")])
+    code = main(["train", str(STAGE), *QUICK, "parallel.cp=2", "model.dspark_block_size=12",
+                 "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and "Traceback" not in err and len(lines) == 1, err

@@ -48,7 +48,7 @@ def run_layout(rank: int, world: int, overrides: list[str], out_dir: str, recipe
     run_dir = Path(out_dir) / "run"
     recipe = load_recipe(recipe_path, [*base, *overrides, f"training.run_dir={run_dir}"])
     trainer = Trainer(recipe, run_dir, rank=rank, world_size=world, log=lambda *a, **k: None)
-    record: dict = {"losses": [], "grad_norms": [], "shadow_divergence": []}
+    record: dict = {"losses": [], "grad_norms": [], "shadow_divergence": [], "metrics": []}
     pipeline = trainer.pipeline
     shadows = getattr(pipeline.payloads, "shadows", None) if pipeline is not None else None  # V4.1 (§3.1.2)
     for step in range(STEPS):
@@ -57,6 +57,7 @@ def run_layout(rank: int, world: int, overrides: list[str], out_dir: str, recipe
         if step == 0:
             record["grads"] = _shards(trainer.model.named_parameters(), "grad")
         record["losses"].append(result.loss)
+        record["metrics"].append(dict(result.metrics))
         record["grad_norms"].append(trainer.apply_gradients())
         if shadows is not None:
             record["shadow_divergence"].append(shadows.max_divergence())

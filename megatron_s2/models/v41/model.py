@@ -27,7 +27,8 @@ from megatron_s2.models.v41.parallel_plan import SELECTIVE_RECOMPUTE, apply_plan
 from megatron_s2.models.v41.recompute import run_block_recomputed
 from megatron_s2.models.v41.spec import LocalProvider, block_spec, build_module, get_provider
 from megatron_s2.parallel import mappings
-from megatron_s2.parallel.groups import ParallelGroups
+from megatron_s2.parallel.context_parallel import local_chunk_positions, rows_after_chunks, window_keys_with_halo
+from megatron_s2.parallel.groups import Group, ParallelGroups
 from megatron_s2.parallel.vocab import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_cross_entropy
 
 __all__ = ["V41Model", "build_model"]
@@ -63,8 +64,9 @@ class V41Model(nn.Module):
         if post_process and config.dspark_layers:  # the drafter lives with the head (§2.4.3)
             from megatron_s2.models.v41.dspark.drafter import DSparkDrafter
 
-            # its draft blocks are short [N, K] batches, never sequence-sharded: no sequence parallelism inside
-            self.dspark = DSparkDrafter(config, dataclasses.replace(groups, sequence_parallel=False),
+            # its draft blocks are short [N, K] batches, never sequence-sharded: no sequence or context
+            # parallelism inside (under cp each rank drafts from its own chunks' anchors)
+            self.dspark = DSparkDrafter(config, dataclasses.replace(groups, sequence_parallel=False, cp=Group.single()),
                                         provider or get_provider(config.transformer_impl, config.fp8))
         self._dspark_embedding: list[VocabParallelEmbedding] = []
         """Under pipeline parallelism the last stage holds the drafter but not the embedding: a frozen
@@ -226,13 +228,34 @@ class V41Model(nn.Module):
     def dspark_teacher_forced(self, logits: torch.Tensor, mb: dict[str, torch.Tensor], ctx: ForwardContext):
         """Everything the drafter's objective needs from one micro-batch whose forward recorded the
         target layers: (:class:`~megatron_s2.models.v41.dspark.drafter.TeacherForced`, the
-        backbone's detached full-vocabulary logits at each draft position's target row [B, A, K, V])."""
+        backbone's detached full-vocabulary logits at each draft position's target row [B, A, K, V]).
+        Under context parallelism only the anchors of this rank's chunks
+        (:meth:`_dspark_context_parallel`)."""
         if self.dspark is None:
             raise RuntimeError("this model has no DSpark drafter (model.dspark_layers: 0)")
+        full = mappings.gather_from_group(logits.detach().float(), self.groups.tp, dim=-1)
+        if self.groups.cp.active:
+            return self._dspark_context_parallel(full, mb, ctx)
         tf = self.dspark.teacher_forced(mb["tokens"], self.dspark_targets(ctx), ctx.positions, ctx.doc_ids,
                                         self.dspark_embed, self.dspark_head)
-        full = mappings.gather_from_group(logits.detach().float(), self.groups.tp, dim=-1)
         return tf, full[:, tf.target_rows]
+
+    def _dspark_context_parallel(self, full_logits: torch.Tensor, mb: dict[str, torch.Tensor], ctx: ForwardContext):
+        """The teacher-forced view of the anchors in this CP rank's two chunks: the drafter reads
+        the whole sequence's ids / positions / documents (carried by the micro-batch), the target
+        layers' rows of its chunks plus the window before each (the attention's halo), and the
+        backbone's distributions at its rows plus the ``K`` rows after each chunk."""
+        cp, seq = self.groups.cp, mb["full_seq"]
+        mine = local_chunk_positions(seq, cp, full_logits.device)
+        targets, main_rows = window_keys_with_halo(self.dspark_targets(ctx), mine.unsqueeze(0), self.dspark.window, cp)
+        tf = self.dspark.teacher_forced(mb["full_tokens"], targets, mb["full_position_ids"], mb.get("full_doc_ids"),
+                                        self.dspark_embed, self.dspark_head, anchors=mine[mine < seq - 1],
+                                        main_rows=main_rows[0])
+        rows, held = rows_after_chunks(full_logits, self.dspark.block_size, cp)
+        slot_of = torch.zeros(seq, dtype=torch.long, device=held.device)
+        inside = held < seq  # the last chunk's "next chunk" lies past the sequence end
+        slot_of[held[inside]] = torch.arange(held.numel(), device=held.device)[inside]
+        return tf, rows[:, slot_of[tf.target_rows]]
 
     # ---- single-stage convenience -----------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None,

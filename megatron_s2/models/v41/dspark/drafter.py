@@ -34,7 +34,9 @@ The backbone's embedding and head are *shared, never trained through the drafter
 drafter reads their weights detached, so no gradient from the drafter objective reaches the
 backbone (§2.4.3: "without propagating gradients from the DSpark objective into the
 backbone"). Under tensor parallelism the drafter's attention heads and experts shard like the
-backbone's and its logits are gathered to the full vocabulary.
+backbone's and its logits are gathered to the full vocabulary. Under context parallelism each
+rank drafts from the anchors of its own sequence chunks (:meth:`DSparkDrafter.teacher_forced`'s
+``anchors`` / ``main_rows``); its draft blocks are never sequence- or context-sharded.
 """
 
 from __future__ import annotations
@@ -205,36 +207,51 @@ class DSparkDrafter(nn.Module):
 
     # ---- teacher-forced training forward ---------------------------------------------------------
     def teacher_forced(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
-                       doc_ids: torch.Tensor | None, embed, head) -> "TeacherForced":
+                       doc_ids: torch.Tensor | None, embed, head, *, anchors: torch.Tensor | None = None,
+                       main_rows: torch.Tensor | None = None) -> "TeacherForced":
         """Every anchor ``t`` of ``tokens`` [B, S] as one draft block (backbone at ``t``, seed
         ``tokens[t+1]``): returns draft logits (base + Markov bias of the true previous tokens),
         confidence logits and which (anchor, position) pairs have a target inside the document.
 
         Draft position ``i`` of anchor ``t`` predicts the token at ``t+2+i``; its target is the
-        backbone's distribution at row ``t+1+i``. ``targets`` [B, S, d * n_targets] (detached)."""
+        backbone's distribution at row ``t+1+i``. ``targets`` [B, R, d * n_targets] (detached):
+        the recorded target layers at the sequence rows ``main_rows`` [R] (None: all S rows in
+        order; a row < 0 is padding). ``anchors`` [A]: the anchors to draft from (None: every row
+        with a seed, 0 .. S-2). Under context parallelism a rank passes the whole sequence's
+        ``tokens`` / ``positions`` / ``doc_ids``, its own anchors and the target rows of its
+        chunks with their window halo (:func:`~megatron_s2.parallel.context_parallel.window_keys_with_halo`)."""
         b, s = tokens.shape
         k, w, dev = self.block_size, self.window, tokens.device
-        a = s - 1                                            # anchors 0 .. s-2 (a seed exists)
-        anchors = torch.arange(a, device=dev)
+        if anchors is None:
+            anchors = torch.arange(s - 1, device=dev)                            # every anchor with a seed
+        a = anchors.numel()
         block_pos_off = torch.arange(1, k + 1, device=dev)   # positions t+1 .. t+K
         rows = (anchors.unsqueeze(1) + block_pos_off).clamp_max(s - 1)          # [A, K] token rows
         prev = tokens[:, rows]                                                    # [B, A, K] true prev tokens
         doc = doc_ids if doc_ids is not None else torch.zeros_like(tokens)
-        same_doc = doc[:, rows] == doc[:, anchors].unsqueeze(-1)
+        anchor_doc = doc[:, anchors].unsqueeze(-1)
+        same_doc = doc[:, rows] == anchor_doc
         # position i is trained when row t+1+i exists and lies in the anchor's document
         in_seq = (anchors.unsqueeze(1) + block_pos_off) <= s - 1
         valid = same_doc & in_seq.unsqueeze(0)                                   # [B, A, K]
         # the main-KV window of each anchor: rows t-W+1 .. t of the same document
-        win = anchors.unsqueeze(1) - w + 1 + torch.arange(w, device=dev)         # [A, W]
-        main_valid = (win >= 0).unsqueeze(0) & (doc[:, win.clamp_min(0)] == doc[:, anchors].unsqueeze(-1))
-        main_x = self.main_input(targets)                                        # [B, S, d]
+        win = (anchors.unsqueeze(1) - w + 1 + torch.arange(w, device=dev))         # [A, W]
+        main_valid = (win >= 0).unsqueeze(0) & (doc[:, win.clamp_min(0)] == anchor_doc)
+        if main_rows is None:                                                    # targets row r holds row r
+            win_slot, main_positions = win.clamp_min(0), positions
+        else:                                                                    # look each window row up
+            slot_of = torch.zeros(s, dtype=torch.long, device=dev)
+            held = main_rows >= 0
+            slot_of[main_rows[held]] = torch.arange(main_rows.numel(), device=dev)[held]
+            win_slot, main_positions = slot_of[win.clamp_min(0)], positions[:, main_rows.clamp_min(0)]
+        main_x = self.main_input(targets)                                        # [B, R, d]
         main_keys = []
         for stage in range(len(self.blocks)):
-            kv = self.main_kv(stage, main_x, positions)                          # [B, S, hd]
-            main_keys.append(kv[:, win.clamp_min(0)].flatten(0, 1))              # [B*A, W, hd]
-        seeds = tokens[:, 1:].reshape(-1)
+            kv = self.main_kv(stage, main_x, main_positions)                     # [B, R, hd]
+            main_keys.append(kv[:, win_slot].flatten(0, 1))                      # [B*A, W, hd]
+        seeds = tokens[:, anchors + 1].reshape(-1)
         block_ids = self.block_inputs(seeds)                                     # [B*A, K]
-        block_positions = (positions[:, :a].unsqueeze(-1) + block_pos_off).flatten(0, 1)
+        block_positions = (positions[:, anchors].unsqueeze(-1) + block_pos_off).flatten(0, 1)
         out = self.forward_blocks(block_ids, block_positions, main_keys, main_valid.flatten(0, 1), embed, head)
         bias, m_embed = self.markov(prev.flatten(0, 1))
         logits = out.base_logits + bias
