@@ -50,6 +50,14 @@ starts at scale 0.01), so after three steps it takes the mHC class's bound, as t
 Measured: its first gradients agree within the default bound on every layout; after three steps
 tp2 / ep2 / etp2 moved head_hc_fn by 1.4e-3 / 5.0e-4 / 1.6e-3 of its scale."""
 
+LOOSE = (*HC_HEAD, "dspark.markov_w2", "attn_sink")
+"""Plus the drafter's zero-initialised parameters (the Markov head's output factor, the attention
+sinks): after three steps their scale is ~3 lr, and AdamW moves an element whose gradient sits at
+the noise floor by up to ~lr either way, so reduction-order noise shows at ~1e-3 of that scale
+(tests/parallel/parity.py, ``loose_params``). Measured, co-training pp2 on one machine (CI passed it): 3 of
+markov_w2's 1,024 elements off by 2.4e-6 absolute (1.4e-3 of its 1.7e-3 scale) with its gradients
+bitwise equal and the losses identical; the first gradients keep the default bound."""
+
 pytestmark = pytest.mark.slow
 
 
@@ -78,7 +86,7 @@ def check_draft_metrics(records: list[dict], ref: dict, layout: str) -> None:
 def test_layout_matches_one_rank(parity, layout):
     root, ref = parity
     records = load_records(root / layout, 2)
-    check_against_reference(records, ref, layout, **TOLERANCES, loose_params=HC_HEAD)
+    check_against_reference(records, ref, layout, **TOLERANCES, loose_params=LOOSE)
     check_draft_metrics(records, ref, layout)
     assert ref["opt_state_names"] and all(n.startswith("dspark.") for n in ref["opt_state_names"])
 
@@ -87,7 +95,7 @@ def test_layout_matches_one_rank(parity, layout):
 def test_context_parallel_with_data_or_pipeline_parallelism_matches_one_rank(parity_four_ranks, layout):
     root, ref = parity_four_ranks
     records = load_records(root / layout, 4)
-    check_against_reference(records, ref, layout, **TOLERANCES, loose_params=HC_HEAD)
+    check_against_reference(records, ref, layout, **TOLERANCES, loose_params=LOOSE)
     check_draft_metrics(records, ref, layout)
 
 
@@ -110,7 +118,7 @@ def test_co_training_under_pipeline_matches_one_rank(co_training):
     the drafter's parameters after three steps (which read the updated embedding) match too."""
     root, ref = co_training
     records = load_records(root / "pp2", 2)
-    check_against_reference(records, ref, "co-training pp2", **TOLERANCES, loose_params=HC_HEAD)
+    check_against_reference(records, ref, "co-training pp2", **TOLERANCES, loose_params=LOOSE)
     check_draft_metrics(records, ref, "co-training pp2")
     assert any(n.startswith("dspark.") for n in ref["opt_state_names"])
     assert any(not n.startswith("dspark.") for n in ref["opt_state_names"])
@@ -121,5 +129,5 @@ def test_co_training_under_context_parallelism_matches_one_rank(co_training):
     drafter, and the drafter on each rank's anchors (detached targets: nothing flows back)."""
     root, ref = co_training
     records = load_records(root / "cp2", 2)
-    check_against_reference(records, ref, "co-training cp2", **TOLERANCES, loose_params=HC_HEAD)
+    check_against_reference(records, ref, "co-training cp2", **TOLERANCES, loose_params=LOOSE)
     check_draft_metrics(records, ref, "co-training cp2")
