@@ -65,6 +65,20 @@ def test_layout_matches_single_rank(results, layout):
     check_against_reference(load_records(root / layout, 2), ref, layout, **TOLERANCES)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["cp2", "cp2_ep2"])
+def test_logged_metrics_under_context_parallelism_match_single_rank(results, layout):
+    """Every logged metric (the MoE sequence-balance loss, the indexer KL, ...) is the one-rank
+    value: a loss every cp rank held whole was summed over cp (moe_seq_balance logged 2x at cp2)."""
+    root, ref = results
+    for rec in load_records(root / layout, 2):
+        assert len(rec["metrics"]) == len(ref["metrics"])
+        for step, (got, want) in enumerate(zip(rec["metrics"], ref["metrics"])):
+            assert set(got) == set(want), f"{layout} step {step}"
+            for name, value in want.items():
+                assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-12), f"{layout} step {step}: {name}"
+
+
 def test_every_parameter_has_exactly_one_optimizer_state(results):
     root, ref = results
     for layout in ("pp2_cut5_shadow", "pp2_vpp2", "pp2_cut3"):

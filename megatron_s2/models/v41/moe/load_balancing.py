@@ -78,13 +78,17 @@ def update_expert_biases(routers: Iterable, rate: float) -> torch.Tensor | None:
 
 
 def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, coeff: float, *,
-                          row_split: Sequence[Group] = ()) -> torch.Tensor:
+                          row_split: Sequence[Group] = (), partial: Sequence[Group] = ()) -> torch.Tensor:
     """DeepSeek-V3 sequence-wise balance loss, averaged over rows.
 
     ``scores``: ``[b, t, N_r]`` unbiased router scores of this rank's tokens (differentiable);
     ``indices``: ``[b, t, K_r]`` selected experts; ``row_split``: the groups over which each
-    row's tokens are split (tp for the routed-token split, cp), whose partial sums are
-    all-reduced with an identity backward.
+    row's tokens are split (tp for the routed-token split), whose partial sums are all-reduced
+    with an identity backward, so every rank holds the whole loss; ``partial``: groups that also
+    split the rows (cp) but whose ranks keep their own share of the loss — it is linear in the
+    per-row score sums, so the shares add up to the whole loss (the step's metric reduction over
+    dp x cp sums them) and each share's gradient is the whole loss's gradient for this rank's
+    tokens. The expert counts are always reduced over both.
     """
     b, _, num_experts = scores.shape
     topk = indices.size(-1)
@@ -92,7 +96,7 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, coeff: fl
         counts = torch.zeros(b, num_experts, dtype=torch.float32, device=scores.device)
         picks = indices.flatten(1)
         counts.scatter_add_(1, picks, torch.ones(picks.shape, device=scores.device))
-        for group in row_split:
+        for group in (*row_split, *partial):
             counts = mappings.all_reduce_sum(counts, group)
         tokens = counts.sum(dim=-1, keepdim=True) / topk
         f = counts * (num_experts / topk) / tokens.clamp(min=1)
