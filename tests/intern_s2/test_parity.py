@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.parallel.parity import BASE, TOLERANCES, check_against_reference, load_records, run_layouts
+from tests.parallel.parity import (BASE, TOLERANCES, check_against_reference, check_logged_metrics, load_records,
+                                   run_layouts)
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "intern_s2" / "pretrain_tiny.yaml"
 LAYOUTS = {
@@ -61,3 +62,10 @@ def test_layout_matches_one_rank(parity, layout):
     root, ref = parity
     check_against_reference(load_records(root / layout, 2), ref, layout, **TOLERANCES,
                             loose_params=(*ZERO_INIT, *DECAY_GATE), loose_grads=DECAY_GATE)
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if not name.startswith("pp")])
+def test_logged_metrics_match_one_rank(parity, layout):
+    """The logged balance loss is the one-rank value (under cp each rank keeps its share of it)."""
+    root, ref = parity
+    check_logged_metrics(load_records(root / layout, 2), ref, layout)

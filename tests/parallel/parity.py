@@ -194,6 +194,20 @@ def run_layouts(root: Path, world: int, layouts: dict[str, list[str]], reference
     return root, load_records(root / "reference", 1)[0]
 
 
+def check_logged_metrics(records: list[dict], ref: dict, layout: str) -> None:
+    """Every metric the step logged (aux losses such as the MoE balance loss, the indexer KL) is
+    the one-rank value on every rank, at each step. Not for pipeline layouts: a stage logs only
+    its own layers' aux losses."""
+    import pytest
+
+    for rec in records:
+        assert len(rec["metrics"]) == len(ref["metrics"]), layout
+        for step, (got, want) in enumerate(zip(rec["metrics"], ref["metrics"])):
+            assert set(got) == set(want), f"{layout} step {step}"
+            for name, value in want.items():
+                assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-12), f"{layout} step {step}: {name}"
+
+
 def check_against_reference(records: list[dict], ref: dict, layout: str, *, grad_rtol: float, grad_floor: float,
                             engram_grad_rtol: float, param_rtol: float, mhc_param_rtol: float,
                             loose_params: tuple[str, ...] = (), loose_grads: tuple[str, ...] = ()) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parallel.parity import TOLERANCES, check_against_reference, load_records, run_layouts
+from tests.parallel.parity import TOLERANCES, check_against_reference, check_logged_metrics, load_records, run_layouts
 
 # every test reads the module's trained runs (spawned ranks): the whole module is slow
 pytestmark = pytest.mark.slow
@@ -71,12 +71,7 @@ def test_logged_metrics_under_context_parallelism_match_single_rank(results, lay
     """Every logged metric (the MoE sequence-balance loss, the indexer KL, ...) is the one-rank
     value: a loss every cp rank held whole was summed over cp (moe_seq_balance logged 2x at cp2)."""
     root, ref = results
-    for rec in load_records(root / layout, 2):
-        assert len(rec["metrics"]) == len(ref["metrics"])
-        for step, (got, want) in enumerate(zip(rec["metrics"], ref["metrics"])):
-            assert set(got) == set(want), f"{layout} step {step}"
-            for name, value in want.items():
-                assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-12), f"{layout} step {step}: {name}"
+    check_logged_metrics(load_records(root / layout, 2), ref, layout)
 
 
 def test_every_parameter_has_exactly_one_optimizer_state(results):

@@ -370,17 +370,17 @@ class MoE(nn.Module):
 
     def _balance_loss(self, probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """``coef * E * sum_e f_e P_e`` over the micro-batch; sums over the ranks that split its
-        tokens (tp's routed split, cp) have an identity backward (each rank backpropagates its
-        own tokens' share; the finaliser sums the router's tp-partial gradient)."""
+        tokens (tp's routed split) have an identity backward (each rank backpropagates its own
+        tokens' share; the finaliser sums the router's tp-partial gradient). Over cp each rank
+        keeps its share of the loss: it is linear in ``P``, so the shares add up to the whole
+        (the step's metric sum over dp x cp) with the same gradient for this rank's tokens."""
         n_exp, cfg = probs.size(-1), self.cfg
         with torch.no_grad():
             counts = torch.bincount(indices.reshape(-1), minlength=n_exp).float()
             tokens = torch.tensor([float(probs.size(0))], device=probs.device)
             for group in (self.groups.tp, self.groups.cp):
                 counts, tokens = mappings.all_reduce_sum(counts, group), mappings.all_reduce_sum(tokens, group)
-        prob_sum = probs.sum(0)
-        for group in (self.groups.tp, self.groups.cp):
-            prob_sum = mappings.reduce_from_group(prob_sum, group)
+        prob_sum = mappings.reduce_from_group(probs.sum(0), self.groups.tp)
         f = counts / tokens.clamp(min=1)  # selections per token (the reference sums over the k slots)
         p = prob_sum / tokens.clamp(min=1)
         return cfg.router_aux_loss_coef * n_exp * (f * p).sum() / max(len(cfg.mixers), 1)
