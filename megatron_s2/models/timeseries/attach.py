@@ -18,7 +18,7 @@ the data-parallel group — the lane runs under data parallelism only
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -28,6 +28,8 @@ from megatron_s2.models.init import constant_init
 from megatron_s2.models.timeseries.encoder import (SeriesInput, TimeSeriesEncoder, TimeSeriesEncoderConfig,
                                                    TimeSeriesEncoding)
 from megatron_s2.models.timeseries.insertion import SeriesPlacement, merge_series_embeddings
+from megatron_s2.parallel.groups import Group
+from megatron_s2.parallel.mappings import copy_to_group
 
 __all__ = ["EncodedSeries", "build_series_encoder", "encoder_config", "encode_series", "merge_series", "tag_inits"]
 
@@ -93,11 +95,23 @@ def encode_series(encoder: TimeSeriesEncoder | None, placements: Sequence[Sequen
     return EncodedSeries(rows, encoder([place.series for row in rows for place in row]))
 
 
-def merge_series(h: torch.Tensor, series, encoder: TimeSeriesEncoder | None) -> torch.Tensor:
+def merge_series(h: torch.Tensor, series, encoder: TimeSeriesEncoder | None, sp_group: Group | None = None
+                 ) -> torch.Tensor:
     """Embeddings [b, s, d] with every series span overwritten by its tokens (``series``: raw
-    placements or an :class:`EncodedSeries`)."""
+    placements or an :class:`EncodedSeries`).
+
+    ``sp_group``: the tensor-parallel group under sequence parallelism, where ``h`` [b, s / tp, d]
+    is this rank's contiguous slice of the sequence: only the span rows inside it are written, and
+    the tokens enter through :func:`~megatron_s2.parallel.mappings.copy_to_group`, whose backward
+    sums the slices' gradients over tp — the encoder then sees the whole spans' gradient on every
+    tp rank, identical replicas like the rest of its placement (never a tp-partial sum)."""
     encoded = encode_series(encoder, series)
-    if encoded.encoding is None:
+    encoding = encoded.encoding
+    if encoding is None:
         return h
-    merged, _ = merge_series_embeddings(h, encoded.placements, encoder, encoding=encoded.encoding)
+    window = None
+    if sp_group is not None and sp_group.active:
+        encoding = replace(encoding, tokens=copy_to_group(encoding.tokens, sp_group))
+        window = (sp_group.rank * h.size(1), sp_group.size * h.size(1))
+    merged, _ = merge_series_embeddings(h, encoded.placements, encoder, encoding=encoding, window=window)
     return merged
