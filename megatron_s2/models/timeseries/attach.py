@@ -12,8 +12,10 @@ encoding (tokens and the retained mu / sigma) the backbone was given.
 Initialisation stays layout-independent (:mod:`megatron_s2.models.init`): :func:`tag_inits`
 marks norms' weights 1 and biases 0; every matrix takes the family's normal(0, init_std) from
 (seed, name). The parameters are unmarked by any parallel plan: whole, replicated, reduced over
-the data-parallel group — the lane runs under data parallelism only
-(:func:`megatron_s2.training.run_checks.check_series_layout`).
+the data-parallel group. Under tensor parallelism every tp rank holds the same replica and,
+with sequence parallelism too, gets the same gradient (:func:`merge_series`); under pipeline
+parallelism the first stage owns it (:mod:`.replica`). Layouts:
+:func:`megatron_s2.training.run_checks.check_series_layout`.
 """
 
 from __future__ import annotations
