@@ -9,11 +9,23 @@ future from the same forward: the loss is ``forecast_lambda_text * L_text + fore
 L_forecast`` (:class:`ForecastObjective`). The branch lives beside the family model as its
 ``forecaster`` submodule, so it is optimised and checkpointed with it.
 
-The schedules call the model through :class:`SeriesForecastForward`, which encodes the micro-batch's
-series once, runs the backbone once and keeps (encoding, final hidden state) on the forward
-context for the objective: no second backbone pass.
+The step is disaggregated as the vision encoder's is (report §3.1.1; :mod:`megatron_s2.models.timeseries.phase`):
+series forward (each micro-batch's series encoded once, cut from the encoder's graph into one leaf
+for the embedding and one for the forecaster) -> the LLM forward/backward under its unchanged
+parallel schedule -> series backward (the leaves' summed gradient through the encoder). The
+schedules call the model through :class:`SeriesForecastForward`, which keeps the backbone's last
+hidden state on the forward context for :class:`ForecastObjective`: no second backbone pass.
 
-Layouts: data parallelism only (:func:`~megatron_s2.training.run_checks.check_series_layout`).
+Layouts: dp, tp, tp + sp and pp (+vpp), parity with one rank in ``tests/timeseries/test_layouts.py``.
+The encoder and the forecaster are whole on every rank that runs them, outside any tensor-parallel
+plan: replicas whose gradients are identical over tp and summed over dp. Under sequence
+parallelism the embedding merges the span rows of its slice and the forecaster reads the gathered
+hidden state (:func:`~megatron_s2.models.timeseries.predict.full_final_hidden`). Under pipeline
+parallelism the series embeddings are consumed on the first stage and the forecaster lives on the
+last, which encodes the series with a replica of the first stage's encoder
+(:mod:`megatron_s2.models.timeseries.replica`). Context parallelism (a series span cut between
+chunks) and expert parallelism are refused
+(:func:`~megatron_s2.training.run_checks.check_series_layout`).
 """
 
 from __future__ import annotations
@@ -24,7 +36,9 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.models.init import initialize_parameters
 from megatron_s2.models.timeseries.attach import tag_inits
 from megatron_s2.models.timeseries.forecaster import ForecastBranch
-from megatron_s2.models.timeseries.predict import forecast_loss, prompt_hidden
+from megatron_s2.models.timeseries.phase import SeriesPhase
+from megatron_s2.models.timeseries.predict import forecast_loss, full_final_hidden
+from megatron_s2.models.timeseries.replica import SeriesEncoderStages
 from megatron_s2.parallel.grad_finalize import finalize_model_grads
 from megatron_s2.pipeline.losses import global_token_count, micro_batch_objective
 from megatron_s2.pipeline.step import StepInputs
@@ -35,19 +49,24 @@ __all__ = ["ForecastTrainer", "ForecastObjective", "SeriesForecastForward", "loa
 
 
 class SeriesForecastForward:
-    """The family model as the schedules call it (``model(tokens, ctx, labels=..., series=...)``),
-    keeping ``ctx.forecast_state = (EncodedSeries, final hidden)`` for :class:`ForecastObjective`."""
+    """The family model as the schedules call it: ``model(tokens, ctx, labels=..., series=...)``
+    without pipelining, ``embed`` / ``run_layers`` / ``head`` stage by stage with it. Every
+    ``run_layers`` call keeps its output on ``ctx.forecast_hidden``: on the last stage that is the
+    backbone's last hidden state, which :class:`ForecastObjective` reads."""
 
     def __init__(self, model):
         self.model = model
 
-    def __getattr__(self, name):  # make_context, prepare_step, loss, forecaster ...
+    def __getattr__(self, name):  # embed, head, make_context, prepare_step, loss, forecaster ...
         return getattr(self.model, name)
 
+    def run_layers(self, hidden, ctx, layer_ids=None):
+        hidden = self.model.run_layers(hidden, ctx, layer_ids=layer_ids)
+        ctx.forecast_hidden = hidden
+        return hidden
+
     def __call__(self, tokens: torch.Tensor, ctx, labels=None, series=None):
-        hidden, encoded, final = prompt_hidden(self.model, tokens, ctx, series)
-        ctx.forecast_state = (encoded, final)
-        logits = self.model.head(*hidden)
+        logits = self.model.head(*self.run_layers(self.model.embed(tokens, series=series), ctx))
         return logits if labels is None else self.model.loss(logits, labels)
 
 
@@ -66,7 +85,7 @@ class ForecastObjective:
     def __call__(self, model, logits: torch.Tensor, mb: dict, ctx):
         text_objective, text_summed = micro_batch_objective(model.loss(logits, mb["labels"]), mb["loss_mask"],
                                                             self.global_tokens, None, self.num_micro_global)
-        encoded, final = ctx.forecast_state
+        encoded, final = mb["series_forecast"], full_final_hidden(model, ctx.forecast_hidden)
         if encoded.encoding is None:  # a micro-batch without series (cannot happen with data.kind timeseries)
             loss_fc = mae = final.sum() * 0.0
         else:
@@ -84,26 +103,48 @@ class ForecastTrainer(Trainer):
     fresh_on_load = Trainer.fresh_on_load + ("forecaster.",)  # a text checkpoint starts the branch fresh
 
     def build_model(self, host):
-        """The family model, given the forecasting branch as its ``forecaster`` submodule before the
-        optimiser is built (it trains and checkpoints with it)."""
+        """The family model, given the forecasting branch as its ``forecaster`` submodule on the last
+        pipeline stage before the optimiser is built (it trains and checkpoints with it), and the
+        series encoder of each stage that runs one (:class:`SeriesEncoderStages`)."""
         model, pipeline = super().build_model(host)
         ts = self.recipe.model.timeseries
-        if getattr(model, "timeseries", None) is None or not hasattr(model, "final_hidden"):
+        first, last = getattr(model, "pre_process", True), getattr(model, "post_process", True)
+        if ts is None or not hasattr(model, "final_hidden") or (first and getattr(model, "timeseries", None) is None):
             raise ConfigError(f"phase.kind: timeseries_forecast: model family '{self.recipe.model.family}' has no "
                               "time-series encoder or final_hidden; set model.timeseries on a v41 or intern_s2 model")
-        branch = tag_inits(ForecastBranch(ts, self.recipe.model.hidden_size))
-        initialize_parameters(branch, self.recipe.training.seed, self.recipe.model.init_std)
-        model.forecaster = branch.to(self.device)
+        if last:
+            branch = tag_inits(ForecastBranch(ts, self.recipe.model.hidden_size))
+            initialize_parameters(branch, self.recipe.training.seed, self.recipe.model.init_std)
+            model.forecaster = branch.to(self.device)
+        self.series = SeriesEncoderStages(model, self.recipe.model, self.groups, first=first, last=last,
+                                          device=self.device)
+        self.series.refresh()  # the last stage's replica starts as the owner
         return model, pipeline
 
     def compute_gradients(self, micro_batches: list[dict]):
-        """Forward/backward through :class:`SeriesForecastForward` (data parallelism: no context
-        split, no images) and reduce the gradients."""
+        """Series forward -> forward/backward through :class:`SeriesForecastForward` (any
+        schedule) -> series backward; then the replica's gradient joins the owner's and the
+        gradients are reduced."""
         micro_batches = [to_device(mb, self.device) for mb in micro_batches]
+        series = SeriesPhase.forward(self.series.encoder, micro_batches, embeds=self.series.first,
+                                     forecasts=self.series.last)
         inputs = StepInputs(micro_batches, self.groups, self.num_micro_global, loss_fn=self.step_objective(micro_batches))
         result = self.forward_backward(SeriesForecastForward(self.model), inputs)
+        series.backward()
+        self.series.sync_grads()
         finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb, zero1=self.zero1)
         return result
+
+    def apply_gradients(self, loss: float | None = None) -> float:
+        grad_norm = super().apply_gradients(loss)
+        self.series.refresh()  # the replica follows the updated owner
+        return grad_norm
+
+    def restore(self) -> bool:
+        restored = super().restore()
+        if restored:
+            self.series.refresh()  # ... and the loaded one
+        return restored
 
     def step_objective(self, micro_batches: list[dict]):
         phase = self.recipe.phase

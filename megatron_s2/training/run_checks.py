@@ -126,11 +126,11 @@ def check_image_layout(recipe: RecipeConfig) -> None:
 
 def check_series_layout(recipe: RecipeConfig) -> None:
     """The time-series lane (``data.kind: timeseries``, ``phase.kind: timeseries_forecast``; Intern-S2
-    report §2.2) needs ``model.timeseries`` and runs on data-parallel layouts only: the encoder sits
-    beside the first stage's embedding and the forecaster beside the last stage's head (pipeline
-    parallelism would need the encoding sent across the cut), its parameters are replicated and
-    unplanned (tensor / sequence parallelism would need their placements), and a series span is
-    never split (context parallelism)."""
+    report §2.2) needs ``model.timeseries``. It runs under dp, tp (+sp) and pp: the encoder and the
+    forecaster are whole replicas beside the first stage's embedding and the last stage's head
+    (the forecaster's stage encodes with a replica of the encoder, :mod:`megatron_s2.models.timeseries.replica`).
+    Context parallelism would cut a series span between chunks, and expert parallelism is untested
+    with the lane: both are refused."""
     series_data, forecast = recipe.data.kind == "timeseries", recipe.phase.kind == "timeseries_forecast"
     if not (series_data or forecast):
         return
@@ -144,10 +144,10 @@ def check_series_layout(recipe: RecipeConfig) -> None:
                           "section (e.g. {hidden: 64, token_budget: 64})")
     ts.placeholder_id(recipe.model.vocab_size)
     p = recipe.parallel
-    split = [f"parallel.{name}={getattr(p, name)}" for name in ("tp", "pp", "cp", "ep", "etp") if getattr(p, name) > 1]
+    split = [f"parallel.{name}={getattr(p, name)}" for name in ("cp", "ep", "etp") if getattr(p, name) > 1]
     if split:
-        raise ConfigError(f"{what} runs on data-parallel layouts only (the series encoder and forecaster are "
-                          f"replicated beside the first and last stage); got {', '.join(split)}: set them to 1")
+        raise ConfigError(f"{what} runs under dp, tp (+sequence_parallel) and pp, not {', '.join(split)} (context "
+                          "parallelism would cut a series span between chunks): set them to 1")
     if recipe.phase.trains_drafter:
         raise ConfigError(f"{what} with a phase that trains the DSpark drafter is not supported; train the drafter "
                           "on text data")

@@ -58,7 +58,9 @@ def test_recipe_loads_without_torch_and_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["parallel.tp=2", "parallel.dp=1"], "parallel.tp=2"),
+    (["parallel.cp=2", "parallel.dp=1"], "parallel.cp=2"),
+    (["parallel.ep=2", "parallel.dp=2"], "parallel.ep=2"),
+    (["phase.kind=timeseries_forecast", "parallel.cp=2", "parallel.dp=1"], "parallel.cp=2"),
     (["model.timeseries=null"], "model.timeseries"),
     (["model.timeseries.token_id=500"], "model.timeseries.token_id"),
 ])
@@ -68,6 +70,15 @@ def test_layouts_and_models_the_lane_cannot_run_are_refused(tmp_path, overrides,
     with pytest.raises(ConfigError) as err:
         check_phase_layout(lane_recipe(tmp_path, overrides))
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [["parallel.tp=2", "parallel.dp=1"], ["parallel.pp=2", "parallel.dp=1"],
+                                       ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=1"]])
+def test_tensor_and_pipeline_layouts_are_accepted(tmp_path, overrides):
+    """tp (+sp) and pp run (parity with one rank: tests/timeseries/test_layouts.py)."""
+    from megatron_s2.training.run_checks import check_phase_layout
+
+    check_phase_layout(lane_recipe(tmp_path, ["phase.kind=timeseries_forecast", *overrides]))
 
 
 # ---- data ----------------------------------------------------------------------------------------

@@ -121,7 +121,8 @@ class InternS2Model(nn.Module):
         if series is not None:
             from megatron_s2.models.timeseries.attach import merge_series
 
-            h = merge_series(h, series, self.timeseries)
+            # under SP ``h`` is this tp rank's slice of the sequence: only its span rows are written
+            h = merge_series(h, series, self.timeseries, self.groups.tp if self.groups.sequence.sp else None)
         return (h,)
 
     def embed_vectors(self, vectors: torch.Tensor) -> tuple[torch.Tensor]:

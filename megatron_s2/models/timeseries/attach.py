@@ -12,13 +12,15 @@ encoding (tokens and the retained mu / sigma) the backbone was given.
 Initialisation stays layout-independent (:mod:`megatron_s2.models.init`): :func:`tag_inits`
 marks norms' weights 1 and biases 0; every matrix takes the family's normal(0, init_std) from
 (seed, name). The parameters are unmarked by any parallel plan: whole, replicated, reduced over
-the data-parallel group — the lane runs under data parallelism only
-(:func:`megatron_s2.training.run_checks.check_series_layout`).
+the data-parallel group. Under tensor parallelism every tp rank holds the same replica and,
+with sequence parallelism too, gets the same gradient (:func:`merge_series`); under pipeline
+parallelism the first stage owns it (:mod:`.replica`). Layouts:
+:func:`megatron_s2.training.run_checks.check_series_layout`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -28,6 +30,8 @@ from megatron_s2.models.init import constant_init
 from megatron_s2.models.timeseries.encoder import (SeriesInput, TimeSeriesEncoder, TimeSeriesEncoderConfig,
                                                    TimeSeriesEncoding)
 from megatron_s2.models.timeseries.insertion import SeriesPlacement, merge_series_embeddings
+from megatron_s2.parallel.groups import Group
+from megatron_s2.parallel.mappings import copy_to_group
 
 __all__ = ["EncodedSeries", "build_series_encoder", "encoder_config", "encode_series", "merge_series", "tag_inits"]
 
@@ -93,11 +97,23 @@ def encode_series(encoder: TimeSeriesEncoder | None, placements: Sequence[Sequen
     return EncodedSeries(rows, encoder([place.series for row in rows for place in row]))
 
 
-def merge_series(h: torch.Tensor, series, encoder: TimeSeriesEncoder | None) -> torch.Tensor:
+def merge_series(h: torch.Tensor, series, encoder: TimeSeriesEncoder | None, sp_group: Group | None = None
+                 ) -> torch.Tensor:
     """Embeddings [b, s, d] with every series span overwritten by its tokens (``series``: raw
-    placements or an :class:`EncodedSeries`)."""
+    placements or an :class:`EncodedSeries`).
+
+    ``sp_group``: the tensor-parallel group under sequence parallelism, where ``h`` [b, s / tp, d]
+    is this rank's contiguous slice of the sequence: only the span rows inside it are written, and
+    the tokens enter through :func:`~megatron_s2.parallel.mappings.copy_to_group`, whose backward
+    sums the slices' gradients over tp — the encoder then sees the whole spans' gradient on every
+    tp rank, identical replicas like the rest of its placement (never a tp-partial sum)."""
     encoded = encode_series(encoder, series)
-    if encoded.encoding is None:
+    encoding = encoded.encoding
+    if encoding is None:
         return h
-    merged, _ = merge_series_embeddings(h, encoded.placements, encoder, encoding=encoded.encoding)
+    window = None
+    if sp_group is not None and sp_group.active:
+        encoding = replace(encoding, tokens=copy_to_group(encoding.tokens, sp_group))
+        window = (sp_group.rank * h.size(1), sp_group.size * h.size(1))
+    merged, _ = merge_series_embeddings(h, encoded.placements, encoder, encoding=encoding, window=window)
     return merged

@@ -216,7 +216,7 @@ class TimeSeriesEncoder(nn.Module):
 
     PLAN_SECTION = "timeseries"
     """A section of its own: a family's parallel plan skips it; its parameters stay unmarked (whole,
-    replicated, reduced over data parallelism: the lane runs data-parallel only)."""
+    replicated, identical over tp, reduced over data parallelism; :mod:`.attach`)."""
 
     def __init__(self, cfg: TimeSeriesEncoderConfig):
         super().__init__()

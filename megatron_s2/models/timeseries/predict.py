@@ -16,8 +16,9 @@ import torch
 
 from megatron_s2.models.timeseries.attach import EncodedSeries, encode_series
 from megatron_s2.models.timeseries.forecaster import ForecastBranch, ForecastRows
+from megatron_s2.parallel.mappings import gather_sequence
 
-__all__ = ["forecast_inputs", "forecast_loss", "forecast", "prompt_hidden"]
+__all__ = ["forecast_inputs", "forecast_loss", "forecast", "full_final_hidden", "prompt_hidden"]
 
 
 def prompt_hidden(model, tokens: torch.Tensor, ctx, series) -> tuple[tuple, EncodedSeries, torch.Tensor]:
@@ -25,6 +26,16 @@ def prompt_hidden(model, tokens: torch.Tensor, ctx, series) -> tuple[tuple, Enco
     encoded = encode_series(model.timeseries, series)
     hidden = model.run_layers(model.embed(tokens, series=encoded), ctx)
     return hidden, encoded, model.final_hidden(*hidden)
+
+
+def full_final_hidden(model, hidden: tuple) -> torch.Tensor:
+    """The final hidden state [b, s, d] of the whole sequence from the last stage's ``run_layers``
+    output. Under sequence parallelism each tp rank holds a slice: gathered, with the gradient
+    split back (the forecaster is replicated over tp, so each rank's gradient of the whole is
+    already the full one — a reduce-scatter would count it tp times)."""
+    final = model.final_hidden(*hidden)
+    groups = model.groups
+    return gather_sequence(final, groups.tp, dim=1) if groups.sequence.sp else final
 
 
 def forecast_inputs(branch: ForecastBranch, final_hidden: torch.Tensor, encoded: EncodedSeries,

@@ -115,7 +115,7 @@ class V41Model(nn.Module):
         if series is not None:
             from megatron_s2.models.timeseries.attach import merge_series
 
-            h = merge_series(h, series, self.timeseries)
+            h = merge_series(h, series, self.timeseries, self.groups.tp if self.groups.sequence.sp else None)
         x = expand_embedding(h, self.config.hc_mult)
         return x, one_hot_pre(x)
 
