@@ -109,9 +109,10 @@ def check_data(recipe: RecipeConfig, tokenizer) -> None:
 
 def check_image_layout(recipe: RecipeConfig) -> None:
     """Image data (``data.kind: image_text``) needs a model with a vision pathway, and no DSpark
-    drafter training (the drafter trains on text data). Every parallel layout carries images: context parallelism shards them across the CP ranks
-    (:mod:`megatron_s2.parallel.image_sharding`), under sequence parallelism each tp rank writes its
-    slice's span rows (:func:`megatron_s2.models.v41.vision.phase.merge_images`)."""
+    drafter training (the drafter trains on text data). Every parallel layout carries images:
+    context parallelism shards them across the CP ranks (:mod:`megatron_s2.parallel.image_sharding`),
+    under sequence parallelism each tp rank writes its slice's span rows
+    (:func:`megatron_s2.models.v41.vision.phase.merge_images`)."""
     if recipe.data.kind != "image_text":
         return
     from megatron_s2.models.family import family_of
