@@ -7,7 +7,7 @@ attaches a :class:`~megatron_s2.models.memory_decoder.MemoryRouter` to the memor
 other tensor, and feeds the domain (``data:``) and general (``phase.memdec_general_data``)
 corpora 1:1, each micro-batch flagged ``is_domain``.
 
-Layouts: dp, tp (+ sequence parallelism) and pp (+ vpp), parity with one rank in
+Layouts: dp, tp (+ sequence parallelism) and pp, parity with one rank in
 ``tests/memory_decoder/test_layouts.py``. The memory decoder is a family model built by the family
 code, so it takes the recipe's layout like any model (its stages, its tensor shards). The frozen
 backbone holds every layer on each rank with the recipe's tensor groups (like an OPD teacher,
