@@ -26,7 +26,7 @@ from torch import nn
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.models.family import family_of
-from megatron_s2.models.memory_decoder import MemoryRouter, interpolated_log_probs
+from megatron_s2.models.memory_decoder import MemoryRouter, interpolated_log_probs, whole_sequence, whole_vocabulary
 from megatron_s2.models.memory_decoder.router import NUM_UNCERTAINTY_FEATURES
 
 __all__ = ["MemoryDecoder", "FusedLogProbs", "MemorySlot", "load_memory_decoder", "hidden_and_log_probs",
@@ -40,10 +40,12 @@ def hidden_and_log_probs(model, micro_batch: dict[str, torch.Tensor]) -> tuple[t
     """(h [b, s, d] float32, log p [b, s, V] float32) of a family ``model`` on ``micro_batch``
     (``tokens`` and optionally ``position_ids`` / ``doc_ids``), one whole-sequence forward in a
     fresh context: the normalised last hidden state (datastore keys, router features) and the
-    log-probabilities. One rank holds the whole vocabulary (tp = 1)."""
+    log-probabilities, whole on every rank of a tensor- / sequence-parallel model (gathered over
+    tp, :mod:`megatron_s2.models.memory_decoder.whole`)."""
     ctx = model.make_context(micro_batch)
     hidden = model.run_layers(model.embed(micro_batch["tokens"]), ctx)
-    return model.final_hidden(*hidden).float(), torch.log_softmax(model.head(*hidden).float(), dim=-1)
+    final = whole_sequence(model.final_hidden(*hidden), model.groups).float()
+    return final, torch.log_softmax(whole_vocabulary(model.head(*hidden), model.groups).float(), dim=-1)
 
 
 @dataclass

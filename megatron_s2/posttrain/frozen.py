@@ -1,5 +1,6 @@
-"""Frozen in-process models next to the policy: OPD teachers (report §5.2.4, walkthrough Ch. 8) and
-the reference of a KL term.
+"""Frozen in-process models next to the policy: OPD teachers (report §5.2.4, walkthrough Ch. 8), the
+reference of a KL term, and the Memory Decoder's backbone (walkthrough Ch. 2; built with the training
+layout's groups: every layer on each pipeline stage, read on the last, megatron_s2/posttrain/memdec).
 
 A frozen model holds every layer on the rank (pp = cp = 1) with the rollout layout's tensor /
 expert groups, so its vocabulary shard ``[b, s, V/tp]`` lines up with the policy's on every

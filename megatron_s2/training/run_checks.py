@@ -154,6 +154,15 @@ def check_series_layout(recipe: RecipeConfig) -> None:
                           "on text data")
 
 
+def check_memdec_layout(recipe: RecipeConfig) -> None:
+    """The Memory Decoder's phases (``phase.kind: memdec`` / ``memdec_router``, walkthrough Ch. 2)
+    run under dp, tp (+ sequence parallelism) and pp (megatron_s2/posttrain/memdec/trainer.py); the
+    datastore lookup and the router read whole sequences, so context parallelism is refused."""
+    if recipe.phase.kind in ("memdec", "memdec_router") and recipe.parallel.cp > 1:
+        raise ConfigError(f"parallel.cp: phase.kind {recipe.phase.kind} runs under dp, tp and pp, not context "
+                          f"parallelism (got cp={recipe.parallel.cp}); set parallel.cp: 1")
+
+
 def check_checkpoint_load(recipe: RecipeConfig, run_dir: str | Path, pending: Sequence[str | Path] = ()) -> None:
     """``checkpoint.load`` names a loadable checkpoint, unless the run will resume from its own
     (``checkpoint.resume`` and a committed step in ``run_dir``: ``load`` is then not read) or the
@@ -288,6 +297,7 @@ def check_phase_layout(recipe: RecipeConfig) -> None:
     pages' forward runs inside the loss over whole sequences (megatron_s2/training/next_patch_trainer.py)."""
     check_drafter_phase(recipe)
     check_series_layout(recipe)
+    check_memdec_layout(recipe)
     if recipe.phase.kind != "visual_next_patch":
         return
     p = recipe.parallel

@@ -103,7 +103,7 @@ class Trainer:
         # the DSpark stage under pipeline parallelism: the stages before the last hold only frozen layers
         self.optimizer = build_optimizer(self.model, recipe.optimizer, row_groups=row_groups,
                                          matrix_shards=matrix_shards,
-                                         allow_empty=recipe.phase.kind == "dspark" and self.layout.pp > 1)
+                                         allow_empty=self.optimizer_may_be_empty())
         if recipe.parallel.distributed_optimizer:
             self.optimizer = DistributedOptimizer(self.optimizer, self.model, self.groups,
                                                   bucket_mb=recipe.parallel.grad_bucket_mb)
@@ -150,6 +150,16 @@ class Trainer:
     def flops_per_token(self) -> float:
         """Training FLOPs per token of the metrics' throughput line."""
         return family_of(self.recipe.model).train_flops_per_token(self.recipe.model, self.recipe.training.seq_length)
+
+    def optimizer_may_be_empty(self) -> bool:
+        """Whether this rank may hold no trainable tensor: a phase whose trained module lives on the
+        last pipeline stage only (the DSpark stage; the Memory Decoder's router)."""
+        return self.recipe.phase.kind == "dspark" and self.layout.pp > 1
+
+    def forward_model(self):
+        """The model as the schedules call it (a phase whose objective reads more than the logits
+        wraps it, megatron_s2/posttrain/memdec/forward.py); the model itself here."""
+        return self.model
 
     def attach_phase_modules(self) -> None:
         """Modules a phase adds to the built model before the optimiser sees it (the Memory
@@ -317,7 +327,7 @@ class Trainer:
         micro_batches = [split_micro_batch(to_device(mb, self.device), self.groups.cp) for mb in micro_batches]
         vision = EncoderPhase.forward(self.model, micro_batches)  # disaggregated encoder step (§3.1.1)
         inputs = StepInputs(micro_batches, self.groups, self.num_micro_global, loss_fn=self.step_objective(micro_batches))
-        result = self.forward_backward(self.model, inputs)
+        result = self.forward_backward(self.forward_model(), inputs)
         vision.backward()
         finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb, zero1=self.zero1)
         return result

@@ -9,6 +9,8 @@ backbone by a learned per-token router.
   (1 - beta) CE(gold).
 * :mod:`.router` — the fusion p = (1 - lambda) p_base + lambda p_mem of Eq. (3), the router that
   reads both models' hidden states and uncertainty features, and its loss, Eq. (4).
+* :mod:`.whole` — those hidden states and distributions whole on every rank of a tensor- /
+  sequence-parallel model (gathered over tp), so every layout computes the one-rank objective.
 
 Family-agnostic: the backbone and the memory are any two family models with one vocabulary;
 generic code reaches them through :mod:`megatron_s2.models.family`.
@@ -18,6 +20,8 @@ from megatron_s2.models.memory_decoder.knn import Datastore, knn_distribution, k
 from megatron_s2.models.memory_decoder.objective import memory_decoder_loss, memory_decoder_token_loss
 from megatron_s2.models.memory_decoder.router import (MemoryRouter, interpolate, interpolated_log_probs,
                                                       router_features, router_loss, router_token_loss)
+from megatron_s2.models.memory_decoder.whole import whole_sequence, whole_vocabulary
 
 __all__ = ["Datastore", "knn_distribution", "knn_log_probs", "memory_decoder_loss", "memory_decoder_token_loss",
-           "MemoryRouter", "interpolate", "interpolated_log_probs", "router_features", "router_loss", "router_token_loss"]
+           "MemoryRouter", "interpolate", "interpolated_log_probs", "router_features", "router_loss", "router_token_loss",
+           "whole_sequence", "whole_vocabulary"]

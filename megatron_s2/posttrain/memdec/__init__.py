@@ -10,5 +10,6 @@
   scoring text with the fused distribution of Eq. (3) (evaluation, bench/memory_decoder.py).
 
 The mathematics lives in :mod:`megatron_s2.models.memory_decoder`; both models are reached
-through the family interface, so either family can be the backbone or the memory.
+through the family interface, so either family can be the backbone or the memory. Both phases run
+under dp, tp (+ sequence parallelism) and pp; cp is refused (:mod:`.trainer`, layouts).
 """

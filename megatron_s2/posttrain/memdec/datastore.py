@@ -6,6 +6,11 @@ position t whose next token is a target, the key is the backbone's normalised la
 state at t and the value is token t + 1. The datastore is cached as ``datastore.safetensors`` in
 the run directory with the fingerprint of what built it (backbone weights, corpus, window);
 a resumed phase reads it back, a changed backbone or corpus rebuilds it.
+
+Every rank builds the same datastore: the backbone holds every layer on each rank and its hidden
+state is read whole over tp (:func:`~.forward.hidden_and_log_probs`), so a layout changes the keys
+only by its reduction order (tp2: 7e-7 of their scale; values identical,
+tests/memory_decoder/test_layouts.py); the rank with ``save`` writes it.
 """
 
 from __future__ import annotations

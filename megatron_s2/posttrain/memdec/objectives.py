@@ -11,6 +11,12 @@ prior on lambda (``mb["is_domain"]``) trains the router alone.
 
 Both return ``(objective, summed)`` like the token cross-entropy: per-token losses normalised
 by the global batch's loss-bearing token count (:func:`~megatron_s2.pipeline.losses.micro_batch_objective`).
+
+Layouts: both run on the last pipeline stage, where the step's logits are. The memory decoder's
+logits (this rank's vocabulary shard under tp) and its last hidden state (this rank's slice under
+sequence parallelism) are gathered over tp (:mod:`megatron_s2.models.memory_decoder.whole`), and
+the frozen backbone — every layer on each rank, tensor-parallel like the memory — is read whole
+the same way, so every tp rank computes the one-rank objective and keeps its shard's gradient.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from megatron_s2.models.memory_decoder import (Datastore, interpolated_log_probs, memory_decoder_token_loss,
-                                               router_token_loss)
+                                               router_token_loss, whole_sequence, whole_vocabulary)
 from megatron_s2.pipeline.losses import micro_batch_objective
 from megatron_s2.posttrain.memdec.forward import hidden_and_log_probs
 
@@ -43,6 +49,7 @@ class MemoryDecoderObjective:
         self.global_tokens, self.num_micro_global = global_tokens, num_micro_global
 
     def __call__(self, model, logits: torch.Tensor, mb: dict[str, torch.Tensor], ctx):
+        logits = whole_vocabulary(logits, model.groups)  # every tp rank: the same loss, its shard's gradient
         with torch.no_grad():
             keys, _ = hidden_and_log_probs(self.backbone, mb)
             knn = self.datastore.distribution(keys, self.k, logits.size(-1), self.temperature)
@@ -62,8 +69,9 @@ class RouterObjective:
     def __call__(self, model, logits: torch.Tensor, mb: dict[str, torch.Tensor], ctx):
         with torch.no_grad():
             h_base, logp_base = hidden_and_log_probs(self.backbone, mb)
-            h_mem, _ = hidden_and_log_probs(model, mb)  # the frozen memory's hidden state (its logits: ``logits``)
-        logp_mem = torch.log_softmax(logits.float(), dim=-1).detach()
+            # the frozen memory's last hidden state from this forward (``model``: forward.KeepsLastHidden)
+            h_mem = whole_sequence(model.final_hidden(*ctx.memdec_hidden), model.groups)
+            logp_mem = torch.log_softmax(whole_vocabulary(logits, model.groups).float(), dim=-1)
         lam = model.memdec_router(h_base, h_mem, logp_base, logp_mem)
         fused = interpolated_log_probs(logp_base, logp_mem, lam)
         per_token, ce = router_token_loss(fused, mb["labels"], lam, mb["is_domain"], self.alpha)

@@ -1,12 +1,21 @@
 """The trainers of ``phase.kind: memdec`` and ``memdec_router`` (package docstring).
 
 Both load the frozen backbone (``phase.memdec_backbone``) next to the model of ``model:`` — the
-memory decoder — on every rank, whole (tp = pp = cp = 1; data parallelism splits the batch).
-``memdec`` builds or reads the datastore before the first step; ``memdec_router`` attaches a
-:class:`~megatron_s2.models.memory_decoder.MemoryRouter` to the memory decoder as
+memory decoder. ``memdec`` builds or reads the datastore before the first step; ``memdec_router``
+attaches a :class:`~megatron_s2.models.memory_decoder.MemoryRouter` to the memory decoder as
 ``memdec_router`` (its checkpoint then holds the whole plug-in: memory + router), freezes every
 other tensor, and feeds the domain (``data:``) and general (``phase.memdec_general_data``)
 corpora 1:1, each micro-batch flagged ``is_domain``.
+
+Layouts: dp, tp (+ sequence parallelism) and pp, parity with one rank in
+``tests/memory_decoder/test_layouts.py``. The memory decoder is a family model built by the family
+code, so it takes the recipe's layout like any model (its stages, its tensor shards). The frozen
+backbone holds every layer on each rank with the recipe's tensor groups (like an OPD teacher,
+:func:`~megatron_s2.posttrain.frozen.load_frozen_model`): the objectives run on the last stage and
+read it whole there (:mod:`.objectives`), and every rank builds the same datastore from it. The
+router is whole, outside any tensor-parallel plan, on the last stage only (identical gradients
+over tp, summed over dp); the stages before it hold only frozen tensors. Context parallelism is
+refused (:func:`~megatron_s2.training.run_checks.check_memdec_layout`).
 """
 
 from __future__ import annotations
@@ -19,9 +28,11 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.data import build_data_iterator
 from megatron_s2.data.loader import load_document_stores
 from megatron_s2.models.memory_decoder import MemoryRouter
+from megatron_s2.parallel.sharding import name_seed
 from megatron_s2.pipeline.losses import global_token_count
 from megatron_s2.posttrain.frozen import load_frozen_model
 from megatron_s2.posttrain.memdec.datastore import datastore_meta, load_or_build_datastore, weights_fingerprint
+from megatron_s2.posttrain.memdec.forward import KeepsLastHidden
 from megatron_s2.posttrain.memdec.fusion import ROUTER_PREFIX
 from megatron_s2.posttrain.memdec.objectives import MemoryDecoderObjective, RouterObjective
 from megatron_s2.training.trainer import Trainer
@@ -33,11 +44,7 @@ class _MemdecTrainer(Trainer):
     """Start-up shared by both phases: layout checks and the frozen backbone."""
 
     def check_phase_inputs(self) -> None:
-        par, phase = self.recipe.parallel, self.recipe.phase
-        if par.tp != 1 or par.pp != 1 or par.cp != 1:
-            raise ConfigError(f"parallel: phase.kind {phase.kind} holds the backbone and the memory decoder whole on "
-                              f"every rank (tp = pp = cp = 1), got tp={par.tp} pp={par.pp} cp={par.cp}; scale it with "
-                              "data parallelism")
+        phase = self.recipe.phase
         self.backbone = load_frozen_model(phase.memdec_backbone, self.groups, vocab_size=self.recipe.model.vocab_size,
                                           tokenizer=self.tokenizer, what="phase.memdec_backbone", device=self.device)
         self.log(f"memdec: frozen backbone '{self.backbone.config.name}' from {phase.memdec_backbone}")
@@ -108,11 +115,24 @@ class RouterTrainer(_MemdecTrainer):
                               f"{2 * self.layout.dp * t.micro_batch_size}, got {t.global_batch_size}")
 
     def attach_phase_modules(self) -> None:
+        """The router on the last pipeline stage, where the objective runs; initialised from its
+        own seed, so every layout starts from the same router."""
         for p in self.model.parameters():  # the memory decoder is frozen with the backbone
             p.requires_grad_(False)
+        if not getattr(self.model, "post_process", True):
+            return
         phase = self.recipe.phase
-        self.model.memdec_router = MemoryRouter(self.backbone.config.hidden_size, self.recipe.model.hidden_size,
-                                                phase.memdec_router_init_lambda, phase.memdec_router_hidden).to(self.device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(name_seed(self.recipe.training.seed, ROUTER_PREFIX))
+            router = MemoryRouter(self.backbone.config.hidden_size, self.recipe.model.hidden_size,
+                                  phase.memdec_router_init_lambda, phase.memdec_router_hidden)
+        self.model.memdec_router = router.to(self.device)
+
+    def optimizer_may_be_empty(self) -> bool:
+        return self.layout.pp > 1  # the stages before the router's hold only the frozen memory
+
+    def forward_model(self):
+        return KeepsLastHidden(self.model)  # the objective reads the memory's last hidden state
 
     def build_data(self):
         t = self.recipe.training
