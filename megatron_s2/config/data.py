@@ -148,6 +148,11 @@ class DataConfig:
     """Procedural source: image side in pixels (>= 32)."""
     procedural_kinds: tuple[str, ...] = PROCEDURAL_KINDS
     """Procedural source: image kinds to draw, of PROCEDURAL_KINDS."""
+    procedural_questions: Literal["all", "identity"] = "all"
+    """Procedural source, formats 'qa' / 'both': which question each item asks. 'all': item i
+    asks its pairs in turn (pair i mod n: a shape item is asked its shape or its colour);
+    'identity': every item asks what it shows ("what shape / digit is this?", "what does the
+    text say?"), never the colour — the questions that need the object's form, not one pixel."""
     image_column: str = "image"
     """Parquet source: column of encoded image bytes (or a {bytes, path} struct, as Hugging Face
     datasets write an Image feature)."""
@@ -232,9 +237,9 @@ class DataConfig:
             if bad or not self.procedural_kinds:
                 raise ConfigError(f"procedural_kinds: {bad or '[]'} — give one or more of {', '.join(PROCEDURAL_KINDS)}")
             return
-        if self.split != "train" or self.image_text_format != "both":
-            raise ConfigError(f"split / image_text_format: apply to source 'procedural' only; source '{self.source}' "
-                              "holds captions (leave them at their defaults)")
+        if self.split != "train" or self.image_text_format != "both" or self.procedural_questions != "all":
+            raise ConfigError(f"split / image_text_format / procedural_questions: apply to source 'procedural' only; "
+                              f"source '{self.source}' holds captions (leave them at their defaults)")
         if not self.paths:
             what = {"folder": "image directories", "parquet": ".parquet files", "webdataset": ".tar shards"}
             raise ConfigError(f"paths: source '{self.source}' needs one or more {what[self.source]}")

@@ -115,7 +115,8 @@ def _procedural_pairs(cfg: DataConfig, seed: int) -> list[ImageTextPair]:
         if cfg.image_text_format in ("caption", "both"):
             pairs.append(ImageTextPair(source, load, *size, item.caption))
         if cfg.image_text_format in ("qa", "both"):
-            question, answer = item.qa[index % len(item.qa)]  # one question per item, rotating over its pairs
+            # one question per item: rotating over its pairs, or always the identity one (listed first)
+            question, answer = item.qa[0 if cfg.procedural_questions == "identity" else index % len(item.qa)]
             pairs.append(ImageTextPair(source, load, *size, answer, question))
     return pairs
 

@@ -64,6 +64,23 @@ def test_procedural_pairs_captions_and_questions_with_a_disjoint_heldout_split()
     assert all(p.prompt for p in qa) and len(qa) == 3
 
 
+def test_procedural_questions_identity_asks_every_item_what_it_shows():
+    """'all' rotates a shape item between its shape and colour questions; 'identity' always asks
+    the shape / digit / word, and the held-out split keeps the choice."""
+    data = DataConfig(kind="image_text", num_documents=12, image_size=48, image_text_format="qa",
+                      procedural_kinds=("shape", "digit"))
+    rotating = {p.prompt for p in load_image_text_pairs(data, seed=5)}
+    assert {"what colour is the shape?", "what colour is the digit?"} & rotating
+    for split in ("train", "heldout"):
+        cfg = DataConfig(kind="image_text", num_documents=12, image_size=48, image_text_format="qa",
+                         procedural_kinds=("shape", "digit"), procedural_questions="identity", split=split)
+        asked = load_image_text_pairs(cfg, seed=5)
+        assert {p.prompt for p in asked} == {"what shape is this?", "what digit is this?"}
+        assert all(p.text.isdigit() == (p.prompt == "what digit is this?") for p in asked)
+    with pytest.raises(ConfigError, match="procedural_questions"):
+        DataConfig(kind="image_text", source="folder", paths=("x",), procedural_questions="identity")
+
+
 def test_folder_with_txt_captions_and_with_a_captions_jsonl(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
