@@ -108,8 +108,9 @@ def _procedural_pairs(cfg: DataConfig, seed: int) -> list[ImageTextPair]:
     kinds = tuple(cfg.procedural_kinds)
     pairs = []
     for index in range(cfg.num_documents):
-        item = procedural_item(index, seed=seed, size=cfg.image_size, kinds=kinds)
-        load = (lambda i=index: procedural_item(i, seed=seed, size=cfg.image_size, kinds=kinds).image)
+        draw = dict(seed=seed, size=cfg.image_size, kinds=kinds, text_stroke=cfg.procedural_text_stroke)
+        item = procedural_item(index, **draw)
+        load = (lambda i=index, draw=draw: procedural_item(i, **draw).image)
         source = f"procedural seed {seed} item {index}"
         size = (cfg.image_size, cfg.image_size)
         if cfg.image_text_format in ("caption", "both"):

@@ -8,6 +8,7 @@ packing, and a resumable state."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import tarfile
@@ -77,8 +78,16 @@ def test_procedural_questions_identity_asks_every_item_what_it_shows():
         asked = load_image_text_pairs(cfg, seed=5)
         assert {p.prompt for p in asked} == {"what shape is this?", "what digit is this?"}
         assert all(p.text.isdigit() == (p.prompt == "what digit is this?") for p in asked)
-    with pytest.raises(ConfigError, match="procedural_questions"):
+    with pytest.raises(ConfigError, match="procedural_\\*"):
         DataConfig(kind="image_text", source="folder", paths=("x",), procedural_questions="identity")
+    with pytest.raises(ConfigError, match="procedural_text_stroke: must be >= 0"):
+        DataConfig(kind="image_text", procedural_text_stroke=-2)
+    bold = DataConfig(kind="image_text", num_documents=4, image_size=48, procedural_kinds=("digit",),
+                      procedural_text_stroke=2)
+    plain_pixels = [np.asarray(p.load()) for p in load_image_text_pairs(dataclasses.replace(
+        bold, procedural_text_stroke=0), seed=5)]
+    bold_pairs = load_image_text_pairs(bold, seed=5)
+    assert all((np.asarray(p.load()) != q).any() for p, q in zip(bold_pairs, plain_pixels))
 
 
 def test_folder_with_txt_captions_and_with_a_captions_jsonl(tmp_path):
