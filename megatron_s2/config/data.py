@@ -148,6 +148,15 @@ class DataConfig:
     """Procedural source: image side in pixels (>= 32)."""
     procedural_kinds: tuple[str, ...] = PROCEDURAL_KINDS
     """Procedural source: image kinds to draw, of PROCEDURAL_KINDS."""
+    procedural_questions: Literal["all", "identity"] = "all"
+    """Procedural source, formats 'qa' / 'both': which question each item asks. 'all': item i
+    asks its pairs in turn (pair i mod n: a shape item is asked its shape or its colour);
+    'identity': every item asks what it shows ("what shape / digit is this?", "what does the
+    text say?"), never the colour — the questions that need the object's form, not one pixel."""
+    procedural_text_stroke: int = 0
+    """Procedural source: pixels of extra stroke width on digits and words (Pillow's stroke_width,
+    in the glyph's colour): the default font's ~3-pixel strokes are thin next to a 4-pixel vision
+    patch. 0 = the font's own strokes; items keep their kind, label, colour, size and place."""
     image_column: str = "image"
     """Parquet source: column of encoded image bytes (or a {bytes, path} struct, as Hugging Face
     datasets write an Image feature)."""
@@ -228,13 +237,16 @@ class DataConfig:
                                   "folder | parquet | webdataset")
             if self.image_size < 32:
                 raise ConfigError(f"image_size: procedural images need at least 32 pixels a side, got {self.image_size}")
+            if self.procedural_text_stroke < 0:
+                raise ConfigError(f"procedural_text_stroke: must be >= 0 pixels, got {self.procedural_text_stroke}")
             bad = [k for k in self.procedural_kinds if k not in PROCEDURAL_KINDS]
             if bad or not self.procedural_kinds:
                 raise ConfigError(f"procedural_kinds: {bad or '[]'} — give one or more of {', '.join(PROCEDURAL_KINDS)}")
             return
-        if self.split != "train" or self.image_text_format != "both":
-            raise ConfigError(f"split / image_text_format: apply to source 'procedural' only; source '{self.source}' "
-                              "holds captions (leave them at their defaults)")
+        if self.split != "train" or self.image_text_format != "both" or self.procedural_questions != "all" \
+                or self.procedural_text_stroke:
+            raise ConfigError(f"split / image_text_format / procedural_*: apply to source 'procedural' only; "
+                              f"source '{self.source}' holds captions (leave them at their defaults)")
         if not self.paths:
             what = {"folder": "image directories", "parquet": ".parquet files", "webdataset": ".tar shards"}
             raise ConfigError(f"paths: source '{self.source}' needs one or more {what[self.source]}")

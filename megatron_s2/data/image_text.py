@@ -108,14 +108,16 @@ def _procedural_pairs(cfg: DataConfig, seed: int) -> list[ImageTextPair]:
     kinds = tuple(cfg.procedural_kinds)
     pairs = []
     for index in range(cfg.num_documents):
-        item = procedural_item(index, seed=seed, size=cfg.image_size, kinds=kinds)
-        load = (lambda i=index: procedural_item(i, seed=seed, size=cfg.image_size, kinds=kinds).image)
+        draw = dict(seed=seed, size=cfg.image_size, kinds=kinds, text_stroke=cfg.procedural_text_stroke)
+        item = procedural_item(index, **draw)
+        load = (lambda i=index, draw=draw: procedural_item(i, **draw).image)
         source = f"procedural seed {seed} item {index}"
         size = (cfg.image_size, cfg.image_size)
         if cfg.image_text_format in ("caption", "both"):
             pairs.append(ImageTextPair(source, load, *size, item.caption))
         if cfg.image_text_format in ("qa", "both"):
-            question, answer = item.qa[index % len(item.qa)]  # one question per item, rotating over its pairs
+            # one question per item: rotating over its pairs, or always the identity one (listed first)
+            question, answer = item.qa[0 if cfg.procedural_questions == "identity" else index % len(item.qa)]
             pairs.append(ImageTextPair(source, load, *size, answer, question))
     return pairs
 

@@ -8,6 +8,7 @@ packing, and a resumable state."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import tarfile
@@ -62,6 +63,31 @@ def test_procedural_pairs_captions_and_questions_with_a_disjoint_heldout_split()
     assert not train_pixels & {np.asarray(p.load()).tobytes() for p in held}
     qa = load_image_text_pairs(DataConfig(kind="image_text", num_documents=3, image_text_format="qa"), seed=5)
     assert all(p.prompt for p in qa) and len(qa) == 3
+
+
+def test_procedural_questions_identity_asks_every_item_what_it_shows():
+    """'all' rotates a shape item between its shape and colour questions; 'identity' always asks
+    the shape / digit / word, and the held-out split keeps the choice."""
+    data = DataConfig(kind="image_text", num_documents=12, image_size=48, image_text_format="qa",
+                      procedural_kinds=("shape", "digit"))
+    rotating = {p.prompt for p in load_image_text_pairs(data, seed=5)}
+    assert {"what colour is the shape?", "what colour is the digit?"} & rotating
+    for split in ("train", "heldout"):
+        cfg = DataConfig(kind="image_text", num_documents=12, image_size=48, image_text_format="qa",
+                         procedural_kinds=("shape", "digit"), procedural_questions="identity", split=split)
+        asked = load_image_text_pairs(cfg, seed=5)
+        assert {p.prompt for p in asked} == {"what shape is this?", "what digit is this?"}
+        assert all(p.text.isdigit() == (p.prompt == "what digit is this?") for p in asked)
+    with pytest.raises(ConfigError, match="procedural_\\*"):
+        DataConfig(kind="image_text", source="folder", paths=("x",), procedural_questions="identity")
+    with pytest.raises(ConfigError, match="procedural_text_stroke: must be >= 0"):
+        DataConfig(kind="image_text", procedural_text_stroke=-2)
+    bold = DataConfig(kind="image_text", num_documents=4, image_size=48, procedural_kinds=("digit",),
+                      procedural_text_stroke=2)
+    plain_pixels = [np.asarray(p.load()) for p in load_image_text_pairs(dataclasses.replace(
+        bold, procedural_text_stroke=0), seed=5)]
+    bold_pairs = load_image_text_pairs(bold, seed=5)
+    assert all((np.asarray(p.load()) != q).any() for p, q in zip(bold_pairs, plain_pixels))
 
 
 def test_folder_with_txt_captions_and_with_a_captions_jsonl(tmp_path):

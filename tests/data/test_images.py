@@ -300,6 +300,31 @@ def test_digits_are_recovered_by_template_matching():
         assert item.qa[0] == ("what digit is this?", item.label)
 
 
+def test_text_stroke_draws_the_same_digits_and_words_bolder():
+    """text_stroke keeps each item's kind, label and colour (shapes untouched), inks more pixels,
+    stays inside the box, and the bold digit still matches its own bold template."""
+    plain, bold = procedural_items(40, seed=5, kinds=("digit", "text")), procedural_items(
+        40, seed=5, kinds=("digit", "text"), text_stroke=2)
+    assert [(a.kind, a.label, a.colour, a.qa) for a in plain] == [(b.kind, b.label, b.colour, b.qa) for b in bold]
+    templates = {}
+    for digit in "0123456789":
+        canvas = Image.new("L", (64, 64), 0)
+        ImageDraw.Draw(canvas).text((8, 4), digit, font=ImageFont.load_default(size=44), fill=255, stroke_width=2,
+                                    stroke_fill=255)
+        templates[digit] = glyph(np.asarray(canvas, dtype=np.float64) / 255)
+    for a, b in zip(plain, bold):
+        mask = ink(b) > 0.5
+        x0, y0, x1, y1 = b.box
+        assert mask[y0:y1, x0:x1].sum() == mask.sum() > 1.3 * (ink(a) > 0.5).sum()
+        if b.kind == "digit":
+            assert min(templates, key=lambda d: np.sum((templates[d] - glyph(ink(b))) ** 2)) == b.label
+    shapes = procedural_items(10, seed=5, kinds=("shape",))
+    assert [i.image.tobytes() for i in shapes] == [i.image.tobytes() for i in procedural_items(
+        10, seed=5, kinds=("shape",), text_stroke=2)]
+    with pytest.raises(ConfigError, match="text_stroke: must be >= 0"):
+        procedural_item(0, text_stroke=-1)
+
+
 def test_words_are_drawn_inside_their_box():
     for item in procedural_items(20, seed=7, kinds=("text",)):
         mask = ink(item) > 0.5

@@ -206,6 +206,21 @@ def test_serve_image_qa_refuses_unusable_runs_in_one_line(tmp_path, capsys, case
     assert code == 2 and err.count("\n") == 1 and words in err and "Traceback" not in err, err
 
 
+def test_sft_image_identity_tiny_asks_what_each_image_shows():
+    """recipes/sft_image_identity_tiny.yaml trains and scores (held out) only the identity
+    questions of shapes and bold digits: no colour question, both kinds present."""
+    import dataclasses
+
+    from megatron_s2.data.image_text import load_image_text_pairs
+
+    recipe = load_recipe(ROOT / "recipes" / "sft_image_identity_tiny.yaml")
+    assert recipe.data.procedural_text_stroke > 0 and set(recipe.data.procedural_kinds) == {"shape", "digit"}
+    for split in ("train", "heldout"):
+        data = dataclasses.replace(recipe.data, split=split, num_documents=16)
+        asked = {pair.prompt for pair in load_image_text_pairs(data, recipe.training.seed)}
+        assert asked == {"what shape is this?", "what digit is this?"}, asked
+
+
 @pytest.mark.slow
 def test_sft_image_qa_tiny_answers_through_serve_with_image_parts(tmp_path):
     """Two steps of recipes/sft_image_qa_tiny.yaml, then tools/serve_image_qa.py --smoke: the
