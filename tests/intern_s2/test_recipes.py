@@ -46,6 +46,7 @@ def cluster_inputs(tmp_path, monkeypatch):
     for name in ("Qwen3.5-35B-A3B", "Qwen3.5-397B-A17B"):
         shutil.copytree(RECIPES_DIR / "tokenizers" / "tiny-bpe", tmp_path / "checkpoints" / name)
     preprocess_jsonl([text], tmp_path / "data/pretrain/text", load_tokenizer(tmp_path / "checkpoints" / name))
+    _series_stand_ins(tmp_path)
     monkeypatch.chdir(tmp_path)
     # no cluster: a configuration naming no controller, so sinfo says "cannot tell" at once (a
     # missing file makes it retry until the capacity query's 10 s timeout)
@@ -56,7 +57,23 @@ def cluster_inputs(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.mark.parametrize("name, nodes", [("pretrain_35b_a3b", 4), ("pretrain_397b_a17b", 32)])
+def _series_stand_ins(root: Path) -> None:
+    """The time-series phase's inputs: a series file and the pretraining checkpoint it loads."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    steps = np.arange(20_000, dtype=np.float32)
+    (root / "data" / "timeseries").mkdir(parents=True)
+    pq.write_table(pa.table({"a": np.sin(steps / 20), "b": np.cos(steps / 33)}),
+                   root / "data" / "timeseries" / "train.parquet")
+    step = root / "runs" / "intern_s2_397b" / "pretrain" / "checkpoints" / "step_00000001"
+    step.mkdir(parents=True)
+    (step / "COMMITTED").write_text("stand-in")
+
+
+@pytest.mark.parametrize("name, nodes", [("pretrain_35b_a3b", 4), ("pretrain_397b_a17b", 32),
+                                         ("timeseries_forecast_397b_a17b", 30)])
 def test_flagship_shaped_recipes_fit_their_clusters(name, nodes, cluster_inputs):
     from megatron_s2.launcher.launch import prepare_runs
     from megatron_s2.planning.memory import estimate_memory
@@ -68,6 +85,24 @@ def test_flagship_shaped_recipes_fit_their_clusters(name, nodes, cluster_inputs)
     assert plan.peak.state.parameters.get("moe routed experts", 0) > plan.peak.state.parameters["linear attention"]
     [run] = prepare_runs(str(INTERN / f"{name}.yaml"), [], {}, None, local=False)
     assert run.plan.world_size == nodes * 8
+
+
+def test_the_series_phase_runs_without_expert_parallelism(cluster_inputs):
+    """The series lane refuses ep (run_checks.check_series_layout): the 397B forecasting phase holds
+    every expert of its stage's layers on each rank, within an H200 and under 80 GB (its header's
+    figures), and the pipeline file chains it after pretraining (launch --slurm --dry-run)."""
+    from megatron_s2.launcher.launch import prepare_runs
+    from megatron_s2.planning.memory import estimate_memory
+
+    recipe = load_recipe(INTERN / "timeseries_forecast_397b_a17b.yaml")
+    assert (recipe.parallel.ep, recipe.parallel.etp, recipe.parallel.cp) == (1, 1, 1)
+    plan = estimate_memory(recipe)
+    assert plan.peak.total / 2 ** 30 == pytest.approx(70.58, abs=0.05)
+    assert plan.peak.pp_rank == recipe.parallel.pp - 1
+    pretrain, series = prepare_runs(str(INTERN / "timeseries_pipeline.yaml"), [], {}, None, local=False)
+    assert (pretrain.phase, series.phase) == ("pretrain", "timeseries_forecast")
+    assert series.recipe.checkpoint.load == str(pretrain.job.run_dir / "checkpoints")
+    assert (pretrain.plan.world_size, series.plan.world_size) == (256, 240)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
