@@ -16,7 +16,9 @@ reports the most loaded one:
 * Engram — table partition, its gradient and its optimiser state (also inside the above);
 * RL / OPD phases (``phase.kind: rl | opd``): what the co-located rollout keeps resident beside
   the training state — the rollout weight copy, each engine's KV pages, in-process teachers and
-  the KL reference (:mod:`.posttrain`), one labelled line each.
+  the KL reference (:mod:`.posttrain`), one labelled line each;
+* Memory Decoder phases (``phase.kind: memdec | memdec_router``): the frozen backbone, whole on
+  every rank (:func:`.posttrain.memdec_resident`).
 
 Recomputation (``parallel.recompute``) changes what a layer keeps (:func:`layer_activations`).
 """
@@ -30,7 +32,7 @@ from megatron_s2.models.family.base import RankShape
 from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.parallel.offline_groups import group_table, pp_rank_of
 from megatron_s2.planning.model_state import ModelStateBytes, model_state_bytes
-from megatron_s2.planning.posttrain import posttrain_resident
+from megatron_s2.planning.posttrain import memdec_resident, posttrain_resident
 from megatron_s2.planning.schedule import peak_inflight
 
 __all__ = ["RankMemory", "MemoryPlan", "estimate_memory", "rank_memory", "default_world_size",
@@ -127,7 +129,7 @@ def rank_memory(recipe: RecipeConfig, layout: ParallelLayout, rank: int, *, wors
     layers = [layer for s in stages for layer in layout.stage_layers[s]]
     return RankMemory(rank, pp_rank, layers, state, peak_saved, parts, peak_payload,
                       terms.transient_bytes(shape, last in stages), inflight, m,
-                      posttrain_resident(recipe, layout, rank))
+                      posttrain_resident(recipe, layout, rank) | memdec_resident(recipe, layout, rank))
 
 
 def estimate_memory(recipe: RecipeConfig, world_size: int | None = None) -> MemoryPlan:

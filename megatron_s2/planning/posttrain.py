@@ -23,6 +23,12 @@ The training state and activations of ``phase.kind: rl | opd`` are those of any 
   yet) is counted with the teacher's ``model`` recipe if it names one, else the policy's
   architecture, and the line says so.
 
+The Memory Decoder's phases (``phase.kind: memdec | memdec_router``, walkthrough Ch. 2) keep their
+**frozen backbone** (``phase.memdec_backbone``) resident the same way: every layer on each rank,
+with the training layout's tensor / expert groups (:mod:`megatron_s2.posttrain.memdec`), its
+architecture read from the checkpoint; one that is not readable yet is not counted and the line
+says so. The kNN datastore is built and searched in host memory and is not counted.
+
 Not counted: the engines' per-step working set while generating (it is freed before training),
 and the weight transfer's bucket (transient, at most ``bucket_mb``).
 """
@@ -35,7 +41,7 @@ from megatron_s2.config.model_schema import ModelSchema
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.parallel.layout import ParallelLayout
 
-__all__ = ["posttrain_resident", "frozen_model_bytes", "checkpoint_model_config"]
+__all__ = ["posttrain_resident", "memdec_resident", "frozen_model_bytes", "checkpoint_model_config"]
 
 
 _BYTES: dict[tuple, int] = {}
@@ -132,3 +138,20 @@ def posttrain_resident(recipe: RecipeConfig, layout: ParallelLayout, rank: int) 
         cfg, source = _frozen_config(recipe, path)
         out[f"reference model ({source}; {where}; {_dtype(cfg)})"] = frozen_model_bytes(cfg, groups)
     return out
+
+
+def memdec_resident(recipe: RecipeConfig, layout: ParallelLayout, rank: int) -> dict[str, float]:
+    """``{label: bytes}`` of the Memory Decoder's frozen backbone on ``rank`` (module docstring);
+    empty for other phases."""
+    from megatron_s2.parallel.offline_groups import layout_groups
+
+    if recipe.phase.kind not in ("memdec", "memdec_router"):
+        return {}
+    path = recipe.phase.memdec_backbone
+    cfg = checkpoint_model_config(path) if path else None
+    where = f"every layer, tp={layout.tp} ep={layout.ep} etp={layout.etp}"
+    if cfg is None:
+        why = "not found" if not Path(path).exists() else "not readable"
+        return {f"memdec frozen backbone (NOT COUNTED: {path} {why})": 0.0}
+    label = f"memdec frozen backbone ({cfg.name}; {where}; {_dtype(cfg)})"
+    return {label: frozen_model_bytes(cfg, layout_groups(layout, rank))}
