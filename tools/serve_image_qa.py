@@ -150,7 +150,8 @@ def main(argv=None) -> int:
               f"RUN_DIR` or give its address ending in /v1", file=sys.stderr)
         return 2
     except openai.APIStatusError as exc:  # the server refused a request: its reason, on one line
-        reason = " ".join(str(exc.message).split()) if isinstance(exc.body, dict) else \
+        body = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else None  # openai keeps "error"'s value
+        reason = " ".join(str(body.get("message", body)).split()) if isinstance(body, dict) else \
             "not an OpenAI-compatible reply (is --base-url the server's /v1 address?)"
         print(f"serve_image_qa: error: the server answered {exc.status_code}: {reason}", file=sys.stderr)
         return 1

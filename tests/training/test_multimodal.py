@@ -210,6 +210,7 @@ def test_serve_image_qa_names_a_base_url_that_does_not_answer(tmp_path, capsys):
     """--base-url with nothing listening is the flag's mistake (exit 2, one line); a server that
     refuses the requests (here: 404 for every path) is named with its status (exit 1); no traceback."""
     import http.server
+    import json
     import threading
 
     from megatron_s2.tools.serve_image_qa import main
@@ -220,18 +221,29 @@ def test_serve_image_qa_names_a_base_url_that_does_not_answer(tmp_path, capsys):
     code = main([str(run), "--items", "1", "--base-url", "http://127.0.0.1:9/v1"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--base-url: no server answers at http://127.0.0.1:9/v1" in err, err
-    class Refuses(http.server.BaseHTTPRequestHandler):  # 501 to every request, an HTML body
+    class Refuses(http.server.BaseHTTPRequestHandler):  # GET: a JSON 404; POST: 501 with an HTML body
+        def do_GET(self):
+            body = json.dumps({"error": {"message": "model: none\nloaded", "code": 404}}).encode()
+            self.send_response(404)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
         def log_message(self, *args):
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuses)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/v1"
     try:
-        code = main([str(run), "--items", "1", "--base-url", f"http://127.0.0.1:{server.server_port}/v1"])
+        for model, words in (([], "the server answered 404: model: none loaded"),
+                             (["--model", "m"], "the server answered 501: not an OpenAI")):
+            code = main([str(run), "--items", "1", "--base-url", url, *model])
+            err = capsys.readouterr().err
+            assert code == 1 and err.count("\n") == 1 and words in err and "Traceback" not in err, err
     finally:
         server.shutdown()
-    err = capsys.readouterr().err
-    assert code == 1 and err.count("\n") == 1 and "the server answered 501: not an OpenAI" in err and "Traceback" not in err, err
 
 
 def test_sft_image_identity_tiny_asks_what_each_image_shows():
