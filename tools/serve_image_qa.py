@@ -133,6 +133,8 @@ def main(argv=None) -> int:
     from megatron_s2.config.schema import ConfigError
     from megatron_s2.data.errors import DataError
 
+    import openai
+
     try:
         questions = heldout_questions(args.run_dir, 4 if args.smoke else args.items)
         if args.base_url:
@@ -143,6 +145,16 @@ def main(argv=None) -> int:
     except (ConfigError, DataError) as exc:  # a user's mistake: one line, no traceback
         print(f"serve_image_qa: error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", 1)
+    except openai.APIConnectionError:  # nothing answers there: the flag is wrong (or the server is down)
+        print(f"serve_image_qa: error: --base-url: no server answers at {args.base_url}; start `megatron-s2 serve "
+              f"RUN_DIR` or give its address ending in /v1", file=sys.stderr)
+        return 2
+    except openai.APIStatusError as exc:  # the server refused a request: its reason, on one line
+        body = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else None  # openai keeps "error"'s value
+        reason = " ".join(str(body.get("message", body)).split()) if isinstance(body, dict) else \
+            "not an OpenAI-compatible reply (is --base-url the server's /v1 address?)"
+        print(f"serve_image_qa: error: the server answered {exc.status_code}: {reason}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(result))
         return 0

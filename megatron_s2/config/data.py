@@ -41,6 +41,11 @@ IMAGE_TEXT_SOURCES: tuple[str, ...] = ("procedural", "folder", "parquet", "webda
 """Where kind 'image_text' reads its pairs (``DataConfig.source``)."""
 PROCEDURAL_KINDS: tuple[str, ...] = ("shape", "digit", "text")
 """Image kinds of the procedural source (``megatron_s2.data.procedural_images.KINDS``)."""
+_PROCEDURAL_ONLY: dict[str, object] = {"split": "train", "image_text_format": "both", "procedural_questions": "all",
+                                       "procedural_text_stroke": 0}
+"""Image-text keys (with their defaults) that only the procedural source reads."""
+_SMALLEST_WORD_PX = 12
+"""Widest procedural word at the smallest font the drawing shrinks to (Pillow's default font at 6 px)."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,8 @@ class DataConfig:
     procedural_text_stroke: int = 0
     """Procedural source: pixels of extra stroke width on digits and words (Pillow's stroke_width,
     in the glyph's colour): the default font's ~3-pixel strokes are thin next to a 4-pixel vision
-    patch. 0 = the font's own strokes; items keep their kind, label, colour, size and place."""
+    patch. 0 = the font's own strokes; items keep their kind, label, colour, size and place. At most
+    (image_size - 16) / 2, and only with digit / text kinds."""
     image_column: str = "image"
     """Parquet source: column of encoded image bytes (or a {bytes, path} struct, as Hugging Face
     datasets write an Image feature)."""
@@ -195,6 +201,11 @@ class DataConfig:
                               f"got {self.dataset_seed}")
         if not 0 <= self.language_seed < 2 ** 63:
             raise ConfigError(f"language_seed: must be a non-negative integer below 2**63, got {self.language_seed}")
+        if self.kind != "image_text":
+            for name in ("procedural_questions", "procedural_text_stroke"):
+                if getattr(self, name) != _PROCEDURAL_ONLY[name]:
+                    raise ConfigError(f"{name}: applies to kind 'image_text' (source 'procedural') only; kind "
+                                      f"'{self.kind}' draws no images (leave it at the default)")
         if self.kind == "indexed":
             if not self.paths:
                 raise ConfigError("paths: kind 'indexed' needs at least one dataset prefix "
@@ -237,16 +248,15 @@ class DataConfig:
                                   "folder | parquet | webdataset")
             if self.image_size < 32:
                 raise ConfigError(f"image_size: procedural images need at least 32 pixels a side, got {self.image_size}")
-            if self.procedural_text_stroke < 0:
-                raise ConfigError(f"procedural_text_stroke: must be >= 0 pixels, got {self.procedural_text_stroke}")
             bad = [k for k in self.procedural_kinds if k not in PROCEDURAL_KINDS]
             if bad or not self.procedural_kinds:
                 raise ConfigError(f"procedural_kinds: {bad or '[]'} — give one or more of {', '.join(PROCEDURAL_KINDS)}")
+            self._check_procedural_drawing()
             return
-        if self.split != "train" or self.image_text_format != "both" or self.procedural_questions != "all" \
-                or self.procedural_text_stroke:
-            raise ConfigError(f"split / image_text_format / procedural_*: apply to source 'procedural' only; "
-                              f"source '{self.source}' holds captions (leave them at their defaults)")
+        changed = [name for name, default in _PROCEDURAL_ONLY.items() if getattr(self, name) != default]
+        if changed:
+            raise ConfigError(f"{changed[0]}: applies to source 'procedural' only; source '{self.source}' holds "
+                              f"captions (leave {' / '.join(changed)} at the default)")
         if not self.paths:
             what = {"folder": "image directories", "parquet": ".parquet files", "webdataset": ".tar shards"}
             raise ConfigError(f"paths: source '{self.source}' needs one or more {what[self.source]}")
@@ -258,6 +268,20 @@ class DataConfig:
                 raise ConfigError(f"paths: '{path}' is not a {suffix} file (source '{self.source}')")
         if self.image_max_pixels < 1:
             raise ConfigError(f"image_max_pixels: must be a positive integer, got {self.image_max_pixels}")
+
+    def _check_procedural_drawing(self) -> None:
+        stroke, widest = self.procedural_text_stroke, (self.image_size - _SMALLEST_WORD_PX - 4) // 2
+        if stroke < 0:
+            raise ConfigError(f"procedural_text_stroke: must be >= 0 pixels, got {stroke}")
+        if stroke > widest:  # a word at the smallest font plus a stroke each side must fit, 2-pixel margins
+            raise ConfigError(f"procedural_text_stroke: {stroke} pixels is too bold for {self.image_size}-pixel "
+                              f"images; at most {widest} (or raise image_size)")
+        if stroke and not {"digit", "text"} & set(self.procedural_kinds):
+            raise ConfigError(f"procedural_text_stroke: thickens digits and words only; procedural_kinds "
+                              f"{list(self.procedural_kinds)} draw none (add digit / text or leave it at 0)")
+        if self.procedural_questions != "all" and self.image_text_format == "caption":
+            raise ConfigError("procedural_questions: picks the question of formats 'qa' / 'both'; "
+                              "image_text_format 'caption' asks none (leave it at 'all')")
 
     def _check_timeseries(self) -> None:
         for name in ("series_length", "series_horizon", "series_channels"):

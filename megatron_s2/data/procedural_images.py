@@ -104,6 +104,9 @@ def _draw_text(draw: Any, rng: random.Random, size: int, fill: tuple[int, int, i
         if x1 - x0 <= size - 4 and y1 - y0 <= size - 4 or font_px <= 6:
             break
         font_px -= 1
+    if x1 - x0 > size - 4 or y1 - y0 > size - 4:  # data.procedural_text_stroke bounds it; this guards other fonts
+        raise ConfigError(f"procedural_text_stroke: {stroke} pixels is too bold for {size}-pixel images "
+                          f"('{text}' does not fit at the smallest font); lower it or raise image_size")
     x = rng.randint(2, size - 2 - (x1 - x0)) - x0
     y = rng.randint(2, size - 2 - (y1 - y0)) - y0
     draw.text((x, y), text, font=font, fill=fill, stroke_width=stroke, stroke_fill=fill)

@@ -145,10 +145,13 @@ def check_series_layout(recipe: RecipeConfig) -> None:
                           "section (e.g. {hidden: 64, token_budget: 64})")
     ts.placeholder_id(recipe.model.vocab_size)
     p = recipe.parallel
-    split = [f"parallel.{name}={getattr(p, name)}" for name in ("cp", "ep", "etp") if getattr(p, name) > 1]
-    if split:
-        raise ConfigError(f"{what} runs under dp, tp (+sequence_parallel) and pp, not {', '.join(split)} (context "
-                          "parallelism would cut a series span between chunks): set them to 1")
+    why = {"cp": "context parallelism would cut a series span between chunks",
+           "ep": "expert parallelism is untested with the series lane",
+           "etp": "expert tensor parallelism is untested with the series lane"}
+    for name, reason in why.items():
+        if getattr(p, name) > 1:
+            raise ConfigError(f"parallel.{name}: {what} runs under dp, tp (+sequence_parallel) and pp, not "
+                              f"{name}={getattr(p, name)} ({reason}); set parallel.{name}: 1")
     if recipe.phase.trains_drafter:
         raise ConfigError(f"{what} with a phase that trains the DSpark drafter is not supported; train the drafter "
                           "on text data")

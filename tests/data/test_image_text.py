@@ -23,6 +23,7 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.data.errors import DataError
 from megatron_s2.data.image_text import build_image_text_documents, load_image_text_pairs, split_seed
 from megatron_s2.data.loader import build_data_iterator
+from megatron_s2.data.procedural_images import procedural_item
 from megatron_s2.data.tokenizer import build_tokenizer
 from megatron_s2.models.family import family_of
 from tests.vision.conftest import vision_config
@@ -78,7 +79,7 @@ def test_procedural_questions_identity_asks_every_item_what_it_shows():
         asked = load_image_text_pairs(cfg, seed=5)
         assert {p.prompt for p in asked} == {"what shape is this?", "what digit is this?"}
         assert all(p.text.isdigit() == (p.prompt == "what digit is this?") for p in asked)
-    with pytest.raises(ConfigError, match="procedural_\\*"):
+    with pytest.raises(ConfigError, match="^procedural_questions: applies to source 'procedural' only"):
         DataConfig(kind="image_text", source="folder", paths=("x",), procedural_questions="identity")
     with pytest.raises(ConfigError, match="procedural_text_stroke: must be >= 0"):
         DataConfig(kind="image_text", procedural_text_stroke=-2)
@@ -88,6 +89,30 @@ def test_procedural_questions_identity_asks_every_item_what_it_shows():
         bold, procedural_text_stroke=0), seed=5)]
     bold_pairs = load_image_text_pairs(bold, seed=5)
     assert all((np.asarray(p.load()) != q).any() for p, q in zip(bold_pairs, plain_pixels))
+
+
+def test_procedural_drawing_keys_refused_where_they_cannot_apply():
+    """The two drawing keys name themselves when they would be ignored or could not draw: a stroke
+    too bold for the image (the largest accepted one draws every word and digit), a stroke on
+    shapes only, identity questions on captions, either key on a caption source or another kind."""
+    for size, widest in ((32, 8), (48, 16)):
+        with pytest.raises(ConfigError, match=f"^procedural_text_stroke: {widest + 1} pixels is too bold .* at most {widest}"):
+            DataConfig(kind="image_text", image_size=size, procedural_text_stroke=widest + 1)
+        cfg = DataConfig(kind="image_text", num_documents=24, image_size=size, procedural_kinds=("digit", "text"),
+                         image_text_format="qa", procedural_text_stroke=widest)
+        assert all(p.load().size == (size, size) for p in load_image_text_pairs(cfg, seed=3))
+    with pytest.raises(ConfigError, match="^procedural_text_stroke: 30 pixels is too bold for 32-pixel images"):
+        procedural_item(0, size=32, kinds=("text",), text_stroke=30)  # the drawing's own guard
+    with pytest.raises(ConfigError, match="^procedural_text_stroke: thickens digits and words only"):
+        DataConfig(kind="image_text", procedural_kinds=("shape",), procedural_text_stroke=1)
+    with pytest.raises(ConfigError, match="^procedural_questions: .* 'caption' asks none"):
+        DataConfig(kind="image_text", image_text_format="caption", procedural_questions="identity")
+    with pytest.raises(ConfigError, match="^procedural_text_stroke: applies to source 'procedural' only"):
+        DataConfig(kind="image_text", source="parquet", paths=("x.parquet",), procedural_text_stroke=2)
+    for kind, extra in (("synthetic", {}), ("timeseries", {}), ("procedural_text", {})):
+        for key, value in (("procedural_questions", "identity"), ("procedural_text_stroke", 2)):
+            with pytest.raises(ConfigError, match=f"^{key}: applies to kind 'image_text'"):
+                DataConfig(kind=kind, **{key: value}, **extra)
 
 
 def test_folder_with_txt_captions_and_with_a_captions_jsonl(tmp_path):

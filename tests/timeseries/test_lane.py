@@ -58,9 +58,14 @@ def test_recipe_loads_without_torch_and_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["parallel.cp=2", "parallel.dp=1"], "parallel.cp=2"),
-    (["parallel.ep=2", "parallel.dp=2"], "parallel.ep=2"),
-    (["phase.kind=timeseries_forecast", "parallel.cp=2", "parallel.dp=1"], "parallel.cp=2"),
+    (["parallel.cp=2", "parallel.dp=1"], "parallel.cp: data.kind: 'timeseries' runs under dp, tp (+sequence_parallel) "
+                                         "and pp, not cp=2 (context parallelism would cut"),
+    (["parallel.ep=2", "parallel.dp=2"], "parallel.ep: data.kind: 'timeseries' runs under dp, tp (+sequence_parallel) "
+                                         "and pp, not ep=2 (expert parallelism is untested"),
+    (["parallel.etp=2", "parallel.tp=2", "parallel.dp=1"], "parallel.etp: data.kind: 'timeseries' runs under dp, "
+                                                           "tp (+sequence_parallel) and pp, not etp=2 (expert tensor"),
+    (["phase.kind=timeseries_forecast", "parallel.cp=2", "parallel.dp=1"], "parallel.cp: phase.kind: timeseries_"
+                                                                           "forecast runs under"),
     (["model.timeseries=null"], "model.timeseries"),
     (["model.timeseries.token_id=500"], "model.timeseries.token_id"),
 ])
@@ -69,7 +74,8 @@ def test_layouts_and_models_the_lane_cannot_run_are_refused(tmp_path, overrides,
 
     with pytest.raises(ConfigError) as err:
         check_phase_layout(lane_recipe(tmp_path, overrides))
-    assert needle in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value).startswith(needle) if needle.startswith("parallel.") else needle in str(err.value)
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("overrides", [["parallel.tp=2", "parallel.dp=1"], ["parallel.pp=2", "parallel.dp=1"],

@@ -206,6 +206,46 @@ def test_serve_image_qa_refuses_unusable_runs_in_one_line(tmp_path, capsys, case
     assert code == 2 and err.count("\n") == 1 and words in err and "Traceback" not in err, err
 
 
+def test_serve_image_qa_names_a_base_url_that_does_not_answer(tmp_path, capsys):
+    """--base-url with nothing listening is the flag's mistake (exit 2, one line); a server that
+    refuses the requests (here: 404 for every path) is named with its status (exit 1); no traceback."""
+    import http.server
+    import json
+    import threading
+
+    from megatron_s2.tools.serve_image_qa import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(load_recipe(ROOT / "recipes" / "sft_image_identity_tiny.yaml").to_yaml())
+    code = main([str(run), "--items", "1", "--base-url", "http://127.0.0.1:9/v1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--base-url: no server answers at http://127.0.0.1:9/v1" in err, err
+    class Refuses(http.server.BaseHTTPRequestHandler):  # GET: a JSON 404; POST: 501 with an HTML body
+        def do_GET(self):
+            body = json.dumps({"error": {"message": "model: none\nloaded", "code": 404}}).encode()
+            self.send_response(404)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuses)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/v1"
+    try:
+        for model, words in (([], "the server answered 404: model: none loaded"),
+                             (["--model", "m"], "the server answered 501: not an OpenAI")):
+            code = main([str(run), "--items", "1", "--base-url", url, *model])
+            err = capsys.readouterr().err
+            assert code == 1 and err.count("\n") == 1 and words in err and "Traceback" not in err, err
+    finally:
+        server.shutdown()
+
+
 def test_sft_image_identity_tiny_asks_what_each_image_shows():
     """recipes/sft_image_identity_tiny.yaml trains and scores (held out) only the identity
     questions of shapes and bold digits: no colour question, both kinds present."""

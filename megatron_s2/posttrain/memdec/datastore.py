@@ -5,7 +5,10 @@ training shape, so a key sees the same amount of context as the queries of train
 position t whose next token is a target, the key is the backbone's normalised last hidden
 state at t and the value is token t + 1. The datastore is cached as ``datastore.safetensors`` in
 the run directory with the fingerprint of what built it (backbone weights, corpus, window);
-a resumed phase reads it back, a changed backbone or corpus rebuilds it.
+a resumed phase reads it back, a changed backbone or corpus rebuilds it. Under a layout every
+rank holds its own shards of the backbone, so the fingerprint is that of every rank's weights
+together (:func:`layout_fingerprint`), and the ranks read or build together (one rank building
+alone would wait in the backbone's tp collectives for ranks that read the cache).
 
 Every rank builds the same datastore: the backbone holds every layer on each rank and its hidden
 state is read whole over tp (:func:`~.forward.hidden_and_log_probs`), so a layout changes the keys
@@ -22,12 +25,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from megatron_s2.models.memory_decoder.knn import Datastore, DatastoreError
 from megatron_s2.posttrain.memdec.forward import hidden_and_log_probs
 
-__all__ = ["DATASTORE_FILE", "document_windows", "build_datastore", "weights_fingerprint", "datastore_meta",
-           "load_or_build_datastore"]
+__all__ = ["DATASTORE_FILE", "document_windows", "build_datastore", "weights_fingerprint", "layout_fingerprint",
+           "datastore_meta", "load_or_build_datastore"]
 
 DATASTORE_FILE = "datastore.safetensors"
 
@@ -87,6 +91,26 @@ def weights_fingerprint(model) -> str:
     return digest.hexdigest()[:32]
 
 
+def layout_fingerprint(model) -> str:
+    """:func:`weights_fingerprint` of every rank's part of ``model`` together (the same on every rank;
+    one rank's own digest when no process group is running)."""
+    own = weights_fingerprint(model)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return own
+    every: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(every, own)
+    return hashlib.sha256("/".join(every).encode()).hexdigest()[:32]
+
+
+def _on_every_rank(ok: bool, device) -> bool:
+    """``ok`` and-ed over every rank (itself without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ok
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def datastore_meta(backbone_fingerprint: str, data_cfg, seed: int, seq_length: int) -> dict:
     """What a cached datastore must have been built from to be reused."""
     data = json.loads(json.dumps(dataclasses.asdict(data_cfg), default=str))
@@ -98,13 +122,17 @@ def load_or_build_datastore(run_dir: Path, backbone, stores, *, meta: dict, seq_
     """The cached datastore of ``run_dir`` when it was built from ``meta``, else a new one (saved
     by the rank with ``save``)."""
     path = Path(run_dir) / DATASTORE_FILE
+    cached, problem = None, None
     if path.is_file():
         try:
-            store = Datastore.load(path, expect_meta=meta)
-            log(f"memdec: datastore of {len(store)} keys read from {path}")
-            return store
+            cached = Datastore.load(path, expect_meta=meta)
         except DatastoreError as exc:
-            log(f"memdec: rebuilding the datastore ({exc})")
+            problem = exc
+    if _on_every_rank(cached is not None, device):  # every rank reads, or every rank builds (module docstring)
+        log(f"memdec: datastore of {len(cached)} keys read from {path}")
+        return cached
+    if path.is_file():
+        log(f"memdec: rebuilding the datastore ({problem or 'another rank could not read it'})")
     store = build_datastore(backbone, stores, seq_length=seq_length, pad_id=pad_id, device=device, meta=meta)
     if save:
         store.save(path)

@@ -31,7 +31,7 @@ from megatron_s2.models.memory_decoder import MemoryRouter
 from megatron_s2.parallel.sharding import name_seed
 from megatron_s2.pipeline.losses import global_token_count
 from megatron_s2.posttrain.frozen import load_frozen_model
-from megatron_s2.posttrain.memdec.datastore import datastore_meta, load_or_build_datastore, weights_fingerprint
+from megatron_s2.posttrain.memdec.datastore import datastore_meta, layout_fingerprint, load_or_build_datastore
 from megatron_s2.posttrain.memdec.forward import KeepsLastHidden
 from megatron_s2.posttrain.memdec.fusion import ROUTER_PREFIX
 from megatron_s2.posttrain.memdec.objectives import MemoryDecoderObjective, RouterObjective
@@ -58,7 +58,7 @@ class MemoryDecoderTrainer(_MemdecTrainer):
         t, phase = self.recipe.training, self.recipe.phase
         seed = self.recipe.data.generation_seed(t.seed)
         stores = load_document_stores(self.recipe.data, seed=t.seed, tokenizer=self.tokenizer, log=self.log)
-        meta = datastore_meta(weights_fingerprint(self.backbone), self.recipe.data, seed, t.seq_length)
+        meta = datastore_meta(layout_fingerprint(self.backbone), self.recipe.data, seed, t.seq_length)
         self.datastore = load_or_build_datastore(self.run_dir, self.backbone, stores, meta=meta,
                                                  seq_length=t.seq_length, pad_id=self.tokenizer.pad_id,
                                                  device=self.device, save=self.is_main, log=self.log)
