@@ -160,10 +160,19 @@ def check_series_layout(recipe: RecipeConfig) -> None:
 def check_memdec_layout(recipe: RecipeConfig) -> None:
     """The Memory Decoder's phases (``phase.kind: memdec`` / ``memdec_router``, walkthrough Ch. 2)
     run under dp, tp (+ sequence parallelism) and pp (megatron_s2/posttrain/memdec/trainer.py); the
-    datastore lookup and the router read whole sequences, so context parallelism is refused."""
-    if recipe.phase.kind in ("memdec", "memdec_router") and recipe.parallel.cp > 1:
+    datastore lookup and the router read whole sequences, so context parallelism is refused; expert
+    parallelism is refused until the phases are parity-tested under it."""
+    if recipe.phase.kind not in ("memdec", "memdec_router"):
+        return
+    p = recipe.parallel
+    if p.cp > 1:
         raise ConfigError(f"parallel.cp: phase.kind {recipe.phase.kind} runs under dp, tp and pp, not context "
-                          f"parallelism (got cp={recipe.parallel.cp}); set parallel.cp: 1")
+                          f"parallelism (got cp={p.cp}); set parallel.cp: 1")
+    for key, value in (("ep", p.ep), ("etp", p.etp)):
+        if value > 1:
+            raise ConfigError(f"parallel.{key}: phase.kind {recipe.phase.kind} runs under dp, tp and pp, not "
+                              f"{key}={value} (expert parallelism is untested with the Memory Decoder); "
+                              f"set parallel.{key}: 1")
 
 
 def check_checkpoint_load(recipe: RecipeConfig, run_dir: str | Path, pending: Sequence[str | Path] = ()) -> None:

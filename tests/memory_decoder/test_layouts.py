@@ -153,13 +153,14 @@ def test_memdec_layouts_accepted(overrides):
         check_phase_layout(load_recipe(recipe_path, [*phase_overrides, *overrides]))
 
 
+@pytest.mark.parametrize("key", ["cp", "ep", "etp"])
 @pytest.mark.parametrize("phase", list(PHASES))
-def test_memdec_context_parallelism_refused_in_one_line(phase):
+def test_memdec_context_and_expert_parallelism_refused_in_one_line(phase, key):
     from megatron_s2.config.recipe import load_recipe
     from megatron_s2.config.schema import ConfigError
     from megatron_s2.training.run_checks import check_phase_layout
 
     recipe_path, phase_overrides, _ = PHASES[phase]
-    with pytest.raises(ConfigError, match=r"^parallel\.cp: phase\.kind memdec\S* runs under dp, tp and pp") as err:
-        check_phase_layout(load_recipe(recipe_path, [*phase_overrides, "parallel.cp=2"]))
+    with pytest.raises(ConfigError, match=rf"^parallel\.{key}: phase\.kind memdec\S* runs under dp, tp and pp") as err:
+        check_phase_layout(load_recipe(recipe_path, [*phase_overrides, f"parallel.{key}=2"]))
     assert "\n" not in str(err.value)
