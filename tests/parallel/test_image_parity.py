@@ -61,8 +61,11 @@ def results(tmp_path_factory):
 def test_image_layout_matches_single_rank(results, layout):
     root, ref = results
     records = load_records(root / layout, 2)
+    # The Engram value projection of the last layer sums over every image and text token like the
+    # Engram gate (cancellation-heavy): measured tp2 / tp2_sp 2.1e-5 of its scale on one machine's
+    # BLAS (2e-5 bound; CI's passed at the default), on 195fb75 as on this tree.
     check_against_reference(records, ref, layout, **{**TOLERANCES, "param_rtol": 1e-4},
-                            loose_grads=MHC_COEFFICIENTS)
+                            loose_grads=(*MHC_COEFFICIENTS, "engram.linear_kv"))
     grads, ref_grads = assemble(records, "grads"), assemble([ref], "grads")
     vision = {n: t for n, t in ref_grads.items() if n.startswith("vision.")}
     assert any(n.startswith("vision.tower.blocks.") for n in vision)

@@ -385,7 +385,10 @@ def check_layout(records: list[dict], ref: dict, layout: str) -> dict[str, float
             assert got_stats.keys() == want_stats.keys()
             for key in want_stats:
                 bound = max(1e-5, ENVELOPE_FACTOR * env.get(f"stat:{key}", 0.0))
-                assert got_stats[key] == pytest.approx(want_stats[key], rel=bound, abs=1e-7), f"{layout}: {key}"
+                # a loss term is the loss's own kind of quantity: the same per-token log-prob allowance
+                # (measured: tp2's OPD loss_policy_gradient 1.2e-7 off on a 8.5e-4 value on one machine)
+                floor = max(1e-7, lp_noise) if key.startswith("loss_") else 1e-7
+                assert got_stats[key] == pytest.approx(want_stats[key], rel=bound, abs=floor), f"{layout}: {key}"
         for name, value in rec["buffers"].items():
             assert (value - ref["buffers"][name]).abs().max() <= 1e-6, f"{layout}: buffer {name}"
     assert set().union(*(rec["buffers"] for rec in records)) == set(ref["buffers"]), f"{layout}: buffers missing"
