@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from megatron_s2.config.schema import ConfigError
+from megatron_s2.models.family.stage_output import KeepsStageOutput
 from megatron_s2.models.init import initialize_parameters
 from megatron_s2.models.timeseries.attach import tag_inits
 from megatron_s2.models.timeseries.forecaster import ForecastBranch
@@ -48,26 +49,16 @@ from megatron_s2.training.trainer import Trainer
 __all__ = ["ForecastTrainer", "ForecastObjective", "SeriesForecastForward", "load_trained_forecaster"]
 
 
-class SeriesForecastForward:
+class SeriesForecastForward(KeepsStageOutput):
     """The family model as the schedules call it: ``model(tokens, ctx, labels=..., series=...)``
     without pipelining, ``embed`` / ``run_layers`` / ``head`` stage by stage with it. Every
     ``run_layers`` call keeps its output on ``ctx.forecast_hidden``: on the last stage that is the
     backbone's last hidden state, which :class:`ForecastObjective` reads."""
 
-    def __init__(self, model):
-        self.model = model
-
-    def __getattr__(self, name):  # embed, head, make_context, prepare_step, loss, forecaster ...
-        return getattr(self.model, name)
-
-    def run_layers(self, hidden, ctx, layer_ids=None):
-        hidden = self.model.run_layers(hidden, ctx, layer_ids=layer_ids)
-        ctx.forecast_hidden = hidden
-        return hidden
+    attr = "forecast_hidden"
 
     def __call__(self, tokens: torch.Tensor, ctx, labels=None, series=None):
-        logits = self.model.head(*self.run_layers(self.model.embed(tokens, series=series), ctx))
-        return logits if labels is None else self.model.loss(logits, labels)
+        return super().__call__(tokens, ctx, labels, series=series)
 
 
 class ForecastObjective:

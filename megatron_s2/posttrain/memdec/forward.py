@@ -15,27 +15,13 @@ under pipeline parallelism the last stage could not run.
 
 from __future__ import annotations
 
-import torch
-
 from megatron_s2.inference.memory_decoder import hidden_and_log_probs
+from megatron_s2.models.family.stage_output import KeepsStageOutput
 
 __all__ = ["hidden_and_log_probs", "KeepsLastHidden"]
 
 
-class KeepsLastHidden:
-    """A family model whose ``run_layers`` output stays on the forward context (module docstring)."""
+class KeepsLastHidden(KeepsStageOutput):
+    """A family model whose ``run_layers`` output stays on ``ctx.memdec_hidden`` (module docstring)."""
 
-    def __init__(self, model):
-        self.model = model
-
-    def __getattr__(self, name):  # embed, head, make_context, prepare_step, loss, memdec_router ...
-        return getattr(self.model, name)
-
-    def run_layers(self, hidden, ctx, layer_ids=None):
-        hidden = self.model.run_layers(hidden, ctx, layer_ids=layer_ids)
-        ctx.memdec_hidden = hidden
-        return hidden
-
-    def __call__(self, tokens: torch.Tensor, ctx, labels=None):
-        logits = self.model.head(*self.run_layers(self.model.embed(tokens), ctx))
-        return logits if labels is None else self.model.loss(logits, labels)
+    attr = "memdec_hidden"
