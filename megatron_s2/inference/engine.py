@@ -83,7 +83,7 @@ from torch import nn
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.config.engine import EngineConfig
 from megatron_s2.models.family import family_of
-from megatron_s2.models.family.engine import Chunk, ImageSpan, OutOfPages, SpeculativeExecutor
+from megatron_s2.models.family.engine import Chunk, ImageSpan, OutOfPages, ResumableState, SpeculativeExecutor
 from megatron_s2.inference.detokenizer import IncrementalDetokenizer, StopStrings
 from megatron_s2.inference.memory_decoder import MemorySlot
 from megatron_s2.inference.request import (
@@ -275,10 +275,14 @@ class InferenceEngine:
             req = self.requests.get(request_id)
             if req is None or req.kv is None or self.memory_executor is not None:
                 return None  # a memory decoder's second state is not exported: the request re-prefills
+            if not isinstance(self.executor, ResumableState):
+                return None  # this model family cannot hand its cache state over
             return self.executor.export_state(req)
 
     def check_cache_state(self, cache_state: dict[str, torch.Tensor], prompt_length: int) -> None:
         """ValueError unless a request of ``prompt_length`` tokens can resume from ``cache_state``."""
+        if not isinstance(self.executor, ResumableState):
+            raise ValueError(f"cache_state: {type(self.executor).__name__} cannot restore a request's cache state")
         covered = self.executor.check_state(cache_state)
         if not 0 < covered <= prompt_length:
             raise ValueError(f"cache_state: it covers {covered} tokens, the prompt has {prompt_length}")

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelExecutor", "SpeculativeExecutor", "Drafter", "Chunk", "RowOutput", "ImageSpan", "PagePool",
+__all__ = ["ModelExecutor", "ResumableState", "SpeculativeExecutor", "Drafter", "Chunk", "RowOutput", "ImageSpan", "PagePool",
            "OutOfPages", "prefix_hashes", "image_key"]
 
 
@@ -163,28 +163,33 @@ class ModelExecutor(abc.ABC):
         """Free memory held for reuse (snapshots) before requests are preempted; True if any."""
         return False
 
-    def export_state(self, request) -> dict[str, torch.Tensor] | None:
-        """The admitted ``request``'s cache state as host tensors, so that an engine of the same
-        configuration continues it exactly (a rollout resumed after a restart, report §5.2.3:
-        rollout states persisted at token granularity); None: this family cannot."""
-        return None
-
-    def check_state(self, state: dict[str, torch.Tensor]) -> int:
-        """The tokens ``state`` (from :meth:`export_state`) covers; ValueError when it does not
-        fit this executor."""
-        raise ValueError(f"{type(self).__name__} cannot restore a request's cache state")
-
-    def import_state(self, request, state: dict[str, torch.Tensor]) -> None:
-        """Admit ``request`` with ``state`` instead of :meth:`admit` (sets ``request.kv`` and
-        ``request.num_computed``)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot restore a request's cache state")
-
     @abc.abstractmethod
     def forward(self, chunks: list[Chunk], *, record_routing: bool = False, record_topk: bool = False
                 ) -> list[RowOutput]: ...
 
     @abc.abstractmethod
     def stats(self) -> dict: ...
+
+
+class ResumableState(abc.ABC):
+    """An executor that can hand an admitted request's cache state over to another engine of the
+    same configuration (a rollout resumed after a restart, report §5.2.3: rollout states persisted at
+    token granularity). Families without it simply do not mix it in: the engine then exports no
+    state and refuses one on submission."""
+
+    @abc.abstractmethod
+    def export_state(self, request) -> dict[str, torch.Tensor] | None:
+        """The admitted ``request``'s cache state as host tensors; None when it holds none yet."""
+
+    @abc.abstractmethod
+    def check_state(self, state: dict[str, torch.Tensor]) -> int:
+        """The tokens ``state`` (from :meth:`export_state`) covers; ValueError when it does not
+        fit this executor."""
+
+    @abc.abstractmethod
+    def import_state(self, request, state: dict[str, torch.Tensor]) -> None:
+        """Admit ``request`` with ``state`` instead of :meth:`ModelExecutor.admit` (sets
+        ``request.kv`` and ``request.num_computed``)."""
 
 
 class SpeculativeExecutor(ModelExecutor):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.models.family.engine import Chunk, ModelExecutor, PagePool, RowOutput
+from megatron_s2.models.family.engine import Chunk, ModelExecutor, PagePool, ResumableState, RowOutput
 from megatron_s2.parallel import mappings
 
 __all__ = ["HybridState", "HybridCacheStep", "HybridExecutor", "cache_bytes", "state_bytes_per_request"]
@@ -117,7 +117,7 @@ class HybridCacheStep:
         return keys, values, key_pos, key_pos < self.end.unsqueeze(1)
 
 
-class HybridExecutor(ModelExecutor):
+class HybridExecutor(ModelExecutor, ResumableState):
     def __init__(self, model, config, device: torch.device):
         check_engine_config(config)
         cfg, tp = model.config, model.groups.tp.size

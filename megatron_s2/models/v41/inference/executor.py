@@ -36,7 +36,7 @@ import torch
 
 from megatron_s2.config.engine import EngineConfig
 from megatron_s2.config.schema import ConfigError
-from megatron_s2.models.family.engine import Chunk, ImageSpan, RowOutput, SpeculativeExecutor, image_key
+from megatron_s2.models.family.engine import Chunk, ImageSpan, ResumableState, RowOutput, SpeculativeExecutor, image_key
 from megatron_s2.models.v41.config import V41Config
 from megatron_s2.models.v41.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
 from megatron_s2.models.v41.inference.runner import ForwardRow, ModelRunner
@@ -75,7 +75,7 @@ class _Speculation:
     rows: dict = field(default_factory=dict)  # layer -> (compressor kv, gate, position of row 0), from KVCacheStep
 
 
-class V41Executor(SpeculativeExecutor):
+class V41Executor(SpeculativeExecutor, ResumableState):
     def __init__(self, model, config: EngineConfig, device: torch.device):
         cfg: V41Config = model.config
         check_engine_config(config, cfg)
