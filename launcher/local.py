@@ -1,7 +1,9 @@
 """Local mode: one process per rank on this machine, failing fast and cleanly.
 
 Each rank gets torchrun-style variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), its own session (so the whole process
+``MASTER_ADDR=127.0.0.1``, a ``MASTER_PORT`` the launcher already listens on — the socket is
+handed to rank 0, which serves the rendezvous store on it (:data:`STORE_FD_ENV`), so no other
+process can take the port between its choice and rank 0's start), its own session (so the whole process
 tree of a rank can be signalled) and a log ``<run_dir>/logs/restart<N>/rank<r>.log``;
 rank 0's output is also echoed to the console, each line after a short hold
 (:data:`_ECHO_HOLD_S`). The launcher then watches the ranks:
@@ -42,8 +44,9 @@ from megatron_s2.launcher.job import JobSpec
 from megatron_s2.config.launcher import PREEMPTION_SIGNALS
 from megatron_s2.runtime.peer_loss import EXIT_PEER_LOST, PEER_LOST_NOTE
 from megatron_s2.runtime.preemption import EXIT_PREEMPTED, signal_number
+from megatron_s2.runtime.store_fd import STORE_FD_ENV
 
-__all__ = ["EXIT_RANK_FAILED", "LocalRun", "describe_exit", "free_port"]
+__all__ = ["EXIT_RANK_FAILED", "LocalRun", "describe_exit", "free_port", "listening_socket"]
 
 EXIT_RANK_FAILED = 1
 """The launcher's exit code when a rank failed (the rank's own code is in the failure line)."""
@@ -59,6 +62,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def listening_socket() -> socket.socket:
+    """A TCP socket already listening on a port the OS picked (127.0.0.1), for rank 0's store.
+
+    Choosing a free port and letting rank 0 bind it later races every other process on the
+    machine (two local jobs, a test suite under xdist: EADDRINUSE); a socket that is listening
+    from the start, inherited by rank 0, cannot be taken.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
 
 
 def describe_exit(returncode: int) -> str:
@@ -123,10 +139,14 @@ class LocalRun:
         self._failed = False
 
     # ---- start ---------------------------------------------------------------------------
-    def _start_rank(self, rank: int, base_env: dict[str, str], port: int) -> _Rank:
+    def _start_rank(self, rank: int, base_env: dict[str, str], store: socket.socket) -> _Rank:
         n = self.job.nproc_per_node
         env = dict(base_env, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n),
-                   GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                   GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.getsockname()[1]))
+        pass_fds = ()
+        if rank == 0:  # rank 0 serves the rendezvous store on the socket the launcher holds
+            env[STORE_FD_ENV] = str(store.fileno())
+            pass_fds = (store.fileno(),)
         if not self.job.gpus_per_node:  # CPU ranks: a visible GPU must not turn parallel.backend=auto into nccl
             env["CUDA_VISIBLE_DEVICES"] = ""
         log = self.log_dir / f"rank{rank}.log"
@@ -134,7 +154,7 @@ class LocalRun:
         with open(log, "ab") as sink:
             process = subprocess.Popen(self.job.command, env=env, stdin=subprocess.DEVNULL,
                                        stdout=subprocess.PIPE if echo else sink, stderr=subprocess.STDOUT,
-                                       start_new_session=True, preexec_fn=_rank_preexec)
+                                       start_new_session=True, preexec_fn=_rank_preexec, pass_fds=pass_fds)
         return _Rank(rank, process, log)
 
     def _echo(self, entry: _Rank) -> None:
@@ -185,13 +205,16 @@ class LocalRun:
     def run(self) -> int:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         base_env = {**rank_environment(self.job.launcher, os.environ, self.job.nproc_per_node), **self._extra_env}
-        port = free_port()
+        store = listening_socket()
         handlers = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
                 handlers[sig] = signal.signal(sig, self._on_signal)
         try:
-            self._ranks = [self._start_rank(r, base_env, port) for r in range(self.job.nproc_per_node)]
+            try:
+                self._ranks = [self._start_rank(r, base_env, store) for r in range(self.job.nproc_per_node)]
+            finally:
+                store.close()  # rank 0 holds it now
             for entry in self._ranks:
                 if entry.process.stdout is not None:
                     entry.echo_thread = threading.Thread(target=self._echo, args=(entry,), daemon=True)

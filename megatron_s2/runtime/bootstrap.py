@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from megatron_s2.runtime.peer_loss import lost_peer
+from megatron_s2.runtime.store_fd import take_store_fd
 from megatron_s2.runtime.rendezvous import Rendezvous, discover
 from megatron_s2.runtime.device import resolve_rank_device
 
@@ -68,6 +70,21 @@ def _info(rdv: Rendezvous, backend: str, device: torch.device) -> DistInfo:
                     rdv.source, rdv.master_addr, rdv.master_port, device)
 
 
+def _rendezvous_store(rdv: Rendezvous, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The job's TCPStore: rank 0 serves it, the others connect (retrying until ``timeout``).
+
+    Every rank builds the store the same way, so its keys agree (``init_method=tcp://`` would
+    add a prefix that an explicitly passed store does not). When a local launcher handed rank 0
+    the socket it already listens on (:mod:`~megatron_s2.runtime.store_fd`), rank 0 serves the
+    store on that socket instead of binding ``MASTER_PORT`` again: no other process can take the
+    port in between.
+    """
+    store_fd = take_store_fd()
+    served = {"master_listen_fd": store_fd} if rdv.rank == 0 and store_fd is not None else {}
+    host = rdv.master_addr.strip("[]")  # an IPv6 address as a URL would write it
+    return dist.TCPStore(host, rdv.master_port, rdv.world_size, rdv.rank == 0, timeout, **served)
+
+
 def init_distributed(backend: str = "auto", source: str = "auto") -> DistInfo:
     """Initialise the default process group from the launch environment; idempotent.
 
@@ -97,8 +114,9 @@ def init_distributed(backend: str = "auto", source: str = "auto") -> DistInfo:
         kwargs["timeout"] = datetime.timedelta(seconds=float(os.environ[_TIMEOUT_ENV]))
     if backend == "nccl":
         kwargs["device_id"] = placed.device
-    dist.init_process_group(backend=backend, init_method=f"tcp://{_host_for_url(rdv.master_addr)}:{rdv.master_port}",
-                            rank=rdv.rank, world_size=rdv.world_size, **kwargs)
+    timeout = kwargs.get("timeout", default_pg_timeout)
+    dist.init_process_group(backend=backend, store=_rendezvous_store(rdv, timeout), rank=rdv.rank,
+                            world_size=rdv.world_size, **kwargs)
     return _info(rdv, backend, placed.device)
 
 
@@ -121,7 +139,3 @@ def shutdown_distributed(leave_together: bool = True) -> None:
                 if lost_peer(exc) is None:
                     raise
         dist.destroy_process_group()
-
-
-def _host_for_url(addr: str) -> str:
-    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr

@@ -19,12 +19,10 @@ row partitions (or summing over tp), other gradients equal after summing over ra
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_s2.models.v41.config import LayerGroupSpec, V41Config
 from megatron_s2.models.init import initialize_parameters
@@ -35,7 +33,7 @@ from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.layout import ParallelLayout
 from megatron_s2.parallel.placement import placement_of
 from megatron_s2.parallel.setup import build_groups
-from tests.parallel.spawn import free_port
+from tests.parallel.spawn import init_gloo, spawn
 
 WORLD = 2
 SEED = 1234
@@ -120,10 +118,9 @@ LAYOUTS = {"dp": dict(tp=1, cp=1, dp=2, engram=2, sp=False),
            "sp": dict(tp=2, cp=1, dp=1, engram=1, sp=True)}
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, store_dir: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    init_gloo(rank, WORLD, store_dir, timeout_s=60)
     try:
         cfg = config()
         data = union_data(cfg)
@@ -152,7 +149,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def parallel_results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("engram_parallel")
-    mp.spawn(_worker, args=(free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    spawn(_worker, WORLD, str(out_dir))
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

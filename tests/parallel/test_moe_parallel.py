@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import os
 import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_s2.models.v41.config import LayerGroupSpec, V41Config
 from megatron_s2.config.parallel import ParallelConfig
@@ -40,7 +38,7 @@ from megatron_s2.parallel.placement import placement_of
 from megatron_s2.parallel.setup import build_groups
 from megatron_s2.parallel.sharding import shard_spec, slice_of
 from megatron_s2.parallel.grad_finalize import finalize_model_grads
-from tests.parallel.spawn import free_port
+from tests.parallel.spawn import init_gloo, spawn
 
 WORLD = 4
 RTOL = 1e-5
@@ -150,10 +148,9 @@ def check_layout(cfg, layout, groups, data, ref, rank):
     return res
 
 
-def _worker(rank, port, out_dir):
+def _worker(rank, store_dir, out_dir):
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    init_gloo(rank, WORLD, store_dir, timeout_s=120)
     results = {}
     try:
         cfg, data = model_config(), make_data()
@@ -176,7 +173,7 @@ def results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("moe_parallel")
     error = None
     try:
-        mp.spawn(_worker, args=(free_port(), str(out_dir)), nprocs=WORLD, join=True)
+        spawn(_worker, WORLD, str(out_dir))
     except Exception as exc:  # the per-rank files say more
         error = exc
     per_rank = {r: torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD) if (out_dir / f"rank{r}.pt").exists()}
