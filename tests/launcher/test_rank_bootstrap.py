@@ -117,3 +117,20 @@ def test_srun_two_nodes(slurm2, tmp_path):
     recs = records(tmp_path, 2)
     check_world(recs, 2, "slurm")
     assert all(r["local_rank"] == 0 and r["local_world_size"] == 1 for r in recs)
+
+
+# ---- the rendezvous socket a local launcher hands to rank 0 ------------------------------
+def test_rank0_takes_the_launchers_listening_socket_and_hides_it_from_its_children():
+    import socket
+
+    from megatron_s2.launcher.local import listening_socket
+    from megatron_s2.runtime.store_fd import STORE_FD_ENV, take_store_fd
+
+    with listening_socket() as sock:
+        with pytest.raises(OSError):  # already taken: no one else can bind it in the meantime
+            socket.create_server(("127.0.0.1", sock.getsockname()[1]))
+        env = {STORE_FD_ENV: str(sock.fileno())}
+        assert take_store_fd(env) == sock.fileno() and STORE_FD_ENV not in env
+    assert take_store_fd({STORE_FD_ENV: "not-a-number"}) is None
+    assert take_store_fd({STORE_FD_ENV: "987654"}) is None  # not inherited: bind as usual
+    assert take_store_fd({}) is None
