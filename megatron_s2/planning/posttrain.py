@@ -25,9 +25,9 @@ The training state and activations of ``phase.kind: rl | opd`` are those of any 
 
 The Memory Decoder's phases (``phase.kind: memdec | memdec_router``, walkthrough Ch. 2) keep their
 **frozen backbone** (``phase.memdec_backbone``) resident the same way: every layer on each rank,
-with the training layout's tensor / expert groups (:mod:`megatron_s2.posttrain.memdec`), its
-architecture read from the checkpoint; one that is not readable yet is not counted and the line
-says so. The kNN datastore is built and searched in host memory and is not counted.
+with the training layout's tensor / expert groups (:mod:`megatron_s2.posttrain.memdec`: its routed
+experts split over ep, 1/ep of them per rank), its architecture read from the checkpoint; one that
+is not readable yet is not counted and the line says so. The kNN datastore is built and searched in host memory and is not counted.
 
 Not counted: the engines' per-step working set while generating (it is freed before training),
 and the weight transfer's bucket (transient, at most ``bucket_mb``).
@@ -153,5 +153,6 @@ def memdec_resident(recipe: RecipeConfig, layout: ParallelLayout, rank: int) -> 
     if cfg is None:
         why = "not found" if not Path(path).exists() else "not readable"
         return {f"memdec frozen backbone (NOT COUNTED: {path} {why})": 0.0}
+    layout.check_frozen_model(cfg, "phase.memdec_backbone")
     label = f"memdec frozen backbone ({cfg.name}; {where}; {_dtype(cfg)})"
     return {label: frozen_model_bytes(cfg, layout_groups(layout, rank))}
