@@ -142,17 +142,18 @@ def posttrain_resident(recipe: RecipeConfig, layout: ParallelLayout, rank: int) 
 
 def memdec_resident(recipe: RecipeConfig, layout: ParallelLayout, rank: int) -> dict[str, float]:
     """``{label: bytes}`` of the Memory Decoder's frozen backbone on ``rank`` (module docstring);
-    empty for other phases."""
+    empty for other phases. A backbone checkpoint not written yet is counted with
+    ``phase.memdec_backbone_model`` when the recipe names one."""
     from megatron_s2.parallel.offline_groups import layout_groups
 
     if recipe.phase.kind not in ("memdec", "memdec_router"):
         return {}
-    path = recipe.phase.memdec_backbone
-    cfg = checkpoint_model_config(path) if path else None
+    path, model_ref = recipe.phase.memdec_backbone, recipe.phase.memdec_backbone_model
     where = f"every layer, tp={layout.tp} ep={layout.ep} etp={layout.etp}"
-    if cfg is None:
+    if checkpoint_model_config(path) is None and not model_ref:
         why = "not found" if not Path(path).exists() else "not readable"
         return {f"memdec frozen backbone (NOT COUNTED: {path} {why})": 0.0}
+    cfg, source = _frozen_config(recipe, path, model_ref)
     layout.check_frozen_model(cfg, "phase.memdec_backbone")
-    label = f"memdec frozen backbone ({cfg.name}; {where}; {_dtype(cfg)})"
+    label = f"memdec frozen backbone ({cfg.name}; {source}; {where}; {_dtype(cfg)})"
     return {label: frozen_model_bytes(cfg, layout_groups(layout, rank))}

@@ -177,3 +177,20 @@ def test_memdec_context_and_expert_tensor_parallelism_refused_in_one_line(phase,
     with pytest.raises(ConfigError, match=rf"^parallel\.{key}: phase\.kind memdec\S* runs under dp, tp, pp and ep") as err:
         check_phase_layout(load_recipe(recipe_path, [*phase_overrides, f"parallel.{key}=2"]))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_backbone_other_than_the_planned_model_is_refused_in_one_line(backbone, tmp_path):
+    """``phase.memdec_backbone_model`` is what `plan memory` counts before the checkpoint exists; a
+    checkpoint of another architecture is refused at start-up, not trained against."""
+    from megatron_s2.config.recipe import load_recipe
+    from megatron_s2.config.schema import ConfigError
+    from megatron_s2.posttrain.memdec.trainer import memdec_trainer
+
+    recipe = load_recipe(PHASES["memdec"][0], [*SMALL, f"phase.memdec_backbone={backbone}",
+                                               "phase.memdec_backbone_model=intern_s2_35b_a3b",
+                                               f"training.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"^phase\.memdec_backbone_model: intern_s2_35b_a3b is 'intern-s2-35b-a3b' "
+                                          r"but .* holds 'intern-s2-tiny'") as err:
+        memdec_trainer("memdec")(recipe, tmp_path / "run", log=lambda *a, **k: None)
+    assert "\n" not in str(err.value)

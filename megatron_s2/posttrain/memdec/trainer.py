@@ -28,9 +28,11 @@ layout cannot split is refused naming ``parallel.ep`` / ``parallel.tp``
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
+from megatron_s2.config.recipe import _resolve_model
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.data import build_data_iterator
 from megatron_s2.data.loader import load_document_stores
@@ -56,6 +58,12 @@ class _MemdecTrainer(Trainer):
                                           tokenizer=self.tokenizer, what="phase.memdec_backbone", device=self.device,
                                           layout=self.layout)
         self.log(f"memdec: frozen backbone '{self.backbone.config.name}' from {phase.memdec_backbone}")
+        if phase.memdec_backbone_model:  # what `plan memory` counted must be what was loaded
+            planned = _resolve_model(phase.memdec_backbone_model, Path.cwd()).get("name")
+            if planned != self.backbone.config.name:
+                raise ConfigError(f"phase.memdec_backbone_model: {phase.memdec_backbone_model} is '{planned}' but "
+                                  f"{phase.memdec_backbone} holds '{self.backbone.config.name}'; name the "
+                                  "backbone's model or leave the key empty")
 
 
 class MemoryDecoderTrainer(_MemdecTrainer):
