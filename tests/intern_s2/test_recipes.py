@@ -107,7 +107,7 @@ def test_the_series_phase_runs_without_expert_parallelism(cluster_inputs):
     assert (pretrain.plan.world_size, series.plan.world_size) == (256, 240)
 
 
-@pytest.mark.parametrize("name, gib", [("memdec_pretrain_397b_a17b", 39.86), ("memdec_router_397b_a17b", 41.18)])
+@pytest.mark.parametrize("name, gib", [("memdec_pretrain_397b_a17b", 45.54), ("memdec_router_397b_a17b", 51.60)])
 def test_the_memdec_phases_fit_80_gib_with_the_frozen_backbone_split_over_ep(name, gib, cluster_inputs):
     """The Memory Decoder's phases against the 397B backbone (walkthrough Ch. 2): `plan memory`
     counts the frozen backbone's shard each rank builds — 1/32 of its routed experts, 32.9 GiB
@@ -118,7 +118,7 @@ def test_the_memdec_phases_fit_80_gib_with_the_frozen_backbone_split_over_ep(nam
     recipe = load_recipe(INTERN / f"{name}.yaml")
     assert (recipe.parallel.tp, recipe.parallel.ep, recipe.parallel.pp, recipe.launcher.nodes) == (2, 32, 1, 4)
     plan = estimate_memory(recipe, 32)
-    [(label, size)] = plan.peak.resident.items()
+    [(label, size)] = [(k, v) for k, v in plan.peak.resident.items() if k.startswith("memdec frozen backbone")]
     assert label.startswith("memdec frozen backbone (intern-s2-397b-a17b;") and "tp=2 ep=32" in label
     assert size / 2 ** 30 == pytest.approx(32.93, abs=0.05)
     assert plan.peak.total / 2 ** 30 == pytest.approx(gib, abs=0.05) and plan.peak.total < 80 * 2 ** 30

@@ -30,13 +30,17 @@ def _backbone(tmp_path: Path, model: str) -> Path:
     return folder
 
 
+def _backbone_line(resident: dict) -> list:
+    return [(label, size) for label, size in resident.items() if label.startswith("memdec frozen backbone")]
+
+
 @pytest.mark.parametrize("model, gib, fits", [("intern_s2_397b_a17b", 730.43, False),
                                               ("intern_s2_35b_a3b", 62.81, True)])
 def test_the_frozen_backbone_is_counted_whole_on_every_rank(model, gib, fits, tmp_path):
     recipe = load_recipe(RECIPES_DIR / "memdec" / "memory_pretrain.yaml",
                          [f"phase.memdec_backbone={_backbone(tmp_path, model)}", "parallel.tp=2"])
     peak = estimate_memory(recipe, 2).peak
-    [(label, size)] = peak.resident.items()
+    [(label, size)] = _backbone_line(peak.resident)
     assert "memdec frozen backbone" in label and "tp=2 ep=1" in label
     assert size / 2 ** 30 == pytest.approx(gib, abs=0.05)
     assert (peak.total < 0.95 * H200_BYTES) == fits
@@ -53,7 +57,7 @@ def test_the_frozen_backbone_is_split_over_ep_as_the_ranks_build_it(tmp_path):
     backbone = _backbone(tmp_path, "intern_s2_397b_a17b")
     recipe = load_recipe(RECIPES_DIR / "memdec" / "memory_pretrain.yaml",
                          [f"phase.memdec_backbone={backbone}", "parallel.tp=2", "parallel.dp=4", "parallel.ep=4", "training.micro_batch_size=4"])
-    [(label, size)] = estimate_memory(recipe, 8).peak.resident.items()
+    [(label, size)] = _backbone_line(estimate_memory(recipe, 8).peak.resident)
     assert "tp=2 ep=4" in label
     whole = estimate_memory(load_recipe(RECIPES_DIR / "memdec" / "memory_pretrain.yaml",
                                         [f"phase.memdec_backbone={backbone}", "parallel.tp=2"]), 2)
@@ -88,7 +92,7 @@ def test_an_unwritten_backbone_is_counted_from_memdec_backbone_model(tmp_path):
     recipe = load_recipe(RECIPES_DIR / "memdec" / "memory_pretrain.yaml",
                          [f"phase.memdec_backbone={tmp_path / 'missing'}", "phase.memdec_backbone_model=intern_s2_35b_a3b",
                           "parallel.tp=2"])
-    [(label, size)] = estimate_memory(recipe, 2).peak.resident.items()
+    [(label, size)] = _backbone_line(estimate_memory(recipe, 2).peak.resident)
     assert "model intern_s2_35b_a3b assumed" in label and "not found" in label
     assert size / 2 ** 30 == pytest.approx(62.81, abs=0.05)
 
@@ -96,5 +100,21 @@ def test_an_unwritten_backbone_is_counted_from_memdec_backbone_model(tmp_path):
 def test_an_unwritten_backbone_is_named_not_counted(tmp_path):
     recipe = load_recipe(RECIPES_DIR / "memdec" / "memory_pretrain.yaml",
                          [f"phase.memdec_backbone={tmp_path / 'missing'}"])
-    [(label, size)] = estimate_memory(recipe, 1).peak.resident.items()
+    [(label, size)] = _backbone_line(estimate_memory(recipe, 1).peak.resident)
     assert "NOT COUNTED" in label and "not found" in label and size == 0
+
+
+@pytest.mark.parametrize("recipe_name, kind", [("memory_pretrain", "memdec"), ("router", "memdec_router")])
+def test_the_objective_working_set_is_counted_on_the_last_stage(recipe_name, kind, tmp_path):
+    """The objectives run over the whole vocabulary on every tp rank of the last stage: the measured
+    bytes per position and vocabulary entry (bench/memdec_objective_bytes.py) x mbs x seq x V."""
+    from megatron_s2.planning.posttrain import MEMDEC_OBJECTIVE_BYTES
+
+    recipe = load_recipe(RECIPES_DIR / "memdec" / f"{recipe_name}.yaml",
+                         [f"phase.memdec_backbone={_backbone(tmp_path, 'intern_s2_tiny')}", "parallel.pp=2"])
+    first, last = estimate_memory(recipe, 2).ranks
+    t = recipe.training
+    [working] = [size for label, size in last.resident.items() if label.startswith("memdec objective working set")]
+    assert working == MEMDEC_OBJECTIVE_BYTES[kind] * t.micro_batch_size * t.seq_length * recipe.model.vocab_size
+    assert not any(label.startswith("memdec objective") for label in first.resident)
+    assert len(_backbone_line(first.resident)) == len(_backbone_line(last.resident)) == 1  # every stage holds the backbone
