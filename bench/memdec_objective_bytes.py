@@ -11,18 +11,20 @@ resident-set growth of a fresh process over the inputs that are not [s, V] (CPU,
 caching allocator holds the same tensors), divided by s x V:
 
     python bench/memdec_objective_bytes.py            # measured on this machine: memdec 24.1, router 44.3
+    python bench/memdec_objective_bytes.py --smoke    # 16 positions (the figure is then dominated by noise)
 """
 
 from __future__ import annotations
 
+import argparse
 import resource
 import subprocess
 import sys
 
-S, V, K = 256, 248_320, 32
+V, K = 248_320, 32
 
 
-def _measure(which: str) -> float:
+def _measure(which: str, S: int) -> float:
     import torch
 
     from megatron_s2.models.memory_decoder import (interpolated_log_probs, knn_log_probs, memory_decoder_token_loss,
@@ -53,12 +55,19 @@ def _measure(which: str) -> float:
 
 
 def main() -> None:
-    if len(sys.argv) > 1:
-        print(f"{_measure(sys.argv[1]):.1f}")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="16 positions instead of 256")
+    parser.add_argument("--measure", choices=("memdec", "router"), help=argparse.SUPPRESS)  # the child process
+    parser.add_argument("--positions", type=int, default=256)
+    args = parser.parse_args()
+    positions = 16 if args.smoke else args.positions
+    if args.measure:
+        print(f"{_measure(args.measure, positions):.1f}")
         return
     for which in ("memdec", "router"):  # a fresh process each: ru_maxrss is a per-process peak
-        out = subprocess.run([sys.executable, __file__, which], capture_output=True, text=True, check=True)
-        print(f"{which}: {out.stdout.strip()} bytes per position x vocabulary entry (s={S}, V={V})")
+        out = subprocess.run([sys.executable, __file__, "--measure", which, "--positions", str(positions)],
+                             capture_output=True, text=True, check=True)
+        print(f"{which}: {out.stdout.strip()} bytes per position x vocabulary entry (s={positions}, V={V})")
 
 
 if __name__ == "__main__":
