@@ -95,7 +95,7 @@ def run_memory(args: argparse.Namespace) -> int:
     lines += [("pipeline payload buffers", peak.payload_buffers), ("transients", peak.transient),
               ("engram shard (table + grad + optimizer, included above)", s.engram)]
     if peak.resident:
-        lines.append(("co-located rollout and frozen models (rl / opd, report §5.2.1; memdec backbone)", peak.resident_bytes))
+        lines.append(("co-located rollout and frozen models (rl / opd, report §5.2.1; memdec backbone and objective)", peak.resident_bytes))
         lines += [(f"  {k}", v) for k, v in peak.resident.items()]
     width = max(len(k) for k, _ in lines)
     for k, v in lines:

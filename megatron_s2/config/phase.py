@@ -54,6 +54,10 @@ class PhaseConfig:
     memdec_backbone: str = ""
     """The frozen backbone of the memdec / memdec_router phases: a run, checkpoints or step
     directory (``${phase:<name>}`` names an earlier phase of a pipeline); it shares the tokenizer."""
+    memdec_backbone_model: str = ""
+    """The backbone's architecture (a model recipe: name in recipes/models or path) for ``plan memory``
+    before its checkpoint is written (a flagship plan before pretraining ran); the phases load the
+    architecture saved with the checkpoint and refuse one of another name."""
     memdec_knn_k: int = 16
     """Neighbours retrieved per position for the kNN target (Eq. 1's N(k_t))."""
     memdec_knn_temperature: float = 1.0

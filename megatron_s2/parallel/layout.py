@@ -224,6 +224,17 @@ class ParallelLayout:
         """``training.seq_length`` must be a multiple of this (see :func:`_sequence_requirements`)."""
         return _lcm_of(_sequence_requirements(self.tp, self.cp, self.sequence_parallel))
 
+    def check_frozen_model(self, model: ModelSchema, what: str) -> None:
+        """Refuse a frozen model (every layer on each rank, e.g. the Memory Decoder's backbone) that
+        this layout's tensor / expert groups cannot split: ``what`` names the recipe key."""
+        need = model.layout_requirements()
+        for size, key, counts in (("tp", "parallel.tp", need.tp), ("ep", "parallel.ep", need.ep),
+                                  ("etp", "parallel.etp", need.etp)):
+            k = getattr(self, size)
+            for count, thing in counts if k > 1 else ():
+                _divides(k, count, f"{size}={k} does not divide the {count} {thing} of {what} "
+                                   f"({model.name}); pick a {size} that divides it", key)
+
     def describe(self) -> str:
         cuts = ", ".join(f"{s[0]}-{s[-1]}" for s in self.stage_layers)
         return (f"world={self.world_size} tp={self.tp}{'+sp' if self.sequence_parallel else ''} pp={self.pp} "

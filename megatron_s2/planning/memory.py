@@ -17,8 +17,10 @@ reports the most loaded one:
 * RL / OPD phases (``phase.kind: rl | opd``): what the co-located rollout keeps resident beside
   the training state — the rollout weight copy, each engine's KV pages, in-process teachers and
   the KL reference (:mod:`.posttrain`), one labelled line each;
-* Memory Decoder phases (``phase.kind: memdec | memdec_router``): the frozen backbone, whole on
-  every rank (:func:`.posttrain.memdec_resident`).
+* Memory Decoder phases (``phase.kind: memdec | memdec_router``): the frozen backbone, every
+  layer on each rank, split by tp and ep (:func:`.posttrain.memdec_resident`);
+* the time-series forecasting phase: the forecaster and the series encoder's replica on the last
+  stage, inside the parameters, gradients and optimiser state (:mod:`.series_lane`).
 
 Recomputation (``parallel.recompute``) changes what a layer keeps (:func:`layer_activations`).
 """
@@ -125,7 +127,8 @@ def rank_memory(recipe: RecipeConfig, layout: ParallelLayout, rank: int, *, wors
     one_each = sum(unit_saved.values()) or 1.0
     parts = {k: v * peak_saved / one_each for k, v in parts.items()}
     state = model_state_bytes(cfg, layout, rank, recipe.optimizer, freeze=recipe.phase.freeze,
-                              parallel=recipe.parallel, zero1_worst=worst_zero1, skeleton=skeleton)
+                              parallel=recipe.parallel, zero1_worst=worst_zero1, skeleton=skeleton,
+                              series_forecast=recipe.phase.kind == "timeseries_forecast")
     layers = [layer for s in stages for layer in layout.stage_layers[s]]
     return RankMemory(rank, pp_rank, layers, state, peak_saved, parts, peak_payload,
                       terms.transient_bytes(shape, last in stages), inflight, m,

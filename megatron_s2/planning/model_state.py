@@ -15,7 +15,10 @@ The optimiser side replays the runtime's decisions on those parameters:
   expert-data for experts, Engram replicas for table partitions);
 * frozen parameters (``phase.freeze``) have neither gradients nor optimiser state;
 * pipeline shadow replicas (§3.1.2) hold parameters on consumer stages but no optimiser
-  state; their gradients are folded into the owner's before the step.
+  state; their gradients are folded into the owner's before the step;
+* ``series_forecast`` (``phase.kind: timeseries_forecast``): the last stage's forecaster, trained
+  with the model, and its replica of the series encoder under pp > 1, parameters and gradients
+  without optimiser state (:mod:`.series_lane`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ def component_of(name: str) -> str:
         return "embedding + head"
     if name.startswith("vision."):
         return "vision encoder"
+    if name.startswith("timeseries."):
+        return "series encoder"
+    if name.startswith("timeseries replica."):
+        return "series encoder replica"
+    if name.startswith("forecaster."):
+        return "forecaster"
     if ".engram." in name:
         return "engram"
     if ".experts." in name:
@@ -123,8 +132,8 @@ def _stage_state(cfg: ModelSchema, layout: ParallelLayout, rank: int) -> tuple[d
     def keep(name: str) -> bool:
         if name.startswith("layers."):
             return int(name.split(".")[1]) in layers
-        # the embedding and the vision encoder sit on the first stage (§3.1.1), the rest with the head
-        return pre if name.startswith(("embedding.", "vision.")) else post
+        # the embedding and the vision and series encoders sit on the first stage (§3.1.1), the rest with the head
+        return pre if name.startswith(("embedding.", "vision.", "timeseries.")) else post
 
     params = {n: p for n, p in model.named_parameters() if keep(n)}
     buffers = {n: b for n, b in model.state_dict(keep_vars=True).items() if keep(n) and n not in params}
@@ -159,19 +168,27 @@ def _zero1_owned(trainable: dict, layout: ParallelLayout, rank: int, worst: bool
 
 def model_state_bytes(cfg: ModelSchema, layout: ParallelLayout, rank: int, optimizer: OptimizerConfig, *,
                       freeze: tuple[str, ...] = (), parallel: ParallelConfig | None = None,
-                      zero1_worst: bool = False, skeleton=None) -> ModelStateBytes:
+                      zero1_worst: bool = False, skeleton=None, series_forecast: bool = False) -> ModelStateBytes:
     """Bytes of parameters, buffers, gradients and optimiser state held by ``rank`` (with
     ``zero1_worst``: the optimiser state of the most loaded ZeRO-1 peer of ``rank``).
     ``skeleton``: the rank's own model on the meta device (the trainer's, before it materialises
-    it), instead of one built here."""
+    it), instead of one built here. ``series_forecast``: count the forecasting phase's modules
+    beside the model (module docstring)."""
     from megatron_s2.models.family import family_of
     from megatron_s2.optim.param_groups import assign_param_groups
+    from megatron_s2.planning.series_lane import encoder_replica_parameters, forecast_branch_parameters
 
     if skeleton is not None:
         params = dict(skeleton.named_parameters())
         buffers = {n: b for n, b in skeleton.state_dict(keep_vars=True).items() if n not in params}
     else:
         params, buffers = _stage_state(cfg, layout, rank)
+    replica: dict[str, torch.Tensor] = {}
+    stage = stage_model_kwargs(layout, rank)
+    if series_forecast and stage.get("post_process", True):
+        params = {**params, **{n: p for n, p in forecast_branch_parameters(cfg).items() if n not in params}}
+        if not stage.get("pre_process", True):
+            replica = encoder_replica_parameters(cfg)
     out = ModelStateBytes()
     trainable = {n: p for n, p in params.items() if not any(fnmatch(n, pat) for pat in freeze)}
     for name, p in params.items():
@@ -181,6 +198,9 @@ def model_state_bytes(cfg: ModelSchema, layout: ParallelLayout, rank: int, optim
     shadows = family_of(cfg).memory_model(cfg).shadow_parameters(layout, rank, parallel or ParallelConfig())
     out.shadow_parameters = sum(_nbytes(p) for p, _ in shadows)
     out.gradients = sum(_nbytes(p) for p in trainable.values())
+    for p in replica.values():  # parameters and gradients, no optimiser state
+        out.parameters["series encoder replica"] = out.parameters.get("series encoder replica", 0) + _nbytes(p)
+        out.gradients += _nbytes(p)
     owned = _zero1_owned(trainable, layout, rank, zero1_worst) if layout.distributed_optimizer else set(trainable)
     frozen_model = set(params) - set(trainable)
     for p in params.values():

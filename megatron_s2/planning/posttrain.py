@@ -25,9 +25,15 @@ The training state and activations of ``phase.kind: rl | opd`` are those of any 
 
 The Memory Decoder's phases (``phase.kind: memdec | memdec_router``, walkthrough Ch. 2) keep their
 **frozen backbone** (``phase.memdec_backbone``) resident the same way: every layer on each rank,
-with the training layout's tensor / expert groups (:mod:`megatron_s2.posttrain.memdec`), its
-architecture read from the checkpoint; one that is not readable yet is not counted and the line
-says so. The kNN datastore is built and searched in host memory and is not counted.
+with the training layout's tensor / expert groups (:mod:`megatron_s2.posttrain.memdec`: its routed
+experts split over ep, 1/ep of them per rank), its architecture read from the checkpoint; one that
+is not readable yet is counted with ``phase.memdec_backbone_model`` when the recipe names one, else
+not counted, and the line says so. On the last pipeline stage, where the
+objectives run, every tensor-parallel rank also holds their **whole-vocabulary working set** (the
+memory's gathered logits, the kNN distribution, Eq. 2's or Eq. 3-4's log-probabilities and their
+backward): ``MEMDEC_OBJECTIVE_BYTES`` per position and vocabulary entry, measured by
+bench/memdec_objective_bytes.py, times micro_batch_size x seq_length x vocab_size. The kNN datastore
+lives in host memory (the search streams it to the GPU chunk by chunk) and is not counted.
 
 Not counted: the engines' per-step working set while generating (it is freed before training),
 and the weight transfer's bucket (transient, at most ``bucket_mb``).
@@ -41,7 +47,12 @@ from megatron_s2.config.model_schema import ModelSchema
 from megatron_s2.config.recipe import RecipeConfig
 from megatron_s2.parallel.layout import ParallelLayout
 
-__all__ = ["posttrain_resident", "memdec_resident", "frozen_model_bytes", "checkpoint_model_config"]
+__all__ = ["posttrain_resident", "memdec_resident", "frozen_model_bytes", "checkpoint_model_config",
+           "MEMDEC_OBJECTIVE_BYTES"]
+
+MEMDEC_OBJECTIVE_BYTES = {"memdec": 24, "memdec_router": 44}
+"""Peak working set of each Memory Decoder objective per position and vocabulary entry (bytes),
+measured by bench/memdec_objective_bytes.py (24.1 and 44.3 on CPU, float32)."""
 
 
 _BYTES: dict[tuple, int] = {}
@@ -142,16 +153,25 @@ def posttrain_resident(recipe: RecipeConfig, layout: ParallelLayout, rank: int) 
 
 def memdec_resident(recipe: RecipeConfig, layout: ParallelLayout, rank: int) -> dict[str, float]:
     """``{label: bytes}`` of the Memory Decoder's frozen backbone on ``rank`` (module docstring);
-    empty for other phases."""
-    from megatron_s2.parallel.offline_groups import layout_groups
+    empty for other phases. A backbone checkpoint not written yet is counted with
+    ``phase.memdec_backbone_model`` when the recipe names one."""
+    from megatron_s2.parallel.offline_groups import layout_groups, pp_rank_of
 
-    if recipe.phase.kind not in ("memdec", "memdec_router"):
+    kind = recipe.phase.kind
+    if kind not in ("memdec", "memdec_router"):
         return {}
-    path = recipe.phase.memdec_backbone
-    cfg = checkpoint_model_config(path) if path else None
+    out = {}
+    if pp_rank_of(layout, rank) == layout.pp - 1:  # the objectives run on the last stage
+        t = recipe.training
+        entries = t.micro_batch_size * t.seq_length * recipe.model.vocab_size
+        out[f"memdec objective working set ({MEMDEC_OBJECTIVE_BYTES[kind]} B x {t.micro_batch_size} x "
+            f"{t.seq_length} tokens x {recipe.model.vocab_size} vocabulary)"] = float(MEMDEC_OBJECTIVE_BYTES[kind] * entries)
+    path, model_ref = recipe.phase.memdec_backbone, recipe.phase.memdec_backbone_model
     where = f"every layer, tp={layout.tp} ep={layout.ep} etp={layout.etp}"
-    if cfg is None:
+    if checkpoint_model_config(path) is None and not model_ref:
         why = "not found" if not Path(path).exists() else "not readable"
-        return {f"memdec frozen backbone (NOT COUNTED: {path} {why})": 0.0}
-    label = f"memdec frozen backbone ({cfg.name}; {where}; {_dtype(cfg)})"
-    return {label: frozen_model_bytes(cfg, layout_groups(layout, rank))}
+        return {f"memdec frozen backbone (NOT COUNTED: {path} {why})": 0.0, **out}
+    cfg, source = _frozen_config(recipe, path, model_ref)
+    layout.check_frozen_model(cfg, "phase.memdec_backbone")
+    label = f"memdec frozen backbone ({cfg.name}; {source}; {where}; {_dtype(cfg)})"
+    return {label: frozen_model_bytes(cfg, layout_groups(layout, rank)), **out}

@@ -33,9 +33,10 @@ __all__ = ["load_frozen_model", "full_logits", "TeacherPool"]
 
 
 def load_frozen_model(path: str | Path, groups: ParallelGroups, *, vocab_size: int, tokenizer, what: str,
-                      device: torch.device | str = "cpu") -> torch.nn.Module:
+                      device: torch.device | str = "cpu", layout=None) -> torch.nn.Module:
     """The model saved at ``path`` (run / checkpoints / step directory or Hugging Face export),
-    this rank's slices, evaluation mode, no gradients."""
+    this rank's slices, evaluation mode, no gradients; ``layout`` (the ParallelLayout of
+    ``groups``), when given, must be able to split it (ParallelLayout.check_frozen_model)."""
     from megatron_s2.inference.weights import read_checkpoint
 
     try:

@@ -159,20 +159,21 @@ def check_series_layout(recipe: RecipeConfig) -> None:
 
 def check_memdec_layout(recipe: RecipeConfig) -> None:
     """The Memory Decoder's phases (``phase.kind: memdec`` / ``memdec_router``, walkthrough Ch. 2)
-    run under dp, tp (+ sequence parallelism) and pp (megatron_s2/posttrain/memdec/trainer.py); the
-    datastore lookup and the router read whole sequences, so context parallelism is refused; expert
-    parallelism is refused until the phases are parity-tested under it."""
+    run under dp, tp (+ sequence parallelism), pp and ep (megatron_s2/posttrain/memdec/trainer.py):
+    the frozen backbone takes the layout's tensor and expert groups (its experts split over ep, as a
+    flagship backbone needs). The datastore lookup and the router read whole sequences, so context
+    parallelism is refused; expert tensor parallelism is refused until the phases are parity-tested
+    under it."""
     if recipe.phase.kind not in ("memdec", "memdec_router"):
         return
     p = recipe.parallel
     if p.cp > 1:
-        raise ConfigError(f"parallel.cp: phase.kind {recipe.phase.kind} runs under dp, tp and pp, not context "
+        raise ConfigError(f"parallel.cp: phase.kind {recipe.phase.kind} runs under dp, tp, pp and ep, not context "
                           f"parallelism (got cp={p.cp}); set parallel.cp: 1")
-    for key, value in (("ep", p.ep), ("etp", p.etp)):
-        if value > 1:
-            raise ConfigError(f"parallel.{key}: phase.kind {recipe.phase.kind} runs under dp, tp and pp, not "
-                              f"{key}={value} (expert parallelism is untested with the Memory Decoder); "
-                              f"set parallel.{key}: 1")
+    if p.etp > 1:
+        raise ConfigError(f"parallel.etp: phase.kind {recipe.phase.kind} runs under dp, tp, pp and ep, not "
+                          f"etp={p.etp} (expert tensor parallelism is untested with the Memory Decoder); "
+                          "set parallel.etp: 1")
 
 
 def check_checkpoint_load(recipe: RecipeConfig, run_dir: str | Path, pending: Sequence[str | Path] = ()) -> None:

@@ -37,6 +37,7 @@ EXPECTED = {
     "timeseries_encoder.py": ["peak MiB", "time ratio"],
     "timeseries_forecast.py": ["horizon predictor", "MASE mean", "vs naive", "seasonal naive", "(acf lag)"],
     "memory_decoder.py": ["held-out perplexity", "fused/backbone", "mean lambda"],
+    "memdec_objective_bytes.py": ["memdec:", "router:", "bytes per position x vocabulary entry"],
     "async_rl.py": ["(a) Step throughput", "ratio = disaggregated / co-located", "(b) Rollout accuracy per step"],
 }
 

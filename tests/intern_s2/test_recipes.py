@@ -46,6 +46,7 @@ def cluster_inputs(tmp_path, monkeypatch):
     for name in ("Qwen3.5-35B-A3B", "Qwen3.5-397B-A17B"):
         shutil.copytree(RECIPES_DIR / "tokenizers" / "tiny-bpe", tmp_path / "checkpoints" / name)
     preprocess_jsonl([text], tmp_path / "data/pretrain/text", load_tokenizer(tmp_path / "checkpoints" / name))
+    preprocess_jsonl([text], tmp_path / "data/memdec/domain_text", load_tokenizer(tmp_path / "checkpoints" / name))
     _series_stand_ins(tmp_path)
     monkeypatch.chdir(tmp_path)
     # no cluster: a configuration naming no controller, so sinfo says "cannot tell" at once (a
@@ -97,12 +98,50 @@ def test_the_series_phase_runs_without_expert_parallelism(cluster_inputs):
     recipe = load_recipe(INTERN / "timeseries_forecast_397b_a17b.yaml")
     assert (recipe.parallel.ep, recipe.parallel.etp, recipe.parallel.cp) == (1, 1, 1)
     plan = estimate_memory(recipe)
-    assert plan.peak.total / 2 ** 30 == pytest.approx(70.58, abs=0.05)
+    assert plan.peak.total / 2 ** 30 == pytest.approx(71.72, abs=0.05)  # with the forecaster and encoder replica
+    assert plan.peak.state.parameters["forecaster"] > 0 and plan.peak.state.parameters["series encoder replica"] > 0
     assert plan.peak.pp_rank == recipe.parallel.pp - 1
     pretrain, series = prepare_runs(str(INTERN / "timeseries_pipeline.yaml"), [], {}, None, local=False)
     assert (pretrain.phase, series.phase) == ("pretrain", "timeseries_forecast")
     assert series.recipe.checkpoint.load == str(pretrain.job.run_dir / "checkpoints")
     assert (pretrain.plan.world_size, series.plan.world_size) == (256, 240)
+
+
+@pytest.mark.parametrize("name, gib", [("memdec_pretrain_397b_a17b", 45.54), ("memdec_router_397b_a17b", 51.60)])
+def test_the_memdec_phases_fit_80_gib_with_the_frozen_backbone_split_over_ep(name, gib, cluster_inputs):
+    """The Memory Decoder's phases against the 397B backbone (walkthrough Ch. 2): `plan memory`
+    counts the frozen backbone's shard each rank builds — 1/32 of its routed experts, 32.9 GiB
+    (730 GiB whole at tp=2) — and the most loaded rank stays under 80 GiB (the header's figure)."""
+    from megatron_s2.launcher.launch import prepare_runs
+    from megatron_s2.planning.memory import estimate_memory
+
+    recipe = load_recipe(INTERN / f"{name}.yaml")
+    assert (recipe.parallel.tp, recipe.parallel.ep, recipe.parallel.pp, recipe.launcher.nodes) == (2, 32, 1, 4)
+    plan = estimate_memory(recipe, 32)
+    [(label, size)] = [(k, v) for k, v in plan.peak.resident.items() if k.startswith("memdec frozen backbone")]
+    assert label.startswith("memdec frozen backbone (intern-s2-397b-a17b;") and "tp=2 ep=32" in label
+    assert size / 2 ** 30 == pytest.approx(32.93, abs=0.05)
+    assert plan.peak.total / 2 ** 30 == pytest.approx(gib, abs=0.05) and plan.peak.total < 80 * 2 ** 30
+    assert f"{gib:.1f} GiB per rank" in (INTERN / f"{name}.yaml").read_text()
+    if name == "memdec_router_397b_a17b":  # alone it loads the memory phase's checkpoint
+        step = cluster_inputs / "runs" / "intern_s2_397b" / "memdec_memory" / "checkpoints" / "step_00000001"
+        step.mkdir(parents=True)
+        (step / "COMMITTED").write_text("stand-in")
+    [run] = prepare_runs(str(INTERN / f"{name}.yaml"), [], {}, None, local=False)
+    assert run.plan.world_size == 32
+
+
+def test_the_memdec_pipeline_chains_pretraining_memory_and_router(cluster_inputs):
+    """launch --slurm --dry-run of recipes/intern_s2/memdec_pipeline.yaml: the memory phase reads the
+    pretraining run as its frozen backbone, the router phase loads the memory phase's checkpoint."""
+    from megatron_s2.launcher.launch import prepare_runs
+
+    pretrain, memory, router = prepare_runs(str(INTERN / "memdec_pipeline.yaml"), [], {}, None, local=False)
+    assert (pretrain.phase, memory.phase, router.phase) == ("pretrain", "memory", "router")
+    assert memory.recipe.phase.memdec_backbone == router.recipe.phase.memdec_backbone == str(pretrain.job.run_dir)
+    assert router.recipe.checkpoint.load == str(memory.job.run_dir / "checkpoints")
+    assert not memory.recipe.checkpoint.load
+    assert (pretrain.plan.world_size, memory.plan.world_size, router.plan.world_size) == (256, 32, 32)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

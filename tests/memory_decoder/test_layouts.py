@@ -1,5 +1,5 @@
 """The Memory Decoder's phases (walkthrough Ch. 2; megatron_s2/posttrain/memdec) under data, tensor
-(+ sequence) and pipeline parallelism against one rank (issue 24, "parity of each new module under
+(+ sequence), pipeline and expert parallelism against one rank (issue 24, "parity of each new module under
 TP2 / PP2 / DP2"): three optimiser steps of ``recipes/memdec/memory_pretrain.yaml`` (``phase.kind:
 memdec``) and ``recipes/memdec/router.yaml`` (``memdec_router``) in fp32 on CPU, same seed and data,
 against one frozen backbone (``backbone`` fixture: the general recipe after one step).
@@ -9,8 +9,11 @@ router's lambda per corpus) at rel 1e-5; the datastore every rank builds equals 
 (values exactly, keys within 1e-5 of their scale); every trained parameter after the steps — the
 memory decoder's shards gathered by their shard specs, the router whole on the last stage — within
 the strict after-steps bound of tests/parallel/parity.py (5e-5; no loose class is needed); the router
-run's saved checkpoint — the plug-in — holds the router as trained. The layout check accepts dp, tp,
-tp + sp and pp and refuses context parallelism in one line naming ``parallel.cp``.
+run's saved checkpoint — the plug-in — holds the router as trained. Under ep2 the memory decoder's and
+the frozen backbone's routed experts are split in two (each rank holds half of the backbone's expert
+weights: how a flagship backbone fits, recipes/intern_s2/memdec_*_397b_a17b.yaml). The layout check
+accepts dp, tp, tp + sp, pp and ep and refuses context and expert tensor parallelism in one line naming
+the key.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ LAYOUTS = {
     "tp2": ["parallel.tp=2", "parallel.dp=1"],
     "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=1"],
     "pp2": ["parallel.pp=2", "parallel.dp=1"],
+    "ep2": ["parallel.dp=2", "parallel.ep=2"],   # the memory's and the frozen backbone's experts split in two
 }
 ZERO_INIT = ("_norm.weight", ".bias", "memdec_router.out.weight")
 """Zero-initialised parameters (the memory decoder's zero-centred RMSNorm weights and biases, the
@@ -60,6 +64,11 @@ def backbone(tmp_path_factory) -> Path:
     return run_dir
 
 
+def _local_experts(model) -> int:
+    """Routed-expert weight elements a rank holds of ``model``."""
+    return sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+
+
 def _run(rank: int, world: int, phase: str, overrides: list, out: str, backbone: str) -> None:
     from megatron_s2.config.recipe import load_recipe
     from megatron_s2.posttrain.memdec.trainer import memdec_trainer
@@ -70,7 +79,8 @@ def _run(rank: int, world: int, phase: str, overrides: list, out: str, backbone:
                                        f"training.run_dir={run_dir}"])
     trainer = memdec_trainer(recipe.phase.kind)(recipe, run_dir, rank=rank, world_size=world, log=lambda *a, **k: None)
     g = trainer.groups
-    record = {"steps": [], "split": (g.dp.size, g.tp.size, g.sequence.sp, g.pp.size)}
+    record = {"steps": [], "split": (g.dp.size, g.tp.size, g.sequence.sp, g.pp.size, g.ep.size),
+              "backbone_experts": _local_experts(trainer.backbone)}
     for _ in range(3):
         row = trainer.train_step()
         record["steps"].append({"loss": row["loss"], "grad_norm": row["grad_norm"],
@@ -115,8 +125,11 @@ def parity(tmp_path_factory, backbone):
 def test_memdec_phase_layout_matches_one_rank(parity, phase, layout):
     ref = torch.load(parity / phase / "reference" / "rank0.pt", weights_only=False)
     records = [torch.load(parity / phase / layout / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    expected = {"dp2": (2, 1, False, 1), "tp2": (1, 2, False, 1), "tp2_sp": (1, 2, True, 1), "pp2": (1, 1, False, 2)}
+    expected = {"dp2": (2, 1, False, 1, 1), "tp2": (1, 2, False, 1, 1), "tp2_sp": (1, 2, True, 1, 1),
+                "pp2": (1, 1, False, 2, 1), "ep2": (2, 1, False, 1, 2)}
     assert all(rec["split"] == expected[layout] for rec in records), layout
+    # the frozen backbone holds 1/ep of its routed experts on each rank
+    assert all(rec["backbone_experts"] * expected[layout][4] == ref["backbone_experts"] for rec in records), layout
     worst = {}
     for rec in records:
         for got, want in zip(rec["steps"], ref["steps"], strict=True):
@@ -144,7 +157,7 @@ def test_memdec_phase_layout_matches_one_rank(parity, phase, layout):
 
 
 @pytest.mark.parametrize("overrides", [[], ["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"],
-                                       ["parallel.pp=2"], ["parallel.dp=2"]])
+                                       ["parallel.pp=2"], ["parallel.dp=2"], ["parallel.dp=2", "parallel.ep=2"]])
 def test_memdec_layouts_accepted(overrides):
     from megatron_s2.config.recipe import load_recipe
     from megatron_s2.training.run_checks import check_phase_layout
@@ -153,14 +166,31 @@ def test_memdec_layouts_accepted(overrides):
         check_phase_layout(load_recipe(recipe_path, [*phase_overrides, *overrides]))
 
 
-@pytest.mark.parametrize("key", ["cp", "ep", "etp"])
+@pytest.mark.parametrize("key", ["cp", "etp"])
 @pytest.mark.parametrize("phase", list(PHASES))
-def test_memdec_context_and_expert_parallelism_refused_in_one_line(phase, key):
+def test_memdec_context_and_expert_tensor_parallelism_refused_in_one_line(phase, key):
     from megatron_s2.config.recipe import load_recipe
     from megatron_s2.config.schema import ConfigError
     from megatron_s2.training.run_checks import check_phase_layout
 
     recipe_path, phase_overrides, _ = PHASES[phase]
-    with pytest.raises(ConfigError, match=rf"^parallel\.{key}: phase\.kind memdec\S* runs under dp, tp and pp") as err:
+    with pytest.raises(ConfigError, match=rf"^parallel\.{key}: phase\.kind memdec\S* runs under dp, tp, pp and ep") as err:
         check_phase_layout(load_recipe(recipe_path, [*phase_overrides, f"parallel.{key}=2"]))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_backbone_other_than_the_planned_model_is_refused_in_one_line(backbone, tmp_path):
+    """``phase.memdec_backbone_model`` is what `plan memory` counts before the checkpoint exists; a
+    checkpoint of another architecture is refused at start-up, not trained against."""
+    from megatron_s2.config.recipe import load_recipe
+    from megatron_s2.config.schema import ConfigError
+    from megatron_s2.posttrain.memdec.trainer import memdec_trainer
+
+    recipe = load_recipe(PHASES["memdec"][0], [*SMALL, f"phase.memdec_backbone={backbone}",
+                                               "phase.memdec_backbone_model=intern_s2_35b_a3b",
+                                               f"training.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"^phase\.memdec_backbone_model: intern_s2_35b_a3b is 'intern-s2-35b-a3b' "
+                                          r"but .* holds 'intern-s2-tiny'") as err:
+        memdec_trainer("memdec")(recipe, tmp_path / "run", log=lambda *a, **k: None)
     assert "\n" not in str(err.value)

@@ -138,3 +138,47 @@ def test_series_in_a_text_phase_matches_one_rank(text_phase_parity, layout):
     root, ref = text_phase_parity
     check_against_reference(load_records(root / layout, 2), ref, layout, **TOLERANCES,
                             loose_params=(*ZERO_INIT, *DECAY_GATE, "timeseries."), loose_grads=DECAY_GATE)
+
+
+# ---- the encoder replica beside a bf16 owner (params_dtype bfloat16, as the flagship recipe) ----
+def _bf16_owner(rank: int, world: int, out: str) -> None:
+    from types import SimpleNamespace
+
+    from megatron_s2.config.recipe import load_recipe
+    from megatron_s2.models.timeseries.attach import build_series_encoder
+    from megatron_s2.models.timeseries.replica import SeriesEncoderStages
+    from megatron_s2.parallel.layout import ParallelLayout
+    from megatron_s2.parallel.setup import build_groups
+
+    recipe = load_recipe(RECIPE, ["parallel.pp=2", "parallel.dp=1"])
+    groups = build_groups(ParallelLayout.from_recipe(recipe, world), rank)
+    torch.manual_seed(rank)  # the stages start apart
+    owner = build_series_encoder(recipe.model)
+    for p in owner.parameters():  # the intern_s2 precision map under params_dtype bfloat16: matrices in bf16
+        if p.dim() >= 2:
+            p.data = p.data.bfloat16()
+    stages = SeriesEncoderStages(SimpleNamespace(timeseries=owner), recipe.model, groups, first=rank == 0,
+                                 last=rank == 1, device="cpu")
+    stages.refresh()
+    divergence = stages.max_divergence()
+    for p in stages.encoder.parameters():
+        p.grad = torch.full_like(p, 1.0 + rank)  # owner 1, replica 2
+    stages.sync_grads()
+    grads = [None if p.grad is None else (p.grad.dtype == p.dtype, float(p.grad.float().min()),
+                                          float(p.grad.float().max())) for p in stages.encoder.parameters()]
+    torch.save({"dtypes": {p.dtype for p in stages.encoder.parameters()}, "divergence": divergence, "grads": grads},
+               Path(out) / f"rank{rank}.pt")
+
+
+def test_the_encoder_replica_follows_a_bf16_owner(tmp_path):
+    """The owner is stored in the precision map (bf16 matrices), the last stage's replica as built
+    (float32): the exchange goes in float32, so both stages send the same bytes — the replica takes
+    the owner's values exactly and the owner's gradient is the sum of both, in its own dtype (before,
+    the two stages' flat tensors differed in dtype and size)."""
+    from tests.parallel.spawn import run_distributed
+
+    run_distributed(2, _bf16_owner, str(tmp_path))
+    first, last = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert torch.bfloat16 in first["dtypes"] and last["dtypes"] == {torch.float32}
+    assert first["divergence"] == last["divergence"] == 0.0
+    assert all(g == (True, 3.0, 3.0) for g in first["grads"]) and all(g is None for g in last["grads"])

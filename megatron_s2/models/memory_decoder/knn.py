@@ -75,18 +75,25 @@ class Datastore:
         float32 (one matrix product per chunk) with a running top-(k + margin) merge, so memory is
         O(M * (chunk + k)) whatever the datastore size; the candidates' distances are then
         recomputed in float64 from the differences and re-ranked, so float32 cancellation in
-        ||q||^2 - 2 q.k + ||k||^2 can neither reorder the neighbours nor perturb their weights."""
+        ||q||^2 - 2 q.k + ||k||^2 can neither reorder the neighbours nor perturb their weights.
+        The keys stay where they are (host memory): each chunk, and the candidates' keys, are copied
+        to the queries' device when read, so a GPU holds ``chunk`` keys and the N key norms, never the
+        datastore (what `plan memory` assumes)."""
         if not 0 < k <= len(self):
             raise ValueError(f"knn k must be in [1, {len(self)}] (the datastore size), got {k}")
         q = queries.reshape(-1, queries.size(-1)).float()
-        keys_all = self.keys.to(q.device, torch.float32)
+
+        def keys_at(rows) -> torch.Tensor:
+            return self.keys[rows].to(q.device, torch.float32)
+
         if self._key_sq is None or self._key_sq.device != q.device:
-            self._key_sq = (keys_all * keys_all).sum(-1)
+            self._key_sq = torch.cat([(c * c).sum(-1) for c in (keys_at(slice(start, start + chunk))
+                                                                for start in range(0, len(self), chunk))])
         wanted = min(len(self), k + 8)  # margin for float32 ties at the k-th place
         best_d = q.new_full((q.size(0), 0), float("inf"))
         best_i = torch.empty(q.size(0), 0, dtype=torch.long, device=q.device)
         for start in range(0, len(self), chunk):
-            keys = keys_all[start:start + chunk]
+            keys = keys_at(slice(start, start + chunk))
             d = torch.addmm(self._key_sq[start:start + chunk].unsqueeze(0), q, keys.T, alpha=-2.0)
             chunk_d, chunk_i = d.topk(min(wanted, d.size(1)), dim=1, largest=False, sorted=False)
             # merge the chunk's candidates into the running ones (small tensors only)
@@ -94,10 +101,10 @@ class Datastore:
             best_d, pos = d.topk(min(wanted, d.size(1)), dim=1, largest=False, sorted=False)
             best_i = idx.gather(1, pos)
         # exact re-rank of the candidates in float64
-        exact = ((keys_all[best_i].double() - q.double().unsqueeze(1)) ** 2).sum(-1)
+        exact = ((keys_at(best_i.to(self.keys.device)).double() - q.double().unsqueeze(1)) ** 2).sum(-1)
         exact, order = exact.topk(k, dim=1, largest=False, sorted=True)
         best_i = best_i.gather(1, order)
-        values = self.values.to(q.device)[best_i]
+        values = self.values[best_i.to(self.values.device)].to(q.device)
         shape = (*queries.shape[:-1], k)
         return exact.to(queries.dtype).reshape(shape), values.reshape(shape)
 

@@ -37,10 +37,13 @@ class SeriesEncoderStages:
         return self.groups.embedding.active and (self.first or self.last)
 
     def _flat(self, of_grads: bool) -> torch.Tensor:
+        # float32 on the wire: the owner is stored in the model's precision map (bf16 matrices under
+        # params_dtype bfloat16), the replica as built (float32); both stages must send the same bytes
         params = list(self.encoder.parameters())
         if of_grads:
-            return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        return torch.cat([p.detach().reshape(-1) for p in params])
+            return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                              for p in params])
+        return torch.cat([p.detach().reshape(-1).float() for p in params])
 
     def _assign(self, flat: torch.Tensor, of_grads: bool) -> None:
         offset = 0
@@ -48,7 +51,7 @@ class SeriesEncoderStages:
             value = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
             if of_grads:
-                p.grad = value.clone()
+                p.grad = value.to(p.dtype, copy=True)  # in the parameter's own dtype
             else:
                 p.copy_(value)
 

@@ -11,5 +11,5 @@
 
 The mathematics lives in :mod:`megatron_s2.models.memory_decoder`; both models are reached
 through the family interface, so either family can be the backbone or the memory. Both phases run
-under dp, tp (+ sequence parallelism) and pp; cp is refused (:mod:`.trainer`, layouts).
+under dp, tp (+ sequence parallelism), pp and ep; cp and etp are refused (:mod:`.trainer`, layouts).
 """

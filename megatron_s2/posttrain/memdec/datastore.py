@@ -11,7 +11,7 @@ together (:func:`layout_fingerprint`), and the ranks read or build together (one
 alone would wait in the backbone's tp collectives for ranks that read the cache).
 
 Every rank builds the same datastore: the backbone holds every layer on each rank and its hidden
-state is read whole over tp (:func:`~.forward.hidden_and_log_probs`), so a layout changes the keys
+state is read whole over tp (:func:`~.forward.last_hidden`), so a layout changes the keys
 only by its reduction order (tp2: 7e-7 of their scale; values identical,
 tests/memory_decoder/test_layouts.py); the rank with ``save`` writes it.
 """
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_s2.models.memory_decoder.knn import Datastore, DatastoreError
-from megatron_s2.posttrain.memdec.forward import hidden_and_log_probs
+from megatron_s2.posttrain.memdec.forward import last_hidden
 
 __all__ = ["DATASTORE_FILE", "document_windows", "build_datastore", "weights_fingerprint", "layout_fingerprint",
            "datastore_meta", "load_or_build_datastore"]
@@ -61,7 +61,7 @@ def build_datastore(backbone, stores, *, seq_length: int, pad_id: int, batch_siz
         tokens = torch.full((len(batch), seq_length), pad_id, dtype=torch.long)
         for row, (window, _) in enumerate(batch):
             tokens[row, :len(window) - 1] = torch.from_numpy(window[:-1])
-        hidden, _ = hidden_and_log_probs(backbone, {"tokens": tokens.to(device)})
+        hidden = last_hidden(backbone, {"tokens": tokens.to(device)})
         for row, (window, is_target) in enumerate(batch):
             n = len(window) - 1
             keep = torch.from_numpy(is_target[:n].copy())

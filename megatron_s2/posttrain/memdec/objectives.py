@@ -26,7 +26,7 @@ import torch
 from megatron_s2.models.memory_decoder import (Datastore, interpolated_log_probs, memory_decoder_token_loss,
                                                router_token_loss, whole_sequence, whole_vocabulary)
 from megatron_s2.pipeline.losses import micro_batch_objective
-from megatron_s2.posttrain.memdec.forward import hidden_and_log_probs
+from megatron_s2.posttrain.memdec.forward import hidden_and_log_probs, last_hidden
 
 __all__ = ["MemoryDecoderObjective", "RouterObjective"]
 
@@ -51,7 +51,7 @@ class MemoryDecoderObjective:
     def __call__(self, model, logits: torch.Tensor, mb: dict[str, torch.Tensor], ctx):
         logits = whole_vocabulary(logits, model.groups)  # every tp rank: the same loss, its shard's gradient
         with torch.no_grad():
-            keys, _ = hidden_and_log_probs(self.backbone, mb)
+            keys = last_hidden(self.backbone, mb)
             knn = self.datastore.distribution(keys, self.k, logits.size(-1), self.temperature)
         per_token, kl, ce = memory_decoder_token_loss(logits, knn, mb["labels"], beta=self.beta)
         objective, summed = micro_batch_objective(per_token, mb["loss_mask"], self.global_tokens, None,

@@ -7,23 +7,32 @@ attaches a :class:`~megatron_s2.models.memory_decoder.MemoryRouter` to the memor
 other tensor, and feeds the domain (``data:``) and general (``phase.memdec_general_data``)
 corpora 1:1, each micro-batch flagged ``is_domain``.
 
-Layouts: dp, tp (+ sequence parallelism) and pp, parity with one rank in
+Layouts: dp, tp (+ sequence parallelism), pp and ep, parity with one rank in
 ``tests/memory_decoder/test_layouts.py``. The memory decoder is a family model built by the family
-code, so it takes the recipe's layout like any model (its stages, its tensor shards). The frozen
-backbone holds every layer on each rank with the recipe's tensor groups (like an OPD teacher,
-:func:`~megatron_s2.posttrain.frozen.load_frozen_model`): the objectives run on the last stage and
-read it whole there (:mod:`.objectives`), and every rank builds the same datastore from it. The
-router is whole, outside any tensor-parallel plan, on the last stage only (identical gradients
-over tp, summed over dp); the stages before it hold only frozen tensors. Context parallelism is
-refused (:func:`~megatron_s2.training.run_checks.check_memdec_layout`).
+code, so it takes the recipe's layout like any model (its stages, its tensor and expert shards). The
+frozen backbone holds every layer on each rank with the recipe's tensor and expert groups (like an
+OPD teacher, :func:`~megatron_s2.posttrain.frozen.load_frozen_model`): its routed experts are split
+over ep — what makes a Qwen3.5-397B-A17B-shaped backbone fit a GPU (33 GiB per rank at tp=2, ep=32;
+recipes/intern_s2/memdec_pretrain_397b_a17b.yaml) — and its MoE layers dispatch tokens over the ep
+group like the training model's. Expert groups lie inside a pipeline stage (rank order
+``etp-ep-edp-pp``), so every rank of a group calls the backbone together: all ranks for the
+datastore, the last stage's ranks once per micro-batch for the objectives, which run there and read
+the backbone whole (:mod:`.objectives`). The router is whole, outside any tensor-parallel plan, on
+the last stage only (identical gradients over tp, summed over dp); the stages before it hold only
+frozen tensors. Context and expert tensor parallelism are refused
+(:func:`~megatron_s2.training.run_checks.check_memdec_layout`); a backbone whose experts or heads the
+layout cannot split is refused naming ``parallel.ep`` / ``parallel.tp``
+(:meth:`~megatron_s2.parallel.layout.ParallelLayout.check_frozen_model`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
+from megatron_s2.config.recipe import _resolve_model
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.data import build_data_iterator
 from megatron_s2.data.loader import load_document_stores
@@ -46,8 +55,15 @@ class _MemdecTrainer(Trainer):
     def check_phase_inputs(self) -> None:
         phase = self.recipe.phase
         self.backbone = load_frozen_model(phase.memdec_backbone, self.groups, vocab_size=self.recipe.model.vocab_size,
-                                          tokenizer=self.tokenizer, what="phase.memdec_backbone", device=self.device)
+                                          tokenizer=self.tokenizer, what="phase.memdec_backbone", device=self.device,
+                                          layout=self.layout)
         self.log(f"memdec: frozen backbone '{self.backbone.config.name}' from {phase.memdec_backbone}")
+        if phase.memdec_backbone_model:  # what `plan memory` counted must be what was loaded
+            planned = _resolve_model(phase.memdec_backbone_model, Path.cwd()).get("name")
+            if planned != self.backbone.config.name:
+                raise ConfigError(f"phase.memdec_backbone_model: {phase.memdec_backbone_model} is '{planned}' but "
+                                  f"{phase.memdec_backbone} holds '{self.backbone.config.name}'; name the "
+                                  "backbone's model or leave the key empty")
 
 
 class MemoryDecoderTrainer(_MemdecTrainer):
