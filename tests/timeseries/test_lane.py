@@ -152,11 +152,14 @@ def test_series_too_long_for_the_sequence_is_refused(tmp_path):
 
 
 # ---- families ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("model", ["intern_s2_tiny", "tiny"])
-def test_both_families_embed_series_and_train_the_encoder(tmp_path, model):
+def test_both_families_embed_series_and_train_the_encoder(tmp_path, model, dtype):
+    """Also in bfloat16 (the flagship recipes' params_dtype): the encoder's nn layers see one dtype
+    (they raised "Input type BFloat16 and bias type float" when the precision map cast only matrices)."""
     from megatron_s2.models.family import family_of
 
-    recipe = lane_recipe(tmp_path, model=model)
+    recipe = lane_recipe(tmp_path, [f"model.params_dtype={dtype}", f"model.compute_dtype={dtype}"], model=model)
     torch.manual_seed(0)
     net = family_of(recipe.model).build_model(recipe.model).init_weights(0)
     assert net.timeseries is not None

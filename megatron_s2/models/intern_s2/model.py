@@ -179,8 +179,12 @@ class InternS2Model(nn.Module):
 
     def apply_precision_map(self) -> None:
         """Matrices in ``params_dtype``; vectors (norms, A_log, dt_bias), the router and the head
-        stay float32 (walkthrough Ch. 1)."""
+        stay float32 (walkthrough Ch. 1). The series encoder (``timeseries.``) stays float32 as a
+        whole: its plain ``nn`` convolutions and linears carry biases and must see one dtype, it is
+        small beside the backbone, and it casts its output to the backbone's compute dtype."""
         dtype = getattr(torch, self.config.params_dtype)
         for name, p in self.named_parameters():
+            if name.startswith("timeseries."):
+                continue
             if p.dim() >= 2 and not (name.startswith("output_layer") or name.endswith("router.weight")):
                 p.data = p.data.to(dtype)

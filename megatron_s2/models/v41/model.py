@@ -327,7 +327,10 @@ class V41Model(nn.Module):
     # mHC coefficients, norms, sinks and other vectors).
     FP32_PARAMS = ("*.router.weight", "output_layer.weight", "*_hc.*", "*norm*", "*attn_sink",
                    # the drafter's hc_head, Markov output and confidence head (float32 in the reference)
-                   "dspark.head_hc_*", "dspark.markov_w2", "dspark.confidence")
+                   "dspark.head_hc_*", "dspark.markov_w2", "dspark.confidence",
+                   # the series encoder as a whole: its nn convolutions / linears carry biases and must
+                   # see one dtype; small beside the backbone, it casts its output to the compute dtype
+                   "timeseries.*")
 
     def apply_precision_map(self) -> None:
         """Store matrices in ``params_dtype`` except the float32 islands (the precision map and
