@@ -126,7 +126,9 @@ def rank_memory(recipe: RecipeConfig, layout: ParallelLayout, rank: int, *, wors
     # component split of the saved peak: in proportion to one micro-batch of every virtual stage
     one_each = sum(unit_saved.values()) or 1.0
     parts = {k: v * peak_saved / one_each for k, v in parts.items()}
-    state = model_state_bytes(cfg, layout, rank, recipe.optimizer, freeze=recipe.phase.freeze,
+    # router training freezes the whole memory decoder (its router is counted with the phase's residents)
+    freeze = ("*",) if recipe.phase.kind == "memdec_router" else recipe.phase.freeze
+    state = model_state_bytes(cfg, layout, rank, recipe.optimizer, freeze=freeze,
                               parallel=recipe.parallel, zero1_worst=worst_zero1, skeleton=skeleton,
                               series_forecast=recipe.phase.kind == "timeseries_forecast")
     layers = [layer for s in stages for layer in layout.stage_layers[s]]

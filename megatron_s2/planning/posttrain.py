@@ -174,4 +174,22 @@ def memdec_resident(recipe: RecipeConfig, layout: ParallelLayout, rank: int) -> 
     cfg, source = _frozen_config(recipe, path, model_ref)
     layout.check_frozen_model(cfg, "phase.memdec_backbone")
     label = f"memdec frozen backbone ({cfg.name}; {source}; {where}; {_dtype(cfg)})"
-    return {label: frozen_model_bytes(cfg, layout_groups(layout, rank)), **out}
+    out = {label: frozen_model_bytes(cfg, layout_groups(layout, rank)), **out}
+    if kind == "memdec_router" and pp_rank_of(layout, rank) == layout.pp - 1:
+        out["memdec router (trained, whole: float32 parameters, gradients, AdamW state)"] = \
+            _router_bytes(recipe, cfg.hidden_size)
+    return out
+
+
+def _router_bytes(recipe: RecipeConfig, backbone_hidden: int) -> float:
+    """The router the last stage trains (the memory decoder itself is frozen in this phase and
+    counted without gradients or optimiser state, :func:`~.memory.rank_memory`)."""
+    from megatron_s2.models.family.skeleton import SkeletonMode
+    from megatron_s2.models.memory_decoder.router import MemoryRouter
+    from megatron_s2.planning.model_state import ADAM_STEP_BYTES
+
+    with SkeletonMode():
+        router = MemoryRouter(backbone_hidden, recipe.model.hidden_size, recipe.phase.memdec_router_init_lambda,
+                              recipe.phase.memdec_router_hidden)
+    numel = sum(p.numel() for p in router.parameters())
+    return float(numel * 4 * 4 + ADAM_STEP_BYTES)  # parameter, gradient, exp_avg, exp_avg_sq
