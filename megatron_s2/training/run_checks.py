@@ -127,11 +127,12 @@ def check_image_layout(recipe: RecipeConfig) -> None:
 
 def check_series_layout(recipe: RecipeConfig) -> None:
     """The time-series lane (``data.kind: timeseries``, ``phase.kind: timeseries_forecast``; Intern-S2
-    report §2.2) needs ``model.timeseries``. It runs under dp, tp (+sp) and pp: the encoder and the
-    forecaster are whole replicas beside the first stage's embedding and the last stage's head
-    (the forecaster's stage encodes with a replica of the encoder, :mod:`megatron_s2.models.timeseries.replica`).
-    Context parallelism would cut a series span between chunks, and expert parallelism is untested
-    with the lane: both are refused."""
+    report §2.2) needs ``model.timeseries``. It runs under dp, tp (+sp), pp and ep: the encoder and
+    the forecaster are whole replicas beside the first stage's embedding and the last stage's head
+    (the forecaster's stage encodes with a replica of the encoder, :mod:`megatron_s2.models.timeseries.replica`),
+    reduced over the data-parallel group like every dense parameter while the backbone's experts
+    split over ep. Context parallelism would cut a series span between chunks, and expert tensor
+    parallelism is untested with the lane: both are refused."""
     series_data, forecast = recipe.data.kind == "timeseries", recipe.phase.kind == "timeseries_forecast"
     if not (series_data or forecast):
         return
@@ -146,11 +147,10 @@ def check_series_layout(recipe: RecipeConfig) -> None:
     ts.placeholder_id(recipe.model.vocab_size)
     p = recipe.parallel
     why = {"cp": "context parallelism would cut a series span between chunks",
-           "ep": "expert parallelism is untested with the series lane",
            "etp": "expert tensor parallelism is untested with the series lane"}
     for name, reason in why.items():
         if getattr(p, name) > 1:
-            raise ConfigError(f"parallel.{name}: {what} runs under dp, tp (+sequence_parallel) and pp, not "
+            raise ConfigError(f"parallel.{name}: {what} runs under dp, tp (+sequence_parallel), pp and ep, not "
                               f"{name}={getattr(p, name)} ({reason}); set parallel.{name}: 1")
     if recipe.phase.trains_drafter:
         raise ConfigError(f"{what} with a phase that trains the DSpark drafter is not supported; train the drafter "

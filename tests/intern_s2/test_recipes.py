@@ -74,7 +74,7 @@ def _series_stand_ins(root: Path) -> None:
 
 
 @pytest.mark.parametrize("name, nodes", [("pretrain_35b_a3b", 4), ("pretrain_397b_a17b", 32),
-                                         ("timeseries_forecast_397b_a17b", 30)])
+                                         ("timeseries_forecast_397b_a17b", 32)])
 def test_flagship_shaped_recipes_fit_their_clusters(name, nodes, cluster_inputs):
     from megatron_s2.launcher.launch import prepare_runs
     from megatron_s2.planning.memory import estimate_memory
@@ -88,23 +88,26 @@ def test_flagship_shaped_recipes_fit_their_clusters(name, nodes, cluster_inputs)
     assert run.plan.world_size == nodes * 8
 
 
-def test_the_series_phase_runs_without_expert_parallelism(cluster_inputs):
-    """The series lane refuses ep (run_checks.check_series_layout): the 397B forecasting phase holds
-    every expert of its stage's layers on each rank, within an H200 and under 80 GB (its header's
-    figures), and the pipeline file chains it after pretraining (launch --slurm --dry-run)."""
+def test_the_series_phase_runs_on_the_pretraining_layout(cluster_inputs):
+    """The 397B forecasting phase takes the pretraining recipe's layout (its experts split over
+    ep=32; the lane refuses only cp / etp, run_checks.check_series_layout), far under 80 GB (its
+    header's figure), and the pipeline file chains it after pretraining (launch --slurm --dry-run)."""
     from megatron_s2.launcher.launch import prepare_runs
     from megatron_s2.planning.memory import estimate_memory
 
     recipe = load_recipe(INTERN / "timeseries_forecast_397b_a17b.yaml")
-    assert (recipe.parallel.ep, recipe.parallel.etp, recipe.parallel.cp) == (1, 1, 1)
+    pretraining = load_recipe(INTERN / "pretrain_397b_a17b.yaml").parallel
+    assert all(getattr(recipe.parallel, k) == getattr(pretraining, k)
+               for k in ("tp", "pp", "pipeline_layers", "ep", "dp", "etp", "cp", "sequence_parallel"))
     plan = estimate_memory(recipe)
-    assert plan.peak.total / 2 ** 30 == pytest.approx(71.72, abs=0.05)  # with the forecaster and encoder replica
+    assert plan.peak.total / 2 ** 30 == pytest.approx(26.28, abs=0.05)
+    assert "26.3 GiB per rank" in (INTERN / "timeseries_forecast_397b_a17b.yaml").read_text()  # with the forecaster and encoder replica
     assert plan.peak.state.parameters["forecaster"] > 0 and plan.peak.state.parameters["series encoder replica"] > 0
     assert plan.peak.pp_rank == recipe.parallel.pp - 1
     pretrain, series = prepare_runs(str(INTERN / "timeseries_pipeline.yaml"), [], {}, None, local=False)
     assert (pretrain.phase, series.phase) == ("pretrain", "timeseries_forecast")
     assert series.recipe.checkpoint.load == str(pretrain.job.run_dir / "checkpoints")
-    assert (pretrain.plan.world_size, series.plan.world_size) == (256, 240)
+    assert (pretrain.plan.world_size, series.plan.world_size) == (256, 256)
 
 
 @pytest.mark.parametrize("name, gib", [("memdec_pretrain_397b_a17b", 45.54), ("memdec_router_397b_a17b", 46.90)])

@@ -58,12 +58,10 @@ def test_recipe_loads_without_torch_and_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["parallel.cp=2", "parallel.dp=1"], "parallel.cp: data.kind: 'timeseries' runs under dp, tp (+sequence_parallel) "
-                                         "and pp, not cp=2 (context parallelism would cut"),
-    (["parallel.ep=2", "parallel.dp=2"], "parallel.ep: data.kind: 'timeseries' runs under dp, tp (+sequence_parallel) "
-                                         "and pp, not ep=2 (expert parallelism is untested"),
+    (["parallel.cp=2", "parallel.dp=1"], "parallel.cp: data.kind: 'timeseries' runs under dp, tp (+sequence_parallel), "
+                                         "pp and ep, not cp=2 (context parallelism would cut"),
     (["parallel.etp=2", "parallel.tp=2", "parallel.dp=1"], "parallel.etp: data.kind: 'timeseries' runs under dp, "
-                                                           "tp (+sequence_parallel) and pp, not etp=2 (expert tensor"),
+                                                           "tp (+sequence_parallel), pp and ep, not etp=2 (expert tensor"),
     (["phase.kind=timeseries_forecast", "parallel.cp=2", "parallel.dp=1"], "parallel.cp: phase.kind: timeseries_"
                                                                            "forecast runs under"),
     (["model.timeseries=null"], "model.timeseries"),

@@ -27,6 +27,9 @@ LAYOUTS = {
     "tp2": ["parallel.tp=2", "parallel.dp=1"],
     "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=1"],
     "pp2": ["parallel.pp=2", "parallel.dp=1"],
+    # the backbone's routed experts split over ep (the series encoder and forecaster stay whole,
+    # reduced over the whole data-parallel group like every dense parameter)
+    "dp2_ep2": ["parallel.ep=2", "parallel.dp=2"],
 }
 METRICS = ("loss_text_raw", "loss_forecast_raw")
 ZERO_INIT = ("_norm.weight", ".bias")
@@ -49,7 +52,7 @@ def _run(rank: int, world: int, overrides: list, out: str) -> None:
     recipe = load_recipe(RECIPE, [*BASE, *overrides, f"training.run_dir={run_dir}"])
     trainer = ForecastTrainer(recipe, run_dir, rank=rank, world_size=world, log=lambda *a, **k: None)
     g = trainer.groups
-    record = {"steps": [], "divergence": [], "split": (g.tp.size, g.sequence.sp, g.pp.size)}
+    record = {"steps": [], "divergence": [], "split": (g.tp.size, g.sequence.sp, g.pp.size, g.ep.size)}
     for _ in range(3):
         row = trainer.train_step()
         record["steps"].append({"loss": row["loss"], "grad_norm": row["grad_norm"],
@@ -93,7 +96,8 @@ def test_forecast_phase_layout_matches_one_rank(parity, layout):
                 assert got[key] == pytest.approx(want[key], rel=1e-5), (layout, key)
                 worst[key] = max(worst.get(key, 0.0), abs(got[key] - want[key]) / abs(want[key]))
         assert all(d == 0.0 for d in rec["divergence"]), f"{layout}: the encoder replica left its owner"
-    expected = {"tp2": (2, False, 1), "tp2_sp": (2, True, 1), "pp2": (1, False, 2)}[layout]
+    expected = {"tp2": (2, False, 1, 1), "tp2_sp": (2, True, 1, 1), "pp2": (1, False, 2, 1),
+                "dp2_ep2": (1, False, 1, 2)}[layout]
     assert all(rec["split"] == expected for rec in records), layout
     if layout.startswith("pp"):
         assert [rec["replica"] for rec in records] == [False, True]   # the last stage runs a replica
