@@ -129,12 +129,30 @@ def _encode_e2m1(values: torch.Tensor) -> torch.Tensor:
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
-def _decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """Packed uint8 [..., d/2] -> float32 [..., d] on the E2M1 grid."""
+def _decode_e2m1_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Packed uint8 [..., d/2] -> float32 [..., d] on the E2M1 grid, nibble by nibble (the
+    definition; builds :func:`_decode_e2m1`'s table)."""
     grid = torch.tensor(_E2M1_GRID, dtype=torch.float32, device=codes.device)
     nibbles = torch.stack((codes & 0xF, codes >> 4), dim=-1).flatten(-2)
     mag = grid[(nibbles & 0x7).long()]
     return torch.where((nibbles & 0x8).bool(), -mag, mag)
+
+
+# Decoding tables, one per device: a byte's two E2M1 values ([256, 2]) and an E8M0 byte's scale
+# ([256]), made by the definitions above from every byte, so a lookup returns their bits (-0.0
+# and the E8M0 extremes included). A KV read unpacks every cached index key of a Full layer per
+# decode step; the lookup is 3 operators where the nibble arithmetic is 12 over int64 copies.
+_E2M1_PAIRS: dict[torch.device, torch.Tensor] = {}
+_E8M0_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def _decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Packed uint8 [..., d/2] -> float32 [..., d] on the E2M1 grid (a table lookup per byte)."""
+    table = _E2M1_PAIRS.get(codes.device)
+    if table is None:
+        every = torch.arange(256, dtype=torch.uint8, device=codes.device)
+        table = _E2M1_PAIRS[codes.device] = _decode_e2m1_nibbles(every).view(256, 2)
+    return table[codes.long()].flatten(-2)
 
 
 def _e8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -143,8 +161,17 @@ def _e8m0(scale: torch.Tensor) -> torch.Tensor:
     return (exp - 1 + E8M0_BIAS).to(torch.uint8)
 
 
-def _from_e8m0(e: torch.Tensor) -> torch.Tensor:
+def _from_e8m0_ldexp(e: torch.Tensor) -> torch.Tensor:
+    """Biased exponent bytes -> 2^(e - 127) (float32; the definition, builds the table)."""
     return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.int32) - E8M0_BIAS)
+
+
+def _from_e8m0(e: torch.Tensor) -> torch.Tensor:
+    """Biased exponent bytes -> 2^(e - 127) (float32; a table lookup per byte)."""
+    table = _E8M0_SCALES.get(e.device)
+    if table is None:
+        table = _E8M0_SCALES[e.device] = _from_e8m0_ldexp(torch.arange(256, dtype=torch.uint8, device=e.device))
+    return table[e.long()]
 
 
 # ---- FP4 E2M1 with E4M3 scales (main KV) -----------------------------------------------------

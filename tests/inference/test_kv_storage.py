@@ -70,3 +70,34 @@ def test_a_request_holds_exactly_its_pages(tiny_cfg):
     assert len(seq.pages) == 3 and gkv.pool.num_free == 16 - 1 - 3
     page_bytes = gkv.buffer_bytes() / gkv.num_pages
     assert len(seq.pages) * page_bytes / len(tokens) == account(cfg)["global_kv_bytes_per_token"]
+
+
+@pytest.mark.parametrize("fp4", [True, False])
+def test_a_decode_step_unpacks_only_the_selected_entries(tiny_cfg, fp4):
+    """PagedEntries (a decode step's main KV, left in its pages) hands back, for a top-k
+    selection, exactly the rows of the whole read at those ids, in order; -1 stays -1."""
+    from megatron_s2.models.v41.inference.kv_step import PagedEntries
+
+    cfg = quantised(tiny_cfg, fp4)
+    store = GlobalKVStore(cfg, num_pages=6, page_tokens=8, device=CPU)
+    layer = next(iter(store.layers))
+    geo = store.layers[layer]
+    g = torch.Generator().manual_seed(0)
+    table = torch.tensor([[1, 3, 4], [2, 5, 0]])  # the second row holds two pages, padded with page 0
+    pages = torch.arange(1, 6).repeat_interleave(geo.entries_per_page)
+    slots = torch.arange(geo.entries_per_page).repeat(5)
+    store.write(layer, pages, slots, torch.randn(pages.numel(), cfg.head_dim, generator=g),
+                torch.randn(pages.numel(), cfg.index_head_dim, generator=g))
+    whole = store.read_main(layer, table)
+    entries = PagedEntries(store, layer, table)
+    assert entries.size(1) == whole.size(1)
+    n = 2 * geo.entries_per_page
+    topk = torch.stack([torch.randperm(n, generator=g)[:5], torch.randperm(n, generator=g)[:5]]).unsqueeze(1)
+    topk[1, 0, 3:] = -1
+    keys, ids = entries.select(topk)
+    assert torch.equal(ids, torch.where(topk >= 0, torch.arange(5), -1))
+    for b in range(2):
+        for j in range(5):
+            if topk[b, 0, j] >= 0:
+                assert torch.equal(keys[b, j], whole[b, topk[b, 0, j]])
+    assert entries.select(topk)[0] is keys  # a Reuse layer's same top-k: no second gather

@@ -47,3 +47,14 @@ def test_bytes_per_vector(fmt, dim, expected):
 def test_bad_width_is_rejected():
     with pytest.raises(ValueError, match="multiple of the quantisation block"):
         pack_fp4_e4m3(torch.randn(2, 24))
+
+
+def test_decoding_tables_return_the_definitions_bits():
+    """The E2M1 / E8M0 lookup tables the KV reads use hold, for every byte, the bits of the
+    nibble arithmetic and of ldexp (-0.0, subnormal 2^-127 and inf included)."""
+    from megatron_s2.kernels.quant_formats import (_decode_e2m1, _decode_e2m1_nibbles, _from_e8m0,
+                                                   _from_e8m0_ldexp)
+
+    every = torch.arange(256, dtype=torch.uint8).view(16, 16)
+    assert torch.equal(_decode_e2m1(every).view(torch.int32), _decode_e2m1_nibbles(every).view(torch.int32))
+    assert torch.equal(_from_e8m0(every).view(torch.int32), _from_e8m0_ldexp(every).view(torch.int32))

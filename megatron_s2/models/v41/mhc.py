@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from megatron_s2.kernels.precision import cast
+from megatron_s2.kernels.sinkhorn import sinkhorn, sinkhorn_reference as _sinkhorn
 from megatron_s2.models.v41.config import V41Config
 from megatron_s2.models.init import constant_init, normal_init
 from megatron_s2.models.v41.parallel_plan import apply_plan
@@ -79,42 +80,6 @@ def _wide(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [cast(t, dt) for t in ts]
 
 
-_OPERANDS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-_OPERANDS_ENTRIES = 16
-
-
-def _sinkhorn_operands(batch: int, n: int, eps: float, dtype: torch.dtype,
-                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The constant operands of the sums (eps ``[1,1,1]``, ones ``[B,n,1]`` and ``[B,1,n]``),
-    built once per shape: 5 operators per sublayer otherwise (120 per decode step of ``small``).
-    Constants without autograd history, so sharing them across calls is safe; a few shapes only
-    (decode batches and prefill chunks), the oldest dropped first."""
-    key = (batch, n, eps, dtype, device)
-    hit = _OPERANDS.get(key)
-    if hit is None:
-        ones = torch.ones(1, n, 1, dtype=dtype, device=device)
-        hit = (torch.full((1, 1, 1), eps, dtype=dtype, device=device), ones.expand(batch, n, 1),
-               ones.view(1, 1, n).expand(batch, 1, n))
-        if len(_OPERANDS) >= _OPERANDS_ENTRIES:
-            _OPERANDS.pop(next(iter(_OPERANDS)))
-        _OPERANDS[key] = hit
-    return hit
-
-
-def _sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    # Each normalisation is two operators: the sums + eps as one batched matmul against ones
-    # (baddbmm), then the division. At decode the matrices are [tokens, 4, 4] and the cost is
-    # per operator, not per flop: 39 normalisations per sublayer dominate a step otherwise.
-    shape, n = logits.shape, logits.size(-1)
-    m = logits.reshape(-1, n, n).softmax(-1) + eps
-    e, ones_col, ones_row = _sinkhorn_operands(m.size(0), n, eps, m.dtype, m.device)
-    m = m / torch.baddbmm(e, ones_row, m)  # columns
-    for _ in range(iters - 1):
-        m = m / torch.baddbmm(e, m, ones_col)  # rows
-        m = m / torch.baddbmm(e, ones_row, m)  # columns
-    return m.reshape(shape)
-
-
 class _SinkhornKnopp(torch.autograd.Function):
     """Sinkhorn-Knopp that stores only its input and re-runs the iterations in backward.
 
@@ -127,7 +92,7 @@ class _SinkhornKnopp(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         ctx.save_for_backward(logits)
         ctx.iters, ctx.eps = iters, eps
-        return _sinkhorn(logits, iters, eps)
+        return sinkhorn(logits, iters, eps)  # the fused kernel where one runs; backward differentiates the reference
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -148,7 +113,7 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor
     if iters < 1:
         raise ValueError(f"sinkhorn_knopp: iters must be >= 1, got {iters}")
     if not (torch.is_grad_enabled() and logits.requires_grad):
-        return _sinkhorn(logits, iters, eps)  # inference: no autograd.Function overhead per sublayer
+        return sinkhorn(logits, iters, eps)  # inference: no autograd.Function overhead per sublayer
     return _SinkhornKnopp.apply(logits, iters, eps)
 
 

@@ -105,7 +105,7 @@ class SharedStateRegistry:
         return sorted(self._states, key=lambda k: (k[0], k[1].value))
 
     def bytes_held(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._states.values())
+        return sum(t.nbytes for t in self._states.values())  # a tensor's numel * element_size, or what a stand-in holds
 
     def __len__(self) -> int:
         return len(self._states)

@@ -347,6 +347,8 @@ class CSA2Attention(nn.Module):
             main_kv, index_k = self._main_kv(x_in, ctx)
             keep = want_mass and not self.recomputes_core()
             topk, indexer_inputs = self._topk(x_in, qr, index_k, main_kv.size(1), ctx, keep_queries=keep)
+            if ctx.kv_cache is not None:  # a decode step unpacks only the entries its top-k names
+                main_kv, topk = ctx.kv_cache.attended_entries(main_kv, topk)
             kv = torch.cat([kv, cast(main_kv, kv.dtype)], dim=1)
             split = self.window
         out, mass = self.attend(qr, kv, window_idx, topk, n_window, pos, split if want_mass else None)

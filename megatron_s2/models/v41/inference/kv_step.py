@@ -14,10 +14,14 @@ earlier tokens call this object instead of looking at the sequence:
 * :meth:`KVCacheStep.compress` — this chunk's compressor projections joined to the carried
   partial block; every block of m that completes is pooled, RoPE'd and projected to index
   keys by the layer's own pieces (entry j at position j*m), stored packed, and the partial
-  rest carried; then every entry of every request is read back (dequantised), which is what
-  Full, Reindex and Reuse layers attend to or score in this step. Tokens below the request's
-  ``kv_tokens`` (bounded replay of a cached prefix) regenerate SWA KV only: their global KV
-  is reused, never recomputed or overwritten (§3.2.2).
+  rest carried; then every entry's index key is read back (dequantised): the indexers of
+  Full and Reindex layers score them all. The main KV is read back whole for a prefill chunk;
+  a decode step leaves it packed in its pages (:class:`PagedEntries`) and
+  :meth:`KVCacheStep.attended_entries` unpacks only the top-k entries the query attends to
+  (§2.3: a query reads the window and its top-k blocks, never the whole compressed cache), so
+  the step's main-KV work is proportional to top-k, not to the context. Tokens below the
+  request's ``kv_tokens`` (bounded replay of a cached prefix) regenerate SWA KV only: their
+  global KV is reused, never recomputed or overwritten (§3.2.2).
 
 Rows are requests, padded on the right to a common length: padded tokens continue the
 positions past the real ones, so no real query can see them (keys are causal) and they are
@@ -32,7 +36,7 @@ from megatron_s2.kernels.precision import cast
 from megatron_s2.models.v41.inference.kv_store import GlobalKVStore, SequenceKV, SWAStore
 from megatron_s2.models.v41.attention.visibility import window_indices
 
-__all__ = ["KVCacheStep"]
+__all__ = ["KVCacheStep", "PagedEntries"]
 
 _MISSING = 1 << 40  # shifts positions of missing window keys out of reach (keeps them ascending)
 
@@ -147,7 +151,23 @@ class KVCacheStep:
         if groups_kv:
             self._append(attn, geo, torch.cat(groups_kv), torch.cat(groups_gate) if groups_gate else None,
                          torch.cat(entry_ids), torch.cat(owners))
-        return self._read_all(layer)
+        table = self._read_table(layer)
+        index = self.global_kv.read_index(layer, table)
+        if self.decode:  # one query per row: only its top-k entries are unpacked (attended_entries)
+            return PagedEntries(self.global_kv, layer, table), index
+        return self.global_kv.read_main(layer, table), index
+
+    def attended_entries(self, main_kv: "torch.Tensor | PagedEntries",
+                         topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The main-KV entries a CSA2 layer's queries attend to, and their top-k ids into them.
+
+        A prefill chunk's ``main_kv`` is every entry (returned as is, ``topk`` unchanged); a
+        decode step's is :class:`PagedEntries`, whose top-k entries are gathered from the pages
+        and unpacked: ``[B, k, hd]`` with ids ``0..k-1`` (-1 kept). The attention gathers the
+        same key values in the same order either way, so its output is bit for bit the same."""
+        if isinstance(main_kv, PagedEntries):
+            return main_kv.select(topk)
+        return main_kv, topk
 
     def _append(self, attn, geo, kv: torch.Tensor, gate: torch.Tensor | None, entry_ids: torch.Tensor,
                 owners: torch.Tensor) -> None:
@@ -166,7 +186,51 @@ class KVCacheStep:
                 table[r, :n] = torch.tensor(seq.pages[:n], dtype=torch.long, device=self.device)
         return table
 
-    def _read_all(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_table(self, layer: int) -> torch.Tensor:
+        """The page table ``[B, P]`` covering every stored entry of ``layer`` of each row."""
         geo = self.global_kv.layers[layer]
         counts = [-(-(seq.kv_tokens.get(layer, 0) // geo.ratio) // geo.entries_per_page) for seq in self.seqs]
-        return self.global_kv.read(layer, self._page_table(counts))
+        return self._page_table(counts)
+
+
+class PagedEntries:
+    """A Full layer's compressed main KV in one decode step, still packed in its pages.
+
+    It stands where the dequantised ``[B, P*E, hd]`` entries stand in a prefill chunk (it is
+    published as the layer's MAIN_KV and consumed by its Reindex / Reuse layers): ``size(1)`` is
+    the same entry count, and :meth:`select` unpacks only the entries a top-k selection names.
+    Reuse layers attend to the very top-k tensor of the layer they reuse, so the last selection
+    is kept and handed to them without a second gather.
+    """
+
+    def __init__(self, store: GlobalKVStore, layer: int, page_table: torch.Tensor):
+        self.store, self.layer, self.page_table = store, layer, page_table
+        self.entries_per_page = store.layers[layer].entries_per_page
+        self._last: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def size(self, dim: int) -> int:
+        """``size(1)``: the entry count of the dequantised view (``P*E``, pages padded)."""
+        if dim != 1:
+            raise ValueError(f"PagedEntries.size: only the entry dimension (1) is defined, got {dim}")
+        return self.page_table.size(1) * self.entries_per_page
+
+    @property
+    def nbytes(self) -> int:
+        """What it holds besides the pages: the page table (the shared-state registry's count)."""
+        return self.page_table.nbytes
+
+    def select(self, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``topk [B, 1, k]`` entry ids (-1: none) -> (their main KV ``[B, k, hd]`` float32, the ids
+        ``0..k-1`` into it ``[B, 1, k]``, -1 kept)."""
+        if self._last is not None and self._last[0] is topk:
+            return self._last[1]
+        if topk.size(1) != 1:
+            raise ValueError(f"PagedEntries.select: one query per row in a decode step, got {topk.size(1)}")
+        ids = topk[:, 0].clamp_min(0)                                   # -1 reads entry 0, masked below
+        e = self.entries_per_page
+        pages = self.page_table.gather(1, torch.div(ids, e, rounding_mode="floor"))
+        keys = self.store.gather_main(self.layer, pages, ids.remainder(e))
+        local = torch.arange(topk.size(-1), device=topk.device).expand_as(topk)
+        picked = (keys, torch.where(topk >= 0, local, -1))
+        self._last = (topk, picked)
+        return picked

@@ -64,10 +64,21 @@ class GlobalKVStore:
 
     def read(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Page table ``[B, P]`` -> (main KV ``[B, P*E, hd]``, index K ``[B, P*E, dI]``), float32."""
-        b, p = page_table.shape
-        main = self.main_format.unpack(tuple(buf[page_table].flatten(1, 2) for buf in self.main[layer]))
-        index = self.index_format.unpack(tuple(buf[page_table].flatten(1, 2) for buf in self.index[layer]))
-        return main, index
+        return self.read_main(layer, page_table), self.read_index(layer, page_table)
+
+    def read_main(self, layer: int, page_table: torch.Tensor) -> torch.Tensor:
+        """Page table ``[B, P]`` -> main KV ``[B, P*E, hd]`` (float32)."""
+        return self.main_format.unpack(tuple(buf[page_table].flatten(1, 2) for buf in self.main[layer]))
+
+    def read_index(self, layer: int, page_table: torch.Tensor) -> torch.Tensor:
+        """Page table ``[B, P]`` -> index K ``[B, P*E, dI]`` (float32)."""
+        return self.index_format.unpack(tuple(buf[page_table].flatten(1, 2) for buf in self.index[layer]))
+
+    def gather_main(self, layer: int, pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Main KV of the entries at (page, slot) pairs (any equal shapes ``[...]``) -> ``[..., hd]``
+        (float32). Unpacking is per vector, so these are the values :meth:`read_main` hands back
+        for the same entries, bit for bit."""
+        return self.main_format.unpack(tuple(buf[pages, slots] for buf in self.main[layer]))
 
     def copy_page(self, src: int, dst: int) -> None:
         for layer in self.layers:
