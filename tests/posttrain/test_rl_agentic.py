@@ -24,7 +24,7 @@ from megatron_s2.config.recipe import load_recipe
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.posttrain.agentic.harnesses import HARNESSES
 from megatron_s2.posttrain.agentic.sandbox import SandboxUnavailable, detect_runtime
-from megatron_s2.posttrain.agentic.tasks import task_variant, task_variants, variant_split
+from megatron_s2.posttrain.agentic.tasks import WORD_LENGTH, task_variant, task_variants, variant_split
 from megatron_s2.config.posttrain.agentic import SandboxConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,6 +139,9 @@ def test_task_instances_are_seeded_and_the_held_out_split_is_disjoint():
     assert len({(t.name, t.variant) for t in held}) == 24
     assert not {(t.name, t.variant) for t in held} & {(t.name, t.variant) for t in train}
     assert task_variants(["copy_word"], "train", 5, seed=3) == task_variants(["copy_word"], "train", 5, seed=3)
+    words = [t.files["word.txt"].strip() for t in train if t.name == "copy_word"]
+    assert all(len(w) == WORD_LENGTH and w.isalpha() and w.islower() for w in words)
+    assert len(set(words)) > 0.9 * len(words)  # random letters, not a list whose spellings a policy can memorise
 
 
 def test_an_instance_is_solved_by_its_reference_and_graded_on_its_own_input():

@@ -16,8 +16,8 @@ Kinds in the set: fix a bug so that hidden tests pass (``fix_median``, ``fix_wor
 ``fix_report``), implement to a spec (``implement_slugify``), produce a file with given
 properties (``primes_file``, ``make_config``), a terminal chore (``archive_logs``); and two
 tiny-model tasks, one file read and one file written (``sum_pair``: the sum of the two numbers of
-input.txt; ``copy_word``: the word of word.txt), whose inputs are overlaid last, so an agent that
-rewrites them earns nothing.
+input.txt; ``copy_word``: the word of word.txt, random letters), whose inputs are overlaid last, so
+an agent that rewrites them earns nothing.
 
 **Variants** (issue 25): a policy trained on one fixed instance learns that instance. The two
 tiny-model tasks have seeded instances — :func:`task_variant` draws ``sum_pair``'s operands and
@@ -39,7 +39,7 @@ from functools import lru_cache
 from pathlib import Path
 
 __all__ = ["TASKS_DIR", "AgenticTask", "load_task", "task_names", "VARIANT_TASKS", "task_variant", "variant_split",
-           "task_variants"]
+           "task_variants", "WORD_LENGTH"]
 
 TASKS_DIR = Path(__file__).with_name("tasks")
 
@@ -95,19 +95,11 @@ def load_task(name: str) -> AgenticTask:
 
 
 # ---- variants ----------------------------------------------------------------------------------------
-# copy_word's words: short lowercase words, no two alike (any word the tokenizer spells works).
-WORDS = tuple("""
-apple amber anchor arrow aspen badge bamboo basil beacon berry birch bison blade bloom bolt brick
-brook cabin cable camel candle canyon carbon castle cedar cherry cider cliff clover cobalt comet
-copper coral cotton crane crystal dagger daisy delta desert dingo dolphin dragon eagle ember falcon
-fern ferry fiddle flame flint forest fossil fox garnet ginger glacier goose granite grape gravel
-harbor hazel heron hollow honey hornet iris island ivory jade jaguar jasmine kettle kite koala
-ladder lagoon lantern lemon lily linen lizard lotus maple marble meadow melon mint mirror moose
-nectar nickel oak ocean olive onyx orchid otter oyster panda parrot pebble pepper pine planet
-plum pony prism quartz quill rabbit raven reef ribbon river robin ruby saddle salmon sapphire
-shadow silver spruce squid stone summit swan tiger timber topaz tulip tundra velvet violet walnut
-willow wolf yarrow zebra zinc
-""".split())
+# copy_word's words: WORD_LENGTH random lowercase letters. Not dictionary words: a tiny policy can
+# memorise a word list's spellings and guess a frequent one without reading word.txt; random letters
+# can only be copied, every letter from the observation (issue 25, "a rising curve").
+WORD_LENGTH = 3
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 VARIANT_TASKS = ("sum_pair", "copy_word")
 """The tasks with seeded instances (:func:`task_variant`)."""
@@ -119,7 +111,7 @@ def _sum_pair(rng: random.Random, max_operand: int) -> tuple[dict[str, str], dic
 
 
 def _copy_word(rng: random.Random, max_operand: int) -> tuple[dict[str, str], dict[str, str]]:
-    word = rng.choice(WORDS)
+    word = "".join(rng.choice(LETTERS) for _ in range(WORD_LENGTH))
     return {"word.txt": f"{word}\n"}, {"answer.txt": word}
 
 
@@ -160,7 +152,7 @@ def task_variants(names: list[str] | tuple[str, ...], split: str, count: int, se
     fixed = [n for n in names if n not in _GENERATORS]
     if split == "eval" and fixed:
         raise ValueError(f"agentic tasks {fixed} have no variants, so none of their instances is held out")
-    space = {"sum_pair": (max_operand + 1) ** 2, "copy_word": len(WORDS)}
+    space = {"sum_pair": (max_operand + 1) ** 2, "copy_word": len(LETTERS) ** WORD_LENGTH}
     while len(out) < count:
         name = names[len(out) % len(names)]
         if name in fixed:
