@@ -76,6 +76,9 @@ class PhaseConfig:
     """timeseries_forecast: weight of the forecaster's loss (mean absolute error of the normalised values)."""
     forecast_lambda_text: float = 1.0
     """timeseries_forecast: weight of the text cross-entropy."""
+    horizon_lambda: float = 0.5
+    """timeseries_forecast with ``model.timeseries.horizon_predictor``: weight of the learned horizon
+    predictor's cross-entropy against the true horizon (logged as ``loss_horizon_raw``, ``horizon_acc``)."""
 
     def __post_init__(self) -> None:
         if len(set(self.freeze)) != len(self.freeze):
@@ -93,6 +96,8 @@ class PhaseConfig:
         if self.forecast_lambda < 0 or self.forecast_lambda_text < 0:
             raise ConfigError(f"phase.forecast_lambda / forecast_lambda_text: must be >= 0, got {self.forecast_lambda} "
                               f"and {self.forecast_lambda_text}")
+        if self.horizon_lambda < 0:
+            raise ConfigError(f"phase.horizon_lambda: must be >= 0, got {self.horizon_lambda}")
         if self.kind == "timeseries_forecast" and self.forecast_lambda == 0:
             raise ConfigError("phase.forecast_lambda: 0 trains no forecaster in phase.kind timeseries_forecast; use "
                               "kind sft for text only, or a positive weight")
