@@ -76,7 +76,7 @@ class PhaseConfig:
     """timeseries_forecast: weight of the forecaster's loss (mean absolute error of the normalised values)."""
     forecast_lambda_text: float = 1.0
     """timeseries_forecast: weight of the text cross-entropy."""
-    horizon_lambda: float = 0.5
+    horizon_lambda: float = 1.0
     """timeseries_forecast with ``model.timeseries.horizon_predictor``: weight of the learned horizon
     predictor's cross-entropy against the true horizon (logged as ``loss_horizon_raw``, ``horizon_acc``)."""
 

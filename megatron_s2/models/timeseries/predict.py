@@ -16,7 +16,6 @@ import torch
 
 from megatron_s2.models.timeseries.attach import EncodedSeries, encode_series
 from megatron_s2.models.timeseries.forecaster import ForecastBranch, ForecastRows
-from megatron_s2.models.timeseries.horizon_predictor import rate_features
 from megatron_s2.parallel.mappings import gather_sequence
 
 __all__ = ["forecast_inputs", "horizon_logits", "horizon_loss", "learned_horizons", "forecast_loss", "forecast", "full_final_hidden", "prompt_hidden"]
@@ -78,10 +77,10 @@ def forecast_inputs(branch: ForecastBranch, final_hidden: torch.Tensor, encoded:
 
 def horizon_logits(branch: ForecastBranch, final_hidden: torch.Tensor, encoded: EncodedSeries,
                    spans: Sequence[Sequence[tuple[int, int]]]) -> torch.Tensor:
-    """The learned horizon predictor's logits [S, max_horizon] of each series (its instruction's
+    """The learned horizon predictor's log-probabilities [S, max_horizon] of each series (its instruction's
     hidden states and its sampling rate); ``branch.horizon`` must exist."""
     llm, _, instruction = _llm_context(final_hidden, encoded, spans)
-    rates = rate_features([place.series.sample_rate for row in encoded.placements for place in row], llm.device)
+    rates = [place.series.sample_rate for row in encoded.placements for place in row]
     return branch.horizon(llm, instruction, rates)
 
 
