@@ -13,7 +13,8 @@ item), with the run's lengths, channels, horizons, rates and noise. For every it
 (its accuracy is printed) and the branch emits that many de-normalised values per channel (the
 MASE table). With a learned horizon predictor in the checkpoint its held-out accuracy is printed
 too, and a row "forecaster, learned horizon" scores the forecasts whose length it decided (a wrong
-horizon is a failure: the success rate in brackets is its accuracy). MASE divides each forecast's mean absolute error by the mean absolute one-step change of
+horizon is a failure: the success rate in brackets is its accuracy). MASE divides each forecast's
+mean absolute error by the mean absolute one-step change of
 the history (per channel), then averages over (item, channel). Baselines: naive (the last value
 repeated), seasonal naive with the generator's true period (an oracle period: a strong
 baseline) and seasonal naive at the lag the forecaster itself estimates from the history's
@@ -142,7 +143,8 @@ def main(argv=None) -> int:
           f"noise {recipe.data.series_noise}; run {args.run_dir} step {trainer.step}")
     print(f"horizon parser: {horizon_right}/{n} instructions read exactly")
     if learned:
-        print(f"learned horizon predictor: {learned_right}/{n} held-out horizons exact ({100.0 * learned_right / n:.1f}%)")
+        print(f"learned horizon predictor: {learned_right}/{n} held-out horizons exact "
+              f"({100.0 * learned_right / n:.1f}%)")
     else:
         print("learned horizon predictor: none in this checkpoint (model.timeseries.horizon_predictor)")
     print(f"{'method':<30} {'MASE mean':>10} {'MASE median':>12} {'vs naive':>9}  (success rate)")

@@ -35,7 +35,8 @@ class PhaseConfig:
     (megatron_s2/posttrain/memdec). timeseries_forecast: the forecasting branch (Intern-S2 report
     §2.2.2) trained with the text: ``data.kind: timeseries`` documents, the answer's cross-entropy
     (loss on answers, as in sft) times ``forecast_lambda_text`` plus the causal forecaster's error
-    on the series' known futures times ``forecast_lambda`` (megatron_s2/training/forecast_trainer.py)."""
+    on the series' known futures times ``forecast_lambda``, plus, with ``model.timeseries.horizon_predictor``,
+    the learned horizon predictor's NLL times ``horizon_lambda`` (megatron_s2/training/forecast_trainer.py)."""
     freeze: tuple[str, ...] = ()
     """Parameter-name globs frozen in this phase (e.g. the backbone while training a drafter)."""
     train_drafter: bool = False

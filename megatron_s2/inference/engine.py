@@ -48,8 +48,9 @@ the images' content, never on their placeholder ids (:mod:`megatron_s2.models.fa
 ``add_request(ids, params, series=[SeriesInput, ...])`` expands each series placeholder of ``ids``
 (``model.timeseries.placeholder_id``) into its series' span and the executor inserts the
 encoder's tokens there during (chunked) prefill; cached prefixes are keyed on the series' content
-(:mod:`megatron_s2.models.timeseries.serving`). ``forecast=[horizon, ...]`` (one per series; None: the learned horizon predictor's) also
-asks for the numbers: the forecasting branch reads the prompt's final hidden states as the engine
+(:mod:`megatron_s2.models.timeseries.serving`). ``forecast=[horizon, ...]`` (one per series; None:
+the checkpoint's learned horizon predictor decides) also asks for the numbers: the forecasting
+branch reads the prompt's final hidden states as the engine
 computed them and the output that ends the prompt carries ``forecast`` (per series, [channels,
 horizon] real values on the series' own scale) — equal to ``predict.forecast`` out of the engine.
 

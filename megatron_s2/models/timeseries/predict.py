@@ -18,7 +18,8 @@ from megatron_s2.models.timeseries.attach import EncodedSeries, encode_series
 from megatron_s2.models.timeseries.forecaster import ForecastBranch, ForecastRows
 from megatron_s2.parallel.mappings import gather_sequence
 
-__all__ = ["forecast_inputs", "horizon_logits", "horizon_loss", "learned_horizons", "forecast_loss", "forecast", "full_final_hidden", "prompt_hidden"]
+__all__ = ["forecast_inputs", "horizon_logits", "horizon_loss", "learned_horizons", "forecast_loss", "forecast",
+           "full_final_hidden", "prompt_hidden"]
 
 
 def prompt_hidden(model, tokens: torch.Tensor, ctx, series) -> tuple[tuple, EncodedSeries, torch.Tensor]:
