@@ -96,6 +96,26 @@ def test_generate_series_prints_the_numbers_tools_forecast_gives(run_dir, capsys
 
 
 @pytest.mark.slow
+def test_generate_series_answers_with_the_learned_predictor(tmp_path_factory, capsys):
+    """A checkpoint with the learned horizon predictor: it decides (as tools/forecast.py), the parser's
+    reading rides along, ``--horizon`` overrides it."""
+    from megatron_s2.training.forecast_trainer import load_trained_forecaster
+    from tools.forecast import answer
+
+    run = trained_forecaster(tmp_path_factory.mktemp("ts-generate-learned") / "run", learned_horizon=True)
+    ask = {"instruction": "forecast the next two seconds", "sample_rate": 4, "series": SERIES}
+    want = answer(load_trained_forecaster(run), ask)
+    base = ["generate", str(run), "--series", json.dumps(SERIES), "--sample-rate", "4", "--device", "cpu"]
+    capsys.readouterr()
+    assert main([*base, "--prompt", ask["instruction"]]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["horizon"] == want["horizon"] and got["horizon_parsed"] == want["horizon_parsed"] == 8
+    np.testing.assert_allclose(got["forecast"], want["forecast"], rtol=1e-4, atol=1e-4)
+    assert main([*base, "--prompt", ask["instruction"], "--horizon", "5"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["horizon"] == 5
+
+
+@pytest.mark.slow
 def test_model_limits_are_one_line(run_dir, capsys):
     assert main(["generate", str(run_dir), "--series", "[1, 2, 3, 4, 5, 6, 7, 8]", "--horizon", "999",
                  "--prompt", "x", "--device", "cpu"]) == 2
