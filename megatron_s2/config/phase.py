@@ -80,6 +80,9 @@ class PhaseConfig:
     horizon_lambda: float = 1.0
     """timeseries_forecast with ``model.timeseries.horizon_predictor``: weight of the learned horizon
     predictor's cross-entropy against the true horizon (logged as ``loss_horizon_raw``, ``horizon_acc``)."""
+    horizon_detach: bool = False
+    """timeseries_forecast: the horizon predictor reads the backbone's hidden states without sending its
+    gradient back into the backbone (the module learns alone; the backbone trains on text and forecast)."""
 
     def __post_init__(self) -> None:
         if len(set(self.freeze)) != len(self.freeze):

@@ -71,9 +71,10 @@ class ForecastObjective:
     scale) and, with the predictor, ``loss_horizon_raw`` and ``horizon_acc`` (its micro-batch accuracy)."""
 
     def __init__(self, global_tokens: torch.Tensor, num_micro_global: int, *, lambda_text: float,
-                 lambda_forecast: float, lambda_horizon: float = 0.0):
+                 lambda_forecast: float, lambda_horizon: float = 0.0, detach_horizon: bool = False):
         self.global_tokens, self.num_micro_global = global_tokens, num_micro_global
         self.lambda_text, self.lambda_forecast, self.lambda_horizon = lambda_text, lambda_forecast, lambda_horizon
+        self.detach_horizon = detach_horizon
 
     def __call__(self, model, logits: torch.Tensor, mb: dict, ctx):
         text_objective, text_summed = micro_batch_objective(model.loss(logits, mb["labels"]), mb["loss_mask"],
@@ -86,7 +87,8 @@ class ForecastObjective:
         # the branch's own terms (forecast, horizon), each a per-micro-batch mean
         branch_loss = self.lambda_forecast * loss_fc
         if model.forecaster.horizon is not None and encoded.encoding is not None:
-            loss_h, accuracy = horizon_loss(model.forecaster, final, encoded, mb["series_targets"])
+            read = final.detach() if self.detach_horizon else final   # phase.horizon_detach
+            loss_h, accuracy = horizon_loss(model.forecaster, read, encoded, mb["series_targets"])
             branch_loss = branch_loss + self.lambda_horizon * loss_h
             ctx.aux_metrics["loss_horizon"] = loss_h.detach()  # logged as loss_horizon_raw
             ctx.aux_metrics["horizon_acc"] = accuracy
@@ -150,7 +152,7 @@ class ForecastTrainer(Trainer):
         phase = self.recipe.phase
         return ForecastObjective(global_token_count(micro_batches, self.groups.dp_cp), self.num_micro_global,
                                  lambda_text=phase.forecast_lambda_text, lambda_forecast=phase.forecast_lambda,
-                                 lambda_horizon=phase.horizon_lambda)
+                                 lambda_horizon=phase.horizon_lambda, detach_horizon=phase.horizon_detach)
 
 
 def load_trained_forecaster(run_dir) -> ForecastTrainer:
