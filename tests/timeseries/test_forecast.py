@@ -113,6 +113,7 @@ def test_denormalisation_uses_the_encoders_retained_stats_exactly():
 @pytest.mark.parametrize("overrides, needle", [
     (["phase.kind=timeseries_forecast", "phase.forecast_lambda=0"], "phase.forecast_lambda"),
     (["phase.forecast_lambda_text=-1"], "phase.forecast_lambda"),
+    (["phase.horizon_lambda=-0.5"], "phase.horizon_lambda"),
 ])
 def test_bad_phase_settings_are_one_line(tmp_path, overrides, needle):
     with pytest.raises(ConfigError) as err:
