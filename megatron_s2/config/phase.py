@@ -82,7 +82,9 @@ class PhaseConfig:
     predictor's cross-entropy against the true horizon (logged as ``loss_horizon_raw``, ``horizon_acc``)."""
     horizon_detach: bool = False
     """timeseries_forecast: the horizon predictor reads the backbone's hidden states without sending its
-    gradient back into the backbone (the module learns alone; the backbone trains on text and forecast)."""
+    gradient back into the backbone (the module learns alone; the backbone trains on text and forecast).
+    Measured on timeseries_forecast_tiny: detached it reads 15/200 held-out horizons (the tiny
+    character-level backbone does not encode "twenty-four" unasked), trained through 151/200."""
 
     def __post_init__(self) -> None:
         if len(set(self.freeze)) != len(self.freeze):
