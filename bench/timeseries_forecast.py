@@ -9,9 +9,12 @@ with the success rate in brackets).
 The run's newest checkpoint is loaded into its own model (config.yaml of the run directory); the
 held-out series come from the generator's held-out seed (``data.split: heldout``: no training
 item), with the run's lengths, channels, horizons, rates and noise. For every item the prompt
-(bos, series span, instruction, sep) goes through the backbone; the horizon predictor reads the
-instruction (its accuracy is printed), and the branch emits that many de-normalised values per
-channel. MASE divides each forecast's mean absolute error by the mean absolute one-step change of
+(bos, series span, instruction, sep) goes through the backbone; the parser reads the instruction
+(its accuracy is printed) and the branch emits that many de-normalised values per channel (the
+MASE table). With a learned horizon predictor in the checkpoint its held-out accuracy is printed
+too, and a row "forecaster, learned horizon" scores the forecasts whose length it decided (a wrong
+horizon is a failure: the success rate in brackets is its accuracy). MASE divides each forecast's
+mean absolute error by the mean absolute one-step change of
 the history (per channel), then averages over (item, channel). Baselines: naive (the last value
 repeated), seasonal naive with the generator's true period (an oracle period: a strong
 baseline) and seasonal naive at the lag the forecaster itself estimates from the history's
@@ -93,6 +96,8 @@ def main(argv=None) -> int:
                                   planner=SeriesPlanner.from_model(recipe.model), seq_length=recipe.training.seq_length)
     scores = {"forecaster": [], "naive": [], "seasonal naive (true period)": [], "seasonal naive (acf lag)": []}
     successes, horizon_right, wins = 0, 0, []
+    learned = model.forecaster.horizon is not None   # the checkpoint's learned horizon predictor
+    learned_right, learned_scores = 0, []
     for first in range(0, len(docs), args.batch):
         batch = range(first, min(first + args.batch, len(docs)))
         prompts, placements, spans, horizons, items = [], [], [], [], []
@@ -103,7 +108,7 @@ def main(argv=None) -> int:
             placements.append([SeriesPlacement(span.offset, SeriesInput(torch.from_numpy(item.values),
                                                                         item.sample_rate))])
             spans.append([(0, span.prompt_end)])
-            horizon = parse_horizon(item.instruction, item.sample_rate)   # the horizon predictor
+            horizon = parse_horizon(item.instruction, item.sample_rate)   # the parser (the data's grammar)
             horizon_right += horizon == item.horizon
             horizons.append(horizon)
             items.append(item)
@@ -112,6 +117,12 @@ def main(argv=None) -> int:
         for row, prompt in enumerate(prompts):
             tokens[row, :len(prompt)] = torch.from_numpy(prompt)
         outputs = forecast(model, tokens.to(trainer.device), placements, spans, horizons)
+        if learned:   # the learned predictor decides the length; a wrong one is a failed forecast
+            for item, out in zip(items, forecast(model, tokens.to(trainer.device), placements, spans,
+                                                 [None] * len(items))):
+                if out.shape[-1] == item.horizon:
+                    learned_right += 1
+                    learned_scores.append(mase(out.float().cpu().numpy(), item.future, item.values))
         for item, horizon, out in zip(items, horizons, outputs):
             values = out.float().cpu().numpy()
             ok = values.shape == item.future.shape and np.isfinite(values).all()
@@ -130,13 +141,22 @@ def main(argv=None) -> int:
     print(f"held-out procedural series: {n} items, {recipe.data.series_channels} channels, history "
           f"{recipe.data.series_length // 2}-{recipe.data.series_length} steps, horizon <= {recipe.data.series_horizon}, "
           f"noise {recipe.data.series_noise}; run {args.run_dir} step {trainer.step}")
-    print(f"horizon predictor: {horizon_right}/{n} instructions read exactly")
+    print(f"horizon parser: {horizon_right}/{n} instructions read exactly")
+    if learned:
+        print(f"learned horizon predictor: {learned_right}/{n} held-out horizons exact "
+              f"({100.0 * learned_right / n:.1f}%)")
+    else:
+        print("learned horizon predictor: none in this checkpoint (model.timeseries.horizon_predictor)")
     print(f"{'method':<30} {'MASE mean':>10} {'MASE median':>12} {'vs naive':>9}  (success rate)")
     naive_mean = float(np.concatenate(scores["naive"]).mean())
     for name, values in scores.items():
         flat = np.concatenate(values)
         rate = 100.0 * successes / n if name == "forecaster" else 100.0
         print(f"{name:<30} {flat.mean():>10.3f} {np.median(flat):>12.3f} {flat.mean() / naive_mean:>9.3f}  ({rate:.1f})")
+    if learned and learned_scores:
+        flat = np.concatenate(learned_scores)
+        print(f"{'forecaster, learned horizon':<30} {flat.mean():>10.3f} {np.median(flat):>12.3f} "
+              f"{flat.mean() / naive_mean:>9.3f}  ({100.0 * learned_right / n:.1f})")
     win = np.concatenate(wins)
     print(f"forecaster beats seasonal naive on {100.0 * win.mean():.1f}% of (item, channel) pairs")
     return 0

@@ -48,13 +48,16 @@ def tiny_train(rank: int, world: int, run_dir: Path | str, overrides: Sequence[s
 FORECAST_RECIPE = REPO / "recipes" / "timeseries_forecast_tiny.yaml"
 
 
-def trained_forecaster(run: Path) -> Path:
-    """A 3-step ``timeseries_forecast_tiny`` run in ``run`` (~12 s): a checkpoint to forecast from."""
+def trained_forecaster(run: Path, learned_horizon: bool = False) -> Path:
+    """A 3-step ``timeseries_forecast_tiny`` run in ``run`` (~12 s): a checkpoint to forecast from.
+    ``learned_horizon``: with the recipe's learned horizon predictor; without it (default) the
+    checkpoint is one of the runs before it, whose horizons the parser reads."""
     from megatron_s2.config.recipe import load_recipe
     from megatron_s2.training.forecast_trainer import ForecastTrainer
 
     recipe = load_recipe(FORECAST_RECIPE, [f"training.run_dir={run}", "training.train_steps=3", "data.num_documents=16",
                                            "schedule.warmup_steps=1", "schedule.decay_start_step=2",
-                                           "schedule.decay_end_step=3", "checkpoint.save_interval=3"])
+                                           "schedule.decay_end_step=3", "checkpoint.save_interval=3",
+                                           f"model.timeseries.horizon_predictor={str(learned_horizon).lower()}"])
     ForecastTrainer(recipe, run, log=lambda *a, **k: None).train()
     return run

@@ -10,9 +10,12 @@ serve``'s ``POST /v1/forecast`` carries through the engine (``megatron_s2/serve/
 Request (JSON): ``instruction`` (the horizon predictor reads it), ``series`` (a JSON array:
 ``[steps]`` or ``[channels][steps]``) or ``path`` (a local .csv / .parquet / .npz file, read by
 ``megatron_s2.data.timeseries.load_series``; only with ``--allow-files``), optional
-``sample_rate`` (Hz; needed when the instruction asks in time units). Response (JSON on stdout):
-``{"horizon": H, "forecast": [[...], ...]}`` — one list of H real values per channel, on the
-series' own scale (the encoder's retained mu / sigma). A bad request exits 2 with one line.
+``sample_rate`` (Hz; needed when the instruction asks in time units), optional ``horizon`` (steps;
+overrides the predictor). Response (JSON on stdout): ``{"horizon": H, "horizon_parsed": P,
+"forecast": [[...], ...]}`` — one list of H real values per channel, on the series' own scale (the
+encoder's retained mu / sigma). H is the checkpoint's learned horizon predictor's when it has one
+(``model.timeseries.horizon_predictor``), else the parser's; P is the parser's reading (a
+cross-check; null where it cannot read the instruction). A bad request exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -53,10 +56,21 @@ def answer(trainer, request: dict, allow_files: bool = False) -> dict:
         values, rate = loaded.values, rate if rate is not None else loaded.sample_rate
     else:
         values = check_series(request.get("series", []), "request.series")
-    horizon = parse_horizon(request["instruction"], rate)
+    learned = trainer.model.forecaster.horizon is not None
+    try:
+        parsed = parse_horizon(request["instruction"], rate)
+    except ValueError:
+        if not learned and request.get("horizon") is None:   # the parser is all this checkpoint has
+            raise
+        parsed = None
+    horizon = request.get("horizon")
+    if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1):
+        raise ValueError(f"request.horizon: must be a whole number of steps >= 1, got {json.dumps(horizon)}")
+    if horizon is None and not learned:
+        horizon = parsed
     recipe = trainer.recipe
     limit = recipe.model.timeseries.max_horizon
-    if horizon > limit:
+    if horizon is not None and horizon > limit:
         raise ValueError(f"request.instruction: asks for {horizon} steps, above this model's "
                          f"model.timeseries.max_horizon ({limit})")
     planner = SeriesPlanner.from_model(recipe.model)
@@ -66,8 +80,9 @@ def answer(trainer, request: dict, allow_files: bool = False) -> dict:
                          f"{recipe.training.seq_length}; shorten the instruction")
     tokens = torch.from_numpy(ids)[None].to(trainer.device)
     placement = SeriesPlacement(at, SeriesInput(torch.from_numpy(np.ascontiguousarray(values)), rate))
+    # horizon None: the learned predictor decides (its answer is the forecast's length)
     out = forecast(trainer.model, tokens, [[placement]], [[(0, len(ids) - 1)]], [horizon])[0]
-    return {"horizon": horizon, "forecast": out.float().cpu().tolist()}
+    return {"horizon": int(out.shape[-1]), "horizon_parsed": parsed, "forecast": out.float().cpu().tolist()}
 
 
 def main(argv=None) -> int:

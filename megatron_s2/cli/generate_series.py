@@ -4,10 +4,12 @@
 ``SERIES`` is a JSON array (``[steps]`` or ``[channels][steps]``) or a local ``.csv`` / ``.parquet``
 / ``.npz`` file (:func:`megatron_s2.data.timeseries.load_series`; the terminal's own files, so no
 allow-list). ``--prompt`` is the instruction the horizon predictor reads ("forecast the next two
-seconds" with ``--sample-rate 4`` is 8 steps; "predict 12 steps ahead"), or ``--horizon N`` sets it.
+seconds" with ``--sample-rate 4`` is 8 steps; "predict 12 steps ahead"), or ``--horizon N`` sets it:
+the checkpoint's learned predictor decides when it has one (``horizon_parsed`` in the output is the
+parser's reading, a cross-check, null where it cannot read the prompt), the parser otherwise.
 The prompt is rendered as the forecasting phase trained it (``bos [series] instruction sep``,
 as ``POST /v1/forecast`` does), the engine inserts the encoder's tokens and runs the forecasting
-branch on the prompt's hidden states, and stdout gets one JSON line ``{"horizon": H, "forecast":
+branch on the prompt's hidden states, and stdout gets one JSON line ``{"horizon": H, "horizon_parsed", "forecast":
 [[H values] per channel]}`` on the series' own scale. A NaN / inf, empty, ragged or enormous series,
 an unreadable instruction, a horizon past ``model.timeseries.max_horizon`` or a checkpoint without
 the lane or the branch exits with code 2 and one line naming the flag — the series is checked
@@ -68,16 +70,21 @@ def forecast_command(args: argparse.Namespace) -> int:
         if given:
             raise ConfigError(f"{flag}: not with --series (a forecast is one prompt forward, no sampling); drop {flag}")
     values, rate = read_series_flag(args.series, args.sample_rate)
+    parsed, unreadable = None, None
     if args.horizon is not None:
         if args.horizon < 1:
             raise ConfigError(f"--horizon: must be >= 1 steps, got {args.horizon}")
-        horizon = args.horizon
     else:
         try:
-            horizon = parse_horizon(args.prompt, rate)
+            parsed = parse_horizon(args.prompt, rate)
         except ValueError as exc:
-            raise ConfigError(f"--prompt: {exc}; or give --horizon N") from None
+            unreadable = ConfigError(f"--prompt: {exc}; or give --horizon N")
     model, tokenizer, description = load_model(args.checkpoint, args.device)
+    learned = getattr(getattr(model, "forecaster", None), "horizon", None) is not None
+    if unreadable is not None and not learned:   # the parser is all this checkpoint has
+        raise unreadable
+    # --horizon overrides; else the learned predictor decides (None, in the engine), else the parser
+    horizon = args.horizon if args.horizon is not None else None if learned else parsed
     engine = InferenceEngine(model, EngineConfig(max_num_seqs=1, max_model_len=args.max_model_len, prefill_chunk=256,
                                                  max_prefill_tokens=256),
                              eos_token_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
@@ -88,7 +95,7 @@ def forecast_command(args: argparse.Namespace) -> int:
     if getattr(model, "forecaster", None) is None:
         raise ConfigError(f"--series: {args.checkpoint} has no forecasting branch (train it with phase.kind: "
                           "timeseries_forecast)")
-    if horizon > lane.max_horizon:
+    if horizon is not None and horizon > lane.max_horizon:
         raise ConfigError(f"--horizon: {horizon} steps asked, above this model's model.timeseries.max_horizon "
                           f"({lane.max_horizon}); ask for fewer steps")
     if values.shape[0] > lane.max_channels:
@@ -115,5 +122,6 @@ def forecast_command(args: argparse.Namespace) -> int:
     if result is None:
         print("--series: the engine returned no forecast", file=sys.stderr)
         return 1
-    print(json.dumps({"horizon": horizon, "forecast": result.float().tolist()}))
+    # the horizon answered is the forecast's length; the parser's reading rides along as a cross-check
+    print(json.dumps({"horizon": int(result.shape[-1]), "horizon_parsed": parsed, "forecast": result.float().tolist()}))
     return 0

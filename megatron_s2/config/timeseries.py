@@ -58,6 +58,11 @@ class TimeSeriesConfig:
     prediction (its prompt in value space)."""
     max_horizon: int = 256
     """Longest horizon the forecaster emits (size of its position table); a longer request is refused."""
+    horizon_predictor: bool = False
+    """Give the forecasting branch the learned horizon predictor (report §2.2.2; classifies the
+    instruction's hidden states and sampling rate over 1..max_horizon, trained with
+    ``phase.horizon_lambda``; models/timeseries/horizon_predictor.py). Without it (older runs) the
+    horizon is read with the closed-grammar parser (models/timeseries/horizon.py)."""
 
     def __post_init__(self) -> None:
         where = "model.timeseries"

@@ -48,8 +48,9 @@ the images' content, never on their placeholder ids (:mod:`megatron_s2.models.fa
 ``add_request(ids, params, series=[SeriesInput, ...])`` expands each series placeholder of ``ids``
 (``model.timeseries.placeholder_id``) into its series' span and the executor inserts the
 encoder's tokens there during (chunked) prefill; cached prefixes are keyed on the series' content
-(:mod:`megatron_s2.models.timeseries.serving`). ``forecast=[horizon, ...]`` (one per series) also
-asks for the numbers: the forecasting branch reads the prompt's final hidden states as the engine
+(:mod:`megatron_s2.models.timeseries.serving`). ``forecast=[horizon, ...]`` (one per series; None:
+the checkpoint's learned horizon predictor decides) also asks for the numbers: the forecasting
+branch reads the prompt's final hidden states as the engine
 computed them and the output that ends the prompt carries ``forecast`` (per series, [channels,
 horizon] real values on the series' own scale) — equal to ``predict.forecast`` out of the engine.
 
@@ -204,7 +205,8 @@ class InferenceEngine:
         gen = torch.Generator(device=self.device)  # reseeded per token (_advance)
         self._inbox.put(("add", Request(rid, prompt, params, gen, arrival, on_output, seed=seed,
                                         cache_state=cache_state, images=spans, series=series_spans,
-                                        forecast=None if forecast is None else [int(h) for h in forecast])))
+                                        forecast=None if forecast is None else
+                                        [None if h is None else int(h) for h in forecast])))
         self._notify()
         return rid
 
@@ -256,7 +258,10 @@ class InferenceEngine:
         if len(horizons) != len(spans):
             raise ValueError(f"forecast: give one horizon per series ({len(spans)} series, {len(horizons)} horizons)")
         limit = self.model.forecaster.max_horizon
-        if any(not 1 <= int(h) <= limit for h in horizons):
+        if None in horizons and self.model.forecaster.horizon is None:   # None: the learned predictor's
+            raise ValueError("forecast: a horizon of None asks the learned horizon predictor, which this checkpoint "
+                             "lacks (model.timeseries.horizon_predictor); give the horizon")
+        if any(h is not None and not 1 <= int(h) <= limit for h in horizons):
             raise ValueError(f"forecast: horizons must lie in 1..{limit} (model.timeseries.max_horizon), got {horizons}")
         if self.config.decoder_bounded_replay or cache_state is not None:
             raise ValueError("forecast: the forecaster reads every prompt position's hidden state; drop "

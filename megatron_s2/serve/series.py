@@ -15,8 +15,10 @@ so the chat template places it; after rendering each marker becomes the model's 
 id and the engine expands it into the series' span (the encoder's tokens go there).
 
 **Forecast extension** (``extra_body`` of the ``openai`` client): ``"forecast": true`` — each
-series' horizon is read from the request's last user text by the horizon predictor
-(``models/timeseries/horizon.py``: "forecast the next two seconds" at 4 Hz is 8 steps) — or
+series' horizon is read from the request's last user text by the horizon predictor — the
+checkpoint's learned one (``models/timeseries/horizon_predictor.py``, over the prompt's hidden states
+and the sampling rate) when it has one, else the parser (``models/timeseries/horizon.py``: "forecast
+the next two seconds" at 4 Hz is 8 steps) — or
 ``"forecast": {"horizon": H}`` (every series) / ``{"horizons": [H1, ...]}``. The answer gets a
 top-level ``"forecast": [{"horizon": H, "values": [[...] per channel]}]``, one entry per series, real
 values on the series' own scale from the forecasting branch (no text numerals).
@@ -24,7 +26,11 @@ values on the series' own scale from the forecasting branch (no text numerals).
 **``POST /v1/forecast``** takes ``tools/forecast.py``'s request — ``{"instruction": "forecast the
 next two seconds", "sample_rate": 4, "series": [[...], ...]}`` (or ``"path"``) — renders the prompt
 exactly as the forecasting phase trained it (``bos [series] instruction sep``) and answers
-``{"id", "object": "forecast", "model", "horizon", "forecast": [[...], ...], "usage"}``.
+``{"id", "object": "forecast", "model", "horizon", "horizon_parsed", "forecast": [[...], ...], "usage"}``.
+With a learned predictor it decides ``horizon`` (as in the report) and ``horizon_parsed`` is the
+parser's reading as a cross-check (null where the parser cannot read the instruction); a client
+who wants the parser's can send it as the horizon. A checkpoint without the predictor answers
+with the parser (``horizon_parsed`` equals ``horizon``).
 
 Bad series are one-line 400s naming the field: NaN / inf, ragged channels, more than 300,000
 steps, more channels than ``model.timeseries.max_channels``, too many series parts, a horizon
@@ -141,8 +147,14 @@ class ServedSeries:
         except ValueError as exc:
             raise BadRequest(f"{param}: {exc}", param=param) from None
 
-    def horizons(self, asked: Any, instruction: str, inputs: list, param: str = "forecast") -> list[int] | None:
-        """The horizon of each series the ``forecast`` field asks for (module docstring); None: no forecast."""
+    @property
+    def learned(self) -> bool:
+        """The served checkpoint has the learned horizon predictor."""
+        return getattr(getattr(self.engine.model, "forecaster", None), "horizon", None) is not None
+
+    def horizons(self, asked: Any, instruction: str, inputs: list, param: str = "forecast") -> list | None:
+        """The horizon of each series the ``forecast`` field asks for (module docstring; None
+        entries: the learned predictor's, decided in the engine); None: no forecast."""
         from megatron_s2.models.timeseries.horizon import parse_horizon
 
         if asked is None or asked is False:
@@ -152,7 +164,9 @@ class ServedSeries:
         if getattr(self.engine.model, "forecaster", None) is None:
             raise BadRequest(f"{param}: this model has no forecasting branch (train it with phase.kind: "
                              "timeseries_forecast)", param=param)
-        if asked is True:
+        if asked is True and self.learned:
+            out = [None] * len(inputs)   # the learned predictor decides, in the engine
+        elif asked is True:
             try:
                 out = [parse_horizon(instruction, s.sample_rate) for s in inputs]
             except ValueError as exc:
@@ -163,15 +177,17 @@ class ServedSeries:
             raise BadRequest(f"{param}: must be true, {{\"horizon\": N}} or {{\"horizons\": [N, ...]}}", param=param)
         limit = self.lane.max_horizon
         if (not isinstance(out, list) or len(out) != len(inputs)
-                or any(isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= limit for h in out)):
+                or any(isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= limit
+                       for h in out if not (h is None and self.learned))):
             raise BadRequest(f"{param}: one horizon per series, each in 1..{limit} (model.timeseries.max_horizon), "
                              f"got {out!r}", param=param)
         return out
 
 
-def forecast_entries(values: list, horizons: list[int]) -> list[dict]:
-    """The response's ``forecast`` list: one ``{"horizon", "values"}`` per series."""
-    return [{"horizon": h, "values": v.tolist()} for v, h in zip(values, horizons)]
+def forecast_entries(values: list, horizons: list) -> list[dict]:
+    """The response's ``forecast`` list: one ``{"horizon", "values"}`` per series (the horizon
+    answered is the values' length: the learned predictor's where ``horizons`` held None)."""
+    return [{"horizon": int(v.shape[-1]), "values": v.tolist()} for v, h in zip(values, horizons)]
 
 
 def last_user_text(messages: Any) -> str:
@@ -185,8 +201,9 @@ def last_user_text(messages: Any) -> str:
     return ""
 
 
-def _forecast_prompt(state, f) -> tuple[list[int], list, list[int]]:
-    """(prompt with one series placeholder, [SeriesInput], [horizon]) of a ``/v1/forecast`` body."""
+def _forecast_prompt(state, f) -> tuple[list[int], list, list, int | None]:
+    """(prompt with one series placeholder, [SeriesInput], [horizon or None: the learned one's], the
+    parser's horizon or None) of a ``/v1/forecast`` body."""
     from megatron_s2.data.timeseries_text import SeriesPlanner, series_prompt
     from megatron_s2.models.timeseries.horizon import parse_horizon
 
@@ -200,16 +217,19 @@ def _forecast_prompt(state, f) -> tuple[list[int], list, list[int]]:
         spec["values"] = spec.pop("series")
     series = served.read(spec, "series" if "values" in spec else "path")
     try:
-        horizon = parse_horizon(instruction, series.sample_rate)
+        parsed = parse_horizon(instruction, series.sample_rate)
     except ValueError as exc:
-        raise BadRequest(f"instruction: {exc}", param="instruction") from None
-    horizons = served.horizons({"horizon": horizon}, instruction, [series], "instruction")
+        if not served.learned:
+            raise BadRequest(f"instruction: {exc}", param="instruction") from None
+        parsed = None   # the learned predictor still reads it; the cross-check is null
+    horizons = (served.horizons(True, instruction, [series], "instruction") if served.learned
+                else served.horizons({"horizon": parsed}, instruction, [series], "instruction"))
     planner = SeriesPlanner.from_model(state.backend.engine.model_config)
     ids, at = series_prompt(state.tokenizer, planner, instruction, series.values.shape[1])
     span = planner.span_length(series.values.shape[1])
     # one placeholder where the span goes: the engine expands it by the model's own plan
     prompt = [int(t) for t in ids[:at]] + [served.token_id] + [int(t) for t in ids[at + span:]]
-    return prompt, [series], horizons
+    return prompt, [series], horizons, parsed
 
 
 async def forecast_route(state, request):
@@ -226,7 +246,7 @@ async def forecast_route(state, request):
     f = Fields(await read_json_object(request, state.config.max_body_bytes))
     state.check_model(f)
     f.only({"model", "instruction", "series", "path", "sample_rate"})
-    prompt, inputs, horizons = await run_in_threadpool(_forecast_prompt, state, f)
+    prompt, inputs, horizons, parsed = await run_in_threadpool(_forecast_prompt, state, f)
     prompt, spans = await run_in_threadpool(state.series.prepare, prompt, inputs, "series")
     rid = new_id("fcst")
     gen = Generation(state.backend, rid, request, state.config.disconnect_poll_s)
@@ -240,6 +260,7 @@ async def forecast_route(state, request):
     if result.forecast is None:
         raise BadRequest(f"series: the engine returned no forecast ({result.error or result.finish_reason})")
     return JSONResponse({"id": rid, "object": "forecast", "created": int(time.time()), "model": state.model_name,
-                         "horizon": horizons[0], "forecast": result.forecast[0].tolist(),
+                         "horizon": int(result.forecast[0].shape[-1]), "horizon_parsed": parsed,
+                         "forecast": result.forecast[0].tolist(),
                          "usage": {"prompt_tokens": len(prompt), "completion_tokens": 0,
                                    "total_tokens": len(prompt)}})

@@ -38,7 +38,7 @@ from megatron_s2.models.init import initialize_parameters
 from megatron_s2.models.timeseries.attach import tag_inits
 from megatron_s2.models.timeseries.forecaster import ForecastBranch
 from megatron_s2.models.timeseries.phase import SeriesPhase
-from megatron_s2.models.timeseries.predict import forecast_loss, full_final_hidden
+from megatron_s2.models.timeseries.predict import forecast_loss, full_final_hidden, horizon_loss
 from megatron_s2.models.timeseries.replica import SeriesEncoderStages
 from megatron_s2.parallel.grad_finalize import finalize_model_grads
 from megatron_s2.pipeline.losses import global_token_count, micro_batch_objective
@@ -65,13 +65,16 @@ class ForecastObjective:
     """A step's ``loss_fn``: per micro-batch, ``lambda_text`` x the answer cross-entropy (its share
     of the global token mean, as without series) + ``lambda_forecast`` x the forecaster's mean
     absolute error on the normalised futures (a per-micro-batch mean counted as
-    ``1 / num_micro_global`` of the step, as auxiliary losses are). Logged beside the total:
-    ``loss_text``, ``loss_forecast`` (normalised MAE) and ``forecast_mae`` (original scale)."""
+    ``1 / num_micro_global`` of the step, as auxiliary losses are) + ``lambda_horizon`` x the learned
+    horizon predictor's cross-entropy (counted the same way; only when the branch has one). Logged
+    beside the total: ``loss_text``, ``loss_forecast`` (normalised MAE), ``forecast_mae`` (original
+    scale) and, with the predictor, ``loss_horizon_raw`` and ``horizon_acc`` (its micro-batch accuracy)."""
 
     def __init__(self, global_tokens: torch.Tensor, num_micro_global: int, *, lambda_text: float,
-                 lambda_forecast: float):
+                 lambda_forecast: float, lambda_horizon: float = 0.0, detach_horizon: bool = False):
         self.global_tokens, self.num_micro_global = global_tokens, num_micro_global
-        self.lambda_text, self.lambda_forecast = lambda_text, lambda_forecast
+        self.lambda_text, self.lambda_forecast, self.lambda_horizon = lambda_text, lambda_forecast, lambda_horizon
+        self.detach_horizon = detach_horizon
 
     def __call__(self, model, logits: torch.Tensor, mb: dict, ctx):
         text_objective, text_summed = micro_batch_objective(model.loss(logits, mb["labels"]), mb["loss_mask"],
@@ -81,9 +84,17 @@ class ForecastObjective:
             loss_fc = mae = final.sum() * 0.0
         else:
             loss_fc, mae = forecast_loss(model.forecaster, final, encoded, mb["series_targets"])
-        objective = self.lambda_text * text_objective + self.lambda_forecast * loss_fc / self.num_micro_global
+        # the branch's own terms (forecast, horizon), each a per-micro-batch mean
+        branch_loss = self.lambda_forecast * loss_fc
+        if model.forecaster.horizon is not None and encoded.encoding is not None:
+            read = final.detach() if self.detach_horizon else final   # phase.horizon_detach
+            loss_h, accuracy = horizon_loss(model.forecaster, read, encoded, mb["series_targets"])
+            branch_loss = branch_loss + self.lambda_horizon * loss_h
+            ctx.aux_metrics["loss_horizon"] = loss_h.detach()  # logged as loss_horizon_raw
+            ctx.aux_metrics["horizon_acc"] = accuracy
+        objective = self.lambda_text * text_objective + branch_loss / self.num_micro_global
         share = self.global_tokens.squeeze() / self.num_micro_global
-        summed = self.lambda_text * text_summed + self.lambda_forecast * loss_fc.detach() * share
+        summed = self.lambda_text * text_summed + branch_loss.detach() * share
         ctx.aux_metrics["loss_text"] = text_summed / share
         ctx.aux_metrics["loss_forecast"] = loss_fc.detach()
         ctx.aux_metrics["forecast_mae"] = mae
@@ -140,7 +151,8 @@ class ForecastTrainer(Trainer):
     def step_objective(self, micro_batches: list[dict]):
         phase = self.recipe.phase
         return ForecastObjective(global_token_count(micro_batches, self.groups.dp_cp), self.num_micro_global,
-                                 lambda_text=phase.forecast_lambda_text, lambda_forecast=phase.forecast_lambda)
+                                 lambda_text=phase.forecast_lambda_text, lambda_forecast=phase.forecast_lambda,
+                                 lambda_horizon=phase.horizon_lambda, detach_horizon=phase.horizon_detach)
 
 
 def load_trained_forecaster(run_dir) -> ForecastTrainer:

@@ -64,8 +64,9 @@ def test_bad_series_exits_2_before_the_model_loads(capsys, tmp_path):
     assert main(["generate", str(tmp_path / "nothing"), "--series", "[1, NaN]", "--prompt", "predict 4 steps ahead"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--series" in err[0] and "NaN" in err[0]
+    # a prompt the parser cannot read waits for the checkpoint (a learned horizon predictor may read it)
     assert main(["generate", str(tmp_path / "nothing"), "--series", "[1, 2, 3]", "--prompt", "hello"]) == 2
-    assert "--horizon N" in capsys.readouterr().err
+    assert "nothing does not exist" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +97,26 @@ def test_generate_series_prints_the_numbers_tools_forecast_gives(run_dir, capsys
 
 
 @pytest.mark.slow
+def test_generate_series_answers_with_the_learned_predictor(tmp_path_factory, capsys):
+    """A checkpoint with the learned horizon predictor: it decides (as tools/forecast.py), the parser's
+    reading rides along, ``--horizon`` overrides it."""
+    from megatron_s2.training.forecast_trainer import load_trained_forecaster
+    from tools.forecast import answer
+
+    run = trained_forecaster(tmp_path_factory.mktemp("ts-generate-learned") / "run", learned_horizon=True)
+    ask = {"instruction": "forecast the next two seconds", "sample_rate": 4, "series": SERIES}
+    want = answer(load_trained_forecaster(run), ask)
+    base = ["generate", str(run), "--series", json.dumps(SERIES), "--sample-rate", "4", "--device", "cpu"]
+    capsys.readouterr()
+    assert main([*base, "--prompt", ask["instruction"]]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["horizon"] == want["horizon"] and got["horizon_parsed"] == want["horizon_parsed"] == 8
+    np.testing.assert_allclose(got["forecast"], want["forecast"], rtol=1e-4, atol=1e-4)
+    assert main([*base, "--prompt", ask["instruction"], "--horizon", "5"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["horizon"] == 5
+
+
+@pytest.mark.slow
 def test_model_limits_are_one_line(run_dir, capsys):
     assert main(["generate", str(run_dir), "--series", "[1, 2, 3, 4, 5, 6, 7, 8]", "--horizon", "999",
                  "--prompt", "x", "--device", "cpu"]) == 2
@@ -103,6 +124,10 @@ def test_model_limits_are_one_line(run_dir, capsys):
     many = json.dumps([[float(i)] * 8 for i in range(65)])
     assert main(["generate", str(run_dir), "--series", many, "--prompt", "predict 4 steps ahead", "--device", "cpu"]) == 2
     assert "max_channels" in capsys.readouterr().err
+    # a checkpoint without the learned horizon predictor has only the parser: an unreadable prompt is refused
+    assert main(["generate", str(run_dir), "--series", "[1, 2, 3, 4, 5, 6, 7, 8]", "--prompt", "hello",
+                 "--device", "cpu"]) == 2
+    assert "--horizon N" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", [["--temperature", "0"], ["--max-tokens", "5"], ["--top-k", "3"], ["--seed", "1"],

@@ -228,3 +228,54 @@ def test_a_tokenizer_that_renders_text_places_the_series_where_the_part_stands()
     [entry] = reply.model_extra["forecast"]
     assert entry["horizon"] == 5
     np.testing.assert_allclose(entry["values"], want.numpy(), rtol=1e-4, atol=1e-4)
+
+
+# ---- the learned horizon predictor (a checkpoint that has one) --------------------------------------
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory):
+    from megatron_s2.inference.weights import load_model
+
+    run = trained_forecaster(tmp_path_factory.mktemp("ts-serve-learned") / "run", learned_horizon=True)
+    return run, load_model(str(run), "cpu")
+
+
+@SLOW
+def test_a_checkpoint_with_the_learned_predictor_answers_with_its_horizon(learned):
+    """The learned predictor decides the horizon in /v1/forecast and chat (3 training steps: whatever
+    it reads, the answer is its horizon, with the parser's 8 beside it), the same as tools/forecast.py
+    and predict.forecast with no horizon given; an explicit horizon still overrides it."""
+    from megatron_s2.models.timeseries.encoder import SeriesInput
+    from megatron_s2.models.timeseries.insertion import SeriesPlacement
+    from megatron_s2.models.timeseries.predict import forecast
+    from megatron_s2.training.forecast_trainer import load_trained_forecaster
+    from tools.forecast import answer
+
+    run, loaded_learned = learned
+    assert loaded_learned[0].forecaster.horizon is not None
+    srv = start_server(loaded_learned, name="ts", serve=ServeConfig(disconnect_poll_s=0.05))
+    try:
+        own = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        got = forecast_post(own, ASK)
+        trained = load_trained_forecaster(run)
+        want = answer(trained, ASK)
+        assert got["horizon"] == want["horizon"] and got["horizon_parsed"] == want["horizon_parsed"] == 8
+        assert np.asarray(got["forecast"]).shape == (2, got["horizon"])
+        np.testing.assert_allclose(got["forecast"], want["forecast"], rtol=1e-4, atol=1e-4)
+        reply = series_chat(own, {"values": SERIES, "sample_rate": 4}, forecast=True)
+        [entry] = reply.model_extra["forecast"]
+        model = loaded_learned[0]
+        prompt = reply.model_extra["prompt_token_ids"]
+        start = prompt.index(model.config.timeseries.placeholder_id(model.config.vocab_size))
+        placement = SeriesPlacement(start, SeriesInput(torch.tensor(SERIES), 4.0))
+        [mine] = forecast(model, torch.tensor([prompt]), [[placement]], [[(0, len(prompt) - 1)]], [None])
+        assert entry["horizon"] == mine.shape[-1] and np.asarray(entry["values"]).shape == (2, mine.shape[-1])
+        np.testing.assert_allclose(entry["values"], mine.numpy(), rtol=1e-4, atol=1e-4)
+        override = answer(trained, {**ASK, "horizon": 5})
+        assert override["horizon"] == 5 and [len(c) for c in override["forecast"]] == [5, 5]
+        explicit = series_chat(own, {"values": SERIES}, text="what next?", forecast={"horizon": 3})
+        assert np.asarray(explicit.model_extra["forecast"][0]["values"]).shape == (2, 3)
+        # an instruction the parser cannot read: the learned predictor still answers, the cross-check is null
+        unread = forecast_post(own, {**ASK, "instruction": "what comes next?"})
+        assert unread["horizon_parsed"] is None and 1 <= unread["horizon"] <= 32
+    finally:
+        srv.stop()

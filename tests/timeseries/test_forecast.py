@@ -113,6 +113,7 @@ def test_denormalisation_uses_the_encoders_retained_stats_exactly():
 @pytest.mark.parametrize("overrides, needle", [
     (["phase.kind=timeseries_forecast", "phase.forecast_lambda=0"], "phase.forecast_lambda"),
     (["phase.forecast_lambda_text=-1"], "phase.forecast_lambda"),
+    (["phase.horizon_lambda=-0.5"], "phase.horizon_lambda"),
 ])
 def test_bad_phase_settings_are_one_line(tmp_path, overrides, needle):
     with pytest.raises(ConfigError) as err:
@@ -157,6 +158,10 @@ def test_forecast_and_text_losses_fall_in_the_trainer(tmp_path):
     series = [(100 + 5 * torch.sin(steps / 4)).tolist(), (-3 + torch.cos(steps / 4)).tolist()]
     response = answer(trained, {"instruction": "forecast the next two seconds", "sample_rate": 4, "series": series})
     assert response["horizon"] == 8 and [len(c) for c in response["forecast"]] == [8, 8]
+    # a run without the learned horizon predictor (as before it existed) answers with the parser
+    assert trained.model.forecaster.horizon is None and response["horizon_parsed"] == 8
+    with pytest.raises(HorizonError, match="cannot read a horizon"):
+        answer(trained, {"instruction": "what comes next?", "series": series})
     assert all(80 < v < 120 for v in response["forecast"][0]) and all(-10 < v < 4 for v in response["forecast"][1])
     with pytest.raises(ValueError, match="max_horizon"):
         answer(trained, {"instruction": "predict 500 steps ahead", "series": series})

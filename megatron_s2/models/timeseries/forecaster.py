@@ -1,7 +1,8 @@
 """The forecasting branch (Intern-S2 report §2.2.2; walkthrough Ch. 1 "The forecaster, written out"):
 values out, not numerals.
 
-    horizon = horizon_predictor(instruction)          # models/timeseries/horizon.py: an integer
+    horizon = horizon_predictor(instruction_hidden)   # models/timeseries/horizon_predictor.py (learned)
+                                                      # or horizon.py's parser (runs without it)
     sem  = qformer_sem(llm_hidden)                    # (R, Q, D) what was asked / what the text said
     num  = qformer_num(series_tokens)                 # (R, Q, D) what the signal actually did
     cond = cat([sem, num], dim=1)                     # (R, 2Q, D) constant cost, whatever the prompt
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_s2.models.timeseries.encoder import Attention, Block, denormalise
+from megatron_s2.models.timeseries.horizon_predictor import HorizonPredictor
 
 __all__ = ["ConditioningQFormer", "CausalForecaster", "ForecastBranch", "ForecastRows", "seasonal_lag"]
 
@@ -188,6 +190,9 @@ class ForecastBranch(nn.Module):
         self.qformer_num = ConditioningQFormer(backbone_hidden, d, heads, ts_cfg.forecast_queries)
         self.forecaster = CausalForecaster(d, heads, ts_cfg.forecast_layers, self.context + self.max_horizon,
                                            ts_cfg.max_channels)
+        # the learned horizon predictor (model.timeseries.horizon_predictor); None: the parser reads it
+        self.horizon = (HorizonPredictor(backbone_hidden, d, heads, self.max_horizon)
+                        if getattr(ts_cfg, "horizon_predictor", False) else None)
 
     def condition(self, llm_hidden, llm_mask, series_tokens, token_mask) -> torch.Tensor:
         """cond [S, 2Q, D] of S series: the LLM context's slots, then the signal's."""

@@ -18,7 +18,8 @@ from megatron_s2.models.timeseries.attach import EncodedSeries, encode_series
 from megatron_s2.models.timeseries.forecaster import ForecastBranch, ForecastRows
 from megatron_s2.parallel.mappings import gather_sequence
 
-__all__ = ["forecast_inputs", "forecast_loss", "forecast", "full_final_hidden", "prompt_hidden"]
+__all__ = ["forecast_inputs", "horizon_logits", "horizon_loss", "learned_horizons", "forecast_loss", "forecast",
+           "full_final_hidden", "prompt_hidden"]
 
 
 def prompt_hidden(model, tokens: torch.Tensor, ctx, series) -> tuple[tuple, EncodedSeries, torch.Tensor]:
@@ -38,22 +39,50 @@ def full_final_hidden(model, hidden: tuple) -> torch.Tensor:
     return gather_sequence(final, groups.tp, dim=1) if groups.sequence.sp else final
 
 
+def _llm_context(final_hidden: torch.Tensor, encoded: EncodedSeries, spans: Sequence[Sequence[tuple[int, int]]]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(LLM context [S, P, D], its mask [S, P], the instruction's mask [S, P]) of each series: the
+    context between ``spans``' (first, last) positions; the instruction is that context less the
+    row's series spans (what the horizon predictor reads)."""
+    rows_of, masks, instruction = [], [], []
+    positions = torch.arange(final_hidden.size(1), device=final_hidden.device)
+    plans, k = encoded.encoding.plans, 0
+    series_at = []
+    for row in encoded.placements:   # the row's series positions (flattened order is row, then span)
+        taken = torch.zeros_like(positions, dtype=torch.bool)
+        for place in row:
+            taken[place.start:place.start + plans[k].num_tokens] = True
+            k += 1
+        series_at.append(taken)
+    for row, row_spans in enumerate(spans):
+        for first, last in row_spans:
+            rows_of.append(row)
+            context = (positions >= first) & (positions <= last)
+            masks.append(context)
+            instruction.append(context & ~series_at[row])
+    llm = final_hidden[torch.tensor(rows_of, device=final_hidden.device)]
+    return llm, torch.stack(masks), torch.stack(instruction)
+
+
 def forecast_inputs(branch: ForecastBranch, final_hidden: torch.Tensor, encoded: EncodedSeries,
                     spans: Sequence[Sequence[tuple[int, int]]]) -> tuple[torch.Tensor, ForecastRows]:
     """(cond [S, 2Q, D], rows) of the S series of ``encoded``; ``spans[i]``: (first, last) row
     positions of the LLM context of each series of row ``i`` (row order, then span order)."""
-    rows_of, masks = [], []
-    positions = torch.arange(final_hidden.size(1), device=final_hidden.device)
-    for row, row_spans in enumerate(spans):
-        for first, last in row_spans:
-            rows_of.append(row)
-            masks.append((positions >= first) & (positions <= last))
+    llm, mask, _ = _llm_context(final_hidden, encoded, spans)
     encoding = encoded.encoding
-    llm = final_hidden[torch.tensor(rows_of, device=final_hidden.device)]
-    cond = branch.condition(llm, torch.stack(masks), encoding.tokens, encoding.token_mask)
+    cond = branch.condition(llm, mask, encoding.tokens, encoding.token_mask)
     values = [place.series.values for row in encoded.placements for place in row]
     rows = ForecastRows.build(values, encoding.mu, encoding.sigma, branch.context, branch.eps)
     return cond, rows
+
+
+def horizon_logits(branch: ForecastBranch, final_hidden: torch.Tensor, encoded: EncodedSeries,
+                   spans: Sequence[Sequence[tuple[int, int]]]) -> torch.Tensor:
+    """The learned horizon predictor's log-probabilities [S, max_horizon] of each series (its instruction's
+    hidden states and its sampling rate); ``branch.horizon`` must exist."""
+    llm, _, instruction = _llm_context(final_hidden, encoded, spans)
+    rates = [place.series.sample_rate for row in encoded.placements for place in row]
+    return branch.horizon(llm, instruction, rates)
 
 
 def _future_rows(futures: list[torch.Tensor], rows: ForecastRows, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,15 +111,40 @@ def forecast_loss(branch: ForecastBranch, final_hidden: torch.Tensor, encoded: E
     return loss, (error * scale)[valid].mean().detach()
 
 
+def horizon_loss(branch: ForecastBranch, final_hidden: torch.Tensor, encoded: EncodedSeries, targets: list
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross-entropy, accuracy) of the learned horizon predictor against each series' true horizon
+    (the length of its known future, the horizon its instruction was rendered from)."""
+    spans = [[(t.context_start, t.prompt_end) for t in row] for row in targets]
+    logits = horizon_logits(branch, final_hidden, encoded, spans)
+    truth = torch.tensor([t.future.shape[1] for row in targets for t in row], device=logits.device)
+    return branch.horizon.loss(logits, truth)
+
+
+def learned_horizons(branch: ForecastBranch, final_hidden: torch.Tensor, encoded: EncodedSeries,
+                     spans: Sequence[Sequence[tuple[int, int]]], horizons: Sequence[int | None]) -> list[int]:
+    """``horizons`` with every None replaced by the learned predictor's horizon (an int given is an
+    override and kept); ValueError when one is None and the checkpoint has no predictor."""
+    if all(h is not None for h in horizons):
+        return list(horizons)
+    if branch.horizon is None:
+        raise ValueError("no horizon given and this checkpoint has no learned horizon predictor "
+                         "(model.timeseries.horizon_predictor); read it from the instruction (parse_horizon)")
+    learned = branch.horizon.decide(horizon_logits(branch, final_hidden, encoded, spans))
+    return [h if h is not None else g for h, g in zip(horizons, learned)]
+
+
 @torch.no_grad()
 def forecast(model, tokens: torch.Tensor, series, spans: Sequence[Sequence[tuple[int, int]]],
              horizons: Sequence[int]) -> list[torch.Tensor]:
     """Real-valued forecasts [C_k, horizon_k] of every placed series of ``tokens`` [b, s]
     (``series``: per row, its placements; ``spans``: the LLM context of each, as in
-    :func:`forecast_inputs`; ``horizons``: from the horizon predictor, one per series)."""
+    :func:`forecast_inputs`; ``horizons``: one per series, None for the learned predictor's; the
+    horizon answered is each result's length)."""
     ctx = model.make_context({"tokens": tokens})
     _, encoded, final = prompt_hidden(model, tokens, ctx, series)
     branch = model.forecaster
+    horizons = learned_horizons(branch, final, encoded, spans, horizons)
     cond, rows = forecast_inputs(branch, final, encoded, spans)
     normalised = branch.generate(cond, rows, max(horizons))
     values = branch.denormalise(normalised, rows)

@@ -130,15 +130,18 @@ def series_rows(encoder, spans: list[SeriesSpan], start: int, length: int, dtype
 
 @torch.no_grad()
 def forecast_from_hidden(branch, final_hidden: torch.Tensor, spans: list[SeriesSpan], encoder,
-                         horizons: Sequence[int], context: tuple[int, int]) -> list[torch.Tensor]:
+                         horizons: Sequence[int | None], context: tuple[int, int]) -> list[torch.Tensor]:
     """Real-valued forecasts [C_k, horizon_k] of each series of one request from its prompt's final
     hidden states ``final_hidden`` [P, D] (``context``: first and last prompt position the LLM
-    context covers, as :func:`.predict.forecast_inputs` takes them)."""
-    from megatron_s2.models.timeseries.predict import forecast_inputs
+    context covers, as :func:`.predict.forecast_inputs` takes them; ``horizons``: None for the learned
+    predictor's, the horizon answered is each result's length)."""
+    from megatron_s2.models.timeseries.predict import forecast_inputs, learned_horizons
 
     if spans[0].encoding is None:
         _encode(encoder, spans)
     encoded = EncodedSeries([[SeriesPlacement(s.start, s.data) for s in spans]], spans[0].encoding)
-    cond, rows = forecast_inputs(branch, final_hidden.unsqueeze(0), encoded, [[context] * len(spans)])
+    final, spans_of_row = final_hidden.unsqueeze(0), [[context] * len(spans)]
+    horizons = learned_horizons(branch, final, encoded, spans_of_row, horizons)
+    cond, rows = forecast_inputs(branch, final, encoded, spans_of_row)
     values = branch.denormalise(branch.generate(cond, rows, max(horizons)), rows)
     return [values[rows.series == k, :horizon] for k, horizon in enumerate(horizons)]
