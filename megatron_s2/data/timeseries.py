@@ -37,6 +37,9 @@ __all__ = ["MAX_STEPS", "SUPPORTED_SUFFIXES", "LoadedSeries", "GeneratedSeries",
 MAX_STEPS = 300_000
 """The report's longest series (§2.2.1); longer ones must be windowed before training."""
 MAX_CHANNELS = 1024
+MAX_ABS_VALUE = 1e30
+"""Beyond it the encoder's float32 mean / spread overflow over a long series (3e38 is float32's
+largest): the forecast would be NaN; such a series is refused and asked to be rescaled."""
 SUPPORTED_SUFFIXES = (".csv", ".parquet", ".npz")
 
 
@@ -81,6 +84,12 @@ def check_series(values, source: str, *, max_steps: int = MAX_STEPS, max_channel
         what = "NaN" if np.isnan(array[channel, step]) else "inf"
         raise DataError(f"{source}: {int(bad.sum()):,} of {array.size:,} values are NaN/inf (first {what} at "
                         f"channel {channel}, step {step}); interpolate or drop them before training")
+    peak = float(np.abs(array).max())
+    if peak > float(np.float32(MAX_ABS_VALUE)):   # compared as stored: float32(1e30) is a hair above 1e30
+        channel, step = map(int, np.argwhere(np.abs(array) == peak)[0])
+        raise DataError(f"{source}: a value of magnitude {peak:.3g} (channel {channel}, step {step}) is beyond "
+                        f"{MAX_ABS_VALUE:g}, where the encoder's float32 statistics overflow; rescale the series "
+                        f"(e.g. to other units)")
     return array
 
 

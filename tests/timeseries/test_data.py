@@ -106,6 +106,14 @@ def test_check_series_refuses_what_is_not_numbers_in_one_line(values):
     assert "\n" not in str(info.value)
 
 
+def test_check_series_refuses_values_whose_statistics_overflow_float32():
+    """review24: a request of [[1e38, 3e38, -3e38, 1]] passed and forecast NaN (printed as the
+    non-JSON token NaN); values beyond MAX_ABS_VALUE are refused in one line naming the place."""
+    with pytest.raises(DataError, match=r"^request\.series: a value of magnitude 3e\+38 \(channel 0, step 1\)"):
+        check_series([[1e38, 3e38, -3e38, 1.0]], "request.series")
+    assert check_series([[1e30, -1e30, 2.0]], "request.series").shape == (1, 3)
+
+
 def test_unknown_and_missing_files(tmp_path):
     (tmp_path / "s.pkl").write_bytes(b"x")
     with pytest.raises(DataError, match="unsupported file type '.pkl'"):

@@ -53,6 +53,17 @@ def test_unreadable_horizons_are_refused_in_one_line(instruction):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("instruction, rate", [("forecast the next two seconds", 1e308),
+                                               ("forecast the next 2 hours", 1e305),
+                                               ("predict " + "9" * 400 + " steps ahead", None)])
+def test_a_horizon_beyond_any_number_is_refused_not_an_overflow(instruction, rate):
+    """review24: 1e308 Hz x two seconds is inf, and int(inf) was an OverflowError traceback in
+    `generate --series`, tools/forecast.py and /v1/forecast; now a one-line HorizonError."""
+    with pytest.raises(HorizonError, match="more steps than a number holds") as err:
+        parse_horizon(instruction, rate)
+    assert "\n" not in str(err.value)
+
+
 def test_number_words_round_trip():
     for n in (1, 13, 40, 99, 101, 250, 1000, 1024, 9999):
         assert parse_horizon(f"forecast the next {number_words(n)} steps") == n

@@ -103,6 +103,9 @@ def parse_horizon(instruction: str, sample_rate: float | None = None) -> int:
             raise HorizonError(f"{instruction!r} asks in {unit}, which needs the series' sampling rate; give it "
                                "(sample_rate in Hz) or ask in steps")
         steps = quantity * _TIME_UNITS[unit] * sample_rate
+    if not math.isfinite(steps):   # "the next two seconds" at 1e308 Hz, or a 400-digit count
+        raise HorizonError(f"{instruction!r} asks for more steps than a number holds; ask for fewer steps "
+                           "or give the series' real sampling rate")
     if steps < 1 or abs(steps - round(steps)) > 1e-6:
         raise HorizonError(f"{instruction!r} asks for {steps:g} steps; a horizon is a whole number of steps >= 1")
     return int(round(steps))
