@@ -35,6 +35,8 @@ def read_series_flag(spec: str, rate: float | None):
 
     if rate is not None and (not math.isfinite(rate) or rate <= 0):
         raise ConfigError(f"--sample-rate: must be a positive number of Hz, got {rate}")
+    if rate is not None and rate < sys.float_info.min:   # subnormal: the encoder's L / rate is inf
+        raise ConfigError(f"--sample-rate: {rate} Hz is below {sys.float_info.min:.3g}; give the series' real rate")
     try:
         if spec.lstrip().startswith("["):
             try:
@@ -106,8 +108,8 @@ def forecast_command(args: argparse.Namespace) -> int:
     span = planner.span_length(values.shape[1])
     # one placeholder where the span goes: the engine expands it by the model's own plan
     prompt = [int(t) for t in ids[:at]] + [engine.series_token_id] + [int(t) for t in ids[at + span:]]
-    series = SeriesInput(torch.from_numpy(np.ascontiguousarray(values)), None if rate is None else float(rate))
     try:
+        series = SeriesInput(torch.from_numpy(np.ascontiguousarray(values)), None if rate is None else float(rate))
         handle = engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0), series=[series], forecast=[horizon])
     except ValueError as exc:
         raise ConfigError(f"--series: {exc}") from None

@@ -163,3 +163,13 @@ def test_too_many_channels_is_refused():
 def test_sampling_rate_must_be_positive(rate):
     with pytest.raises(ValueError, match="sample_rate must be a positive number of Hz"):
         SeriesInput(torch.zeros(1, 4), rate)
+
+
+@pytest.mark.parametrize("rate", [1e-310, 5e-324])
+def test_a_subnormal_sampling_rate_is_refused_not_a_nan_forecast(rate):
+    """review24: tools/forecast.py with "sample_rate": 1e-310 answered horizon 1 and NaN values
+    (log10 of the patch duration L / rate = inf); now a one-line ValueError."""
+    with pytest.raises(ValueError, match="below 2.23e-308") as err:
+        SeriesInput(torch.zeros(1, 8), rate)
+    assert "\n" not in str(err.value)
+    assert SeriesInput(torch.zeros(1, 8), 1e-300).sample_rate == 1e-300

@@ -31,6 +31,7 @@ series-token positions like image embeddings.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -104,6 +105,10 @@ class SeriesInput:
         if self.sample_rate is not None and not (math.isfinite(self.sample_rate) and self.sample_rate > 0):
             raise ValueError(f"sample_rate must be a positive number of Hz (or None when unknown), "
                              f"got {self.sample_rate!r}")
+        if self.sample_rate is not None and self.sample_rate < sys.float_info.min:
+            # a subnormal rate: the patch duration L / rate is inf and the forecast NaN (review24)
+            raise ValueError(f"sample_rate {self.sample_rate!r} Hz is below {sys.float_info.min:.3g}, where the "
+                             f"patch duration (patch length / rate) is infinite; give the series' real rate")
 
 
 @dataclass
