@@ -225,4 +225,12 @@ def load_recipe(path: str | Path, overrides: Iterable[str] = (),
         raise ConfigError("model: the recipe names no model; add `model: tiny` (or a path to a model file)")
     if isinstance(tree["model"], str):
         tree["model"] = _resolve_model(tree["model"], Path(path).resolve().parent)
+    backbone = tree["phase"].get("memdec_backbone_model") if isinstance(tree.get("phase"), dict) else None
+    if isinstance(backbone, str) and backbone:
+        # resolved where `plan memory` and the memdec trainer resolve it (the working directory), so
+        # `launch --slurm --dry-run` refuses a misspelt one now, not once the job has queued (review24)
+        try:
+            _resolve_model(backbone, Path.cwd())
+        except ConfigError as exc:
+            raise ConfigError(f"phase.memdec_backbone_model: {str(exc).removeprefix('model: ')}") from None
     return from_mapping(RecipeConfig, tree)

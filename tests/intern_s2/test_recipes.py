@@ -190,3 +190,18 @@ def test_serving_with_prefix_caching_is_refused_in_one_line(tmp_path):
     model = family_of(cfg).build_model(cfg)
     with pytest.raises(ConfigError, match="prefix_caching"):
         family_of(cfg).executor(model, EngineConfig(prefix_caching=True), __import__("torch").device("cpu"))
+
+
+def test_a_misspelt_memdec_backbone_model_is_refused_when_the_recipe_loads(cluster_inputs):
+    """review24: `launch memdec_pretrain_397b_a17b.yaml --slurm --dry-run
+    phase.memdec_backbone_model=nonexistent` exited 0 (only `plan memory` and, once queued, the
+    trainer looked the model up); now the recipe refuses it in one line naming the field."""
+    from megatron_s2.config.schema import ConfigError
+    from megatron_s2.launcher.launch import prepare_runs
+
+    with pytest.raises(ConfigError, match=r"^phase\.memdec_backbone_model: 'nonexistent' is neither") as err:
+        load_recipe(INTERN / "memdec_pretrain_397b_a17b.yaml", ["phase.memdec_backbone_model=nonexistent"])
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"phase\.memdec_backbone_model: 'nonexistent'"):
+        prepare_runs(str(INTERN / "memdec_pipeline.yaml"), ["phase.memdec_backbone_model=nonexistent"], {}, None,
+                     local=False)
