@@ -62,8 +62,11 @@ def _positive(text: str) -> int:
 
 def run_memory(args: argparse.Namespace) -> int:
     from megatron_s2.planning.memory import estimate_memory
+    from megatron_s2.training.run_checks import check_phase_layout
 
     recipe = load_recipe(args.recipe, args.overrides)
+    # a layout the phase refuses at any rank count (series / memdec: cp, etp) is not planned (review24)
+    check_phase_layout(recipe)
     plan = estimate_memory(recipe, args.world_size)
     if args.json:
         print(json.dumps([{"rank": r.rank, "pp_rank": r.pp_rank, "total": r.total, "parameters": r.state.parameter_bytes,

@@ -84,3 +84,16 @@ def test_plan_memory_names_a_missing_teacher_checkpoint(capsys):
     out = capsys.readouterr().out
     teacher = [line for line in out.splitlines() if line.strip().startswith("teacher math")]
     assert teacher and "policy's model assumed: checkpoints/teachers/math not found" in teacher[0], out[-2000:]
+
+
+@pytest.mark.parametrize("recipe, override, field", [
+    ("intern_s2/timeseries_forecast_397b_a17b.yaml", "parallel.cp=2", "parallel.cp"),
+    ("intern_s2/timeseries_forecast_397b_a17b.yaml", "parallel.etp=2", "parallel.etp"),
+    ("intern_s2/memdec_pretrain_397b_a17b.yaml", "parallel.cp=2", "parallel.cp")])
+def test_plan_memory_refuses_a_layout_the_phase_refuses(recipe, override, field, capsys):
+    """review24: `plan memory ... parallel.cp=2` printed a plan (exit 0) for the series and memdec
+    phases, whose runs refuse cp / etp at any rank count; the plan now refuses it as launch does."""
+    root = Path(__file__).resolve().parents[2] / "recipes"
+    assert main(["plan", "memory", str(root / recipe), override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{field}: phase.kind" in err[0]
