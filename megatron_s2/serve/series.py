@@ -125,7 +125,10 @@ class ServedSeries:
         if values.shape[0] > limit:
             raise BadRequest(f"{param}: {values.shape[0]} channels, above this model's model.timeseries.max_channels "
                              f"({limit}); send at most {limit} channels (rows of [channels][steps])", param=param)
-        return SeriesInput(torch.from_numpy(np.ascontiguousarray(values)), None if rate is None else float(rate))
+        try:   # a subnormal rate (1e-310 Hz) passes the check above; SeriesInput refuses it (review24)
+            return SeriesInput(torch.from_numpy(np.ascontiguousarray(values)), None if rate is None else float(rate))
+        except ValueError as exc:
+            raise BadRequest(f"{param}.sample_rate: {exc}", param=f"{param}.sample_rate") from None
 
     def _load(self, path: Any, rate, param: str, load_series):
         if self.allowed_local_media_path is None:

@@ -146,7 +146,9 @@ def test_nan_values_are_a_one_line_400(client, server):
     ({"values": [0.5] * 300_001}, "300,000-step maximum"),
     ({"values": "1,2,3"}, "JSON array"),
     ({"values": SERIES, "sample_rate": -4}, "sample_rate"),
-], ids=["ragged", "channels", "too-long", "not-an-array", "bad-rate"])
+    ({"values": SERIES, "sample_rate": 1e-310}, "sample_rate 1e-310 Hz is below"),   # review24: was a 500
+    ({"values": [[1e38, 3e38, -3e38, 1.0]]}, "rescale the series"),                  # review24: was NaN values
+], ids=["ragged", "channels", "too-long", "not-an-array", "bad-rate", "subnormal-rate", "overflowing-values"])
 def test_bad_series_are_one_line_400s_while_others_are_served(client, spec, words):
     with pytest.raises(openai.BadRequestError) as err:
         series_chat(client, spec, forecast=True)
