@@ -35,7 +35,7 @@ def answer(trainer, request: dict, allow_files: bool = False) -> dict:
     from megatron_s2.data.timeseries import check_series, load_series
     from megatron_s2.data.timeseries_text import SeriesPlanner, series_prompt
     from megatron_s2.models.timeseries.encoder import SeriesInput
-    from megatron_s2.models.timeseries.horizon import parse_horizon
+    from megatron_s2.models.timeseries.horizon import HorizonRefused, parse_horizon
     from megatron_s2.models.timeseries.insertion import SeriesPlacement
     from megatron_s2.models.timeseries.predict import forecast
 
@@ -59,6 +59,10 @@ def answer(trainer, request: dict, allow_files: bool = False) -> dict:
     learned = trainer.model.forecaster.horizon is not None
     try:
         parsed = parse_horizon(request["instruction"], rate)
+    except HorizonRefused:   # read, but no predictor may answer it (no rate, no number holds it)
+        if request.get("horizon") is None:
+            raise
+        parsed = None
     except ValueError:
         if not learned and request.get("horizon") is None:   # the parser is all this checkpoint has
             raise
@@ -70,9 +74,10 @@ def answer(trainer, request: dict, allow_files: bool = False) -> dict:
         horizon = parsed
     recipe = trainer.recipe
     limit = recipe.model.timeseries.max_horizon
-    if horizon is not None and horizon > limit:
-        raise ValueError(f"request.instruction: asks for {horizon} steps, above this model's "
-                         f"model.timeseries.max_horizon ({limit})")
+    asked = horizon if horizon is not None else parsed   # a learned predictor never overrides an over-long ask
+    if asked is not None and asked > limit:
+        raise ValueError(f"request.{'horizon' if horizon is not None else 'instruction'}: asks for {asked} steps, "
+                         f"above this model's model.timeseries.max_horizon ({limit})")
     planner = SeriesPlanner.from_model(recipe.model)
     ids, at = series_prompt(trainer.tokenizer, planner, request["instruction"], values.shape[1])
     if len(ids) > recipe.training.seq_length:

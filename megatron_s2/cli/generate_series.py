@@ -61,7 +61,7 @@ def forecast_command(args: argparse.Namespace) -> int:
     from megatron_s2.inference import EngineConfig, EngineDriver, InferenceEngine, SamplingParams
     from megatron_s2.inference.weights import load_model
     from megatron_s2.models.timeseries.encoder import SeriesInput
-    from megatron_s2.models.timeseries.horizon import parse_horizon
+    from megatron_s2.models.timeseries.horizon import HorizonRefused, parse_horizon
 
     # sampling and text flags have no meaning for a forecast: refused when set, never ignored
     for flag, given in (("--image", args.image), ("--memory-decoder", args.memory_decoder),
@@ -79,6 +79,8 @@ def forecast_command(args: argparse.Namespace) -> int:
     else:
         try:
             parsed = parse_horizon(args.prompt, rate)
+        except HorizonRefused as exc:   # read, but no predictor may answer it (no rate, no number holds it)
+            raise ConfigError(f"--prompt: {exc}; or give --horizon N") from None
         except ValueError as exc:
             unreadable = ConfigError(f"--prompt: {exc}; or give --horizon N")
     model, tokenizer, description = load_model(args.checkpoint, args.device)
@@ -99,6 +101,9 @@ def forecast_command(args: argparse.Namespace) -> int:
                           "timeseries_forecast)")
     if horizon is not None and horizon > lane.max_horizon:
         raise ConfigError(f"--horizon: {horizon} steps asked, above this model's model.timeseries.max_horizon "
+                          f"({lane.max_horizon}); ask for fewer steps")
+    if args.horizon is None and parsed is not None and parsed > lane.max_horizon:  # a learned predictor never overrides it
+        raise ConfigError(f"--prompt: asks for {parsed} steps, above this model's model.timeseries.max_horizon "
                           f"({lane.max_horizon}); ask for fewer steps")
     if values.shape[0] > lane.max_channels:
         raise ConfigError(f"--series: {values.shape[0]} channels, above this model's model.timeseries.max_channels "

@@ -150,6 +150,22 @@ class ServedSeries:
         except ValueError as exc:
             raise BadRequest(f"{param}: {exc}", param=param) from None
 
+    def check_readable(self, instruction: str, inputs: list, param: str) -> None:
+        """With a learned predictor: refuse what the parser *reads* and no predictor may answer — time
+        units without a sampling rate, a count no number holds, more steps than max_horizon."""
+        from megatron_s2.models.timeseries.horizon import HorizonError, HorizonRefused, parse_horizon
+
+        for s in inputs:
+            try:
+                parsed = parse_horizon(instruction, s.sample_rate)
+            except HorizonRefused as exc:
+                raise BadRequest(f"{param}: {exc}; or give \"forecast\": {{\"horizon\": N}}", param=param) from None
+            except HorizonError:
+                continue   # a phrasing the parser cannot read: the learned predictor's to answer
+            if parsed > self.lane.max_horizon:
+                raise BadRequest(f"{param}: asks for {parsed} steps, above this model's model.timeseries.max_horizon "
+                                 f"({self.lane.max_horizon}); ask for fewer steps", param=param)
+
     @property
     def learned(self) -> bool:
         """The served checkpoint has the learned horizon predictor."""
@@ -169,6 +185,7 @@ class ServedSeries:
                              "timeseries_forecast)", param=param)
         if asked is True and self.learned:
             out = [None] * len(inputs)   # the learned predictor decides, in the engine
+            self.check_readable(instruction, inputs, param)
         elif asked is True:
             try:
                 out = [parse_horizon(instruction, s.sample_rate) for s in inputs]
@@ -225,6 +242,8 @@ def _forecast_prompt(state, f) -> tuple[list[int], list, list, int | None]:
         if not served.learned:
             raise BadRequest(f"instruction: {exc}", param="instruction") from None
         parsed = None   # the learned predictor still reads it; the cross-check is null
+    if served.learned:
+        served.check_readable(instruction, [series], "instruction")
     horizons = (served.horizons(True, instruction, [series], "instruction") if served.learned
                 else served.horizons({"horizon": parsed}, instruction, [series], "instruction"))
     planner = SeriesPlanner.from_model(state.backend.engine.model_config)

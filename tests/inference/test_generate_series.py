@@ -114,6 +114,16 @@ def test_generate_series_answers_with_the_learned_predictor(tmp_path_factory, ca
     np.testing.assert_allclose(got["forecast"], want["forecast"], rtol=1e-4, atol=1e-4)
     assert main([*base, "--prompt", ask["instruction"], "--horizon", "5"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["horizon"] == 5
+    # what the parser reads and no predictor may answer exits 2 (never silently replaced)
+    assert main([*base, "--prompt", "predict 1000 steps ahead"]) == 2
+    assert "--prompt: asks for 1000 steps, above" in capsys.readouterr().err
+    no_rate = ["generate", str(run), "--series", json.dumps(SERIES), "--device", "cpu"]
+    assert main([*no_rate, "--prompt", ask["instruction"]]) == 2
+    assert "needs the series' sampling rate" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="above this model's"):
+        answer(load_trained_forecaster(run), {**ask, "instruction": "predict 1000 steps ahead"})
+    with pytest.raises(ValueError, match="sampling rate"):
+        answer(load_trained_forecaster(run), {"instruction": ask["instruction"], "series": SERIES})
 
 
 @pytest.mark.slow

@@ -279,5 +279,14 @@ def test_a_checkpoint_with_the_learned_predictor_answers_with_its_horizon(learne
         # an instruction the parser cannot read: the learned predictor still answers, the cross-check is null
         unread = forecast_post(own, {**ASK, "instruction": "what comes next?"})
         assert unread["horizon_parsed"] is None and 1 <= unread["horizon"] <= 32
+        # what the parser reads and no predictor may answer is a 400 (never silently replaced)
+        for ask, needle in (({**ASK, "instruction": "predict 1000 steps ahead"}, "above this model's"),
+                            ({"instruction": ASK["instruction"], "series": SERIES}, "needs the series' sampling rate")):
+            with pytest.raises(openai.BadRequestError) as err:
+                own.post("/forecast", body=ask, cast_to=httpx.Response)
+            assert needle in message_of(err.value), message_of(err.value)
+        with pytest.raises(openai.BadRequestError) as err:
+            series_chat(own, {"values": SERIES, "sample_rate": 4}, text="predict 1000 steps ahead", forecast=True)
+        assert "above this model's" in message_of(err.value)
     finally:
         srv.stop()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["parse_horizon", "render_instruction", "number_words", "HorizonError"]
+__all__ = ["parse_horizon", "render_instruction", "number_words", "HorizonError", "HorizonRefused"]
 
 _UNITS = {"zero": 0, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8,
           "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14, "fifteen": 15,
@@ -35,6 +35,12 @@ _TOKEN = re.compile(r"[a-z]+|\d+(?:\.\d+)?")
 
 class HorizonError(ValueError):
     """An instruction whose horizon cannot be read (one line, names the instruction)."""
+
+
+class HorizonRefused(HorizonError):
+    """An instruction the parser *did* read (a quantity and a unit) that no predictor may answer:
+    time units with no usable sampling rate, a count no number holds, a fraction of a step. A
+    checkpoint's learned predictor answers phrasings the parser cannot read, never these."""
 
 
 def number_words(n: int) -> str:
@@ -100,14 +106,14 @@ def parse_horizon(instruction: str, sample_rate: float | None = None) -> int:
         steps = quantity
     else:
         if not sample_rate or not math.isfinite(sample_rate) or sample_rate <= 0:
-            raise HorizonError(f"{instruction!r} asks in {unit}, which needs the series' sampling rate; give it "
+            raise HorizonRefused(f"{instruction!r} asks in {unit}, which needs the series' sampling rate; give it "
                                "(sample_rate in Hz) or ask in steps")
         steps = quantity * _TIME_UNITS[unit] * sample_rate
     if not math.isfinite(steps):   # "the next two seconds" at 1e308 Hz, or a 400-digit count
-        raise HorizonError(f"{instruction!r} asks for more steps than a number holds; ask for fewer steps "
+        raise HorizonRefused(f"{instruction!r} asks for more steps than a number holds; ask for fewer steps "
                            "or give the series' real sampling rate")
     if steps < 1 or abs(steps - round(steps)) > 1e-6:
-        raise HorizonError(f"{instruction!r} asks for {steps:g} steps; a horizon is a whole number of steps >= 1")
+        raise HorizonRefused(f"{instruction!r} asks for {steps:g} steps; a horizon is a whole number of steps >= 1")
     return int(round(steps))
 
 
