@@ -41,6 +41,8 @@ def answer(trainer, request: dict, allow_files: bool = False) -> dict:
 
     if not isinstance(request, dict) or not isinstance(request.get("instruction"), str):
         raise ValueError("request: give a JSON object with an 'instruction' string and 'series' (or 'path')")
+    if not request["instruction"].strip():   # as /v1/forecast and generate --prompt ''
+        raise ValueError("request.instruction: empty; give the ask, e.g. \"forecast the next two seconds\"")
     rate = request.get("sample_rate")
     if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
                              or not math.isfinite(rate) or rate <= 0):

@@ -39,12 +39,12 @@ def generate_command(args: argparse.Namespace) -> int:
     from megatron_s2.inference.detokenizer import IncrementalDetokenizer
     from megatron_s2.inference.weights import load_model
 
-    if not args.prompt:
-        raise ConfigError("--prompt: give the text to continue, e.g. --prompt 'Once upon a time'")
-    if args.series is not None:
+    if args.series is not None:   # --prompt is the instruction there, optional with --horizon
         from megatron_s2.cli.generate_series import forecast_command
 
         return forecast_command(args)
+    if not args.prompt:
+        raise ConfigError("--prompt: give the text to continue, e.g. --prompt 'Once upon a time'")
     # every option is checked before the (slow) model load, and an error names its flag
     check_speculative_flags(args)
     check_memory_decoder_flags(args)
@@ -123,7 +123,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate text from a checkpoint (streams to the terminal)",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="run, checkpoints, step or Hugging Face export directory")
-    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--prompt", default=None, help="text to continue (with --series: the instruction; optional with --horizon)")
     p.add_argument("--image", action="append", metavar="FILE",
                    help="an image for a vision-language model (repeatable); each <image> in the prompt is where the "
                         "next one goes, or all go first when the prompt has none")

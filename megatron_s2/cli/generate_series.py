@@ -4,7 +4,8 @@
 ``SERIES`` is a JSON array (``[steps]`` or ``[channels][steps]``) or a local ``.csv`` / ``.parquet``
 / ``.npz`` file (:func:`megatron_s2.data.timeseries.load_series`; the terminal's own files, so no
 allow-list). ``--prompt`` is the instruction the horizon predictor reads ("forecast the next two
-seconds" with ``--sample-rate 4`` is 8 steps; "predict 12 steps ahead"), or ``--horizon N`` sets it:
+seconds" with ``--sample-rate 4`` is 8 steps; "predict 12 steps ahead"), or ``--horizon N`` sets it
+(with no ``--prompt`` the instruction is the data's own phrasing, "predict N steps ahead"):
 the checkpoint's learned predictor decides when it has one (``horizon_parsed`` in the output is the
 parser's reading, a cross-check, null where it cannot read the prompt), the parser otherwise.
 The prompt is rendered as the forecasting phase trained it (``bos [series] instruction sep``,
@@ -61,7 +62,7 @@ def forecast_command(args: argparse.Namespace) -> int:
     from megatron_s2.inference import EngineConfig, EngineDriver, InferenceEngine, SamplingParams
     from megatron_s2.inference.weights import load_model
     from megatron_s2.models.timeseries.encoder import SeriesInput
-    from megatron_s2.models.timeseries.horizon import HorizonRefused, parse_horizon
+    from megatron_s2.models.timeseries.horizon import HorizonRefused, parse_horizon, render_instruction
 
     # sampling and text flags have no meaning for a forecast: refused when set, never ignored
     for flag, given in (("--image", args.image), ("--memory-decoder", args.memory_decoder),
@@ -71,11 +72,19 @@ def forecast_command(args: argparse.Namespace) -> int:
                         ("--no-bos", not args.bos)):
         if given:
             raise ConfigError(f"{flag}: not with --series (a forecast is one prompt forward, no sampling); drop {flag}")
+    if args.prompt is None and args.horizon is None:
+        raise ConfigError("--prompt: give the instruction the horizon predictor reads, e.g. --prompt 'predict 12 "
+                          "steps ahead', or --horizon N")
+    if args.prompt is not None and not args.prompt.strip():
+        raise ConfigError("--prompt: empty; give the instruction, e.g. --prompt 'predict 12 steps ahead', or drop "
+                          "it and give --horizon N")
     values, rate = read_series_flag(args.series, args.sample_rate)
     parsed, unreadable = None, None
     if args.horizon is not None:
         if args.horizon < 1:
             raise ConfigError(f"--horizon: must be >= 1 steps, got {args.horizon}")
+        if args.prompt is None:   # the instruction as the forecasting data phrases this horizon
+            args.prompt = render_instruction(args.horizon, None, style=1)
     else:
         try:
             parsed = parse_horizon(args.prompt, rate)

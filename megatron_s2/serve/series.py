@@ -24,7 +24,8 @@ top-level ``"forecast": [{"horizon": H, "values": [[...] per channel]}]``, one e
 values on the series' own scale from the forecasting branch (no text numerals).
 
 **``POST /v1/forecast``** takes ``tools/forecast.py``'s request — ``{"instruction": "forecast the
-next two seconds", "sample_rate": 4, "series": [[...], ...]}`` (or ``"path"``) — renders the prompt
+next two seconds", "sample_rate": 4, "series": [[...], ...]}`` (or ``"path"``; an optional
+``"horizon": N`` overrides the predictor, as in ``tools/forecast.py``) — renders the prompt
 exactly as the forecasting phase trained it (``bos [series] instruction sep``) and answers
 ``{"id", "object": "forecast", "model", "horizon", "horizon_parsed", "forecast": [[...], ...], "usage"}``.
 With a learned predictor it decides ``horizon`` (as in the report) and ``horizon_parsed`` is the
@@ -236,16 +237,20 @@ def _forecast_prompt(state, f) -> tuple[list[int], list, list, int | None]:
     if "series" in spec:
         spec["values"] = spec.pop("series")
     series = served.read(spec, "series" if "values" in spec else "path")
+    explicit = f.raw("horizon")
     try:
         parsed = parse_horizon(instruction, series.sample_rate)
     except ValueError as exc:
-        if not served.learned:
-            raise BadRequest(f"instruction: {exc}", param="instruction") from None
-        parsed = None   # the learned predictor still reads it; the cross-check is null
-    if served.learned:
+        if not served.learned and explicit is None:
+            raise BadRequest(f"instruction: {exc}; or give \"horizon\": N", param="instruction") from None
+        parsed = None   # the learned predictor (or the explicit horizon) still answers; the cross-check is null
+    if explicit is not None:   # as tools/forecast.py: an explicit horizon overrides the predictor
+        horizons = served.horizons({"horizon": explicit}, instruction, [series], "horizon")
+    elif served.learned:
         served.check_readable(instruction, [series], "instruction")
-    horizons = (served.horizons(True, instruction, [series], "instruction") if served.learned
-                else served.horizons({"horizon": parsed}, instruction, [series], "instruction"))
+        horizons = served.horizons(True, instruction, [series], "instruction")
+    else:
+        horizons = served.horizons({"horizon": parsed}, instruction, [series], "instruction")
     planner = SeriesPlanner.from_model(state.backend.engine.model_config)
     ids, at = series_prompt(state.tokenizer, planner, instruction, series.values.shape[1])
     span = planner.span_length(series.values.shape[1])
@@ -267,7 +272,7 @@ async def forecast_route(state, request):
 
     f = Fields(await read_json_object(request, state.config.max_body_bytes))
     state.check_model(f)
-    f.only({"model", "instruction", "series", "path", "sample_rate"})
+    f.only({"model", "instruction", "series", "path", "sample_rate", "horizon"})
     prompt, inputs, horizons, parsed = await run_in_threadpool(_forecast_prompt, state, f)
     prompt, spans = await run_in_threadpool(state.series.prepare, prompt, inputs, "series")
     rid = new_id("fcst")

@@ -67,6 +67,13 @@ def test_bad_series_exits_2_before_the_model_loads(capsys, tmp_path):
     # a prompt the parser cannot read waits for the checkpoint (a learned horizon predictor may read it)
     assert main(["generate", str(tmp_path / "nothing"), "--series", "[1, 2, 3]", "--prompt", "hello"]) == 2
     assert "nothing does not exist" in capsys.readouterr().err
+    # no instruction at all, or an empty one, is the flag's one line; --horizon alone needs none
+    for flags in ([], ["--prompt", "  "]):
+        assert main(["generate", str(tmp_path / "nothing"), "--series", "[1, 2, 3]", *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "configuration error: --prompt:" in err[0], err
+    assert main(["generate", str(tmp_path / "nothing"), "--series", "[1, 2, 3]", "--horizon", "4"]) == 2
+    assert "nothing does not exist" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +101,12 @@ def test_generate_series_prints_the_numbers_tools_forecast_gives(run_dir, capsys
                  "--device", "cpu"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     np.testing.assert_allclose(again["forecast"], got["forecast"], rtol=1e-4, atol=1e-4)
+    # --horizon with no --prompt: the data's own phrasing, the numbers tools/forecast.py gives for it
+    want = answer(load_trained_forecaster(run_dir), {"instruction": "predict 5 steps ahead", "series": SERIES})
+    assert main(["generate", str(run_dir), "--series", json.dumps(SERIES), "--horizon", "5", "--device", "cpu"]) == 0
+    alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert alone["horizon"] == want["horizon"] == 5
+    np.testing.assert_allclose(alone["forecast"], want["forecast"], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow

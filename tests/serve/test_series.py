@@ -91,6 +91,11 @@ def test_forecast_route_answers_like_tools_forecast(client, run_dir):
     assert got["object"] == "forecast" and got["horizon"] == want["horizon"] == 8
     np.testing.assert_allclose(got["forecast"], want["forecast"], rtol=1e-4, atol=1e-4)
     assert [len(c) for c in got["forecast"]] == [8, 8] and all(80 < v < 120 for v in got["forecast"][0])
+    # an explicit horizon overrides the parser, as in tools/forecast.py, even where it cannot read the ask
+    ask = {**ASK, "instruction": "what comes next?", "horizon": 5}
+    got, want = forecast_post(client, ask), answer(load_trained_forecaster(run_dir), ask)
+    assert got["horizon"] == want["horizon"] == 5 and got["horizon_parsed"] is want["horizon_parsed"] is None
+    np.testing.assert_allclose(got["forecast"], want["forecast"], rtol=1e-4, atol=1e-4)
 
 
 @SLOW
@@ -175,9 +180,13 @@ def test_bad_forecast_asks_are_refused(client):
         with pytest.raises(openai.BadRequestError) as err:
             series_chat(client, {"values": SERIES, "sample_rate": 4}, **extra)
         assert words in message_of(err.value)
-    with pytest.raises(openai.BadRequestError) as err:
-        forecast_post(client, {**ASK, "instruction": "predict 500 steps ahead"})
-    assert "max_horizon" in message_of(err.value)
+    for body, words in [({**ASK, "instruction": "predict 500 steps ahead"}, "max_horizon"),
+                        ({**ASK, "horizon": 99}, "horizon: one horizon per series, each in 1..32"),
+                        ({**ASK, "horizon": True}, "horizon: one horizon per series"),
+                        ({**ASK, "instruction": "what next?"}, "or give \"horizon\": N")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            forecast_post(client, body)
+        assert words in message_of(err.value), message_of(err.value)
 
 
 def bpe():
