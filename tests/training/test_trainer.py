@@ -88,3 +88,23 @@ def test_sft_phase_masks_prompt_tokens(tmp_path):
     trainer = _train(tmp_path / "sft", 1, "phase.kind=sft")
     batch = trainer.data.next_step()[0]
     assert 0 < batch["loss_mask"].mean() < 1
+
+
+def test_the_model_is_built_once_per_start(tmp_path, monkeypatch):
+    """Issue 19: the start-up memory plan counts the meta model that then gets real storage in
+    place — the family builds the model once per start, not a meta copy and then the real one."""
+    from megatron_s2.models.family import family_of
+
+    recipe = load_recipe(RECIPE, [*FAST, "training.train_steps=1", f"training.run_dir={tmp_path / 'run'}"])
+    family = type(family_of(recipe.model))
+    built = []
+    original = family.build_model
+
+    def counting(self, *args, **kwargs):
+        built.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(family, "build_model", counting)
+    trainer = Trainer(recipe, tmp_path / "run")
+    assert len(built) == 1
+    assert all(not p.is_meta for p in trainer.model.parameters())
