@@ -538,8 +538,11 @@ def _group_members(pgid: int) -> list[int]:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_cli_run_exits_130_with_one_line_and_leaves_nothing_running(sig):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # SIGINT at its default disposition in the child: a suite started in the background (`cmd &` in a
+    # script) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
     proc = subprocess.run([sys.executable, "-c", _INTERRUPT_MID_EPISODE.replace("SIG", str(int(sig)))],
-                          capture_output=True, text=True, env=env, timeout=120)
+                          capture_output=True, text=True, env=env, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 130 and len(err) == 1 and err[0].startswith("interrupted"), (proc.returncode, err[-5:])
     pgid = int(proc.stdout.split("sandbox-group", 1)[1].split()[0])

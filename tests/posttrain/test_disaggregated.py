@@ -161,7 +161,10 @@ def _assert_same_run(run: Path, colocated) -> None:
     for ours, ref in zip(metrics, ref_metrics):
         assert ours["trained_reward_mean"] == ref["trained_reward_mean"], (ours["step"], ours, ref)
         assert ours["response_length"] == ref["response_length"]
-        assert abs(ours["loss"] - ref["loss"]) < 1e-5, (ours["step"], ours["loss"], ref["loss"])
+        # the same tokens and rewards; the loss within fp32 rounding: behaviour log-probs come from a server
+        # whose batch composition depends on timing (and on a restart), which moves their last bits
+        # (measured: 2.0e-5 on a loss of -0.41 at load 8)
+        assert abs(ours["loss"] - ref["loss"]) < 1e-4 * max(1.0, abs(ref["loss"])), (ours["step"], ours["loss"], ref["loss"])
         assert ours["async_lag_max"] == 0 and ours["async_dropped_samples"] == 0
     # the audit trail: the same prompts per step, each step trained once, no sample twice
     assert [sorted(r["trained"]) for r in records] == [sorted(r["trained"]) for r in ref_records]
