@@ -121,6 +121,7 @@ def opd_parity(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("intern_opd_parity")  # one worker spawns the ranks once under `-n 2`
 @pytest.mark.parametrize("layout", ["tp2", "dp2", "pp2", "ep2", "cp2"])
 def test_sampled_token_opd_steps_match_single_rank(opd_parity, layout):
     from tests.intern_s2.test_parity import DECAY_GATE, ZERO_INIT

@@ -31,6 +31,10 @@ from megatron_s2.parallel.groups import ParallelGroups
 from tests.intern_s2.conftest import incremental_logits
 from tests.parallel.spawn import run_distributed
 
+# spawned ranks (tests over ~20 s on the shared CI machine); one xdist worker runs the module, so
+# its fixture spawns once under `-n 2`
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("intern_parallel_decode")]
+
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "intern_s2" / "pretrain_tiny.yaml"
 LAYOUTS = {"tp2": dict(tp=2), "ep2": dict(ep=2)}
 SEED = 21
