@@ -141,8 +141,9 @@ def check_same_architecture(mine: ModelSchema, theirs: ModelSchema, where: str) 
     Compared: the family's released-format description of the model (its Hugging Face
     ``config.json`` without our own block and dtype) — layer modes, windows, top-k, rope, expert
     routing, norms. Training-only fields (initialisation, loss coefficients, bias-update rate,
-    precision) may differ: an RL phase legitimately overrides them over the checkpoint it starts
-    from, and the weights it publishes still belong to the served model."""
+    precision; the adapter's ``training_only_keys`` where its format states them) may differ: an
+    RL phase legitimately overrides them over the checkpoint it starts from, and the weights it
+    publishes still belong to the served model."""
     from megatron_s2.models.family import family_of
     from megatron_s2.models.family.hf import BLOCK_KEY
 
@@ -152,7 +153,7 @@ def check_same_architecture(mine: ModelSchema, theirs: ModelSchema, where: str) 
 
     def described(cfg: ModelSchema) -> dict:
         out = hf.config_to_hf(cfg, "float32")
-        for key in (BLOCK_KEY, "torch_dtype", "dtype"):
+        for key in (BLOCK_KEY, "torch_dtype", "dtype", *hf.training_only_keys):
             out.pop(key, None)
         return _flat(out)
 

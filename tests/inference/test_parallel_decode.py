@@ -8,6 +8,8 @@ compares them with the same runs on one rank: logits at every position within 1e
 largest logit with float KV (within one quantum with packed KV, ``PACKED_RTOL``), routing and indexer top-k identical, sampled tokens identical, log-probs within
 1e-5 relative — also after each rank swapped in new weights from a checkpoint directory
 (full tensors on disk, sliced by every rank's ShardSpec).
+
+The Intern-S2 family's counterpart (Gated DeltaNet states split over tp): tests/intern_s2/test_parallel_decode.py.
 """
 
 from __future__ import annotations

@@ -33,3 +33,32 @@ def hf_reference(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen35moe") / "hf"
     model.save_pretrained(path)
     return model, path
+
+
+class ExecutorRequest:
+    """What the executor reads of an engine request: its tokens, how many it computed, its state."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens, self.num_computed, self.kv = list(tokens), 0, None
+
+
+def incremental_logits(executor, seqs: list[list[int]], prompt_lens: list[int], chunk: int):
+    """Every request batched in one executor forward per step: its prompt in chunks of ``chunk``,
+    then one token at a time; returns (per request the logits of every position [n, V], the
+    requests, whose states stay admitted)."""
+    from megatron_s2.models.family.engine import Chunk
+
+    requests = [ExecutorRequest(s) for s in seqs]
+    for r in requests:
+        executor.admit(r)
+    got = [[] for _ in seqs]
+    while any(r.num_computed < len(r.tokens) for r in requests):
+        chunks = []
+        for i, r in enumerate(requests):
+            if r.num_computed < len(r.tokens):
+                step = chunk if r.num_computed < prompt_lens[i] else 1
+                chunks.append((i, Chunk(r, r.num_computed, min(step, len(r.tokens) - r.num_computed), "all")))
+        for (i, c), out in zip(chunks, executor.forward([c for _, c in chunks])):
+            got[i].append(out.logits)
+            c.request.num_computed += c.length
+    return [torch.cat(x) for x in got], requests

@@ -9,7 +9,6 @@ attention layers) equal the full forward, and greedy generation equals ``transfo
 from __future__ import annotations
 
 import json
-import types
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_s2.checkpoint.hf.convert import load_hf_checkpoint
 from megatron_s2.models.family import family_of
+from tests.intern_s2.conftest import ExecutorRequest, incremental_logits
 
 IDS = torch.randint(0, 128, (2, 45), generator=torch.Generator().manual_seed(5))
 
@@ -61,10 +61,6 @@ def test_released_multimodal_layout_imports_the_same_text_model(hf_reference, tm
     assert all(torch.equal(release_state[k], text_state[k]) for k in text_state)
 
 
-class _Request(types.SimpleNamespace):
-    pass
-
-
 def test_chunked_prefill_and_decode_equal_the_full_forward(hf_reference):
     """Two requests of different lengths batched together (ragged rows), prefill in chunks of 7
     then one token at a time, against the full forward's logits at every position."""
@@ -77,27 +73,13 @@ def test_chunked_prefill_and_decode_equal_the_full_forward(hf_reference):
     seqs = [IDS[0, :40].tolist(), IDS[1, :23].tolist()]
     with torch.no_grad():
         full = [model(torch.tensor([s]))[0] for s in seqs]
-    requests = [_Request(tokens=s, num_computed=0, kv=None) for s in seqs]
-    for r in requests:
-        executor.admit(r)
-    got = [[], []]
-    prompt = [12, 9]
-    while any(r.num_computed < len(r.tokens) for r in requests):
-        chunks = []
-        for i, r in enumerate(requests):
-            if r.num_computed < len(r.tokens):
-                step = 7 if r.num_computed < prompt[i] else 1
-                chunks.append((i, Chunk(r, r.num_computed, min(step, len(r.tokens) - r.num_computed), "all")))
-        outs = executor.forward([c for _, c in chunks])
-        for (i, c), out in zip(chunks, outs):
-            got[i].append(out.logits)
-            c.request.num_computed += c.length
+    got, requests = incremental_logits(executor, seqs, prompt_lens=[12, 9], chunk=7)
     for i in range(2):
-        err = (torch.cat(got[i]) - full[i]).abs().max() / full[i].abs().max()
+        err = (got[i] - full[i]).abs().max() / full[i].abs().max()
         assert err < 1e-5, (i, float(err))
     # the state of a request exports and restores exactly: continuing from it gives the same logits
     state = executor.export_state(requests[1])
-    twin = _Request(tokens=seqs[1] + [7], num_computed=0, kv=None)
+    twin = ExecutorRequest(seqs[1] + [7])
     executor.import_state(twin, state)
     requests[1].tokens = seqs[1] + [7]
     (a,), (b,) = (executor.forward([Chunk(r, len(seqs[1]), 1, "last")]) for r in (requests[1], twin))

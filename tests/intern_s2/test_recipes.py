@@ -150,6 +150,18 @@ def test_the_memdec_pipeline_chains_pretraining_memory_and_router(cluster_inputs
     assert (pretrain.plan.world_size, memory.plan.world_size, router.plan.world_size) == (256, 32, 32)
 
 
+def test_opd_tiny_distils_an_intern_s2_teacher_into_an_intern_s2_student(tmp_path):
+    """recipes/intern_s2/opd_tiny.yaml (its header holds the measured run): every phase builds the
+    hybrid; the opd phase starts from the student and loads the teacher phase's checkpoints."""
+    from megatron_s2.launcher.launch import prepare_runs
+
+    teacher, student, opd = prepare_runs(str(INTERN / "opd_tiny.yaml"), [], {}, str(tmp_path), local=True)
+    assert {r.recipe.model.family for r in (teacher, student, opd)} == {"intern_s2"}
+    assert opd.recipe.phase.kind == "opd" and opd.recipe.checkpoint.load == str(tmp_path / "student" / "checkpoints")
+    [distilled] = opd.recipe.opd.teachers
+    assert distilled.checkpoint == str(tmp_path / "teacher" / "checkpoints")
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "megatron_s2.cli", *args], cwd=REPO, env=env, capture_output=True,

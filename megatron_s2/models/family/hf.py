@@ -29,6 +29,11 @@ BLOCK_KEY = "megatron_s2"
 
 
 class HFAdapter(abc.ABC):
+    training_only_keys: frozenset[str] = frozenset()
+    """``config.json`` keys only training reads (initialisation, auxiliary-loss coefficients): two
+    configs differing only there describe models that compute the same from the same weights
+    (:func:`~megatron_s2.inference.weights.check_same_architecture` ignores them)."""
+
     @property
     @abc.abstractmethod
     def registry(self) -> MappingRegistry: ...

@@ -80,6 +80,8 @@ def _registry(prefix: str) -> MappingRegistry:
 
 
 class QwenMoEAdapter(HFAdapter):
+    training_only_keys = frozenset({"initializer_range", "router_aux_loss_coef"})
+
     @property
     def registry(self) -> MappingRegistry:
         return _registry(TEXT_PREFIX)
