@@ -27,6 +27,17 @@ def _generate(url: str, body=BODY) -> dict:
     return r.json()["choices"][0]
 
 
+def _reload_during_a_long_request(url: str, path, version: int):
+    """(the reload's response, the policy version of each token of a 200-token request in flight across it)."""
+    long = {**BODY, "sampling_params": {**BODY["sampling_params"], "max_tokens": 200}}
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(_generate(url, long)))
+    thread.start()
+    r = httpx.post(f"{url}/update_weights", json={"path": str(path), "version": version}, timeout=120)
+    thread.join()
+    return r, result["policy_versions"]
+
+
 def test_update_weights_reloads_between_steps_and_tags_versions(run_dir, loaded):
     reference = start_server(loaded)  # the checkpoint's own weights
     try:
@@ -52,13 +63,7 @@ def test_update_weights_reloads_between_steps_and_tags_versions(run_dir, loaded)
         assert httpx.get(f"{server.url}/stats").json()["policy_version"] == 3
 
         # a request in flight across a reload: each token carries the version that produced it
-        long = {**BODY, "sampling_params": {**BODY["sampling_params"], "max_tokens": 200}}
-        result = {}
-        thread = threading.Thread(target=lambda: result.update(_generate(server.url, long)))
-        thread.start()
-        r = httpx.post(f"{server.url}/update_weights", json={"path": str(run_dir), "version": 4}, timeout=120)
-        thread.join()
-        versions = result["policy_versions"]
+        r, versions = _reload_during_a_long_request(server.url, run_dir, 4)
         assert r.status_code == 200 and versions == sorted(versions) and set(versions) <= {3, 4}
 
         # refusals: an older version (409), a missing path, no version
@@ -189,13 +194,7 @@ def test_intern_s2_weights_reload_between_steps_and_another_architecture_is_refu
         assert max(abs(a - b) for a, b in zip(_logprobs(after), _logprobs(expected))) < 1e-5
 
         # a request in flight across a reload (its recurrent states carry on under the new weights)
-        long = {**BODY, "sampling_params": {**BODY["sampling_params"], "max_tokens": 200}}
-        result = {}
-        thread = threading.Thread(target=lambda: result.update(_generate(server.url, long)))
-        thread.start()
-        r = httpx.post(f"{server.url}/update_weights", json={"path": str(retrained), "version": 4}, timeout=120)
-        thread.join()
-        versions = result["policy_versions"]
+        r, versions = _reload_during_a_long_request(server.url, retrained, 4)
         assert r.status_code == 200, r.text
         assert len(versions) == 200 and versions == sorted(versions) and set(versions) <= {3, 4}
         served = _generate(server.url)
