@@ -165,8 +165,9 @@ class SpeculativeDecoder:
         # the head ranks requests and positions; the measured acceptance sets its level
         factors = torch.tensor(self.estimate.calibration(), dtype=torch.float32)
         calibrated = (confidence.float().cpu().clamp(0, 1) * factors).clamp(0, 1)
+        rest = self.costs.speculative_rest
         chosen = choose_verification_lengths(prefix_survival(calibrated), self.costs.forward_profile(),
-                                             draft_seconds=self.costs.speculative_rest(len(reqs)))
+                                             draft_seconds=rest(len(reqs)) if rest.known else 0.0)
         floor = 1 if self.gate.probing else 0
         return [min(max(c, floor), lim) for c, lim in zip(chosen, limits)]
 
