@@ -1,16 +1,27 @@
-"""Speculative decoding with the DSpark drafter (report §2.4.3): tokens/s with and without
+"""Speculative decoding with the DSpark drafter (report 003 §2.4.3): tokens/s with and without
 speculation, side by side in one run, and what the drafter achieved.
 
-One model (a checkpoint with a drafter, e.g. after ``recipes/dspark_tiny.yaml``) and two
-engines over it — plain decode, and ``speculative: true`` — generate the same prompts (problems
-of the synthetic tasks the checkpoint's run trained on, rendered as chat prompts; a request ends
-at its end-of-sequence token or ``--max-tokens``). Rounds alternate the two engines so both
-see the same machine load (this machine is noisy); reported per (batch, sampling): median
-tokens/s over rounds, the ratio speculative / plain, acceptance per draft position, and tokens
-per verification round. Greedy outputs are also checked to be identical (speculation is exact).
+One model (a checkpoint with a drafter, e.g. after ``recipes/dspark_tiny.yaml``) and three
+engines over it — plain decode; ``speculative: true`` with the adaptive schedule (it drafts only
+while drafting pays at the current batch size, measured, and otherwise decodes plainly, probing
+with exponential back-off: ``megatron_s2/inference/speculation_schedule.py``); and
+``speculative_schedule: fixed``, which drafts at every step and verifies every draft (what a
+schedule that trusts its drafter does) — generate the same prompts (problems of the synthetic
+tasks the checkpoint's run trained on, rendered as chat prompts; a request ends at its
+end-of-sequence token or ``--max-tokens``). Rounds alternate the engines so all see the same
+machine load (this machine is noisy); reported per (batch, sampling, drafter): median tokens/s
+over rounds, the ratios to plain (wall time, and for the adaptive engine also the process's CPU
+time, which other jobs on a shared machine disturb less), the adaptive engine's decode steps that
+drafted, tokens per verification round and acceptance per draft position. Greedy outputs are
+also checked to be identical (speculation is exact).
 
-    python bench/speculative.py runs/dspark_tiny/dspark --batches 1 4 --rounds 5
-    python bench/speculative.py --smoke            # a random tiny drafter, seconds, no figures
+``--oracle`` adds rows with a drafter that proposes the target's own greedy continuation
+(recorded from the plain engine; greedy only): every draft is accepted, at the real drafter's
+cost — what a well-trained drafter approaches.
+
+    python bench/speculative.py runs/dspark_tiny/dspark --batches 1 16 --rounds 5
+    python bench/speculative.py --random --oracle     # the tiny backbone with a random drafter
+    python bench/speculative.py --smoke               # the same, seconds, no figures
 """
 
 from __future__ import annotations
@@ -70,71 +81,127 @@ def _prompts(tokenizer, tasks, count: int, seed: int) -> list[list[int]]:
     return out
 
 
-def _run(engine, prompts, params) -> tuple[float, list[list[int]]]:
-    t0 = time.perf_counter()
+def _run(engine, prompts, params) -> tuple[float, float, list[list[int]]]:
+    """(tokens/s of wall time, tokens/s of this process's CPU time, the outputs)."""
+    wall, cpu = time.perf_counter(), time.process_time()
     done = engine.generate(prompts, params)
-    seconds = time.perf_counter() - t0
-    return sum(len(r.token_ids) for r in done) / seconds, [r.token_ids for r in done]
+    tokens = sum(len(r.token_ids) for r in done)
+    return (tokens / (time.perf_counter() - wall), tokens / max(time.process_time() - cpu, 1e-9),
+            [r.token_ids for r in done])
+
+
+class GreedyOracle:
+    """A drafter proposing the target's own greedy continuation (``continuations``: prompt ->
+    prompt + plain greedy output): every greedy draft is accepted. It runs the real drafter as
+    well, so drafting costs what it costs."""
+
+    def __init__(self, inner, continuations: dict[tuple[int, ...], list[int]]):
+        self.inner, self.continuations, self.block_size = inner, continuations, inner.block_size
+
+    def propose(self, requests):
+        base, hidden = self.inner.propose(requests)
+        logits = torch.full_like(base, -1e4)
+        for r, req in enumerate(requests):
+            future = self.continuations[tuple(req.prompt)][req.num_computed + 1:][:self.block_size]
+            for i, token in enumerate(future):
+                logits[r, i, token] = 1e4
+        return logits, hidden
+
+    def markov(self, previous):
+        bias, embed = self.inner.markov(previous)
+        return torch.zeros_like(bias), embed  # the oracle's tokens, not the Markov head's
+
+    def confidence(self, hidden, embeds):
+        return self.inner.confidence(hidden, embeds)
+
+
+def _row(model, prompts, params, cfg, rounds: int, oracle: bool) -> dict | None:
+    """Alternating rounds of the three engines; None when greedy outputs differ."""
+    from megatron_s2.config.engine import EngineConfig
+    from megatron_s2.inference.engine import InferenceEngine
+
+    engines = {"plain": InferenceEngine(model, EngineConfig(**cfg)),
+               "adaptive": InferenceEngine(model, EngineConfig(**cfg, speculative=True)),
+               "always": InferenceEngine(model, EngineConfig(**cfg, speculative=True, speculative_schedule="fixed"))}
+    if oracle:
+        truth = {tuple(p): p + r.token_ids for p, r in zip(prompts, engines["plain"].generate(prompts, params))}
+        for name in ("adaptive", "always"):
+            engines[name].speculator.drafter = GreedyOracle(engines[name].executor.drafter, truth)
+    wall = {name: [] for name in engines}
+    cpu = {name: [] for name in engines}
+    for _ in range(rounds):  # alternate: all see the same load
+        outputs = {}
+        for name, engine in engines.items():
+            rate, cpu_rate, outputs[name] = _run(engine, prompts, params)
+            wall[name].append(rate)
+            cpu[name].append(cpu_rate)
+        if params.greedy and not outputs["plain"] == outputs["adaptive"] == outputs["always"]:
+            return None
+    median = {name: statistics.median(rates) for name, rates in wall.items()}
+    adaptive = engines["adaptive"].stats()["speculative"]
+    return {"wall": median, "cpu_ratio": statistics.median(cpu["adaptive"]) / statistics.median(cpu["plain"]),
+            "drafting": f"{adaptive['speculative_steps']}/{adaptive['speculative_steps'] + adaptive['plain_steps']}",
+            "always": engines["always"].stats()["speculative"], "adaptive": adaptive}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", nargs="?", help="run / checkpoints / step directory of a model with a drafter")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--random", action="store_true", help="the tiny backbone with a random drafter instead")
+    ap.add_argument("--oracle", action="store_true", help="also a drafter of the target's own greedy tokens")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--requests", type=int, default=4, help="requests per batch slot in a round (default 4)")
+    ap.add_argument("--requests", type=int, default=2, help="requests per batch slot in a round (default 2)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--schedule", choices=["confidence", "fixed"], default="confidence")
-    ap.add_argument("--smoke", action="store_true", help="random tiny drafter, one short round (no figures)")
+    ap.add_argument("--smoke", action="store_true", help="random tiny drafter and the oracle, one short round "
+                                                          "(no figures)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from megatron_s2.config.engine import EngineConfig
-    from megatron_s2.inference.engine import InferenceEngine
     from megatron_s2.inference.sampling import SamplingParams
 
     if args.smoke:
+        args.random = args.oracle = True
+        args.max_tokens, args.rounds, args.requests = 8, 1, 1
+    if args.random:
         model, tokenizer = _smoke_model()
-        args.batches, args.max_tokens, args.rounds, args.requests = [1, 2], 8, 1, 1
-        what = "tiny, random drafter (smoke: no figures)"
+        what = "tiny, random drafter" + (" (smoke: no figures)" if args.smoke else "")
     else:
         if not args.checkpoint:
-            ap.error("give a checkpoint with a DSpark drafter, or --smoke")
+            ap.error("give a checkpoint with a DSpark drafter, or --random / --smoke")
         from megatron_s2.inference.weights import load_model
 
         model, tokenizer, what = load_model(args.checkpoint, "cpu")
         if getattr(model, "dspark", None) is None:
             print(f"{args.checkpoint}: the model has no DSpark drafter (model.dspark_layers: 0)", file=sys.stderr)
             return 2
-    tasks = _tasks(None if args.smoke else args.checkpoint)
+    tasks = _tasks(None if args.random else args.checkpoint)
     print(f"model: {what}; tasks {', '.join(t.name for t in tasks)}; {args.threads} thread(s); "
-          f"max_tokens {args.max_tokens}; schedule {args.schedule}")
-    header = (f"{'batch':>5} {'sampling':>8} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} "
-              f"{'tok/round':>9}  acceptance per position")
-    print(header)
+          f"max_tokens {args.max_tokens}; {args.requests} request(s) per batch slot; median of {args.rounds} round(s)")
+    print(f"{'batch':>5} {'sampling':>8} {'drafter':>7} {'plain tok/s':>12} {'adaptive':>9} {'ratio':>6} "
+          f"{'cpu ratio':>9} {'always':>8} {'ratio':>6} {'drafting steps':>14} {'tok/round':>9}  acceptance per position")
     for batch in args.batches:
         prompts = _prompts(tokenizer, tasks, batch * args.requests, seed=batch)
         cfg = dict(max_num_seqs=batch, max_model_len=256, page_tokens=16, prefill_chunk=64, max_prefill_tokens=256)
-        for sampling, params in (("greedy", SamplingParams(max_tokens=args.max_tokens, temperature=0.0)),
-                                 ("t=1", SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=7))):
-            plain = InferenceEngine(model, EngineConfig(**cfg))
-            spec = InferenceEngine(model, EngineConfig(**cfg, speculative=True, speculative_schedule=args.schedule))
-            rates = {"plain": [], "spec": []}
-            for _ in range(args.rounds):  # alternate: both see the same load
-                rate_p, out_p = _run(plain, prompts, params)
-                rate_s, out_s = _run(spec, prompts, params)
-                rates["plain"].append(rate_p)
-                rates["spec"].append(rate_s)
-                if sampling == "greedy" and out_p != out_s:
-                    print("greedy speculative output differs from plain greedy decode", file=sys.stderr)
-                    return 1
-            stats = spec.stats()["speculative"]
-            p, s = statistics.median(rates["plain"]), statistics.median(rates["spec"])
+        greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+        rows = [("greedy", greedy, "model"), ("t=1", SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=7),
+                                               "model")]
+        if args.oracle:
+            rows.append(("greedy", greedy, "oracle"))
+        for sampling, params, drafter in rows:
+            row = _row(model, prompts, params, cfg, args.rounds, oracle=drafter == "oracle")
+            if row is None:
+                print("greedy speculative output differs from plain greedy decode", file=sys.stderr)
+                return 1
+            wall, stats = row["wall"], row["always"]
             per_pos = " ".join(f"{a:.2f}" for a in stats["acceptance_per_position"])
-            print(f"{batch:>5} {sampling:>8} {p:>12.1f} {s:>11.1f} {s / p:>6.2f} {stats['tokens_per_round']:>9.2f}"
+            print(f"{batch:>5} {sampling:>8} {drafter:>7} {wall['plain']:>12.1f} {wall['adaptive']:>9.1f} "
+                  f"{wall['adaptive'] / wall['plain']:>6.2f} {row['cpu_ratio']:>9.2f} {wall['always']:>8.1f} "
+                  f"{wall['always'] / wall['plain']:>6.2f} {row['drafting']:>14} {stats['tokens_per_round']:>9.2f}"
                   f"  {per_pos}")
-    print("ratio = speculative / plain tokens per second (> 1: speculation is faster); tok/round = tokens "
-          "emitted per verification (accepted drafts + 1)")
+    print("ratio = speculative / plain tokens per second (> 1: speculation is faster); adaptive: drafts only while "
+          "drafting pays (its decode steps that drafted: drafting steps); always: drafts and verifies every draft at "
+          "every step (its tok/round = tokens per verification, and acceptance per position)")
     return 0
 
 

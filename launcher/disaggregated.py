@@ -49,16 +49,19 @@ def initial_weights(recipe) -> str:
 
 def server_command(python: str, recipe, port: str | int, host: str = "127.0.0.1") -> tuple[str, ...]:
     """argv of one inference server (the orchestrator asks each call's log-probs under the
-    distribution it sampled from: ``processed_logprobs``)."""
+    distribution it sampled from: ``processed_logprobs``). ``rl.rollout.engine.speculative``
+    becomes ``--speculative``: the servers decode with the checkpoint's DSpark drafter (a
+    checkpoint without one stops the server at start-up with one line naming the flag)."""
     from megatron_s2.config.posttrain.engines import engine_max_model_len
 
     rl = recipe.rl
+    speculative = ("--speculative",) if rl.rollout.engine.speculative else ()
     return (python, "-m", "megatron_s2.cli", "serve", initial_weights(recipe), "--host", host, "--port", str(port),
             "--served-model-name", "policy", "--logprobs-mode", "processed_logprobs",
             "--max-num-seqs", str(rl.disaggregated.max_num_seqs),
             "--max-waiting", str(max(256, rl.rollout.max_in_flight)),
             "--max-model-len", str(engine_max_model_len(recipe, rl.rollout)), "--seed", str(recipe.training.seed),
-            "--log-level", "warning")
+            *speculative, "--log-level", "warning")
 
 
 def orchestrator_command(python: str, config: Path, run_dir: Path, servers: list[str] | None) -> tuple[str, ...]:

@@ -83,7 +83,8 @@ def generate_command(args: argparse.Namespace) -> int:
     reason = last.finish_reason.value if last is not None and last.finish_reason else "?"
     spec = engine.stats().get("speculative")
     extra = (f", {spec['tokens_per_round']:.2f} tokens per verification, draft acceptance "
-             f"{spec['acceptance_rate']:.2f}" if spec else "")
+             f"{spec['acceptance_rate']:.2f}, {spec['speculative_steps']} of "
+             f"{spec['speculative_steps'] + spec['plain_steps']} decode steps drafted" if spec else "")
     print(f"[{generated} tokens, finish reason: {reason}{extra}]", file=sys.stderr)
     return 0
 

@@ -50,13 +50,17 @@ class EngineConfig:
     seed: int = 0
     """Seeds the generator of every request that brings no seed of its own."""
     speculative: bool = False
-    """Speculative decoding with the model's drafter (DSpark, report §2.4.3): every decode step
+    """Speculative decoding with the model's drafter (DSpark, report §2.4.3): a decode step
     drafts, then verifies the drafts in one forward with exact rejection sampling (lossless)."""
     speculative_tokens: int = 0
     """Drafts verified per request and step at most; 0 = the drafter's block size."""
     speculative_schedule: str = "confidence"
-    """How many drafts each request verifies: ``confidence`` (the confidence head's prefix
-    survival against the engine's measured throughput curve, §2.4.3) or ``fixed`` (all of them)."""
+    """When to draft and how many drafts each request verifies: ``confidence`` drafts only while
+    drafting pays at the current batch size (measured acceptance against measured step times;
+    otherwise plain decode, probed with exponential back-off) and verifies per request what the
+    confidence head's calibrated prefix survival and the engine's measured throughput curve make
+    best (§2.4.3, :mod:`megatron_s2.inference.speculation_schedule`); ``fixed`` drafts at every
+    decode step and verifies all of them."""
     speculative_profile: str = ""
     """A throughput profile (JSON ``{"points": [[tokens, seconds], ...]}``) of verification
     forwards; "" = the engine measures its own forwards as it runs."""

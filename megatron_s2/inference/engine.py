@@ -356,12 +356,13 @@ class InferenceEngine:
             plan = self._schedule()
             version = self.policy_version
             for chunks, reqs in self._forwards(plan):
-                speculate = self.speculator is not None and chunks[0].length == 1 and self.speculator.active()
-                if speculate:
+                decoding = self.speculator is not None and chunks[0].length == 1
+                if decoding:
                     # decoding, not a 1-token chunk; nor a forecast's last prompt token (its hidden state is read)
                     spec = [r for r in reqs if r.num_computed + 1 == len(r.tokens) and not r.params.constrained
                             and not (r.forecast is not None and r.num_computed < len(r.prompt))]
-                    if spec:
+                    # the gate decides before drafting whether drafting pays at this batch size
+                    if spec and self.speculator.should_draft(len(spec)):
                         self._speculate(spec, version, outputs, plan)
                         chunks = [c for c in chunks if c.request not in spec]
                         reqs = [c.request for c in chunks]
@@ -375,8 +376,7 @@ class InferenceEngine:
                     for chunk in chunks:  # the router reads both models' hidden states
                         chunk.hidden = chunk.logits != "none"
                 results = self.executor.forward(chunks, record_routing=record_routing, record_topk=record_topk)
-                if self.speculator is not None and chunks[0].length == 1:  # plain decode: a point of the curve
-                    self.speculator.observe(len(chunks), time.perf_counter() - t0)
+                forward_s = time.perf_counter() - t0
                 if self.memory_executor is not None:
                     self._fuse(chunks, results)
                 for req, chunk, res in zip(reqs, chunks, results):
@@ -384,6 +384,8 @@ class InferenceEngine:
                         self._advance(req, chunk, res, version)
                     except Exception as exc:  # noqa: BLE001 - this request's sampling / stop check
                         self._fail(req, exc, outputs)
+                if decoding:  # plain decode: the baseline the gate compares speculation with
+                    self.speculator.observe_plain(len(chunks), forward_s, time.perf_counter() - t0)
             for req in list(self.running):
                 if req.pending is not None:
                     if req.pending.finished:
@@ -571,6 +573,7 @@ class InferenceEngine:
                    plan: list[tuple[Request, int]]) -> None:
         """Draft, verify in one forward, keep the accepted prefix and one more token per request."""
         spec, ex = self.speculator, self.executor
+        step_start = time.perf_counter()
         # drafts take only pages the step's plan (its decodes and prompt chunks) leaves free:
         # _schedule made that plan fit the pool, by preemption if needed
         spare, limits = ex.free_pages() - sum(ex.pages_needed(req, n) for req, n in plan), []
@@ -592,15 +595,17 @@ class InferenceEngine:
         t0 = time.perf_counter()
         results = self.executor.forward(chunks, record_routing=any(r.params.record_routing for r in reqs),
                                         record_topk=any(r.params.record_indexer_topk for r in reqs))
-        spec.observe(sum(c.length for c in chunks), time.perf_counter() - t0)
-        for req, chunk, res, d, q, k in zip(reqs, chunks, results, drafts, dists, lengths):
+        forward_s = time.perf_counter() - t0
+        heads = confidence.float().cpu().tolist()
+        for req, chunk, res, d, q, k, head in zip(reqs, chunks, results, drafts, dists, lengths, heads):
             try:
                 del req.tokens[chunk.start + 1:]
                 accepted, token = spec.accept(req, res.logits, d[:k], q)
-                spec.stats.record(k, accepted, accepted + 1)
+                spec.record(k, accepted, head)
                 self._emit(req, chunk.start, res, d[:accepted] + [token], version)
             except Exception as exc:  # noqa: BLE001 - this request's verification / stop check
                 self._fail(req, exc, outputs)
+        spec.observe_speculative(len(reqs), sum(c.length for c in chunks), forward_s, time.perf_counter() - step_start)
 
     def _emit(self, req: Request, start: int, res, tokens: list[int], version: int) -> None:
         """Append the verified ``tokens`` (the kept drafts and the token after them), each reported
@@ -666,7 +671,7 @@ class InferenceEngine:
         out = {"running": len(self.running), "waiting": len(self.waiting), "policy_version": self.policy_version,
                **self.executor.stats()}
         if self.speculator is not None:
-            out["speculative"] = self.speculator.stats.as_dict()
+            out["speculative"] = self.speculator.report()
         if self.memory_executor is not None:
             out["memory_decoder"] = self.memory_executor.stats()
         return out

@@ -7,11 +7,15 @@ One decode step of the requests that speculate:
    logits for ``K`` positions of every request at once; the Markov bias of the previous token
    is added position by position while the drafts are drawn from ``q`` = the request's
    sampling distribution (temperature / top-k / top-p) of those logits (greedy: arg-max).
-2. **Schedule.** The confidence head's per-position acceptance probabilities give prefix
-   survival; with the engine's throughput curve (measured from its own verification forwards,
-   or a profile file) :func:`~.speculative.choose_verification_lengths` picks how many drafts
-   each request verifies so that expected tokens per second over the batch is largest
-   (``speculative_schedule: fixed`` verifies all of them).
+2. **Schedule.** Before drafting, :class:`~.speculation_schedule.DraftGate` decides whether
+   drafting pays at the current batch size — the measured per-position acceptance against the
+   engine's measured step times, plain vs speculative — and otherwise decodes plainly, probing
+   with exponential back-off (:mod:`~.speculation_schedule`). After drafting, the confidence
+   head's per-position acceptance probabilities, calibrated by the measured acceptance, give
+   prefix survival; with the engine's throughput curve (measured from its own forwards, or a
+   profile file) :func:`~.speculative.choose_verification_lengths` picks how many drafts each
+   request verifies so that expected tokens per second over the batch is largest
+   (``speculative_schedule: fixed`` drafts at every step and verifies all of them).
 3. **Verify.** One forward over ``[seed, d_1 .. d_k]`` per request returns the policy's logits at
    every position; greedy keeps the drafts equal to the arg-max (the same tokens as plain greedy
    decode), sampling keeps each with probability ``min(1, p/q)`` and draws the first rejected
@@ -27,7 +31,6 @@ drafting and one for verification, so a request's output does not depend on its 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,10 +38,11 @@ import torch
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.inference.sampling import position_seed, sampling_log_probs_rows
+from megatron_s2.inference.speculation_schedule import AcceptanceEstimate, DraftGate, StepCosts
 from megatron_s2.inference.speculative import (ThroughputProfile, choose_verification_lengths, prefix_survival,
                                                speculative_sample, verify_greedy)
 
-__all__ = ["SpeculativeDecoder", "SpeculationStats", "MeasuredProfile"]
+__all__ = ["SpeculativeDecoder", "SpeculationStats"]
 
 _DRAFT_STREAM = 0x2545F4914F6CDD1D   # seed salts: drafting and verification draw from their own streams
 _VERIFY_STREAM = 0x5851F42D4C957F2D
@@ -78,61 +82,40 @@ class SpeculationStats:
                 "tokens_per_round": self.emitted / self.rounds if self.rounds else 0.0}
 
 
-class MeasuredProfile:
-    """The engine's verification throughput curve, measured from its own forwards: the fastest
-    time seen per token count (a noisy machine only ever adds time), made monotone. Until two
-    counts have been seen it is flat — every draft looks free — so the first steps verify
-    everything and thereby measure the curve."""
-
-    def __init__(self):
-        self.best: dict[int, float] = {}
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        if seconds > 0:
-            self.best[tokens] = min(seconds, self.best.get(tokens, float("inf")))
-
-    def profile(self) -> ThroughputProfile:
-        if len(self.best) < 2:
-            return ThroughputProfile(((1, 1.0),))
-        points, running = [], 0.0
-        for tokens in sorted(self.best):
-            running = max(running, self.best[tokens])
-            points.append((tokens, running))
-        return ThroughputProfile(tuple(points))
-
-
 class SpeculativeDecoder:
     def __init__(self, executor, config, device: torch.device):
         self.executor, self.drafter, self.config, self.device = executor, executor.drafter, config, device
         self.max_drafts = min(config.speculative_tokens or self.drafter.block_size, self.drafter.block_size)
         self.stats = SpeculationStats()
-        self.measured = MeasuredProfile()
-        self.fixed_profile = None
+        fixed_profile = None
         if config.speculative_profile:
             try:
-                self.fixed_profile = ThroughputProfile.from_json(Path(config.speculative_profile))
+                fixed_profile = ThroughputProfile.from_json(Path(config.speculative_profile))
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"speculative_profile: {exc}") from None
-        self.draft_seconds = 0.0
-        self.idle_steps = 0
-        """Decode steps left without drafting: the schedule found that drafting would not pay at the
-        current load (expected tokens/s below plain decode's), so the engine decodes plainly for a
-        while and then probes again."""
+        self.costs = StepCosts(fixed_profile)
+        self.estimate = AcceptanceEstimate(self.max_drafts)
+        self.gate = DraftGate(self.max_drafts)
+        self.speculative_steps = 0
 
-    PROBE_EVERY = 16
+    def report(self) -> dict:
+        """What speculation achieved (:class:`SpeculationStats`: ``rounds`` counts requests'
+        verifications), the decode steps that drafted and those the gate left plain, its probes,
+        and the measured conditional acceptance per position."""
+        return {**self.stats.as_dict(), "speculative_steps": self.speculative_steps,
+                "plain_steps": self.gate.plain_steps, "probes": self.gate.probes,
+                "estimated_acceptance": [round(r, 4) for r in self.estimate.rates()]}
 
-    def active(self) -> bool:
-        """Whether this decode step drafts (see :attr:`idle_steps`)."""
-        if self.idle_steps:
-            self.idle_steps -= 1
-            return False
-        return True
+    def should_draft(self, batch: int) -> bool:
+        """Whether this decode step of ``batch`` requests drafts (``fixed``: always)."""
+        drafts = self.config.speculative_schedule == "fixed" or self.gate.decide(batch, self.estimate, self.costs)
+        self.speculative_steps += drafts
+        return drafts
 
     # ---- 1. draft ---------------------------------------------------------------------------------
     def draft(self, reqs) -> tuple[list[list[int]], list[torch.Tensor | None], torch.Tensor]:
         """Per request: K draft tokens, their draft distributions [K, V] (None for greedy), and
         the confidence head's acceptance probabilities [R, K]."""
-        t0 = time.perf_counter()
         base, hidden = self.drafter.propose(reqs)
         k = self.max_drafts
         prev = torch.tensor([r.tokens[r.num_computed] for r in reqs], dtype=torch.long, device=self.device)
@@ -171,25 +154,22 @@ class SpeculativeDecoder:
                 drafts[r].append(tok)
             prev = torch.tensor(nxt, dtype=torch.long, device=self.device)
         confidence = self.drafter.confidence(hidden[:, :k], torch.stack(embeds, dim=1))
-        self.draft_seconds = time.perf_counter() - t0
         return drafts, [torch.stack(d) if d is not None else None for d in dists], confidence
 
     # ---- 2. schedule ------------------------------------------------------------------------------
     def lengths(self, reqs, confidence: torch.Tensor, limits: list[int]) -> list[int]:
         """Drafts each request verifies: at most ``limits[r]`` (its room to max_tokens /
-        max_model_len / the page pool)."""
+        max_model_len / the page pool); a probe verifies at least one where there is room."""
         if self.config.speculative_schedule == "fixed":
             return [min(self.max_drafts, lim) for lim in limits]
-        survival = prefix_survival(confidence.float().clamp(0, 1).cpu())
-        profile = self.fixed_profile or self.measured.profile()
-        chosen = [min(c, lim) for c, lim in zip(
-            choose_verification_lengths(survival, profile, draft_seconds=self.draft_seconds), limits)]
-        # speculating at all pays only if it beats plain decode of the same requests
-        expected = sum(1.0 + float(survival[r, :k].sum()) for r, k in enumerate(chosen))
-        cost = profile(sum(k + 1 for k in chosen)) + self.draft_seconds
-        if expected / cost <= len(chosen) / profile(len(chosen)):
-            self.idle_steps = self.PROBE_EVERY
-        return chosen
+        # the head ranks requests and positions; the measured acceptance sets its level
+        factors = torch.tensor(self.estimate.calibration(), dtype=torch.float32)
+        calibrated = (confidence.float().cpu().clamp(0, 1) * factors).clamp(0, 1)
+        rest = self.costs.speculative_rest
+        chosen = choose_verification_lengths(prefix_survival(calibrated), self.costs.forward_profile(),
+                                             draft_seconds=rest(len(reqs)) if rest.known else 0.0)
+        floor = 1 if self.gate.probing else 0
+        return [min(max(c, floor), lim) for c, lim in zip(chosen, limits)]
 
     # ---- 3. verify ------------------------------------------------------------------------------
     def accept(self, req, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None
@@ -205,5 +185,15 @@ class SpeculativeDecoder:
                                              d.unsqueeze(0), req.generator)
         return int(accepted[0]), int(token[0])
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        self.measured.observe(tokens, seconds)
+    def record(self, verified: int, accepted: int, head: list[float]) -> None:
+        """One request's verification: statistics and the acceptance estimate."""
+        self.stats.record(verified, accepted, accepted + 1)
+        self.estimate.record(verified, accepted, head)
+
+    def observe_plain(self, batch: int, forward_s: float, step_s: float) -> None:
+        """A plain decode step of ``batch`` requests: its forward and its whole time."""
+        self.costs.observe_plain(batch, forward_s, step_s)
+
+    def observe_speculative(self, batch: int, tokens: int, forward_s: float, step_s: float) -> None:
+        """A speculative step: its verification forward over ``tokens`` tokens and its whole time."""
+        self.costs.observe_speculative(batch, tokens, forward_s, step_s)

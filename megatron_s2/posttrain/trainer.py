@@ -397,12 +397,15 @@ class PosttrainTrainer(Trainer):
                  "train_tokens_per_s": tokens / max(t_train, 1e-9)}
         spec = getattr(self.engine, "speculator", None)
         if spec is not None:  # this step's speculation on this rank (report §2.4.3)
-            now = (spec.stats.rounds, spec.stats.drafted, spec.stats.accepted, spec.stats.emitted)
-            before = getattr(self, "_spec_seen", (0, 0, 0, 0))
-            rounds, drafted, accepted, emitted = (a - b for a, b in zip(now, before))
+            now = (spec.stats.rounds, spec.stats.drafted, spec.stats.accepted, spec.stats.emitted,
+                   spec.speculative_steps, spec.gate.plain_steps)
+            before = getattr(self, "_spec_seen", (0,) * len(now))
+            rounds, drafted, accepted, emitted, drafting, plain = (a - b for a, b in zip(now, before))
             self._spec_seen = now
             rates["rollout_draft_acceptance"] = accepted / drafted if drafted else 0.0
             rates["rollout_tokens_per_verification"] = emitted / rounds if rounds else 0.0
+            # decode steps that drafted (the rest decoded plainly: drafting did not pay at that batch)
+            rates["rollout_drafting_steps"] = drafting / (drafting + plain) if drafting + plain else 0.0
         return rates
 
     # ---- evaluation ------------------------------------------------------------------------------------

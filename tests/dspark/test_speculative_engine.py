@@ -150,7 +150,7 @@ def test_pause_update_resume_and_abort_mid_generation(model):
     ps = prompts(3, seed=6)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     plain = [r.token_ids for r in engine(model).generate(ps, params)]
-    eng = engine(model, speculative=True)
+    eng = engine(model, speculative=True, speculative_schedule="fixed")  # every decode step speculates
     handles = [eng.submit(p, params) for p in ps]
     for _ in range(4):
         eng.step()
@@ -262,17 +262,7 @@ def test_speculative_tokens_without_speculative_is_refused(command, tmp_path, ca
     assert err[0].split("configuration error: ", 1)[-1].startswith("--speculative-tokens: "), err[0]
 
 
-def test_engine_drafts_equal_the_teacher_forced_drafter(model):
-    """What the engine's drafter proposes from its rings (fed by prompt chunks and by the kept
-    tokens of speculative steps) equals the training view of the same anchor: the teacher-forced
-    drafter over the whole sequence (base logits, before the Markov bias)."""
-    eng = engine(model, speculative=True, speculative_schedule="fixed", prefill_chunk=8)
-    rid = eng.add_request(prompts(1, seed=21)[0] + [5] * 6, SamplingParams(max_tokens=20, temperature=1.0,
-                                                                             seed=1, ignore_eos=True))
-    for _ in range(6):  # chunked prefill, then speculative steps (kept and rolled-back drafts)
-        eng.step()
-    req = eng.requests[rid]
-    assert eng.stats()["speculative"]["rounds"] >= 2
+def _assert_drafts_equal_teacher_forced(model, eng, req):
     base, _ = eng.executor.drafter.propose([req])
     p = req.num_computed
     tokens = torch.tensor([req.tokens + [0] * model.config.dspark_block_size])
@@ -287,3 +277,31 @@ def test_engine_drafts_equal_the_teacher_forced_drafter(model):
     finally:
         model.capture_dspark = False
     torch.testing.assert_close(base[0], tf.logits[0, p - 1] - bias, rtol=0, atol=2e-5)
+
+
+def test_engine_drafts_equal_the_teacher_forced_drafter(model):
+    """What the engine's drafter proposes from its rings (fed by prompt chunks and by the kept
+    tokens of speculative steps) equals the training view of the same anchor: the teacher-forced
+    drafter over the whole sequence (base logits, before the Markov bias)."""
+    eng = engine(model, speculative=True, speculative_schedule="fixed", prefill_chunk=8)
+    rid = eng.add_request(prompts(1, seed=21)[0] + [5] * 6, SamplingParams(max_tokens=20, temperature=1.0,
+                                                                             seed=1, ignore_eos=True))
+    for _ in range(6):  # chunked prefill, then speculative steps (kept and rolled-back drafts)
+        eng.step()
+    req = eng.requests[rid]
+    assert eng.stats()["speculative"]["rounds"] >= 2
+    _assert_drafts_equal_teacher_forced(model, eng, req)
+
+
+def test_drafts_after_a_plain_stretch_equal_the_teacher_forced_drafter(model):
+    """While the schedule decodes plainly the drafter's rows wait in a backlog and enter its rings
+    in batched flushes (one each time a backlog spans the window, the rest at the next proposal):
+    the first proposal after 20 plain steps sees exactly the rows it would have seen step by step."""
+    eng = engine(model, speculative=True, prefill_chunk=8)
+    eng.speculator.gate.decide = lambda *_: False  # the gate keeps finding that drafting does not pay
+    rid = eng.add_request(prompts(1, seed=22)[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    for _ in range(24):
+        eng.step()
+    req = eng.requests[rid]
+    assert eng.stats()["speculative"]["rounds"] == 0 and req.num_generated >= 20
+    _assert_drafts_equal_teacher_forced(model, eng, req)

@@ -142,6 +142,8 @@ def test_the_rl_log_shows_the_online_draft_update(tmp_path):
     assert rc == 0
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"draft_lk_raw", "draft_accept_1_raw", "draft_confidence_raw"} <= set(record), sorted(record)
+    # the rollouts' speculation: acceptance, tokens per verification, decode steps that drafted
+    assert 0.0 <= record["rollout_drafting_steps"] <= 1.0 and "rollout_draft_acceptance" in record, sorted(record)
 
 
 def test_train_names_the_drafter_layout_before_the_rank_count(tmp_path, capsys):

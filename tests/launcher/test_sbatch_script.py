@@ -196,3 +196,27 @@ def test_disaggregated_rl_is_one_heterogeneous_job(capsys, tmp_path):
     assert lines["--het-group=2"].endswith('orchestrate ' + f"{tmp_path / 'run' / 'rl'}/launch/config.yaml --run-dir "
                                            f'{tmp_path / "run" / "rl"} --servers "$SERVERS" &')
     assert " train " in lines["--het-group=0"] and "heterogeneous job: trainer ranks (component 0), 2" in err
+
+
+DRAFTER = ["rl:model.dspark_layers=2", "rl:model.dspark_block_size=4", "rl:model.dspark_noise_token_id=127",
+           "rl:model.dspark_target_layer_ids=[5,6,7]", "rl:model.dspark_markov_rank=8",
+           "rl:model.dspark_num_routed_experts=4", "rl:model.dspark_moe_topk=2"]
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_disaggregated_servers_speculate_when_the_rollout_engine_does(speculative, capsys, tmp_path):
+    """``rl.rollout.engine.speculative: true`` in disaggregated mode was accepted and dropped: the
+    servers decoded plainly. It now reaches them as ``--speculative``, which `serve` parses."""
+    from megatron_s2.cli import build_parser
+
+    code = main(["launch", str(RECIPES.parents[2] / "recipes" / "rl_tiny_async.yaml"), *DRAFTER,
+                 f"rl:rl.rollout.engine.speculative={str(speculative).lower()}", "--slurm", "--dry-run",
+                 "--run-dir", str(tmp_path / "run")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    script = out[out.rindex("#!/bin/bash"):]
+    server = next(line for line in script.splitlines() if line.startswith("srun --het-group=1"))
+    argv = shlex.split(server.rstrip(" &"))
+    argv = argv[argv.index("megatron_s2.cli") + 1:]
+    assert argv[0] == "serve" and ("--speculative" in argv) == speculative, server
+    assert build_parser().parse_args(argv).speculative == speculative

@@ -93,7 +93,7 @@ class V41Executor(SpeculativeExecutor, ResumableState):
             from megatron_s2.models.v41.dspark.engine import DSparkEngineDrafter
 
             self.drafter = DSparkEngineDrafter(model, config.max_num_seqs + config.swa_pool_slots, device)
-        self._pending: dict[int, tuple[int, torch.Tensor]] = {}  # request id -> (start, main_x rows) to push
+        self._pending: dict[int, tuple[int, torch.Tensor]] = {}  # request id -> (start, target rows) to push
 
     # ---- per-request state ----------------------------------------------------------------
     def can_admit(self) -> bool:
@@ -336,10 +336,10 @@ class V41Executor(SpeculativeExecutor, ResumableState):
                                    series=self._series_rows(req, c.start, c.length)))
         capture = self.drafter.targets if self.drafter is not None else ()
         out = self.runner.forward(rows, record_routing=record_routing, record_topk=record_topk, capture=capture)
-        if capture:  # the drafter's main input of every computed token, pushed once the step keeps it
-            main_x = self.drafter.main_rows(self.runner.captured)
+        if capture:  # the drafter's input of every computed token, pushed once the step keeps it
+            targets = self.drafter.target_rows(self.runner.captured)
             for r, c in enumerate(chunks):
-                self._pending[id(c.request)] = (c.start, main_x[r, :c.length])
+                self._pending[id(c.request)] = (c.start, targets[r, :c.length])
         return out
 
     def stats(self) -> dict:
