@@ -31,8 +31,14 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.launcher.local import free_port
 from megatron_s2.posttrain.disaggregated.exchange import ORCHESTRATOR_FAILED, exchange_dir
 
-__all__ = ["is_disaggregated", "initial_weights", "server_command", "orchestrator_command", "slurm_roles",
+__all__ = ["ServerStartError", "is_disaggregated", "initial_weights", "server_command", "orchestrator_command", "slurm_roles",
            "ServedRoles"]
+
+
+class ServerStartError(RuntimeError):
+    """An inference server did not come up (one line: which, how it ended, its last log line)."""
+
+    exit_code = 1
 
 
 def is_disaggregated(recipe) -> bool:
@@ -136,14 +142,30 @@ class ServedRoles:
             dead = [i for i, p in enumerate(self.servers) if p.poll() is not None]
             if dead or time.monotonic() > deadline:
                 self.stop()
-                why = f"exited ({self.log_dir / f'server{dead[0]}.log'})" if dead else f"not up after {timeout_s:.0f} s"
-                raise RuntimeError(f"disaggregated RL: inference server {dead[0] if dead else ''} {why}")
+                raise self._start_failure(dead[0] if dead else None, timeout_s)
             time.sleep(0.2)
         self.say(f"disaggregated RL: {len(self.urls)} inference server(s) up at {', '.join(self.urls)}")
         self.orchestrator = self._spawn(orchestrator_command(self.python, self.config, self.run_dir, self.urls),
                                         "orchestrator.log")
         self._watcher.start()
         return self
+
+    def _start_failure(self, dead: int | None, timeout_s: float) -> Exception:
+        """One line for a server that did not come up: its own last words (review57: a traceback
+        that pointed at its log before). A configuration error of the server (exit 2) is one of the
+        launch's own (exit 2)."""
+        if dead is None:
+            return ServerStartError(f"disaggregated RL: the inference servers were not up after {timeout_s:.0f} s "
+                                    f"(logs: {self.log_dir}/server<i>.log)")
+        log = self.log_dir / f"server{dead}.log"
+        try:
+            lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            lines = []
+        code = self.servers[dead].returncode
+        said = f": {lines[-1]}" if lines else ""
+        message = f"disaggregated RL: inference server {dead} exited with code {code} at start-up{said} (log: {log})"
+        return ConfigError(message) if code == ConfigError.exit_code else ServerStartError(message)
 
     def _watch(self) -> None:
         """Restart dead servers; mark a failed orchestrator for the trainer."""

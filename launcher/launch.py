@@ -20,7 +20,7 @@ from megatron_s2.config.schema import ConfigError
 from megatron_s2.launcher.capacity import check_capacity
 from megatron_s2.launcher.environment import check_passthrough
 from megatron_s2.launcher.job import JobDir, JobSpec, rank_python, trainer_command
-from megatron_s2.launcher.disaggregated import ServedRoles, initial_weights, is_disaggregated, slurm_roles
+from megatron_s2.launcher.disaggregated import ServedRoles, ServerStartError, initial_weights, is_disaggregated, slurm_roles
 from megatron_s2.launcher.local import LocalRun
 from megatron_s2.launcher.pipeline import chain_from, is_pipeline_file, load_pipeline
 from megatron_s2.launcher.summary import summarise
@@ -197,8 +197,12 @@ def launch_local(runs: list[PreparedRun], dry_run: bool = False) -> int:
             local = LocalRun(run.job, env={LOCK_TOKEN_ENV: lock.token})
             roles = None
             if is_disaggregated(run.recipe):  # inference servers and the orchestrator beside the trainer
-                roles = ServedRoles(run.recipe, run.job.run_dir, run.job.dir.config, local.log_dir,
-                                    python=rank_python(run.recipe.launcher), say=_say).start()
+                try:
+                    roles = ServedRoles(run.recipe, run.job.run_dir, run.job.dir.config, local.log_dir,
+                                        python=rank_python(run.recipe.launcher), say=_say).start()
+                except ServerStartError as exc:
+                    print(f"megatron-s2 launch: {exc}", file=sys.stderr)
+                    return exc.exit_code
             try:
                 code = local.run()
             finally:

@@ -190,6 +190,23 @@ def check_checkpoint_load(recipe: RecipeConfig, run_dir: str | Path, pending: Se
     problem = checkpoint_problem(ck.load)
     if problem:
         raise ConfigError(f"checkpoint.load: {problem}; give a run, checkpoints or step directory of a saved run")
+    check_served_drafter(recipe)
+
+
+def check_served_drafter(recipe: RecipeConfig) -> None:
+    """Disaggregated RL with ``rl.rollout.engine.speculative``: the inference servers load
+    ``checkpoint.load`` with the architecture saved in it (not the recipe's), so that one must
+    carry the drafter — else every server stops at start-up (review57)."""
+    from megatron_s2.planning.posttrain import checkpoint_model_config
+
+    rl = getattr(recipe, "rl", None)
+    if recipe.phase.kind != "rl" or rl is None or rl.mode != "disaggregated" or not rl.rollout.engine.speculative:
+        return
+    saved = checkpoint_model_config(recipe.checkpoint.load)
+    if saved is not None and not getattr(saved, "dspark_layers", 0):
+        raise ConfigError(f"rl.rollout.engine.speculative: the inference servers load checkpoint.load "
+                          f"({recipe.checkpoint.load}), whose model has no DSpark drafter (model.dspark_layers: 0); "
+                          "load a checkpoint of the DSpark stage (phase.kind: dspark) or set it false")
 
 
 def check_memory(recipe: RecipeConfig, world_size: int, host: HostMemory | None) -> None:
