@@ -27,6 +27,10 @@ import sys
 from pathlib import Path
 
 
+FIELDS = ("model", "instruction", "series", "path", "sample_rate", "horizon")
+"""The request's fields (``/v1/forecast``'s: a request file serves both; ``model`` is not read here)."""
+
+
 def answer(trainer, request: dict, allow_files: bool = False) -> dict:
     """The response to one request (module docstring); ValueError with one line on a bad one."""
     import numpy as np
@@ -41,6 +45,9 @@ def answer(trainer, request: dict, allow_files: bool = False) -> dict:
 
     if not isinstance(request, dict) or not isinstance(request.get("instruction"), str):
         raise ValueError("request: give a JSON object with an 'instruction' string and 'series' (or 'path')")
+    for key in request:   # a misspelt "horizon" was ignored and the predictor's horizon answered (review57)
+        if key not in FIELDS:
+            raise ValueError(f"request.{key}: unknown field; a request takes {', '.join(FIELDS)}")
     if not request["instruction"].strip():   # as /v1/forecast and generate --prompt ''
         raise ValueError("request.instruction: empty; give the ask, e.g. \"forecast the next two seconds\"")
     rate = request.get("sample_rate")
@@ -61,13 +68,13 @@ def answer(trainer, request: dict, allow_files: bool = False) -> dict:
     learned = trainer.model.forecaster.horizon is not None
     try:
         parsed = parse_horizon(request["instruction"], rate)
-    except HorizonRefused:   # read, but no predictor may answer it (no rate, no number holds it)
+    except HorizonRefused as exc:   # read, but no predictor may answer it (no rate, no number holds it)
         if request.get("horizon") is None:
-            raise
+            raise type(exc)(f"request.instruction: {exc}; or give \"horizon\": N") from None
         parsed = None
-    except ValueError:
+    except ValueError as exc:
         if not learned and request.get("horizon") is None:   # the parser is all this checkpoint has
-            raise
+            raise type(exc)(f"request.instruction: {exc}; or give \"horizon\": N") from None
         parsed = None
     horizon = request.get("horizon")
     if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1):

@@ -43,6 +43,9 @@ def generate_command(args: argparse.Namespace) -> int:
         from megatron_s2.cli.generate_series import forecast_command
 
         return forecast_command(args)
+    for flag, given in (("--horizon", args.horizon is not None), ("--sample-rate", args.sample_rate is not None)):
+        if given:   # a forecast's flags: never dropped without a word when text is generated
+            raise ConfigError(f"{flag}: only with --series (a forecast); give --series or drop {flag}")
     if not args.prompt:
         raise ConfigError("--prompt: give the text to continue, e.g. --prompt 'Once upon a time'")
     # every option is checked before the (slow) model load, and an error names its flag

@@ -80,18 +80,17 @@ def forecast_command(args: argparse.Namespace) -> int:
                           "it and give --horizon N")
     values, rate = read_series_flag(args.series, args.sample_rate)
     parsed, unreadable = None, None
-    if args.horizon is not None:
-        if args.horizon < 1:
-            raise ConfigError(f"--horizon: must be >= 1 steps, got {args.horizon}")
-        if args.prompt is None:   # the instruction as the forecasting data phrases this horizon
-            args.prompt = render_instruction(args.horizon, None, style=1)
-    else:
+    if args.horizon is not None and args.horizon < 1:
+        raise ConfigError(f"--horizon: must be >= 1 steps, got {args.horizon}")
+    if args.prompt is not None:   # the parser's reading: the horizon, or the cross-check beside --horizon
         try:
             parsed = parse_horizon(args.prompt, rate)
         except HorizonRefused as exc:   # read, but no predictor may answer it (no rate, no number holds it)
-            raise ConfigError(f"--prompt: {exc}; or give --horizon N") from None
+            if args.horizon is None:
+                raise ConfigError(f"--prompt: {exc}; or give --horizon N") from None
         except ValueError as exc:
-            unreadable = ConfigError(f"--prompt: {exc}; or give --horizon N")
+            if args.horizon is None:
+                unreadable = ConfigError(f"--prompt: {exc}; or give --horizon N")
     model, tokenizer, description = load_model(args.checkpoint, args.device)
     learned = getattr(getattr(model, "forecaster", None), "horizon", None) is not None
     if unreadable is not None and not learned:   # the parser is all this checkpoint has
@@ -114,6 +113,11 @@ def forecast_command(args: argparse.Namespace) -> int:
     if args.horizon is None and parsed is not None and parsed > lane.max_horizon:  # a learned predictor never overrides it
         raise ConfigError(f"--prompt: asks for {parsed} steps, above this model's model.timeseries.max_horizon "
                           f"({lane.max_horizon}); ask for fewer steps")
+    if args.prompt is None:   # the instruction as the forecasting data phrases this horizon (now known to fit)
+        try:
+            args.prompt = render_instruction(args.horizon, None, style=1)
+        except ValueError as exc:
+            raise ConfigError(f"--horizon: {exc}; give the instruction with --prompt") from None
     if values.shape[0] > lane.max_channels:
         raise ConfigError(f"--series: {values.shape[0]} channels, above this model's model.timeseries.max_channels "
                           f"({lane.max_channels}); give at most {lane.max_channels} channels")

@@ -95,14 +95,19 @@ class ServedSeries:
             raise BadRequest(f"{param}: {count} time_series parts; this server takes at most {self.max_series} per "
                              "request (--max-images-per-request caps series parts too)", param=param)
 
-    def read(self, spec: Any, param: str):
-        """A :class:`SeriesInput` from a part's ``time_series`` object, or a one-line 400."""
+    def read(self, spec: Any, param: str, fields: dict[str, str] | None = None):
+        """A :class:`SeriesInput` from a part's ``time_series`` object, or a one-line 400 naming
+        ``param.values`` / ``.sample_rate`` / ``.path`` (``fields``: other names for them, e.g. the
+        top-level fields of ``/v1/forecast``)."""
         import numpy as np
         import torch
 
         from megatron_s2.data.errors import DataError
         from megatron_s2.data.timeseries import check_series, load_series
         from megatron_s2.models.timeseries.encoder import SeriesInput
+
+        def field(key: str) -> str:
+            return (fields or {}).get(key, f"{param}.{key}")
 
         self.refuse_unless_supported(param)
         if not isinstance(spec, dict) or ("values" in spec) == ("path" in spec):
@@ -111,15 +116,15 @@ class ServedSeries:
         rate = spec.get("sample_rate")
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
                                  or not math.isfinite(rate) or rate <= 0):
-            raise BadRequest(f"{param}.sample_rate: must be a positive number of Hz, got {rate!r}",
-                             param=f"{param}.sample_rate")
+            raise BadRequest(f"{field('sample_rate')}: must be a positive number of Hz, got {rate!r}",
+                             param=field("sample_rate"))
         try:
             if "path" in spec:
-                values, rate = self._load(spec["path"], rate, f"{param}.path", load_series)
+                values, rate = self._load(spec["path"], rate, field("path"), load_series)
             else:
                 if not isinstance(spec["values"], list):
-                    raise DataError(f"{param}.values: must be a JSON array of numbers")
-                values = check_series(spec["values"], f"{param}.values")
+                    raise DataError(f"{field('values')}: must be a JSON array of numbers")
+                values = check_series(spec["values"], field("values"))
         except DataError as exc:
             raise BadRequest(str(exc).replace("before training", "before sending"), param=param) from None
         limit = self.lane.max_channels
@@ -129,7 +134,7 @@ class ServedSeries:
         try:   # a subnormal rate (1e-310 Hz) passes the check above; SeriesInput refuses it (review24)
             return SeriesInput(torch.from_numpy(np.ascontiguousarray(values)), None if rate is None else float(rate))
         except ValueError as exc:
-            raise BadRequest(f"{param}.sample_rate: {exc}", param=f"{param}.sample_rate") from None
+            raise BadRequest(f"{field('sample_rate')}: {exc}", param=field("sample_rate")) from None
 
     def _load(self, path: Any, rate, param: str, load_series):
         if self.allowed_local_media_path is None:
@@ -151,16 +156,18 @@ class ServedSeries:
         except ValueError as exc:
             raise BadRequest(f"{param}: {exc}", param=param) from None
 
-    def check_readable(self, instruction: str, inputs: list, param: str) -> None:
+    def check_readable(self, instruction: str, inputs: list, param: str,
+                       hint: str = '"forecast": {"horizon": N}') -> None:
         """With a learned predictor: refuse what the parser *reads* and no predictor may answer — time
-        units without a sampling rate, a count no number holds, more steps than max_horizon."""
+        units without a sampling rate, a count no number holds, more steps than max_horizon
+        (``hint``: how this request gives a horizon instead)."""
         from megatron_s2.models.timeseries.horizon import HorizonError, HorizonRefused, parse_horizon
 
         for s in inputs:
             try:
                 parsed = parse_horizon(instruction, s.sample_rate)
             except HorizonRefused as exc:
-                raise BadRequest(f"{param}: {exc}; or give \"forecast\": {{\"horizon\": N}}", param=param) from None
+                raise BadRequest(f"{param}: {exc}; or give {hint}", param=param) from None
             except HorizonError:
                 continue   # a phrasing the parser cannot read: the learned predictor's to answer
             if parsed > self.lane.max_horizon:
@@ -236,7 +243,9 @@ def _forecast_prompt(state, f) -> tuple[list[int], list, list, int | None]:
     spec = {key: f.raw(key) for key in ("series", "path", "sample_rate") if f.raw(key) is not None}
     if "series" in spec:
         spec["values"] = spec.pop("series")
-    series = served.read(spec, "series" if "values" in spec else "path")
+    # the request's own top-level names in errors (not the chat part's series.values / .sample_rate)
+    series = served.read(spec, "series" if "values" in spec else "path",
+                         fields={"values": "series", "sample_rate": "sample_rate", "path": "path"})
     explicit = f.raw("horizon")
     try:
         parsed = parse_horizon(instruction, series.sample_rate)
@@ -247,7 +256,7 @@ def _forecast_prompt(state, f) -> tuple[list[int], list, list, int | None]:
     if explicit is not None:   # as tools/forecast.py: an explicit horizon overrides the predictor
         horizons = served.horizons({"horizon": explicit}, instruction, [series], "horizon")
     elif served.learned:
-        served.check_readable(instruction, [series], "instruction")
+        served.check_readable(instruction, [series], "instruction", hint='"horizon": N')
         horizons = served.horizons(True, instruction, [series], "instruction")
     else:
         horizons = served.horizons({"horizon": parsed}, instruction, [series], "instruction")

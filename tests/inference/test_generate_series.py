@@ -76,6 +76,23 @@ def test_bad_series_exits_2_before_the_model_loads(capsys, tmp_path):
     assert "nothing does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", [["--horizon", "4"], ["--sample-rate", "4"]])
+def test_forecast_flags_without_a_series_are_refused_not_ignored(tmp_path, capsys, flag):
+    """``--horizon`` / ``--sample-rate`` mean something only for a forecast: without ``--series``
+    they were dropped without a word and text was generated (review57)."""
+    code = main(["generate", str(tmp_path / "no_run"), "--prompt", "hello", *flag])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and flag[0] in err and "--series" in err and "\n" not in err, err
+
+
+def test_a_horizon_past_the_data_phrasing_is_one_line(tmp_path, capsys):
+    """``--horizon 10000`` with no ``--prompt`` rendered the data's phrasing before any limit was
+    checked: a ValueError traceback from number_words (review57)."""
+    code = main(["generate", str(tmp_path / "no_run"), "--series", "[1, 2, 3]", "--horizon", str(10 ** 30)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     return trained_forecaster(tmp_path_factory.mktemp("ts-generate") / "run")
@@ -107,6 +124,15 @@ def test_generate_series_prints_the_numbers_tools_forecast_gives(run_dir, capsys
     alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert alone["horizon"] == want["horizon"] == 5
     np.testing.assert_allclose(alone["forecast"], want["forecast"], rtol=1e-4, atol=1e-4)
+    # --horizon beside a prompt the parser reads: the parser's reading rides along, as in tools/forecast.py
+    # and /v1/forecast (review57: it was null whenever --horizon was given)
+    both = {**ask, "horizon": 5}
+    want = answer(load_trained_forecaster(run_dir), both)
+    assert main(["generate", str(run_dir), "--series", json.dumps(SERIES), "--sample-rate", "4", "--prompt",
+                 ask["instruction"], "--horizon", "5", "--device", "cpu"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["horizon"] == want["horizon"] == 5 and got["horizon_parsed"] == want["horizon_parsed"] == 8
+    np.testing.assert_allclose(got["forecast"], want["forecast"], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow
@@ -135,7 +161,7 @@ def test_generate_series_answers_with_the_learned_predictor(tmp_path_factory, ca
     assert "needs the series' sampling rate" in capsys.readouterr().err
     with pytest.raises(ValueError, match="above this model's"):
         answer(load_trained_forecaster(run), {**ask, "instruction": "predict 1000 steps ahead"})
-    with pytest.raises(ValueError, match="sampling rate"):
+    with pytest.raises(ValueError, match="^request.instruction: .*sampling rate"):   # the field named (review57)
         answer(load_trained_forecaster(run), {"instruction": ask["instruction"], "series": SERIES})
 
 
@@ -144,6 +170,11 @@ def test_model_limits_are_one_line(run_dir, capsys):
     assert main(["generate", str(run_dir), "--series", "[1, 2, 3, 4, 5, 6, 7, 8]", "--horizon", "999",
                  "--prompt", "x", "--device", "cpu"]) == 2
     assert "max_horizon (32)" in capsys.readouterr().err
+    for horizon in ("10000", str(10 ** 30)):   # with no --prompt: refused before the data's phrasing is rendered
+        assert main(["generate", str(run_dir), "--series", "[1, 2, 3, 4, 5, 6, 7, 8]", "--horizon", horizon,
+                     "--device", "cpu"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("megatron-s2 generate: configuration error: --horizon:") and "max_horizon (32)" in err[-1]
     many = json.dumps([[float(i)] * 8 for i in range(65)])
     assert main(["generate", str(run_dir), "--series", many, "--prompt", "predict 4 steps ahead", "--device", "cpu"]) == 2
     assert "max_channels" in capsys.readouterr().err

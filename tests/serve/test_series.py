@@ -187,6 +187,12 @@ def test_bad_forecast_asks_are_refused(client):
         with pytest.raises(openai.BadRequestError) as err:
             forecast_post(client, body)
         assert words in message_of(err.value), message_of(err.value)
+    # the request's own field names, not the chat part's series.values / series.sample_rate (review57)
+    for body, field in [({**ASK, "sample_rate": 0}, "sample_rate"), ({**ASK, "sample_rate": 1e-310}, "sample_rate"),
+                        ({**ASK, "series": [[1.0] * 30, [1.0] * 29]}, "series")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            forecast_post(client, body)
+        assert message_of(err.value).startswith(f"{field}: "), message_of(err.value)
 
 
 def bpe():
@@ -294,6 +300,7 @@ def test_a_checkpoint_with_the_learned_predictor_answers_with_its_horizon(learne
             with pytest.raises(openai.BadRequestError) as err:
                 own.post("/forecast", body=ask, cast_to=httpx.Response)
             assert needle in message_of(err.value), message_of(err.value)
+            assert "\"forecast\"" not in message_of(err.value)   # /v1/forecast's hint is "horizon": N (review57)
         with pytest.raises(openai.BadRequestError) as err:
             series_chat(own, {"values": SERIES, "sample_rate": 4}, text="predict 1000 steps ahead", forecast=True)
         assert "above this model's" in message_of(err.value)

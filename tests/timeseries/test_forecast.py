@@ -192,6 +192,8 @@ def test_forecast_and_text_losses_fall_in_the_trainer(tmp_path):
     ({"sample_rate": float("nan")}, "request.sample_rate"),
     ({"sample_rate": True}, "request.sample_rate"),
     ({"path": 5}, "request.path"),
+    ({"horizn": 3}, "request.horizn: unknown field"),   # a typo was ignored: the predictor's horizon answered (review57)
+    ({"sample-rate": 4}, "request.sample-rate: unknown field"),
 ])
 def test_forecast_request_fields_of_the_wrong_kind_are_one_line(extra, needle):
     """tools/forecast.py exits 2 with one line on these (a TypeError traceback before, or a
