@@ -77,6 +77,8 @@ def orchestrator_command(python: str, config: Path, run_dir: Path, servers: list
 
 
 SLURM_SERVER_PORT = 8100
+# a server restarted this many times in a row without ever serving is given up (the run fails with its log)
+MAX_FAILED_RESTARTS = 3
 """The servers' port on their nodes when ``rl.disaggregated.server_port`` is 0."""
 
 
@@ -168,22 +170,45 @@ class ServedRoles:
         return ConfigError(message) if code == ConfigError.exit_code else ServerStartError(message)
 
     def _watch(self) -> None:
-        """Restart dead servers; mark a failed orchestrator for the trainer."""
+        """Restart dead servers — up to :data:`MAX_FAILED_RESTARTS` times in a row without one of
+        them coming up healthy, then give that server up and mark the run failed for the trainer
+        (a checkpoint deleted mid-run would otherwise be restarted forever); mark a failed
+        orchestrator for the trainer."""
+        failed = [0] * len(self.servers)
         while not self._stop.wait(0.25):
             for i, p in enumerate(self.servers):
-                if p is not None and p.poll() is not None and not self._stop.is_set():
-                    self.say(f"disaggregated RL: inference server {i} exited ({p.returncode}); restarting it")
-                    self.restarts += 1
-                    self._start_server(i)
+                if p is None or self._stop.is_set():
+                    continue
+                if p.poll() is None:
+                    if failed[i] and _healthy(self.urls[i]):
+                        failed[i] = 0   # the restart took
+                    continue
+                if failed[i] >= MAX_FAILED_RESTARTS:
+                    log = self.log_dir / f"server{i}.log"
+                    self.say(f"disaggregated RL: inference server {i} exited ({p.returncode}) after {failed[i]} "
+                             f"restarts that never served; giving it up (log: {log})")
+                    self._mark_failed(f"inference server {i} exited (code {p.returncode}) after {failed[i]} "
+                                      f"restarts that never served; its log: {log}")
+                    self.servers[i] = None
+                    continue
+                self.say(f"disaggregated RL: inference server {i} exited ({p.returncode}); restarting it")
+                self.restarts += 1
+                failed[i] += 1
+                self._start_server(i)
             o = self.orchestrator
             if o is not None and o.poll() is not None:
                 if o.returncode != 0:
-                    marker = exchange_dir(self.run_dir) / ORCHESTRATOR_FAILED
-                    marker.parent.mkdir(parents=True, exist_ok=True)
-                    if not marker.exists():  # the orchestrator's own reason is better
-                            marker.write_text(f"the orchestrator exited with code {o.returncode}; its log: "
-                                          f"{self.log_dir / 'orchestrator.log'}\n")
+                    self._mark_failed(f"the orchestrator exited with code {o.returncode}; its log: "
+                                      f"{self.log_dir / 'orchestrator.log'}")
                 self.orchestrator = None
+
+    def _mark_failed(self, reason: str) -> None:
+        """Tell the trainer, waiting for a batch, why the run cannot go on (a reason already there,
+        e.g. the orchestrator's own, is kept: it is the better one)."""
+        marker = exchange_dir(self.run_dir) / ORCHESTRATOR_FAILED
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        if not marker.exists():
+            marker.write_text(reason + "\n")
 
     def kill_server(self, i: int, sig: int) -> None:
         """Signal server ``i`` (tests: a server dying mid-run)."""

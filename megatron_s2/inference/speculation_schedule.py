@@ -33,7 +33,10 @@ than plain decode. Three measured things make the schedule safe for any drafter:
 After a draft, :func:`~.speculative.choose_verification_lengths` picks each request's length
 from the calibrated head against ``F`` and ``D`` (maximum expected tokens per second over the
 batch). None of this touches verification: the output is exactly plain decode's (greedy) or the
-policy's distribution (sampling), whatever the schedule decides.
+policy's distribution (sampling), whatever the schedule decides. A seeded sampled request is
+reproducible in *distribution* only: rejection sampling draws differently on a drafted step than
+on a plain one, and which steps draft follows measured times, so two runs of the same seed may
+differ (greedy requests never do).
 """
 
 from __future__ import annotations

@@ -55,3 +55,35 @@ def test_a_server_that_exits_at_start_up_is_one_line_with_its_reason(tmp_path, c
     assert code != 0
     assert len(err) == 1 and "server0.log" in err[0] and "megatron-s2 serve:" in err[0], err
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_server_that_never_comes_back_is_given_up_and_fails_the_run(tmp_path):
+    """A server that dies mid-run and then fails every restart (its checkpoint deleted, say) is
+    restarted MAX_FAILED_RESTARTS times, then given up, and the trainer is told why — not
+    restarted forever (review57)."""
+    import subprocess
+    import sys
+    import time
+
+    from launcher.disaggregated import MAX_FAILED_RESTARTS, ServedRoles
+    from megatron_s2.posttrain.disaggregated.exchange import ORCHESTRATOR_FAILED, exchange_dir
+
+    recipe = load_recipe(RL, DISAGGREGATED)
+    said: list[str] = []
+    roles = ServedRoles(recipe, tmp_path / "run", tmp_path / "config.yaml", tmp_path / "logs", say=said.append)
+
+    def dying_server(i: int) -> None:   # a real process that exits at once, as a server with nothing to load
+        roles.servers[i] = subprocess.Popen([sys.executable, "-c", "raise SystemExit(2)"])
+
+    roles._start_server = dying_server
+    roles._start_server(0)
+    roles._watcher.start()
+    marker = exchange_dir(roles.run_dir) / ORCHESTRATOR_FAILED
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)   # it must not restart after giving up
+    roles.stop()
+    assert marker.exists() and "inference server 0" in marker.read_text() and "server0.log" in marker.read_text()
+    assert roles.restarts == MAX_FAILED_RESTARTS and roles.servers[0] is None, said
+    assert sum("restarting it" in line for line in said) == MAX_FAILED_RESTARTS
