@@ -8,13 +8,15 @@ The records (:mod:`megatron_s2.data.synthetic_chat`) are what ``data.kind: chat`
 shipped ``recipes/data/tiny_chat.jsonl`` is reproduced byte for byte by the command above.
 
 ``--retry-task`` writes the SFT data of the verifiers retry environment instead (plugin id
-``megatron_s2_retry``: its system prompt and feedback; a ``--retry-fraction`` of the conversations
-answer a near miss first, kept as context with ``"weight": 0``, then right after the feedback).
-``recipes/data/addition_retry_chat.jsonl`` (recipes/rl_tiny_verifiers_multiturn.yaml) is::
+``megatron_s2_retry``: its feedback, and its system prompt or ``--system-prompt``; a
+``--retry-fraction`` of the conversations answer a near miss first, kept as context with
+``"weight": 0``, then right after the feedback). ``recipes/data/addition_retry_chat.jsonl``
+(recipes/rl_tiny_verifiers_multiturn.yaml, whose taskset sets ``use_system_prompt: false``) is::
 
-    python tools/make_chat_data.py --output recipes/data/addition_retry_chat.jsonl --count 6000 --seed 7 \
-        --retry-task addition --max-digits 2 --retry-fraction 0.3
+    python tools/make_chat_data.py --output recipes/data/addition_retry_chat.jsonl --count 8000 --seed 7 \
+        --retry-task addition --max-digits 2 --retry-fraction 0.3 --system-prompt ''
 """
+
 
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-digits", type=int, default=2, help="--retry-task: operand digits")
     parser.add_argument("--retry-fraction", type=float, default=0.3,
                         help="--retry-task: share of conversations with a wrong first answer and the feedback")
+    parser.add_argument("--system-prompt", default=None,
+                        help="--retry-task: the system message ('' = none; default: the taskset's, vf_tasks.SYSTEM_PROMPT)")
     args = parser.parse_args(argv)
     if args.count < 1:
         print("make_chat_data: error: --count must be >= 1", file=sys.stderr)
@@ -60,8 +64,9 @@ def _records(args):
     from megatron_s2.posttrain.envs.vf_tasks import SYSTEM_PROMPT
 
     difficulty = TaskDifficulty(addition_max_digits=args.max_digits, multiplication_max_digits=args.max_digits)
+    system = SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
     return retry_conversations(args.retry_task, difficulty, args.count, args.seed, retry_fraction=args.retry_fraction,
-                               system_prompt=SYSTEM_PROMPT, feedback=FEEDBACK)
+                               system_prompt=system, feedback=FEEDBACK)
 
 
 if __name__ == "__main__":

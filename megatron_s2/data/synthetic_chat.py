@@ -8,7 +8,7 @@ conversations carry a §5.1.4 ``reasoning_effort``. Deterministic in the seed;
 ``tools/make_chat_data.py`` writes them as jsonl (``recipes/data/tiny_chat.jsonl``).
 
 :func:`retry_conversations` writes the SFT data of a retry environment instead (the verifiers
-``megatron_s2_retry`` taskset): one task asked under a fixed system prompt, answered right, or —
+``megatron_s2_retry`` taskset): one task asked (under its system prompt, if any), answered right, or —
 in a ``retry_fraction`` of the conversations — first with a near miss kept as context only
 (``"weight": 0``), the environment's feedback, then the right answer
 (``recipes/data/addition_retry_chat.jsonl``).
@@ -74,14 +74,15 @@ def retry_conversations(task: str, difficulty: TaskDifficulty, count: int, seed:
                         system_prompt: str, feedback: str) -> Iterator[dict[str, Any]]:
     """``count`` records ``{"messages"}`` of ``task`` (integer answers): ``[system, user, assistant]``,
     or with probability ``retry_fraction`` ``[system, user, assistant (a near miss, weight 0), user
-    (feedback), assistant (the answer)]``. Deterministic in ``seed``."""
+    (feedback), assistant (the answer)]`` (no system message when ``system_prompt`` is '').
+    Deterministic in ``seed``."""
     if not 0.0 <= retry_fraction <= 1.0:
         raise ValueError(f"retry_fraction: must be in [0, 1], got {retry_fraction}")
     rng = random.Random(1_000_003 * seed + 17)  # not the problems' own stream (sample_problems(seed))
     (built,) = build_tasks((task,), difficulty)
     for problem in sample_problems([built], count, seed):
-        messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt},
-                                          {"role": "user", "content": problem.prompt}]
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": problem.prompt})
         if rng.random() < retry_fraction:
             messages += [{"role": "assistant", "content": _near_miss(problem.answer, rng), "weight": 0},
                          {"role": "user", "content": feedback}]

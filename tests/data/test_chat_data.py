@@ -148,6 +148,9 @@ def test_retry_conversations_answer_right_after_a_masked_near_miss(bpe):
     for system, question, miss, feedback, answer in retries:
         assert miss["weight"] == 0 and not task.verify(question["content"], miss["content"])
         assert feedback == {"role": "user", "content": "No."} and "weight" not in answer
+    bare = next(retry_conversations("addition", TaskDifficulty(addition_max_digits=2), 1, 7, retry_fraction=1.0,
+                                    system_prompt="", feedback="No."))
+    assert [m["role"] for m in bare["messages"]] == ["user", "assistant", "user", "assistant"]
 
 
 def test_chat_config_errors_name_the_field():

@@ -132,6 +132,13 @@ def test_max_tries_and_feedback_are_the_harness_config(monkeypatch):
     assert [m["content"] for m in requests[-1] if m["role"] == "user"][1:] == ["No.", "No."]
 
 
+def test_without_the_system_prompt_the_task_is_asked_alone(monkeypatch):
+    """``use_system_prompt: false`` (recipes/rl_tiny_verifiers_multiturn.yaml): the chats of the SFT data."""
+    monkeypatch.setitem(TASKSET, "use_system_prompt", False)
+    _, traces, requests = _play(monkeypatch, lambda a: [_wrong(a), a], count=1)
+    assert [m["role"] for m in requests[-1]] == ["user", "assistant", "user"] and traces[0].reward == 0.5
+
+
 def test_held_out_split_is_the_single_turn_one_and_never_a_training_task(monkeypatch):
     monkeypatch.syspath_prepend(str(plugin_dir()))
 
@@ -159,6 +166,6 @@ def test_the_shipped_sft_data_is_the_tools_output_with_this_environments_prompt_
     from megatron_s2.tools.make_chat_data import main
 
     out = tmp_path / "retry.jsonl"
-    assert main(["--output", str(out), "--count", "6000", "--seed", "7", "--retry-task", "addition",
-                 "--max-digits", "2", "--retry-fraction", "0.3"]) == 0
+    assert main(["--output", str(out), "--count", "8000", "--seed", "7", "--retry-task", "addition",
+                 "--max-digits", "2", "--retry-fraction", "0.3", "--system-prompt", ""]) == 0
     assert out.read_bytes() == (ROOT / "recipes/data/addition_retry_chat.jsonl").read_bytes()

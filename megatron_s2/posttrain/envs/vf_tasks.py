@@ -67,6 +67,10 @@ class EmbeddedTasksetConfig(vf.TasksetConfig):
     """Tasks in this taskset (the first ``count`` of the split)."""
     seed: int = 0
     """Prompt-generation seed (rollout.environment.seed of the trainer)."""
+    use_system_prompt: bool = True
+    """Send SYSTEM_PROMPT before every task; false = the user's prompt alone, as the embedded tasks'
+    synthetic SFT documents are rendered. (verifiers' own ``system_prompt`` field names a file whose
+    text replaces it.)"""
 
 
 class EmbeddedTaskData(vf.TaskData):
@@ -125,8 +129,9 @@ def embedded_tasks(config: EmbeddedTasksetConfig, task_type: type[vf.Task]) -> l
         seen = {s.prompt for s in train}
         pool = task_prompts(task, 4 * c.count + 16, c.seed ^ _EVAL_STREAM)
         samples = [s for s in pool if s.prompt not in seen][:c.count]
-    return [task_type(EmbeddedTaskData(idx=i, prompt=s.prompt, system_prompt=SYSTEM_PROMPT,
-                                       task_name=c.task_name, answer=s.answer), c.task)
+    system = SYSTEM_PROMPT if c.use_system_prompt else None
+    return [task_type(EmbeddedTaskData(idx=i, prompt=s.prompt, system_prompt=system, task_name=c.task_name,
+                                       answer=s.answer), c.task)
             for i, s in enumerate(samples)]
 
 
