@@ -243,6 +243,7 @@ _EVAL = "rl.rollout.environment.eval_taskset"
     ("{split: train, count: 128}", r"every held-out task's opening chat is also a training task's"),  # not held out
     ("{count: 64}", r"every held-out task's opening chat is also a training task's"),  # split: train inherited
     ("{id: no_such_taskset}", r"verifiers cannot build the environment 'no_such_taskset' \("),
+    ("{split: eval, system_prompt: ''}", r"verifiers cannot build .*\(\[Errno 21\] Is a directory"),  # verifiers' file field
 ])
 def test_careless_eval_tasksets_are_one_line_config_errors_in_the_launch_pre_flight(value, message, capsys):
     """What a careless user writes for eval_taskset: before, only the wrong types were refused at
