@@ -8,7 +8,9 @@ A conversation is a list of OpenAI-style messages::
 plus, per conversation, optional ``tools`` (JSON schemas) and ``reasoning_effort`` (1..100, the
 §5.1.4 system line). :func:`tokenize_conversation` renders it with the tokenizer's chat template
 and marks which tokens are training targets: the tokens of every message whose role is in
-``loss_roles`` (default: assistant only). An assistant message's generation prompt (the
+``loss_roles`` (default: assistant only), except a message with ``"weight": 0`` (OpenAI's fine-tuning
+format: an assistant turn kept as context only, e.g. the wrong first answer of a retry
+conversation). An assistant message's generation prompt (the
 ``<｜Assistant｜>`` marker the server appends before sampling) is never a target; its reasoning,
 content, tool calls and closing end-of-sentence token are. The bos token and the header are
 never targets. A target flag at position *t* means "token *t* is trained as the prediction made
@@ -52,6 +54,10 @@ def check_messages(messages: Sequence[dict[str, Any]], reasoning_effort: int | N
             reasoning = message.get("reasoning_content")
             if reasoning is not None and not isinstance(reasoning, str):
                 raise DataError(f"messages[{i}].reasoning_content: expected a string")
+        weight = message.get("weight", 1)
+        if weight not in (0, 1) or isinstance(weight, bool) or (weight == 0 and role != "assistant"):
+            raise DataError(f"messages[{i}].weight: expected 0 or 1 on an assistant message (0 = context, never "
+                            f"trained), got {weight!r} on a {role} message")
     if reasoning_effort is not None:
         try:
             reasoning_effort_line(reasoning_effort)
@@ -82,7 +88,7 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], *, loss
     if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
         raise DataError(f"tools: expected a list of tool objects (JSON schemas), got {type(tools).__name__}")
     ids, owner, body = tokenizer.chat_segments(messages, reasoning_effort=reasoning_effort, tools=tools)
-    roles = [messages[i]["role"] if i >= 0 else None for i in owner]
+    roles = [messages[i]["role"] if i >= 0 and messages[i].get("weight", 1) else None for i in owner]
     target = np.fromiter((r in loss_roles and b for r, b in zip(roles, body)), dtype=bool, count=len(ids))
     return np.asarray(ids, dtype=np.int64), target
 

@@ -8,7 +8,8 @@ Two populations, named apart so that a reader cannot take one for the other:
   group): ``rollout_reward_mean`` / ``rollout_reward_std`` / ``rollout_accuracy`` over the
   episodes, ``rollout_episodes``, ``rollout_groups``, ``rollout_filtered_groups`` (dropped as
   uninformative), ``rollout_solved_groups`` (fraction of groups whose episodes all earned the same
-  positive reward). This is the policy's own reward: dynamic sampling keeps only groups with mixed
+  positive reward), ``rollout_metric_<name>`` (the mean of an environment's per-episode metric, e.g.
+  the verifiers retry taskset's ``first_try_correct``). This is the policy's own reward: dynamic sampling keeps only groups with mixed
   rewards, which pins a binary reward's trained mean near 0.5 whatever the policy's accuracy.
 * ``trained_*`` and the rest — the groups the optimiser step trains on: ``trained_reward_mean`` /
   ``trained_reward_std`` / ``trained_accuracy``, ``samples``, ``groups``, response length,
@@ -52,6 +53,9 @@ def unfiltered_metrics(outcomes) -> dict[str, float]:
     out["rollout_groups"] = float(outcomes.groups)
     out["rollout_filtered_groups"] = float(outcomes.filtered)
     out["rollout_solved_groups"] = outcomes.solved / max(outcomes.groups, 1)
+    for name, values in sorted(outcomes.metrics.items()):
+        if values:
+            out[f"rollout_metric_{name}"] = sum(values) / len(values)
     return out
 
 

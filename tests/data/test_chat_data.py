@@ -109,6 +109,50 @@ def test_sft_iterator_trains_only_assistant_tokens_across_packed_conversations(b
     assert pretrain["loss_mask"].sum() > batch["loss_mask"].sum()  # pretraining trains every role
 
 
+def test_an_assistant_message_of_weight_0_is_context_only(bpe, tmp_path):
+    """OpenAI's fine-tuning field: ``"weight": 0`` keeps an assistant turn (a retry conversation's
+    wrong first answer) in the context and out of the targets; only 0 / 1 on an assistant turn."""
+    retry = [{"role": "system", "content": "Reply with the answer only."}, {"role": "user", "content": "1+63"},
+             {"role": "assistant", "content": "66", "weight": 0}, {"role": "user", "content": "Wrong. Try again."},
+             {"role": "assistant", "content": "64"}]
+    ids, target = tokenize_conversation(bpe, retry)
+    plain_ids, plain_target = tokenize_conversation(bpe, [{k: v for k, v in m.items() if k != "weight"}
+                                                          for m in retry])
+    assert np.array_equal(ids, plain_ids)  # the same tokens: the template ignores the field
+    assert bpe.decode(ids[target].tolist()) == bpe.decode(bpe.encode("64")) + bpe.decode([bpe.eos_id])
+    assert plain_target.sum() > target.sum() and not (target & ~plain_target).any()
+    for message, bad in (({"role": "assistant", "content": "4", "weight": 0.5}, "0.5"),
+                         ({"role": "user", "content": "4", "weight": 0}, "user"),
+                         ({"role": "assistant", "content": "4", "weight": True}, "True")):
+        with pytest.raises(DataError, match=r"messages\[1\]\.weight: expected 0 or 1 on an assistant .*" + bad):
+            tokenize_conversation(bpe, [{"role": "user", "content": "2+2"}, message])
+    with pytest.raises(DataError, match="no tokens of the trained roles"):  # only context: nothing to train
+        load_chat_documents([_write_jsonl(tmp_path / "w.jsonl", [{"messages": retry[:3]}])], bpe)
+
+
+def test_retry_conversations_answer_right_after_a_masked_near_miss(bpe):
+    from megatron_s2.config.data import TaskDifficulty
+    from megatron_s2.data.synthetic_chat import retry_conversations
+    from megatron_s2.data.tasks import build_task
+
+    task = build_task("addition", TaskDifficulty(addition_max_digits=2))
+    records = list(retry_conversations("addition", TaskDifficulty(addition_max_digits=2), 400, 7, retry_fraction=0.3,
+                                       system_prompt="S.", feedback="No."))
+    assert records == list(retry_conversations("addition", TaskDifficulty(addition_max_digits=2), 400, 7,
+                                               retry_fraction=0.3, system_prompt="S.", feedback="No."))
+    retries = [r["messages"] for r in records if len(r["messages"]) == 5]
+    assert 0.25 < len(retries) / len(records) < 0.35
+    for messages in (r["messages"] for r in records):
+        assert messages[0] == {"role": "system", "content": "S."} and task.verify(messages[1]["content"],
+                                                                                  messages[-1]["content"])
+    for system, question, miss, feedback, answer in retries:
+        assert miss["weight"] == 0 and not task.verify(question["content"], miss["content"])
+        assert feedback == {"role": "user", "content": "No."} and "weight" not in answer
+    bare = next(retry_conversations("addition", TaskDifficulty(addition_max_digits=2), 1, 7, retry_fraction=1.0,
+                                    system_prompt="", feedback="No."))
+    assert [m["role"] for m in bare["messages"]] == ["user", "assistant", "user", "assistant"]
+
+
 def test_chat_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="paths: kind 'chat' needs at least one"):
         DataConfig(kind="chat")

@@ -63,7 +63,8 @@ def _run(tmp_path, monkeypatch, taskset: str, plugins: str, *extra: str, steps: 
     convert = vf_backend.trace_sample
 
     def keep(trace, sample_id, **kw):
-        traces[sample_id] = trace
+        if kw.get("layer_ids") is not None:  # a training episode (held-out ones keep no routing; their ids repeat)
+            traces[sample_id] = trace
         return convert(trace, sample_id, **kw)
 
     monkeypatch.setattr(vf_backend, "trace_sample", keep)
@@ -139,6 +140,41 @@ def test_rl_on_a_verifiers_two_turn_environment_masks_the_environment_tokens(tmp
 
 
 @pytest.mark.slow
+def test_rl_on_the_second_try_environment_trains_each_session_as_one_sample(tmp_path, monkeypatch):
+    """The learnable multi-turn environment (plugin id megatron_s2_retry, recipes/
+    rl_tiny_verifiers_multiturn.yaml) with the bridging renderer: a wrong first reply gets the
+    feedback and a second try, and the session is one sample (feedback masked) carrying the rubric's
+    1 / try reward; first-try accuracy is reported for the rollouts (before any filtering) and for
+    the held-out tasks (eval.jsonl, eval_metric_first_try_correct) beside the final accuracy."""
+    from megatron_s2.posttrain.envs.vf_retry import FEEDBACK
+    from megatron_s2.posttrain.envs.vf_tasks import plugin_dir
+
+    trained, traces, calls = _run(tmp_path, monkeypatch, "megatron_s2_retry", str(plugin_dir()),
+                                  "rl.rollout.environment.renderer=bridge", "training.seq_length=96",
+                                  "rl.rollout.max_new_tokens=6", "rl.eval.interval=2", "rl.eval.at_start=true",
+                                  "rl.rollout.environment.taskset={id: megatron_s2_retry, split: train, count: 40}",
+                                  "rl.rollout.environment.eval_taskset={split: eval, count: 4}")
+    samples = [s for step in trained for s in step]
+    _check_token_in_token_out(samples, traces, calls)
+    for s in samples:
+        trace = traces[s.sample_id]
+        first = trace.metrics["first_try_correct"]
+        assert s.metrics == {"first_try_correct": first} and len(trace.branches) == 1
+        assert len(s.spans) == trace.num_turns == (1 if first else 2)
+        assert s.reward == pytest.approx(1.0 if first else 0.5 * float(bool(s.correct)))
+        if trace.num_turns == 2:
+            (a, b), (c, d) = s.spans
+            assert not any(s.policy_mask[b:c]) and FEEDBACK in trace.messages[3].content
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.0 <= m["rollout_metric_first_try_correct"] <= m["rollout_accuracy"] for m in metrics)
+    evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2]
+    for e in evals:
+        assert e["eval_prompts"] == 4 and 0.0 <= e["eval_metric_first_try_correct"] <= e["eval_accuracy"]
+        assert 0.0 <= e["eval_greedy_metric_first_try_correct"] <= e["eval_greedy_accuracy"]
+
+
+@pytest.mark.slow
 def test_resumed_verifiers_run_trains_no_prompt_twice(tmp_path, monkeypatch):
     """Checkpoints store the orchestrator's state; in-flight episodes (no partial traces) start
     again after the restart: every dispatched prompt is trained once, none is skipped."""
@@ -207,6 +243,7 @@ _EVAL = "rl.rollout.environment.eval_taskset"
     ("{split: train, count: 128}", r"every held-out task's opening chat is also a training task's"),  # not held out
     ("{count: 64}", r"every held-out task's opening chat is also a training task's"),  # split: train inherited
     ("{id: no_such_taskset}", r"verifiers cannot build the environment 'no_such_taskset' \("),
+    ("{split: eval, system_prompt: ''}", r"verifiers cannot build .*\(\[Errno 21\] Is a directory"),  # verifiers' file field
 ])
 def test_careless_eval_tasksets_are_one_line_config_errors_in_the_launch_pre_flight(value, message, capsys):
     """What a careless user writes for eval_taskset: before, only the wrong types were refused at

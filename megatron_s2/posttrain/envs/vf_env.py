@@ -83,7 +83,8 @@ class VerifiersEnvironment(PromptSet):
         try:
             env = vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset=dict(taskset), agent=agent))
             tasks = list(env.taskset)
-        except (ImportError, ValueError, TypeError, KeyError, SyntaxError) as exc:
+        # OSError / AttributeError: a field verifiers reads at construction, e.g. its `system_prompt` file
+        except (ImportError, ValueError, TypeError, KeyError, SyntaxError, OSError, AttributeError) as exc:
             first = _first_line(exc).removeprefix("taskset.")  # `what` already names the taskset
             raise ConfigError(f"{what}: verifiers cannot build the environment {taskset.get('id')!r} ({first}); check "
                               "the taskset id / config, agent and plugin_path") from None

@@ -14,6 +14,9 @@ run in a *runtime*. This module provides both for the embedded tasks:
   in process (verifiers' ``null`` harness does the same from a ``uv`` script, which needs a
   package download at run time).
 
+:mod:`.vf_retry` (plugin id ``megatron_s2_retry``) plays the same tasks multi-turn: a second try
+after the environment's feedback, rewarded 1 / the try that first verifies.
+
 verifiers loads a taskset by the id of a top-level module exporting it via ``__all__``;
 ``megatron_s2/posttrain/envs/vf_plugins/megatron_s2_tasks.py`` is that module: put the folder
 on ``sys.path`` (:func:`plugin_dir`) and use ``taskset={"id": "megatron_s2_tasks", ...}``. With
@@ -40,7 +43,8 @@ from megatron_s2.config.data import TaskDifficulty
 from megatron_s2.data.tasks import build_task
 from megatron_s2.posttrain.envs.tasks import _EVAL_STREAM, task_prompts
 
-__all__ = ["EmbeddedTasksetConfig", "EmbeddedTask", "EmbeddedTaskset", "AskOnceHarness", "plugin_dir"]
+__all__ = ["EmbeddedTasksetConfig", "EmbeddedTaskData", "EmbeddedTask", "EmbeddedTaskset", "AskOnceHarness",
+           "embedded_tasks", "plugin_dir", "reply_is_correct"]
 
 SYSTEM_PROMPT = "Reply with the answer only."
 
@@ -63,6 +67,10 @@ class EmbeddedTasksetConfig(vf.TasksetConfig):
     """Tasks in this taskset (the first ``count`` of the split)."""
     seed: int = 0
     """Prompt-generation seed (rollout.environment.seed of the trainer)."""
+    use_system_prompt: bool = True
+    """Send SYSTEM_PROMPT before every task; false = the user's prompt alone, as the embedded tasks'
+    synthetic SFT documents are rendered. (verifiers' own ``system_prompt`` field names a file whose
+    text replaces it.)"""
 
 
 class EmbeddedTaskData(vf.TaskData):
@@ -80,8 +88,7 @@ class EmbeddedTask(vf.Task[EmbeddedTaskData]):
     @vf.reward(weight=1.0)
     async def correct(self, trace: vf.Trace) -> float:
         """The task's exact verifier (megatron_s2/data/tasks.py) on the reply."""
-        reply = (trace.last_reply or "").strip()
-        return float(bool(reply) and _task(self.data.task_name).verify(_prompt_text(self.data), reply))
+        return float(reply_is_correct(self.data, trace.last_reply))
 
     @vf.reward(weight=0.0)
     async def answered(self, trace: vf.Trace) -> float:
@@ -90,6 +97,12 @@ class EmbeddedTask(vf.Task[EmbeddedTaskData]):
 
 def _prompt_text(data: EmbeddedTaskData) -> str:
     return data.prompt if isinstance(data.prompt, str) else str(data.prompt)
+
+
+def reply_is_correct(data: EmbeddedTaskData, reply: str | None) -> bool:
+    """The task's exact verifier (megatron_s2/data/tasks.py) on a reply (an empty one is wrong)."""
+    reply = (reply or "").strip()
+    return bool(reply) and _task(data.task_name).verify(_prompt_text(data), reply)
 
 
 _TASKS: dict[str, object] = {}
@@ -104,20 +117,27 @@ def _task(name: str, max_digits: int | None = None):
     return _TASKS[key]
 
 
+def embedded_tasks(config: EmbeddedTasksetConfig, task_type: type[vf.Task]) -> list[vf.Task]:
+    """The tasks of ``config``'s split as ``task_type`` (the rubric): the first ``count`` training
+    prompts, or the first ``count`` held-out ones (the eval stream minus every training prompt)."""
+    c = config
+    task = _task(c.task_name, c.max_digits)
+    train = task_prompts(task, c.num_prompts, c.seed)
+    if c.split == "train":
+        samples = train[:c.count]
+    else:
+        seen = {s.prompt for s in train}
+        pool = task_prompts(task, 4 * c.count + 16, c.seed ^ _EVAL_STREAM)
+        samples = [s for s in pool if s.prompt not in seen][:c.count]
+    system = SYSTEM_PROMPT if c.use_system_prompt else None
+    return [task_type(EmbeddedTaskData(idx=i, prompt=s.prompt, system_prompt=system, task_name=c.task_name,
+                                       answer=s.answer), c.task)
+            for i, s in enumerate(samples)]
+
+
 class EmbeddedTaskset(vf.Taskset[EmbeddedTask, EmbeddedTasksetConfig]):
     def load(self) -> list[EmbeddedTask]:
-        c = self.config
-        task = _task(c.task_name, c.max_digits)
-        train = task_prompts(task, c.num_prompts, c.seed)
-        if c.split == "train":
-            samples = train[:c.count]
-        else:
-            seen = {s.prompt for s in train}
-            pool = task_prompts(task, 4 * c.count + 16, c.seed ^ _EVAL_STREAM)
-            samples = [s for s in pool if s.prompt not in seen][:c.count]
-        return [EmbeddedTask(EmbeddedTaskData(idx=i, prompt=s.prompt, system_prompt=SYSTEM_PROMPT,
-                                              task_name=c.task_name, answer=s.answer), c.task)
-                for i, s in enumerate(samples)]
+        return embedded_tasks(self.config, EmbeddedTask)
 
 
 class AskOnceHarness(vf.Harness[vf.HarnessConfig]):

@@ -107,10 +107,15 @@ class RolloutOutcomes:
     """Of which the group filter (DAPO dynamic sampling) dropped as uninformative."""
     solved: int = 0
     """Of which every episode earned the same positive reward."""
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    """The environment's per-episode metrics (:attr:`RolloutSample.metrics`), by name, of the episodes
+    that report them."""
 
     def add_episode(self, sample: RolloutSample) -> None:
         self.rewards.append(float(sample.reward))
         self.correct.append(sample.correct)
+        for name, value in sample.metrics.items():
+            self.metrics.setdefault(name, []).append(float(value))
 
     def add_group(self, group: PromptGroup, kept: bool) -> None:
         rewards = {s.reward for s in group.accepted}
@@ -120,7 +125,8 @@ class RolloutOutcomes:
 
     def state_dict(self) -> dict[str, Any]:
         return {"rewards": list(self.rewards), "correct": list(self.correct), "groups": self.groups,
-                "filtered": self.filtered, "solved": self.solved}
+                "filtered": self.filtered, "solved": self.solved,
+                "metrics": {name: list(values) for name, values in self.metrics.items()}}
 
 
 class Orchestrator:

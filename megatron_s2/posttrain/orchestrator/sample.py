@@ -63,6 +63,9 @@ class RolloutSample:
     no replay): the trainer truncates decoder windows at s when train-aware replay is on."""
     correct: bool | None = None
     """Whether the final answer verified (accuracy metrics), when the environment says."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The environment's per-episode metrics beside the reward (a verifiers rubric's ``@vf.metric``
+    values, e.g. ``first_try_correct``): reported, never trained on (held-out means: ``eval_metric_*``)."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -117,7 +120,7 @@ class RolloutSample:
             "dataset": self.dataset, "effort": self.effort, "reward": self.reward,
             "finish_reason": self.finish_reason, "spans": [list(s) for s in self.spans],
             "process_weights": list(self.process_weights), "replay_start": self.replay_start,
-            "correct": self.correct,
+            "correct": self.correct, "metrics": dict(self.metrics),
             "routing": None if self.routing is None else self.routing.state_dict(),
         }
 

@@ -27,12 +27,14 @@ the results, the distributions by broadcast (:func:`once_per_replica`).
 
 Verifiers environments (:class:`VerifiersEvaluator`) have no token-level episodes: their held-out
 tasks (``environment.eval_taskset``) are played by the rollout backend through the run's own
-server, the same way as training episodes, and give the same ``eval_*`` metrics.
+server, the same way as training episodes, and give the same ``eval_*`` metrics, plus the rubric's
+own per-episode ``@vf.metric`` values averaged over the datasets' episodes: ``eval_metric_<name>``
+(sampled) and ``eval_greedy_metric_<name>`` (e.g. the retry taskset's ``first_try_correct``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import torch
@@ -61,6 +63,8 @@ class EvalItem:
     reward: float
     generated: int
     truncated: bool
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    """The environment's per-episode metrics (a verifiers rubric's ``@vf.metric`` values)."""
 
 
 def episode_seed(key: int, turn: int = 0) -> int:
@@ -149,6 +153,7 @@ class Evaluator:
         # per dataset: episodes, correct, reward, generated, truncated, greedy episodes, greedy
         # correct, judged (episodes with a verdict), greedy judged
         local: dict[str, list[float]] = {}
+        metrics: dict[str, list[float]] = {}  # eval_metric_<name> / eval_greedy_metric_<name>: [total, count]
         for it in items:
             row = local.setdefault(it.dataset, [0.0] * _COLUMNS)
             row[0] += 1
@@ -157,15 +162,17 @@ class Evaluator:
             row[3] += it.generated
             row[4] += float(it.truncated)
             row[7] += float(it.correct is not None)
+            _add_metrics(metrics, "metric_", it.metrics)
         if greedy:  # one greedy episode per prompt besides the sampled ones
             for it in self.play(self.engine, self.mine(), 0.0):
                 row = local.setdefault(it.dataset, [0.0] * _COLUMNS)
                 row[5] += 1
                 row[6] += float(bool(it.correct))
                 row[8] += float(it.correct is not None)
-        extra: dict[str, list[float]] = {}
+                _add_metrics(metrics, "greedy_metric_", it.metrics)
+        extra: dict[str, list[float]] = metrics  # means over the episodes that report them, like the teacher's
         if teacher is not None:
-            extra = self._teacher_metrics(items, *teacher, scorer_groups)
+            extra.update(self._teacher_metrics(items, *teacher, scorer_groups))
         gathered = gather_objects({"rows": local if self.topology.leader else {},
                                    "extra": extra if self.topology.leader else {}}, self.topology)
         totals: dict[str, list[float]] = {}
@@ -299,8 +306,13 @@ class VerifiersEvaluator(Evaluator):
         for (name, index), s in zip(items, samples):
             start, end = s.spans[0]
             out.append(EvalItem(name, index, s.tokens[:start], s.tokens[start:end], s.correct, float(s.reward),
-                                s.num_generated, s.finish_reason == "length"))
+                                s.num_generated, s.finish_reason == "length", s.metrics))
         return out
+
+
+def _add_metrics(acc: dict[str, list[float]], prefix: str, measured: Mapping[str, float]) -> None:
+    for name, value in measured.items():
+        _add(acc.setdefault(prefix + name, [0.0, 0.0]), (float(value), 1.0))
 
 
 def _add(acc: list[float], measured: tuple[float, float]) -> None:

@@ -99,7 +99,8 @@ def trace_sample(trace, sample_id: int, *, version: int, layer_ids: Sequence[int
     (prime-rl trains every branch as its own sample; one sample per episode is trained so far.)
 
     ``correct`` (the accuracy metric) is set when the rubric has a reward named ``correct``
-    (score > 0 = correct), as the embedded tasks' rubric does."""
+    (score > 0 = correct), as the embedded tasks' rubric does; ``metrics`` are the rubric's
+    ``@vf.metric`` values (reported, not trained on)."""
     branches = [b for b in trace.branches if b.trainable]
     if not branches:
         raise ValueError(f"sample {sample_id}: the trace has no trainable branch")
@@ -110,4 +111,5 @@ def trace_sample(trace, sample_id: int, *, version: int, layer_ids: Sequence[int
     correct = trace.rewards.get("correct")
     if correct is not None:
         sample.correct = bool(correct.score > 0)
+    sample.metrics = {name: float(value) for name, value in trace.metrics.items() if value is not None}
     return sample

@@ -1,0 +1,111 @@
+"""A learnable multi-turn verifiers environment: the embedded tasks with a second try after feedback
+(verifiers 0.4.0, ``verifiers.v1``; plugin id ``megatron_s2_retry``).
+
+The verifiers twin of the token-level ``task_retry`` kind (:mod:`.tasks`): the harness asks the
+task (the same system prompt, prompts and splits as :class:`~.vf_tasks.EmbeddedTaskset`: the
+held-out ``split: eval`` is never trained on); when the reply does not verify, the environment
+answers ``feedback`` as the user ("Wrong. Try again.") and the model answers again, up to
+``max_tries`` replies; a right reply ends the session. Every call goes through the rollout's
+interception endpoint, so with ``environment.renderer: bridge`` the session is one training sample
+whose environment tokens (the feedback turn and the template's markers around it) are
+loss-masked (:func:`~megatron_s2.posttrain.rollout.vf_trace.trace_sample`). The harness's config
+sets the tries and the words: ``environment.agent: {harness: {id: megatron_s2_retry, max_tries: 3,
+feedback: "No."}}`` (recipes/rl_tiny_verifiers_multiturn.yaml keeps the defaults).
+
+Rubric (:class:`RetryTask`):
+
+* ``solved`` (weight 1) — ``1 / k`` for a session whose first right reply is its ``k``-th: 1.0 on
+  the first try, 0.5 on the second, 0.0 if never right. The rule of ``task_retry``: a reward for
+  the final reply alone would pay a second-try solution as much as a first-try one (the retry a
+  free second sample), so RL would not push first-try accuracy; the discount keeps that pressure
+  and still rewards using the feedback, and its three levels leave fewer groups uniform.
+* ``correct`` (weight 0) — the final reply verifies (= solved within ``max_tries``): the run's
+  accuracy (``eval_accuracy``, ``rollout_accuracy``).
+* ``first_try_correct`` (a metric) — the first reply verifies: ``eval_metric_first_try_correct``.
+"""
+
+from __future__ import annotations
+
+import httpx
+from openai import AsyncOpenAI
+from pydantic import Field
+
+import verifiers.v1 as vf
+from verifiers.v1.runtimes import ProgramResult
+
+from megatron_s2.posttrain.envs.vf_tasks import (EmbeddedTaskData, EmbeddedTasksetConfig, embedded_tasks,
+                                                 reply_is_correct)
+
+__all__ = ["FEEDBACK", "RetryTask", "RetryTaskset", "RetryHarnessConfig", "RetryHarness", "replies"]
+
+FEEDBACK = "Wrong. Try again."
+"""The environment's reply to a wrong answer (short: the tiny model reads it)."""
+
+
+def replies(trace: vf.Trace) -> list[str]:
+    """The model's replies of a session, in order (every branch: a re-rendered history splits it)."""
+    return [(m.content or "").strip() if isinstance(m.content, str) or m.content is None else str(m.content)
+            for m in trace.assistant_messages]
+
+
+class RetryTask(vf.Task[EmbeddedTaskData]):
+    @vf.stop
+    async def solved_now(self, trace: vf.Trace) -> bool:
+        """A right reply ends the session (the harness's ``max_tries`` ends a wrong one)."""
+        said = replies(trace)
+        return bool(said) and reply_is_correct(self.data, said[-1])
+
+    @vf.reward(weight=1.0)
+    async def solved(self, trace: vf.Trace) -> float:
+        """``1 / k`` for the first right reply being the ``k``-th; 0.0 if none is right."""
+        k = next((i for i, r in enumerate(replies(trace), 1) if reply_is_correct(self.data, r)), 0)
+        return 1.0 / k if k else 0.0
+
+    @vf.reward(weight=0.0)
+    async def correct(self, trace: vf.Trace) -> float:
+        """The final reply verifies (the accuracy metric)."""
+        said = replies(trace)
+        return float(bool(said) and reply_is_correct(self.data, said[-1]))
+
+    @vf.metric
+    async def first_try_correct(self, trace: vf.Trace) -> float:
+        said = replies(trace)
+        return float(bool(said) and reply_is_correct(self.data, said[0]))
+
+
+class RetryTaskset(vf.Taskset[RetryTask, EmbeddedTasksetConfig]):
+    """The embedded tasks (same fields and splits as ``megatron_s2_tasks``) with the retry rubric."""
+
+    def load(self) -> list[RetryTask]:
+        return embedded_tasks(self.config, RetryTask)
+
+
+class RetryHarnessConfig(vf.HarnessConfig):
+    feedback: str = Field(default=FEEDBACK, min_length=1)
+    """The user's reply to a wrong answer."""
+    max_tries: int = Field(default=2, ge=1)
+    """Model replies per session at most (1 = single turn)."""
+
+
+class RetryHarness(vf.Harness[RetryHarnessConfig]):
+    """Ask; while the reply is wrong and tries are left, answer ``feedback`` and ask again — every
+    call through the interception endpoint, in this process."""
+
+    APPENDS_SYSTEM_PROMPT = True
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
+        system, prompt = self.resolve_prompt(data)
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": prompt})
+        # the connect timeout of AskOnceHarness (vf_tasks.py): a slow accept on a loaded machine is load
+        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0,
+                               timeout=httpx.Timeout(None, connect=60.0)) as client:
+            for attempt in range(1, self.config.max_tries + 1):
+                reply = await client.chat.completions.create(model=ctx.model, messages=messages)
+                text = reply.choices[0].message.content or ""
+                if attempt == self.config.max_tries or reply_is_correct(data, text):
+                    break
+                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": self.config.feedback}]
+        return ProgramResult(exit_code=0, stdout="", stderr="")
