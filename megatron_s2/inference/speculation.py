@@ -85,7 +85,11 @@ class SpeculationStats:
 class SpeculativeDecoder:
     def __init__(self, executor, config, device: torch.device):
         self.executor, self.drafter, self.config, self.device = executor, executor.drafter, config, device
-        self.max_drafts = min(config.speculative_tokens or self.drafter.block_size, self.drafter.block_size)
+        if config.speculative_tokens > self.drafter.block_size:   # was capped without a word (review57)
+            raise ConfigError(f"speculative_tokens: {config.speculative_tokens} drafts a round asked, but this "
+                              f"checkpoint's drafter proposes at most {self.drafter.block_size} "
+                              f"(model.dspark_block_size); give 1..{self.drafter.block_size}, or 0 for all")
+        self.max_drafts = config.speculative_tokens or self.drafter.block_size
         self.stats = SpeculationStats()
         fixed_profile = None
         if config.speculative_profile:

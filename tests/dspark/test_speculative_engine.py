@@ -75,6 +75,13 @@ def test_speculation_without_a_drafter_is_refused(dspark_cfg):
         engine(plain, speculative=True)
 
 
+def test_more_drafts_than_the_drafter_proposes_is_refused(model):
+    block = model.config.dspark_block_size
+    with pytest.raises(ConfigError, match=rf"speculative_tokens: 100 drafts a round asked.*at most {block}"):
+        engine(model, speculative=True, speculative_tokens=100)
+    assert engine(model, speculative=True, speculative_tokens=block).speculator.max_drafts == block
+
+
 def _chi2_sf(stat: float, dof: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
                                          torch.tensor(stat / 2, dtype=torch.float64)))
