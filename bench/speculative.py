@@ -90,35 +90,11 @@ def _run(engine, prompts, params) -> tuple[float, float, list[list[int]]]:
             [r.token_ids for r in done])
 
 
-class GreedyOracle:
-    """A drafter proposing the target's own greedy continuation (``continuations``: prompt ->
-    prompt + plain greedy output): every greedy draft is accepted. It runs the real drafter as
-    well, so drafting costs what it costs."""
-
-    def __init__(self, inner, continuations: dict[tuple[int, ...], list[int]]):
-        self.inner, self.continuations, self.block_size = inner, continuations, inner.block_size
-
-    def propose(self, requests):
-        base, hidden = self.inner.propose(requests)
-        logits = torch.full_like(base, -1e4)
-        for r, req in enumerate(requests):
-            future = self.continuations[tuple(req.prompt)][req.num_computed + 1:][:self.block_size]
-            for i, token in enumerate(future):
-                logits[r, i, token] = 1e4
-        return logits, hidden
-
-    def markov(self, previous):
-        bias, embed = self.inner.markov(previous)
-        return torch.zeros_like(bias), embed  # the oracle's tokens, not the Markov head's
-
-    def confidence(self, hidden, embeds):
-        return self.inner.confidence(hidden, embeds)
-
-
 def _row(model, prompts, params, cfg, rounds: int, oracle: bool) -> dict | None:
     """Alternating rounds of the three engines; None when greedy outputs differ."""
     from megatron_s2.config.engine import EngineConfig
     from megatron_s2.inference.engine import InferenceEngine
+    from megatron_s2.inference.oracle_drafter import GreedyOracle
 
     engines = {"plain": InferenceEngine(model, EngineConfig(**cfg)),
                "adaptive": InferenceEngine(model, EngineConfig(**cfg, speculative=True)),

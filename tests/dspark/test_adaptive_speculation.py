@@ -17,7 +17,7 @@ import torch
 from megatron_s2.config.engine import EngineConfig
 from megatron_s2.inference.engine import InferenceEngine
 from megatron_s2.inference.sampling import SamplingParams
-from megatron_s2.models.family.engine import Drafter
+from megatron_s2.inference.oracle_drafter import GreedyOracle
 from megatron_s2.models.v41.model import build_model
 
 
@@ -44,29 +44,6 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, 127, (int(torch.randint(8, 24, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
 
-
-class GreedyOracle(Drafter):
-    """A drafter that proposes the target's own greedy continuation (recorded from a plain run):
-    every draft is accepted. It runs the real drafter too, so drafting costs what it costs."""
-
-    def __init__(self, inner: Drafter, continuations: dict[tuple[int, ...], list[int]]):
-        self.inner, self.continuations, self.block_size = inner, continuations, inner.block_size
-
-    def propose(self, requests):
-        base, hidden = self.inner.propose(requests)
-        logits = torch.full_like(base, -1e4)
-        for r, req in enumerate(requests):
-            future = self.continuations[tuple(req.prompt)][req.num_computed + 1:][:self.block_size]
-            for i, token in enumerate(future):
-                logits[r, i, token] = 1e4
-        return logits, hidden
-
-    def markov(self, previous):
-        bias, embed = self.inner.markov(previous)
-        return torch.zeros_like(bias), embed
-
-    def confidence(self, hidden, embeds):
-        return self.inner.confidence(hidden, embeds)
 
 
 def cpu_rate(engine: InferenceEngine, ps, params) -> tuple[float, list[list[int]]]:

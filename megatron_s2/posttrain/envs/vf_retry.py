@@ -26,15 +26,13 @@ Rubric (:class:`RetryTask`):
 
 from __future__ import annotations
 
-import httpx
-from openai import AsyncOpenAI
 from pydantic import Field
 
 import verifiers.v1 as vf
 from verifiers.v1.runtimes import ProgramResult
 
 from megatron_s2.posttrain.envs.vf_tasks import (EmbeddedTaskData, EmbeddedTasksetConfig, embedded_tasks,
-                                                 reply_is_correct)
+                                                 interception_client, opening_messages, reply_is_correct)
 
 __all__ = ["FEEDBACK", "RetryTask", "RetryTaskset", "RetryHarnessConfig", "RetryHarness", "replies"]
 
@@ -96,12 +94,8 @@ class RetryHarness(vf.Harness[RetryHarnessConfig]):
     NEEDS_CONTAINER = False
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
-        system, prompt = self.resolve_prompt(data)
-        messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": prompt})
-        # the connect timeout of AskOnceHarness (vf_tasks.py): a slow accept on a loaded machine is load
-        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0,
-                               timeout=httpx.Timeout(None, connect=60.0)) as client:
+        messages = opening_messages(self, data)
+        async with interception_client(endpoint, secret) as client:
             for attempt in range(1, self.config.max_tries + 1):
                 reply = await client.chat.completions.create(model=ctx.model, messages=messages)
                 text = reply.choices[0].message.content or ""

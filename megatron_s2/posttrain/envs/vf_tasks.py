@@ -44,7 +44,7 @@ from megatron_s2.data.tasks import build_task
 from megatron_s2.posttrain.envs.tasks import _EVAL_STREAM, task_prompts
 
 __all__ = ["EmbeddedTasksetConfig", "EmbeddedTaskData", "EmbeddedTask", "EmbeddedTaskset", "AskOnceHarness",
-           "embedded_tasks", "plugin_dir", "reply_is_correct"]
+           "embedded_tasks", "plugin_dir", "reply_is_correct", "opening_messages", "interception_client"]
 
 SYSTEM_PROMPT = "Reply with the answer only."
 
@@ -148,16 +148,22 @@ class AskOnceHarness(vf.Harness[vf.HarnessConfig]):
     NEEDS_CONTAINER = False
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
-        system, prompt = self.resolve_prompt(data)
-        messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": prompt})
-        # openai's default 5 s connect timeout failed episodes (and the run) on a loaded 2-core machine
-        # while dozens of episodes opened their connection at once; the endpoint is in-process, so a
-        # slow accept is load, not an outage (verifiers' own clients set no read limit either:
-        # ClientTimeoutConfig)
-        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0,
-                               timeout=httpx.Timeout(None, connect=60.0)) as client:
-            await client.chat.completions.create(model=ctx.model, messages=messages)
+        async with interception_client(endpoint, secret) as client:
+            await client.chat.completions.create(model=ctx.model, messages=opening_messages(self, data))
         return ProgramResult(exit_code=0, stdout="", stderr="")
+
+
+def opening_messages(harness: vf.Harness, data) -> list[dict]:
+    """The task's system prompt (when it has one) and question, as chat messages."""
+    system, prompt = harness.resolve_prompt(data)
+    return [{"role": "system", "content": system}] * bool(system) + [{"role": "user", "content": prompt}]
+
+
+def interception_client(endpoint: str, secret: str) -> AsyncOpenAI:
+    """An OpenAI client of the rollout's in-process interception endpoint. openai's default 5 s
+    connect timeout failed episodes (and the run) on a loaded 2-core machine while dozens of
+    episodes opened their connection at once; the endpoint is in-process, so a slow accept is load,
+    not an outage (verifiers' own clients set no read limit either: ClientTimeoutConfig)."""
+    return AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, timeout=httpx.Timeout(None, connect=60.0))
 
 
