@@ -586,6 +586,7 @@ class InferenceEngine:
             spare -= ex.pages_needed(req, 1 + room) - planned
             limits.append(room)
         drafts, dists, confidence = spec.draft(reqs)
+        confidence = confidence.float().cpu()   # one device-to-host copy: the schedule and the estimate read it
         lengths = spec.lengths(reqs, confidence, limits)
         chunks = []
         for req, d, k in zip(reqs, drafts, lengths):
@@ -596,7 +597,7 @@ class InferenceEngine:
         results = self.executor.forward(chunks, record_routing=any(r.params.record_routing for r in reqs),
                                         record_topk=any(r.params.record_indexer_topk for r in reqs))
         forward_s = time.perf_counter() - t0
-        heads = confidence.float().cpu().tolist()
+        heads = confidence.tolist()
         for req, chunk, res, d, q, k, head in zip(reqs, chunks, results, drafts, dists, lengths, heads):
             try:
                 del req.tokens[chunk.start + 1:]

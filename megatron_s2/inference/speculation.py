@@ -168,7 +168,7 @@ class SpeculativeDecoder:
             return [min(self.max_drafts, lim) for lim in limits]
         # the head ranks requests and positions; the measured acceptance sets its level
         factors = torch.tensor(self.estimate.calibration(), dtype=torch.float32)
-        calibrated = (confidence.float().cpu().clamp(0, 1) * factors).clamp(0, 1)
+        calibrated = (confidence.float().cpu().clamp(0, 1) * factors).clamp(0, 1)  # no-ops on the engine's host copy
         rest = self.costs.speculative_rest
         chosen = choose_verification_lengths(prefix_survival(calibrated), self.costs.forward_profile(),
                                              draft_seconds=rest(len(reqs)) if rest.known else 0.0)
