@@ -505,7 +505,9 @@ def test_sessions_sharing_part_of_a_context_share_its_tokens(server, traces):
     flat, stored = TraceStore(traces).token_counts("split")
     closing = sum(len(node.token_ids) for node in tree.nodes.values() if node.parent in tree.nodes
                   and tree.nodes[node.parent].kind == "response")  # end-of-message after a length stop
-    assert stored == flat - n + closing and r.usage.completion_tokens == 3  # the shared front once
+    # the shared front once; the model may end its answer early (a sampled end-of-sentence), so the
+    # answer's length is only bounded by max_tokens
+    assert stored == flat - n + closing and 1 <= r.usage.completion_tokens <= 3
 
 
 def test_a_split_interrupted_before_its_arrays_were_rewritten_reads_back_whole(tmp_path):
