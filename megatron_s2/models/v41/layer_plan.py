@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+import functools
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -131,7 +132,19 @@ class LayerPlan:
 
     def consumers(self, producer: int, kind: SharedStateKind) -> list[int]:
         """Layers that read ``kind`` produced by ``producer``."""
-        return [s.index for s in self.layers if (producer, kind) in s.consumes()]
+        return list(self._consumer_table.get((producer, kind), ()))
+
+    @functools.cached_property
+    def _consumer_table(self) -> dict[tuple[int, SharedStateKind], tuple[int, ...]]:
+        """(producer, kind) -> the layers reading it, built once: the shared-state registry asks
+        on every publish and consume (about 120 times a decode step of ``small``)."""
+        table: dict[tuple[int, SharedStateKind], list[int]] = {}
+        for spec in self.layers:
+            for pair in spec.consumes():
+                users = table.setdefault(pair, [])
+                if spec.index not in users:
+                    users.append(spec.index)
+        return {pair: tuple(users) for pair, users in table.items()}
 
     def shared_states(self) -> list[tuple[int, SharedStateKind]]:
         """Every (producer, kind) read by some other layer, in producer order."""

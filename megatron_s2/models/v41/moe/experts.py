@@ -16,9 +16,10 @@ token dispatcher sums over the etp group. Their placement (style ``experts`` in 
 plan) has the expert-data-parallel group as replicas: the finaliser reduces their gradients
 over it, not over dp.
 
-The compute is a loop of dense matmuls over the local experts on the expert-sorted token
-block (every expert runs, also with zero tokens, so every expert parameter gets a gradient);
-a grouped-GEMM kernel is a drop-in replacement of :meth:`GroupedExperts.forward`.
+The compute is a loop of dense matmuls over the local experts that received tokens, on their
+contiguous blocks of the expert-sorted rows (an empty expert costs nothing; under autograd with
+no token at all one expert still runs, so the weights' gradient is defined), and one SwiGLU over
+all rows; a grouped-GEMM kernel is a drop-in replacement of :meth:`GroupedExperts.forward`.
 
 :class:`SharedExpert` is the dense SwiGLU every token goes through, tensor-parallel over
 ``groups.tp``: W1/W3 column-parallel, W2 row-parallel, one entry collective for both column
@@ -96,14 +97,22 @@ class GroupedExperts(nn.Module):
             active = [0]
         if not active:
             return x.new_zeros((0, x.size(-1)), dtype=tokens.dtype)
-        outputs = []
-        # the combine weights as a column once, not per expert
-        row_blocks, weight_blocks = torch.split(x, tokens_per_expert), torch.split(probs.unsqueeze(-1), tokens_per_expert)
-        for e in active:
-            rows, weight = row_blocks[e], weight_blocks[e]
-            h = swiglu(self.gemm(rows, self.w1[e]), self.gemm(rows, self.w3[e]), self.swiglu_limit, weight)
-            outputs.append(self.gemm(cast(h, x.dtype), self.w2[e]))
-        return cast(outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0), tokens.dtype)
+        # The GEMMs run per non-empty expert on its contiguous block of rows; the elementwise
+        # SwiGLU runs once over all rows (the empty experts' blocks hold none, so the active
+        # blocks cover every row in order): the same values as per expert, without SwiGLU's
+        # operators repeated for each of them (measured in bench/decode.py's operator counts).
+        sizes = [tokens_per_expert[e] for e in active]
+        row_blocks = torch.split(x, tokens_per_expert)
+        gate = self._cat([self.gemm(row_blocks[e], self.w1[e]) for e in active])
+        up = self._cat([self.gemm(row_blocks[e], self.w3[e]) for e in active])
+        h = cast(swiglu(gate, up, self.swiglu_limit, probs.unsqueeze(-1)), x.dtype)
+        h_blocks = (h,) if len(active) == 1 else torch.split(h, sizes)
+        outputs = [self.gemm(h_e, self.w2[e]) for e, h_e in zip(active, h_blocks)]
+        return cast(self._cat(outputs), tokens.dtype)
+
+    @staticmethod
+    def _cat(blocks: list[torch.Tensor]) -> torch.Tensor:
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=0)
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """One expert's product ``x W^T`` in ``x``'s dtype (overridden by the FP8 subclass)."""
