@@ -97,10 +97,6 @@ class RLConfig:
         if self.rollout.served:
             raise ConfigError("rl.mode: verifiers and agentic environments run their own server in the trainer; use "
                               "mode: colocated for them (disaggregated mode plays the embedded task environments)")
-        if self.eval.interval or self.eval.at_start:
-            raise ConfigError("rl.eval: held-out evaluation runs on the co-located engine, which disaggregated mode "
-                              "has not; set rl.eval.interval: 0 and rl.eval.at_start: false (rollout_accuracy in "
-                              "metrics.jsonl is the policy's own accuracy)")
         if self.reference_checkpoint or self.loss.has_term("reference_kl"):
             raise ConfigError("rl.loss.terms: a reference_kl term is not supported in disaggregated mode yet; "
                               "drop it or use mode: colocated")

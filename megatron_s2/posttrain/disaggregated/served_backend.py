@@ -170,6 +170,16 @@ class ServedRolloutBackend:
             raise RuntimeError(errors[0])
         self._version = version
 
+    def set_version(self, version: int) -> None:
+        """The servers serve ``version`` (loaded by another client of them: the trainer's first
+        rank before an evaluation); a server that comes back is loaded with it."""
+        self._version = version
+
+    def generate(self, prompt: list[int], params: dict) -> dict:
+        """One ``/inference/v1/generate`` call's first choice, routed and re-routed as an
+        episode's calls are (held-out evaluation, :mod:`.served_eval`)."""
+        return self._generate(prompt, params)
+
     def snapshot(self) -> list[RolloutSample]:
         return []  # see the module docstring
 
