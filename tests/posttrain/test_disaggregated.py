@@ -186,9 +186,14 @@ def _assert_same_run(run: Path, colocated) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_synchronous_disaggregated_run_equals_colocated_while_a_server_is_killed(colocated, sft):
-    run = sft.parent.parent / "killed_server"
-    proc = _cli("launch", RL, *_common(sft), *DISAGGREGATED, "--local", "--run-dir", str(run), cwd=run.parent)
+@pytest.mark.parametrize("weight_sync", ["checkpoint", "broadcast"])
+def test_synchronous_disaggregated_run_equals_colocated_while_a_server_is_killed(colocated, sft, weight_sync):
+    """With ``weight_sync: broadcast`` the servers get each version over a process group from the
+    trainer (the restarted server at the next broadcast, or from the checkpoint when it is back
+    earlier): the same run."""
+    run = sft.parent.parent / f"killed_server_{weight_sync}"
+    proc = _cli("launch", RL, *_common(sft), *DISAGGREGATED, f"rl.disaggregated.weight_sync={weight_sync}", "--local",
+                "--run-dir", str(run), cwd=run.parent)
     _wait_for_step(run, 1, proc)
     server = _pid_of("megatron_s2.cli", "serve", _server_port(run, 0))
     os.kill(server, signal.SIGKILL)
@@ -197,6 +202,10 @@ def test_synchronous_disaggregated_run_equals_colocated_while_a_server_is_killed
     _assert_same_run(run, colocated)
     log = (run / "logs" / "restart0" / "orchestrator.log").read_text()
     assert "inference server http://127.0.0.1:" in log and "is down" in log, log
+    if weight_sync == "broadcast":  # every version went out over the group (measured: 2 servers, 2.9 MB, ~0.1 s)
+        metrics = _jsonl(run / "metrics.jsonl")
+        # (a broadcast that met the kill is logged and counted, weight_sync_failed: its servers load the checkpoint)
+        assert all("weight_sync_servers" in m for m in metrics) and max(m["weight_sync_servers"] for m in metrics) == 2
 
 
 def _server_port(run: Path, index: int) -> str:

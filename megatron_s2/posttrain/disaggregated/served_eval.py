@@ -101,9 +101,14 @@ def _wire(params: SamplingParams) -> dict:
 
 
 class ServedEvaluator(Evaluator):
-    """:class:`Evaluator` whose engine is the inference servers (module docstring). Every trainer
-    rank plays its share of the held-out episodes (``topology``: one replica per rank); the counts
-    are all-gathered as in the co-located run. No teacher metrics (disaggregated mode is RL only)."""
+    """:class:`Evaluator` whose engine is the inference servers (module docstring). The trainer's
+    first rank (``topology.leader``; one replica spanning the world) plays every held-out episode —
+    the servers do the work — so each episode's seed is its position in the whole held-out list, as
+    in a single-rank co-located run, whatever the trainer's layout; the other ranks only join the
+    gathers. No teacher metrics (disaggregated mode is RL only)."""
+
+    def mine(self) -> list[tuple[str, int]]:
+        return self.items() if self.topology.leader else []
 
     def __init__(self, engine: ServedEvalEngine, environments: Mapping[str, Environment], topology: ReplicaTopology,
                  config, max_new_tokens: int, max_model_len: int, *, rank: int):

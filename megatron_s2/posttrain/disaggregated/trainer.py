@@ -109,9 +109,10 @@ class DisaggregatedTrainer(PosttrainTrainer):
 
             cfg, max_len = self.section.disaggregated, engine_max_model_len(self.recipe, self.rollout_cfg)
             servers = read_servers(self.run_dir, cfg.server_wait_s)
-            # every rank plays its share of the held-out episodes: one replica per rank
-            topology = ReplicaTopology(self.rank, self.world_size, True, self.world_size, g_device(self.groups))
-            concurrent = max(1, cfg.max_num_seqs * len(servers) // self.world_size)
+            # the first rank plays every held-out episode (the servers do the work): the episodes' seeds,
+            # hence the figures, do not depend on the trainer's layout
+            topology = ReplicaTopology(0, 1, self.is_main, self.world_size, g_device(self.groups))
+            concurrent = max(1, cfg.max_num_seqs * len(servers))
             backend = ServedRolloutBackend(servers, {}, weights_path=lambda v: str(weights_path(self.run_dir, v)),
                                            record_routing=False, max_model_len=max_len, max_concurrent=concurrent,
                                            request_timeout_s=cfg.request_timeout_s, server_wait_s=cfg.server_wait_s,
