@@ -91,11 +91,17 @@ def run_orchestrator(recipe, servers: list[str], *, log=print) -> int:
     done = queue.steps()
     state = queue.get(done[-1])["orchestrator"] if done else None
     version = _latest(run_dir) if state is not None else 0
+    verifiers = None
+    if rollout.uses_verifiers:  # their episodes run here against the servers (served_verifiers.py)
+        from megatron_s2.posttrain.disaggregated.served_verifiers import ServedVerifiers
+
+        verifiers = ServedVerifiers({n: e for n, e in envs.items() if rollout.environment_of(n).kind == "verifiers"},
+                                    tokenizer)
     backend = ServedRolloutBackend(servers, envs, weights_path=lambda v: str(weights_path(run_dir, v)),
                                    record_routing=rollout.engine.routing_replay,
                                    max_model_len=engine_max_model_len(recipe, rollout),
                                    max_concurrent=rollout.max_in_flight, request_timeout_s=cfg.request_timeout_s,
-                                   server_wait_s=cfg.server_wait_s, ordered=k == 0, log=log)
+                                   server_wait_s=cfg.server_wait_s, ordered=k == 0, log=log, verifiers=verifiers)
     advantages = AdvantagePipeline(section.advantage, section.effort)
     group_filter = None
     if section.advantage.dynamic_sampling:

@@ -89,8 +89,10 @@ class _Done:
 class ServedRolloutBackend:
     def __init__(self, servers: Sequence[str], environments: Mapping[str, Environment], *, weights_path:
                  Callable[[int], str], record_routing: bool, max_model_len: int, max_concurrent: int,
-                 request_timeout_s: float, server_wait_s: float, ordered: bool, version: int = 0, log=print):
-        """``weights_path(version)``: the published checkpoint of a policy version."""
+                 request_timeout_s: float, server_wait_s: float, ordered: bool, version: int = 0, log=print,
+                 verifiers=None):
+        """``weights_path(version)``: the published checkpoint of a policy version; ``verifiers``:
+        a :class:`~.served_verifiers.ServedVerifiers` playing the verifiers datasets' episodes."""
         import httpx
 
         if not servers:
@@ -112,6 +114,7 @@ class ServedRolloutBackend:
         self._aborted: set[int] = set()
         self._closing = False
         self.stats = ServedStats()
+        self.verifiers = verifiers
 
     # ---- protocol -----------------------------------------------------------------------------------
     @property
@@ -197,6 +200,8 @@ class ServedRolloutBackend:
         self._closing = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
+        if self.verifiers is not None:
+            self.verifiers.close()
 
     # ---- servers ------------------------------------------------------------------------------------
     @staticmethod
@@ -338,6 +343,8 @@ class ServedRolloutBackend:
             self._done.append(item)
 
     def _episode(self, req: SampleRequest) -> RolloutSample:
+        if self.verifiers is not None and req.dataset in self.verifiers.envs:
+            return self._verifiers_episode(req)
         episode = self.envs[req.dataset].episode(req.index, "train", req.effort)
         builder = SessionBuilder(req.sample_id)
         context, calls = episode.prompt_tokens(), 0
@@ -374,6 +381,45 @@ class ServedRolloutBackend:
         sample.dataset, sample.group_id, sample.prompt_uid = req.dataset, req.group_id, req.prompt_uid
         sample.effort, sample.correct = req.effort, step.correct
         return sample
+
+    def _verifiers_episode(self, req: SampleRequest) -> RolloutSample:
+        """A verifiers episode on one server, played again elsewhere (same seed) when that server
+        died under it (:mod:`.served_verifiers`)."""
+        from megatron_s2.posttrain.rollout.vf_backend import only_trace
+        from megatron_s2.posttrain.rollout.vf_trace import trace_sample
+
+        where = f"rollout: verifiers episode of sample {req.sample_id} (prompt {req.prompt_uid})"
+        while True:
+            server = self._pick()
+            version = server.version  # the oldest any of its tokens can be (module docstring of served_verifiers)
+            try:
+                episode = self.verifiers.play(req.dataset, req.index, server.url, split="train",
+                                              temperature=req.temperature, top_p=req.top_p,
+                                              max_tokens=req.max_new_tokens, seed=req.seed,
+                                              timeout_s=self.timeout_s)
+            finally:
+                with self._lock:
+                    server.open_calls -= 1
+            if not episode.ok and not self._closing and not self._healthy(server):
+                self._mark_dead(server, "it failed during a verifiers episode")
+                with self._lock:
+                    self.stats.rerouted += 1
+                continue
+            sample = trace_sample(only_trace(episode, where), req.sample_id, version=version, layer_ids=None)
+            break
+        server.answered = True
+        sample.dataset, sample.group_id, sample.prompt_uid, sample.effort = (req.dataset, req.group_id,
+                                                                             req.prompt_uid, req.effort)
+        with self._lock:
+            self.stats.generated_tokens += sample.num_generated
+            self.stats.calls += 1
+        return sample
+
+    def _healthy(self, server: _Server) -> bool:
+        try:
+            return self._http.get(f"{server.url}/health", timeout=2.0).status_code == 200
+        except Exception:  # noqa: BLE001 - down
+            return False
 
     @staticmethod
     def _routing(choice: dict, context: list[int], ids: list[int], versions: list[int], start: int) -> RoutingRecord:

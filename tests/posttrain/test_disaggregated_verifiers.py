@@ -1,0 +1,79 @@
+"""verifiers environments in disaggregated RL (``posttrain/disaggregated/served_verifiers.py``; issue
+25, seed 004): the orchestrator plays real verifiers 0.4.0 episodes (harness -> interception
+server -> TrainClient -> renderers) against the inference servers, and with ``max_async_level: 0``
+the run equals the co-located one of the same recipe and seed — the same prompts, sampled tokens,
+rewards and losses (to fp32 rounding, as tests/posttrain/test_disaggregated.py) — on the parity
+taskset, whose reward a tiny model earns about half the time (a real loss, not zero advantages).
+What the servers cannot give a verifiers trace yet is refused in one line (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_s2.config.recipe import load_recipe
+from megatron_s2.config.schema import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = str(ROOT / "recipes" / "phases" / "rl_addition_verifiers.yaml")
+PLUGINS = Path(__file__).parent / "vf_plugins"
+STEPS = 3
+SMALL = ["training.seq_length=96", "training.global_batch_size=8", "training.micro_batch_size=8",
+         "rl.rollout.group_size=8", "rl.rollout.batch_groups=1", "rl.rollout.max_in_flight=8",
+         "rl.rollout.max_new_tokens=6", "rl.rollout.engine.max_num_seqs=8", "rl.rollout.environment.max_concurrent=8",
+         "rl.advantage.dynamic_sampling=false", "rl.eval.interval=0", "rl.eval.at_start=false",
+         "rl.rollout.environment.eval_taskset={}", "rl.rollout.max_staleness=0",
+         "rl.rollout.engine.routing_replay=false", "logging.progress_bar=false", "logging.tensorboard=false",
+         "rl.rollout.environment.taskset={id: megatron_s2_parity, split: train, count: 8}",
+         f"rl.rollout.environment.plugin_path={PLUGINS}"]
+DISAGGREGATED = ["rl.mode=disaggregated", "rl.disaggregated.max_async_level=0", "rl.disaggregated.num_servers=2"]
+
+
+def _cli(*args: str, cwd: Path) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "megatron_s2.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_synchronous_disaggregated_verifiers_run_equals_colocated(tmp_path):
+    init = tmp_path / "init"  # the servers start from a checkpoint: one co-located step writes one
+    _cli("train", RECIPE, *SMALL, "training.train_steps=1", "checkpoint.save_interval=1", "--run-dir", str(init),
+         cwd=tmp_path)
+    common = [*SMALL, f"training.train_steps={STEPS}", "checkpoint.save_interval=0",
+              f"checkpoint.load={init / 'checkpoints'}"]
+    _cli("train", RECIPE, *common, "--run-dir", str(tmp_path / "colocated"), cwd=tmp_path)
+    _cli("launch", RECIPE, *common, *DISAGGREGATED, "--local", "--run-dir", str(tmp_path / "disaggregated"),
+         cwd=tmp_path)
+    ref, ours = (_jsonl(tmp_path / run / "metrics.jsonl") for run in ("colocated", "disaggregated"))
+    assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
+    assert any(abs(m["loss"]) > 1e-3 for m in ref), ref  # mixed rewards: a real loss
+    for a, b in zip(ours, ref):
+        for key in ("trained_reward_mean", "response_length", "rollout_tokens", "behaviour_logprob"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(b["loss"])), (a["step"], a["loss"], b["loss"])
+        assert a["async_lag_max"] == 0 and a["async_dropped_samples"] == 0
+    trained = [[r["trained"] for r in _jsonl(tmp_path / run / "rollouts.jsonl")] for run in ("colocated", "disaggregated")]
+    assert trained[0] == trained[1]
+
+
+@pytest.mark.parametrize("override, field", [
+    ("rl.rollout.engine.routing_replay=true", "rl.rollout.engine.routing_replay"),
+    ("rl.eval.interval=2", "rl.eval"),
+])
+def test_what_the_servers_cannot_give_a_verifiers_trace_is_refused(override, field):
+    overrides = [*SMALL, *DISAGGREGATED, override]
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_recipe(RECIPE, overrides)
