@@ -4,7 +4,9 @@ server -> TrainClient -> renderers) against the inference servers, and with ``ma
 the run equals the co-located one of the same recipe and seed — the same prompts, sampled tokens,
 rewards and losses (to fp32 rounding, as tests/posttrain/test_disaggregated.py) — on the parity
 taskset, whose reward a tiny model earns about half the time (a real loss, not zero advantages).
-What the servers cannot give a verifiers trace yet is refused in one line (exit 2)."""
+Held-out tasks (``eval_taskset``) are played through the servers by the trainer (served_eval.py) into
+the same eval.jsonl. What the servers cannot give a verifiers trace yet (R3 routing) is refused in
+one line (exit 2)."""
 
 from __future__ import annotations
 
@@ -23,11 +25,13 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "phases" / "rl_addition_verifiers.yaml")
 PLUGINS = Path(__file__).parent / "vf_plugins"
 STEPS = 3
+# held-out tasks before, at step 2 and after (sampled avg@2 and greedy), through the servers when disaggregated
+EVAL = ["rl.eval.interval=2", "rl.eval.at_start=true", "rl.eval.temperature=1.0", "rl.eval.samples_per_prompt=2",
+        "rl.eval.also_greedy=true", "rl.rollout.environment.eval_taskset={split: eval, count: 4}"]
 SMALL = ["training.seq_length=96", "training.global_batch_size=8", "training.micro_batch_size=8",
          "rl.rollout.group_size=8", "rl.rollout.batch_groups=1", "rl.rollout.max_in_flight=8",
          "rl.rollout.max_new_tokens=6", "rl.rollout.engine.max_num_seqs=8", "rl.rollout.environment.max_concurrent=8",
-         "rl.advantage.dynamic_sampling=false", "rl.eval.interval=0", "rl.eval.at_start=false",
-         "rl.rollout.environment.eval_taskset={}", "rl.rollout.max_staleness=0",
+         "rl.advantage.dynamic_sampling=false", *EVAL, "rl.rollout.max_staleness=0",
          "rl.rollout.engine.routing_replay=false", "logging.progress_bar=false", "logging.tensorboard=false",
          "rl.rollout.environment.taskset={id: megatron_s2_parity, split: train, count: 8}",
          f"rl.rollout.environment.plugin_path={PLUGINS}"]
@@ -61,19 +65,21 @@ def test_synchronous_disaggregated_verifiers_run_equals_colocated(tmp_path):
     assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
     assert any(abs(m["loss"]) > 1e-3 for m in ref), ref  # mixed rewards: a real loss
     for a, b in zip(ours, ref):
-        for key in ("trained_reward_mean", "response_length", "rollout_tokens", "behaviour_logprob"):
+        for key in ("trained_reward_mean", "response_length", "rollout_tokens"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        # the servers' batch composition moves the log-probs' last bits (measured: 6e-7 on -6.27)
+        assert abs(a["behaviour_logprob"] - b["behaviour_logprob"]) < 1e-5, (a["step"], a, b)
         assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(b["loss"])), (a["step"], a["loss"], b["loss"])
         assert a["async_lag_max"] == 0 and a["async_dropped_samples"] == 0
     trained = [[r["trained"] for r in _jsonl(tmp_path / run / "rollouts.jsonl")] for run in ("colocated", "disaggregated")]
     assert trained[0] == trained[1]
+    evals = [_jsonl(tmp_path / run / "eval.jsonl") for run in ("colocated", "disaggregated")]
+    assert [e["step"] for e in evals[0]] == [e["step"] for e in evals[1]] == [0, 2, 3]
+    for ref_eval, ours in zip(*evals):
+        ref_eval, ours = ({k: v for k, v in e.items() if k != "eval_time_s"} for e in (ref_eval, ours))
+        assert ours == ref_eval and ours["eval_policy_version"] == ours["step"], (ours, ref_eval)
 
 
-@pytest.mark.parametrize("override, field", [
-    ("rl.rollout.engine.routing_replay=true", "rl.rollout.engine.routing_replay"),
-    ("rl.eval.interval=2", "rl.eval"),
-])
-def test_what_the_servers_cannot_give_a_verifiers_trace_is_refused(override, field):
-    overrides = [*SMALL, *DISAGGREGATED, override]
-    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        load_recipe(RECIPE, overrides)
+def test_what_the_servers_cannot_give_a_verifiers_trace_is_refused():
+    with pytest.raises(ConfigError, match=r"rl\.rollout\.engine\.routing_replay"):
+        load_recipe(RECIPE, [*SMALL, *DISAGGREGATED, "rl.rollout.engine.routing_replay=true"])

@@ -100,9 +100,6 @@ class RLConfig:
         if self.rollout.uses_verifiers and self.rollout.engine.routing_replay:
             raise ConfigError("rl.rollout.engine.routing_replay: verifiers episodes through the inference servers "
                               "carry no routed experts; set routing_replay: false in disaggregated mode")
-        if self.rollout.uses_verifiers and (self.eval.interval or self.eval.at_start):
-            raise ConfigError("rl.eval: held-out verifiers tasks are not evaluated through the inference servers yet; "
-                              "set rl.eval.interval: 0 and rl.eval.at_start: false, or use mode: colocated")
         if self.reference_checkpoint or self.loss.has_term("reference_kl"):
             raise ConfigError("rl.loss.terms: a reference_kl term is not supported in disaggregated mode yet; "
                               "drop it or use mode: colocated")

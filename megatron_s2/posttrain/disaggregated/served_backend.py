@@ -383,20 +383,28 @@ class ServedRolloutBackend:
         return sample
 
     def _verifiers_episode(self, req: SampleRequest) -> RolloutSample:
-        """A verifiers episode on one server, played again elsewhere (same seed) when that server
-        died under it (:mod:`.served_verifiers`)."""
+        sample = self.play_verifiers(req.dataset, req.index, "train", sample_id=req.sample_id,
+                                     temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_new_tokens,
+                                     seed=req.seed, where=f"rollout: verifiers episode of sample {req.sample_id} "
+                                                          f"(prompt {req.prompt_uid})")
+        sample.dataset, sample.group_id, sample.prompt_uid, sample.effort = (req.dataset, req.group_id,
+                                                                             req.prompt_uid, req.effort)
+        return sample
+
+    def play_verifiers(self, dataset: str, index: int, split: str, *, sample_id: int, temperature: float,
+                       top_p: float, max_tokens: int, seed: int, where: str) -> RolloutSample:
+        """A verifiers episode (task ``index`` of ``dataset``'s ``split``) on one server, played again
+        elsewhere with the same seed when that server died under it (:mod:`.served_verifiers`);
+        also the held-out episodes of :mod:`.served_eval`."""
         from megatron_s2.posttrain.rollout.vf_backend import only_trace
         from megatron_s2.posttrain.rollout.vf_trace import trace_sample
 
-        where = f"rollout: verifiers episode of sample {req.sample_id} (prompt {req.prompt_uid})"
         while True:
             server = self._pick()
             version = server.version  # the oldest any of its tokens can be (module docstring of served_verifiers)
             try:
-                episode = self.verifiers.play(req.dataset, req.index, server.url, split="train",
-                                              temperature=req.temperature, top_p=req.top_p,
-                                              max_tokens=req.max_new_tokens, seed=req.seed,
-                                              timeout_s=self.timeout_s)
+                episode = self.verifiers.play(dataset, index, server.url, split=split, temperature=temperature,
+                                              top_p=top_p, max_tokens=max_tokens, seed=seed, timeout_s=self.timeout_s)
             finally:
                 with self._lock:
                     server.open_calls -= 1
@@ -405,11 +413,9 @@ class ServedRolloutBackend:
                 with self._lock:
                     self.stats.rerouted += 1
                 continue
-            sample = trace_sample(only_trace(episode, where), req.sample_id, version=version, layer_ids=None)
+            sample = trace_sample(only_trace(episode, where), sample_id, version=version, layer_ids=None)
             break
         server.answered = True
-        sample.dataset, sample.group_id, sample.prompt_uid, sample.effort = (req.dataset, req.group_id,
-                                                                             req.prompt_uid, req.effort)
         with self._lock:
             self.stats.generated_tokens += sample.num_generated
             self.stats.calls += 1

@@ -110,6 +110,30 @@ class ServedEvaluator(Evaluator):
     def mine(self) -> list[tuple[str, int]]:
         return self.items() if self.topology.leader else []
 
+    def play(self, engine, items, temperature: float):
+        """Token-level episodes through :meth:`Evaluator.play`; verifiers environments' held-out
+        tasks (all datasets are verifiers ones then, as co-located) as verifiers episodes against
+        the servers, episode ``k`` seeded :func:`episode_seed` ``(k)`` as the co-located
+        :class:`~megatron_s2.posttrain.rollout.evaluation.VerifiersEvaluator` seeds them."""
+        backend = self.engine.backend
+        if backend.verifiers is None:
+            return super().play(engine, items, temperature)
+        from megatron_s2.posttrain.rollout.evaluation import EvalItem, episode_seed
+
+        def one(key: int, name: str, index: int):
+            return backend.play_verifiers(name, index, "eval", sample_id=key, temperature=temperature, top_p=1.0,
+                                          max_tokens=self.max_new_tokens, seed=episode_seed(key),
+                                          where=f"eval: verifiers episode of held-out task {index} of {name}")
+
+        samples = list(self.engine._pool.map(lambda arg: one(arg[0], *arg[1]), enumerate(items)))
+        out = []
+        for (name, index), s in zip(items, samples):
+            self.engine.versions.update(v for v in s.versions if v >= 0)
+            start, end = s.spans[0]
+            out.append(EvalItem(name, index, s.tokens[:start], s.tokens[start:end], s.correct, float(s.reward),
+                                s.num_generated, s.finish_reason == "length", s.metrics))
+        return out
+
     def __init__(self, engine: ServedEvalEngine, environments: Mapping[str, Environment], topology: ReplicaTopology,
                  config, max_new_tokens: int, max_model_len: int, *, rank: int):
         super().__init__(engine, environments, topology, config, max_new_tokens, max_model_len)

@@ -113,10 +113,15 @@ class DisaggregatedTrainer(PosttrainTrainer):
             # hence the figures, do not depend on the trainer's layout
             topology = ReplicaTopology(0, 1, self.is_main, self.world_size, g_device(self.groups))
             concurrent = max(1, cfg.max_num_seqs * len(servers))
+            verifiers = None
+            if self.rollout_cfg.uses_verifiers and self.is_main:  # held-out tasks as verifiers episodes
+                from megatron_s2.posttrain.disaggregated.served_verifiers import ServedVerifiers
+
+                verifiers = ServedVerifiers(self.environments, self.tokenizer)
             backend = ServedRolloutBackend(servers, {}, weights_path=lambda v: str(weights_path(self.run_dir, v)),
                                            record_routing=False, max_model_len=max_len, max_concurrent=concurrent,
                                            request_timeout_s=cfg.request_timeout_s, server_wait_s=cfg.server_wait_s,
-                                           ordered=True, log=self.log)
+                                           ordered=True, log=self.log, verifiers=verifiers)
             self._evaluator = ServedEvaluator(ServedEvalEngine(backend, concurrent), self.environments, topology,
                                               self.section.eval, self.rollout_cfg.max_new_tokens, max_len,
                                               rank=self.rank)
