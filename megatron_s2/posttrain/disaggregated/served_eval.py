@@ -85,6 +85,10 @@ class ServedEvalEngine:
             outputs.append(out)
         return outputs
 
+    def map(self, fn, items) -> list:
+        """``fn`` over ``items`` on the engine's threads (verifiers episodes), in order."""
+        return list(self._pool.map(fn, items))
+
     def take_versions(self) -> set[int]:
         versions, self.versions = self.versions, set()
         return versions
@@ -125,7 +129,7 @@ class ServedEvaluator(Evaluator):
                                           max_tokens=self.max_new_tokens, seed=episode_seed(key),
                                           where=f"eval: verifiers episode of held-out task {index} of {name}")
 
-        samples = list(self.engine._pool.map(lambda arg: one(arg[0], *arg[1]), enumerate(items)))
+        samples = self.engine.map(lambda arg: one(arg[0], *arg[1]), list(enumerate(items)))
         out = []
         for (name, index), s in zip(items, samples):
             self.engine.versions.update(v for v in s.versions if v >= 0)
