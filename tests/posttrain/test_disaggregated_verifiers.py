@@ -83,3 +83,58 @@ def test_synchronous_disaggregated_verifiers_run_equals_colocated(tmp_path):
 def test_what_the_servers_cannot_give_a_verifiers_trace_is_refused():
     with pytest.raises(ConfigError, match=r"rl\.rollout\.engine\.routing_replay"):
         load_recipe(RECIPE, [*SMALL, *DISAGGREGATED, "rl.rollout.engine.routing_replay=true"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_verifiers_episode_whose_server_is_down_is_played_again_on_another_with_the_same_seed(tmp_path):
+    """The first server the episode is sent to never answers (nothing listens there): the episode
+    fails, the server is marked down and the episode is played again on the live one with the same
+    seed — the sample equals the one played on the live server alone (nothing lost, nothing twice)."""
+    import socket
+
+    from megatron_s2.config.posttrain.engines import engine_max_model_len
+    from megatron_s2.inference.weights import load_model
+    from megatron_s2.posttrain.disaggregated.served_backend import ServedRolloutBackend
+    from megatron_s2.posttrain.disaggregated.served_verifiers import ServedVerifiers
+    from megatron_s2.posttrain.envs import build_environment
+    from megatron_s2.serve import ServeConfig, ServerThread, build_state
+    from megatron_s2.config.engine import EngineConfig
+    from megatron_s2.training.run_checks import check_tokenizer
+
+    init = tmp_path / "init"
+    _cli("train", RECIPE, *SMALL, "training.train_steps=1", "checkpoint.save_interval=1", "rl.eval.at_start=false",
+         "rl.eval.interval=0", "--run-dir", str(init), cwd=tmp_path)
+    recipe = load_recipe(RECIPE, [*SMALL, *DISAGGREGATED, f"checkpoint.load={init / 'checkpoints'}"])
+    rollout = recipe.rl.rollout
+    tokenizer = check_tokenizer(recipe)
+    envs = {n: build_environment(n, rollout.environment_of(n), tokenizer) for n in rollout.dataset_names()}
+    model, tok, description = load_model(str(init), "cpu")
+    state = build_state(model, tok, description, ServeConfig(disconnect_poll_s=0.05, logprobs_mode="processed_logprobs"),
+                        EngineConfig(max_num_seqs=4, max_model_len=engine_max_model_len(recipe, rollout), seed=0),
+                        model_name="policy")
+    live = ServerThread(state, keep_alive_s=60.0).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    verifiers = ServedVerifiers(envs, tokenizer)
+    logs: list[str] = []
+    samples, reroutes = [], []
+    try:
+        for urls in ([live.url], [dead, live.url]):
+            backend = ServedRolloutBackend(urls, envs, weights_path=str, record_routing=False,
+                                           max_model_len=engine_max_model_len(recipe, rollout), max_concurrent=2,
+                                           request_timeout_s=60, server_wait_s=30, ordered=True, log=logs.append,
+                                           verifiers=verifiers)
+            samples.append(backend.play_verifiers("default", 3, "train", sample_id=7, temperature=1.0, top_p=1.0,
+                                                  max_tokens=6, seed=1234, where="test"))
+            reroutes.append(backend.take_stats().rerouted)
+            backend.verifiers = None  # shared between the two: closed once, below
+            backend.close()
+    finally:
+        verifiers.close()
+        live.stop()
+    alone, rerouted = samples
+    assert reroutes == [0, 1] and any(dead in line and "is down" in line for line in logs), (reroutes, logs)
+    assert rerouted.tokens == alone.tokens and rerouted.reward == alone.reward
+    assert rerouted.logprobs == alone.logprobs and rerouted.num_generated == alone.num_generated > 0
