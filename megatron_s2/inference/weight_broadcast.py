@@ -13,8 +13,10 @@ members.
 The tensors travel in the order of a *manifest* (sorted names, full shapes, dtypes) that the
 root sends with the request (``POST /update_weights`` with a ``broadcast`` object,
 :mod:`megatron_s2.serve.weights_api`); a receiver checks it against its own model before it
-joins, so a mismatch is a 400 naming the tensor, never a silent mis-copy. Same-dtype tensors
-are packed into flat buckets (one broadcast each), unpacked by the same manifest on arrival.
+joins, so a mismatch is a 400 naming the tensor, never a silent mis-copy. Same-dtype runs of the
+manifest are packed into flat buckets (:func:`buckets`; one broadcast each — the sender assembles
+each bucket's global tensors from its layout's shards first), unpacked by the same manifest on
+arrival.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Iterator, Mapping
 
 import torch
 
-__all__ = ["BroadcastSpec", "TensorEntry", "manifest_of", "open_group", "receive", "send", "check_manifest"]
+__all__ = ["BroadcastSpec", "TensorEntry", "buckets", "check_manifest", "close_group", "manifest_of", "open_group",
+           "receive"]
 
 BUCKET_BYTES = 64 * 2 ** 20
 """Largest flat buffer of one broadcast."""
@@ -100,7 +103,16 @@ def open_group(spec: BroadcastSpec, store=None):
     return dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, timeout)
 
 
-def _buckets(manifest: list[TensorEntry]) -> Iterator[list[TensorEntry]]:
+def close_group(group) -> None:
+    """Release an update's group (its connections; an NCCL communicator is not freed by garbage
+    collection). Errors here change nothing that was received."""
+    try:
+        group.shutdown()
+    except Exception:  # noqa: BLE001 - already broken (a member died): nothing left to release
+        pass
+
+
+def buckets(manifest: list[TensorEntry]) -> Iterator[list[TensorEntry]]:
     """Consecutive same-dtype runs of the manifest, each at most :data:`BUCKET_BYTES` (or one tensor)."""
     bucket, used = [], 0
     for e in manifest:
@@ -122,21 +134,10 @@ def _numel(shape) -> int:
 
 
 @torch.no_grad()
-def send(group, state: Mapping[str, torch.Tensor], manifest: list[TensorEntry], device: torch.device) -> int:
-    """Broadcast ``state`` from rank 0 in manifest order; returns the bytes sent."""
-    total = 0
-    for bucket in _buckets(manifest):
-        flat = torch.cat([state[e.name].detach().reshape(-1).to(device) for e in bucket])
-        group.broadcast(flat, 0).wait()
-        total += flat.numel() * flat.element_size()
-    return total
-
-
-@torch.no_grad()
 def receive(group, manifest: list[TensorEntry], device: torch.device) -> dict[str, torch.Tensor]:
     """The tensors of a broadcast, by name (on ``device``)."""
     out = {}
-    for bucket in _buckets(manifest):
+    for bucket in buckets(manifest):
         flat = torch.empty(sum(_numel(e.shape) for e in bucket), dtype=getattr(torch, bucket[0].dtype), device=device)
         group.broadcast(flat, 0).wait()
         offset = 0

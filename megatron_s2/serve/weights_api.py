@@ -86,7 +86,8 @@ async def update_weights(state: ServerState, request):
 
 async def _receive_broadcast(state: ServerState, f: Fields, version: int):
     """The ``broadcast`` form (module docstring)."""
-    from megatron_s2.inference.weight_broadcast import BroadcastSpec, TensorEntry, check_manifest, open_group, receive
+    from megatron_s2.inference.weight_broadcast import (BroadcastSpec, TensorEntry, check_manifest, close_group, open_group,
+                                                        receive)
 
     group = f.object("group")
     try:
@@ -115,7 +116,11 @@ async def _receive_broadcast(state: ServerState, f: Fields, version: int):
         t0 = time.perf_counter()
 
         def join_and_receive():
-            return receive(open_group(spec), manifest, device)
+            group = open_group(spec)
+            try:
+                return receive(group, manifest, device)
+            finally:
+                close_group(group)
 
         received = await asyncio.to_thread(join_and_receive)  # the event loop serves other clients meanwhile
         t1 = time.perf_counter()

@@ -321,21 +321,6 @@ def check_drafter_stages(recipe: RecipeConfig, world_size: int) -> None:
                           "parallel.pipeline_layers so the last stage holds them, or lower parallel.pp")
 
 
-def check_broadcast_layout(recipe: RecipeConfig) -> None:
-    """``rl.disaggregated.weight_sync: broadcast`` sends whole tensors from the trainer's first rank
-    (megatron_s2/posttrain/disaggregated/weight_sync.py): a layout that shards them is refused
-    before any process starts (the trainer checks its model's tensors again)."""
-    rl = getattr(recipe, "rl", None)
-    if recipe.phase.kind != "rl" or rl is None or rl.mode != "disaggregated" or rl.disaggregated.weight_sync != "broadcast":
-        return
-    p = recipe.parallel
-    split = [f"parallel.{name}={getattr(p, name)}" for name in ("tp", "pp", "cp", "ep", "etp") if getattr(p, name) > 1]
-    if split:
-        raise ConfigError(f"rl.disaggregated.weight_sync: 'broadcast' sends whole tensors from the trainer's first rank; "
-                          f"this layout shards them ({', '.join(split)}): use data parallelism only or weight_sync: "
-                          "checkpoint")
-
-
 def check_phase_layout(recipe: RecipeConfig) -> None:
     """A layout the phase cannot use is wrong at any rank count: the drafter's
     (:func:`check_drafter_phase`), and visual next-patch pre-training's — data parallelism only, its
@@ -343,7 +328,6 @@ def check_phase_layout(recipe: RecipeConfig) -> None:
     check_drafter_phase(recipe)
     check_series_layout(recipe)
     check_memdec_layout(recipe)
-    check_broadcast_layout(recipe)
     if recipe.phase.kind != "visual_next_patch":
         return
     p = recipe.parallel

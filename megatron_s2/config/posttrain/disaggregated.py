@@ -44,11 +44,11 @@ class DisaggregatedConfig:
     weight_sync: Literal["checkpoint", "broadcast"] = "checkpoint"
     """How a new policy reaches the servers. 'checkpoint': the orchestrator asks each server to load
     the trainer's published checkpoint (``POST /update_weights`` with its path). 'broadcast': the
-    trainer's first rank sends the tensors to every live server over a process group formed for
-    the update (prime-rl / verl style; ``megatron_s2.inference.weight_broadcast``) before it
-    publishes the checkpoint, which stays the fallback of a server that missed a broadcast
-    (restarted, or down at the time) and of a resumed run. Needs a trainer layout whose first
-    rank holds whole tensors (tp = pp = ep = cp = 1; data parallel is fine)."""
+    trainer's ranks assemble each bucket of global tensors from their shards (any layout) and the
+    first rank sends it to every live server over a process group formed for the update (prime-rl
+    / verl style; ``megatron_s2.inference.weight_broadcast``) before the checkpoint is published,
+    which stays the fallback of a server that missed a broadcast (restarted, or down at the time)
+    and of a resumed run."""
     broadcast_backend: Literal["gloo", "nccl"] = "gloo"
     """The broadcast group's backend: 'gloo' (host memory, any servers) or 'nccl' (GPU trainer and
     GPU servers)."""

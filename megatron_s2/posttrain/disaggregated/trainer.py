@@ -12,8 +12,9 @@ step ``s`` (policy version ``s`` -> ``s + 1``):
    ``mask`` the loss masks them (the ``staleness`` token mask, counted ``async_masked_tokens``);
 3. the optimiser step, then publish version ``s + 1``: a model-only checkpoint in
    ``<run>/disaggregated/weights/step_<s+1>`` (collective, any layout; the servers read it whole);
-   with ``weight_sync: broadcast`` the first rank has sent the servers the tensors over a process
-   group just before (:mod:`.weight_sync`), so the checkpoint is their fallback;
+   with ``weight_sync: broadcast`` the ranks have assembled the global tensors and the first rank
+   has sent them to the servers over a process group just before (:mod:`.weight_sync`), so the
+   checkpoint is their fallback;
 4. ``rollouts.jsonl``: the prompts and sample ids trained at this step — the audit trail that a
    trainer killed -9 and resumed from its checkpoint trains every batch once: it re-reads the
    same batch files from its checkpoint's step (truncated records of the dead attempt removed);
@@ -76,14 +77,12 @@ class DisaggregatedTrainer(PosttrainTrainer):
         self.eval_file = self.run_dir / "eval.jsonl"
         self.rollout_file = self.run_dir / "rollouts.jsonl"
         self.started = False
-        self.weight_sync = None  # rl.disaggregated.weight_sync: broadcast, on the first rank (weight_sync.py)
+        self.weight_sync = None  # rl.disaggregated.weight_sync: broadcast (weight_sync.py; every rank takes part)
         if section.disaggregated.weight_sync == "broadcast":
-            from megatron_s2.posttrain.disaggregated.weight_sync import BroadcastWeightSync, check_broadcast_layout
+            from megatron_s2.posttrain.disaggregated.weight_sync import BroadcastWeightSync
 
-            check_broadcast_layout(self.model)  # every rank: a sharded layout is refused everywhere alike
-            if self.is_main:
-                self.weight_sync = BroadcastWeightSync(self.model, self.run_dir, section.disaggregated,
-                                                       device=self.device, log=self.log)
+            self.weight_sync = BroadcastWeightSync(self.model, self.run_dir, section.disaggregated, rank=rank,
+                                                   world_size=world_size, log=self.log)
         self._evaluator = None  # built when first needed: the servers' URLs come from the orchestrator
         self.rollout_model = self.model  # _evaluate puts it in eval mode; the servers hold the weights it plays
 
