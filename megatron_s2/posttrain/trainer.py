@@ -418,6 +418,8 @@ class PosttrainTrainer(Trainer):
     def _evaluate(self) -> dict[str, float]:
         t0 = time.perf_counter()
         self.rollout_model.eval()
+        if getattr(self, "eval_engine", None) is not None:  # it runs the rollout model's weights: version self.step
+            self.eval_engine.set_policy_version(self.step)
         teacher = None
         if self.kind == "opd":
             teacher = (self.teachers, self.domain_of)

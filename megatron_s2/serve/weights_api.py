@@ -16,12 +16,26 @@ Weights of another architecture are refused (400) even when every tensor shape f
 description must match; training-only fields may differ). A version older than the served one
 is refused (409), one equal to it is a no-op; answers
 ``{"policy_version", "path", "load_s", "swap_s"}``.
+
+``rl.disaggregated.weight_sync: broadcast`` sends the weights over a process group instead of a
+path (:mod:`megatron_s2.inference.weight_broadcast`)::
+
+    {"version": 12, "broadcast": {"group": {"host", "port", "prefix", "rank", "world_size", "backend",
+                                            "timeout_s"},
+                                  "tensors": [[name, shape, dtype], ...]}}
+
+The server checks the manifest against its model (400 naming the tensor, before it joins), joins
+the group, receives every tensor, then swaps them in between two engine steps as above. A member
+always receives, even when the version turns out not to be newer (the root waits for every
+member): the answer is then 409 / the no-op.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+
+import torch
 
 from fastapi.responses import JSONResponse
 
@@ -38,10 +52,14 @@ async def update_weights(state: ServerState, request):
     from megatron_s2.inference.weights import check_same_architecture, read_checkpoint
 
     f = Fields(await read_json_object(request, state.config.max_body_bytes))
+    version = f.int("version", None, minimum=0)
+    if f.has("broadcast"):
+        if version is None:
+            f.fail("version", "give the policy version of these weights (an integer >= 0)")
+        return await _receive_broadcast(state, f.object("broadcast"), version)
     path = f.str("path")
     if not path:
-        f.fail("path", "give the checkpoint directory to load")
-    version = f.int("version", None, minimum=0)
+        f.fail("path", "give the checkpoint directory to load (or a broadcast group)")
     if version is None:
         f.fail("version", "give the policy version of these weights (an integer >= 0)")
     engine = state.backend.engine
@@ -64,6 +82,57 @@ async def update_weights(state: ServerState, request):
         except (ConfigError, ValueError) as exc:
             raise BadRequest(f"path: {path} does not fit the served model ({exc})", param="path") from None
     return {"policy_version": version, "path": path, "load_s": t1 - t0, "swap_s": time.perf_counter() - t1}
+
+
+async def _receive_broadcast(state: ServerState, f: Fields, version: int):
+    """The ``broadcast`` form (module docstring)."""
+    from megatron_s2.inference.weight_broadcast import (BroadcastSpec, TensorEntry, check_manifest, close_group, open_group,
+                                                        receive)
+
+    group = f.object("group")
+    try:
+        spec = BroadcastSpec(host=group.str("host") or "", port=group.int("port", 0, minimum=1, maximum=65535),
+                             prefix=group.str("prefix") or "", rank=group.int("rank", 0, minimum=1),
+                             world_size=group.int("world_size", 0, minimum=2),
+                             backend=group.str("backend", "gloo"), timeout_s=group.float("timeout_s", 600.0, minimum=1))
+    except TypeError:
+        f.fail("group", "give host, port, prefix, rank and world_size")
+    if not spec.host or not spec.prefix or not 1 <= spec.rank < spec.world_size:
+        f.fail("group", "give host, prefix and a rank in 1..world_size-1 (rank 0 is the sender)")
+    if spec.backend not in ("gloo", "nccl"):
+        f.fail("group.backend", f"must be 'gloo' or 'nccl', got {spec.backend!r}")
+    try:
+        manifest = [TensorEntry.from_json(item) for item in f.raw("tensors", [])]
+    except (TypeError, ValueError):
+        f.fail("tensors", "must be a list of [name, shape, dtype]")
+    engine = state.backend.engine
+    own = engine.model.state_dict()
+    why = check_manifest(manifest, own)
+    if why is not None:
+        f.fail("tensors", why)
+    # gloo moves host memory; NCCL the server's GPU
+    device = next(iter(own.values())).device if spec.backend == "nccl" else torch.device("cpu")
+    async with _update_lock(state):
+        t0 = time.perf_counter()
+
+        def join_and_receive():
+            group = open_group(spec)
+            try:
+                return receive(group, manifest, device)
+            finally:
+                close_group(group)
+
+        received = await asyncio.to_thread(join_and_receive)  # the event loop serves other clients meanwhile
+        t1 = time.perf_counter()
+        if version < engine.policy_version:
+            return JSONResponse({"error": {"message": f"version: {version} is older than the served policy version "
+                                           f"{engine.policy_version}", "type": "Conflict", "code": 409}},
+                                status_code=409)
+        if version == engine.policy_version:
+            return {"policy_version": version, "path": None, "load_s": t1 - t0, "swap_s": 0.0}
+        weights = {name: received[name] for name in own}
+        await state.backend.run(engine.update_weights, weights, version)
+    return {"policy_version": version, "path": None, "load_s": t1 - t0, "swap_s": time.perf_counter() - t1}
 
 
 def _update_lock(state: ServerState) -> asyncio.Lock:

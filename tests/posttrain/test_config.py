@@ -88,7 +88,6 @@ def test_opd_round_trip_and_teacher_lookup():
     ({"advantage": {"gepo": {"h_lo": 1.0}}}, r"unknown key 'rl\.advantage\.gepo\.h_lo'; did you mean 'h_low'"),
     # rl.mode: disaggregated (issue 25)
     ({"mode": "disaggregated", "eval": {"at_start": False}}, r"rl\.rollout\.max_staleness: .*set max_staleness: 1"),
-    ({"mode": "disaggregated", "rollout": {"max_staleness": 1}}, r"rl\.eval: .*set rl\.eval\.interval: 0"),
     ({"mode": "disaggregated", "disaggregated": {"max_async_level": -1}},
      r"rl\.disaggregated\.max_async_level: must be >= 0"),
     ({"mode": "disaggregated", "disaggregated": {"num_servers": 0}}, r"rl\.disaggregated\.num_servers"),
@@ -106,6 +105,10 @@ def test_disaggregated_mode_is_opt_in_and_round_trips():
                                   "eval": {"at_start": False}}, "rl")
     assert cfg.disaggregated.num_servers == 3
     assert from_mapping(RLConfig, yaml.safe_load(yaml.safe_dump(to_mapping(cfg))), "rl") == cfg
+    # held-out evaluation runs through the inference servers (posttrain/disaggregated/served_eval.py)
+    evaluated = from_mapping(RLConfig, {"mode": "disaggregated", "rollout": {"max_staleness": 1},
+                                        "eval": {"interval": 2, "at_start": True}}, "rl")
+    assert evaluated.eval.interval == 2
 
 
 @pytest.mark.parametrize("patch,match", [

@@ -14,7 +14,9 @@ groups in its own order, the orchestrator packages them in submission order), so
 1e-5, not bit for bit. That holds while an inference server is killed mid-run (its calls re-routed,
 the server restarted and given the current weights), with a data-parallel trainer (dp2), and when
 the trainer is killed -9 and the run launched again (it resumes from its checkpoint and re-reads
-the same batch files; rollouts.jsonl shows every step trained once and no sample twice).
+the same batch files; rollouts.jsonl shows every step trained once and no sample twice). Held-out
+evaluation (before, every 2 steps, after) runs through the servers and writes the same eval.jsonl
+as the co-located run.
 
 The policy: 20 SFT steps on the brackets task, sampled at temperature 0.3 (about a third of the
 answers right: informative groups, a non-zero loss).
@@ -45,12 +47,15 @@ STEPS = 4
 def _common(sft: Path) -> list[str]:
     return [f"training.train_steps={STEPS}", "training.global_batch_size=8", "training.micro_batch_size=4",
             "training.seq_length=40", "rl.rollout.group_size=8", "rl.rollout.batch_groups=1",
-            "rl.rollout.max_in_flight=8", "rl.advantage.dynamic_sampling=false", "rl.eval.interval=0",
-            "rl.eval.at_start=false", "rl.rollout.environment.task=brackets", "rl.rollout.environment.num_prompts=200",
+            "rl.rollout.max_in_flight=8", "rl.advantage.dynamic_sampling=false", *EVAL,
+            "rl.rollout.environment.task=brackets", "rl.rollout.environment.num_prompts=200",
             "rl.rollout.temperature=0.3", "rl.loss.temperature=0.3", "rl.rollout.max_staleness=0",
             "checkpoint.save_interval=2", f"checkpoint.load={sft}", *QUIET]
 
 
+# held-out evaluation before, during and after (sampled avg@2 and greedy): through the servers when disaggregated
+EVAL = ["rl.eval.interval=2", "rl.eval.at_start=true", "rl.eval.num_prompts=8", "rl.eval.temperature=0.3",
+        "rl.eval.samples_per_prompt=2", "rl.eval.also_greedy=true"]
 DISAGGREGATED = ["rl.mode=disaggregated", "rl.disaggregated.max_async_level=0", "rl.disaggregated.num_servers=2"]
 
 
@@ -150,12 +155,12 @@ def sft(tmp_path_factory) -> Path:
 def colocated(sft) -> list[dict]:
     run = sft.parent.parent / "colocated"
     _finish(_cli("train", RL, *_common(sft), "--run-dir", str(run), cwd=run.parent))
-    return _jsonl(run / "metrics.jsonl"), _jsonl(run / "rollouts.jsonl")
+    return _jsonl(run / "metrics.jsonl"), _jsonl(run / "rollouts.jsonl"), _jsonl(run / "eval.jsonl")
 
 
 def _assert_same_run(run: Path, colocated) -> None:
     metrics, records = _jsonl(run / "metrics.jsonl"), _jsonl(run / "rollouts.jsonl")
-    ref_metrics, ref_records = colocated
+    ref_metrics, ref_records, ref_eval = colocated
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert any(abs(m["loss"]) > 1e-3 for m in ref_metrics)  # a real loss curve, not zero advantages
     for ours, ref in zip(metrics, ref_metrics):
@@ -170,13 +175,25 @@ def _assert_same_run(run: Path, colocated) -> None:
     assert [sorted(r["trained"]) for r in records] == [sorted(r["trained"]) for r in ref_records]
     samples = [sid for r in records for sid in r["sample_ids"]]
     assert len(samples) == len(set(samples)) == STEPS * 8
+    # held-out evaluation through the servers: the same records, every figure equal (measured: bit for bit,
+    # sampled and greedy, steps 0 / 2 / 4), the policy version of every token the evaluated one
+    evals = _jsonl(run / "eval.jsonl")
+    assert [e["step"] for e in evals] == [e["step"] for e in ref_eval] == [0, 2, 4]
+    for ours, ref in zip(evals, ref_eval):
+        ours, ref = ({k: v for k, v in e.items() if k != "eval_time_s"} for e in (ours, ref))
+        assert ours == ref and ours["eval_policy_version"] == ours["step"], (ours, ref)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_synchronous_disaggregated_run_equals_colocated_while_a_server_is_killed(colocated, sft):
-    run = sft.parent.parent / "killed_server"
-    proc = _cli("launch", RL, *_common(sft), *DISAGGREGATED, "--local", "--run-dir", str(run), cwd=run.parent)
+@pytest.mark.parametrize("weight_sync", ["checkpoint", "broadcast"])
+def test_synchronous_disaggregated_run_equals_colocated_while_a_server_is_killed(colocated, sft, weight_sync):
+    """With ``weight_sync: broadcast`` the servers get each version over a process group from the
+    trainer (the restarted server at the next broadcast, or from the checkpoint when it is back
+    earlier): the same run."""
+    run = sft.parent.parent / f"killed_server_{weight_sync}"
+    proc = _cli("launch", RL, *_common(sft), *DISAGGREGATED, f"rl.disaggregated.weight_sync={weight_sync}", "--local",
+                "--run-dir", str(run), cwd=run.parent)
     _wait_for_step(run, 1, proc)
     server = _pid_of("megatron_s2.cli", "serve", _server_port(run, 0))
     os.kill(server, signal.SIGKILL)
@@ -185,6 +202,10 @@ def test_synchronous_disaggregated_run_equals_colocated_while_a_server_is_killed
     _assert_same_run(run, colocated)
     log = (run / "logs" / "restart0" / "orchestrator.log").read_text()
     assert "inference server http://127.0.0.1:" in log and "is down" in log, log
+    if weight_sync == "broadcast":  # every version went out over the group (measured: 2 servers, 2.9 MB, ~0.1 s)
+        metrics = _jsonl(run / "metrics.jsonl")
+        # (a broadcast that met the kill is logged and counted, weight_sync_failed: its servers load the checkpoint)
+        assert all("weight_sync_servers" in m for m in metrics) and max(m["weight_sync_servers"] for m in metrics) == 2
 
 
 def _server_port(run: Path, index: int) -> str:
@@ -212,6 +233,22 @@ def test_dp2_trainer_killed_minus_9_resumes_exactly(colocated, sft):
     _assert_same_run(run, colocated)
     again = {m["step"]: m for m in _jsonl(run / "metrics.jsonl")}
     assert again[3]["loss"] == first[3]["loss"]  # the same batch file, the same restored weights
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_tp2_trainer_broadcasts_the_global_tensors_assembled_from_its_shards(colocated, sft):
+    """``weight_sync: broadcast`` from a tensor-parallel trainer: each bucket's global tensors are
+    assembled from the two ranks' shards and sent by the first (measured: 2,882,624 bytes per
+    version = the whole model, ~0.1 s), and the run equals the single-rank co-located one."""
+    run = sft.parent.parent / "tp2_broadcast"
+    proc = _cli("launch", RL, *_common(sft), *DISAGGREGATED, "rl.disaggregated.weight_sync=broadcast", "parallel.tp=2",
+                "launcher.nproc_per_node=2", "--local", "--run-dir", str(run), cwd=run.parent)
+    _finish(proc)
+    _assert_same_run(run, colocated)
+    metrics = _jsonl(run / "metrics.jsonl")
+    assert {m["weight_sync_bytes"] for m in metrics} == {2882624.0}, metrics
+    assert all(m["weight_sync_servers"] == 2 and m["weight_sync_failed"] == 0 for m in metrics)
 
 
 @pytest.mark.parametrize("servers, needle", [

@@ -11,6 +11,7 @@ only hold tokens of versions ``>= s - max_async_level``; 0 is fully synchronous 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from megatron_s2.config.posttrain.checks import positive
 from megatron_s2.config.schema import ConfigError
@@ -40,6 +41,17 @@ class DisaggregatedConfig:
     """How long the orchestrator waits for at least one live server (start-up, or all down)."""
     batch_wait_s: float = 3600.0
     """How long the trainer waits for the next batch before it gives up naming the orchestrator."""
+    weight_sync: Literal["checkpoint", "broadcast"] = "checkpoint"
+    """How a new policy reaches the servers. 'checkpoint': the orchestrator asks each server to load
+    the trainer's published checkpoint (``POST /update_weights`` with its path). 'broadcast': the
+    trainer's ranks assemble each bucket of global tensors from their shards (any layout) and the
+    first rank sends it to every live server over a process group formed for the update (prime-rl
+    / verl style; ``megatron_s2.inference.weight_broadcast``) before the checkpoint is published,
+    which stays the fallback of a server that missed a broadcast (restarted, or down at the time)
+    and of a resumed run."""
+    broadcast_backend: Literal["gloo", "nccl"] = "gloo"
+    """The broadcast group's backend: 'gloo' (host memory, any servers) or 'nccl' (GPU trainer and
+    GPU servers)."""
 
     def __post_init__(self) -> None:
         if self.num_servers < 1:

@@ -19,5 +19,9 @@ survive the death of either side — a trainer killed -9 resumes from its checkp
 the same batch files (no sample lost or trained twice), an orchestrator restarts from the state
 stored in its last batch — and because a SLURM job's roles share the run directory anyway.
 Generation goes over HTTP, so a dead server's requests are re-routed to the others
-(:mod:`.served_backend`).
+(:mod:`.served_backend`). Verifiers environments are played by the orchestrator against the servers
+as verifiers plays any model (:mod:`.served_verifiers`); held-out evaluation runs in the trainer
+through the same servers right after it publishes the evaluated version (:mod:`.served_eval`).
+With ``weight_sync: broadcast`` the trainer also sends each version to the live servers over a
+process group formed for the update (:mod:`.weight_sync`), the checkpoint being the fallback.
 """

@@ -8,6 +8,10 @@ renamed, so a reader never sees half a batch.
 ``<run>/disaggregated/weights/step_00000012/`` — policy version 12, a committed checkpoint of the model
 alone (:class:`~megatron_s2.checkpoint.CheckpointManager`: any training layout, read back whole by
 ``read_checkpoint``). The newest few are kept; ``POST /update_weights`` loads one.
+
+``<run>/disaggregated/servers.json`` — the inference servers' base URLs, written by the
+orchestrator at start-up (it is given them); the trainer reads them to evaluate through the same
+servers (:mod:`.served_eval`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["exchange_dir", "BatchQueue", "ORCHESTRATOR_FAILED", "published_versions", "weights_path", "weights_root", "WAIT_POLL_S"]
+__all__ = ["exchange_dir", "BatchQueue", "ORCHESTRATOR_FAILED", "published_versions", "read_servers", "weights_path",
+           "weights_root", "write_servers", "WAIT_POLL_S"]
 
 WAIT_POLL_S = 0.05
 """How often a waiting role looks for the file it waits for."""
@@ -48,6 +53,31 @@ def published_versions(run_dir: Path) -> list[int]:
     from megatron_s2.checkpoint.store import CheckpointStore
 
     return [parse_step_name(p.name) for p in CheckpointStore(weights_root(run_dir)).committed()]
+
+
+def write_servers(run_dir: Path, urls: list[str]) -> None:
+    """``servers.json`` (module docstring), written whole and renamed into place."""
+    path = exchange_dir(run_dir) / "servers.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"servers": list(urls)}))
+    tmp.replace(path)
+
+
+def read_servers(run_dir: Path, timeout_s: float) -> list[str]:
+    """The servers' URLs once the orchestrator has written them; an error naming it after
+    ``timeout_s`` or when it failed."""
+    path = exchange_dir(run_dir) / "servers.json"
+    failed = exchange_dir(run_dir) / ORCHESTRATOR_FAILED
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if failed.exists():
+            raise RuntimeError(f"disaggregated RL: waiting for the servers' URLs: {failed.read_text().strip()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"disaggregated RL: no {path} after {timeout_s:.0f} s (the orchestrator writes it at "
+                               "start-up); is the orchestrator running (its log: <run>/logs/orchestrator.log)?")
+        time.sleep(WAIT_POLL_S)
+    return list(json.loads(path.read_text())["servers"])
 
 
 class BatchQueue:

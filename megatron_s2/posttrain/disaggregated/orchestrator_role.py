@@ -31,7 +31,7 @@ from pathlib import Path
 from megatron_s2.config.posttrain.recipe_checks import environment_key, posttrain_section
 from megatron_s2.posttrain.advantages import AdvantagePipeline, GroupRollouts
 from megatron_s2.posttrain.disaggregated.exchange import (ORCHESTRATOR_FAILED, WAIT_POLL_S, BatchQueue, exchange_dir,
-                                                        published_versions, weights_path)
+                                                        published_versions, weights_path, write_servers)
 from megatron_s2.posttrain.disaggregated.served_backend import ServedRolloutBackend
 from megatron_s2.posttrain.envs import build_environment
 from megatron_s2.posttrain.metrics import rollout_metrics
@@ -86,15 +86,22 @@ def run_orchestrator(recipe, servers: list[str], *, log=print) -> int:
     tokenizer = check_tokenizer(recipe)
     envs = {n: build_environment(n, rollout.environment_of(n), tokenizer, what=environment_key("rl", rollout, n))
             for n in rollout.dataset_names()}
+    write_servers(run_dir, servers)  # the trainer evaluates through the same servers (served_eval.py)
     queue = BatchQueue(run_dir)
     done = queue.steps()
     state = queue.get(done[-1])["orchestrator"] if done else None
     version = _latest(run_dir) if state is not None else 0
+    verifiers = None
+    if rollout.uses_verifiers:  # their episodes run here against the servers (served_verifiers.py)
+        from megatron_s2.posttrain.disaggregated.served_verifiers import ServedVerifiers
+
+        verifiers = ServedVerifiers({n: e for n, e in envs.items() if rollout.environment_of(n).kind == "verifiers"},
+                                    tokenizer)
     backend = ServedRolloutBackend(servers, envs, weights_path=lambda v: str(weights_path(run_dir, v)),
                                    record_routing=rollout.engine.routing_replay,
                                    max_model_len=engine_max_model_len(recipe, rollout),
                                    max_concurrent=rollout.max_in_flight, request_timeout_s=cfg.request_timeout_s,
-                                   server_wait_s=cfg.server_wait_s, ordered=k == 0, log=log)
+                                   server_wait_s=cfg.server_wait_s, ordered=k == 0, log=log, verifiers=verifiers)
     advantages = AdvantagePipeline(section.advantage, section.effort)
     group_filter = None
     if section.advantage.dynamic_sampling:

@@ -89,8 +89,10 @@ class _Done:
 class ServedRolloutBackend:
     def __init__(self, servers: Sequence[str], environments: Mapping[str, Environment], *, weights_path:
                  Callable[[int], str], record_routing: bool, max_model_len: int, max_concurrent: int,
-                 request_timeout_s: float, server_wait_s: float, ordered: bool, version: int = 0, log=print):
-        """``weights_path(version)``: the published checkpoint of a policy version."""
+                 request_timeout_s: float, server_wait_s: float, ordered: bool, version: int = 0, log=print,
+                 verifiers=None):
+        """``weights_path(version)``: the published checkpoint of a policy version; ``verifiers``:
+        a :class:`~.served_verifiers.ServedVerifiers` playing the verifiers datasets' episodes."""
         import httpx
 
         if not servers:
@@ -112,6 +114,7 @@ class ServedRolloutBackend:
         self._aborted: set[int] = set()
         self._closing = False
         self.stats = ServedStats()
+        self.verifiers = verifiers
 
     # ---- protocol -----------------------------------------------------------------------------------
     @property
@@ -170,6 +173,16 @@ class ServedRolloutBackend:
             raise RuntimeError(errors[0])
         self._version = version
 
+    def set_version(self, version: int) -> None:
+        """The servers serve ``version`` (loaded by another client of them: the trainer's first
+        rank before an evaluation); a server that comes back is loaded with it."""
+        self._version = version
+
+    def generate(self, prompt: list[int], params: dict) -> dict:
+        """One ``/inference/v1/generate`` call's first choice, routed and re-routed as an
+        episode's calls are (held-out evaluation, :mod:`.served_eval`)."""
+        return self._generate(prompt, params)
+
     def snapshot(self) -> list[RolloutSample]:
         return []  # see the module docstring
 
@@ -187,6 +200,8 @@ class ServedRolloutBackend:
         self._closing = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
+        if self.verifiers is not None:
+            self.verifiers.close()
 
     # ---- servers ------------------------------------------------------------------------------------
     @staticmethod
@@ -328,6 +343,8 @@ class ServedRolloutBackend:
             self._done.append(item)
 
     def _episode(self, req: SampleRequest) -> RolloutSample:
+        if self.verifiers is not None and req.dataset in self.verifiers.envs:
+            return self._verifiers_episode(req)
         episode = self.envs[req.dataset].episode(req.index, "train", req.effort)
         builder = SessionBuilder(req.sample_id)
         context, calls = episode.prompt_tokens(), 0
@@ -364,6 +381,51 @@ class ServedRolloutBackend:
         sample.dataset, sample.group_id, sample.prompt_uid = req.dataset, req.group_id, req.prompt_uid
         sample.effort, sample.correct = req.effort, step.correct
         return sample
+
+    def _verifiers_episode(self, req: SampleRequest) -> RolloutSample:
+        sample = self.play_verifiers(req.dataset, req.index, "train", sample_id=req.sample_id,
+                                     temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_new_tokens,
+                                     seed=req.seed, where=f"rollout: verifiers episode of sample {req.sample_id} "
+                                                          f"(prompt {req.prompt_uid})")
+        sample.dataset, sample.group_id, sample.prompt_uid, sample.effort = (req.dataset, req.group_id,
+                                                                             req.prompt_uid, req.effort)
+        return sample
+
+    def play_verifiers(self, dataset: str, index: int, split: str, *, sample_id: int, temperature: float,
+                       top_p: float, max_tokens: int, seed: int, where: str) -> RolloutSample:
+        """A verifiers episode (task ``index`` of ``dataset``'s ``split``) on one server, played again
+        elsewhere with the same seed when that server died under it (:mod:`.served_verifiers`);
+        also the held-out episodes of :mod:`.served_eval`."""
+        from megatron_s2.posttrain.rollout.vf_backend import only_trace
+        from megatron_s2.posttrain.rollout.vf_trace import trace_sample
+
+        while True:
+            server = self._pick()
+            version = server.version  # the oldest any of its tokens can be (module docstring of served_verifiers)
+            try:
+                episode = self.verifiers.play(dataset, index, server.url, split=split, temperature=temperature,
+                                              top_p=top_p, max_tokens=max_tokens, seed=seed, timeout_s=self.timeout_s)
+            finally:
+                with self._lock:
+                    server.open_calls -= 1
+            if not episode.ok and not self._closing and not self._healthy(server):
+                self._mark_dead(server, "it failed during a verifiers episode")
+                with self._lock:
+                    self.stats.rerouted += 1
+                continue
+            sample = trace_sample(only_trace(episode, where), sample_id, version=version, layer_ids=None)
+            break
+        server.answered = True
+        with self._lock:
+            self.stats.generated_tokens += sample.num_generated
+            self.stats.calls += 1
+        return sample
+
+    def _healthy(self, server: _Server) -> bool:
+        try:
+            return self._http.get(f"{server.url}/health", timeout=2.0).status_code == 200
+        except Exception:  # noqa: BLE001 - down
+            return False
 
     @staticmethod
     def _routing(choice: dict, context: list[int], ids: list[int], versions: list[int], start: int) -> RoutingRecord:

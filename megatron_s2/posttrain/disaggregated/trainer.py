@@ -12,9 +12,15 @@ step ``s`` (policy version ``s`` -> ``s + 1``):
    ``mask`` the loss masks them (the ``staleness`` token mask, counted ``async_masked_tokens``);
 3. the optimiser step, then publish version ``s + 1``: a model-only checkpoint in
    ``<run>/disaggregated/weights/step_<s+1>`` (collective, any layout; the servers read it whole);
+   with ``weight_sync: broadcast`` the ranks have assembled the global tensors and the first rank
+   has sent them to the servers over a process group just before (:mod:`.weight_sync`), so the
+   checkpoint is their fallback;
 4. ``rollouts.jsonl``: the prompts and sample ids trained at this step — the audit trail that a
    trainer killed -9 and resumed from its checkpoint trains every batch once: it re-reads the
-   same batch files from its checkpoint's step (truncated records of the dead attempt removed).
+   same batch files from its checkpoint's step (truncated records of the dead attempt removed);
+5. held-out evaluation when due (``rl.eval``: before the first step, every ``interval`` steps,
+   after the last — as co-located), of version ``s + 1`` through the inference servers
+   (:mod:`.served_eval`): the same ``eval_*`` metrics in ``eval.jsonl`` and ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from megatron_s2.checkpoint import CheckpointManager
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.config.posttrain.recipe_checks import posttrain_section
 from megatron_s2.posttrain.advantages import AdvantagePipeline
-from megatron_s2.posttrain.disaggregated.exchange import BatchQueue, weights_root
+from megatron_s2.posttrain.disaggregated.exchange import BatchQueue, read_servers, weights_path, weights_root
 from megatron_s2.posttrain.losses import PosttrainObjective
 from megatron_s2.posttrain.orchestrator import PromptGroup
 from megatron_s2.posttrain.trainer import PosttrainTrainer
@@ -71,9 +77,54 @@ class DisaggregatedTrainer(PosttrainTrainer):
         self.eval_file = self.run_dir / "eval.jsonl"
         self.rollout_file = self.run_dir / "rollouts.jsonl"
         self.started = False
+        self.weight_sync = None  # rl.disaggregated.weight_sync: broadcast (weight_sync.py; every rank takes part)
+        if section.disaggregated.weight_sync == "broadcast":
+            from megatron_s2.posttrain.disaggregated.weight_sync import BroadcastWeightSync
+
+            self.weight_sync = BroadcastWeightSync(self.model, self.run_dir, section.disaggregated, rank=rank,
+                                                   world_size=world_size, log=self.log)
+        self._evaluator = None  # built when first needed: the servers' URLs come from the orchestrator
+        self.rollout_model = self.model  # _evaluate puts it in eval mode; the servers hold the weights it plays
 
     def train(self):
-        return Trainer.train(self)
+        try:
+            return Trainer.train(self)
+        finally:
+            if self.weight_sync is not None:
+                self.weight_sync.close()
+            if self._evaluator is not None:
+                self._evaluator.engine.close()
+                self._evaluator.engine.backend.close()
+
+    @property
+    def evaluator(self):
+        """Held-out evaluation through the inference servers (:mod:`.served_eval`)."""
+        if self._evaluator is None:
+            from megatron_s2.config.posttrain.engines import engine_max_model_len
+            from megatron_s2.posttrain.disaggregated.served_backend import ServedRolloutBackend
+            from megatron_s2.posttrain.disaggregated.served_eval import ServedEvalEngine, ServedEvaluator
+            from megatron_s2.posttrain.rollout.replicas import ReplicaTopology
+            from megatron_s2.posttrain.train_batch import g_device
+
+            cfg, max_len = self.section.disaggregated, engine_max_model_len(self.recipe, self.rollout_cfg)
+            servers = read_servers(self.run_dir, cfg.server_wait_s)
+            # the first rank plays every held-out episode (the servers do the work): the episodes' seeds,
+            # hence the figures, do not depend on the trainer's layout
+            topology = ReplicaTopology(0, 1, self.is_main, self.world_size, g_device(self.groups))
+            concurrent = max(1, cfg.max_num_seqs * len(servers))
+            verifiers = None
+            if self.rollout_cfg.uses_verifiers and self.is_main:  # held-out tasks as verifiers episodes
+                from megatron_s2.posttrain.disaggregated.served_verifiers import ServedVerifiers
+
+                verifiers = ServedVerifiers(self.environments, self.tokenizer)
+            backend = ServedRolloutBackend(servers, {}, weights_path=lambda v: str(weights_path(self.run_dir, v)),
+                                           record_routing=False, max_model_len=max_len, max_concurrent=concurrent,
+                                           request_timeout_s=cfg.request_timeout_s, server_wait_s=cfg.server_wait_s,
+                                           ordered=True, log=self.log, verifiers=verifiers)
+            self._evaluator = ServedEvaluator(ServedEvalEngine(backend, concurrent), self.environments, topology,
+                                              self.section.eval, self.rollout_cfg.max_new_tokens, max_len,
+                                              rank=self.rank)
+        return self._evaluator
 
     def _publish(self) -> float:
         """Policy version ``self.step`` as a model-only checkpoint (collective); seconds taken."""
@@ -90,6 +141,8 @@ class DisaggregatedTrainer(PosttrainTrainer):
             if self.step:  # resumed: the servers may be behind this checkpoint's version
                 self._publish()
             self.started = True
+            if self.step == 0 and self.section.eval.at_start:  # version 0: the servers' initial weights
+                self._evaluate()
         t0 = time.perf_counter()
         cfg = self.section.disaggregated
         batch = self.queue.wait(self.step, cfg.batch_wait_s,
@@ -110,12 +163,16 @@ class DisaggregatedTrainer(PosttrainTrainer):
         result, loss_stats, tokens = self._train_on(samples, groups)
         grad_norm = self.apply_gradients(result.loss)
         t_train = time.perf_counter() - t1
+        if self.weight_sync is not None:  # the servers get version self.step before its checkpoint appears
+            extra.update(self.weight_sync.push(self.step))
         extra["async_publish_s"] = self._publish()  # version self.step (just incremented)
         extra.update(result.metrics)
         extra.update(loss_stats)
         extra.update({"async_batch_wait_s": t_wait, "train_time_s": t_train,
                       "train_tokens_per_s": tokens / max(t_train, 1e-9)})
         self._record(groups)
+        if self._eval_due():  # version self.step, just published: no server can be past it
+            extra.update(self._evaluate())
         return {"loss": result.loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                 "step_time": time.perf_counter() - t0, "extra": extra,
                 "fingerprint": ",".join(g.prompt_uid for g in groups)}

@@ -7,7 +7,8 @@ second engine over the policy's current weights (greedy unless ``eval.temperatur
 ``eval.samples_per_prompt`` episodes per prompt give avg@k, seeded by position so that two
 evaluations draw the same random numbers); the replicas' counts are all-gathered. Metrics
 (``eval_*``): accuracy, mean reward, response length, truncation rate — per dataset when there
-are several. With teachers (OPD):
+are several — and the policy version evaluated. A disaggregated run plays the same episodes on
+its inference servers (:mod:`megatron_s2.posttrain.disaggregated.served_eval`). With teachers (OPD):
 
 * ``eval_student_logprob_teacher`` — the student's mean log-probability per token of the
   teacher's greedy answers to the held-out prompts (a held-out log-likelihood that rises as the
@@ -199,7 +200,9 @@ class Evaluator:
         n = max(every[0], 1)
         out.update({"eval_reward": every[2] / n, "eval_response_length": every[3] / n,
                     "eval_truncation_rate": every[4] / n,
-                    "eval_prompts": every[0] / self.config.samples_per_prompt, "eval_episodes": every[0]})
+                    "eval_prompts": every[0] / self.config.samples_per_prompt, "eval_episodes": every[0],
+                    # the weights evaluated (a disaggregated run checks its servers' per-token versions)
+                    "eval_policy_version": float(self.engine.policy_version)})
         sums: dict[str, list[float]] = {}
         for part in gathered:
             for key, (total, count) in part["extra"].items():

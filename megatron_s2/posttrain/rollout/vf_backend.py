@@ -47,7 +47,7 @@ from megatron_s2.posttrain.orchestrator import RolloutSample
 from megatron_s2.posttrain.rollout.episode_backend import SERVED_MODEL, EpisodeBackend, EpisodeRun
 from megatron_s2.posttrain.rollout.vf_trace import trace_sample
 
-__all__ = ["VerifiersBackend"]
+__all__ = ["VerifiersBackend", "episode_loop", "only_trace"]
 
 _LOOP: asyncio.AbstractEventLoop | None = None
 _LOOP_GUARD = threading.Lock()
@@ -163,7 +163,7 @@ class VerifiersBackend(EpisodeBackend):
             if paused:
                 self.engine.pause()
         version = self.engine.policy_version
-        return [trace_sample(_only_trace(episode, f"eval: verifiers episode of held-out task {index} of {name}"), key,
+        return [trace_sample(only_trace(episode, f"eval: verifiers episode of held-out task {index} of {name}"), key,
                              version=version, layer_ids=None)
                 for key, ((name, index), episode) in enumerate(zip(items, episodes))]
 
@@ -189,7 +189,7 @@ class VerifiersBackend(EpisodeBackend):
     def _sample(self, run: EpisodeRun) -> RolloutSample:
         req = run.request
         where = f"rollout: verifiers episode of sample {req.sample_id} (prompt {req.prompt_uid})"
-        trace = _only_trace(run.future.result(), where)
+        trace = only_trace(run.future.result(), where)
         if run.end_version != run.version:
             raise RuntimeError(f"{where} ran across a weight update (version {run.version} -> {run.end_version}); "
                                "the backend must drain before an update")
@@ -200,7 +200,7 @@ class VerifiersBackend(EpisodeBackend):
         return sample
 
 
-def _only_trace(episode, where: str):
+def only_trace(episode, where: str):
     """The one trace of a finished episode; a failed episode is an error (the run's context length:
     a ConfigError naming training.seq_length)."""
     if not episode.ok:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from megatron_s2.parallel.sharding import shard_spec
 
-__all__ = ["WeightTransfer"]
+__all__ = ["WeightTransfer", "assemble", "global_plan"]
 
 
 def _slices(spec) -> list[list[int]]:
@@ -43,23 +43,7 @@ class WeightTransfer:
         self.bucket_bytes = int(bucket_mb * 2 ** 20)
         self.source = train_model.state_dict(keep_vars=True)
         self.target = rollout_model.state_dict(keep_vars=True)
-        local = {name: {"shape": list(shard_spec(t).full_shape), "slices": _slices(shard_spec(t)),
-                        "dtype": str(t.dtype).replace("torch.", "")} for name, t in self.source.items()}
-        everyone = self._gather_meta(local)
-        self.plan: dict[str, dict] = {}
-        for r, part in enumerate(everyone):
-            for name, m in part.items():
-                entry = self.plan.setdefault(name, {"shape": m["shape"], "dtype": m["dtype"], "writers": {}})
-                if entry["shape"] != m["shape"]:
-                    raise RuntimeError(f"weight transfer: '{name}' has global shape {m['shape']} on rank {r}, "
-                                       f"{entry['shape']} elsewhere")
-                entry["writers"].setdefault(json.dumps(m["slices"]), r)  # the lowest rank holding a slice writes it
-        for name, entry in self.plan.items():
-            covered = sum(_volume(json.loads(k)) for k in entry["writers"])
-            total = _volume([[0, n] for n in entry["shape"]])
-            if covered != total:
-                raise RuntimeError(f"weight transfer: the training shards of '{name}' cover {covered} of {total} "
-                                   "elements (overlapping or missing slices)")
+        self.plan = global_plan(self.source, world_size)
         missing = sorted(set(self.target) - set(self.plan))
         if missing:
             raise RuntimeError(f"weight transfer: the training model holds no '{missing[0]}' (and {len(missing) - 1} "
@@ -70,35 +54,13 @@ class WeightTransfer:
                                    f"model, {self.plan[name]['shape']} in training")
         self.names = sorted(self.target)
 
-    def _gather_meta(self, local: dict) -> list[dict]:
-        if self.world == 1:
-            return [local]
-        from megatron_s2.posttrain.rollout.replicas import ReplicaTopology, gather_objects
-
-        device = next(iter(self.source.values())).device
-        return gather_objects(local, ReplicaTopology(0, 1, True, self.world, str(device)))
-
     @torch.no_grad()
     def __call__(self) -> int:
         """Move the weights; returns the bytes assembled per rank. Collective over the world."""
         total = 0
         for dtype, names in self._buckets():
-            sizes = [_volume([[0, n] for n in self.plan[n]["shape"]]) for n in names]
             device = next(iter(self.target.values())).device
-            flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
-            views, offset = {}, 0
-            for name, size in zip(names, sizes):
-                views[name] = flat[offset:offset + size].view(self.plan[name]["shape"])
-                offset += size
-            for name in names:
-                src = self.source.get(name)
-                if src is None:
-                    continue
-                spec = shard_spec(src)
-                if self.plan[name]["writers"].get(json.dumps(_slices(spec))) == self.rank:
-                    views[name][spec.slices()] = src.detach().to(device=device, dtype=dtype)
-            if self.world > 1:
-                dist.all_reduce(flat)
+            flat, views = assemble(self.plan, self.source, names, dtype, device, self.rank, self.world)
             for name in names:
                 dst = self.target[name]
                 dst.copy_(views[name][shard_spec(dst).slices()].to(dst.dtype))
@@ -121,6 +83,59 @@ class WeightTransfer:
                 used += size
             if bucket:
                 yield dtype, bucket
+
+
+def global_plan(source: dict[str, torch.Tensor], world_size: int) -> dict[str, dict]:
+    """Every tensor of the model over the world's ranks: its global shape, dtype and which rank
+    writes each distinct slice (the lowest holding it); collective (an all-gather of the metadata)."""
+    local = {name: {"shape": list(shard_spec(t).full_shape), "slices": _slices(shard_spec(t)),
+                    "dtype": str(t.dtype).replace("torch.", "")} for name, t in source.items()}
+    if world_size == 1:
+        everyone = [local]
+    else:
+        from megatron_s2.posttrain.rollout.replicas import ReplicaTopology, gather_objects
+
+        device = next(iter(source.values())).device
+        everyone = gather_objects(local, ReplicaTopology(0, 1, True, world_size, str(device)))
+    plan: dict[str, dict] = {}
+    for r, part in enumerate(everyone):
+        for name, m in part.items():
+            entry = plan.setdefault(name, {"shape": m["shape"], "dtype": m["dtype"], "writers": {}})
+            if entry["shape"] != m["shape"]:
+                raise RuntimeError(f"weight transfer: '{name}' has global shape {m['shape']} on rank {r}, "
+                                   f"{entry['shape']} elsewhere")
+            entry["writers"].setdefault(json.dumps(m["slices"]), r)  # the lowest rank holding a slice writes it
+    for name, entry in plan.items():
+        covered = sum(_volume(json.loads(k)) for k in entry["writers"])
+        total = _volume([[0, n] for n in entry["shape"]])
+        if covered != total:
+            raise RuntimeError(f"weight transfer: the training shards of '{name}' cover {covered} of {total} "
+                               "elements (overlapping or missing slices)")
+    return plan
+
+
+@torch.no_grad()
+def assemble(plan: dict[str, dict], source: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype,
+             device, rank: int, world_size: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The global tensors ``names`` (one dtype) in one flat buffer on every rank: each slice's
+    writer places it in a zero buffer, one all-reduce (sum) assembles them; collective.
+    Returns the buffer and each tensor's view into it."""
+    sizes = [_volume([[0, n] for n in plan[n]["shape"]]) for n in names]
+    flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+    views, offset = {}, 0
+    for name, size in zip(names, sizes):
+        views[name] = flat[offset:offset + size].view(plan[name]["shape"])
+        offset += size
+    for name in names:
+        src = source.get(name)
+        if src is None:
+            continue
+        spec = shard_spec(src)
+        if plan[name]["writers"].get(json.dumps(_slices(spec))) == rank:
+            views[name][spec.slices()] = src.detach().to(device=device, dtype=dtype)
+    if world_size > 1:
+        dist.all_reduce(flat)
+    return flat, views
 
 
 def _volume(slices: list[list[int]]) -> int:

@@ -1,0 +1,140 @@
+"""verifiers environments in disaggregated RL (``posttrain/disaggregated/served_verifiers.py``; issue
+25, seed 004): the orchestrator plays real verifiers 0.4.0 episodes (harness -> interception
+server -> TrainClient -> renderers) against the inference servers, and with ``max_async_level: 0``
+the run equals the co-located one of the same recipe and seed — the same prompts, sampled tokens,
+rewards and losses (to fp32 rounding, as tests/posttrain/test_disaggregated.py) — on the parity
+taskset, whose reward a tiny model earns about half the time (a real loss, not zero advantages).
+Held-out tasks (``eval_taskset``) are played through the servers by the trainer (served_eval.py) into
+the same eval.jsonl. What the servers cannot give a verifiers trace yet (R3 routing) is refused in
+one line (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_s2.config.recipe import load_recipe
+from megatron_s2.config.schema import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = str(ROOT / "recipes" / "phases" / "rl_addition_verifiers.yaml")
+PLUGINS = Path(__file__).parent / "vf_plugins"
+STEPS = 3
+# held-out tasks before, at step 2 and after (sampled avg@2 and greedy), through the servers when disaggregated
+EVAL = ["rl.eval.interval=2", "rl.eval.at_start=true", "rl.eval.temperature=1.0", "rl.eval.samples_per_prompt=2",
+        "rl.eval.also_greedy=true", "rl.rollout.environment.eval_taskset={split: eval, count: 4}"]
+SMALL = ["training.seq_length=96", "training.global_batch_size=8", "training.micro_batch_size=8",
+         "rl.rollout.group_size=8", "rl.rollout.batch_groups=1", "rl.rollout.max_in_flight=8",
+         "rl.rollout.max_new_tokens=6", "rl.rollout.engine.max_num_seqs=8", "rl.rollout.environment.max_concurrent=8",
+         "rl.advantage.dynamic_sampling=false", *EVAL, "rl.rollout.max_staleness=0",
+         "rl.rollout.engine.routing_replay=false", "logging.progress_bar=false", "logging.tensorboard=false",
+         "rl.rollout.environment.taskset={id: megatron_s2_parity, split: train, count: 8}",
+         f"rl.rollout.environment.plugin_path={PLUGINS}"]
+DISAGGREGATED = ["rl.mode=disaggregated", "rl.disaggregated.max_async_level=0", "rl.disaggregated.num_servers=2"]
+
+
+def _cli(*args: str, cwd: Path) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "megatron_s2.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_synchronous_disaggregated_verifiers_run_equals_colocated(tmp_path):
+    init = tmp_path / "init"  # the servers start from a checkpoint: one co-located step writes one
+    _cli("train", RECIPE, *SMALL, "training.train_steps=1", "checkpoint.save_interval=1", "--run-dir", str(init),
+         cwd=tmp_path)
+    common = [*SMALL, f"training.train_steps={STEPS}", "checkpoint.save_interval=0",
+              f"checkpoint.load={init / 'checkpoints'}"]
+    _cli("train", RECIPE, *common, "--run-dir", str(tmp_path / "colocated"), cwd=tmp_path)
+    _cli("launch", RECIPE, *common, *DISAGGREGATED, "--local", "--run-dir", str(tmp_path / "disaggregated"),
+         cwd=tmp_path)
+    ref, ours = (_jsonl(tmp_path / run / "metrics.jsonl") for run in ("colocated", "disaggregated"))
+    assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
+    assert any(abs(m["loss"]) > 1e-3 for m in ref), ref  # mixed rewards: a real loss
+    for a, b in zip(ours, ref):
+        for key in ("trained_reward_mean", "response_length", "rollout_tokens"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        # the servers' batch composition moves the log-probs' last bits (measured: 6e-7 on -6.27)
+        assert abs(a["behaviour_logprob"] - b["behaviour_logprob"]) < 1e-5, (a["step"], a, b)
+        assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(b["loss"])), (a["step"], a["loss"], b["loss"])
+        assert a["async_lag_max"] == 0 and a["async_dropped_samples"] == 0
+    trained = [[r["trained"] for r in _jsonl(tmp_path / run / "rollouts.jsonl")] for run in ("colocated", "disaggregated")]
+    assert trained[0] == trained[1]
+    evals = [_jsonl(tmp_path / run / "eval.jsonl") for run in ("colocated", "disaggregated")]
+    assert [e["step"] for e in evals[0]] == [e["step"] for e in evals[1]] == [0, 2, 3]
+    for ref_eval, ours in zip(*evals):
+        ref_eval, ours = ({k: v for k, v in e.items() if k != "eval_time_s"} for e in (ref_eval, ours))
+        assert ours == ref_eval and ours["eval_policy_version"] == ours["step"], (ours, ref_eval)
+
+
+def test_what_the_servers_cannot_give_a_verifiers_trace_is_refused():
+    with pytest.raises(ConfigError, match=r"rl\.rollout\.engine\.routing_replay"):
+        load_recipe(RECIPE, [*SMALL, *DISAGGREGATED, "rl.rollout.engine.routing_replay=true"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_verifiers_episode_whose_server_is_down_is_played_again_on_another_with_the_same_seed(tmp_path):
+    """The first server the episode is sent to never answers (nothing listens there): the episode
+    fails, the server is marked down and the episode is played again on the live one with the same
+    seed — the sample equals the one played on the live server alone (nothing lost, nothing twice)."""
+    import socket
+
+    from megatron_s2.config.posttrain.engines import engine_max_model_len
+    from megatron_s2.inference.weights import load_model
+    from megatron_s2.posttrain.disaggregated.served_backend import ServedRolloutBackend
+    from megatron_s2.posttrain.disaggregated.served_verifiers import ServedVerifiers
+    from megatron_s2.posttrain.envs import build_environment
+    from megatron_s2.serve import ServeConfig, ServerThread, build_state
+    from megatron_s2.config.engine import EngineConfig
+    from megatron_s2.training.run_checks import check_tokenizer
+
+    init = tmp_path / "init"
+    _cli("train", RECIPE, *SMALL, "training.train_steps=1", "checkpoint.save_interval=1", "rl.eval.at_start=false",
+         "rl.eval.interval=0", "--run-dir", str(init), cwd=tmp_path)
+    recipe = load_recipe(RECIPE, [*SMALL, *DISAGGREGATED, f"checkpoint.load={init / 'checkpoints'}"])
+    rollout = recipe.rl.rollout
+    tokenizer = check_tokenizer(recipe)
+    envs = {n: build_environment(n, rollout.environment_of(n), tokenizer) for n in rollout.dataset_names()}
+    model, tok, description = load_model(str(init), "cpu")
+    state = build_state(model, tok, description, ServeConfig(disconnect_poll_s=0.05, logprobs_mode="processed_logprobs"),
+                        EngineConfig(max_num_seqs=4, max_model_len=engine_max_model_len(recipe, rollout), seed=0),
+                        model_name="policy")
+    live = ServerThread(state, keep_alive_s=60.0).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    verifiers = ServedVerifiers(envs, tokenizer)
+    logs: list[str] = []
+    samples, reroutes = [], []
+    try:
+        for urls in ([live.url], [dead, live.url]):
+            backend = ServedRolloutBackend(urls, envs, weights_path=str, record_routing=False,
+                                           max_model_len=engine_max_model_len(recipe, rollout), max_concurrent=2,
+                                           request_timeout_s=60, server_wait_s=30, ordered=True, log=logs.append,
+                                           verifiers=verifiers)
+            samples.append(backend.play_verifiers("default", 3, "train", sample_id=7, temperature=1.0, top_p=1.0,
+                                                  max_tokens=6, seed=1234, where="test"))
+            reroutes.append(backend.take_stats().rerouted)
+            backend.verifiers = None  # shared between the two: closed once, below
+            backend.close()
+    finally:
+        verifiers.close()
+        live.stop()
+    alone, rerouted = samples
+    assert reroutes == [0, 1] and any(dead in line and "is down" in line for line in logs), (reroutes, logs)
+    assert rerouted.tokens == alone.tokens and rerouted.reward == alone.reward
+    assert rerouted.logprobs == alone.logprobs and rerouted.num_generated == alone.num_generated > 0
