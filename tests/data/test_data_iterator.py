@@ -134,10 +134,12 @@ def test_layout_errors(gbs, mbs, dp_size, dp_rank, message):
 
 
 def test_default_synthetic_dataset_builds_quickly():
-    started = time.perf_counter()
+    # process CPU time, not wall time: a loaded machine (a parallel suite, other jobs) stretches
+    # the wall clock of the same work past any fixed limit
+    started = time.process_time()
     it = _iterator(DataConfig(), seq_length=128, gbs=16)
     it.next_step()
-    assert time.perf_counter() - started < 5.0
+    assert time.process_time() - started < 5.0
     assert it.packed[0].fill_ratio > 0.95
 
 
