@@ -22,7 +22,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megatron_s2.models.init import constant_init, normal_init
 from megatron_s2.models.intern_s2.config import InternS2Config
@@ -173,15 +172,7 @@ class GatedDeltaNet(nn.Module):
         elif self.cp.active:              # state passing between the ranks' chunks
             out, new_state = cp_gated_delta_rule(q, k, v, g, beta, chunk_size=self.cfg.gdn_chunk_size, cp=self.cp,
                                                  doc_ids=ctx.doc_ids, full_doc_ids=ctx.full_doc_ids), None
-        elif self.training and torch.is_grad_enabled():
-            # The chunk form's C x C intermediates (decay pairs, the triangular system and its
-            # solution, intra-chunk scores) would be saved per chunk and head: ~5C floats per
-            # token and head. Recomputing them in backward (as the fused kernels do) keeps only
-            # q, k, v, g, beta: activation memory of a few head widths per token.
-            out, new_state = checkpoint(delta_rule, q, k, v, g, beta, use_reentrant=False,
-                                        chunk_size=self.cfg.gdn_chunk_size, initial_state=state,
-                                        doc_ids=ctx.doc_ids)
-        else:
+        else:  # training keeps only the rule's inputs: its chunk states are recomputed in backward
             out, new_state = delta_rule(q, k, v, g, beta, chunk_size=self.cfg.gdn_chunk_size, initial_state=state,
                                         doc_ids=ctx.doc_ids)
         if cache is not None:
