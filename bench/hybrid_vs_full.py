@@ -171,7 +171,10 @@ def run_child(stack: str, seq: int, args) -> dict | None:
         return None
     if done.returncode != 0:
         raise SystemExit(f"{stack} at {seq} tokens failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"  measured {stack} at {seq} tokens: {result['seconds']:.1f} s, peak {result['peak'] / 2**20:.0f} MiB",
+          file=sys.stderr, flush=True)  # progress while the tables wait for every length
+    return result
 
 
 @torch.no_grad()
