@@ -44,7 +44,7 @@ solution, the intra-chunk scores, the d_k x d_v state entering the chunk and the
 its inputs: its backward recomputes the chunk-entry states in one sweep (states only), then
 rebuilds and backpropagates one chunk at a time, last to first, carrying the state's gradient.
 Forward results are bit-identical to :func:`chunk_gated_delta_rule`; gradients equal autograd's
-through it (tests). Context parallelism keeps the plain form (its augmented run is small).
+through it (tests). Context parallelism runs it too (on its augmented values).
 
 **Kernels** (:func:`delta_rule`): on CUDA tensors, with the optional ``fla-core``
 (flash-linear-attention) package installed and ``MEGATRON_S2_KERNELS`` not ``reference``, its
