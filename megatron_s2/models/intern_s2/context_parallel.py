@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_s2.models.intern_s2.gated_delta import causal_conv1d, chunk_gated_delta_rule
+from megatron_s2.models.intern_s2.gated_delta import causal_conv1d, lean_chunk_gated_delta_rule
 from megatron_s2.parallel import mappings
 from megatron_s2.parallel.context_parallel import gather_sequence_ordered, window_keys_with_halo
 from megatron_s2.parallel.groups import Group
@@ -43,8 +43,8 @@ def chunk_transfer(q, k, v, g, beta, *, chunk_size: int, doc_ids=None):
     v_aug = torch.cat([v.to(dtype), v.new_zeros(b, s, hv, dk, dtype=dtype)], dim=-1)
     eye = torch.eye(dk, dtype=dtype, device=v.device).expand(b, hv, dk, dk)
     start = torch.cat([torch.zeros(b, hv, dk, dv, dtype=dtype, device=v.device), eye], dim=-1)
-    out, state = chunk_gated_delta_rule(q, k, v_aug, g, beta, chunk_size=chunk_size, initial_state=start,
-                                        doc_ids=doc_ids)
+    out, state = lean_chunk_gated_delta_rule(q, k, v_aug, g, beta, chunk_size=chunk_size, initial_state=start,
+                                             doc_ids=doc_ids)
     return out[..., :dv], out[..., dv:], state[..., dv:], state[..., :dv]
 
 

@@ -36,6 +36,16 @@ sums would lose the small decays of the next document to float32 round-off).
 **Grouped values**: ``q``/``k`` have ``Hk`` heads, ``v`` has ``Hv = r Hk``; value head ``h``
 reads key head ``h // r`` (the reference's ``repeat_interleave`` grouping).
 
+**Memory** (:func:`lean_chunk_gated_delta_rule`, what training runs): autograd through the
+chunk loop would keep, per chunk and head, the C x C decay pairs, the triangular system and its
+solution, the intra-chunk scores, the d_k x d_v state entering the chunk and the writes ``d``
+(~5C floats per token and head, plus d_k d_v / C for the states). Like fla-core's
+``chunk_gated_delta_rule`` (whose backward re-runs the state recurrence) the lean form keeps only
+its inputs: its backward recomputes the chunk-entry states in one sweep (states only), then
+rebuilds and backpropagates one chunk at a time, last to first, carrying the state's gradient.
+Forward results are bit-identical to :func:`chunk_gated_delta_rule`; gradients equal autograd's
+through it (tests). Context parallelism runs it too (on its augmented values).
+
 **Kernels** (:func:`delta_rule`): on CUDA tensors, with the optional ``fla-core``
 (flash-linear-attention) package installed and ``MEGATRON_S2_KERNELS`` not ``reference``, its
 fused chunked / recurrent Triton kernels run instead of the torch forms (same semantics: L2
@@ -55,8 +65,8 @@ import torch.nn.functional as F
 
 from megatron_s2.kernels.dispatch import kernel_mode
 
-__all__ = ["l2_normalize", "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d", "delta_rule",
-           "fla_available"]
+__all__ = ["l2_normalize", "chunk_gated_delta_rule", "lean_chunk_gated_delta_rule", "recurrent_gated_delta_rule",
+           "causal_conv1d", "delta_rule", "fla_available"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -73,14 +83,14 @@ def fla_available() -> bool:
 
 def delta_rule(q, k, v, g, beta, *, chunk_size: int = 64, initial_state=None, doc_ids=None, recurrent: bool = False):
     """The gated delta rule by the best available implementation (module docstring, "Kernels"):
-    ``recurrent`` picks the token-by-token form (decode). Same arguments and results as
-    :func:`chunk_gated_delta_rule`."""
+    ``recurrent`` picks the token-by-token form (decode); the chunked torch form is the lean one
+    (module docstring, "Memory"). Same arguments and results as :func:`chunk_gated_delta_rule`."""
     if doc_ids is None and v.is_cuda and kernel_mode() != "reference" and fla_available():
         return _fla_delta_rule(q, k, v, g, beta, initial_state=initial_state, recurrent=recurrent)
     if recurrent:
         return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, doc_ids=doc_ids)
-    return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state,
-                                  doc_ids=doc_ids)
+    return lean_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+                                       doc_ids=doc_ids)
 
 
 def _fla_delta_rule(q, k, v, g, beta, *, initial_state, recurrent: bool):
@@ -118,17 +128,39 @@ def _heads_first(q, k, v, g, beta):
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            *, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
                            doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked gated delta rule (module docstring).
+    """Chunked gated delta rule (module docstring), differentiable by plain autograd.
 
     ``q``, ``k``: [b, s, Hk, dk]; ``v``: [b, s, Hv, dv]; ``g`` (log decay, <= 0), ``beta``:
     [b, s, Hv]; ``initial_state``: [b, Hv, dk, dv] or None (zeros); ``doc_ids``: [b, s] or None.
     Returns the output [b, s, Hv, dv] in ``v``'s dtype and the final state [b, Hv, dk, dv] float32.
     """
-    out_dtype = v.dtype
+    s = v.size(1)
+    ops = _chunk_operands(q, k, v, g, beta, min(chunk_size, s), doc_ids)
+    state = _start_state(initial_state, k, v)
+    outs = []
+    for i in range(ops[0].size(2)):
+        out, state = _chunk_step([t[:, :, i] for t in ops], state)
+        outs.append(out)
+    out = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :s]
+    return out.transpose(1, 2).to(v.dtype), state
+
+
+def _start_state(initial_state, k, v):
+    """The state before the first token in the math dtype: ``initial_state`` or zeros [b, Hv, dk, dv]."""
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    if initial_state is not None:
+        return initial_state.to(dtype)
+    return v.new_zeros(v.size(0), v.size(2), k.size(-1), v.size(-1), dtype=dtype)
+
+
+def _chunk_operands(q, k, v, g, beta, c: int, doc_ids, doc_before=None):
+    """The chunk loop's operands, [b, Hv, n, c, ...] each: ``(q_entry, attn, u, w, k_exit,
+    exit_decay)`` (module docstring: ``d = U - W S_0``, ``o = q_entry S_0 + attn d``,
+    ``S_C = exit_decay S_0 + k_exit^T d``). ``doc_before`` [b]: the document of the token before
+    the first chunk (None: the first chunk's own first token, i.e. the sequence start)."""
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)
-    b, h, s, dk = k.shape
+    b, h, s, _ = k.shape
     dv = v.size(-1)
-    c = min(chunk_size, s)
     pad = (-s) % c
     if pad:  # padded tokens: no write (beta 0), no decay (g 0), their outputs are dropped
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -145,7 +177,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         docs = F.pad(doc_ids, (0, pad), value=-1) if pad else doc_ids
         docs = docs.reshape(b, 1, n, c)
         pair = pair * (docs.unsqueeze(-1) == docs.unsqueeze(-2))
-        before = torch.cat([docs[..., :1, :1], docs[..., :-1, -1:]], dim=2)  # doc of the token before each chunk
+        first = docs[..., :1, :1] if doc_before is None else doc_before.view(b, 1, 1, 1)
+        before = torch.cat([first, docs[..., :-1, -1:]], dim=2)  # doc of the token before each chunk
         entry = entry * (docs == before)
     kk = k @ k.transpose(-1, -2)
     system = (beta.unsqueeze(-1) * kk * pair).tril(-1)              # A (strictly lower)
@@ -155,17 +188,72 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     u, w = solved[..., :dv], solved[..., dv:]                   # d = U - W S_0
     attn = (q @ k.transpose(-1, -2)) * pair                     # e^(G_i - G_j) q_i.k_j, j <= i
     q_entry = q * entry.unsqueeze(-1)
-    last = pair[..., -1, :].unsqueeze(-1)                       # e^(G_C - G_j) (same doc as the last token)
-    k_exit = k * last
+    k_exit = k * pair[..., -1, :].unsqueeze(-1)                 # e^(G_C - G_j) (same doc as the last token)
     exit_decay = entry[..., -1]                                 # e^(G_C) when S_0 survives the chunk
-    state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(q.dtype)
-    outs = []
-    for i in range(n):
-        d = u[:, :, i] - w[:, :, i] @ state
-        outs.append(q_entry[:, :, i] @ state + attn[:, :, i] @ d)
-        state = exit_decay[:, :, i, None, None] * state + k_exit[:, :, i].transpose(-1, -2) @ d
-    out = torch.stack(outs, dim=2).reshape(b, h, n * c, dv)[:, :, :s]
-    return out.transpose(1, 2).to(out_dtype), state
+    return q_entry, attn, u, w, k_exit, exit_decay
+
+
+def _chunk_step(ops, state):
+    """One chunk of the recurrence: its output rows and the state after it."""
+    q_entry, attn, u, w, k_exit, exit_decay = ops
+    d = u - w @ state
+    out = q_entry @ state + attn @ d
+    return out, exit_decay[..., None, None] * state + k_exit.transpose(-1, -2) @ d
+
+
+class _LeanChunkRule(torch.autograd.Function):
+    """:func:`chunk_gated_delta_rule` that saves only its inputs for backward (module docstring,
+    "Memory"): the forward runs without a graph; the backward recomputes the chunk-entry states
+    (one forward sweep, states only), then walks the chunks last to first, rebuilding one chunk's
+    graph at a time and backpropagating the output gradient and the gradient of the state that
+    left the chunk."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, chunk_size, doc_ids):
+        ctx.chunk_size, ctx.has_initial = chunk_size, initial_state is not None
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, doc_ids)
+        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+                                      doc_ids=doc_ids)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_state):
+        q, k, v, g, beta, initial_state, doc_ids = ctx.saved_tensors
+        inputs = (q, k, v, g, beta)
+        s = v.size(1)
+        c = min(ctx.chunk_size, s)
+        spans = [(lo, min(lo + c, s)) for lo in range(0, s, c)]
+
+        def operands(lo, hi, parts):
+            docs = None if doc_ids is None else doc_ids[:, lo:hi]
+            before = None if doc_ids is None or lo == 0 else doc_ids[:, lo - 1]
+            return [t[:, :, 0] for t in _chunk_operands(*parts, c, docs, before)]
+
+        with torch.no_grad():  # the state entering each chunk
+            entering = [_start_state(initial_state, k, v)]
+            for lo, hi in spans[:-1]:
+                entering.append(_chunk_step(operands(lo, hi, [t[:, lo:hi] for t in inputs]), entering[-1])[1])
+        grads = [torch.zeros_like(t) for t in inputs]
+        carried = grad_state  # d loss / d (state leaving the current chunk)
+        for (lo, hi), state in zip(reversed(spans), reversed(entering)):
+            with torch.enable_grad():
+                parts = [t[:, lo:hi].detach().requires_grad_() for t in inputs]
+                state = state.detach().requires_grad_()
+                out, leaving = _chunk_step(operands(lo, hi, parts), state)
+                out = out[:, :, :hi - lo].transpose(1, 2).to(v.dtype)
+                found = torch.autograd.grad((out, leaving), (*parts, state), (grad_out[:, lo:hi], carried),
+                                            allow_unused=True)
+            for whole, part in zip(grads, found[:-1]):
+                if part is not None:
+                    whole[:, lo:hi] = part
+            carried = found[-1]
+        grad_initial = carried.to(initial_state.dtype) if ctx.has_initial else None
+        return (*grads, grad_initial, None, None)
+
+
+def lean_chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_size: int = 64, initial_state=None, doc_ids=None):
+    """:func:`chunk_gated_delta_rule` (same arguments, results and gradients) whose backward
+    recomputes the chunk states instead of keeping them: activation memory of its inputs only."""
+    return _LeanChunkRule.apply(q, k, v, g, beta, initial_state, chunk_size, doc_ids)
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

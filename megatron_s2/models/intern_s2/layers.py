@@ -17,17 +17,18 @@ tensor-parallel regions.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megatron_s2.models.init import constant_init, normal_init
 from megatron_s2.models.intern_s2.config import InternS2Config
 from megatron_s2.models.intern_s2.context_parallel import cp_attention_keys, cp_causal_conv1d, cp_gated_delta_rule
 from megatron_s2.models.intern_s2.gated_delta import causal_conv1d, delta_rule
+from megatron_s2.models.intern_s2.recompute import recomputed
 from megatron_s2.parallel import mappings
 from megatron_s2.parallel.groups import ParallelGroups
 from megatron_s2.parallel.linear import ColumnParallelLinear, RowParallelLinear
@@ -97,10 +98,15 @@ class GatedRMSNorm(nn.Module):
         self.weight = mark_param(nn.Parameter(torch.ones(dim)), (dim,), init=constant_init(1.0))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(x.dtype)
-        return (h * F.silu(gate.float())).to(x.dtype)
+        # recomputed in backward: keeps x and gate, not the float32 copies and products between
+        return recomputed(functools.partial(_gated_rms_norm, eps=self.eps), x, gate, self.weight)
+
+
+def _gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(x.dtype)
+    return (h * F.silu(gate.float())).to(x.dtype)
 
 
 def _column_param(shape_full: tuple[int, ...], tp, init, dtype=torch.float32) -> nn.Parameter:
@@ -158,7 +164,9 @@ class GatedDeltaNet(nn.Module):
         if self.cp.active:  # this rank's two chunks; the K-1 inputs before each come from the neighbour
             mixed, new_conv = cp_causal_conv1d(mixed, weight, ctx.positions, self.cp, ctx.full_doc_ids), None
         else:
-            mixed, new_conv = causal_conv1d(mixed, weight, state=conv_state, doc_ids=ctx.doc_ids, lengths=lengths)
+            # recomputed in backward: keeps the convolution's input, not its padded copy and pre-activation
+            conv = functools.partial(causal_conv1d, state=conv_state, doc_ids=ctx.doc_ids, lengths=lengths)
+            mixed, new_conv = recomputed(conv, mixed, weight)
         kd = self.k_heads * self.dk
         q = mixed[..., :kd].unflatten(-1, (self.k_heads, self.dk))
         k = mixed[..., kd:2 * kd].unflatten(-1, (self.k_heads, self.dk))
@@ -173,15 +181,7 @@ class GatedDeltaNet(nn.Module):
         elif self.cp.active:              # state passing between the ranks' chunks
             out, new_state = cp_gated_delta_rule(q, k, v, g, beta, chunk_size=self.cfg.gdn_chunk_size, cp=self.cp,
                                                  doc_ids=ctx.doc_ids, full_doc_ids=ctx.full_doc_ids), None
-        elif self.training and torch.is_grad_enabled():
-            # The chunk form's C x C intermediates (decay pairs, the triangular system and its
-            # solution, intra-chunk scores) would be saved per chunk and head: ~5C floats per
-            # token and head. Recomputing them in backward (as the fused kernels do) keeps only
-            # q, k, v, g, beta: activation memory of a few head widths per token.
-            out, new_state = checkpoint(delta_rule, q, k, v, g, beta, use_reentrant=False,
-                                        chunk_size=self.cfg.gdn_chunk_size, initial_state=state,
-                                        doc_ids=ctx.doc_ids)
-        else:
+        else:  # training keeps only the rule's inputs: its chunk states are recomputed in backward
             out, new_state = delta_rule(q, k, v, g, beta, chunk_size=self.cfg.gdn_chunk_size, initial_state=state,
                                         doc_ids=ctx.doc_ids)
         if cache is not None:
@@ -245,12 +245,16 @@ class GatedAttention(nn.Module):
             allowed = None  # plain causal training: the fused kernel, memory linear in the length
         qh, kh, vh = (t.transpose(1, 2).float() for t in (q, k, v))             # [b, H, s, hd] float32
         kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
-        if allowed is None:
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed.unsqueeze(1))
-        out = out.transpose(1, 2) * torch.sigmoid(gate.float())
+        out = self.attend(qh, kh, vh, allowed).transpose(1, 2) * torch.sigmoid(gate.float())
         return self.o_proj(out.flatten(-2).to(x.dtype))
+
+    @staticmethod
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """Scaled dot-product attention of [b, H, s, hd] heads; ``allowed`` [b, s, t] or None
+        (causal: PyTorch's fused kernel, no s x s matrix kept for backward)."""
+        if allowed is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1))
 
 
 class SharedExpert(nn.Module):
