@@ -14,7 +14,7 @@ identical has all-zero advantages and contributes no gradient; it is filtered ou
 replaced by newly sampled groups (:func:`is_informative`; the orchestrator does the replacing).
 
 A control, ``leave_one_out_shuffled``: Eq. 27 on the group's rewards shuffled among its responses
-(torch's global generator, seeded by ``training.seed``), so each step's advantages have the sizes
+(torch's global generator: the run's seed), so each step's advantages have the sizes
 of the real ones but no longer say which response was right. A held-out rise that a run with it
 matches is not the reward's doing (sharpening, the format, continued training); one it does not
 match is learnt from the verifier.
