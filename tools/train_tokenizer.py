@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also train on N problems of the embedded synthetic tasks")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the synthetic problems")
     parser.add_argument("--min-frequency", type=int, default=2, help="smallest pair count that is merged")
+    parser.add_argument("--split-digits", action="store_true",
+                        help="every digit its own token (no merge joins digits), as Llama / DeepSeek do")
     return parser
 
 
@@ -76,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
-        out = train_bpe(texts, args.vocab_size, staging, min_frequency=args.min_frequency)
+        out = train_bpe(texts, args.vocab_size, staging, min_frequency=args.min_frequency,
+                        split_digits=args.split_digits)
         _check_corpus(documents, args.synthetic)
         _check_reached_size(out, args.vocab_size, args.min_frequency)
         different = [n for n in ("tokenizer.json", "tokenizer_config.json") if (output / n).exists()

@@ -81,15 +81,23 @@ def iter_texts(path: str | os.PathLike) -> Iterator[str]:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike, *,
-              min_frequency: int = 2, model_max_length: int = 1 << 20) -> Path:
-    """Train a byte-level BPE of ``vocab_size`` ids on ``texts`` and write it to ``out_dir``."""
+              min_frequency: int = 2, model_max_length: int = 1 << 20, split_digits: bool = False) -> Path:
+    """Train a byte-level BPE of ``vocab_size`` ids on ``texts`` and write it to ``out_dir``.
+
+    ``split_digits``: every digit is its own pre-token (as Llama's and DeepSeek's tokenizers do), so
+    no merge ever joins digits: "47+38" is 4 7 + 3 8, and a model can learn arithmetic digit by digit
+    instead of one embedding per number (which leaves a small model a lookup table that does not
+    generalise to unseen operand pairs).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < MIN_VOCAB_SIZE:
         raise ConfigError(f"--vocab-size: a byte-level BPE with the {len(SPECIAL_TOKENS)} chat special tokens "
                         f"needs at least {MIN_VOCAB_SIZE} ids, got {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                               if split_digits else byte_level)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
                                   special_tokens=list(SPECIAL_TOKENS),

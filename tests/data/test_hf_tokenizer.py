@@ -138,10 +138,11 @@ def test_missing_or_invalid_tokenizer_is_a_config_error(tmp_path):
     assert str(tmp_path / "none") in out.stderr
 
 
-def test_shipped_tokenizer_is_reproduced_by_its_command(tmp_path):
-    """recipes/tokenizers/tiny-bpe/README.md records the command; re-running it gives the same
+@pytest.mark.parametrize("shipped", [TINY_BPE, TINY_BPE.parent / "tiny-bpe-digits"], ids=["tiny-bpe", "digits"])
+def test_shipped_tokenizer_is_reproduced_by_its_command(tmp_path, shipped):
+    """recipes/tokenizers/<name>/README.md records the command; re-running it gives the same
     files byte for byte (training is deterministic)."""
-    readme = (TINY_BPE / "README.md").read_text()
+    readme = (shipped / "README.md").read_text()
     command = next(line.strip() for line in readme.splitlines() if line.strip().startswith("python tools/"))
     args = command.split()[2:]
     args[args.index("--output") + 1] = str(tmp_path / "again")
@@ -149,8 +150,18 @@ def test_shipped_tokenizer_is_reproduced_by_its_command(tmp_path):
 
     assert main(args) == 0
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (tmp_path / "again" / name).read_bytes() == (TINY_BPE / name).read_bytes(), name
-    assert (TINY_BPE / "tokenizer.json").stat().st_size < 100_000
+        assert (tmp_path / "again" / name).read_bytes() == (shipped / name).read_bytes(), name
+    assert (shipped / "tokenizer.json").stat().st_size < 100_000
+
+
+def test_split_digits_gives_every_digit_its_own_token():
+    """tiny-bpe merges digit pairs ("47" is one token: a sum is a lookup of number embeddings);
+    --split-digits (tiny-bpe-digits) never does, so addition can be learnt digit by digit."""
+    from megatron_s2.data.tokenizer import load_tokenizer
+
+    merged, split = (load_tokenizer(TINY_BPE.parent / n) for n in ("tiny-bpe", "tiny-bpe-digits"))
+    assert len(merged.encode("47+38")) < 5
+    assert [split.decode([t]) for t in split.encode("47+138")] == list("47+138")
 
 
 def test_train_tokenizer_on_local_text(tmp_path):

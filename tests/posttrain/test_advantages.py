@@ -59,6 +59,22 @@ def test_loo_is_scaled_mean_centring_and_against_hand_loop():
         leave_one_out_advantages([1.0, math.nan])
 
 
+def test_shuffled_control_keeps_the_sizes_and_drops_the_link_to_the_reward():
+    """leave_one_out_shuffled (the control): the same multiset of advantages as Eq. 27, but the
+    right responses (WE14: six 1s) no longer always get the positive ones."""
+    from megatron_s2.posttrain.advantages.group import GROUP_ESTIMATORS
+
+    control = GROUP_ESTIMATORS["leave_one_out_shuffled"]
+    real = sorted(leave_one_out_advantages(WE14_REWARDS).tolist())
+    torch.manual_seed(0)
+    wrong_got_positive = 0
+    for _ in range(20):
+        a = control(WE14_REWARDS)
+        assert sorted(a.tolist()) == pytest.approx(real)
+        wrong_got_positive += sum(v > 0 for r, v in zip(WE14_REWARDS, a.tolist()) if r == 0)
+    assert wrong_got_positive > 0  # by chance: 2 wrong of 8, 6 positive slots: ~1.5 a draw
+
+
 def test_group_mean_and_std_normalisation():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
     a = group_mean_advantages(r)

@@ -159,7 +159,9 @@ def test_rl_on_the_second_try_environment_trains_each_session_as_one_sample(tmp_
     for s in samples:
         trace = traces[s.sample_id]
         first = trace.metrics["first_try_correct"]
-        assert s.metrics == {"first_try_correct": first} and len(trace.branches) == 1
+        assert s.metrics == {k: trace.metrics[k] for k in ("first_try_correct", "second_try_correct",
+                                                           "first_try_well_formed")} and len(trace.branches) == 1
+        assert trace.metrics["second_try_correct"] == float(not first and bool(s.correct))
         assert len(s.spans) == trace.num_turns == (1 if first else 2)
         assert s.reward == pytest.approx(1.0 if first else 0.5 * float(bool(s.correct)))
         if trace.num_turns == 2:

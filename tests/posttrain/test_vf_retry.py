@@ -102,13 +102,14 @@ def _wrong(answer: str) -> str:
     return str(int(answer) + 1)
 
 
-@pytest.mark.parametrize("replies, turns, solved, first, final", [
-    (lambda a: [a], 1, 1.0, 1.0, 1.0),                   # right at once: one turn, no feedback
-    (lambda a: [_wrong(a), a], 2, 0.5, 0.0, 1.0),        # wrong, feedback, right
-    (lambda a: [_wrong(a), _wrong(a) + "0"], 2, 0.0, 0.0, 0.0),  # wrong twice: the session ends
-    (lambda a: [" " + a + " "], 1, 1.0, 1.0, 1.0),       # the task's verifier strips the reply
+@pytest.mark.parametrize("replies, turns, solved, first, final, formed", [
+    (lambda a: [a], 1, 1.0, 1.0, 1.0, 1.0),                   # right at once: one turn, no feedback
+    (lambda a: [_wrong(a), a], 2, 0.5, 0.0, 1.0, 1.0),        # wrong, feedback, right
+    (lambda a: [_wrong(a), _wrong(a) + "0"], 2, 0.0, 0.0, 0.0, 1.0),  # wrong twice: the session ends
+    (lambda a: [" " + a + " "], 1, 1.0, 1.0, 1.0, 1.0),       # the task's verifier strips the reply
+    (lambda a: ["=" + a, a], 2, 0.5, 0.0, 1.0, 0.0),          # not a number first: malformed, not just wrong
 ])
-def test_a_wrong_reply_gets_the_feedback_and_one_more_try(monkeypatch, replies, turns, solved, first, final):
+def test_a_wrong_reply_gets_the_feedback_and_one_more_try(monkeypatch, replies, turns, solved, first, final, formed):
     tasks, traces, requests = _play(monkeypatch, replies, count=2)
     assert len(requests) == 2 * turns
     for task, trace in zip(tasks, traces):
@@ -117,6 +118,8 @@ def test_a_wrong_reply_gets_the_feedback_and_one_more_try(monkeypatch, replies, 
         assert trace.rewards["solved"].score == solved and trace.reward == pytest.approx(solved)
         assert trace.rewards["correct"].score == final  # weight 0: the accuracy, not the reward
         assert trace.metrics["first_try_correct"] == first
+        assert trace.metrics["second_try_correct"] == float(solved == 0.5)
+        assert trace.metrics["first_try_well_formed"] == formed
     for k, messages in enumerate(requests):
         assert messages[0] == {"role": "system", "content": "Reply with the answer only."}
         if k % turns:  # the second call: the whole exchange, the environment's feedback last

@@ -112,7 +112,8 @@ class AdvantageConfig:
     """What the advantage is: a registered group estimator plus ordered transforms."""
 
     estimator: str = "leave_one_out"
-    """Group estimator: 'leave_one_out' (walkthrough Eq. 27) or 'group_mean' (GRPO)."""
+    """Group estimator: 'leave_one_out' (walkthrough Eq. 27), 'group_mean' (GRPO), or the control
+    'leave_one_out_shuffled' (Eq. 27 on rewards shuffled within the group: learns nothing from the verifier)."""
     std_normalize: bool = False
     """Divide each group's advantages by its reward std (population) + std_eps."""
     std_eps: float = 1e-6

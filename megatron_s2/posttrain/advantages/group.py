@@ -13,6 +13,12 @@ reward relative to the others:
 identical has all-zero advantages and contributes no gradient; it is filtered out online and
 replaced by newly sampled groups (:func:`is_informative`; the orchestrator does the replacing).
 
+A control, ``leave_one_out_shuffled``: Eq. 27 on the group's rewards shuffled among its responses
+(torch's global generator: the run's seed), so each step's advantages have the sizes
+of the real ones but no longer say which response was right. A held-out rise that a run with it
+matches is not the reward's doing (sharpening, the format, continued training); one it does not
+match is learnt from the verifier.
+
 Worked example 14 (G = 8, R = (1,1,1,0,1,0,1,1)): correct +0.285714, wrong -0.857143.
 Worked example 22 (G = 6, R = (1,0,0,1,0,0)): success +0.800, failure -0.400.
 """
@@ -28,6 +34,7 @@ __all__ = [
     "as_rewards",
     "group_mean_advantages",
     "leave_one_out_advantages",
+    "shuffled_leave_one_out_advantages",
     "is_informative",
     "std_normalize",
     "register_group_estimator",
@@ -72,6 +79,13 @@ def leave_one_out_advantages(rewards: Sequence[float] | torch.Tensor) -> torch.T
     if g < 2:
         raise ValueError(f"leave-one-out advantages need a group of at least 2 responses, got {g}")
     return r - (r.sum() - r) / (g - 1)
+
+
+@register_group_estimator("leave_one_out_shuffled")
+def shuffled_leave_one_out_advantages(rewards: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """The control: Eq. 27 on the rewards permuted at random among the group's responses."""
+    r = as_rewards(rewards)
+    return leave_one_out_advantages(r[torch.randperm(r.numel())])
 
 
 def std_normalize(advantages: torch.Tensor, rewards: Sequence[float] | torch.Tensor, eps: float) -> torch.Tensor:

@@ -22,6 +22,9 @@ Rubric (:class:`RetryTask`):
 * ``correct`` (weight 0) — the final reply verifies (= solved within ``max_tries``): the run's
   accuracy (``eval_accuracy``, ``rollout_accuracy``).
 * ``first_try_correct`` (a metric) — the first reply verifies: ``eval_metric_first_try_correct``.
+* ``second_try_correct`` (a metric) — the second reply verifies after a wrong first one (what the
+  feedback turn adds); ``first_try_well_formed`` (a metric) — the first reply has the answer's
+  form, right or wrong (a held-out rise in accuracy at a constant ~1.0 here is not a format effect).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import verifiers.v1 as vf
 from verifiers.v1.runtimes import ProgramResult
 
 from megatron_s2.posttrain.envs.vf_tasks import (EmbeddedTaskData, EmbeddedTasksetConfig, embedded_tasks,
-                                                 interception_client, opening_messages, reply_is_correct)
+                                                 interception_client, opening_messages, reply_is_correct,
+                                                 reply_is_well_formed)
 
 __all__ = ["FEEDBACK", "RetryTask", "RetryTaskset", "RetryHarnessConfig", "RetryHarness", "replies"]
 
@@ -69,6 +73,21 @@ class RetryTask(vf.Task[EmbeddedTaskData]):
     async def first_try_correct(self, trace: vf.Trace) -> float:
         said = replies(trace)
         return float(bool(said) and reply_is_correct(self.data, said[0]))
+
+    @vf.metric
+    async def first_try_well_formed(self, trace: vf.Trace) -> float:
+        """The first reply has the answer's form, right or wrong (a format check: see
+        :func:`~.vf_tasks.reply_is_well_formed`)."""
+        said = replies(trace)
+        return float(bool(said) and reply_is_well_formed(self.data, said[0]))
+
+    @vf.metric
+    async def second_try_correct(self, trace: vf.Trace) -> float:
+        """The session was solved by its second reply, after the feedback (the first was wrong):
+        what the retry adds, ``correct`` − ``first_try_correct`` per episode."""
+        said = replies(trace)
+        return float(len(said) >= 2 and not reply_is_correct(self.data, said[0])
+                     and reply_is_correct(self.data, said[1]))
 
 
 class RetryTaskset(vf.Taskset[RetryTask, EmbeddedTasksetConfig]):

@@ -44,7 +44,7 @@ from megatron_s2.data.tasks import build_task
 from megatron_s2.posttrain.envs.tasks import _EVAL_STREAM, task_prompts
 
 __all__ = ["EmbeddedTasksetConfig", "EmbeddedTaskData", "EmbeddedTask", "EmbeddedTaskset", "AskOnceHarness",
-           "embedded_tasks", "plugin_dir", "reply_is_correct", "opening_messages", "interception_client"]
+           "embedded_tasks", "plugin_dir", "reply_is_correct", "reply_is_well_formed", "opening_messages", "interception_client"]
 
 SYSTEM_PROMPT = "Reply with the answer only."
 
@@ -94,6 +94,11 @@ class EmbeddedTask(vf.Task[EmbeddedTaskData]):
     async def answered(self, trace: vf.Trace) -> float:
         return float(bool((trace.last_reply or "").strip()))
 
+    @vf.metric
+    async def well_formed(self, trace: vf.Trace) -> float:
+        """The reply has the answer's form, right or wrong (:func:`reply_is_well_formed`)."""
+        return float(reply_is_well_formed(self.data, trace.last_reply))
+
 
 def _prompt_text(data: EmbeddedTaskData) -> str:
     return data.prompt if isinstance(data.prompt, str) else str(data.prompt)
@@ -103,6 +108,21 @@ def reply_is_correct(data: EmbeddedTaskData, reply: str | None) -> bool:
     """The task's exact verifier (megatron_s2/data/tasks.py) on a reply (an empty one is wrong)."""
     reply = (reply or "").strip()
     return bool(reply) and _task(data.task_name).verify(_prompt_text(data), reply)
+
+
+def reply_is_well_formed(data: EmbeddedTaskData, reply: str | None) -> bool:
+    """The reply is made of the kinds of characters the reference answer is made of (digits for a
+    sum, letters for a copied word, ...), right or wrong: the format half of the task. Its held-out
+    mean (``eval_metric_well_formed``) tells a rise in accuracy that comes from the model learning
+    the expected form of a reply (e.g. under a prompt it was not fine-tuned on) from one that comes
+    from better answers in a form it already had."""
+    reply = (reply or "").strip()
+    kinds = {_char_kind(c) for c in data.answer}
+    return bool(reply) and all(_char_kind(c) in kinds for c in reply)
+
+
+def _char_kind(char: str) -> str:
+    return "digit" if char.isdigit() else "letter" if char.isalpha() else "space" if char.isspace() else char
 
 
 _TASKS: dict[str, object] = {}
