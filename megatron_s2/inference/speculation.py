@@ -108,6 +108,7 @@ class SpeculativeDecoder:
         and the measured conditional acceptance per position."""
         return {**self.stats.as_dict(), "speculative_steps": self.speculative_steps,
                 "plain_steps": self.gate.plain_steps, "probes": self.gate.probes,
+                "refreshes": self.gate.refreshes,
                 "estimated_acceptance": [round(r, 4) for r in self.estimate.rates()]}
 
     def should_draft(self, batch: int) -> bool:

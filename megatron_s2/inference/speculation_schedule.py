@@ -29,6 +29,12 @@ than plain decode. Three measured things make the schedule safe for any drafter:
    :attr:`~DraftGate.BACKOFF_MIN` to :attr:`~DraftGate.BACKOFF_MAX` decode steps: a bad drafter
    costs one probe per back-off period, a good one speculates at every step. Until both kinds of
    step have been timed the gate measures the missing one (a plain step first, then a probe).
+   The exploration runs both ways: while drafting pays, a plain step is taken after a back-off
+   that doubles the same way (a *refresh*). Without it plain decode's costs would rest on the
+   few plain steps timed before drafting began — the first of them a cold start — while the
+   speculative costs keep their minimum over hundreds of steps: a bias towards drafting that,
+   measured with a trained tiny drafter at batch 16 (greedy, acceptance 0.48 at the first
+   position), drafted at 217 of 278 steps and decoded at 0.92x plain.
 
 After a draft, :func:`~.speculative.choose_verification_lengths` picks each request's length
 from the calibrated head against ``F`` and ``D`` (maximum expected tokens per second over the
@@ -196,6 +202,10 @@ class DraftGate:
         """The step being decided is a probe: it drafts although drafting does not pay."""
         self.probes = 0
         self.plain_steps = 0
+        self.refresh_backoff = self.BACKOFF_MIN
+        self.drafted_run = 0
+        self.refreshes = 0
+        """Plain steps taken while drafting paid, to keep plain decode's measured costs current."""
 
     @staticmethod
     def speedup(batch: int, survival: list[float], costs: StepCosts) -> float:
@@ -217,7 +227,14 @@ class DraftGate:
             return self._probe()
         if self.speedup(batch, estimate.survival()[:self.max_drafts], costs) > self.MARGIN:
             self.backoff, self.waited = self.BACKOFF_MIN, 0
+            self.drafted_run += 1
+            if self.drafted_run > self.refresh_backoff:  # re-time plain decode (module docstring, 3)
+                self.refresh_backoff = min(2 * self.refresh_backoff, self.BACKOFF_MAX)
+                self.drafted_run = 0
+                self.refreshes += 1
+                return self._plain()
             return True
+        self.drafted_run = 0
         self.waited += 1
         if self.waited > self.backoff:
             self.backoff = min(2 * self.backoff, self.BACKOFF_MAX)

@@ -120,7 +120,10 @@ def test_a_good_drafter_drafts_every_step_and_the_back_off_resets():
     c = costs({1: 1.0, 5: 1.1}, plain_rest=0.01, speculative_rest=0.3, batch=1)
     for _ in range(20):
         est.record(verified=4, accepted=4, head=[0.5] * 4)
-    assert drive(gate, 50, 1, est, c) == [True] * 50 and gate.probes == 0
+    decisions = drive(gate, 50, 1, est, c)
+    # plain decode re-timed after 4, 8, 16 ... drafting steps (refreshes); every other step drafts
+    assert [i for i, d in enumerate(decisions) if not d] == [4, 13, 30] and gate.probes == 0
+    assert gate.refreshes == 3
     for _ in range(400):  # the drafter goes bad (e.g. the policy moved): the gate stops drafting
         est.record(verified=4, accepted=0, head=[0.5] * 4)
     assert drive(gate, DraftGate.BACKOFF_MIN, 1, est, c) == [False] * DraftGate.BACKOFF_MIN
@@ -145,3 +148,30 @@ def test_the_same_drafter_pays_at_batch_1_and_not_at_batch_64():
         c.speculative_rest.observe(batch, 0.005 + 0.001 * batch)
     assert DraftGate(4).decide(1, est, c) is True
     assert DraftGate(4).decide(64, est, c) is False
+
+
+def test_a_cold_first_plain_step_does_not_keep_a_losing_drafter_drafting():
+    """The first plain step is timed cold (3x its steady cost). Drafting then looks like it pays
+    and the gate drafts; the plain steps it re-times while drafting (refreshes) find plain decode's
+    real cost, and from then on it drafts only on its probes. Batch 16, a verification forward
+    costing per token (compute-bound), acceptance ~0.5 at the first position: a loss."""
+    gate, est = DraftGate(4), AcceptanceEstimate(4)
+    for accepted in [0, 1, 0, 2, 0, 1] * 20:
+        est.record(verified=4, accepted=accepted, head=[0.5] * 4)
+    c, batch = StepCosts(), 16
+
+    def forward(tokens):
+        return 0.002 + 0.001 * tokens
+
+    decisions, cold = [], 3.0
+    for _ in range(600):
+        drafts = gate.decide(batch, est, c)
+        decisions.append(drafts)
+        if drafts:
+            c.observe_speculative(batch, batch * 5, forward(batch * 5), forward(batch * 5) + 0.004)
+        else:
+            c.observe_plain(batch, cold * forward(batch), cold * (forward(batch) + 0.001))
+            cold = 1.0
+    assert sum(decisions[:10]) >= 5  # the cold baseline made drafting look like it pays
+    assert sum(decisions[-300:]) <= 3  # re-timed: only back-off probes draft
+    assert gate.refreshes >= 1
