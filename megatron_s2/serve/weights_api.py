@@ -86,7 +86,7 @@ async def update_weights(state: ServerState, request):
 
 async def _receive_broadcast(state: ServerState, f: Fields, version: int):
     """The ``broadcast`` form (module docstring)."""
-    from megatron_s2.inference.weight_broadcast import (BroadcastSpec, TensorEntry, check_manifest, close_group, open_group,
+    from megatron_s2.inference.weight_broadcast import (BroadcastSpec, TensorEntry, check_manifest, close_group, join_group,
                                                         receive)
 
     group = f.object("group")
@@ -116,13 +116,16 @@ async def _receive_broadcast(state: ServerState, f: Fields, version: int):
         t0 = time.perf_counter()
 
         def join_and_receive():
-            group = open_group(spec)
+            group = join_group(spec)
             try:
                 return receive(group, manifest, device)
             finally:
                 close_group(group)
 
-        received = await asyncio.to_thread(join_and_receive)  # the event loop serves other clients meanwhile
+        try:  # the event loop serves other clients meanwhile
+            received = await asyncio.to_thread(join_and_receive)
+        except Exception as exc:  # noqa: BLE001 - a member or the root failed: the lock is released with this answer
+            return _broadcast_failed(spec, exc)
         t1 = time.perf_counter()
         if version < engine.policy_version:
             return JSONResponse({"error": {"message": f"version: {version} is older than the served policy version "
@@ -133,6 +136,15 @@ async def _receive_broadcast(state: ServerState, f: Fields, version: int):
         weights = {name: received[name] for name in own}
         await state.backend.run(engine.update_weights, weights, version)
     return {"policy_version": version, "path": None, "load_s": t1 - t0, "swap_s": time.perf_counter() - t1}
+
+
+def _broadcast_failed(spec, exc: Exception) -> JSONResponse:
+    """503: the update's group broke (a member died, the trainer gave up); nothing was swapped and
+    the server keeps serving its version until the checkpoint reaches it."""
+    why = " ".join(str(exc).split())[:200]
+    return JSONResponse({"error": {"message": f"broadcast: update {spec.prefix} failed ({type(exc).__name__}: {why}); "
+                                   "the served weights are unchanged", "type": "ServiceUnavailable", "code": 503}},
+                        status_code=503)
 
 
 def _update_lock(state: ServerState) -> asyncio.Lock:

@@ -12,6 +12,9 @@ before the server joins any group.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -132,8 +135,72 @@ def test_a_manifest_that_does_not_fit_is_a_400_before_joining(run_dir):
         server.stop()
 
 
+MEMBER = Path(__file__).with_name("broadcast_member.py")
+BUCKET = 4096
+"""Bytes per bucket in the failure tests: the tiny model's update takes dozens of broadcasts."""
+
+
+def _member(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, str]:
+    """A stand-in server (``broadcast_member.py``) that dies after the first bucket or refuses."""
+    port_file = tmp_path / f"{mode}.port"
+    proc = subprocess.Popen([sys.executable, str(MEMBER), str(port_file), mode, str(BUCKET)])
+    deadline = time.monotonic() + 60
+    while not (port_file.exists() and port_file.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, "the stand-in server did not start"
+        time.sleep(0.1)
+    return proc, f"http://127.0.0.1:{port_file.read_text()}"
+
+
+@pytest.mark.parametrize("mode", ["die", "refuse"])
+def test_a_member_that_dies_or_refuses_frees_the_trainer_and_the_others_within_seconds(run_dir, tmp_path,
+                                                                                        monkeypatch, mode):
+    """review (disaggregated breaks 1, 2): a server killed after the first of many buckets, or one
+    answering 400 before it joins, stalled the trainer (and a surviving server, holding its update
+    lock) for the whole timeout (600 s). Now the push returns within seconds, counts the update as
+    failed (the checkpoint covers it), and the surviving real server takes the next update whole."""
+    import megatron_s2.inference.weight_broadcast as wb
+
+    monkeypatch.setattr(wb, "BUCKET_BYTES", BUCKET)  # the trainer's and the in-process server's buckets
+    trainer = _load(run_dir)[0]
+    assert len(list(wb.buckets(wb.manifest_of(trainer.state_dict())))) >= 2
+    survivor = _server(run_dir)
+    member, url = _member(tmp_path, mode)
+    exchange = tmp_path / "run"
+    write_servers(exchange, [survivor.url, url])
+    logs: list[str] = []
+    sync = BroadcastWeightSync(trainer, exchange, DisaggregatedConfig(weight_sync="broadcast", request_timeout_s=600,
+                                                                      broadcast_timeout_s=60), log=logs.append)
+    try:
+        _step(trainer)
+        t0 = time.perf_counter()
+        metrics = sync.push(1)
+        took = time.perf_counter() - t0
+        assert metrics["weight_sync_failed"] == 1, (metrics, logs)
+        assert took < 10, f"push took {took:.1f} s"
+        assert "incomplete" in logs[-1] and survivor.url in logs[-1], logs  # the survivor answered (503), freed
+        # 'die' fails mid-broadcast (the group had formed), 'refuse' before the group forms
+        assert ("BroadcastAborted" in logs[-1]) == (mode == "refuse"), logs
+        assert httpx.get(f"{survivor.url}/stats").json()["policy_version"] == 0  # nothing half-swapped
+
+        member.kill()
+        member.wait()
+        _step(trainer)  # the survivor's update lock is free: the next update reaches it whole
+        t0 = time.perf_counter()
+        metrics = sync.push(2)
+        assert metrics["weight_sync_failed"] == 0 and metrics["weight_sync_servers"] == 1, (metrics, logs)
+        assert time.perf_counter() - t0 < 10
+        _assert_same(survivor, trainer, 2)
+        print(f"{mode}: push returned after {took:.2f} s; {logs[0]}")
+    finally:
+        sync.close()
+        member.kill()
+        survivor.stop()
+
+
 def test_weight_sync_is_a_named_choice():
     from megatron_s2.config.schema import from_mapping
 
     with pytest.raises(ConfigError, match="weight_sync"):
         from_mapping(DisaggregatedConfig, {"weight_sync": "rsync"}, "rl.disaggregated")
+    with pytest.raises(ConfigError, match="broadcast_timeout_s"):
+        DisaggregatedConfig(weight_sync="broadcast", broadcast_timeout_s=0)
