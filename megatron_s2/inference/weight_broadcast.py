@@ -78,15 +78,21 @@ def manifest_of(state: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
 
 def check_manifest(manifest: list[TensorEntry], own: Mapping[str, torch.Tensor]) -> str | None:
     """Why ``manifest`` cannot be loaded into a model whose state is ``own`` (None: it can)."""
-    names = {e.name for e in manifest}
-    missing = sorted(set(own) - names)
+    names = [e.name for e in manifest]
+    missing = sorted(set(own) - set(names))
     if missing:
         return f"the broadcast lacks '{missing[0]}' ({len(missing)} tensors missing)"
-    for e in manifest:
-        if e.name in own and tuple(own[e.name].shape) != e.shape:
+    if len(set(names)) != len(names):
+        seen: set[str] = set()
+        return f"'{next(n for n in names if n in seen or seen.add(n))}' is listed twice"
+    for e in manifest:  # every entry is allocated on arrival: nothing beyond the model's own tensors
+        if e.name not in own:
+            return f"'{e.name}' is not a tensor of the served model"
+        if tuple(own[e.name].shape) != e.shape:
             return f"'{e.name}' is {list(e.shape)} in the broadcast, {list(own[e.name].shape)} here"
-        if not hasattr(torch, e.dtype) or not isinstance(getattr(torch, e.dtype), torch.dtype):
-            return f"'{e.name}' has an unknown dtype '{e.dtype}'"
+        dtype = str(own[e.name].dtype).replace("torch.", "")
+        if e.dtype != dtype:
+            return f"'{e.name}' is {e.dtype} in the broadcast, {dtype} here"
     return None
 
 

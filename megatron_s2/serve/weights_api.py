@@ -27,7 +27,10 @@ path (:mod:`megatron_s2.inference.weight_broadcast`)::
 The server checks the manifest against its model (400 naming the tensor, before it joins), joins
 the group, receives every tensor, then swaps them in between two engine steps as above. A member
 always receives, even when the version turns out not to be newer (the root waits for every
-member): the answer is then 409 / the no-op.
+member): the answer is then 409 / the no-op. A group that breaks (another member died, the trainer
+abandoned the update) is a 503 at once, the served weights unchanged. ``timeout_s`` above the
+server's ``max_broadcast_timeout_s`` is refused (400): no broadcast holds the update lock, which a
+checkpoint update waits for, longer than that.
 """
 
 from __future__ import annotations
@@ -94,7 +97,9 @@ async def _receive_broadcast(state: ServerState, f: Fields, version: int):
         spec = BroadcastSpec(host=group.str("host") or "", port=group.int("port", 0, minimum=1, maximum=65535),
                              prefix=group.str("prefix") or "", rank=group.int("rank", 0, minimum=1),
                              world_size=group.int("world_size", 0, minimum=2),
-                             backend=group.str("backend", "gloo"), timeout_s=group.float("timeout_s", 600.0, minimum=1))
+                             backend=group.str("backend", "gloo"),
+                             timeout_s=group.float("timeout_s", 60.0, minimum=1,
+                                                   maximum=state.config.max_broadcast_timeout_s))
     except TypeError:
         f.fail("group", "give host, port, prefix, rank and world_size")
     if not spec.host or not spec.prefix or not 1 <= spec.rank < spec.world_size:

@@ -130,7 +130,53 @@ def test_a_manifest_that_does_not_fit_is_a_400_before_joining(run_dir):
         r = httpx.post(f"{server.url}/update_weights",
                        json={"version": 1, "broadcast": {"group": {**group, "rank": 0}, "tensors": own}})
         assert r.status_code == 400 and "broadcast.group" in r.text, r.text
+        # review (break 3): every entry is allocated on arrival, so nothing beyond the model's own
+        # tensors, in their own dtypes, is taken, and the wait is capped
+        for tensors, said in (([*own, ["huge.extra", [2 ** 20, 2 ** 20], "float32"]], "huge.extra"),
+                              ([[name, list(t.shape), "float64"], *own[1:]], f"'{name}' is float64"),
+                              ([*own, own[0]], "listed twice")):
+            r = httpx.post(f"{server.url}/update_weights", json={"version": 1, "broadcast": {"group": group,
+                                                                                          "tensors": tensors}})
+            assert r.status_code == 400 and "broadcast.tensors" in r.text and said in r.text, r.text
+        r = httpx.post(f"{server.url}/update_weights",
+                       json={"version": 1, "broadcast": {"group": {**group, "timeout_s": 1e9}, "tensors": own}})
+        assert r.status_code == 400 and "broadcast.group.timeout_s" in r.text, r.text
         assert httpx.get(f"{server.url}/stats").json()["policy_version"] == 0  # nothing loaded
+    finally:
+        server.stop()
+
+
+def test_an_abandoned_broadcast_holds_the_update_lock_no_longer_than_its_timeout(run_dir):
+    """review (break 3): a broadcast whose trainer never starts it (the root's store is up, the
+    root never says go) answers 503 after its timeout_s; a checkpoint update queued behind it
+    then runs at once."""
+    import threading
+
+    import torch.distributed as dist
+
+    server = _server(run_dir)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # a root that never goes on
+    try:
+        own = [[n, list(v.shape), str(v.dtype).replace("torch.", "")] for n, v in _served(server).items()]
+        group = {"host": "127.0.0.1", "port": store.port, "prefix": "v1", "rank": 1, "world_size": 2, "timeout_s": 2}
+        answers = {}
+
+        def broadcast():
+            answers["broadcast"] = httpx.post(f"{server.url}/update_weights", timeout=60,
+                                              json={"version": 1, "broadcast": {"group": group, "tensors": own}})
+
+        asker = threading.Thread(target=broadcast)
+        t0 = time.perf_counter()
+        asker.start()
+        while store.add("v1/joined", 0) < 1:  # the server waits in the rendezvous, holding the lock
+            time.sleep(0.02)
+        r = httpx.post(f"{server.url}/update_weights", json={"version": 2, "path": str(run_dir)}, timeout=60)
+        took = time.perf_counter() - t0
+        asker.join()
+        assert answers["broadcast"].status_code == 503 and "v1" in answers["broadcast"].text, answers["broadcast"].text
+        assert r.status_code == 200 and r.json()["policy_version"] == 2, r.text
+        assert took < 2 + 5, f"the checkpoint update waited {took:.1f} s"
+        print(f"checkpoint update done {took:.2f} s after the abandoned broadcast began (timeout_s 2)")
     finally:
         server.stop()
 
