@@ -250,3 +250,26 @@ def test_weight_sync_is_a_named_choice():
         from_mapping(DisaggregatedConfig, {"weight_sync": "rsync"}, "rl.disaggregated")
     with pytest.raises(ConfigError, match="broadcast_timeout_s"):
         DisaggregatedConfig(weight_sync="broadcast", broadcast_timeout_s=0)
+
+
+RL = str(Path(__file__).resolve().parents[2] / "recipes" / "phases" / "rl_addition.yaml")
+ASYNC = ["rl.mode=disaggregated", "rl.disaggregated.max_async_level=1", "rl.rollout.max_staleness=1",
+         "logging.progress_bar=false", "logging.tensorboard=false"]
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    # review (break 4): accepted before, then every update failed and fell back to checkpoints, silently
+    (["rl.disaggregated.weight_sync=broadcast", "rl.disaggregated.broadcast_backend=nccl"], "broadcast_backend=gloo"),
+    (["rl.disaggregated.broadcast_backend=nccl"], "has no effect with weight_sync 'checkpoint'"),
+    (["rl.disaggregated.broadcast_timeout_s=5"], "has no effect with weight_sync 'checkpoint'"),
+])
+def test_broadcast_settings_that_cannot_work_are_refused_before_any_rank_starts(overrides, needle, tmp_path, capsys):
+    import torch.distributed as dist
+
+    if "broadcast_backend=gloo" in needle and torch.cuda.is_available() and dist.is_nccl_available():
+        pytest.skip("this machine has CUDA and NCCL: nccl is a valid choice here")
+    rc = main(["train", RL, *ASYNC, *overrides, "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "rl.disaggregated.broadcast_" in err and needle in err, err
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written

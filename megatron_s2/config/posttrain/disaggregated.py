@@ -69,3 +69,10 @@ class DisaggregatedConfig:
             raise ConfigError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         for name in ("request_timeout_s", "server_wait_s", "batch_wait_s", "broadcast_timeout_s"):
             positive(name, getattr(self, name))
+        if self.weight_sync == "checkpoint":  # the broadcast's own settings would be ignored
+            if self.broadcast_backend != "gloo":
+                raise ConfigError(f"broadcast_backend: {self.broadcast_backend!r} has no effect with weight_sync "
+                                  "'checkpoint' (set weight_sync: broadcast or leave it at the default)")
+            if self.broadcast_timeout_s != 60.0:
+                raise ConfigError(f"broadcast_timeout_s: {self.broadcast_timeout_s:g} has no effect with weight_sync "
+                                  "'checkpoint' (set weight_sync: broadcast or leave it at the default)")
