@@ -110,9 +110,14 @@ def test_broadcast_equals_the_trainer_bit_for_bit_and_a_restarted_server_rejoins
         for s in servers:
             _assert_same(s, trainer, 3)
     finally:
+        store_port = sync.store.port
         sync.close()
         for s in servers:
             s.stop()
+    import socket
+
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", store_port), timeout=5):
+        pass  # close() stops the trainer's TCPStore: its port is free again
 
 
 def test_a_manifest_that_does_not_fit_is_a_400_before_joining(run_dir):

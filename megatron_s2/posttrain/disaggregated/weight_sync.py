@@ -81,6 +81,8 @@ class BroadcastWeightSync:
     def close(self) -> None:
         if self._http is not None:
             self._http.close()
+            self._http = None
+        self.store = None  # the last reference: the store's server stops and its port is free again
 
     def _live(self) -> list[str]:
         if self._servers is None:
