@@ -172,7 +172,9 @@ def close_group(group, *, abort: bool = False) -> None:
     """Release an update's group (its connections; an NCCL communicator is not freed by garbage
     collection). Errors here change nothing that was received. ``abort``: the broadcast failed
     part-way — tear the group down at once (NCCL ``abort``), so that the members still waiting for
-    the next bucket see their connections close and give up now instead of at ``timeout_s``."""
+    the next bucket see their connections close and give up now instead of at ``timeout_s``. A
+    gloo group's connections close only when the group object is freed (measured: ``shutdown`` /
+    ``abort`` alone leave a waiting member to its timeout): the caller drops its last reference."""
     for how in ("abort", "shutdown") if abort else ("shutdown",):
         try:
             getattr(group, how)()

@@ -202,6 +202,41 @@ def _member(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port_file.read_text()}"
 
 
+def test_a_root_that_tears_the_group_down_frees_a_member_waiting_for_the_next_bucket():
+    """The root's side of a failed broadcast (review break 1): after ``close_group(abort=True)`` and
+    dropping the group, a member blocked on the next bucket fails within a second, not after the
+    group's timeout (30 s here). Real gloo groups on the root's TCPStore, the member on a thread."""
+    import gc
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron_s2.inference.weight_broadcast import BroadcastSpec, close_group, open_group
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    spec = BroadcastSpec("127.0.0.1", store.port, "v1", 0, 2, timeout_s=30)
+    waited: dict[str, float] = {}
+
+    def member():
+        group, flat = open_group(spec.for_rank(1)), torch.empty(4)
+        group.broadcast(flat, 0).wait()  # the first bucket
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError):
+            group.broadcast(flat, 0).wait()  # the second never comes
+        waited["s"] = time.perf_counter() - t0
+
+    thread = threading.Thread(target=member)
+    thread.start()
+    root = open_group(spec, store=store)
+    root.broadcast(torch.ones(4), 0).wait()
+    time.sleep(0.2)  # the member now waits for the next bucket
+    close_group(root, abort=True)
+    del root
+    gc.collect()
+    thread.join(60)
+    assert waited and waited["s"] < 0.2 + 3, waited
+
+
 @pytest.mark.parametrize("mode", ["die", "refuse"])
 def test_a_member_that_dies_or_refuses_frees_the_trainer_and_the_others_within_seconds(run_dir, tmp_path,
                                                                                         monkeypatch, mode):

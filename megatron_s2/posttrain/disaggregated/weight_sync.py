@@ -160,7 +160,7 @@ class BroadcastWeightSync:
                         # torn down now, before waiting for the answers: the members still waiting
                         # for the next bucket see their connections close and answer at once
                         close_group(group, abort=True)
-                        group = None
+                        group = None  # the last reference: a gloo group's connections close when it is freed
         if self.rank != 0:
             return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_bytes": 0.0, "weight_sync_servers": 0.0,
                     "weight_sync_failed": 0.0}
