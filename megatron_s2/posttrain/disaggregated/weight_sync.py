@@ -164,7 +164,10 @@ class BroadcastWeightSync:
         if self.rank != 0:
             return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_bytes": 0.0, "weight_sync_servers": 0.0,
                     "weight_sync_failed": 0.0}
-        deadline = time.monotonic() + self.config.broadcast_timeout_s + 5.0
+        # a failed update's members answer at once (their group broke or was abandoned); a complete
+        # one's swap the weights in between two engine steps first, as a generation call may take
+        wait_s = self.config.request_timeout_s if error is None else self.config.broadcast_timeout_s + 5.0
+        deadline = time.monotonic() + wait_s
         for t in threads:  # bounded: a member that neither answers nor fails is reported, not waited on
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
