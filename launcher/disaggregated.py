@@ -29,7 +29,7 @@ from pathlib import Path
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.launcher.local import free_port
-from megatron_s2.posttrain.disaggregated.exchange import ORCHESTRATOR_FAILED, exchange_dir
+from megatron_s2.posttrain.disaggregated.exchange import ORCHESTRATOR_FAILED, SERVERS, exchange_dir
 
 __all__ = ["ServerStartError", "is_disaggregated", "initial_weights", "server_command", "orchestrator_command", "slurm_roles",
            "ServedRoles"]
@@ -77,9 +77,10 @@ def orchestrator_command(python: str, config: Path, run_dir: Path, servers: list
 
 
 SLURM_SERVER_PORT = 8100
-# a server restarted this many times in a row without ever serving is given up (the run fails with its log)
-MAX_FAILED_RESTARTS = 3
 """The servers' port on their nodes when ``rl.disaggregated.server_port`` is 0."""
+
+MAX_FAILED_RESTARTS = 3
+"""A server restarted this many times in a row without ever serving is given up (the run fails with its log)."""
 
 
 def slurm_roles(recipe, run_dir: Path, config: Path, python: str, gpus_per_node: int):
@@ -137,6 +138,8 @@ class ServedRoles:
     def start(self, timeout_s: float = 300.0) -> "ServedRoles":
         marker = exchange_dir(self.run_dir) / ORCHESTRATOR_FAILED
         marker.unlink(missing_ok=True)
+        # a previous launch's URLs (other ports): the trainer waits for this launch's orchestrator to write them
+        (exchange_dir(self.run_dir) / SERVERS).unlink(missing_ok=True)
         for i in range(len(self.servers)):
             self._start_server(i)
         deadline = time.monotonic() + timeout_s

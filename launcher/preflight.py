@@ -79,6 +79,11 @@ def plan_launch(recipe: RecipeConfig, *, local: bool, visible_gpus: int | None =
     nproc = _ranks_per_node(recipe)
     if recipe.parallel.backend == "nccl" and not cfg.gpus_per_node:
         raise ConfigError("parallel.backend: nccl needs GPUs; set --gpus-per-node or parallel.backend: auto")
+    sync = getattr(getattr(recipe, "rl", None), "disaggregated", None)
+    if (recipe.phase.kind == "rl" and sync is not None and recipe.rl.mode == "disaggregated" and sync.weight_sync ==
+            "broadcast" and sync.broadcast_backend == "nccl" and not cfg.gpus_per_node):
+        raise ConfigError("rl.disaggregated.broadcast_backend: nccl needs GPU trainer ranks; set --gpus-per-node or "
+                          "rl.disaggregated.broadcast_backend=gloo")
     layout = ParallelLayout.from_recipe(recipe, cfg.nodes * nproc)
     # Every other check the trainer makes at start-up, from the same function (memory only
     # where the ranks will run: this machine in local mode; compute nodes are unknown here).

@@ -27,8 +27,8 @@ from typing import Iterator, Mapping
 
 import torch
 
-__all__ = ["BroadcastSpec", "TensorEntry", "buckets", "check_manifest", "close_group", "manifest_of", "open_group",
-           "receive"]
+__all__ = ["BroadcastAborted", "BroadcastSpec", "TensorEntry", "buckets", "check_manifest", "close_group",
+           "gather_members", "join_group", "manifest_of", "open_group", "receive"]
 
 BUCKET_BYTES = 64 * 2 ** 20
 """Largest flat buffer of one broadcast."""
@@ -45,7 +45,9 @@ class BroadcastSpec:
     rank: int
     world_size: int
     backend: str = "gloo"
-    timeout_s: float = 600.0
+    timeout_s: float = 60.0
+    """Longest wait of any member for the others (joining, then each bucket): a member that died
+    stalls the rest no longer than this (``rl.disaggregated.broadcast_timeout_s``)."""
 
     def for_rank(self, rank: int) -> "BroadcastSpec":
         return BroadcastSpec(**{**asdict(self), "rank": rank})
@@ -76,15 +78,21 @@ def manifest_of(state: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
 
 def check_manifest(manifest: list[TensorEntry], own: Mapping[str, torch.Tensor]) -> str | None:
     """Why ``manifest`` cannot be loaded into a model whose state is ``own`` (None: it can)."""
-    names = {e.name for e in manifest}
-    missing = sorted(set(own) - names)
+    names = [e.name for e in manifest]
+    missing = sorted(set(own) - set(names))
     if missing:
         return f"the broadcast lacks '{missing[0]}' ({len(missing)} tensors missing)"
-    for e in manifest:
-        if e.name in own and tuple(own[e.name].shape) != e.shape:
+    if len(set(names)) != len(names):
+        seen: set[str] = set()
+        return f"'{next(n for n in names if n in seen or seen.add(n))}' is listed twice"
+    for e in manifest:  # every entry is allocated on arrival: nothing beyond the model's own tensors
+        if e.name not in own:
+            return f"'{e.name}' is not a tensor of the served model"
+        if tuple(own[e.name].shape) != e.shape:
             return f"'{e.name}' is {list(e.shape)} in the broadcast, {list(own[e.name].shape)} here"
-        if not hasattr(torch, e.dtype) or not isinstance(getattr(torch, e.dtype), torch.dtype):
-            return f"'{e.name}' has an unknown dtype '{e.dtype}'"
+        dtype = str(own[e.name].dtype).replace("torch.", "")
+        if e.dtype != dtype:
+            return f"'{e.name}' is {e.dtype} in the broadcast, {dtype} here"
     return None
 
 
@@ -103,13 +111,76 @@ def open_group(spec: BroadcastSpec, store=None):
     return dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, timeout)
 
 
-def close_group(group) -> None:
+JOIN_POLL_S = 0.05
+"""How often a joining member checks for the root's go / abort, and the root for its members."""
+
+
+def _keys(spec: BroadcastSpec) -> tuple[str, str, str]:
+    return f"{spec.prefix}/joined", f"{spec.prefix}/go", f"{spec.prefix}/abort"
+
+
+def join_group(spec: BroadcastSpec):
+    """A receiver's side of the rendezvous: announce itself in the root's store, wait for the
+    root's *go* (every member is there) or *abort* (one refused or died before joining: the
+    update is abandoned, :class:`BroadcastAborted`), then form the group. The root therefore
+    never sits in a group's constructor waiting for a member that will not come, and the members
+    that did come are let go at once."""
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
+    joined, go, abort = _keys(spec)
+    store.add(joined, 1)
+    deadline = time.monotonic() + spec.timeout_s
+    while not store.check([go]):
+        if store.check([abort]):
+            raise BroadcastAborted(f"the trainer abandoned update {spec.prefix}: {store.get(abort).decode()[:200]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the trainer did not start update {spec.prefix} within {spec.timeout_s:g} s")
+        time.sleep(JOIN_POLL_S)
+    return open_group(spec, store)
+
+
+def gather_members(spec: BroadcastSpec, store, failed) -> str | None:
+    """The root's side: wait until the ``spec.world_size - 1`` members have announced themselves,
+    and tell them to form the group (None), or abandon the update (the reason, a str).
+    ``failed()`` names a member that answered without joining (a 400, a dead server), polled while
+    waiting: the update is then abandoned at once (the members that came are told to leave) and
+    its version reaches the servers as a checkpoint."""
+    import time
+
+    joined, go, abort = _keys(spec)
+    deadline = time.monotonic() + spec.timeout_s
+    while store.add(joined, 0) < spec.world_size - 1:
+        why = failed()
+        if why is None and time.monotonic() > deadline:
+            why = f"not every server joined within {spec.timeout_s:g} s"
+        if why is not None:
+            store.set(abort, why)
+            return why
+        time.sleep(JOIN_POLL_S)
+    store.set(go, "1")
+    return None
+
+
+class BroadcastAborted(RuntimeError):
+    """The root abandoned the update before the group was formed."""
+
+
+def close_group(group, *, abort: bool = False) -> None:
     """Release an update's group (its connections; an NCCL communicator is not freed by garbage
-    collection). Errors here change nothing that was received."""
-    try:
-        group.shutdown()
-    except Exception:  # noqa: BLE001 - already broken (a member died): nothing left to release
-        pass
+    collection). Errors here change nothing that was received. ``abort``: the broadcast failed
+    part-way — tear the group down at once (NCCL ``abort``), so that the members still waiting for
+    the next bucket see their connections close and give up now instead of at ``timeout_s``. A
+    gloo group's connections close only when the group object is freed (measured: ``shutdown`` /
+    ``abort`` alone leave a waiting member to its timeout): the caller drops its last reference."""
+    for how in ("abort", "shutdown") if abort else ("shutdown",):
+        try:
+            getattr(group, how)()
+            return
+        except Exception:  # noqa: BLE001 - already broken (a member died) or not offered by this backend
+            continue
 
 
 def buckets(manifest: list[TensorEntry]) -> Iterator[list[TensorEntry]]:

@@ -63,6 +63,11 @@ class ServeConfig:
     before any is decoded: a ~100 KB PNG can decode to the ~96 MB the pixel cap allows, so the body
     limit alone let one request hold gigabytes of pixels."""
 
+    max_broadcast_timeout_s: float = 300.0
+    """Largest ``timeout_s`` a broadcast form of ``POST /update_weights`` may ask (refused above,
+    400): how long an abandoned broadcast may hold the server's update lock (a checkpoint update
+    waits behind it)."""
+
     gateway_traces: str = ""
     """A directory for the agent gateway's PrefixTree trace store (``--gateway-traces``): session
     endpoints ``/sessions/<id>/v1/...`` capture every model call's token ids, log-probs and routed
@@ -86,6 +91,8 @@ class ServeConfig:
             raise ConfigError(f"max_stops: must be >= 1, got {self.max_stops}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes: must be >= 1024, got {self.max_body_bytes}")
+        if not self.max_broadcast_timeout_s >= 1:
+            raise ConfigError(f"max_broadcast_timeout_s: must be >= 1, got {self.max_broadcast_timeout_s}")
         if not self.disconnect_poll_s > 0:
             raise ConfigError(f"disconnect_poll_s: must be positive, got {self.disconnect_poll_s}")
         if self.max_images_per_request < 0:

@@ -27,7 +27,10 @@ path (:mod:`megatron_s2.inference.weight_broadcast`)::
 The server checks the manifest against its model (400 naming the tensor, before it joins), joins
 the group, receives every tensor, then swaps them in between two engine steps as above. A member
 always receives, even when the version turns out not to be newer (the root waits for every
-member): the answer is then 409 / the no-op.
+member): the answer is then 409 / the no-op. A group that breaks (another member died, the trainer
+abandoned the update) is a 503 at once, the served weights unchanged. ``timeout_s`` above the
+server's ``max_broadcast_timeout_s`` is refused (400): no broadcast holds the update lock, which a
+checkpoint update waits for, longer than that.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ async def update_weights(state: ServerState, request):
 
 async def _receive_broadcast(state: ServerState, f: Fields, version: int):
     """The ``broadcast`` form (module docstring)."""
-    from megatron_s2.inference.weight_broadcast import (BroadcastSpec, TensorEntry, check_manifest, close_group, open_group,
+    from megatron_s2.inference.weight_broadcast import (BroadcastSpec, TensorEntry, check_manifest, close_group, join_group,
                                                         receive)
 
     group = f.object("group")
@@ -94,7 +97,9 @@ async def _receive_broadcast(state: ServerState, f: Fields, version: int):
         spec = BroadcastSpec(host=group.str("host") or "", port=group.int("port", 0, minimum=1, maximum=65535),
                              prefix=group.str("prefix") or "", rank=group.int("rank", 0, minimum=1),
                              world_size=group.int("world_size", 0, minimum=2),
-                             backend=group.str("backend", "gloo"), timeout_s=group.float("timeout_s", 600.0, minimum=1))
+                             backend=group.str("backend", "gloo"),
+                             timeout_s=group.float("timeout_s", 60.0, minimum=1,
+                                                   maximum=state.config.max_broadcast_timeout_s))
     except TypeError:
         f.fail("group", "give host, port, prefix, rank and world_size")
     if not spec.host or not spec.prefix or not 1 <= spec.rank < spec.world_size:
@@ -116,13 +121,16 @@ async def _receive_broadcast(state: ServerState, f: Fields, version: int):
         t0 = time.perf_counter()
 
         def join_and_receive():
-            group = open_group(spec)
+            group = join_group(spec)
             try:
                 return receive(group, manifest, device)
             finally:
                 close_group(group)
 
-        received = await asyncio.to_thread(join_and_receive)  # the event loop serves other clients meanwhile
+        try:  # the event loop serves other clients meanwhile
+            received = await asyncio.to_thread(join_and_receive)
+        except Exception as exc:  # noqa: BLE001 - a member or the root failed: the lock is released with this answer
+            return _broadcast_failed(spec, exc)
         t1 = time.perf_counter()
         if version < engine.policy_version:
             return JSONResponse({"error": {"message": f"version: {version} is older than the served policy version "
@@ -133,6 +141,15 @@ async def _receive_broadcast(state: ServerState, f: Fields, version: int):
         weights = {name: received[name] for name in own}
         await state.backend.run(engine.update_weights, weights, version)
     return {"policy_version": version, "path": None, "load_s": t1 - t0, "swap_s": time.perf_counter() - t1}
+
+
+def _broadcast_failed(spec, exc: Exception) -> JSONResponse:
+    """503: the update's group broke (a member died, the trainer gave up); nothing was swapped and
+    the server keeps serving its version until the checkpoint reaches it."""
+    why = " ".join(str(exc).split())[:200]
+    return JSONResponse({"error": {"message": f"broadcast: update {spec.prefix} failed ({type(exc).__name__}: {why}); "
+                                   "the served weights are unchanged", "type": "ServiceUnavailable", "code": 503}},
+                        status_code=503)
 
 
 def _update_lock(state: ServerState) -> asyncio.Lock:

@@ -280,6 +280,24 @@ def check_backend(recipe: RecipeConfig) -> None:
     family_of(recipe.model).check_recipe(recipe)
 
 
+def check_weight_sync(recipe: RecipeConfig) -> None:
+    """``rl.disaggregated.broadcast_backend: nccl`` moves the trainer's GPU tensors: refused where
+    the ranks run without CUDA or without NCCL (it would otherwise fail at the first update and
+    fall back to checkpoints at every step, silently)."""
+    rl = getattr(recipe, "rl", None)
+    if recipe.phase.kind != "rl" or rl is None or rl.mode != "disaggregated":
+        return
+    sync = rl.disaggregated
+    if sync.weight_sync != "broadcast" or sync.broadcast_backend != "nccl":
+        return
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available() or not (dist.is_available() and dist.is_nccl_available()):
+        raise ConfigError("rl.disaggregated.broadcast_backend: nccl needs CUDA and NCCL where the trainer runs, and "
+                          "this machine has none; set rl.disaggregated.broadcast_backend=gloo")
+
+
 def check_drafter_phase(recipe: RecipeConfig) -> None:
     """A phase that trains the DSpark drafter (``phase.kind: dspark`` or ``phase.train_drafter``)
     needs a model with one, and a layout the drafter supports."""
@@ -345,6 +363,7 @@ def check_run_inputs(recipe: RecipeConfig, world_size: int, host: HostMemory | N
     ``pending``: run directories of a pipeline's earlier phases, not written yet."""
     if ranks_here:
         check_backend(recipe)
+        check_weight_sync(recipe)
     run_dir = run_dir if run_dir is not None else recipe.training.run_dir
     check_run_dir(run_dir)
     check_phase_layout(recipe)

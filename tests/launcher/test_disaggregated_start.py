@@ -48,9 +48,13 @@ def test_speculative_servers_on_a_checkpoint_without_a_drafter_are_refused_befor
 
 
 def test_a_server_that_exits_at_start_up_is_one_line_with_its_reason(tmp_path, capsys):
+    from megatron_s2.posttrain.disaggregated.exchange import SERVERS, exchange_dir, write_servers
+
     load = _tensorless_checkpoint(tmp_path / "sft", [])   # committed, but no tensors to load
+    write_servers(tmp_path / "rl", ["http://127.0.0.1:1"])  # a previous launch's: a resumed trainer must not read it
     code = main(["launch", str(RL), *DISAGGREGATED, f"checkpoint.load={load}", "--local",
                  "--run-dir", str(tmp_path / "rl")])
+    assert not (exchange_dir(tmp_path / "rl") / SERVERS).exists()  # removed when the roles start
     err = [line for line in capsys.readouterr().err.strip().splitlines() if "inference server" in line]
     assert code != 0
     assert len(err) == 1 and "server0.log" in err[0] and "megatron-s2 serve:" in err[0], err

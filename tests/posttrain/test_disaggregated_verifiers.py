@@ -117,15 +117,21 @@ def test_a_verifiers_episode_whose_server_is_down_is_played_again_on_another_wit
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    hung_socket = socket.socket()  # accepts connections (the backlog) and never answers
+    hung_socket.bind(("127.0.0.1", 0))
+    hung_socket.listen(16)
+    hung = f"http://127.0.0.1:{hung_socket.getsockname()[1]}"
     verifiers = ServedVerifiers(envs, tokenizer)
     logs: list[str] = []
     samples, reroutes = [], []
     try:
-        for urls in ([live.url], [dead, live.url]):
+        # review: an episode outliving request_timeout_s raised TimeoutError out of play_verifiers;
+        # now its server is presumed dead and the episode played again elsewhere, as for a dead one
+        for urls, timeout_s in (([live.url], 60), ([dead, live.url], 60), ([hung, live.url], 5)):
             backend = ServedRolloutBackend(urls, envs, weights_path=str, record_routing=False,
                                            max_model_len=engine_max_model_len(recipe, rollout), max_concurrent=2,
-                                           request_timeout_s=60, server_wait_s=30, ordered=True, log=logs.append,
-                                           verifiers=verifiers)
+                                           request_timeout_s=timeout_s, server_wait_s=30, ordered=True,
+                                           log=logs.append, verifiers=verifiers)
             samples.append(backend.play_verifiers("default", 3, "train", sample_id=7, temperature=1.0, top_p=1.0,
                                                   max_tokens=6, seed=1234, where="test"))
             reroutes.append(backend.take_stats().rerouted)
@@ -134,7 +140,10 @@ def test_a_verifiers_episode_whose_server_is_down_is_played_again_on_another_wit
     finally:
         verifiers.close()
         live.stop()
-    alone, rerouted = samples
-    assert reroutes == [0, 1] and any(dead in line and "is down" in line for line in logs), (reroutes, logs)
-    assert rerouted.tokens == alone.tokens and rerouted.reward == alone.reward
-    assert rerouted.logprobs == alone.logprobs and rerouted.num_generated == alone.num_generated > 0
+        hung_socket.close()
+    alone, *others = samples
+    assert reroutes == [0, 1, 1] and any(dead in line and "is down" in line for line in logs), (reroutes, logs)
+    assert any(hung in line and "longer than 5 s" in line for line in logs), logs
+    for rerouted in others:
+        assert rerouted.tokens == alone.tokens and rerouted.reward == alone.reward
+        assert rerouted.logprobs == alone.logprobs and rerouted.num_generated == alone.num_generated > 0

@@ -52,6 +52,11 @@ class DisaggregatedConfig:
     broadcast_backend: Literal["gloo", "nccl"] = "gloo"
     """The broadcast group's backend: 'gloo' (host memory, any servers) or 'nccl' (GPU trainer and
     GPU servers)."""
+    broadcast_timeout_s: float = 60.0
+    """Longest wait of any member of a broadcast group for the others (joining, then each bucket):
+    a server that dies part-way stalls the trainer and the other servers no longer than this; the
+    failed update falls back to the checkpoint. Servers refuse more than their own cap
+    (``serve``'s ``max_broadcast_timeout_s``, 300 s)."""
 
     def __post_init__(self) -> None:
         if self.num_servers < 1:
@@ -62,5 +67,12 @@ class DisaggregatedConfig:
             raise ConfigError(f"server_port: must lie in 0..{65535 - self.num_servers}, got {self.server_port}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
-        for name in ("request_timeout_s", "server_wait_s", "batch_wait_s"):
+        for name in ("request_timeout_s", "server_wait_s", "batch_wait_s", "broadcast_timeout_s"):
             positive(name, getattr(self, name))
+        if self.weight_sync == "checkpoint":  # the broadcast's own settings would be ignored
+            if self.broadcast_backend != "gloo":
+                raise ConfigError(f"broadcast_backend: {self.broadcast_backend!r} has no effect with weight_sync "
+                                  "'checkpoint' (set weight_sync: broadcast or leave it at the default)")
+            if self.broadcast_timeout_s != 60.0:
+                raise ConfigError(f"broadcast_timeout_s: {self.broadcast_timeout_s:g} has no effect with weight_sync "
+                                  "'checkpoint' (set weight_sync: broadcast or leave it at the default)")

@@ -27,6 +27,10 @@ __all__ = ["exchange_dir", "BatchQueue", "ORCHESTRATOR_FAILED", "published_versi
 WAIT_POLL_S = 0.05
 """How often a waiting role looks for the file it waits for."""
 
+SERVERS = "servers.json"
+"""The servers' URLs in the exchange directory (module docstring); removed by the local launcher
+before the roles start, so a resumed trainer never reads a previous launch's."""
+
 ORCHESTRATOR_FAILED = "ORCHESTRATOR_FAILED"
 """Marker in the exchange directory of an orchestrator that stopped with an error (its reason):
 the trainer waiting for a batch stops on it instead of waiting out ``batch_wait_s``."""
@@ -57,7 +61,7 @@ def published_versions(run_dir: Path) -> list[int]:
 
 def write_servers(run_dir: Path, urls: list[str]) -> None:
     """``servers.json`` (module docstring), written whole and renamed into place."""
-    path = exchange_dir(run_dir) / "servers.json"
+    path = exchange_dir(run_dir) / SERVERS
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"servers": list(urls)}))
@@ -67,7 +71,7 @@ def write_servers(run_dir: Path, urls: list[str]) -> None:
 def read_servers(run_dir: Path, timeout_s: float) -> list[str]:
     """The servers' URLs once the orchestrator has written them; an error naming it after
     ``timeout_s`` or when it failed."""
-    path = exchange_dir(run_dir) / "servers.json"
+    path = exchange_dir(run_dir) / SERVERS
     failed = exchange_dir(run_dir) / ORCHESTRATOR_FAILED
     deadline = time.monotonic() + timeout_s
     while not path.exists():

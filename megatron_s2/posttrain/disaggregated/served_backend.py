@@ -405,9 +405,18 @@ class ServedRolloutBackend:
             try:
                 episode = self.verifiers.play(dataset, index, server.url, split=split, temperature=temperature,
                                               top_p=top_p, max_tokens=max_tokens, seed=seed, timeout_s=self.timeout_s)
+            except TimeoutError as exc:  # EpisodeTimeout: cancelled; presumed dead as a generation call that long
+                episode, hung = None, str(exc)
             finally:
                 with self._lock:
                     server.open_calls -= 1
+            if episode is None:
+                if self._closing:
+                    raise ServerUnavailable("the orchestrator is closing")
+                self._mark_dead(server, hung)
+                with self._lock:
+                    self.stats.rerouted += 1
+                continue
             if not episode.ok and not self._closing and not self._healthy(server):
                 self._mark_dead(server, "it failed during a verifiers episode")
                 with self._lock:

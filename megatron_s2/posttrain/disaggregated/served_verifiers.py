@@ -11,8 +11,9 @@ server -> ``TrainClient`` -> ``renderers`` with the run's tokenizer -> ``POST
 (:func:`~megatron_s2.posttrain.rollout.vf_trace.trace_sample`), as co-located.
 
 * **Routing**: an episode is played on one server, the live one with the fewest open calls; an
-  episode that fails while its server is down is played again on another with the same seed
-  (counted ``rerouted``), so no sample is lost or produced twice.
+  episode that fails while its server is down, or outlives ``request_timeout_s`` (cancelled,
+  :class:`EpisodeTimeout`; the server is presumed dead, as for a generation call), is played again
+  on another with the same seed (counted ``rerouted``), so no sample is lost or produced twice.
 * **Versions**: a verifiers trace keeps no per-token version and the servers take new weights
   whenever the orchestrator has them, so an episode may straddle an update. Its tokens are
   labelled with the version its server had when the episode started — the oldest they can be
@@ -30,7 +31,11 @@ import shutil
 import tempfile
 from typing import Mapping
 
-__all__ = ["ServedVerifiers"]
+__all__ = ["EpisodeTimeout", "ServedVerifiers"]
+
+
+class EpisodeTimeout(TimeoutError):
+    """An episode outlived ``request_timeout_s`` (cancelled): its server is presumed dead."""
 
 
 class ServedVerifiers:
@@ -85,7 +90,11 @@ class ServedVerifiers:
         sampling = vf.SamplingConfig(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed % (2 ** 63))
         ctx = vf.ModelContext(model=SERVED_MODEL, client=self._client(url), sampling=sampling)
         future = asyncio.run_coroutine_threadsafe(env.run_episode(tasks[index], ctx), self._loop)
-        return future.result(timeout=timeout_s)
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:  # concurrent.futures' own since 3.11
+            future.cancel()  # the episode's coroutine stops on the loop: its server is presumed dead
+            raise EpisodeTimeout(f"the verifiers episode on {url} took longer than {timeout_s:g} s") from None
 
     def close(self) -> None:
         async def leave():

@@ -8,8 +8,10 @@ those ``n``:
 1. asks each, on its own thread, to join update ``v``'s group as rank ``i`` (``POST
    /update_weights`` with the group's address and the tensor manifest — global names, shapes,
    dtypes, :mod:`megatron_s2.serve.weights_api`); the servers check the manifest and join;
-2. joins as rank 0 (the ``TCPStore`` it hosts for the whole run; the group's prefix names the
-   version) and tells the other trainer ranks to go on (one broadcast of a flag over the
+2. waits until every member has announced itself in the ``TCPStore`` it hosts for the whole run
+   (:func:`~megatron_s2.inference.weight_broadcast.gather_members`; the group's prefix names the
+   version) — a member that answers first (a 400, a dead server) abandons the update at once and
+   the members that came are told to leave — then joins as rank 0 and tells the other trainer ranks to go on (one broadcast of a flag over the
    trainer's world: a failed group is skipped by all alike);
 3. for each bucket of the manifest (:func:`~megatron_s2.inference.weight_broadcast.buckets`)
    every trainer rank writes the slices it owns by the typed parallel plan's shard specs into a
@@ -24,7 +26,10 @@ orchestrator sees it and asks the servers to load it, they already serve ``v`` (
 checkpoint stays the fallback: a server that was down, restarted (it starts from the phase's
 initial weights) or failed during a broadcast is loaded from it by the orchestrator when it is
 back (:class:`~.served_backend.ServedRolloutBackend`), and is a member of the next broadcast
-anyway. A failed broadcast is logged and counted (``weight_sync_failed``), never fatal.
+anyway. A failed broadcast is logged and counted (``weight_sync_failed``), never fatal. A member
+that dies part-way makes the root tear the group down at once (the others' receives fail and they
+answer 503, their update lock free); no member waits for another longer than
+``rl.disaggregated.broadcast_timeout_s``.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from urllib.parse import urlsplit
 
 import torch
 
-from megatron_s2.inference.weight_broadcast import BroadcastSpec, TensorEntry, buckets, close_group, open_group
+from megatron_s2.inference.weight_broadcast import (BroadcastSpec, TensorEntry, buckets, close_group, gather_members,
+                                                    open_group)
 from megatron_s2.posttrain.disaggregated.exchange import read_servers
 from megatron_s2.posttrain.rollout.weights import assemble, global_plan
 
@@ -75,6 +81,8 @@ class BroadcastWeightSync:
     def close(self) -> None:
         if self._http is not None:
             self._http.close()
+            self._http = None
+        self.store = None  # the last reference: the store's server stops and its port is free again
 
     def _live(self) -> list[str]:
         if self._servers is None:
@@ -108,7 +116,7 @@ class BroadcastWeightSync:
             if live:
                 spec = BroadcastSpec(host=_advertised_host(live), port=self.store.port, prefix=f"v{version}", rank=0,
                                      world_size=len(live) + 1, backend=self.config.broadcast_backend,
-                                     timeout_s=self.config.request_timeout_s)
+                                     timeout_s=self.config.broadcast_timeout_s)
                 tensors = [e.to_json() for e in self.manifest]
 
                 def ask(i: int, url: str) -> None:
@@ -120,11 +128,18 @@ class BroadcastWeightSync:
                     except Exception as exc:  # noqa: BLE001 - reported below
                         answers[url] = type(exc).__name__
 
-                threads = [threading.Thread(target=ask, args=(i, u), daemon=True) for i, u in enumerate(live)]
+                threads = [threading.Thread(target=ask, args=(i, u), name=u, daemon=True) for i, u in enumerate(live)]
                 for t in threads:
                     t.start()
+
+                def refused() -> str | None:  # a member that answered before the group formed will not join
+                    done = {u: a for u, a in list(answers.items()) if a != "ok"}
+                    return "; ".join(f"{u}: {a}" for u, a in done.items()) or None
+
                 try:
-                    group = open_group(spec, store=self.store)
+                    error = gather_members(spec, self.store, refused)
+                    if error is None:
+                        group = open_group(spec, store=self.store)
                 except Exception as exc:  # noqa: BLE001 - a member never joined: the checkpoint covers it
                     error = _reason(exc)
             else:
@@ -142,17 +157,28 @@ class BroadcastWeightSync:
                         sent += flat.numel() * flat.element_size()
                     except Exception as exc:  # noqa: BLE001 - a member died: the others load the checkpoint
                         error = _reason(exc)
+                        # torn down now, before waiting for the answers: the members still waiting
+                        # for the next bucket see their connections close and answer at once
+                        close_group(group, abort=True)
+                        group = None  # the last reference: a gloo group's connections close when it is freed
         if self.rank != 0:
             return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_bytes": 0.0, "weight_sync_servers": 0.0,
                     "weight_sync_failed": 0.0}
-        for t in threads:
-            t.join()
+        # a failed update's members answer at once (their group broke or was abandoned); a complete
+        # one's swap the weights in between two engine steps first, as a generation call may take
+        wait_s = self.config.request_timeout_s if error is None else self.config.broadcast_timeout_s + 5.0
+        deadline = time.monotonic() + wait_s
+        for t in threads:  # bounded: a member that neither answers nor fails is reported, not waited on
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                answers.setdefault(t.name, "no answer")
         if group is not None:  # after every member has answered: it has read all it was sent
             close_group(group)
         failed = {u: a for u, a in answers.items() if a != "ok"}
         if error or failed:
-            self.log(f"weight sync: broadcast of version {version} incomplete ({error or ''}"
-                     f"{'; ' if error and failed else ''}{'; '.join(f'{u}: {a}' for u, a in failed.items())}); "
+            said = [error] if error else []
+            said += [f"{u}: {a}" for u, a in failed.items() if f"{u}: {a}" not in (error or "")]  # not twice
+            self.log(f"weight sync: broadcast of version {version} incomplete ({'; '.join(said)}); "
                      "those servers load its checkpoint")
         ok = not (error or failed) and bool(live)
         return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_bytes": float(sent),
