@@ -9,7 +9,8 @@ pre-training loader (``tokens = ids[:-1]``, ``labels = ids[1:]``) and right-padd
 * ``behaviour_logprobs`` / ``versions`` — generation-time log-probability and policy version of
   the label (walkthrough Eq. 10's per-token behaviour policy; the staleness mask);
 * ``advantages`` — the sample's scalar on every policy label, or per segment with Eq. 30's
-  process weights when the sample carries them (sessions);
+  process weights when the sample carries them (sessions); with ``credit: turn`` a sample's
+  advantage is a list, one per assistant turn (span), each under its own process weight;
 * ``sequence_ids`` — the row's sample index in the global batch (-1 on padding), for
   ``sequence_mean`` aggregation; ``sample_weights`` — lambda_d of the sample's dataset domain (OPD).
 
@@ -25,7 +26,7 @@ from typing import Mapping, Sequence
 import torch
 
 from megatron_s2.models.family.routing_replay import RoutingReplay
-from megatron_s2.posttrain.advantages.session_credit import segment_advantages
+from megatron_s2.posttrain.advantages.session_credit import segment_advantages, turn_segment_advantages
 from megatron_s2.posttrain.orchestrator.sample import RolloutSample
 from megatron_s2.posttrain.routing import RoutingRecord
 
@@ -60,9 +61,21 @@ class PosttrainBatch:
         return PosttrainBatch(**moved)
 
 
-def _label_advantages(sample: RolloutSample, advantage: float) -> list[float]:
+def _label_advantages(sample: RolloutSample, advantage: float | Sequence[float]) -> list[float]:
     n = len(sample.tokens)
     adv = [0.0] * n
+    if not isinstance(advantage, (int, float)):  # credit: turn, one advantage per span
+        turns = [float(a) for a in advantage]
+        if len(turns) == 1 and len(sample.spans) <= 1:
+            advantage = turns[0]
+        elif len(turns) != len(sample.spans):
+            raise ValueError(f"sample {sample.sample_id}: {len(turns)} turn advantages for {len(sample.spans)} "
+                             "assistant turns; credit: turn needs the environment's reward of every turn")
+        else:
+            for (start, end), value in zip(sample.spans, turn_segment_advantages(turns, sample.process_weights)):
+                adv[start:end] = [value] * (end - start)
+            return adv[1:]
+    advantage = float(advantage)
     if sample.spans and sample.process_weights:
         for (start, end), value in zip(sample.spans, segment_advantages(advantage, sample.process_weights)):
             adv[start:end] = [value] * (end - start)
@@ -71,10 +84,11 @@ def _label_advantages(sample: RolloutSample, advantage: float) -> list[float]:
     return adv[1:]
 
 
-def collate(samples: Sequence[RolloutSample], advantages: Sequence[float], seq_length: int, *,
+def collate(samples: Sequence[RolloutSample], advantages: Sequence[float | Sequence[float]], seq_length: int, *,
             pad_id: int = 0, first_sequence_id: int = 0,
             dataset_weights: Mapping[str, float] | None = None) -> PosttrainBatch:
-    """One row per sample; ``advantages[i]`` is sample i's (session) advantage; ``dataset_weights``
+    """One row per sample; ``advantages[i]`` is sample i's (session) advantage, or a list of one per
+    assistant turn (``credit: turn``); ``dataset_weights``
     maps a sample's dataset to its loss weight (OPD: lambda_d of the dataset's domain)."""
     if len(samples) != len(advantages):
         raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
@@ -102,7 +116,7 @@ def collate(samples: Sequence[RolloutSample], advantages: Sequence[float], seq_l
         loss_mask[i, :n] = torch.tensor(s.policy_mask[1:], dtype=torch.bool)
         beh[i, :n] = torch.tensor(s.logprobs[1:], dtype=torch.float32)
         versions[i, :n] = torch.tensor(s.versions[1:], dtype=torch.int64)
-        adv[i, :n] = torch.tensor(_label_advantages(s, float(a)), dtype=torch.float32)
+        adv[i, :n] = torch.tensor(_label_advantages(s, a), dtype=torch.float32)
         seq_ids[i, :n] = first_sequence_id + i
         if dataset_weights is not None:
             weights[i] = float(dataset_weights.get(s.dataset, 1.0))

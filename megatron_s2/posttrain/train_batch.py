@@ -41,7 +41,7 @@ TERM_STATS = {"policy_gradient": ["importance_weight"], "reference_kl": ["refere
 """Diagnostics each loss term reports (see :mod:`~megatron_s2.posttrain.losses.terms`)."""
 
 
-def build_micro_batches(samples: Sequence[RolloutSample], advantages: Sequence[float], *, seq_length: int,
+def build_micro_batches(samples: Sequence[RolloutSample], advantages: Sequence, *, seq_length: int,
                         micro_batch_size: int, dp_rank: int, dp_size: int, pad_id: int, loss_config,
                         dataset_weights: dict[str, float] | None = None, train_aware_replay: bool = False
                         ) -> list[dict]:

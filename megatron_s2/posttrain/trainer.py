@@ -325,7 +325,10 @@ class PosttrainTrainer(Trainer):
         t, cfg = self.recipe.training, self.section
         if self.kind == "rl":
             adv = self.advantages.compute([GroupRollouts.from_samples(g.accepted) for g in groups])
-            advantages = [float(a) for res in adv for a in res.advantages]
+            if cfg.advantage.credit == "turn":  # one advantage per assistant turn
+                advantages = [list(t) for res in adv for t in res.turn_advantages]
+            else:
+                advantages = [float(a) for res in adv for a in res.advantages]
         else:
             advantages = [0.0] * len(samples)
         weights = None

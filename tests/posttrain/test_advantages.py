@@ -186,3 +186,89 @@ def test_session_credit_positive_only_eq_30():
     assert labelled_segment_advantages(0.6, [False, True, False, True], [1.0, -0.5]) == pytest.approx([0, 0.6, 0, -0.3])
     with pytest.raises(ValueError, match="2 trainable segments but 1 process weights"):
         labelled_segment_advantages(0.6, [True, False, True], [1.0])
+
+
+# ---- per-turn credit of multi-turn sessions (credit: turn) ------------------------------------
+def _retry_session(sample_id: int, first_right: bool, second_right: bool | None):
+    """A hand-made retry session: prompt (3 tokens), reply 1 (2 tokens), and, after a wrong first
+    reply, the feedback (2 masked tokens) and reply 2 (2 tokens); reward 1 / 0.5 / 0 as vf_retry."""
+    from megatron_s2.posttrain.orchestrator import RolloutSample
+
+    mask = [False] * 3 + [True] * 2
+    turns = [float(first_right)]
+    if second_right is not None:
+        mask += [False] * 2 + [True] * 2
+        turns.append(float(second_right))
+    reward = 1.0 if first_right else 0.5 if second_right else 0.0
+    spans = [(3, 5)] + ([(7, 9)] if second_right is not None else [])
+    n = len(mask)
+    return RolloutSample(sample_id, list(range(1, n + 1)), mask, [-0.5 if m else 0.0 for m in mask],
+                         [0 if m else -1 for m in mask], prompt_length=3, reward=reward, spans=spans,
+                         process_weights=[1.0] * len(spans), turn_rewards=turns)
+
+
+def _label_values(batch, row: int, span: tuple[int, int]) -> list[float]:
+    start, end = span  # token positions -> label positions (labels = ids[1:])
+    return batch.advantages[row, start - 1:end - 1].tolist()
+
+
+def test_turn_credit_trains_the_first_reply_on_the_first_try_alone():
+    """Four sessions of one task: right at once (R 1), wrong then right (0.5), wrong twice (0),
+    wrong then right (0.5). Session credit gives each session one leave-one-out advantage (a saved
+    wrong first reply: 0.5 - 1.5 / 3 = 0 here, > 0 in a group whose mean is below 0.5); turn credit
+    gives every first reply Eq. 27 of the first-try rewards (1, 0, 0, 0) alone — each wrong first
+    reply -1/3, whatever its second reply — and compares the second replies among the three
+    sessions that reached them (1, 0, 1)."""
+    from megatron_s2.posttrain.batch import collate
+
+    samples = [_retry_session(0, True, None), _retry_session(1, False, True), _retry_session(2, False, False),
+               _retry_session(3, False, True)]
+    session = AdvantagePipeline(AdvantageConfig()).compute([GroupRollouts.from_samples(samples)])[0]
+    assert session.turn_advantages is None
+    assert session.advantages.tolist() == pytest.approx([1 - 1 / 3, 0.5 - 1.5 / 3, 0 - 2 / 3, 0.5 - 1.5 / 3])
+    turn = AdvantagePipeline(AdvantageConfig(credit="turn")).compute([GroupRollouts.from_samples(samples)])[0]
+    first = leave_one_out_advantages([1, 0, 0, 0]).tolist()
+    second = leave_one_out_advantages([1, 0, 1]).tolist()
+    assert [t[0] for t in turn.turn_advantages] == pytest.approx(first)
+    assert [t[1] for t in turn.turn_advantages[1:]] == pytest.approx(second)
+    batch = collate(samples, turn.turn_advantages, seq_length=10)
+    for row, s in enumerate(samples):
+        assert _label_values(batch, row, s.spans[0]) == pytest.approx([first[row]] * 2)  # first try only
+    assert _label_values(batch, 1, samples[1].spans[1]) == pytest.approx([second[0]] * 2)
+    assert _label_values(batch, 2, samples[2].spans[1]) == pytest.approx([second[1]] * 2)
+    assert batch.advantages[1, 4:6].tolist() == [0.0, 0.0]  # the feedback turn: no credit
+    # the flaw session credit has: in a group whose mean is below 0.5 a saved wrong first reply goes up
+    weak = [_retry_session(0, False, True), _retry_session(1, False, False), _retry_session(2, False, False),
+            _retry_session(3, False, False)]
+    sess = AdvantagePipeline(AdvantageConfig()).compute([GroupRollouts.from_samples(weak)])[0]
+    assert float(sess.advantages[0]) > 0  # session credit pushes the wrong first reply up
+    per_turn = AdvantagePipeline(AdvantageConfig(credit="turn")).compute([GroupRollouts.from_samples(weak)])[0]
+    assert [t[0] for t in per_turn.turn_advantages] == [0.0] * 4  # first tries all wrong: nothing to compare
+    assert per_turn.turn_advantages[0][1] > 0 and per_turn.turn_advantages[1][1] < 0  # the retry's own credit
+    b = collate(weak, per_turn.turn_advantages, seq_length=10)
+    assert _label_values(b, 0, weak[0].spans[0]) == [0.0, 0.0]
+
+
+def test_turn_credit_keeps_eq30_per_turn_and_falls_back_to_the_session_reward_for_one_turn():
+    from megatron_s2.posttrain.batch import collate
+
+    s = _retry_session(0, False, True)
+    s.process_weights = [0.5, 0.5]
+    b = collate([s], [[0.4, -0.2]], seq_length=10)
+    assert _label_values(b, 0, s.spans[0]) == pytest.approx([0.2, 0.2])  # Eq. 30: w * A on a positive A
+    assert _label_values(b, 0, s.spans[1]) == pytest.approx([-0.2, -0.2])  # a negative A in full
+    with pytest.raises(ValueError, match="2 assistant turns"):
+        collate([s], [[0.4]], seq_length=10)
+    # responses without per-turn rewards: one turn rewarded by the session reward = session credit
+    plain = GroupRollouts([1.0, 0.0, 0.0], [2, 2, 2])
+    res = AdvantagePipeline(AdvantageConfig(credit="turn")).compute([plain])[0]
+    assert [t[0] for t in res.turn_advantages] == pytest.approx(res.advantages.tolist())
+
+
+def test_turn_credit_config_rejects_what_it_does_not_support():
+    from megatron_s2.config.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="credit"):
+        AdvantageConfig(credit="episode")
+    with pytest.raises(ConfigError, match="credit"):
+        AdvantageConfig(credit="turn", transforms=("gepo",))

@@ -85,6 +85,10 @@ def test_opd_round_trip_and_teacher_lookup():
     ({"advantage": {"gepo": {"h_low": 5.0, "h_high": 1.0}}}, r"rl\.advantage\.gepo\.h_low"),
     ({"advantage": {"gepo": {"low_positive_scale": 1.5}}}, r"rl\.advantage\.gepo\.low_positive_scale"),
     ({"advantage": {"length_regularization": {"gamma": 0}}}, r"length_regularization\.gamma: must be > 0"),
+    ({"advantage": {"credit": "episode"}}, r"rl\.advantage\.credit: must be 'session' or 'turn'"),
+    ({"advantage": {"credit": "turn", "transforms": ["gepo"]}}, r"rl\.advantage\.credit: 'turn' takes no transforms"),
+    ({"advantage": {"credit": "turn"}, "effort": {"levels": [50, 100], "samples_per_level": 2},
+      "rollout": {"group_size": 4}}, r"rl\.advantage\.credit: 'turn' does not combine with effort levels"),
     ({"advantage": {"gepo": {"h_lo": 1.0}}}, r"unknown key 'rl\.advantage\.gepo\.h_lo'; did you mean 'h_low'"),
     # rl.mode: disaggregated (issue 25)
     ({"mode": "disaggregated", "eval": {"at_start": False}}, r"rl\.rollout\.max_staleness: .*set max_staleness: 1"),

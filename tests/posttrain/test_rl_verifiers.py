@@ -145,7 +145,9 @@ def test_rl_on_the_second_try_environment_trains_each_session_as_one_sample(tmp_
     rl_tiny_verifiers_multiturn.yaml) with the bridging renderer: a wrong first reply gets the
     feedback and a second try, and the session is one sample (feedback masked) carrying the rubric's
     1 / try reward; first-try accuracy is reported for the rollouts (before any filtering) and for
-    the held-out tasks (eval.jsonl, eval_metric_first_try_correct) beside the final accuracy."""
+    the held-out tasks (eval.jsonl, eval_metric_first_try_correct) beside the final accuracy. The
+    rubric's per-turn rewards (turn_reward_<k>) become the sample's turn_rewards, which
+    rl.advantage.credit: turn trains on (one advantage per reply: tests/posttrain/test_advantages.py)."""
     from megatron_s2.posttrain.envs.vf_retry import FEEDBACK
     from megatron_s2.posttrain.envs.vf_tasks import plugin_dir
 
@@ -153,7 +155,8 @@ def test_rl_on_the_second_try_environment_trains_each_session_as_one_sample(tmp_
                                   "rl.rollout.environment.renderer=bridge", "training.seq_length=96",
                                   "rl.rollout.max_new_tokens=6", "rl.eval.interval=2", "rl.eval.at_start=true",
                                   "rl.rollout.environment.taskset={id: megatron_s2_retry, split: train, count: 40}",
-                                  "rl.rollout.environment.eval_taskset={split: eval, count: 4}")
+                                  "rl.rollout.environment.eval_taskset={split: eval, count: 4}",
+                                  "rl.advantage.credit=turn")
     samples = [s for step in trained for s in step]
     _check_token_in_token_out(samples, traces, calls)
     for s in samples:
@@ -163,6 +166,7 @@ def test_rl_on_the_second_try_environment_trains_each_session_as_one_sample(tmp_
                                                            "first_try_well_formed")} and len(trace.branches) == 1
         assert trace.metrics["second_try_correct"] == float(not first and bool(s.correct))
         assert len(s.spans) == trace.num_turns == (1 if first else 2)
+        assert s.turn_rewards == ([1.0] if first else [0.0, float(bool(s.correct))])
         assert s.reward == pytest.approx(1.0 if first else 0.5 * float(bool(s.correct)))
         if trace.num_turns == 2:
             (a, b), (c, d) = s.spans

@@ -120,6 +120,8 @@ def test_a_wrong_reply_gets_the_feedback_and_one_more_try(monkeypatch, replies, 
         assert trace.metrics["first_try_correct"] == first
         assert trace.metrics["second_try_correct"] == float(solved == 0.5)
         assert trace.metrics["first_try_well_formed"] == formed
+        # per-turn rewards (credit: turn): each reply's own correctness, 0 for a turn not reached
+        assert [trace.metrics[f"turn_reward_{k}"] for k in (1, 2, 3)] == [first, float(turns == 2 and final == 1.0), 0.0]
     for k, messages in enumerate(requests):
         assert messages[0] == {"role": "system", "content": "Reply with the answer only."}
         if k % turns:  # the second call: the whole exchange, the environment's feedback last

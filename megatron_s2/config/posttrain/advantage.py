@@ -128,10 +128,20 @@ class AdvantageConfig:
     """GEPO coefficients (used when 'gepo' is listed)."""
     length_regularization: LengthRegularizationConfig = field(default_factory=LengthRegularizationConfig)
     """Length weights (used when 'length_regularization' is listed)."""
+    credit: str = "session"
+    """How a multi-turn session's tokens are credited: 'session' = one advantage (of the session's
+    reward) on every assistant turn; 'turn' = each assistant turn k its own group-relative advantage
+    of the environment's per-turn reward, over the group's sessions that reached turn k
+    (:mod:`~megatron_s2.posttrain.advantages.session_credit`; Eq. 30's process weights on top of either)."""
 
     def __post_init__(self) -> None:
         positive("std_eps", self.std_eps)
         at_least("dynamic_sampling_atol", self.dynamic_sampling_atol, 0.0)
+        if self.credit not in ("session", "turn"):
+            raise ConfigError(f"credit: must be 'session' or 'turn', got {self.credit!r}")
+        if self.credit == "turn" and self.transforms:
+            raise ConfigError(f"credit: 'turn' takes no transforms (they act on one advantage a response), "
+                              f"got transforms {list(self.transforms)}")
         if len(set(self.transforms)) != len(self.transforms):
             raise ConfigError(f"transforms: {list(self.transforms)} lists a transform twice")
         if "gepo" in self.transforms and "length_regularization" in self.transforms:

@@ -75,6 +75,9 @@ class RLConfig:
         check_staleness_pairing("rl", self.rollout, self.loss)
         if self.mode == "disaggregated":
             self._check_disaggregated()
+        if self.effort.enabled and self.advantage.credit == "turn":
+            raise ConfigError("rl.advantage.credit: 'turn' does not combine with effort levels (rl.effort.levels); "
+                              "use credit: session")
         if self.effort.enabled:
             want = self.effort.group_size
             sizes = {self.rollout.group_size} | {self.rollout.group_of(d.name) for d in self.rollout.datasets}

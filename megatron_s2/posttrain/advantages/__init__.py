@@ -30,6 +30,8 @@ from megatron_s2.posttrain.advantages.session_credit import (
     labelled_segment_advantages,
     segment_advantages,
     token_advantages,
+    turn_group_advantages,
+    turn_segment_advantages,
 )
 
 __all__ = [
@@ -38,5 +40,5 @@ __all__ = [
     "group_mean_advantages", "is_informative", "leave_one_out_advantages", "register_group_estimator",
     "std_normalize", "adaptive_length_regularization", "length_weights", "ADVANTAGE_TRANSFORMS",
     "AdvantagePipeline", "GroupAdvantages", "GroupRollouts", "segment_advantages", "labelled_segment_advantages",
-    "token_advantages",
+    "token_advantages", "turn_group_advantages", "turn_segment_advantages",
 ]

@@ -14,7 +14,9 @@ The composition (``rl.advantage`` and ``rl.effort``), in order:
    normaliser preserves the post-GEPO positive mass (the config enforces the order).
 
 Each response ends with one scalar shared by all its policy tokens (sessions: see
-:mod:`.session_credit` for Eq. 30's per-segment weights on top).
+:mod:`.session_credit` for Eq. 30's per-segment weights on top) — or, with ``credit: turn``, one
+per assistant turn (:attr:`GroupAdvantages.turn_advantages`, from the environment's per-turn
+rewards; the groups kept by dynamic sampling are the same).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from megatron_s2.posttrain.advantages.effort import length_penalty
 from megatron_s2.posttrain.advantages.gepo import batch_thresholds, gepo_rebalance, group_entropy
 from megatron_s2.posttrain.advantages.group import GROUP_ESTIMATORS, as_rewards, is_informative, std_normalize
 from megatron_s2.posttrain.advantages.length import adaptive_length_regularization
+from megatron_s2.posttrain.advantages.session_credit import turn_group_advantages
 
 if TYPE_CHECKING:
     from megatron_s2.config.posttrain.advantage import AdvantageConfig, EffortConfig
@@ -49,6 +52,8 @@ class GroupRollouts:
     """Sum over the response's tokens of the behaviour log-probability (GEPO's Eq. 25)."""
     efforts: Sequence[int] | None = None
     """Effort level b of each response (report Eq. 8 subgroups), or None without effort conditioning."""
+    turn_rewards: Sequence[Sequence[float]] | None = None
+    """Per response: the reward of each of its assistant turns (``credit: turn``), or None."""
 
     @classmethod
     def from_samples(cls, samples: Sequence) -> "GroupRollouts":
@@ -60,12 +65,14 @@ class GroupRollouts:
             if any(e is not None for e in efforts):
                 raise ValueError("a group mixes samples with and without effort levels")
             efforts = None
+        turns = [list(getattr(s, "turn_rewards", None) or []) for s in samples]
         return cls([float(s.reward) for s in samples], [int(s.num_generated) for s in samples],
-                   [float(s.logprob_sum) for s in samples], efforts)
+                   [float(s.logprob_sum) for s in samples], efforts,
+                   turns if any(turns) else None)
 
     def __post_init__(self) -> None:
         n = len(self.rewards)
-        for name in ("lengths", "logprob_sums", "efforts"):
+        for name in ("lengths", "logprob_sums", "efforts", "turn_rewards"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"GroupRollouts.{name}: {len(value)} entries for {n} rewards")
@@ -81,6 +88,8 @@ class GroupAdvantages:
     """[G] rewards after the effort length deduction."""
     diagnostics: dict[str, float] = field(default_factory=dict)
     """Entropy, GEPO regime counts, length-regularisation firing (for metrics)."""
+    turn_advantages: list[list[float]] | None = None
+    """``credit: turn``: per response, the advantage of each assistant turn (all 0 where not kept)."""
 
     @property
     def informative(self) -> bool:
@@ -214,4 +223,22 @@ class AdvantagePipeline:
             res.keep[u.index] = True
             if u.entropy is not None:
                 res.diagnostics["group_entropy"] = u.entropy
+        if getattr(cfg, "credit", "session") == "turn":
+            for group, res in zip(groups, out):
+                res.turn_advantages = self._turn_advantages(group, res.keep)
+        return out
+
+    def _turn_advantages(self, group: GroupRollouts, keep: torch.Tensor) -> list[list[float]]:
+        """Each turn's own group-relative advantage (:func:`.session_credit.turn_group_advantages`)
+        over the group's kept responses; a response without per-turn rewards is one turn rewarded
+        with its session reward (a single-turn episode: the same as ``credit: session``)."""
+        turns = group.turn_rewards or [[] for _ in group.rewards]
+        turns = [list(t) if len(t) else [float(r)] for t, r in zip(turns, group.rewards)]
+        kept = [i for i in range(len(turns)) if bool(keep[i])]
+        cfg = self.config
+        adv = turn_group_advantages([turns[i] for i in kept], self.estimator, atol=cfg.dynamic_sampling_atol,
+                                    std_eps=cfg.std_eps if cfg.std_normalize else None)
+        out = [[0.0] * len(t) for t in turns]
+        for i, a in zip(kept, adv):
+            out[i] = a
         return out

@@ -25,6 +25,12 @@ Rubric (:class:`RetryTask`):
 * ``second_try_correct`` (a metric) — the second reply verifies after a wrong first one (what the
   feedback turn adds); ``first_try_well_formed`` (a metric) — the first reply has the answer's
   form, right or wrong (a held-out rise in accuracy at a constant ~1.0 here is not a format effect).
+* ``turn_reward_1`` .. ``turn_reward_3`` (metrics) — the per-turn rewards: 1.0 when the k-th reply
+  verifies, else 0.0 (0.0 for a turn the session did not reach). The sample builder reads them as
+  the session's per-turn rewards (:attr:`~megatron_s2.posttrain.orchestrator.RolloutSample.turn_rewards`,
+  one per assistant turn the sample holds) instead of reporting them, so that with
+  ``rl.advantage.credit: turn`` the first reply is credited by first-try correctness alone and the
+  second by second-try correctness; the session reward (``solved``) is unchanged.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from megatron_s2.posttrain.envs.vf_tasks import (EmbeddedTaskData, EmbeddedTasks
                                                  interception_client, opening_messages, reply_is_correct,
                                                  reply_is_well_formed)
 
-__all__ = ["FEEDBACK", "RetryTask", "RetryTaskset", "RetryHarnessConfig", "RetryHarness", "replies"]
+__all__ = ["FEEDBACK", "turn_correct", "RetryTask", "RetryTaskset", "RetryHarnessConfig", "RetryHarness", "replies"]
 
 FEEDBACK = "Wrong. Try again."
 """The environment's reply to a wrong answer (short: the tiny model reads it)."""
@@ -48,6 +54,12 @@ def replies(trace: vf.Trace) -> list[str]:
     """The model's replies of a session, in order (every branch: a re-rendered history splits it)."""
     return [(m.content or "").strip() if isinstance(m.content, str) or m.content is None else str(m.content)
             for m in trace.assistant_messages]
+
+
+def turn_correct(data: EmbeddedTaskData, trace: vf.Trace, k: int) -> float:
+    """1.0 when the session's ``k``-th reply (1-based) exists and verifies, else 0.0."""
+    said = replies(trace)
+    return float(len(said) >= k and reply_is_correct(data, said[k - 1]))
 
 
 class RetryTask(vf.Task[EmbeddedTaskData]):
@@ -88,6 +100,20 @@ class RetryTask(vf.Task[EmbeddedTaskData]):
         said = replies(trace)
         return float(len(said) >= 2 and not reply_is_correct(self.data, said[0])
                      and reply_is_correct(self.data, said[1]))
+
+
+    # per-turn rewards (credit: turn; read by the sample builder, see vf_trace.TURN_REWARD_PREFIX)
+    @vf.metric
+    async def turn_reward_1(self, trace: vf.Trace) -> float:
+        return turn_correct(self.data, trace, 1)
+
+    @vf.metric
+    async def turn_reward_2(self, trace: vf.Trace) -> float:
+        return turn_correct(self.data, trace, 2)
+
+    @vf.metric
+    async def turn_reward_3(self, trace: vf.Trace) -> float:
+        return turn_correct(self.data, trace, 3)
 
 
 class RetryTaskset(vf.Taskset[RetryTask, EmbeddedTasksetConfig]):

@@ -58,6 +58,9 @@ class RolloutSample:
     """[start, end) of each policy-generated segment (assistant turns), for Eq. 30."""
     process_weights: list[float] = field(default_factory=list)
     """Per span: process weight in [-1, 1] (walkthrough Eq. 30); empty = all 1.0."""
+    turn_rewards: list[float] = field(default_factory=list)
+    """Per span (assistant turn): the environment's reward of that turn, when it reports one
+    (``rl.advantage.credit: turn``); empty = only the session's ``reward``."""
     replay_start: int = 0
     """Decoder SWA Bounded Replay start s of the generating engine's prefill (report §3.2.2; 0 =
     no replay): the trainer truncates decoder windows at s when train-aware replay is on."""
@@ -81,6 +84,9 @@ class RolloutSample:
             prev = end
         if self.process_weights and len(self.process_weights) != len(self.spans):
             raise ValueError(f"sample {self.sample_id}: {len(self.process_weights)} process weights for "
+                             f"{len(self.spans)} spans")
+        if self.turn_rewards and len(self.turn_rewards) != len(self.spans):
+            raise ValueError(f"sample {self.sample_id}: {len(self.turn_rewards)} turn rewards for "
                              f"{len(self.spans)} spans")
         for i, (m, v, lp) in enumerate(zip(self.policy_mask, self.versions, self.logprobs)):
             if m and (v < 0 or not math.isfinite(lp) or lp > 0):
@@ -119,7 +125,8 @@ class RolloutSample:
             "prompt_length": self.prompt_length, "group_id": self.group_id, "prompt_uid": self.prompt_uid,
             "dataset": self.dataset, "effort": self.effort, "reward": self.reward,
             "finish_reason": self.finish_reason, "spans": [list(s) for s in self.spans],
-            "process_weights": list(self.process_weights), "replay_start": self.replay_start,
+            "process_weights": list(self.process_weights), "turn_rewards": [float(r) for r in self.turn_rewards],
+            "replay_start": self.replay_start,
             "correct": self.correct, "metrics": dict(self.metrics),
             "routing": None if self.routing is None else self.routing.state_dict(),
         }
@@ -129,4 +136,5 @@ class RolloutSample:
         s = dict(state)
         routing = s.pop("routing")
         s["spans"] = [tuple(x) for x in s["spans"]]
+        s.setdefault("turn_rewards", [])  # states written before per-turn rewards
         return cls(**s, routing=None if routing is None else RoutingRecord.from_state_dict(routing))

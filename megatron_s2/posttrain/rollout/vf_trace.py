@@ -23,7 +23,10 @@ chat template's scaffold, tool results, user follow-ups) is not.
   :func:`~megatron_s2.posttrain.rollout.engine_backend.routing_record`.
 
 :func:`trace_sample` applies it to a trace's (last) trainable branch with the rubric's reward
-(``trace.reward``: the weighted sum of its ``@vf.reward`` scores).
+(``trace.reward``: the weighted sum of its ``@vf.reward`` scores). An environment reports
+per-turn rewards (``rl.advantage.credit: turn``) as ``@vf.metric`` values named
+``turn_reward_<k>`` (k = 1, 2, ...: the k-th assistant turn); they become the sample's
+``turn_rewards`` (one per span), not reported metrics.
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ import torch
 from megatron_s2.posttrain.orchestrator import RolloutSample
 from megatron_s2.posttrain.rollout.engine_backend import routing_record
 
-__all__ = ["branch_sample", "trace_sample", "sampled_spans"]
+__all__ = ["branch_sample", "trace_sample", "sampled_spans", "TURN_REWARD_PREFIX"]
+
+TURN_REWARD_PREFIX = "turn_reward_"
+"""A rubric metric ``turn_reward_<k>`` is the reward of the session's k-th assistant turn (1-based)."""
 
 
 def sampled_spans(mask: Sequence[bool]) -> list[tuple[int, int]]:
@@ -111,5 +117,14 @@ def trace_sample(trace, sample_id: int, *, version: int, layer_ids: Sequence[int
     correct = trace.rewards.get("correct")
     if correct is not None:
         sample.correct = bool(correct.score > 0)
-    sample.metrics = {name: float(value) for name, value in trace.metrics.items() if value is not None}
+    metrics = {name: float(value) for name, value in trace.metrics.items() if value is not None}
+    turns = {int(name[len(TURN_REWARD_PREFIX):]): metrics.pop(name) for name in list(metrics)
+             if name.startswith(TURN_REWARD_PREFIX) and name[len(TURN_REWARD_PREFIX):].isdigit()}
+    sample.metrics = metrics
+    if turns and len(branches) == 1:  # one append-only branch: its spans are the session's turns 1..n
+        n = len(sample.spans)
+        if not all(k in turns for k in range(1, n + 1)):
+            raise ValueError(f"sample {sample_id}: the session has {n} assistant turns but the rubric reports "
+                             f"per-turn rewards for turns {sorted(turns)} (metrics {TURN_REWARD_PREFIX}<k>)")
+        sample.turn_rewards = [turns[k] for k in range(1, n + 1)]
     return sample
