@@ -16,7 +16,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from megatron_s2.cli import main
 from megatron_s2.config.engine import EngineConfig
 from megatron_s2.config.posttrain.environment import EnvironmentConfig, EvaluationConfig
 from megatron_s2.inference import InferenceEngine
@@ -29,19 +28,13 @@ from megatron_s2.serve import ServeConfig, ServerThread, build_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "v41" / "tiny_pretrain.yaml"
 MAX_LEN, NEW_TOKENS = 64, 8
 ENGINE = dict(max_num_seqs=8, max_model_len=MAX_LEN, seed=0)
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("disagg_eval") / "run"
-    assert main(["train", str(RECIPE), "training.train_steps=2", "training.seq_length=32",
-                 "training.global_batch_size=4", "training.micro_batch_size=2", "data.num_documents=100",
-                 "checkpoint.save_interval=2", "logging.progress_bar=false", "logging.tensorboard=false",
-                 "--run-dir", str(run)]) == 0
-    return run
+def run_dir(tiny_pretrained_run) -> Path:
+    return tiny_pretrained_run  # tests/posttrain/conftest.py
 
 
 def _load(run_dir: Path):

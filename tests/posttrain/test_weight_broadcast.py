@@ -31,17 +31,11 @@ from megatron_s2.serve import ServeConfig, ServerThread, build_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "v41" / "tiny_pretrain.yaml"
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("broadcast") / "run"
-    assert main(["train", str(RECIPE), "training.train_steps=1", "training.seq_length=32",
-                 "training.global_batch_size=2", "training.micro_batch_size=2", "data.num_documents=50",
-                 "checkpoint.save_interval=1", "logging.progress_bar=false", "logging.tensorboard=false",
-                 "--run-dir", str(run)]) == 0
-    return run
+def run_dir(tiny_pretrained_run) -> Path:
+    return tiny_pretrained_run  # tests/posttrain/conftest.py
 
 
 def _load(run_dir: Path):

@@ -72,16 +72,26 @@ def read_servers(run_dir: Path, timeout_s: float) -> list[str]:
     """The servers' URLs once the orchestrator has written them; an error naming it after
     ``timeout_s`` or when it failed."""
     path = exchange_dir(run_dir) / SERVERS
-    failed = exchange_dir(run_dir) / ORCHESTRATOR_FAILED
+    _wait_for(path, exchange_dir(run_dir) / ORCHESTRATOR_FAILED, timeout_s, "the servers' URLs",
+              f"no {path} after {timeout_s:.0f} s (the orchestrator writes it at start-up)")
+    return list(json.loads(path.read_text())["servers"])
+
+
+def _wait_for(path: Path, failed: Path, timeout_s: float, what: str, missing: str,
+              interrupted=lambda: False) -> bool:
+    """Poll until ``path`` exists (True) or ``interrupted()`` (False); an error naming the
+    orchestrator when it failed (its ``failed`` marker) or after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not path.exists():
+        if interrupted():
+            return False
         if failed.exists():
-            raise RuntimeError(f"disaggregated RL: waiting for the servers' URLs: {failed.read_text().strip()}")
+            raise RuntimeError(f"disaggregated RL: waiting for {what}: {failed.read_text().strip()}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"disaggregated RL: no {path} after {timeout_s:.0f} s (the orchestrator writes it at "
-                               "start-up); is the orchestrator running (its log: <run>/logs/orchestrator.log)?")
+            raise TimeoutError(f"disaggregated RL: {missing}; is the orchestrator running "
+                               "(its log: <run>/logs/orchestrator.log)?")
         time.sleep(WAIT_POLL_S)
-    return list(json.loads(path.read_text())["servers"])
+    return True
 
 
 class BatchQueue:
@@ -117,15 +127,7 @@ class BatchQueue:
     def wait(self, step: int, timeout_s: float, interrupted=lambda: False) -> dict | None:
         """Batch ``step`` once it exists; None as soon as ``interrupted()`` (a preemption signal);
         an error naming the orchestrator when it failed or after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        path, failed = self.path(step), self.root.parent / ORCHESTRATOR_FAILED
-        while not path.exists():
-            if interrupted():
-                return None
-            if failed.exists():
-                raise RuntimeError(f"disaggregated RL: waiting for batch {step}: {failed.read_text().strip()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"disaggregated RL: no batch for step {step} in {self.root} after {timeout_s:.0f} s; "
-                                   "is the orchestrator running (its log: <run>/logs/orchestrator.log)?")
-            time.sleep(WAIT_POLL_S)
+        if not _wait_for(self.path(step), self.root.parent / ORCHESTRATOR_FAILED, timeout_s, f"batch {step}",
+                         f"no batch for step {step} in {self.root} after {timeout_s:.0f} s", interrupted):
+            return None
         return self.get(step)
