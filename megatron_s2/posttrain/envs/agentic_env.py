@@ -85,7 +85,7 @@ class AgenticEnvironment(PromptSet):
 
     def settings(self, *, temperature: float, max_tokens: int) -> HarnessSettings:
         return HarnessSettings(model="policy", max_turns=self.config.max_turns, max_tokens=max_tokens,
-                               temperature=temperature)
+                               temperature=temperature, declare_tools=self.config.agent.get("declare_tools", True))
 
     # ---- PromptSet ---------------------------------------------------------------------------------
     def size(self, split: Split) -> int:
