@@ -97,7 +97,7 @@ def test_a_harness_plays_a_task_into_trainable_traces(server, traces, loaded, ru
         script = _script(tok, calls)
         server.policy.queue[:] = script
         seen = len(server.log.requests)
-        session = f"{harness}-{task.name}@{member}"
+        session = f"{harness}{'' if declare else '-undeclared'}-{task.name}@{member}"
         episodes.append(run_harness_episode(task, make_harness(harness), runtime, server_url=server.url,
                                             session=session, trace_dir=traces, settings=settings))
         requests = list(server.log.requests.values())[seen:]
