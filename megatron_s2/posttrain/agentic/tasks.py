@@ -14,14 +14,16 @@ Each task is a folder of data files under ``tasks/`` (no network, nothing genera
 
 Kinds in the set: fix a bug so that hidden tests pass (``fix_median``, ``fix_wordcount``,
 ``fix_report``), implement to a spec (``implement_slugify``), produce a file with given
-properties (``primes_file``, ``make_config``), a terminal chore (``archive_logs``); and two
+properties (``primes_file``, ``make_config``), a terminal chore (``archive_logs``); and three
 tiny-model tasks, one file read and one file written (``sum_pair``: the sum of the two numbers of
-input.txt; ``copy_word``: the word of word.txt, random letters), whose inputs are overlaid last, so
-an agent that rewrites them earns nothing.
+input.txt; ``copy_word``: the word of word.txt, random letters; ``spot_seven``: ``yes`` when one of
+input.txt's four digits is a 7, else ``no`` — a two-way decision, half the instances each, whose
+reference writes the answer before the path, nearer the observation), whose inputs are overlaid
+last, so an agent that rewrites them earns nothing.
 
 **Variants** (issue 25): a policy trained on one fixed instance learns that instance. The two
-tiny-model tasks have seeded instances — :func:`task_variant` draws ``sum_pair``'s operands and
-``copy_word``'s word — as the same task with its input file replaced (in the starting workspace
+tiny-model tasks have seeded instances — :func:`task_variant` draws ``sum_pair``'s operands,
+``copy_word``'s word and ``spot_seven``'s digits — as the same task with its input file replaced (in the starting workspace
 and in the canonical overlay) and the reference solution rewritten. A variant belongs to the
 ``train`` or the ``eval`` split by its *content* (:func:`variant_split`: a hash of its files), so
 the held-out instances are never trained on, whatever the seeds or counts
