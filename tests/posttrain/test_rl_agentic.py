@@ -49,6 +49,7 @@ def test_the_config_knows_every_harness_adapter():
     ("data.tokenizer=char", "data.tokenizer: the agent gateway renders"),
     ("rl.effort={levels: [1, 2], samples_per_level: 2}", "rl.effort.levels: effort-conditioned prompts"),
     ("rl.rollout.engine.train_aware_replay=true", "not supported with verifiers or agentic environments"),
+    ("rl.advantage.credit=turn", "rl.advantage.credit: turn needs a reward per assistant turn"),
 ])
 def test_a_recipe_that_cannot_run_is_refused_in_one_line(override, message):
     extra = ["rl.rollout.engine.decoder_bounded_replay=true"] if "train_aware" in override else []
@@ -81,8 +82,6 @@ def _environment(*overrides):
      "'sum_pairs'; known: archive_logs"),
     ("rl.rollout.environment.tasks=[fix_median]", "rl.rollout.environment.eval_prompts: agentic tasks ['fix_median'] "
      "have no variants"),
-    ("rl.rollout.environment.agent={harness: smolagents}", "rl.rollout.environment.agent.harness: smolagents "
-     "re-renders its history"),
 ])
 def test_the_environment_refuses_unknown_tasks_by_key(override, message):
     with pytest.raises(ConfigError) as err:
