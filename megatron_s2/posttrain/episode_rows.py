@@ -28,7 +28,8 @@ its :attr:`~megatron_s2.posttrain.orchestrator.RolloutSample.branches` are furth
   dealt out in the trace's segment order (:func:`~megatron_s2.posttrain.rollout.agentic_trace.
   episode_samples`). Per-turn advantages (``credit: turn``) of a multi-branch episode are refused.
 * **Fillers**: the number of rows varies with the branches episodes left; it is padded to a multiple
-  of ``micro_batch_size`` x data-parallel size with filler rows — copies of a real row with nothing
+  of ``micro_batch_size`` x data-parallel size (x pp under interleaved 1F1B, which needs a multiple
+  of pp micro-batches per rank) with filler rows — copies of a real row with nothing
   trained (loss mask, advantage and sequence id empty) — so every micro-batch and rank is full and
   R3 records stay aligned; the step's micro-batch count follows the rows.
 """

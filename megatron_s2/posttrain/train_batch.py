@@ -46,15 +46,15 @@ TERM_STATS = {"policy_gradient": ["importance_weight"], "reference_kl": ["refere
 
 def build_micro_batches(samples: Sequence[RolloutSample], advantages: Sequence, *, seq_length: int,
                         micro_batch_size: int, dp_rank: int, dp_size: int, pad_id: int, loss_config,
-                        dataset_weights: dict[str, float] | None = None, train_aware_replay: bool = False
-                        ) -> list[dict]:
+                        dataset_weights: dict[str, float] | None = None, train_aware_replay: bool = False,
+                        micro_batch_multiple: int = 1) -> list[dict]:
     """This data-parallel rank's micro-batches (dicts of [b, s] tensors + ``routing``) of the
     samples' rows (:func:`~megatron_s2.posttrain.episode_rows.training_rows`); every rank gets
-    the same number of them."""
+    the same number of them, a multiple of ``micro_batch_multiple`` (interleaved 1F1B: pp)."""
     if len(samples) % (micro_batch_size * dp_size):
         raise ValueError(f"{len(samples)} samples do not split into micro-batches of {micro_batch_size} on {dp_size} "
                          "data-parallel ranks")
-    layout = training_rows(samples, advantages, multiple=micro_batch_size * dp_size)
+    layout = training_rows(samples, advantages, multiple=micro_batch_size * dp_size * micro_batch_multiple)
     rows, total = layout.rows, len(layout.rows)
     global_tokens = layout.loss_tokens
     sequence_tokens = torch.tensor(layout.episode_tokens(), dtype=torch.float64)

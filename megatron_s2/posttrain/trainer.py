@@ -337,7 +337,8 @@ class PosttrainTrainer(Trainer):
         mbs = build_micro_batches(samples, advantages, seq_length=t.seq_length, micro_batch_size=t.micro_batch_size,
                                   dp_rank=self.dp_rank, dp_size=self.layout.dp, pad_id=self.tokenizer.pad_id,
                                   loss_config=cfg.loss, dataset_weights=weights,
-                                  train_aware_replay=self.rollout_cfg.engine.train_aware_replay)
+                                  train_aware_replay=self.rollout_cfg.engine.train_aware_replay,
+                                  micro_batch_multiple=self.layout.pp if self.layout.vpp > 1 else 1)
         for mb in mbs:
             self._add_frozen_outputs(mb)
         global_tokens = float(sum(sum(row.policy_mask[1:]) for s in samples for row in s.rows))

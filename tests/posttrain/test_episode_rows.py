@@ -119,6 +119,14 @@ def test_micro_batches_credit_every_trained_segment_once(tmp_path, micro_batch_s
     assert (cat["weights"][6:] == 0).all() and (cat["advantages"][6:] == 0).all()
 
 
+def test_interleaved_pipelines_get_a_multiple_of_pp_micro_batches(tmp_path):
+    sample = episode_sample(_episode(tmp_path), 0, version=2, layer_ids=None)
+    episodes = [sample, *(_one_branch(k, 0.0) for k in (1, 2, 3))]
+    mbs = build_micro_batches(episodes, [0.0] * 4, seq_length=12, micro_batch_size=1, dp_rank=0, dp_size=1, pad_id=0,
+                              loss_config=LossConfig(), micro_batch_multiple=4)
+    assert len(mbs) == 8 and sum(float(mb["loss_mask"].sum()) for mb in mbs[6:]) == 0
+
+
 def test_sequence_mean_counts_an_episode_once(tmp_path):
     sample = episode_sample(_episode(tmp_path), 0, version=2, layer_ids=None)
     mbs = build_micro_batches([sample, _one_branch(1, 0.0)], [1.0, -1.0], seq_length=12, micro_batch_size=1,
