@@ -1,0 +1,162 @@
+"""Agentic environments in disaggregated RL (``posttrain/disaggregated/served_agentic.py``; issue 25,
+seed 004): the orchestrator serves the agent gateway (sessions, TITO capture, PrefixTree trace)
+over the inference servers — each model call one ``POST /inference/v1/generate`` — while the
+builtin harness plays copy_word instances in real sandboxes in the orchestrator. With
+``max_async_level: 0`` the run equals the co-located one of the same recipe and seed (the sessions
+are seeded from their samples' seeds in both modes): the same sampled tokens, rewards, losses (to
+fp32 rounding) and held-out figures. A server dying under an episode costs nothing: its call is
+re-sent to another with the same seed and the episode goes on to the same sample.
+The tiny model is random (one step from scratch): it earns no reward, so the loss is 0 — what
+is compared is every token, log-prob and reward the two modes produced."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_s2.config.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = str(ROOT / "recipes" / "phases" / "rl_agentic.yaml")
+STEPS = 2
+SMALL = ["training.seq_length=576", "training.global_batch_size=2", "training.micro_batch_size=2",
+         "rl.rollout.group_size=2", "rl.rollout.batch_groups=1", "rl.rollout.max_in_flight=2",
+         "rl.rollout.max_new_tokens=12", "rl.rollout.engine.max_num_seqs=2", "rl.rollout.environment.max_concurrent=2",
+         "rl.rollout.environment.tasks=[copy_word]", "rl.rollout.environment.max_turns=2",
+         "rl.rollout.environment.num_prompts=8", "rl.rollout.environment.eval_prompts=2",
+         "rl.advantage.dynamic_sampling=false", "rl.rollout.max_staleness=0",
+         "rl.eval={interval: 2, at_start: true, temperature: 1.0}", "logging.progress_bar=false",
+         "logging.tensorboard=false"]
+DISAGGREGATED = ["rl.mode=disaggregated", "rl.disaggregated.max_async_level=0", "rl.disaggregated.num_servers=2"]
+
+
+def _cli(*args: str, cwd: Path) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "megatron_s2.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=1500)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _sandbox_or_skip():
+    from megatron_s2.config.posttrain.agentic import SandboxConfig
+    from megatron_s2.posttrain.agentic.sandbox import SandboxUnavailable, detect_runtime
+
+    try:
+        detect_runtime(SandboxConfig())
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _init(tmp_path: Path) -> Path:
+    """The servers start from a checkpoint: one cheap co-located step writes one."""
+    init = tmp_path / "init"
+    _cli("train", RECIPE, *SMALL, "training.train_steps=1", "checkpoint.save_interval=1", "rl.eval.at_start=false",
+         "rl.eval.interval=0", "rl.rollout.environment.max_turns=1", "--run-dir", str(init), cwd=tmp_path)
+    return init
+
+
+def test_agentic_environments_load_in_disaggregated_mode_with_routing_replay():
+    recipe = load_recipe(RECIPE, [*SMALL, *DISAGGREGATED])
+    assert recipe.rl.rollout.uses_agentic and recipe.rl.rollout.engine.routing_replay
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_synchronous_disaggregated_agentic_run_equals_colocated(tmp_path):
+    _sandbox_or_skip()
+    init = _init(tmp_path)
+    common = [*SMALL, f"training.train_steps={STEPS}", "checkpoint.save_interval=0",
+              f"checkpoint.load={init / 'checkpoints'}"]
+    _cli("train", RECIPE, *common, "--run-dir", str(tmp_path / "colocated"), cwd=tmp_path)
+    _cli("launch", RECIPE, *common, *DISAGGREGATED, "--local", "--run-dir", str(tmp_path / "disaggregated"),
+         cwd=tmp_path)
+    ref, ours = (_jsonl(tmp_path / run / "metrics.jsonl") for run in ("colocated", "disaggregated"))
+    assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
+    for a, b in zip(ours, ref):
+        for key in ("trained_reward_mean", "response_length", "rollout_tokens"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        assert abs(a["behaviour_logprob"] - b["behaviour_logprob"]) < 1e-5, (a["step"], a, b)
+        assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(b["loss"])), (a["step"], a["loss"], b["loss"])
+        assert a["async_lag_max"] == 0 and a["async_dropped_samples"] == 0
+    trained = [[r["trained"] for r in _jsonl(tmp_path / run / "rollouts.jsonl")] for run in ("colocated", "disaggregated")]
+    assert trained[0] == trained[1]
+    evals = [_jsonl(tmp_path / run / "eval.jsonl") for run in ("colocated", "disaggregated")]
+    assert [e["step"] for e in evals[0]] == [e["step"] for e in evals[1]] == [0, 2]
+    for ref_eval, ours in zip(*evals):
+        ref_eval, ours = ({k: v for k, v in e.items() if k != "eval_time_s"} for e in (ref_eval, ours))
+        assert ours == ref_eval and ours["eval_policy_version"] == ours["step"], (ours, ref_eval)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_an_agentic_episode_whose_server_dies_goes_on_on_another_with_the_same_sample(tmp_path):
+    """The first server a call is sent to never answers (nothing listens there; or it accepts and
+    hangs past request_timeout_s): the call is re-sent to the live one with the same seed and the
+    episode's sample equals the one played on the live server alone (nothing lost, nothing twice),
+    its sandbox never replayed."""
+    import socket
+
+    from megatron_s2.config.engine import EngineConfig
+    from megatron_s2.config.posttrain.engines import engine_max_model_len
+    from megatron_s2.inference.weights import load_model
+    from megatron_s2.posttrain.disaggregated.served_agentic import ServedAgentic
+    from megatron_s2.posttrain.disaggregated.served_backend import ServedRolloutBackend
+    from megatron_s2.posttrain.envs import build_environment
+    from megatron_s2.serve import ServeConfig, ServerThread, build_state
+    from megatron_s2.training.run_checks import check_tokenizer
+
+    _sandbox_or_skip()
+    init = _init(tmp_path)
+    recipe = load_recipe(RECIPE, [*SMALL, *DISAGGREGATED, f"checkpoint.load={init / 'checkpoints'}"])
+    rollout = recipe.rl.rollout
+    tokenizer = check_tokenizer(recipe)
+    envs = {n: build_environment(n, rollout.environment_of(n), tokenizer) for n in rollout.dataset_names()}
+    max_len = engine_max_model_len(recipe, rollout)
+    model, tok, description = load_model(str(init), "cpu")
+    state = build_state(model, tok, description, ServeConfig(disconnect_poll_s=0.05, logprobs_mode="processed_logprobs"),
+                        EngineConfig(max_num_seqs=4, max_model_len=max_len, seed=0), model_name="policy")
+    live = ServerThread(state, keep_alive_s=60.0).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    hung_socket = socket.socket()  # accepts connections (the backlog) and never answers
+    hung_socket.bind(("127.0.0.1", 0))
+    hung_socket.listen(16)
+    hung = f"http://127.0.0.1:{hung_socket.getsockname()[1]}"
+    logs: list[str] = []
+    samples, stats = [], []
+    try:
+        for urls, timeout_s in (([live.url], 60), ([dead, live.url], 60), ([hung, live.url], 5)):
+            backend = ServedRolloutBackend(urls, envs, weights_path=str, record_routing=True, max_model_len=max_len,
+                                           max_concurrent=2, request_timeout_s=timeout_s, server_wait_s=30,
+                                           ordered=True, log=logs.append,
+                                           agentic=ServedAgentic(envs, tokenizer, vocab_size=recipe.model.vocab_size))
+            try:
+                samples.append(backend.play_agentic("default", 3, "train", sample_id=7, temperature=1.0,
+                                                    max_tokens=12, seed=1234, where="test"))
+                stats.append(backend.take_stats())
+            finally:
+                backend.close()
+    finally:
+        live.stop()
+        hung_socket.close()
+    alone, *others = samples
+    assert [s.rerouted for s in stats] == [0, 1, 1], (stats, logs)
+    assert stats[0].calls >= 2 and alone.num_generated > 0, stats  # a multi-call episode (2 turns)
+    assert any(dead in line and "is down" in line for line in logs), logs
+    assert any(hung in line and "is down" in line for line in logs), logs
+    assert alone.routing is not None and (alone.routing.start, alone.routing.end) == (0, len(alone.tokens) - 1)
+    for rerouted in others:
+        assert rerouted.tokens == alone.tokens and rerouted.reward == alone.reward
+        assert rerouted.logprobs == alone.logprobs and rerouted.num_generated == alone.num_generated
+        assert rerouted.spans == alone.spans and rerouted.routing == alone.routing
