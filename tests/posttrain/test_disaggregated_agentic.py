@@ -6,8 +6,9 @@ builtin harness plays copy_word instances in real sandboxes in the orchestrator.
 are seeded from their samples' seeds in both modes): the same sampled tokens, rewards, losses (to
 fp32 rounding) and held-out figures. A server dying under an episode costs nothing: its call is
 re-sent to another with the same seed and the episode goes on to the same sample.
-The tiny model is random (one step from scratch): it earns no reward, so the loss is 0 — what
-is compared is every token, log-prob and reward the two modes produced."""
+The tiny model is random (one step from scratch) and earns no reward: an entropy bonus gives the
+steps a real loss, so version 1's weights differ from version 0's and step 2 checks the servers'
+weight updates too."""
 
 from __future__ import annotations
 
@@ -75,13 +76,16 @@ def test_agentic_environments_load_in_disaggregated_mode_with_routing_replay():
 def test_synchronous_disaggregated_agentic_run_equals_colocated(tmp_path):
     _sandbox_or_skip()
     init = _init(tmp_path)
+    # no reward for a random policy: an entropy bonus makes the loss (and so version 1's weights) real
     common = [*SMALL, f"training.train_steps={STEPS}", "checkpoint.save_interval=0",
-              f"checkpoint.load={init / 'checkpoints'}"]
+              f"checkpoint.load={init / 'checkpoints'}",
+              "rl.loss.terms=[{kind: policy_gradient}, {kind: entropy, coef: 0.01}]"]
     _cli("train", RECIPE, *common, "--run-dir", str(tmp_path / "colocated"), cwd=tmp_path)
     _cli("launch", RECIPE, *common, *DISAGGREGATED, "--local", "--run-dir", str(tmp_path / "disaggregated"),
          cwd=tmp_path)
     ref, ours = (_jsonl(tmp_path / run / "metrics.jsonl") for run in ("colocated", "disaggregated"))
     assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
+    assert all(abs(m["loss"]) > 1e-3 for m in ref), ref
     for a, b in zip(ours, ref):
         for key in ("trained_reward_mean", "response_length", "rollout_tokens"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
