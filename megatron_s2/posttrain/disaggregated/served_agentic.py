@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 import itertools
 import shutil
 import tempfile
@@ -177,6 +178,9 @@ class ServedAgentic:
         self.envs, self.tokenizer, self.vocab_size = dict(environments), tokenizer, vocab_size
         self.server = self.trace_dir = self.backend = None
         self._sessions = itertools.count()
+        # the environment's max_concurrent episodes (sandboxes) at once; 0 = as many as the backend runs
+        self._slots = {name: threading.BoundedSemaphore(e.config.max_concurrent) for name, e in self.envs.items()
+                       if e.config.max_concurrent}
 
     def bind(self, backend) -> None:
         """Serve the gateway over ``backend``'s servers (called by the backend it belongs to)."""
@@ -200,6 +204,12 @@ class ServedAgentic:
              seed: int, where: str) -> RolloutSample:
         """One episode of instance ``index`` of ``dataset``'s ``split`` through the gateway and the
         servers; its sample, every token labelled with the oldest version a server had at its start."""
+        with self._slots.get(dataset) or contextlib.nullcontext():
+            return self._play(dataset, index, split, sample_id=sample_id, temperature=temperature,
+                              max_tokens=max_tokens, seed=seed, where=where)
+
+    def _play(self, dataset: str, index: int, split: str, *, sample_id: int, temperature: float, max_tokens: int,
+              seed: int, where: str) -> RolloutSample:
         from megatron_s2.posttrain.agentic.gateway_episode import run_harness_episode
         from megatron_s2.posttrain.rollout.agentic_backend import _ContextLimited, _only_sample
         from megatron_s2.serve.gateway.traces import group_of
@@ -218,8 +228,10 @@ class ServedAgentic:
         finally:  # the episode holds its trace's samples: the gateway's store need not keep the tree
             seeds.pop(session, None)
             self.server.state.capture.store.forget(group_of(session))
-        routed = next((b.experts for b in episode.samples if b.experts is not None), None)
-        layer_ids = list(range(routed.shape[1])) if routed is not None else None  # as served_backend's records
+        layer_ids = None
+        if self.backend.record_routing:  # R3: layers numbered as served_backend's records; none returned: refused
+            routed = next((b.experts for b in episode.samples if b.experts is not None), None)
+            layer_ids = [] if routed is None else list(range(routed.shape[1]))
         return _only_sample(episode, sample_id, version, layer_ids, where)
 
     def close(self) -> None:

@@ -453,13 +453,22 @@ class ServedRolloutBackend:
                 with self._lock:
                     self.stats.rerouted += 1
                 continue
-            sample = trace_sample(only_trace(episode, where), sample_id, version=version, layer_ids=None)
+            trace = only_trace(episode, where)
+            sample = trace_sample(trace, sample_id, version=version, layer_ids=self._trace_layers(trace))
             break
         server.answered = True
         with self._lock:
             self.stats.generated_tokens += sample.num_generated
             self.stats.calls += 1
         return sample
+
+    def _trace_layers(self, trace) -> list[int] | None:
+        """R3: the layer ids of the routed experts the servers returned into a verifiers trace (as
+        :meth:`_routing` numbers them); [] when they returned none (the trace is then refused by name)."""
+        if not self.record_routing:
+            return None
+        routed = next((b.routed_experts for b in reversed(trace.branches) if b.trainable), None)
+        return [] if routed is None else list(range(np.asarray(routed).shape[1]))
 
     def _healthy(self, server: _Server) -> bool:
         try:
