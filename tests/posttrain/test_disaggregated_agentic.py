@@ -4,8 +4,9 @@ over the inference servers — each model call one ``POST /inference/v1/generate
 builtin harness plays copy_word instances in real sandboxes in the orchestrator. With
 ``max_async_level: 0`` the run equals the co-located one of the same recipe and seed (the sessions
 are seeded from their samples' seeds in both modes): the same sampled tokens, rewards, losses (to
-fp32 rounding) and held-out figures. A server dying under an episode costs nothing: its call is
-re-sent to another with the same seed and the episode goes on to the same sample.
+fp32 rounding) and held-out figures, also with a server killed -9 mid-run. A server dying under
+an episode costs nothing: its call is re-sent to another with the same seed and the episode goes
+on to the same sample.
 The tiny model is random (one step from scratch) and earns no reward: an entropy bonus gives the
 steps a real loss, so version 1's weights differ from version 0's and step 2 checks the servers'
 weight updates too."""
@@ -16,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ from megatron_s2.config.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "phases" / "rl_agentic.yaml")
-STEPS = 2
+STEPS = 3
 SMALL = ["training.seq_length=576", "training.global_batch_size=2", "training.micro_batch_size=2",
          "rl.rollout.group_size=2", "rl.rollout.batch_groups=1", "rl.rollout.max_in_flight=2",
          "rl.rollout.max_new_tokens=12", "rl.rollout.engine.max_num_seqs=2", "rl.rollout.environment.max_concurrent=2",
@@ -71,9 +73,44 @@ def test_agentic_environments_load_in_disaggregated_mode_with_routing_replay():
     assert recipe.rl.rollout.uses_agentic and recipe.rl.rollout.engine.routing_replay
 
 
+def test_a_gateway_call_goes_to_the_servers_as_its_engine_request_and_comes_back_whole():
+    """The gateway's engine parameters on the wire, and a server's answer as the engine's one
+    finished output (token ids, log-probs, versions, the routed experts of every fed position)."""
+    import numpy as np
+
+    from megatron_s2.inference.request import CompletedRequest, FinishReason
+    from megatron_s2.inference.sampling import SamplingParams
+    from megatron_s2.posttrain.disaggregated.served_agentic import choice_output, wire_sampling
+    from megatron_s2.serve.errors import BadRequest
+    from megatron_s2.serve.token_api import encode_routed_experts
+
+    params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=11, stop_token_ids=(3,), record_routing=True)
+    assert wire_sampling(params, record_routing=True) == {
+        "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 0, "seed": 11, "stop_token_ids": [3],
+        "ignore_eos": False, "logprobs": 1, "skip_special_tokens": False, "return_routed_experts": True,
+        "routed_experts_prompt_start": 0}
+    assert "return_routed_experts" not in wire_sampling(params, record_routing=False)
+    with pytest.raises(BadRequest, match="tool_choice"):  # none / required have no field on the token endpoint
+        wire_sampling(SamplingParams(banned_token_ids=(5,)), record_routing=False)
+    rows = np.arange(5 * 2 * 3).reshape(5, 2, 3) % 8  # prompt 4 + 2 sampled: 5 fed positions
+    choice = {"token_ids": [9, 10], "finish_reason": "length", "policy_versions": [4, 5],
+              "logprobs": {"content": [{"token": "token_id:9", "logprob": -0.5}, {"token": "token_id:10", "logprob": -1.5}]},
+              "routed_experts": encode_routed_experts(rows, 0)}
+    result = CompletedRequest("r", [1, 2, 3, 4])
+    result.add(choice_output("r", choice))
+    assert result.token_ids == [9, 10] and result.logprobs == [-0.5, -1.5] and result.versions == [4, 5]
+    assert result.finish_reason is FinishReason.LENGTH and np.array_equal(result.routed_experts.numpy(), rows)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_synchronous_disaggregated_agentic_run_equals_colocated(tmp_path):
+def test_synchronous_disaggregated_agentic_run_equals_colocated_while_a_server_is_killed(tmp_path):
+    """Server 0 is killed -9 once step 1 is logged: its calls in flight are re-sent to server 1 with
+    the same seeds, the launcher restarts it, the orchestrator loads it with the current weights."""
+    import signal
+
+    from tests.posttrain.test_disaggregated import _pid_of, _server_port, _wait_for_step
+
     _sandbox_or_skip()
     init = _init(tmp_path)
     # no reward for a random policy: an entropy bonus makes the loss (and so version 1's weights) real
@@ -81,8 +118,19 @@ def test_synchronous_disaggregated_agentic_run_equals_colocated(tmp_path):
               f"checkpoint.load={init / 'checkpoints'}",
               "rl.loss.terms=[{kind: policy_gradient}, {kind: entropy, coef: 0.01}]"]
     _cli("train", RECIPE, *common, "--run-dir", str(tmp_path / "colocated"), cwd=tmp_path)
-    _cli("launch", RECIPE, *common, *DISAGGREGATED, "--local", "--run-dir", str(tmp_path / "disaggregated"),
-         cwd=tmp_path)
+    run = tmp_path / "disaggregated"
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_s2.cli", "launch", RECIPE, *common, *DISAGGREGATED,
+                             "--local", "--run-dir", str(run)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    _wait_for_step(run, 1, proc)
+    time.sleep(2.0)  # into step 2's episodes (measured: the kill then meets calls in flight; equal either way)
+    os.kill(_pid_of("megatron_s2.cli", "serve", _server_port(run, 0)), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=1200)
+    assert proc.returncode == 0, out[-4000:]
+    assert "inference server 0 exited (-9); restarting it" in out
+    log = (run / "logs" / "restart0" / "orchestrator.log").read_text()
+    assert "inference server http://127.0.0.1:" in log and "is down" in log, log
     ref, ours = (_jsonl(tmp_path / run / "metrics.jsonl") for run in ("colocated", "disaggregated"))
     assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
     assert all(abs(m["loss"]) > 1e-3 for m in ref), ref
@@ -95,7 +143,7 @@ def test_synchronous_disaggregated_agentic_run_equals_colocated(tmp_path):
     trained = [[r["trained"] for r in _jsonl(tmp_path / run / "rollouts.jsonl")] for run in ("colocated", "disaggregated")]
     assert trained[0] == trained[1]
     evals = [_jsonl(tmp_path / run / "eval.jsonl") for run in ("colocated", "disaggregated")]
-    assert [e["step"] for e in evals[0]] == [e["step"] for e in evals[1]] == [0, 2]
+    assert [e["step"] for e in evals[0]] == [e["step"] for e in evals[1]] == [0, 2, 3]
     for ref_eval, ours in zip(*evals):
         ref_eval, ours = ({k: v for k, v in e.items() if k != "eval_time_s"} for e in (ref_eval, ours))
         assert ours == ref_eval and ours["eval_policy_version"] == ours["step"], (ours, ref_eval)
