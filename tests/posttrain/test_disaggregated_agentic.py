@@ -124,7 +124,7 @@ def test_synchronous_disaggregated_agentic_run_equals_colocated_while_a_server_i
                             stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     _wait_for_step(run, 1, proc)
-    time.sleep(2.0)  # into step 2's episodes (measured: the kill then meets calls in flight; equal either way)
+    time.sleep(2.0)  # into step 2's episodes (measured: a call in flight re-routed, rollout_rerouted 1; equal either way)
     os.kill(_pid_of("megatron_s2.cli", "serve", _server_port(run, 0)), signal.SIGKILL)
     out, _ = proc.communicate(timeout=1200)
     assert proc.returncode == 0, out[-4000:]

@@ -47,6 +47,7 @@ import torch
 
 from megatron_s2.inference.request import FinishReason, RequestOutput
 from megatron_s2.inference.sampling import SamplingParams
+from megatron_s2.posttrain.disaggregated.served_backend import ServerUnavailable
 from megatron_s2.posttrain.orchestrator import RolloutSample
 from megatron_s2.serve.errors import BadRequest, EngineUnavailable, RequestFailed
 
@@ -143,24 +144,25 @@ class ServedEngine:
             raise EngineUnavailable(f"the inference servers are not reachable ({self._closed})")
         wire = wire_sampling(params, self.backend.record_routing)
         loop = asyncio.get_running_loop()
-        self.counters["submitted"] += 1
+        with self._lock:
+            self.counters["submitted"] += 1
         self._pool.submit(self._call, engine_id, list(prompt), wire, loop, sink, tag)
 
     def abort(self, engine_id: str) -> None:
         """The call still runs on its server; its output is dropped."""
         with self._lock:
             self._aborted.add(engine_id)
-        self.counters["aborted"] += 1
+            self.counters["aborted"] += 1
 
     def _call(self, engine_id: str, prompt: list[int], wire: dict, loop, sink, tag: int) -> None:
         try:
-            item = choice_output(engine_id, self.backend.generate(prompt, wire))
-            self.counters["finished"] += 1
+            item, outcome = choice_output(engine_id, self.backend.generate(prompt, wire)), "finished"
+        except ServerUnavailable as exc:  # none answered for server_wait_s, or the orchestrator closes
+            item, outcome = EngineUnavailable(f"the inference servers: {exc}"), "failed"
         except Exception as exc:  # noqa: BLE001 - delivered to the gateway's request as its HTTP error
-            self.counters["failed"] += 1
-            unavailable = type(exc).__name__ == "ServerUnavailable"
-            item = (EngineUnavailable if unavailable else RequestFailed)(f"the inference servers: {exc}")
+            item, outcome = RequestFailed(f"the inference servers: {exc}"), "failed"
         with self._lock:
+            self.counters[outcome] += 1
             if engine_id in self._aborted:
                 self._aborted.discard(engine_id)
                 return
