@@ -57,17 +57,21 @@ def server_command(python: str, recipe, port: str | int, host: str = "127.0.0.1"
     """argv of one inference server (the orchestrator asks each call's log-probs under the
     distribution it sampled from: ``processed_logprobs``). ``rl.rollout.engine.speculative``
     becomes ``--speculative``: the servers decode with the checkpoint's DSpark drafter (a
-    checkpoint without one stops the server at start-up with one line naming the flag)."""
+    checkpoint without one stops the server at start-up with one line naming the flag).
+    ``routing_replay`` with verifiers environments adds ``--enable-return-routed-experts`` (their
+    client asks for none; R3 needs them in the trace)."""
     from megatron_s2.config.posttrain.engines import engine_max_model_len
 
     rl = recipe.rl
     speculative = ("--speculative",) if rl.rollout.engine.speculative else ()
+    # R3 for verifiers episodes: their client asks for no routed experts, so the servers return them always
+    routing = ("--enable-return-routed-experts",) if rl.rollout.engine.routing_replay and rl.rollout.uses_verifiers else ()
     return (python, "-m", "megatron_s2.cli", "serve", initial_weights(recipe), "--host", host, "--port", str(port),
             "--served-model-name", "policy", "--logprobs-mode", "processed_logprobs",
             "--max-num-seqs", str(rl.disaggregated.max_num_seqs),
             "--max-waiting", str(max(256, rl.rollout.max_in_flight)),
             "--max-model-len", str(engine_max_model_len(recipe, rl.rollout)), "--seed", str(recipe.training.seed),
-            *speculative, "--log-level", "warning")
+            *speculative, *routing, "--log-level", "warning")
 
 
 def orchestrator_command(python: str, config: Path, run_dir: Path, servers: list[str] | None) -> tuple[str, ...]:

@@ -35,6 +35,11 @@ every running episode finish before the engine pauses; no partial episodes are c
 (the gateway's 400 "maximum context length") ends with stop reason ``context_limit`` — graded,
 trained, its last segment weighted as a limit stop — rather than failing the step.
 
+**Seeds.** The harnesses send none: each episode's gateway session is seeded from its sample's
+seed (``ServerState.session_seeds``; call ``k`` samples with ``seed + 1_000_003 k``), so an episode
+is reproducible — and a disaggregated run (:mod:`megatron_s2.posttrain.disaggregated.served_agentic`)
+plays the same episodes through the inference servers.
+
 **Held-out evaluation** (:meth:`play_held_out`): the environment's held-out instances played
 through the same gateway, harness and engine between steps, by the
 :class:`~megatron_s2.posttrain.rollout.evaluation.VerifiersEvaluator` (it only needs
@@ -119,13 +124,16 @@ class AgenticBackend(EpisodeBackend):
         return episodes
 
     # ---- episodes ---------------------------------------------------------------------------------------
-    def _play(self, env, task, session: str, *, temperature: float, max_tokens: int) -> HarnessEpisode:
+    def _play(self, env, task, session: str, *, temperature: float, max_tokens: int, seed: int) -> HarnessEpisode:
+        seeds = self.server.state.session_seeds  # the session's calls are seeded from the sample's seed
+        seeds[session] = seed
         try:
             return run_harness_episode(task, _ContextLimited(env.harness()), env.runtime, server_url=self.server.url,
                                        session=session, trace_dir=self.trace_dir,
                                        settings=env.settings(temperature=temperature, max_tokens=max_tokens),
                                        annotator=env.config.process_annotator)
         finally:  # the episode holds its trace's samples: the gateway's store need not keep the tree
+            seeds.pop(session, None)
             self.server.state.capture.store.forget(group_of(session))
 
     def _launch(self) -> None:
@@ -134,7 +142,7 @@ class AgenticBackend(EpisodeBackend):
         for req in pending:
             env = self.envs[req.dataset]
             future = self.pool.submit(self._play, env, env.task(req.index), f"ep{req.sample_id}",
-                                      temperature=req.temperature, max_tokens=req.max_new_tokens)
+                                      temperature=req.temperature, max_tokens=req.max_new_tokens, seed=req.seed)
             run = self._running[req.sample_id] = EpisodeRun(req, version, future)
             future.add_done_callback(lambda _, run=run: self._finished(run))
 
@@ -158,7 +166,8 @@ class AgenticBackend(EpisodeBackend):
         """Episodes of held-out instances — ``(dataset, index)`` into each environment's ``eval``
         split — through the same gateway, harness and engine as training, at ``temperature``
         (0 = greedy); their samples in order, ``correct`` = graded 1. Called between steps, when no
-        training episode runs. (``seed`` is unused: the harnesses send none.)"""
+        training episode runs; episode ``k``'s calls are seeded from ``seed(k)`` (the harnesses send
+        no seed: the gateway's ``session_seeds``)."""
         if self.server is None:
             self._start()
         if any(not run.future.done() for run in self._running.values()):
@@ -168,8 +177,9 @@ class AgenticBackend(EpisodeBackend):
             self.engine.resume()
         try:
             futures = [self.pool.submit(self._play, self.envs[name], self.envs[name].task(index, "eval"),
-                                        f"eval{next(self._eval_keys)}", temperature=temperature, max_tokens=max_tokens)
-                       for name, index in items]
+                                        f"eval{next(self._eval_keys)}", temperature=temperature, max_tokens=max_tokens,
+                                        seed=seed(key))
+                       for key, (name, index) in enumerate(items)]
             episodes = [f.result() for f in futures]
         finally:
             if paused:
