@@ -10,7 +10,8 @@ ids, their log-probs, per-token policy versions and (R3) the routed experts of e
 out — so the trace holds exactly the servers' tokens, as co-located it holds the engine's. The
 harness, its sandbox and the grader run in the orchestrator (the Prime Intellect talk: the
 orchestrator runs the environments, the servers only answer); a finished episode becomes the
-sample as co-located (:func:`~megatron_s2.posttrain.rollout.agentic_backend._only_sample`).
+sample as co-located (:func:`~megatron_s2.posttrain.rollout.agentic_backend._episode_sample`: one row per
+trace branch of a harness that re-renders its history, :mod:`megatron_s2.posttrain.episode_rows`).
 
 * **Seeds**: the harnesses send none; each episode's session is seeded from its sample's seed
   (``ServerState.session_seeds``: call ``k`` samples with ``seed + 1_000_003 k``), in both modes,
@@ -213,7 +214,7 @@ class ServedAgentic:
     def _play(self, dataset: str, index: int, split: str, *, sample_id: int, temperature: float, max_tokens: int,
               seed: int, where: str) -> RolloutSample:
         from megatron_s2.posttrain.agentic.gateway_episode import run_harness_episode
-        from megatron_s2.posttrain.rollout.agentic_backend import _ContextLimited, _only_sample
+        from megatron_s2.posttrain.rollout.agentic_backend import _ContextLimited, _episode_sample
         from megatron_s2.serve.gateway.traces import group_of
 
         env = self.envs[dataset]
@@ -234,7 +235,7 @@ class ServedAgentic:
         if self.backend.record_routing:  # R3: layers numbered as served_backend's records; none returned: refused
             routed = next((b.experts for b in episode.samples if b.experts is not None), None)
             layer_ids = [] if routed is None else list(range(routed.shape[1]))
-        return _only_sample(episode, sample_id, version, layer_ids, where)
+        return _episode_sample(episode, sample_id, version, layer_ids, where)
 
     def close(self) -> None:
         if self.server is not None:

@@ -407,8 +407,8 @@ class ServedRolloutBackend:
         sample = self.play_agentic(req.dataset, req.index, "train", sample_id=req.sample_id,
                                    temperature=req.temperature, max_tokens=req.max_new_tokens, seed=req.seed,
                                    where=f"rollout: agentic episode of sample {req.sample_id} (prompt {req.prompt_uid})")
-        sample.dataset, sample.group_id, sample.prompt_uid, sample.effort = (req.dataset, req.group_id,
-                                                                             req.prompt_uid, req.effort)
+        for row in sample.rows:  # the sample and the further branches of its episode (episode_rows)
+            row.dataset, row.group_id, row.prompt_uid, row.effort = req.dataset, req.group_id, req.prompt_uid, req.effort
         return sample
 
     def play_agentic(self, dataset: str, index: int, split: str, *, sample_id: int, temperature: float,

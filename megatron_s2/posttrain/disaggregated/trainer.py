@@ -187,7 +187,7 @@ class DisaggregatedTrainer(PosttrainTrainer):
         """The off-policyness bound at this step (module docstring, 2)."""
         k, masked = self.async_level, 0
         for s in samples:
-            old = sum(1 for v, m in zip(s.versions, s.policy_mask) if m and self.step - v > k)
+            old = sum(1 for v in s.policy_versions if self.step - v > k)  # every row of the episode
             if old and self.rollout_cfg.staleness_action == "discard":
                 raise RuntimeError(f"disaggregated RL: batch {self.step} holds sample {s.sample_id} with tokens "
                                    f"{s.staleness(self.step)} versions old (max_async_level {k}); the orchestrator "

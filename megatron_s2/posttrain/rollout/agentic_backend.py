@@ -15,16 +15,19 @@ real third-party harness instead of verifiers' agent:
   the process annotator's weight per policy segment;
 * the finished episode becomes a sample with exactly the engine's token ids, log-probs and routed
   experts (R3) from the trace (:func:`~megatron_s2.posttrain.rollout.agentic_trace.episode_samples`),
-  context and tool observations loss-masked, its policy spans carrying the process weights.
+  context and tool observations loss-masked, its policy spans carrying the process weights — one
+  row per trace branch that ends in policy tokens: the first is the sample, the others its
+  ``branches`` (:func:`_episode_sample`).
 
 **Credit.** A sample is an episode, so a prompt group is ``group_size`` episodes of one task
 instance and the recipe's advantage (``leave_one_out``: worked example 22) is the per-episode
 session advantage; the batch assembly spreads it over the episode's policy spans through
 Eq. 30 (``w * A`` when A > 0, ``A`` otherwise) — what
 :func:`~megatron_s2.posttrain.agentic.gateway_episode.group_token_advantages` computes.
-A harness that re-renders its history (smolagents) leaves one branch per model call; training
-several samples of one episode is not wired yet: the environment refuses such a harness, and an
-episode that still leaves several branches fails by name.
+A harness that re-renders its history (smolagents) leaves one branch per model call: the episode
+stays one sample of its group (one reward, one advantage), its further branches are trained as
+rows of their own, each policy segment in exactly one of them, with the episode's advantage and
+their own process weights (:mod:`~megatron_s2.posttrain.episode_rows`).
 
 **Weight updates.** As for verifiers: the trace keeps no per-token version, so :meth:`pause` lets
 every running episode finish before the engine pauses; no partial episodes are checkpointed
@@ -53,10 +56,9 @@ import shutil
 import tempfile
 from typing import Callable, Sequence
 
-from megatron_s2.config.schema import ConfigError
 from megatron_s2.posttrain.agentic.gateway_episode import HarnessEpisode, run_harness_episode
 from megatron_s2.posttrain.orchestrator import RolloutSample
-from megatron_s2.posttrain.rollout.agentic_trace import episode_samples
+from megatron_s2.posttrain.rollout.agentic_trace import episode_sample
 from megatron_s2.posttrain.rollout.episode_backend import EpisodeBackend, EpisodeRun
 from megatron_s2.serve.gateway.traces import group_of
 
@@ -151,9 +153,9 @@ class AgenticBackend(EpisodeBackend):
         if run.end_version != run.version:
             raise RuntimeError(f"{where} ran across a weight update (version {run.version} -> {run.end_version}); "
                                "the backend must drain before an update")
-        sample = _only_sample(episode, req.sample_id, run.version, self.layer_ids, where)
-        sample.group_id, sample.prompt_uid, sample.dataset, sample.effort = (req.group_id, req.prompt_uid,
-                                                                             req.dataset, req.effort)
+        sample = _episode_sample(episode, req.sample_id, run.version, self.layer_ids, where)
+        for row in sample.rows:
+            row.group_id, row.prompt_uid, row.dataset, row.effort = req.group_id, req.prompt_uid, req.dataset, req.effort
         self.stats.generated_tokens += sample.num_generated
         self.episodes.append(episode)
         return sample
@@ -183,20 +185,15 @@ class AgenticBackend(EpisodeBackend):
             if paused:
                 self.engine.pause()
         version = self.engine.policy_version
-        return [_only_sample(episode, key, version, None, f"eval: agentic episode of held-out instance {index} of {name}")
+        return [_episode_sample(episode, key, version, None, f"eval: agentic episode of held-out instance {index} of {name}")
                 for key, ((name, index), episode) in enumerate(zip(items, episodes))]
 
 
-def _only_sample(episode: HarnessEpisode, sample_id: int, version: int, layer_ids, where: str) -> RolloutSample:
-    """The one trainable sample of a finished episode (module docstring: one branch per episode)."""
-    samples = episode_samples(episode, sample_id, version=version, layer_ids=layer_ids)
-    if not samples:
+def _episode_sample(episode: HarnessEpisode, sample_id: int, version: int, layer_ids, where: str) -> RolloutSample:
+    """The episode's sample (:func:`~megatron_s2.posttrain.rollout.agentic_trace.episode_sample`), or
+    the reason it has none."""
+    sample = episode_sample(episode, sample_id, version=version, layer_ids=layer_ids)
+    if sample is None:
         detail = f": {episode.error}" if episode.error else ""
         raise RuntimeError(f"{where} made no trainable model call (stop reason {episode.stop_reason}{detail})")
-    if len(samples) > 1:
-        raise ConfigError(f"agent.harness: {where}: the {episode.harness} harness re-renders its history, leaving "
-                          f"{len(samples)} trace branches for one episode; training several samples of one episode is "
-                          "not supported yet — use harness: builtin, openai_agents or anthropic")
-    sample = samples[0]
-    sample.finish_reason = episode.stop_reason
     return sample
