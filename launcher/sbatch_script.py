@@ -158,6 +158,7 @@ def _wait_block(job: JobSpec) -> list[str]:
         "    ENDED=",
         '    wait -n -p ENDED "$STEP_PID" $ROLE_STEPS',
         "    rc=$?",
+        "    ENDED=${ENDED:-}  # unset by wait when a trapped signal interrupted it (set -u)",
         '    if [ -z "$ENDED" ]; then  # interrupted by a trapped signal',
         '        kill -0 "$STEP_PID" 2>/dev/null && continue',
         '        wait "$STEP_PID"; rc=$?; break',

@@ -143,3 +143,28 @@ def test_a_server_that_dies_ends_the_whole_job(slurm3, sft, tmp_path):
     assert "requeueing" not in batch_log
     assert not (run_dir / "FINISHED").exists()
     _assert_nothing_left(slurm3, run_dir, sft)
+
+
+def test_a_preempted_heterogeneous_job_requeues_whole_and_resumes(slurm3, sft, tmp_path):
+    """SIGUSR1 to the batch shell (as ``--signal=B:USR1@N`` before the time limit): the trainer saves
+    and exits 75, the role steps are stopped, the whole job is requeued; the next attempt starts new
+    servers and the orchestrator, which continues after its last batch; every step is trained once.
+    (Was: ``wait -n -p`` leaves its variable unset when a trapped signal interrupts it, and the
+    script's ``set -u`` ended the job FAILED.)"""
+    run_dir = tmp_path / "rl"
+    job_id = _submit(slurm3, run_dir, "training.train_steps=12", "checkpoint.save_interval=4",
+                     f"rl.disaggregated.server_port={free_port()}", "rl.eval.interval=0", "rl.eval.at_start=false",
+                     f"checkpoint.load={sft}")
+    metrics = run_dir / "metrics.jsonl"
+    slurm3.wait(job_id, lambda info: metrics.exists() and metrics.read_text().count("\n") >= 3, timeout=600)
+    slurm3.run(["scancel", "--batch", "--signal=USR1", job_id])
+    slurm3.wait(job_id, lambda info: info.get("Restarts") == "1" and info["JobState"] == "PENDING", timeout=180)
+    slurm3.start_now(job_id)
+    info = slurm3.wait_done(job_id, timeout=600)
+    batch_log = (run_dir / "slurm" / f"job-{job_id}.out").read_text()
+    assert info["JobState"] == "COMPLETED", batch_log
+    assert "requeueing: restart 1" in batch_log and "unbound variable" not in batch_log, batch_log
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 13)), steps
+    assert "wrote batches" in (run_dir / "logs" / "restart1" / "orchestrator.log").read_text()
+    _assert_nothing_left(slurm3, run_dir, sft)
