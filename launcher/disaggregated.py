@@ -10,9 +10,13 @@ orchestrator (``megatron-s2 orchestrate`` on the same resolved recipe, :mod:`meg
   and loads the current weights into it once it is back); an orchestrator that fails leaves a
   marker (``ORCHESTRATOR_FAILED``), which the trainer, waiting for a batch, reports and stops on. Logs:
   ``<run>/logs/restart<N>/server<i>.log`` and ``orchestrator.log``.
-* On SLURM (:func:`role_lines`): one heterogeneous job — component 0 the trainer's nodes,
-  component 1 the servers (one node each), component 2 the orchestrator — whose script starts the
-  servers and the orchestrator in the background and the trainer in the foreground.
+* On SLURM (:func:`slurm_roles`, rendered by :mod:`megatron_s2.launcher.sbatch_script`): one
+  heterogeneous job — component 0 the trainer's nodes, component 1 the servers (one node each,
+  server ``i`` on port ``8100 + i``), component 2 the orchestrator — whose script starts the servers
+  and the orchestrator as background steps and the trainer as the watched one. A role step that
+  ends before the trainer (a server at all; the orchestrator with an error) writes the
+  ``ORCHESTRATOR_FAILED`` marker (nobody restarts it there), so the trainer stops with its reason and
+  the job fails; the roles still running when the trainer ends get SIGTERM (``scancel --signal``) and exit.
 """
 
 from __future__ import annotations
@@ -53,21 +57,27 @@ def initial_weights(recipe) -> str:
     return recipe.checkpoint.load
 
 
-def server_command(python: str, recipe, port: str | int, host: str = "127.0.0.1") -> tuple[str, ...]:
-    """argv of one inference server (the orchestrator asks each call's log-probs under the
+def server_command(python: str, recipe, port: str | int | None, host: str = "127.0.0.1") -> tuple[str, ...]:
+    """argv of one inference server (``port`` None: no ``--port``, the SLURM script adds each
+    server's own; the orchestrator asks each call's log-probs under the
     distribution it sampled from: ``processed_logprobs``). ``rl.rollout.engine.speculative``
     becomes ``--speculative``: the servers decode with the checkpoint's DSpark drafter (a
-    checkpoint without one stops the server at start-up with one line naming the flag)."""
+    checkpoint without one stops the server at start-up with one line naming the flag).
+    ``routing_replay`` with verifiers environments adds ``--enable-return-routed-experts`` (their
+    client asks for none; R3 needs them in the trace)."""
     from megatron_s2.config.posttrain.engines import engine_max_model_len
 
     rl = recipe.rl
     speculative = ("--speculative",) if rl.rollout.engine.speculative else ()
-    return (python, "-m", "megatron_s2.cli", "serve", initial_weights(recipe), "--host", host, "--port", str(port),
+    # R3 for verifiers episodes: their client asks for no routed experts, so the servers return them always
+    routing = ("--enable-return-routed-experts",) if rl.rollout.engine.routing_replay and rl.rollout.uses_verifiers else ()
+    where = ("--host", host) if port is None else ("--host", host, "--port", str(port))
+    return (python, "-m", "megatron_s2.cli", "serve", initial_weights(recipe), *where,
             "--served-model-name", "policy", "--logprobs-mode", "processed_logprobs",
             "--max-num-seqs", str(rl.disaggregated.max_num_seqs),
             "--max-waiting", str(max(256, rl.rollout.max_in_flight)),
             "--max-model-len", str(engine_max_model_len(recipe, rl.rollout)), "--seed", str(recipe.training.seed),
-            *speculative, "--log-level", "warning")
+            *speculative, *routing, "--log-level", "warning")
 
 
 def orchestrator_command(python: str, config: Path, run_dir: Path, servers: list[str] | None) -> tuple[str, ...]:
@@ -77,7 +87,8 @@ def orchestrator_command(python: str, config: Path, run_dir: Path, servers: list
 
 
 SLURM_SERVER_PORT = 8100
-"""The servers' port on their nodes when ``rl.disaggregated.server_port`` is 0."""
+"""Server ``i``'s port on its node is this + ``i`` when ``rl.disaggregated.server_port`` is 0
+(distinct ports: nodes that share one host, as the test cluster's emulated ones, do not collide)."""
 
 MAX_FAILED_RESTARTS = 3
 """A server restarted this many times in a row without ever serving is given up (the run fails with its log)."""
@@ -89,9 +100,9 @@ def slurm_roles(recipe, run_dir: Path, config: Path, python: str, gpus_per_node:
 
     cfg = recipe.rl.disaggregated
     port = cfg.server_port or SLURM_SERVER_PORT
-    return RoleSpec(servers=cfg.num_servers, server_command=server_command(python, recipe, port, host="0.0.0.0"),
+    return RoleSpec(servers=cfg.num_servers, server_command=server_command(python, recipe, None, host="0.0.0.0"),
                     orchestrator_command=orchestrator_command(python, config, run_dir, None), port=port,
-                    server_gpus=1 if gpus_per_node else 0)
+                    server_gpus=1 if gpus_per_node else 0, exchange=exchange_dir(run_dir))
 
 
 def _role_preexec() -> None:  # runs in the child between fork and exec

@@ -95,13 +95,16 @@ class RoleSpec:
     servers: int
     """Inference server nodes (heterogeneous component 1)."""
     server_command: tuple[str, ...]
-    """argv of one server (listening on ``port`` on every interface)."""
+    """argv of one server without ``--port`` (the script adds server ``i``'s: ``port + i``)."""
     orchestrator_command: tuple[str, ...]
     """argv of the orchestrator, to which ``--servers <the servers' URLs>`` is appended at run time."""
     port: int
-    """The servers' TCP port."""
+    """Server ``i`` listens on ``port + i`` (every interface)."""
     server_gpus: int = 0
     """GPUs per server node (0 = CPU)."""
+    exchange: Path | None = None
+    """The run's ``disaggregated/`` directory: a previous attempt's ``servers.json`` and
+    ``ORCHESTRATOR_FAILED`` are removed there; a role that ends early writes the latter."""
 
 
 @dataclass(frozen=True)

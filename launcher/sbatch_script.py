@@ -31,10 +31,14 @@ import shlex
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.launcher.job import FINISHED_MARKER, PREEMPTED_MARKER, JobSpec, rank_python
+from megatron_s2.posttrain.disaggregated.exchange import ORCHESTRATOR_FAILED, SERVERS
 from megatron_s2.runtime.preemption import EXIT_PREEMPTED
 from megatron_s2.runtime.rendezvous import SLURM_PORT_BASE, SLURM_PORT_SPAN
 
 __all__ = ["render_sbatch_script", "sbatch_directives", "srun_line", "directive_word"]
+
+ROLE_STOP_S = 30
+"""How long the role steps of a disaggregated RL job get to exit after SIGTERM once the trainer has ended."""
 
 _DIRECTIVE_SPECIAL = re.compile(r"""[\s\\"'#]""")
 _UNSAFE_PATH = re.compile(r"[\x00-\x1f\x7f%\\]")
@@ -66,24 +70,104 @@ def _role_directives(job: JobSpec) -> list[str]:
 
 
 def _roles_block(job: JobSpec) -> list[str]:
-    """Start the servers and the orchestrator in the background (disaggregated RL)."""
+    """Start the servers and the orchestrator as background steps (disaggregated RL)."""
     roles = job.roles
     if roles is None:
         return []
     q = shlex.quote
     server = " ".join(q(w) for w in roles.server_command)
     orchestrator = " ".join(q(w) for w in roles.orchestrator_command)
+    exchange = q(str(roles.exchange))
     return [
         "# Disaggregated RL (rl.mode: disaggregated): inference servers on heterogeneous component 1, one per",
-        "# node, the orchestrator on component 2; the trainer (component 0) and they only share the run directory.",
-        f'SERVERS=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_1" | sed "s|.*|http://&:{roles.port}|" '
-        "| paste -sd, -)",
-        f'srun --het-group=1 --ntasks-per-node=1 --output="$LOG_DIR"/server%t.log {server} &',
-        "ROLE_PIDS=$!",
-        f'srun --het-group=2 --ntasks=1 --output="$LOG_DIR"/orchestrator.log {orchestrator} --servers "$SERVERS" &',
-        'ROLE_PIDS="$ROLE_PIDS $!"',
-        'trap \'kill $ROLE_PIDS 2>/dev/null\' EXIT',
+        "# node (server i on port SERVER_PORT + i), the orchestrator on component 2; the trainer (component 0)",
+        "# and they only share the run directory. A role that ends before the trainer (nobody restarts it",
+        f"# here) writes {ORCHESTRATOR_FAILED}, on which the trainer, waiting for a batch, stops with its reason.",
+        f"EXCHANGE={exchange}",
+        f'FAILED_MARKER="$EXCHANGE/{ORCHESTRATOR_FAILED}"',
+        f'rm -f "$FAILED_MARKER" "$EXCHANGE/{SERVERS}"  # a previous attempt\'s',
+        f"export SERVER_PORT={roles.port}",
+        "node_addr() {  # a node's name when it resolves, else its NodeAddr (emulated nodes)",
+        '    if getent hosts "$1" >/dev/null; then echo "$1"; else',
+        '        scontrol show node "$1" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\'; fi',
+        "}",
+        "SERVERS=",
+        "SERVER_INDEX=0",
+        'for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_1"); do',
+        '    SERVERS="$SERVERS${SERVERS:+,}http://$(node_addr "$node"):$((SERVER_PORT + SERVER_INDEX))"',
+        "    SERVER_INDEX=$((SERVER_INDEX + 1))",
+        "done",
+        'log "inference servers (component 1): $SERVERS"',
+        "srun --het-group=1 --ntasks-per-node=1 --kill-on-bad-exit=1 --output=\"$LOG_DIR\"/server%n.log "
+        "bash -c 'exec \"$@\" --port \"$((SERVER_PORT + SLURM_NODEID))\"' server " + server + " &",
+        "SERVER_STEP=$!",
+        'srun --het-group=2 --ntasks=1 --output="$LOG_DIR"/orchestrator.log '
+        f'{orchestrator} --servers "$SERVERS" &',
+        "ORCHESTRATOR_STEP=$!",
+        'ROLE_STEPS="$SERVER_STEP $ORCHESTRATOR_STEP"',
+        "role_ended() {  # $1: the step's pid, $2: its exit code",
+        '    if [ "$1" = "$ORCHESTRATOR_STEP" ] && [ "$2" = 0 ]; then',
+        '        log "the orchestrator exited 0 (every batch written)"; return',
+        "    fi",
+        '    if [ "$1" = "$SERVER_STEP" ]; then',
+        '        why="the inference server step (component 1) exited with code $2 before the trainer finished; '
+        'its logs: $LOG_DIR/server<i>.log"',
+        "    else",
+        '        why="the orchestrator step (component 2) exited with code $2; its log: $LOG_DIR/orchestrator.log"',
+        "    fi",
+        '    log "$why"',
+        '    [ -e "$FAILED_MARKER" ] || echo "$why" > "$FAILED_MARKER"',
+        "}",
+        "# The role steps still running once the trainer has ended get SIGTERM through scancel (srun itself",
+        "# would answer SIGTERM with SIGKILL to its tasks); a server then stops serving and exits 0. srun is",
+        "# killed after ROLE_STOP_S seconds if a task has not ended by then.",
+        f"ROLE_STOP_S={ROLE_STOP_S}",
+        "stop_roles() {",
+        '    [ -n "${ROLE_STEPS// /}" ] || return 0',
+        '    log "stopping the role steps still running (components 1 and 2)"',
+        '    scancel --signal=TERM "$SLURM_JOB_ID+1" "$SLURM_JOB_ID+2" 2>/dev/null',
+        "    local waited=0 pid",
+        "    for pid in $ROLE_STEPS; do",
+        '        while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt $((ROLE_STOP_S * 5)) ]; do',
+        "            sleep 0.2; waited=$((waited + 1))",
+        "        done",
+        '        kill -0 "$pid" 2>/dev/null && { log "role step $pid still running after ${ROLE_STOP_S} s: killing it"; '
+        'kill -TERM "$pid"; }',
+        '        wait "$pid"; log "role step $pid ended with code $? (143: stopped by that SIGTERM)"',
+        "    done",
+        '    ROLE_STEPS=""',
+        "}",
+        "trap stop_roles EXIT",
         "",
+    ]
+
+
+def _wait_block(job: JobSpec) -> list[str]:
+    """Wait for the training step (a trapped signal interrupts ``wait``; the step goes on); with
+    roles, also note each role step that ends first (:func:`_roles_block`)."""
+    if job.roles is None:
+        return [
+            "while :; do",
+            '    wait "$STEP_PID"',
+            "    rc=$?",
+            '    kill -0 "$STEP_PID" 2>/dev/null || break  # wait was interrupted by a trapped signal',
+            "done",
+        ]
+    return [
+        "while :; do",
+        "    ENDED=",
+        '    wait -n -p ENDED "$STEP_PID" $ROLE_STEPS',
+        "    rc=$?",
+        "    ENDED=${ENDED:-}  # unset by wait when a trapped signal interrupted it (set -u)",
+        '    if [ -z "$ENDED" ]; then  # interrupted by a trapped signal',
+        '        kill -0 "$STEP_PID" 2>/dev/null && continue',
+        '        wait "$STEP_PID"; rc=$?; break',
+        "    fi",
+        '    [ "$ENDED" != "$STEP_PID" ] || break',
+        '    role_ended "$ENDED" "$rc"',
+        '    ROLE_STEPS=$(echo " $ROLE_STEPS " | sed "s/ $ENDED / /")',
+        "done",
+        "stop_roles",
     ]
 
 
@@ -231,11 +315,7 @@ trap 'forward {cfg.signal}' {cfg.signal}
 {srun_line(job)} &
 STEP_PID=$!
 [ -z "$PREEMPTED" ] || kill -s "$PREEMPTED" "$STEP_PID" 2>/dev/null
-while :; do
-    wait "$STEP_PID"
-    rc=$?
-    kill -0 "$STEP_PID" 2>/dev/null || break  # wait was interrupted by a trapped signal
-done
+{chr(10).join(_wait_block(job))}
 log "training step exited with code $rc"
 
 if finished; then

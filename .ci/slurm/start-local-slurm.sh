@@ -3,6 +3,7 @@
 # Env: SLURM_LOCAL_DIR (/tmp/slurm-local/cluster), SLURM_LOCAL_NODES (1; >1 = n1..nN via
 # multiple slurmd), SLURM_LOCAL_WITH_MPI (1: also openmpi + pmix), SLURM_LOCAL_PORT (6817),
 # SLURM_LOCAL_CPUS (CPUs each node advertises; default nproc, more = oversubscribed emulation).
+# bf_interval=1: heterogeneous jobs are started only by the backfill scheduler (30 s default interval).
 set -euo pipefail
 B=${SLURM_LOCAL_DIR:-/tmp/slurm-local/cluster}; N=${SLURM_LOCAL_NODES:-1}
 PORT=${SLURM_LOCAL_PORT:-6817}; H=$(hostname -s); CPUS=${SLURM_LOCAL_CPUS:-$(nproc)}
@@ -60,7 +61,7 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
-SchedulerParameters=batch_sched_delay=0
+SchedulerParameters=batch_sched_delay=0,bf_interval=1
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 MpiDefault=none

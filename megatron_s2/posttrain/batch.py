@@ -12,7 +12,8 @@ pre-training loader (``tokens = ids[:-1]``, ``labels = ids[1:]``) and right-padd
   process weights when the sample carries them (sessions); with ``credit: turn`` a sample's
   advantage is a list, one per assistant turn (span), each under its own process weight;
 * ``sequence_ids`` — the row's sample index in the global batch (-1 on padding), for
-  ``sequence_mean`` aggregation; ``sample_weights`` — lambda_d of the sample's dataset domain (OPD).
+  ``sequence_mean`` aggregation (the rows of one multi-branch episode share theirs:
+  :mod:`~megatron_s2.posttrain.episode_rows`); ``sample_weights`` — lambda_d of the sample's dataset domain (OPD).
 
 ``routing`` is the REPLAY object of the rows' R3 records (each covering its row's
 ``tokens``), or None when the samples carry no routing.
@@ -85,11 +86,14 @@ def _label_advantages(sample: RolloutSample, advantage: float | Sequence[float])
 
 
 def collate(samples: Sequence[RolloutSample], advantages: Sequence[float | Sequence[float]], seq_length: int, *,
-            pad_id: int = 0, first_sequence_id: int = 0,
+            pad_id: int = 0, first_sequence_id: int = 0, sequence_ids: Sequence[int] | None = None,
             dataset_weights: Mapping[str, float] | None = None) -> PosttrainBatch:
     """One row per sample; ``advantages[i]`` is sample i's (session) advantage, or a list of one per
-    assistant turn (``credit: turn``); ``dataset_weights``
+    assistant turn (``credit: turn``); ``sequence_ids[i]`` is row i's sequence id (default
+    ``first_sequence_id + i``; -1: nothing trained); ``dataset_weights``
     maps a sample's dataset to its loss weight (OPD: lambda_d of the dataset's domain)."""
+    if sequence_ids is not None and len(sequence_ids) != len(samples):
+        raise ValueError(f"{len(samples)} samples but {len(sequence_ids)} sequence ids")
     if len(samples) != len(advantages):
         raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
     if not samples:
@@ -117,7 +121,7 @@ def collate(samples: Sequence[RolloutSample], advantages: Sequence[float | Seque
         beh[i, :n] = torch.tensor(s.logprobs[1:], dtype=torch.float32)
         versions[i, :n] = torch.tensor(s.versions[1:], dtype=torch.int64)
         adv[i, :n] = torch.tensor(_label_advantages(s, a), dtype=torch.float32)
-        seq_ids[i, :n] = first_sequence_id + i
+        seq_ids[i, :n] = first_sequence_id + i if sequence_ids is None else sequence_ids[i]
         if dataset_weights is not None:
             weights[i] = float(dataset_weights.get(s.dataset, 1.0))
         if s.routing is not None:

@@ -71,7 +71,8 @@ def rollout_metrics(groups: Sequence, outcomes, *, current_version: int, max_sta
     out["response_length"] = sum(lengths) / n
     out["response_length_max"] = float(max(lengths, default=0))
     out["truncation_rate"] = sum(1.0 for s in samples if s.finish_reason == "length") / n
-    out["turns"] = sum(max(len(s.spans), 1) for s in samples) / n
+    out["turns"] = sum(max(sum(len(row.spans) for row in s.rows), 1) for s in samples) / n
+    out["rows_per_sample"] = sum(len(s.rows) for s in samples) / n  # > 1: multi-branch episodes (episode_rows)
     buckets = max(max_staleness, 0)
     hist = [0] * (buckets + 2)
     for s in samples:

@@ -1,7 +1,9 @@
 """One post-training step's micro-batches and the objective the step functions call.
 
 Every rank holds the whole global batch of samples (the replicated orchestrator hands the same
-groups to every rank); each data-parallel rank collates its contiguous share into micro-batches
+groups to every rank) and lays them out as rows — one per sample, or one per trace branch of a
+multi-branch agentic episode, padded with filler rows (:mod:`~megatron_s2.posttrain.episode_rows`);
+each data-parallel rank collates its contiguous share of the rows into micro-batches
 (:func:`~megatron_s2.posttrain.batch.collate`: exact token ids, loss mask, behaviour log-probs,
 versions, advantages, R3 records). Aggregation weights (token mean, sequence mean, fixed) are
 computed here from the *global* counts, before any context-parallel split, so the sum of the
@@ -26,6 +28,7 @@ from megatron_s2.parallel import mappings
 from megatron_s2.parallel.context_parallel import local_chunk_positions
 from megatron_s2.parallel.groups import Group, ParallelGroups
 from megatron_s2.posttrain.batch import collate
+from megatron_s2.posttrain.episode_rows import training_rows
 from megatron_s2.posttrain.losses.aggregation import aggregation_weights
 from megatron_s2.posttrain.losses.objective import PosttrainObjective
 from megatron_s2.posttrain.losses.terms import LossInputs
@@ -43,24 +46,28 @@ TERM_STATS = {"policy_gradient": ["importance_weight"], "reference_kl": ["refere
 
 def build_micro_batches(samples: Sequence[RolloutSample], advantages: Sequence, *, seq_length: int,
                         micro_batch_size: int, dp_rank: int, dp_size: int, pad_id: int, loss_config,
-                        dataset_weights: dict[str, float] | None = None, train_aware_replay: bool = False
-                        ) -> list[dict]:
-    """This data-parallel rank's micro-batches (dicts of [b, s] tensors + ``routing``)."""
-    total = len(samples)
-    if total % (micro_batch_size * dp_size):
-        raise ValueError(f"{total} samples do not split into micro-batches of {micro_batch_size} on {dp_size} "
+                        dataset_weights: dict[str, float] | None = None, train_aware_replay: bool = False,
+                        micro_batch_multiple: int = 1) -> list[dict]:
+    """This data-parallel rank's micro-batches (dicts of [b, s] tensors + ``routing``) of the
+    samples' rows (:func:`~megatron_s2.posttrain.episode_rows.training_rows`); every rank gets
+    the same number of them, a multiple of ``micro_batch_multiple`` (interleaved 1F1B: pp)."""
+    if len(samples) % (micro_batch_size * dp_size):
+        raise ValueError(f"{len(samples)} samples do not split into micro-batches of {micro_batch_size} on {dp_size} "
                          "data-parallel ranks")
-    global_tokens = float(sum(sum(s.policy_mask[1:]) for s in samples))
+    layout = training_rows(samples, advantages, multiple=micro_batch_size * dp_size * micro_batch_multiple)
+    rows, total = layout.rows, len(layout.rows)
+    global_tokens = layout.loss_tokens
+    sequence_tokens = torch.tensor(layout.episode_tokens(), dtype=torch.float64)
     per_rank = total // dp_size
     first = dp_rank * per_rank
     out = []
     for start in range(first, first + per_rank, micro_batch_size):
-        part = list(samples[start:start + micro_batch_size])
-        batch = collate(part, list(advantages[start:start + micro_batch_size]), seq_length, pad_id=pad_id,
-                        first_sequence_id=start, dataset_weights=dataset_weights)
+        part = rows[start:start + micro_batch_size]
+        batch = collate(part, layout.advantages[start:start + micro_batch_size], seq_length, pad_id=pad_id,
+                        sequence_ids=layout.episodes[start:start + micro_batch_size], dataset_weights=dataset_weights)
         weights = aggregation_weights(batch.loss_mask, loss_config.aggregation, global_tokens=max(global_tokens, 1.0),
-                                      sequence_ids=batch.sequence_ids, global_sequences=float(total),
-                                      constant=loss_config.aggregation_constant or None,
+                                      sequence_ids=batch.sequence_ids, global_sequences=float(layout.num_episodes),
+                                      sequence_tokens=sequence_tokens, constant=loss_config.aggregation_constant or None,
                                       sample_weights=batch.sample_weights)
         mb = {"tokens": batch.tokens, "labels": batch.labels, "loss_mask": batch.loss_mask.float(),
               "position_ids": batch.position_ids, "behaviour_logprobs": batch.behaviour_logprobs,

@@ -337,10 +337,12 @@ class PosttrainTrainer(Trainer):
         mbs = build_micro_batches(samples, advantages, seq_length=t.seq_length, micro_batch_size=t.micro_batch_size,
                                   dp_rank=self.dp_rank, dp_size=self.layout.dp, pad_id=self.tokenizer.pad_id,
                                   loss_config=cfg.loss, dataset_weights=weights,
-                                  train_aware_replay=self.rollout_cfg.engine.train_aware_replay)
+                                  train_aware_replay=self.rollout_cfg.engine.train_aware_replay,
+                                  micro_batch_multiple=self.layout.pp if self.layout.vpp > 1 else 1)
         for mb in mbs:
             self._add_frozen_outputs(mb)
-        global_tokens = float(sum(sum(s.policy_mask[1:]) for s in samples))
+        global_tokens = float(sum(sum(row.policy_mask[1:]) for s in samples for row in s.rows))
+        num_micro = len(mbs) * self.layout.dp  # more than the recipe's when episodes left several branches
         mode = "rl" if self.kind == "rl" else ("opd_sampled" if cfg.mode == "sampled_token" else "opd_full")
         loss = PosttrainLoss(self.objective, self.groups, current_version=self.step, global_tokens=global_tokens,
                              mode=mode, proximal=getattr(cfg, "proximal", "snapshot"))
@@ -348,7 +350,7 @@ class PosttrainTrainer(Trainer):
         if self.recipe.phase.train_drafter:  # online draft update at the rollout temperature (walkthrough Ch. 4)
             from megatron_s2.training.draft_objective import DraftObjective
 
-            step_loss = DraftObjective(torch.tensor([global_tokens]), self.num_micro_global, language_model=False,
+            step_loss = DraftObjective(torch.tensor([global_tokens]), num_micro, language_model=False,
                                        eta=self.recipe.phase.drafter_eta, temperature=self.rollout_cfg.temperature,
                                        primary=loss)
         cp = self.groups.cp
@@ -359,7 +361,7 @@ class PosttrainTrainer(Trainer):
             part["routing"] = routing
             split.append(part)
         self.model.train()
-        inputs = StepInputs(split, self.groups, self.num_micro_global, loss_fn=step_loss)
+        inputs = StepInputs(split, self.groups, num_micro, loss_fn=step_loss)
         result = self.forward_backward(self.model, inputs)
         finalize_model_grads(self.params, self.groups, self.recipe.parallel.grad_bucket_mb, zero1=self.zero1)
         return result, loss.reduce(), int(global_tokens)

@@ -39,6 +39,10 @@ class ServerState:
     description: str
     """Where the weights came from (shown by ``/v1/models`` as ``root``)."""
     created: int = field(default_factory=lambda: int(time.time()))
+    session_seeds: dict[str, int] = field(default_factory=dict)
+    """Session id -> the seed of its episode, for the sessions of an RL rollout: call ``k`` of such
+    a session samples with seed ``seed + 1_000_003 k`` when the request sends none (harnesses send
+    none), so an episode is reproducible whichever server answers (:mod:`megatron_s2.serve.gateway.turn`)."""
 
     @property
     def max_model_len(self) -> int:

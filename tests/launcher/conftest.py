@@ -45,6 +45,14 @@ def slurm_two_nodes(request) -> LocalSlurmCluster:
     return _start_cluster(2, 6927, request)
 
 
+@pytest.fixture(scope="session")
+def slurm_three_nodes(request) -> LocalSlurmCluster:
+    """Three emulated nodes n1..n3: a heterogeneous job's components never share a node here
+    (SLURM 22.05's backfill plans whole nodes per component), so disaggregated RL's trainer, one
+    inference server and the orchestrator need three."""
+    return _start_cluster(3, 6937, request)
+
+
 @pytest.fixture
 def slurm(slurm_one_node, monkeypatch) -> LocalSlurmCluster:
     """The one-node cluster, with SLURM_CONF pointing at it for code under test."""
@@ -59,6 +67,13 @@ def slurm2(slurm_two_nodes, monkeypatch) -> LocalSlurmCluster:
     monkeypatch.setenv("OMPI_MCA_btl", "self,tcp")
     yield slurm_two_nodes
     slurm_two_nodes.cancel_all()
+
+
+@pytest.fixture
+def slurm3(slurm_three_nodes, monkeypatch) -> LocalSlurmCluster:
+    monkeypatch.setenv("SLURM_CONF", str(slurm_three_nodes.conf))
+    yield slurm_three_nodes
+    slurm_three_nodes.cancel_all()
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """A real SLURM cluster on the test machine, started with the project's `.ci/slurm` scripts.
 
-Two clusters can run side by side (different state directories and ports): one node, and two
-emulated nodes ``n1``/``n2`` (two ``slurmd`` on this host). Each node advertises ``cpus`` CPUs
+Clusters can run side by side (different state directories and ports): one node, two emulated
+nodes ``n1``/``n2`` (two ``slurmd`` on this host), and three (``n1``..``n3``) for heterogeneous jobs. Each node advertises ``cpus`` CPUs
 (4 by default, oversubscribing a 2-core machine) so that 4-rank layouts fit. Jobs are
 inspected with ``scontrol show job`` (there is no accounting database).
 """

@@ -192,7 +192,11 @@ def test_disaggregated_rl_is_one_heterogeneous_job(capsys, tmp_path):
     assert options[second:] == ["hetjob", "--nodes=1", "--ntasks=1"]  # the orchestrator
     lines = {line.split()[1]: line for line in script.splitlines() if line.startswith("srun ")}
     assert set(lines) == {"--het-group=0", "--het-group=1", "--het-group=2"}
-    assert f"serve {tmp_path / 'run' / 'sft' / 'checkpoints'} --host 0.0.0.0 --port 8100" in lines["--het-group=1"]
+    # server i on port 8100 + i of its node; the orchestrator gets each node's address (its NodeAddr
+    # where the name does not resolve) — run for real in test_disaggregated_slurm.py
+    assert f"serve {tmp_path / 'run' / 'sft' / 'checkpoints'} --host 0.0.0.0 --served" in lines["--het-group=1"]
+    assert """bash -c 'exec "$@" --port "$((SERVER_PORT + SLURM_NODEID))"' server""" in lines["--het-group=1"]
+    assert "export SERVER_PORT=8100" in script.splitlines()
     assert lines["--het-group=2"].endswith('orchestrate ' + f"{tmp_path / 'run' / 'rl'}/launch/config.yaml --run-dir "
                                            f'{tmp_path / "run" / "rl"} --servers "$SERVERS" &')
     assert " train " in lines["--het-group=0"] and "heterogeneous job: trainer ranks (component 0), 2" in err

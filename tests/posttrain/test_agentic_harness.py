@@ -136,6 +136,67 @@ def test_a_harness_plays_a_task_into_trainable_traces(server, traces, loaded, ru
 
 
 @pytest.mark.slow
+def test_a_re_rendering_harness_trains_every_call_once(server, traces, loaded, runtime, monkeypatch):  # noqa: F811
+    """smolagents writes its earlier calls back as its own text, so its session leaves one trace
+    branch per model call. Laid out as the trainer's rows (``episode_sample``, then the step's
+    micro-batches, beside a one-call episode of the same group): (a) every trained token is what the
+    engine sampled for that call, with its log-prob, in that call's exact context; (b) each call's
+    sample is trained in exactly one row (token_mean counts every sampled token once); (c) the
+    harness's re-rendering of its earlier calls is context, never trained."""
+    from megatron_s2.config.posttrain.loss import LossConfig
+    from megatron_s2.posttrain.rollout.agentic_trace import episode_sample
+    from megatron_s2.posttrain.train_batch import build_micro_batches
+
+    tok, engine = loaded[1], server.state.backend.engine
+    sampled: dict[str, dict] = {}
+    add_request = engine.add_request
+
+    def spy(prompt, params=None, *, request_id=None, on_output=None, **kwargs):
+        rec = sampled[request_id] = {"prompt": list(prompt), "ids": [], "logprobs": []}
+
+        def out(o):
+            rec["ids"] += list(o.token_ids)
+            rec["logprobs"] += list(o.logprobs)
+            on_output(o)
+        return add_request(prompt, params, request_id=request_id, on_output=out, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", spy)
+    task = load_task("sum_pair")
+    settings = HarnessSettings(model="policy", max_turns=6, max_tokens=160, temperature=1.0)
+    episodes, scripts = [], [_script(tok, task.reference), _script(tok, [{"name": "submit"}])]
+    for member, script in enumerate(scripts):
+        server.policy.queue[:] = script
+        episodes.append(run_harness_episode(task, make_harness("smolagents"), runtime, server_url=server.url,
+                                            session=f"smol-rows@{member}", trace_dir=traces, settings=settings))
+    assert [e.reward for e in episodes] == [1.0, 0.0], episodes[0].error
+    calls = list(sampled.values())
+    assert [c["ids"] for c in calls] == scripts[0] + scripts[1]
+    samples = [episode_sample(e, k, version=0, layer_ids=None) for k, e in enumerate(episodes)]
+    rows = samples[0].rows
+    assert len(rows) == 3 and len(samples[1].rows) == 1  # one branch per call of the 3-call episode
+    trained = []
+    for row in rows + samples[1].rows:
+        for start, end in row.spans:  # (a) the call whose prompt is this row's context, token for token
+            # (both episodes' first calls share their prompt: the opening chat)
+            (call,) = [c for c in calls if c["prompt"] == row.tokens[:start] and c["ids"] == row.tokens[start:end]]
+            assert np.allclose(row.logprobs[start:end], call["logprobs"], atol=1e-6)
+            trained.append(call["ids"])
+    assert sorted(trained) == sorted(scripts[0] + scripts[1])  # (b) every call once
+    for k, row in enumerate(rows[1:], 1):  # (c) earlier calls come back re-rendered, masked
+        start = row.spans[0][0]
+        assert row.spans == [(start, start + len(scripts[0][k]))]
+        context = tok.decode(row.tokens[:start])  # smolagents' memory: "Calling tools:\n[{... 'function': {...}}]"
+        assert all(f"'name': {c['name']!r}, 'arguments': {c['arguments']!r}" in context for c in task.reference[:k])
+        for earlier in scripts[0][:k]:
+            assert not any(row.tokens[i:i + len(earlier)] == earlier for i in range(start))
+    mbs = build_micro_batches(samples, [1.0, -1.0], seq_length=max(len(r.tokens) for r in rows), micro_batch_size=2,
+                              dp_rank=0, dp_size=1, pad_id=0, loss_config=LossConfig(aggregation="token_mean"))
+    mask = np.concatenate([mb["loss_mask"].numpy().ravel() for mb in mbs])
+    weights = np.concatenate([mb["weights"].numpy().ravel() for mb in mbs])
+    assert mask.sum() == sum(len(ids) for ids in trained) and np.isclose(weights.sum(), 1.0)
+
+
+@pytest.mark.slow
 def test_runner_and_harness_give_the_same_labels_and_weights(server, traces, loaded, runtime):  # noqa: F811
     """The in-process runner (a ``messages -> text`` policy reading the one format) and a harness
     through the gateway, on one scripted session with a malformed answer, a failing call and its

@@ -5,8 +5,9 @@ the run equals the co-located one of the same recipe and seed — the same promp
 rewards and losses (to fp32 rounding, as tests/posttrain/test_disaggregated.py) — on the parity
 taskset, whose reward a tiny model earns about half the time (a real loss, not zero advantages).
 Held-out tasks (``eval_taskset``) are played through the servers by the trainer (served_eval.py) into
-the same eval.jsonl. What the servers cannot give a verifiers trace yet (R3 routing) is refused in
-one line (exit 2)."""
+the same eval.jsonl. R3 routing replay (``routing_replay``, the default) is on: the servers return
+the routed experts into the verifiers traces (``--enable-return-routed-experts``) and the trainer
+replays them as co-located."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ SMALL = ["training.seq_length=96", "training.global_batch_size=8", "training.mic
          "rl.rollout.group_size=8", "rl.rollout.batch_groups=1", "rl.rollout.max_in_flight=8",
          "rl.rollout.max_new_tokens=6", "rl.rollout.engine.max_num_seqs=8", "rl.rollout.environment.max_concurrent=8",
          "rl.advantage.dynamic_sampling=false", *EVAL, "rl.rollout.max_staleness=0",
-         "rl.rollout.engine.routing_replay=false", "logging.progress_bar=false", "logging.tensorboard=false",
+         "logging.progress_bar=false", "logging.tensorboard=false",
          "rl.rollout.environment.taskset={id: megatron_s2_parity, split: train, count: 8}",
          f"rl.rollout.environment.plugin_path={PLUGINS}"]
 DISAGGREGATED = ["rl.mode=disaggregated", "rl.disaggregated.max_async_level=0", "rl.disaggregated.num_servers=2"]
@@ -80,9 +81,16 @@ def test_synchronous_disaggregated_verifiers_run_equals_colocated(tmp_path):
         assert ours == ref_eval and ours["eval_policy_version"] == ours["step"], (ours, ref_eval)
 
 
-def test_what_the_servers_cannot_give_a_verifiers_trace_is_refused():
-    with pytest.raises(ConfigError, match=r"rl\.rollout\.engine\.routing_replay"):
-        load_recipe(RECIPE, [*SMALL, *DISAGGREGATED, "rl.rollout.engine.routing_replay=true"])
+def test_r3_routing_with_verifiers_has_the_servers_return_routed_experts():
+    from megatron_s2.launcher.disaggregated import server_command
+
+    for routing in (True, False):
+        recipe = load_recipe(RECIPE, [*SMALL, *DISAGGREGATED, f"rl.rollout.engine.routing_replay={str(routing).lower()}",
+                                      "checkpoint.load=ckpt"])
+        assert ("--enable-return-routed-experts" in server_command("python", recipe, 8000)) == routing
+    with pytest.raises(ConfigError, match=r"rl\.rollout\.engine\.train_aware_replay"):  # still refused by name
+        load_recipe(RECIPE, [*SMALL, *DISAGGREGATED, "rl.rollout.engine.decoder_bounded_replay=true",
+                             "rl.rollout.engine.train_aware_replay=true"])
 
 
 @pytest.mark.slow

@@ -53,6 +53,7 @@ def test_the_config_knows_every_harness_adapter():
     ("data.tokenizer=char", "data.tokenizer: the agent gateway renders"),
     ("rl.effort={levels: [1, 2], samples_per_level: 2}", "rl.effort.levels: effort-conditioned prompts"),
     ("rl.rollout.engine.train_aware_replay=true", "not supported with verifiers or agentic environments"),
+    ("rl.advantage.credit=turn", "rl.advantage.credit: turn needs a reward per assistant turn"),
 ])
 def test_a_recipe_that_cannot_run_is_refused_in_one_line(override, message):
     extra = ["rl.rollout.engine.decoder_bounded_replay=true"] if "train_aware" in override else []
@@ -85,8 +86,6 @@ def _environment(*overrides):
      "'sum_pairs'; known: archive_logs"),
     ("rl.rollout.environment.tasks=[fix_median]", "rl.rollout.environment.eval_prompts: agentic tasks ['fix_median'] "
      "have no variants"),
-    ("rl.rollout.environment.agent={harness: smolagents}", "rl.rollout.environment.agent.harness: smolagents "
-     "re-renders its history"),
 ])
 def test_the_environment_refuses_unknown_tasks_by_key(override, message):
     with pytest.raises(ConfigError) as err:
@@ -335,3 +334,99 @@ def test_rl_on_agentic_episodes_trains_the_engines_tokens(tmp_path, monkeypatch,
         assert extra["trained_reward_mean"] == 0.5 and np.isfinite(m["loss"])
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [2] and 0.0 <= evals[0]["eval_accuracy"] <= 1.0
+
+
+@pytest.mark.slow
+def test_rl_with_smolagents_trains_each_branch_of_an_episode(tmp_path, monkeypatch, one_thread):
+    """One step with ``agent.harness: smolagents``, which writes its earlier calls back as its own
+    text: the reference episode leaves one trace branch per model call, the immediate submit one.
+    The step trains every branch as a row: each row's policy span is exactly one engine request's
+    output (with its log-probs) in that request's context, every training call is trained once and
+    nothing else is (the re-rendered history masked), every row of an episode carries the episode's
+    leave-one-out advantage (Eq. 30, w = 1). ~3 min on 2 cores: smolagents' opening chat is ~5.2k
+    tiny-BPE tokens, so each row is ~5.5k tokens."""
+    from megatron_s2.posttrain.agentic.tools import format_call
+    from megatron_s2.posttrain.rollout import agentic_backend
+    from megatron_s2.posttrain.train_batch import collate as real_collate
+    from megatron_s2.posttrain.trainer import PosttrainTrainer
+    from tests.serve.test_gateway import ScriptedPolicy
+
+    try:
+        detect_runtime(SandboxConfig())
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
+    overrides = [o for o in SMALL if not o.startswith(("training.train_steps", "training.seq_length", "rl.eval",
+                                                        "rl.rollout.environment.eval_prompts"))]
+    recipe = load_recipe(str(RECIPE), [*overrides, "training.train_steps=1", "training.seq_length=6144",
+                                       "rl.rollout.environment.eval_prompts=0", "rl.eval={interval: 0, at_start: false}",
+                                       "rl.rollout.environment.agent={harness: smolagents}"])
+    trainer = PosttrainTrainer(recipe, tmp_path / "run", log=lambda *a: None)
+    tok, engine = trainer.tokenizer, trainer.engine
+    policy = ScriptedPolicy(engine)
+    calls: list[dict] = []
+    add_request = engine.add_request
+
+    def spy(prompt, params=None, *, request_id=None, on_output=None, **kwargs):
+        rec = {"prompt": list(prompt), "ids": [], "logprobs": []}
+        calls.append(rec)
+
+        def out(o):
+            rec["ids"] += list(o.token_ids)
+            rec["logprobs"] += list(o.logprobs)
+            on_output(o)
+        return add_request(prompt, params, request_id=request_id, on_output=out, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", spy)
+    episodes = {}
+    play = agentic_backend.AgenticBackend._play
+
+    def scripted_play(self, env, task, session, **kw):  # the reference solution, then an immediate submit
+        script = task.reference if not episodes else [{"name": "submit", "arguments": {}}]
+        policy.queue[:] = [tok.encode(format_call(c["name"], c["arguments"]) + EOS) for c in script]
+        episode = episodes[int(session[2:])] = play(self, env, task, session, **kw)
+        policy.queue[:] = []
+        return episode
+
+    monkeypatch.setattr(agentic_backend.AgenticBackend, "_play", scripted_play)
+    trained, step_calls = [], []
+
+    def keep(samples, advs, *a, **kw):
+        if not trained:  # the engine requests of the step's episodes (others may start after it)
+            step_calls.extend(calls)
+        out = real_collate(samples, advs, *a, **kw)
+        trained.append((list(samples), out))
+        return out
+
+    monkeypatch.setattr("megatron_s2.posttrain.train_batch.collate", keep)
+    result = trainer.train()
+    assert result.final_step == 1 and len(episodes) == 2
+    assert sorted(e.reward for e in episodes.values()) == [0.0, 1.0]
+
+    calls = step_calls
+    rows = [(row, out, i) for samples, out in trained for i, row in enumerate(samples)]
+    branches = sorted(len(e.samples) for e in episodes.values())
+    assert branches[0] == 1 and branches[1] > 1 and sum(branches) == len(calls)  # one branch per model call
+    fillers = [row for row, _, _ in rows if not any(row.policy_mask)]
+    assert len(fillers) == len(calls) % 2  # rows padded to a multiple of micro_batch_size
+    rows = [(row, out, i) for row, out, i in rows if any(row.policy_mask)]
+    assert len(rows) == len(calls) and all(len(row.spans) == 1 for row, _, _ in rows)
+    advantages: dict[int, list] = {}
+    spans = []
+    for row, out, i in rows:
+        (start, end), = row.spans
+        match = [c for c in calls if c["prompt"] == row.tokens[:start] and c["ids"] == row.tokens[start:end]]
+        assert match, f"row of sample {row.sample_id}: its span is not an engine request's output in its context"
+        assert np.allclose(row.logprobs[start:end], match[0]["logprobs"], atol=1e-6)
+        assert sum(row.policy_mask) == end - start  # the rest of the row (the re-rendered calls) is context
+        spans.append(row.tokens[start:end])
+        n = len(row.tokens) - 1
+        (value,) = set(out.advantages[i, :n][out.loss_mask[i, :n]].tolist())
+        advantages.setdefault(row.sample_id, []).append(value)
+    assert sorted(spans) == sorted(c["ids"] for c in calls)  # every call trained once
+    for k, episode in episodes.items():  # leave-one-out of (1, 0): +1 / -1 on every row, Eq. 30's w when positive
+        a = 1.0 if episode.reward else -1.0
+        assert advantages[k] == [w * a if a > 0 else a for w in episode.weights], episode.categories
+    assert sum(int(out.loss_mask.sum()) for _, out in trained) == sum(len(c["ids"]) for c in calls)
+    extra = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    extra = extra.get("extra", extra)
+    assert extra["rows_per_sample"] == len(calls) / 2 and extra["rollout_accuracy"] == 0.5

@@ -742,3 +742,31 @@ def test_a_split_while_a_call_is_planned_does_not_drop_prompt_tokens(server, tok
     stored = p0.ids + r0.token_ids
     assert pa.ids[:len(stored)] == stored
     assert len(store.tree("plan").roots) == 1 and store.tree("plan").nodes[pb.cut[0]].parent != -1  # B did split
+
+
+def test_a_rollout_session_without_seeds_is_seeded_from_its_episode(server, traces):
+    """An RL rollout's session (``ServerState.session_seeds``) whose harness sends no seed: call k
+    samples with the episode's seed + 1_000_003 k — two episodes of one seed play the same tokens,
+    another seed other ones, and a seed the request sends wins."""
+    from megatron_s2.serve.gateway.turn import session_call_seed
+
+    def episode(session: str, seed: int | None = None) -> list[list[int]]:
+        client, messages = oa(server, session), [{"role": "user", "content": "Seeded."}]
+        for _ in range(2):
+            extra = {"seed": seed} if seed is not None else {}
+            r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=1.0,
+                                               extra_body={"ignore_eos": True}, **extra)
+            messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+        store = TraceStore(traces)
+        tree = store.tree(session.split("@")[0])
+        return [tree.nodes[c.response].token_ids for c in store.session_calls(session)]
+
+    seeds = server.state.session_seeds
+    seeds.update({"seeded@0": 77, "seeded@1": 77, "seeded@2": 78, "seeded@3": 77})
+    try:
+        first, again, other = episode("seeded@0"), episode("seeded@1"), episode("seeded@2")
+        sent = episode("seeded@3", seed=session_call_seed(78, 0))  # the request's seed, both calls
+    finally:
+        seeds.clear()
+    assert first == again and first != other
+    assert sent[0] == other[0] and sent[1] != other[1]

@@ -31,7 +31,7 @@ class DisaggregatedConfig:
     ``rollout.max_staleness`` must equal it (one bound, two names)."""
     server_port: int = 0
     """First TCP port of the servers (server i listens on server_port + i); 0 = free ports
-    chosen by ``launch --local`` (SLURM needs a fixed one)."""
+    chosen by ``launch --local``, 8100 + i on SLURM (one heterogeneous job; its servers need fixed ports)."""
     max_num_seqs: int = 64
     """Requests each server decodes concurrently (``serve --max-num-seqs``)."""
     request_timeout_s: float = 600.0

@@ -118,6 +118,11 @@ def _check_agentic(recipe, section, kind: str) -> None:
     if kind == "opd":
         raise ConfigError("opd.rollout.environment.kind: agentic environments are trained by rl phases only so far "
                           "(the distillation signal of a harness episode is not wired); use phase.kind: rl")
+    advantage = getattr(section, "advantage", None)
+    if advantage is not None and advantage.credit == "turn":
+        raise ConfigError(f"{kind}.advantage.credit: turn needs a reward per assistant turn, and a harness episode has "
+                          "one (the grade after the agent stopped), credited per session over every trace branch; "
+                          "use credit: session")
     effort = getattr(section, "effort", None)
     if effort is not None and effort.enabled:
         raise ConfigError(f"{kind}.effort.levels: effort-conditioned prompts cannot be injected into a harness's own "

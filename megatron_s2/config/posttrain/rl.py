@@ -97,12 +97,6 @@ class RLConfig:
         if self.rollout.max_staleness != k:
             raise ConfigError(f"rl.rollout.max_staleness: in disaggregated mode the staleness bound is "
                               f"rl.disaggregated.max_async_level ({k}); set max_staleness: {k} too")
-        if self.rollout.uses_agentic:
-            raise ConfigError("rl.mode: agentic environments run their own gateway in the trainer; use mode: colocated "
-                              "for them (disaggregated mode plays task and verifiers environments)")
-        if self.rollout.uses_verifiers and self.rollout.engine.routing_replay:
-            raise ConfigError("rl.rollout.engine.routing_replay: verifiers episodes through the inference servers "
-                              "carry no routed experts; set routing_replay: false in disaggregated mode")
         if self.reference_checkpoint or self.loss.has_term("reference_kl"):
             raise ConfigError("rl.loss.terms: a reference_kl term is not supported in disaggregated mode yet; "
                               "drop it or use mode: colocated")

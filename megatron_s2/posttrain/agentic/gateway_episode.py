@@ -85,7 +85,9 @@ def session_samples(trace_dir: str | Path, session: str) -> list[TrainableSample
     """The session's branches (:func:`~megatron_s2.serve.gateway.traces.read_samples`), each response
     trainable in exactly one of them: a harness that keeps its history verbatim leaves one branch; one
     that re-renders it (smolagents writes earlier calls back as its own text) leaves one branch per
-    call, and a response two branches share trains in the first only (context in the others)."""
+    call, and a response two branches share trains in the first only (context in the others: a
+    tree node's prefix is unique, so the copies would be the same computation; training one counts
+    every sampled token once — :mod:`~megatron_s2.posttrain.episode_rows`)."""
     seen, out = set(), []
     for sample in read_samples(trace_dir, [group_of(session)]):
         if sample.session != session:

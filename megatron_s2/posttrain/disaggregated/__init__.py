@@ -20,7 +20,9 @@ the same batch files (no sample lost or trained twice), an orchestrator restarts
 stored in its last batch — and because a SLURM job's roles share the run directory anyway.
 Generation goes over HTTP, so a dead server's requests are re-routed to the others
 (:mod:`.served_backend`). Verifiers environments are played by the orchestrator against the servers
-as verifiers plays any model (:mod:`.served_verifiers`); held-out evaluation runs in the trainer
+as verifiers plays any model (:mod:`.served_verifiers`); agentic environments' harnesses and
+sandboxes run in the orchestrator against its own agent gateway, whose model calls go to the
+servers (:mod:`.served_agentic`); held-out evaluation runs in the trainer
 through the same servers right after it publishes the evaluated version (:mod:`.served_eval`).
 With ``weight_sync: broadcast`` the trainer also sends each version to the live servers over a
 process group formed for the update (:mod:`.weight_sync`), the checkpoint being the fallback.

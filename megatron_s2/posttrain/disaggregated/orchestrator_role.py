@@ -97,11 +97,18 @@ def run_orchestrator(recipe, servers: list[str], *, log=print) -> int:
 
         verifiers = ServedVerifiers({n: e for n, e in envs.items() if rollout.environment_of(n).kind == "verifiers"},
                                     tokenizer)
+    agentic = None
+    if rollout.uses_agentic:  # harness episodes here, through a gateway over the servers (served_agentic.py)
+        from megatron_s2.posttrain.disaggregated.served_agentic import ServedAgentic
+
+        agentic = ServedAgentic({n: e for n, e in envs.items() if rollout.environment_of(n).kind == "agentic"},
+                                tokenizer, vocab_size=recipe.model.vocab_size)
     backend = ServedRolloutBackend(servers, envs, weights_path=lambda v: str(weights_path(run_dir, v)),
                                    record_routing=rollout.engine.routing_replay,
                                    max_model_len=engine_max_model_len(recipe, rollout),
                                    max_concurrent=rollout.max_in_flight, request_timeout_s=cfg.request_timeout_s,
-                                   server_wait_s=cfg.server_wait_s, ordered=k == 0, log=log, verifiers=verifiers)
+                                   server_wait_s=cfg.server_wait_s, ordered=k == 0, log=log, verifiers=verifiers,
+                                   agentic=agentic)
     advantages = AdvantagePipeline(section.advantage, section.effort)
     group_filter = None
     if section.advantage.dynamic_sampling:

@@ -20,6 +20,9 @@ backend assembles its engine's calls.
 * **Pause** is a no-op: the servers never wait for the trainer. :meth:`snapshot` has no partial
   samples (an HTTP call's tokens arrive when it ends), so a restarted orchestrator starts its
   in-flight attempts again with the same seeds.
+* **Episodes played by a client** — verifiers environments (:mod:`.served_verifiers`) and agentic
+  harnesses through the orchestrator's gateway (:mod:`.served_agentic`, every model call one
+  :meth:`generate`) — become samples from their traces, token-in/token-out, as co-located.
 * ``ordered``: completed samples are released in submission order, so the orchestrator's
   decisions do not depend on which server answered first (the synchronous mode uses it; the
   asynchronous one releases samples as they complete).
@@ -90,16 +93,18 @@ class ServedRolloutBackend:
     def __init__(self, servers: Sequence[str], environments: Mapping[str, Environment], *, weights_path:
                  Callable[[int], str], record_routing: bool, max_model_len: int, max_concurrent: int,
                  request_timeout_s: float, server_wait_s: float, ordered: bool, version: int = 0, log=print,
-                 verifiers=None):
+                 verifiers=None, agentic=None):
         """``weights_path(version)``: the published checkpoint of a policy version; ``verifiers``:
-        a :class:`~.served_verifiers.ServedVerifiers` playing the verifiers datasets' episodes."""
+        a :class:`~.served_verifiers.ServedVerifiers` playing the verifiers datasets' episodes;
+        ``agentic``: a :class:`~.served_agentic.ServedAgentic` playing the agentic datasets' episodes
+        (its gateway is served over this backend's servers)."""
         import httpx
 
         if not servers:
             raise ValueError("no inference servers")
         self.servers = [_Server(u.rstrip("/"), version=version) for u in servers]
         self.envs, self.weights_path = dict(environments), weights_path
-        self.record_routing, self.max_model_len = record_routing, max_model_len
+        self.record_routing, self.max_model_len, self.max_concurrent = record_routing, max_model_len, max_concurrent
         self.timeout_s, self.server_wait_s, self.ordered, self.log = request_timeout_s, server_wait_s, ordered, log
         self._version = version
         self._http = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
@@ -115,6 +120,9 @@ class ServedRolloutBackend:
         self._closing = False
         self.stats = ServedStats()
         self.verifiers = verifiers
+        self.agentic = agentic
+        if agentic is not None:
+            agentic.bind(self)
 
     # ---- protocol -----------------------------------------------------------------------------------
     @property
@@ -199,6 +207,8 @@ class ServedRolloutBackend:
         """Stop: calls still in flight are abandoned (their samples were never going to be trained)."""
         self._closing = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.agentic is not None:  # its episodes' calls in flight end with ServerUnavailable ("closing")
+            self.agentic.close()
         self._http.close()
         if self.verifiers is not None:
             self.verifiers.close()
@@ -345,6 +355,8 @@ class ServedRolloutBackend:
     def _episode(self, req: SampleRequest) -> RolloutSample:
         if self.verifiers is not None and req.dataset in self.verifiers.envs:
             return self._verifiers_episode(req)
+        if self.agentic is not None and req.dataset in self.agentic.envs:
+            return self._agentic_episode(req)
         episode = self.envs[req.dataset].episode(req.index, "train", req.effort)
         builder = SessionBuilder(req.sample_id)
         context, calls = episode.prompt_tokens(), 0
@@ -391,6 +403,25 @@ class ServedRolloutBackend:
                                                                              req.prompt_uid, req.effort)
         return sample
 
+    def _agentic_episode(self, req: SampleRequest) -> RolloutSample:
+        sample = self.play_agentic(req.dataset, req.index, "train", sample_id=req.sample_id,
+                                   temperature=req.temperature, max_tokens=req.max_new_tokens, seed=req.seed,
+                                   where=f"rollout: agentic episode of sample {req.sample_id} (prompt {req.prompt_uid})")
+        for row in sample.rows:  # the sample and the further branches of its episode (episode_rows)
+            row.dataset, row.group_id, row.prompt_uid, row.effort = req.dataset, req.group_id, req.prompt_uid, req.effort
+        return sample
+
+    def play_agentic(self, dataset: str, index: int, split: str, *, sample_id: int, temperature: float,
+                     max_tokens: int, seed: int, where: str) -> RolloutSample:
+        """A harness episode (instance ``index`` of ``dataset``'s ``split``) through the orchestrator's
+        gateway, each of its model calls routed and re-routed as :meth:`generate` (:mod:`.served_agentic`);
+        also the held-out episodes of :mod:`.served_eval`."""
+        sample = self.agentic.play(dataset, index, split, sample_id=sample_id, temperature=temperature,
+                                   max_tokens=max_tokens, seed=seed, where=where)
+        with self._lock:
+            self.stats.generated_tokens += sample.num_generated
+        return sample
+
     def play_verifiers(self, dataset: str, index: int, split: str, *, sample_id: int, temperature: float,
                        top_p: float, max_tokens: int, seed: int, where: str) -> RolloutSample:
         """A verifiers episode (task ``index`` of ``dataset``'s ``split``) on one server, played again
@@ -422,13 +453,22 @@ class ServedRolloutBackend:
                 with self._lock:
                     self.stats.rerouted += 1
                 continue
-            sample = trace_sample(only_trace(episode, where), sample_id, version=version, layer_ids=None)
+            trace = only_trace(episode, where)
+            sample = trace_sample(trace, sample_id, version=version, layer_ids=self._trace_layers(trace))
             break
         server.answered = True
         with self._lock:
             self.stats.generated_tokens += sample.num_generated
             self.stats.calls += 1
         return sample
+
+    def _trace_layers(self, trace) -> list[int] | None:
+        """R3: the layer ids of the routed experts the servers returned into a verifiers trace (as
+        :meth:`_routing` numbers them); [] when they returned none (the trace is then refused by name)."""
+        if not self.record_routing:
+            return None
+        routed = next((b.routed_experts for b in reversed(trace.branches) if b.trainable), None)
+        return [] if routed is None else list(range(np.asarray(routed).shape[1]))
 
     def _healthy(self, server: _Server) -> bool:
         try:

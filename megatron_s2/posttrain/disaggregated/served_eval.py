@@ -117,14 +117,19 @@ class ServedEvaluator(Evaluator):
     def play(self, engine, items, temperature: float):
         """Token-level episodes through :meth:`Evaluator.play`; verifiers environments' held-out
         tasks (all datasets are verifiers ones then, as co-located) as verifiers episodes against
-        the servers, episode ``k`` seeded :func:`episode_seed` ``(k)`` as the co-located
-        :class:`~megatron_s2.posttrain.rollout.evaluation.VerifiersEvaluator` seeds them."""
+        the servers, agentic environments' held-out instances as harness episodes through a gateway
+        over the servers (:mod:`.served_agentic`), episode ``k`` seeded :func:`episode_seed` ``(k)``
+        as the co-located :class:`~megatron_s2.posttrain.rollout.evaluation.VerifiersEvaluator` seeds them."""
         backend = self.engine.backend
-        if backend.verifiers is None:
+        if backend.verifiers is None and backend.agentic is None:
             return super().play(engine, items, temperature)
         from megatron_s2.posttrain.rollout.evaluation import EvalItem, episode_seed
 
         def one(key: int, name: str, index: int):
+            if backend.agentic is not None:  # held-out instances as harness episodes, seeded as co-located
+                return backend.play_agentic(name, index, "eval", sample_id=key, temperature=temperature,
+                                            max_tokens=self.max_new_tokens, seed=episode_seed(key),
+                                            where=f"eval: agentic episode of held-out instance {index} of {name}")
             return backend.play_verifiers(name, index, "eval", sample_id=key, temperature=temperature, top_p=1.0,
                                           max_tokens=self.max_new_tokens, seed=episode_seed(key),
                                           where=f"eval: verifiers episode of held-out task {index} of {name}")

@@ -20,8 +20,11 @@ server -> ``TrainClient`` -> ``renderers`` with the run's tokenizer -> ``POST
   (versions only grow) — so the staleness rule (``max_async_level``) is applied conservatively:
   a kept sample is never older than the bound; one may be dropped that was just within it.
   The behaviour log-probs are each token's own (the server's), so the loss is exact.
-* No R3 routing (the servers' routed experts do not reach a verifiers trace here): the recipe
-  refuses ``routing_replay`` with verifiers environments in disaggregated mode.
+* **R3 routing** (``rollout.engine.routing_replay``): the servers run with
+  ``--enable-return-routed-experts`` (:func:`megatron_s2.launcher.disaggregated.server_command`),
+  so every ``/inference/v1/generate`` answer carries the routed experts of the positions it fed;
+  verifiers' ``TrainClient`` puts them into the trace, which becomes the sample's routing record
+  as co-located (:func:`~megatron_s2.posttrain.rollout.vf_trace.trace_sample`).
 """
 
 from __future__ import annotations

@@ -117,10 +117,16 @@ class DisaggregatedTrainer(PosttrainTrainer):
                 from megatron_s2.posttrain.disaggregated.served_verifiers import ServedVerifiers
 
                 verifiers = ServedVerifiers(self.environments, self.tokenizer)
+            agentic = None
+            if self.rollout_cfg.uses_agentic and self.is_main:  # held-out instances as harness episodes
+                from megatron_s2.posttrain.disaggregated.served_agentic import ServedAgentic
+
+                agentic = ServedAgentic(self.environments, self.tokenizer, vocab_size=self.recipe.model.vocab_size)
             backend = ServedRolloutBackend(servers, {}, weights_path=lambda v: str(weights_path(self.run_dir, v)),
                                            record_routing=False, max_model_len=max_len, max_concurrent=concurrent,
                                            request_timeout_s=cfg.request_timeout_s, server_wait_s=cfg.server_wait_s,
-                                           ordered=True, log=self.log, verifiers=verifiers)
+                                           ordered=True, log=self.log, verifiers=verifiers,
+                                           agentic=agentic)
             self._evaluator = ServedEvaluator(ServedEvalEngine(backend, concurrent), self.environments, topology,
                                               self.section.eval, self.rollout_cfg.max_new_tokens, max_len,
                                               rank=self.rank)
@@ -181,7 +187,7 @@ class DisaggregatedTrainer(PosttrainTrainer):
         """The off-policyness bound at this step (module docstring, 2)."""
         k, masked = self.async_level, 0
         for s in samples:
-            old = sum(1 for v, m in zip(s.versions, s.policy_mask) if m and self.step - v > k)
+            old = sum(1 for v in s.policy_versions if self.step - v > k)  # every row of the episode
             if old and self.rollout_cfg.staleness_action == "discard":
                 raise RuntimeError(f"disaggregated RL: batch {self.step} holds sample {s.sample_id} with tokens "
                                    f"{s.staleness(self.step)} versions old (max_async_level {k}); the orchestrator "

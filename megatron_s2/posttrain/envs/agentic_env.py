@@ -10,8 +10,9 @@ instance in a sandbox against the in-process agent gateway
 
 Built before the model, so what cannot run is refused here with one line naming the key: an
 unknown task, a task without instances asked for held-out ones, a sandbox backend this machine
-lacks (how to install bubblewrap), a harness whose library is not installed, a harness whose
-episodes leave several trace branches (smolagents; not trained yet).
+lacks (how to install bubblewrap), a harness whose library is not installed. A harness whose
+episodes leave several trace branches (smolagents re-renders its history: one branch per call) is
+trained branch by branch, each policy segment once (:mod:`~megatron_s2.posttrain.episode_rows`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ __all__ = ["AgenticEnvironment", "draw_instances"]
 _HARNESS_MODULES = {"openai_agents": ("agents", "openai-agents"), "anthropic": ("anthropic", "anthropic"),
                     "smolagents": ("smolagents", "smolagents"), "builtin": ("openai", "openai")}
 """Harness -> (the module it imports, its package on the index)."""
-_MULTI_BRANCH = ("smolagents",)
-"""Harnesses that write earlier calls back as their own text: one branch per call (README, gateway)."""
 
 
 def draw_instances(config, what: str) -> tuple[list[AgenticTask], list[AgenticTask]]:
@@ -60,10 +59,6 @@ class AgenticEnvironment(PromptSet):
         self.max_turns = config.max_turns
         self.train, self.held_out = draw_instances(config, what)
         harness = config.agent.get("harness", "builtin")
-        if harness in _MULTI_BRANCH:
-            raise ConfigError(f"{what}.agent.harness: {harness} re-renders its history, so each episode leaves one "
-                              "trace branch per model call; training several samples of one episode is not supported "
-                              "yet — use harness: builtin, openai_agents or anthropic")
         module, package = _HARNESS_MODULES[harness]
         if importlib.util.find_spec(module) is None:
             raise ConfigError(f"{what}.agent.harness: {harness} needs the '{package}' package, which is not "

@@ -262,7 +262,8 @@ class Orchestrator:
         effort = group.in_flight.pop(sample.sample_id)
         self.completed_total += 1
         self.ledger["completed"] += 1
-        sample.group_id, sample.prompt_uid, sample.dataset, sample.effort = gid, group.prompt_uid, group.dataset, effort
+        for row in sample.rows:  # the sample and the further branches of its episode
+            row.group_id, row.prompt_uid, row.dataset, row.effort = gid, group.prompt_uid, group.dataset, effort
         warm = self.config.discard_short
         if self.completed_total <= warm.warmup_samples and sample.num_generated < warm.min_tokens:
             self.ledger["discarded_short"] += 1

@@ -11,6 +11,12 @@ Every array is aligned to ``tokens``:
 * ``routing`` — the concatenated R3 record of the positions fed so far (``tokens[:-1]`` once
   complete).
 
+An agentic episode whose harness re-rendered its history leaves several trace branches
+(walkthrough Ch. 6: a branching session shares its trunk); the sample is then the episode —
+its first trainable branch — with the others in ``branches``, each a further training row
+(:func:`~megatron_s2.posttrain.episode_rows.training_rows`). The episode is the orchestrator's
+unit (one reward, one advantage in its group); :attr:`RolloutSample.rows` are the trainer's.
+
 The same structure describes an in-flight (paused) sample, so a checkpoint can carry it and
 the engine can resume it from its prefix. :meth:`RolloutSample.state_dict` is JSON-safe.
 """
@@ -69,6 +75,10 @@ class RolloutSample:
     metrics: dict[str, float] = field(default_factory=dict)
     """The environment's per-episode metrics beside the reward (a verifiers rubric's ``@vf.metric``
     values, e.g. ``first_try_correct``): reported, never trained on (held-out means: ``eval_metric_*``)."""
+    branches: list["RolloutSample"] = field(default_factory=list)
+    """The episode's further trace branches (module docstring), each its own training row with its
+    own spans and process weights; every policy segment is trainable in exactly one row of the
+    episode. Empty for a one-branch sample. A branch has no branches of its own."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -92,15 +102,22 @@ class RolloutSample:
             if m and (v < 0 or not math.isfinite(lp) or lp > 0):
                 raise ValueError(f"sample {self.sample_id}: policy token {i} needs a version >= 0 and a finite "
                                  f"log-probability <= 0, got version {v}, logprob {lp}")
+        if any(branch.branches for branch in self.branches):
+            raise ValueError(f"sample {self.sample_id}: a branch of an episode has branches of its own")
 
-    # ---- derived --------------------------------------------------------------------------------
+    # ---- derived (over the whole episode: every row) ------------------------------------------------
+    @property
+    def rows(self) -> list["RolloutSample"]:
+        """The training rows: this sample, then its ``branches``."""
+        return [self, *self.branches]
+
     @property
     def num_generated(self) -> int:
-        return sum(self.policy_mask)
+        return sum(sum(row.policy_mask) for row in self.rows)
 
     @property
     def policy_versions(self) -> list[int]:
-        return [v for v, m in zip(self.versions, self.policy_mask) if m]
+        return [v for row in self.rows for v, m in zip(row.versions, row.policy_mask) if m]
 
     @property
     def oldest_version(self) -> int | None:
@@ -111,7 +128,7 @@ class RolloutSample:
     @property
     def logprob_sum(self) -> float:
         """Sum of behaviour log-probabilities over policy tokens (GEPO's Eq. 25)."""
-        return float(sum(lp for lp, m in zip(self.logprobs, self.policy_mask) if m))
+        return float(sum(lp for row in self.rows for lp, m in zip(row.logprobs, row.policy_mask) if m))
 
     def staleness(self, current_version: int) -> int:
         oldest = self.oldest_version
@@ -129,6 +146,7 @@ class RolloutSample:
             "replay_start": self.replay_start,
             "correct": self.correct, "metrics": dict(self.metrics),
             "routing": None if self.routing is None else self.routing.state_dict(),
+            "branches": [branch.state_dict() for branch in self.branches],
         }
 
     @classmethod
@@ -137,4 +155,5 @@ class RolloutSample:
         routing = s.pop("routing")
         s["spans"] = [tuple(x) for x in s["spans"]]
         s.setdefault("turn_rewards", [])  # states written before per-turn rewards
+        s["branches"] = [cls.from_state_dict(b) for b in s.get("branches", [])]  # absent: one-branch samples
         return cls(**s, routing=None if routing is None else RoutingRecord.from_state_dict(routing))

@@ -15,22 +15,30 @@ real third-party harness instead of verifiers' agent:
   the process annotator's weight per policy segment;
 * the finished episode becomes a sample with exactly the engine's token ids, log-probs and routed
   experts (R3) from the trace (:func:`~megatron_s2.posttrain.rollout.agentic_trace.episode_samples`),
-  context and tool observations loss-masked, its policy spans carrying the process weights.
+  context and tool observations loss-masked, its policy spans carrying the process weights — one
+  row per trace branch that ends in policy tokens: the first is the sample, the others its
+  ``branches`` (:func:`_episode_sample`).
 
 **Credit.** A sample is an episode, so a prompt group is ``group_size`` episodes of one task
 instance and the recipe's advantage (``leave_one_out``: worked example 22) is the per-episode
 session advantage; the batch assembly spreads it over the episode's policy spans through
 Eq. 30 (``w * A`` when A > 0, ``A`` otherwise) — what
 :func:`~megatron_s2.posttrain.agentic.gateway_episode.group_token_advantages` computes.
-A harness that re-renders its history (smolagents) leaves one branch per model call; training
-several samples of one episode is not wired yet: the environment refuses such a harness, and an
-episode that still leaves several branches fails by name.
+A harness that re-renders its history (smolagents) leaves one branch per model call: the episode
+stays one sample of its group (one reward, one advantage), its further branches are trained as
+rows of their own, each policy segment in exactly one of them, with the episode's advantage and
+their own process weights (:mod:`~megatron_s2.posttrain.episode_rows`).
 
 **Weight updates.** As for verifiers: the trace keeps no per-token version, so :meth:`pause` lets
 every running episode finish before the engine pauses; no partial episodes are checkpointed
 (in-flight attempts restart from scratch after a restart). An episode that runs out of context
 (the gateway's 400 "maximum context length") ends with stop reason ``context_limit`` — graded,
 trained, its last segment weighted as a limit stop — rather than failing the step.
+
+**Seeds.** The harnesses send none: each episode's gateway session is seeded from its sample's
+seed (``ServerState.session_seeds``; call ``k`` samples with ``seed + 1_000_003 k``), so an episode
+is reproducible — and a disaggregated run (:mod:`megatron_s2.posttrain.disaggregated.served_agentic`)
+plays the same episodes through the inference servers.
 
 **Held-out evaluation** (:meth:`play_held_out`): the environment's held-out instances played
 through the same gateway, harness and engine between steps, by the
@@ -48,10 +56,9 @@ import shutil
 import tempfile
 from typing import Callable, Sequence
 
-from megatron_s2.config.schema import ConfigError
 from megatron_s2.posttrain.agentic.gateway_episode import HarnessEpisode, run_harness_episode
 from megatron_s2.posttrain.orchestrator import RolloutSample
-from megatron_s2.posttrain.rollout.agentic_trace import episode_samples
+from megatron_s2.posttrain.rollout.agentic_trace import episode_sample
 from megatron_s2.posttrain.rollout.episode_backend import EpisodeBackend, EpisodeRun
 from megatron_s2.serve.gateway.traces import group_of
 
@@ -117,13 +124,16 @@ class AgenticBackend(EpisodeBackend):
         return episodes
 
     # ---- episodes ---------------------------------------------------------------------------------------
-    def _play(self, env, task, session: str, *, temperature: float, max_tokens: int) -> HarnessEpisode:
+    def _play(self, env, task, session: str, *, temperature: float, max_tokens: int, seed: int) -> HarnessEpisode:
+        seeds = self.server.state.session_seeds  # the session's calls are seeded from the sample's seed
+        seeds[session] = seed
         try:
             return run_harness_episode(task, _ContextLimited(env.harness()), env.runtime, server_url=self.server.url,
                                        session=session, trace_dir=self.trace_dir,
                                        settings=env.settings(temperature=temperature, max_tokens=max_tokens),
                                        annotator=env.config.process_annotator)
         finally:  # the episode holds its trace's samples: the gateway's store need not keep the tree
+            seeds.pop(session, None)
             self.server.state.capture.store.forget(group_of(session))
 
     def _launch(self) -> None:
@@ -132,7 +142,7 @@ class AgenticBackend(EpisodeBackend):
         for req in pending:
             env = self.envs[req.dataset]
             future = self.pool.submit(self._play, env, env.task(req.index), f"ep{req.sample_id}",
-                                      temperature=req.temperature, max_tokens=req.max_new_tokens)
+                                      temperature=req.temperature, max_tokens=req.max_new_tokens, seed=req.seed)
             run = self._running[req.sample_id] = EpisodeRun(req, version, future)
             future.add_done_callback(lambda _, run=run: self._finished(run))
 
@@ -143,9 +153,9 @@ class AgenticBackend(EpisodeBackend):
         if run.end_version != run.version:
             raise RuntimeError(f"{where} ran across a weight update (version {run.version} -> {run.end_version}); "
                                "the backend must drain before an update")
-        sample = _only_sample(episode, req.sample_id, run.version, self.layer_ids, where)
-        sample.group_id, sample.prompt_uid, sample.dataset, sample.effort = (req.group_id, req.prompt_uid,
-                                                                             req.dataset, req.effort)
+        sample = _episode_sample(episode, req.sample_id, run.version, self.layer_ids, where)
+        for row in sample.rows:
+            row.group_id, row.prompt_uid, row.dataset, row.effort = req.group_id, req.prompt_uid, req.dataset, req.effort
         self.stats.generated_tokens += sample.num_generated
         self.episodes.append(episode)
         return sample
@@ -156,7 +166,8 @@ class AgenticBackend(EpisodeBackend):
         """Episodes of held-out instances — ``(dataset, index)`` into each environment's ``eval``
         split — through the same gateway, harness and engine as training, at ``temperature``
         (0 = greedy); their samples in order, ``correct`` = graded 1. Called between steps, when no
-        training episode runs. (``seed`` is unused: the harnesses send none.)"""
+        training episode runs; episode ``k``'s calls are seeded from ``seed(k)`` (the harnesses send
+        no seed: the gateway's ``session_seeds``)."""
         if self.server is None:
             self._start()
         if any(not run.future.done() for run in self._running.values()):
@@ -166,27 +177,23 @@ class AgenticBackend(EpisodeBackend):
             self.engine.resume()
         try:
             futures = [self.pool.submit(self._play, self.envs[name], self.envs[name].task(index, "eval"),
-                                        f"eval{next(self._eval_keys)}", temperature=temperature, max_tokens=max_tokens)
-                       for name, index in items]
+                                        f"eval{next(self._eval_keys)}", temperature=temperature, max_tokens=max_tokens,
+                                        seed=seed(key))
+                       for key, (name, index) in enumerate(items)]
             episodes = [f.result() for f in futures]
         finally:
             if paused:
                 self.engine.pause()
         version = self.engine.policy_version
-        return [_only_sample(episode, key, version, None, f"eval: agentic episode of held-out instance {index} of {name}")
+        return [_episode_sample(episode, key, version, None, f"eval: agentic episode of held-out instance {index} of {name}")
                 for key, ((name, index), episode) in enumerate(zip(items, episodes))]
 
 
-def _only_sample(episode: HarnessEpisode, sample_id: int, version: int, layer_ids, where: str) -> RolloutSample:
-    """The one trainable sample of a finished episode (module docstring: one branch per episode)."""
-    samples = episode_samples(episode, sample_id, version=version, layer_ids=layer_ids)
-    if not samples:
+def _episode_sample(episode: HarnessEpisode, sample_id: int, version: int, layer_ids, where: str) -> RolloutSample:
+    """The episode's sample (:func:`~megatron_s2.posttrain.rollout.agentic_trace.episode_sample`), or
+    the reason it has none."""
+    sample = episode_sample(episode, sample_id, version=version, layer_ids=layer_ids)
+    if sample is None:
         detail = f": {episode.error}" if episode.error else ""
         raise RuntimeError(f"{where} made no trainable model call (stop reason {episode.stop_reason}{detail})")
-    if len(samples) > 1:
-        raise ConfigError(f"agent.harness: {where}: the {episode.harness} harness re-renders its history, leaving "
-                          f"{len(samples)} trace branches for one episode; training several samples of one episode is "
-                          "not supported yet — use harness: builtin, openai_agents or anthropic")
-    sample = samples[0]
-    sample.finish_reason = episode.stop_reason
     return sample

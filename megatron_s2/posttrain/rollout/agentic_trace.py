@@ -13,7 +13,8 @@ One sample per branch: a harness that keeps its history verbatim (the Agents SDK
 loop, ``builtin``) gives one; one that re-renders it (smolagents) gives one per call, each policy
 segment trainable in exactly one of them — all of them carry the episode's one reward, so a
 group-relative advantage must be computed per *episode* (:func:`~megatron_s2.posttrain.agentic.
-gateway_episode.group_token_advantages`), not per sample.
+gateway_episode.group_token_advantages`), not per sample: :func:`episode_sample` makes the first
+the episode's sample and the others its ``branches`` (:mod:`~megatron_s2.posttrain.episode_rows`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from megatron_s2.posttrain.orchestrator import RolloutSample
 from megatron_s2.posttrain.rollout.vf_trace import branch_sample
 
-__all__ = ["episode_samples"]
+__all__ = ["episode_samples", "episode_sample"]
 
 
 def episode_samples(episode, first_id: int, *, version: int, layer_ids: Sequence[int] | None) -> list[RolloutSample]:
@@ -47,3 +48,16 @@ def episode_samples(episode, first_id: int, *, version: int, layer_ids: Sequence
     if weights:
         raise ValueError(f"episode {episode.session}: {len(weights)} process weights without a policy span")
     return out
+
+
+def episode_sample(episode, sample_id: int, *, version: int, layer_ids: Sequence[int] | None) -> RolloutSample | None:
+    """The episode as one sample of its group: its first trainable branch, the others in ``branches``
+    (module docstring); every row carries ``sample_id`` and the harness's stop reason. None when
+    the harness made no trainable model call."""
+    rows = episode_samples(episode, sample_id, version=version, layer_ids=layer_ids)
+    if not rows:
+        return None
+    for row in rows:
+        row.sample_id, row.finish_reason = sample_id, episode.stop_reason
+    sample, sample.branches = rows[0], rows[1:]
+    return sample

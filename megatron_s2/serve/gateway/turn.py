@@ -3,12 +3,14 @@
 :func:`start_turn` checks and submits the call; :class:`RunningTurn` yields the parsed
 :class:`~.tool_format.TextDelta` / :class:`~.tool_format.ToolCall` events as tokens arrive
 (streaming) or the whole :class:`TurnOutput`. When the call belongs to a session and it finished,
-it is recorded in the trace store before the protocol's last event is sent.
+it is recorded in the trace store before the protocol's last event is sent. A call of an RL
+rollout's session that sends no seed is seeded from its episode's (``ServerState.session_seeds``,
+:func:`session_call_seed`), so the episode is reproducible whichever engine or server answers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 
 from starlette.concurrency import run_in_threadpool
@@ -24,7 +26,7 @@ from megatron_s2.serve.gateway.tool_format import OutputParser, ToolCall
 from megatron_s2.serve.sampling import build_sampling, refuse_unsupported_sampling
 from megatron_s2.serve.state import ServerState, new_id
 
-__all__ = ["TurnOutput", "RunningTurn", "start_turn", "check_gateway_tokenizer", "TraceWriteFailed"]
+__all__ = ["TurnOutput", "RunningTurn", "start_turn", "check_gateway_tokenizer", "TraceWriteFailed", "session_call_seed"]
 
 
 class TraceWriteFailed(HTTPError):
@@ -87,6 +89,12 @@ _NOT_HERE = {"logprobs": False, "top_logprobs": None, "echo": False, "prompt_log
 """Chat Completions / vLLM fields the gateway's turns do not implement (refused unless neutral)."""
 
 
+def session_call_seed(seed: int, call: int) -> int:
+    """The seed of a rollout session's ``call``-th model call (``ServerState.session_seeds``): one
+    stream per call of the episode, as the task episodes' calls are seeded."""
+    return (seed + 1_000_003 * call) % (2 ** 63)
+
+
 def check_gateway_tokenizer(tokenizer, field: str) -> None:
     if not _renders_text(tokenizer) or not OutputParser.supported(tokenizer):
         raise BadRequest(f"{field}: this model's tokenizer ({type(tokenizer).__name__}) has no text chat template with "
@@ -125,6 +133,9 @@ async def start_turn(state: ServerState, request, turn: Turn, session: str | Non
                             max_stops=state.config.max_stops, logprobs_mode=state.config.logprobs_mode,
                             record_routing=plan.session is not None)
     params = apply_tool_choice(params, choice, tokenizer)
+    if plan.session is not None and params.seed is None and plan.session in state.session_seeds:
+        params = replace(params, seed=session_call_seed(state.session_seeds[plan.session],
+                                                        len(capture.store.session_calls(plan.session))))
     gen = Generation(state.backend, new_id("turn"), request, state.config.disconnect_poll_s)
     gen.add(0, plan.ids, params)
     return RunningTurn(state, turn, plan, gen, capture)
