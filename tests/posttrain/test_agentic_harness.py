@@ -80,8 +80,9 @@ def _script(tok, calls) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("harness", sorted(HARNESSES))
-def test_a_harness_plays_a_task_into_trainable_traces(server, traces, loaded, runtime, harness):  # noqa: F811
+@pytest.mark.parametrize("harness, declare", [pytest.param(h, True, id=h) for h in sorted(HARNESSES)]
+                         + [pytest.param("anthropic", False, id="anthropic-undeclared")])
+def test_a_harness_plays_a_task_into_trainable_traces(server, traces, loaded, runtime, harness, declare):  # noqa: F811
     """Per harness, a group of two sessions of one task — the reference solution and an immediate
     submit: (1) every tool call ran in the episode's sandbox and the episodes are graded after the
     agent stopped (1 and 0); (2) each trace's token ids are exactly the engine's last request of
@@ -90,17 +91,19 @@ def test_a_harness_plays_a_task_into_trainable_traces(server, traces, loaded, ru
     trainer's samples (``episode_samples``) carry the same ids, mask, log-probs and weights."""
     tok = loaded[1]
     task = load_task("sum_pair")
-    settings = HarnessSettings(model="policy", max_turns=6, max_tokens=160, temperature=1.0)
+    settings = HarnessSettings(model="policy", max_turns=6, max_tokens=160, temperature=1.0, declare_tools=declare)
     episodes, scripts = [], []
     for member, calls in enumerate([list(task.reference), [{"name": "submit", "arguments": {}}]]):
         script = _script(tok, calls)
         server.policy.queue[:] = script
         seen = len(server.log.requests)
-        session = f"{harness}-{task.name}@{member}"
+        session = f"{harness}{'' if declare else '-undeclared'}-{task.name}@{member}"
         episodes.append(run_harness_episode(task, make_harness(harness), runtime, server_url=server.url,
                                             session=session, trace_dir=traces, settings=settings))
         requests = list(server.log.requests.values())[seen:]
         assert [r.output_ids for r in requests] == script, episodes[-1].error or "other model calls than scripted"
+        if harness == "anthropic":  # declared: the schemas reach the prompt; undeclared: the tools are only named
+            assert ("## Tools" in tok.decode(requests[0].tokens, keep_special=True)) == declare
         scripts.append((script, requests))
     ref, idle = episodes
     assert (ref.reward, ref.status, ref.stop_reason) == (1.0, "passed", "submitted"), ref.grade

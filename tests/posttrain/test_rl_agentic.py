@@ -44,6 +44,10 @@ def test_the_config_knows_every_harness_adapter():
      "rl.rollout.environment.agent.max_tokens: not a setting"),
     ("rl.rollout.environment.agent={harness: builtin, api: responses}",
      "rl.rollout.environment.agent.api: 'responses'"),
+    ("rl.rollout.environment.agent={harness: builtin, declare_tools: false}",
+     "rl.rollout.environment.agent.declare_tools: False — true or false, and only with harness: anthropic"),
+    ("rl.rollout.environment.agent={harness: anthropic, declare_tools: 0}",
+     "rl.rollout.environment.agent.declare_tools: 0 — true or false"),
     ("rl.rollout.environment.tasks=[]", "rl.rollout.environment.tasks: an agentic environment needs its tasks"),
     ("rl.rollout.environment.sandbox={backend: docker}", "sandbox.backend: 'docker' is not one of"),
     ("data.tokenizer=char", "data.tokenizer: the agent gateway renders"),
@@ -141,6 +145,75 @@ def test_task_instances_are_seeded_and_the_held_out_split_is_disjoint():
     words = [t.files["word.txt"].strip() for t in train if t.name == "copy_word"]
     assert all(len(w) == WORD_LENGTH and w.isalpha() and w.islower() for w in words)
     assert len(set(words)) > 0.9 * len(words)  # random letters, not a list whose spellings a policy can memorise
+
+
+def test_spot_seven_instances_are_balanced_and_answered_by_their_reference():
+    from megatron_s2.posttrain.agentic.tasks import SEVEN_DIGITS
+
+    train = task_variants(["spot_seven"], "train", 400, seed=0)
+    held = task_variants(["spot_seven"], "eval", 48, seed=0, distinct=True)
+    assert not {t.variant for t in held} & {t.variant for t in train}
+    for task in train + held:
+        digits = task.files["input.txt"].split()
+        assert len(digits) == SEVEN_DIGITS and all(len(d) == 1 and d.isdigit() for d in digits)
+        assert digits.count("7") <= 1  # one 7 or none: the answer is a single fact about the file
+        write = task.reference[1]
+        assert write["name"] == "write_file" and list(write["arguments"]) == ["content", "path"]  # answer first
+        assert write["arguments"] == {"content": "yes" if "7" in digits else "no", "path": "answer.txt"}
+    yes = sum(t.reference[1]["arguments"]["content"] == "yes" for t in train) / len(train)
+    assert 0.4 < yes < 0.6  # not answering from the file scores about 1/2
+
+
+def _spot_seven_plays():
+    """(calls, expected reward) on one instance with a 7 and one without."""
+    seven, none = (next(t for t in task_variants(["spot_seven"], "train", 40, seed=5)
+                        if ("7" in t.files["input.txt"].split()) == has) for has in (True, False))
+    write = lambda content, path="answer.txt": {"name": "write_file", "arguments": {"content": content, "path": path}}
+    submit = {"name": "submit", "arguments": {}}
+    return [
+        (seven, list(seven.reference), 1.0), (none, list(none.reference), 1.0),
+        (seven, [write("no"), submit], 0.0), (none, [write("yes"), submit], 0.0),  # the wrong answer
+        (seven, [write("yes\nno"), submit], 0.0), (none, [write("no yes"), submit], 0.0),  # both answers
+        (none, [write("7 7 7 7\n", "input.txt"), write("yes"), submit], 0.0),  # the input is overlaid last
+        (seven, [{"name": "bash", "arguments": {"command": "echo YES > answer.txt"}}, submit], 0.0),
+        (seven, [submit], 0.0),  # no answer
+    ]
+
+
+def test_spot_seven_grades_the_answer_not_the_agents_copy_of_the_input():
+    """Graded after the agent stopped, on the canonical input: the reference scores 1; the wrong
+    answer, both answers, a rewritten input or no answer score 0."""
+    from megatron_s2.posttrain.agentic.runner import run_episode, scripted_policy
+
+    try:
+        runtime = detect_runtime(SandboxConfig())
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
+    for task, calls, reward in _spot_seven_plays():
+        result = run_episode(task, scripted_policy(calls), runtime)
+        assert result.reward == reward, (task.variant, calls, result.status)
+
+
+def test_the_anthropic_harness_may_name_the_tools_without_declaring_them():
+    env = _environment("rl.rollout.environment.agent={harness: anthropic, declare_tools: false}")
+    assert env.settings(temperature=1.0, max_tokens=8).declare_tools is False
+    assert _environment("rl.rollout.environment.agent={harness: anthropic}").settings(
+        temperature=1.0, max_tokens=8).declare_tools is True
+
+
+def test_sft_records_may_declare_the_tools_as_the_anthropic_harness_does(tmp_path):
+    from megatron_s2.posttrain.agentic.sft_traces import write_sft_jsonl
+    from megatron_s2.posttrain.agentic.tools import tool_schemas
+
+    try:
+        runtime = detect_runtime(SandboxConfig())
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
+    tasks = task_variants(["spot_seven"], "train", 1, seed=0)
+    write_sft_jsonl(tmp_path / "a.jsonl", tasks, runtime, declare_tools=True)
+    write_sft_jsonl(tmp_path / "b.jsonl", tasks, runtime)
+    declared, named = (json.loads((tmp_path / f).read_text()) for f in ("a.jsonl", "b.jsonl"))
+    assert declared == {**named, "tools": tool_schemas()} and "tools" not in named
 
 
 def test_an_instance_is_solved_by_its_reference_and_graded_on_its_own_input():

@@ -77,7 +77,7 @@ class EnvironmentConfig:
     ``api: chat | responses`` for openai_agents)."""
     tasks: tuple[str, ...] = ()
     """agentic: the embedded agentic tasks played (``python -m megatron_s2.posttrain.agentic list``);
-    ``sum_pair`` / ``copy_word`` get a seeded instance per prompt (``num_prompts`` training
+    ``sum_pair`` / ``copy_word`` / ``spot_seven`` get a seeded instance per prompt (``num_prompts`` training
     instances, ``eval_prompts`` distinct held-out ones, split by content: never trained on)."""
     max_operand: int = 99
     """agentic: the largest operand of ``sum_pair`` instances (9 = one-digit sums, the easiest)."""

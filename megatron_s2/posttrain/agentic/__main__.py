@@ -7,7 +7,7 @@
         [--harness openai_agents|anthropic|smolagents|builtin] [--traces DIR] [--max-turns 6] \\
         [--max-tokens 128] [--temperature 1.0] [--max-model-len 8192] [--json]
     python -m megatron_s2.posttrain.agentic sft-data OUT.jsonl [--tasks sum_pair copy_word] [--copies 1] \\
-        [--variants N [--seed 0] [--max-operand 99]]
+        [--variants N [--seed 0] [--max-operand 99]] [--declare-tools]
 
 ``run`` plays the task's scripted reference solution (``--agent reference``, reward 1) or an agent
 that submits at once (``--agent idle``, reward 0) in a fresh sandbox, grades it, and prints the
@@ -24,7 +24,9 @@ default a fresh temporary folder) and lets a real harness play the task against 
 ``sft-data`` writes the tasks' reference solutions, played in real sandboxes, as chat
 conversations for a ``data.kind: chat`` SFT recipe (:mod:`.sft_traces`); with ``--variants N``, N
 seeded training-split instances (:func:`~.tasks.task_variants`: never a held-out one) instead of
-the stored ones.
+the stored ones; ``--declare-tools`` adds the tools' JSON schemas to each record, the prompt the
+``anthropic`` and ``openai_agents`` harnesses send (the builtin harness names the tools in its
+system message only).
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="N seeded training-split instances of the tasks instead of the stored ones")
     sft.add_argument("--seed", type=int, default=0, help="first seed of --variants")
     sft.add_argument("--max-operand", type=int, default=99, help="sum_pair's largest operand in --variants")
+    sft.add_argument("--declare-tools", action="store_true",
+                     help="add the tools' JSON schemas to each record (the anthropic / openai_agents harnesses' prompt)")
     sft.add_argument("--backend", choices=("auto", "bwrap", "unshare"), default="auto")
     return parser
 
@@ -138,7 +142,8 @@ def _main(args) -> int:
         try:
             tasks = (task_variants(args.tasks, "train", args.variants, args.seed, max_operand=args.max_operand)
                      if args.variants else [load_task(name) for name in args.tasks])
-            count = write_sft_jsonl(args.out, tasks, detect_runtime(SandboxConfig(backend=args.backend)), args.copies)
+            count = write_sft_jsonl(args.out, tasks, detect_runtime(SandboxConfig(backend=args.backend)), args.copies,
+                                    declare_tools=args.declare_tools)
         except (ValueError, SandboxUnavailable) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return ConfigError.exit_code

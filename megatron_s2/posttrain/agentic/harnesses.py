@@ -55,6 +55,10 @@ class HarnessSettings:
     temperature: float = 1.0
     timeout_s: float = 600.0
     """Per HTTP request."""
+    declare_tools: bool = True
+    """``anthropic``: send the tools as the request's ``tools`` (JSON schemas the chat template
+    renders into the prompt); False: declare none and name them in the system message only, as the
+    builtin harness does (the gateway parses tool calls either way)."""
 
 
 @dataclass
@@ -160,7 +164,8 @@ class AnthropicHarness:
         history: list[dict] = [{"role": "user", "content": objective}]
         for _ in range(settings.max_turns):
             reply = client.messages.create(model=settings.model, max_tokens=settings.max_tokens, system=tools_prompt(),
-                                           tools=declared, messages=history,
+                                           tools=declared if settings.declare_tools else anthropic.NOT_GIVEN,
+                                           messages=history,
                                            extra_body={"temperature": settings.temperature})  # not a 2.15 kwarg
             history.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
             uses = [b for b in reply.content if b.type == "tool_use"]

@@ -14,14 +14,16 @@ Each task is a folder of data files under ``tasks/`` (no network, nothing genera
 
 Kinds in the set: fix a bug so that hidden tests pass (``fix_median``, ``fix_wordcount``,
 ``fix_report``), implement to a spec (``implement_slugify``), produce a file with given
-properties (``primes_file``, ``make_config``), a terminal chore (``archive_logs``); and two
+properties (``primes_file``, ``make_config``), a terminal chore (``archive_logs``); and three
 tiny-model tasks, one file read and one file written (``sum_pair``: the sum of the two numbers of
-input.txt; ``copy_word``: the word of word.txt, random letters), whose inputs are overlaid last, so
-an agent that rewrites them earns nothing.
+input.txt; ``copy_word``: the word of word.txt, random letters; ``spot_seven``: ``yes`` when one of
+input.txt's four digits is a 7, else ``no`` — a two-way decision, half the instances each, whose
+reference writes the answer before the path, nearer the observation), whose inputs are overlaid
+last, so an agent that rewrites them earns nothing.
 
 **Variants** (issue 25): a policy trained on one fixed instance learns that instance. The two
-tiny-model tasks have seeded instances — :func:`task_variant` draws ``sum_pair``'s operands and
-``copy_word``'s word — as the same task with its input file replaced (in the starting workspace
+tiny-model tasks have seeded instances — :func:`task_variant` draws ``sum_pair``'s operands,
+``copy_word``'s word and ``spot_seven``'s digits — as the same task with its input file replaced (in the starting workspace
 and in the canonical overlay) and the reference solution rewritten. A variant belongs to the
 ``train`` or the ``eval`` split by its *content* (:func:`variant_split`: a hash of its files), so
 the held-out instances are never trained on, whatever the seeds or counts
@@ -101,7 +103,7 @@ def load_task(name: str) -> AgenticTask:
 WORD_LENGTH = 3
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
-VARIANT_TASKS = ("sum_pair", "copy_word")
+VARIANT_TASKS = ("sum_pair", "copy_word", "spot_seven")
 """The tasks with seeded instances (:func:`task_variant`)."""
 
 
@@ -115,7 +117,21 @@ def _copy_word(rng: random.Random, max_operand: int) -> tuple[dict[str, str], di
     return {"word.txt": f"{word}\n"}, {"answer.txt": word}
 
 
-_GENERATORS = {"sum_pair": _sum_pair, "copy_word": _copy_word}
+SEVEN_DIGITS = 4
+NOT_SEVEN = "01234568" + "9"
+
+
+def _spot_seven(rng: random.Random, max_operand: int) -> tuple[dict[str, str], dict[str, str]]:
+    # half the instances hold exactly one 7 (at a random place), half none: answering without
+    # reading the file scores 1/2 at best, so a rise above that is read from the observation
+    digits = [rng.choice(NOT_SEVEN) for _ in range(SEVEN_DIGITS)]
+    seven = rng.random() < 0.5
+    if seven:
+        digits[rng.randrange(SEVEN_DIGITS)] = "7"
+    return {"input.txt": " ".join(digits) + "\n"}, {"answer.txt": "yes" if seven else "no"}
+
+
+_GENERATORS = {"sum_pair": _sum_pair, "copy_word": _copy_word, "spot_seven": _spot_seven}
 
 
 def task_variant(name: str, seed: int, *, max_operand: int = 99) -> AgenticTask:
@@ -152,7 +168,8 @@ def task_variants(names: list[str] | tuple[str, ...], split: str, count: int, se
     fixed = [n for n in names if n not in _GENERATORS]
     if split == "eval" and fixed:
         raise ValueError(f"agentic tasks {fixed} have no variants, so none of their instances is held out")
-    space = {"sum_pair": (max_operand + 1) ** 2, "copy_word": len(LETTERS) ** WORD_LENGTH}
+    space = {"sum_pair": (max_operand + 1) ** 2, "copy_word": len(LETTERS) ** WORD_LENGTH,
+             "spot_seven": len(NOT_SEVEN) ** SEVEN_DIGITS + SEVEN_DIGITS * len(NOT_SEVEN) ** (SEVEN_DIGITS - 1)}
     while len(out) < count:
         name = names[len(out) % len(names)]
         if name in fixed:

@@ -47,7 +47,7 @@ def draw_instances(config, what: str) -> tuple[list[AgenticTask], list[AgenticTa
                                  max_operand=config.max_operand, distinct=True) if config.eval_prompts else []
     except ValueError as exc:
         raise ConfigError(f"{what}.eval_prompts: {exc}; lower eval_prompts, set it to 0, or use tasks with "
-                          "instances (sum_pair, copy_word)") from None
+                          "instances (sum_pair, copy_word, spot_seven)") from None
     return train, held_out
 
 
@@ -80,7 +80,7 @@ class AgenticEnvironment(PromptSet):
 
     def settings(self, *, temperature: float, max_tokens: int) -> HarnessSettings:
         return HarnessSettings(model="policy", max_turns=self.config.max_turns, max_tokens=max_tokens,
-                               temperature=temperature)
+                               temperature=temperature, declare_tools=self.config.agent.get("declare_tools", True))
 
     # ---- PromptSet ---------------------------------------------------------------------------------
     def size(self, split: Split) -> int:
