@@ -18,7 +18,7 @@ import abc
 import concurrent.futures
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from megatron_s2.config.schema import ConfigError
@@ -52,6 +52,11 @@ class EpisodeRun:
     future: concurrent.futures.Future
     end_version: int = -1
     """Policy version of the engine when the episode finished (equal unless an update overlapped it)."""
+    noted: threading.Event = field(default_factory=threading.Event)
+    """Set by the done-callback once ``end_version`` is recorded. A concurrent future reports done()
+    before its done-callbacks run (set_result sets the state, wakes the waiters, then calls them), so
+    done() alone may still see end_version = -1 — on a loaded machine that read as an update that
+    overlapped the episode (measured: a 256-a-step verifiers run stopped at step 25, "version 24 -> -1")."""
 
 
 class EpisodeBackend(abc.ABC):
@@ -101,12 +106,13 @@ class EpisodeBackend(abc.ABC):
     def _finished(self, run: EpisodeRun) -> None:
         """Done-callback of an episode's future (a worker thread): note the engine's version, wake the poll."""
         run.end_version = self.engine.policy_version
+        run.noted.set()
         self._wake.set()
 
     def _collect(self) -> int:
         """Ingest finished episodes into ``_done`` in sample order; how many finished."""
         self._wake.clear()
-        finished = [sid for sid, run in self._running.items() if run.future.done()]
+        finished = [sid for sid, run in self._running.items() if run.noted.is_set()]  # done and its version noted
         for sid in sorted(finished):
             run = self._running.pop(sid)
             self._done.append(self._sample(run))
@@ -162,7 +168,8 @@ class EpisodeBackend(abc.ABC):
         """Stop launching, let every running episode finish (no trace straddles an update), then
         pause the engine."""
         self.paused = True
-        concurrent.futures.wait([r.future for r in self._running.values()])
+        for run in list(self._running.values()):
+            run.noted.wait()  # the episode finished and its done-callback noted the version before any update
         self.engine.pause()
 
     def resume(self) -> None:
