@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.posttrain.cli_run import read_jsonl
+
 # one intra-op thread here and in the runs it starts (tests/conftest.py): tiny models, 2 shared cores
 pytestmark = pytest.mark.usefixtures("one_thread", "one_thread_children")
 
@@ -167,10 +169,6 @@ def _exact_cmd(kind: str, run_dir: Path, teacher: Path) -> list[str]:
     return [sys.executable, "-m", "megatron_s2.cli", "train", str(recipe), *args, "--run-dir", str(run_dir)]
 
 
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def _checkpoint(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     from megatron_s2.checkpoint.format import MODEL_PREFIX, OPTIM_PREFIX
     from megatron_s2.checkpoint.offline import read_full_tensors
@@ -236,11 +234,11 @@ def test_run_killed_during_a_rollout_and_after_a_checkpoint_ends_bit_for_bit_as_
     assert restored and int(restored[1]) > 0, resumed.stdout[-3000:]  # partly generated samples were in flight
     differ = _differing(_checkpoint(run_dir, 3), _checkpoint(ref, 3))
     assert not differ, f"step 3: {len(differ)} of {len(_checkpoint(ref, 3))} tensors differ, e.g. {differ[:3]}"
-    assert [r["trained"] for r in _jsonl(run_dir / "rollouts.jsonl")] == \
-        [r["trained"] for r in _jsonl(ref / "rollouts.jsonl")]
-    evals = _jsonl(run_dir / "eval.jsonl")
+    assert [r["trained"] for r in read_jsonl(run_dir / "rollouts.jsonl")] == \
+        [r["trained"] for r in read_jsonl(ref / "rollouts.jsonl")]
+    evals = read_jsonl(run_dir / "eval.jsonl")
     assert [e["step"] for e in evals] == [0], f"eval.jsonl holds steps {[e['step'] for e in evals]}"
-    assert evals[0]["eval_accuracy"] == _jsonl(ref / "eval.jsonl")[0]["eval_accuracy"]
+    assert evals[0]["eval_accuracy"] == read_jsonl(ref / "eval.jsonl")[0]["eval_accuracy"]
 
 
 def _text(path: Path) -> str:

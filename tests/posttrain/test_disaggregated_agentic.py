@@ -13,7 +13,6 @@ weight updates too."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from megatron_s2.config.recipe import load_recipe
+from tests.posttrain.cli_run import run_cli, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "phases" / "rl_agentic.yaml")
@@ -38,18 +38,6 @@ SMALL = ["training.seq_length=576", "training.global_batch_size=2", "training.mi
 DISAGGREGATED = ["rl.mode=disaggregated", "rl.disaggregated.max_async_level=0", "rl.disaggregated.num_servers=2"]
 
 
-def _cli(*args: str, cwd: Path) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "megatron_s2.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=1500)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc.stdout
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def _sandbox_or_skip():
     from megatron_s2.config.posttrain.agentic import SandboxConfig
     from megatron_s2.posttrain.agentic.sandbox import SandboxUnavailable, detect_runtime
@@ -63,8 +51,9 @@ def _sandbox_or_skip():
 def _init(tmp_path: Path) -> Path:
     """The servers start from a checkpoint: one cheap co-located step writes one."""
     init = tmp_path / "init"
-    _cli("train", RECIPE, *SMALL, "training.train_steps=1", "checkpoint.save_interval=1", "rl.eval.at_start=false",
-         "rl.eval.interval=0", "rl.rollout.environment.max_turns=1", "--run-dir", str(init), cwd=tmp_path)
+    run_cli("train", RECIPE, *SMALL, "training.train_steps=1", "checkpoint.save_interval=1", "rl.eval.at_start=false",
+            "rl.eval.interval=0", "rl.rollout.environment.max_turns=1", "--run-dir", str(init), cwd=tmp_path,
+            timeout=1500)
     return init
 
 
@@ -117,7 +106,7 @@ def test_synchronous_disaggregated_agentic_run_equals_colocated_while_a_server_i
     common = [*SMALL, f"training.train_steps={STEPS}", "checkpoint.save_interval=0",
               f"checkpoint.load={init / 'checkpoints'}",
               "rl.loss.terms=[{kind: policy_gradient}, {kind: entropy, coef: 0.01}]"]
-    _cli("train", RECIPE, *common, "--run-dir", str(tmp_path / "colocated"), cwd=tmp_path)
+    run_cli("train", RECIPE, *common, "--run-dir", str(tmp_path / "colocated"), cwd=tmp_path, timeout=1500)
     run = tmp_path / "disaggregated"
     proc = subprocess.Popen([sys.executable, "-m", "megatron_s2.cli", "launch", RECIPE, *common, *DISAGGREGATED,
                              "--local", "--run-dir", str(run)], cwd=tmp_path, stdout=subprocess.PIPE,
@@ -131,7 +120,7 @@ def test_synchronous_disaggregated_agentic_run_equals_colocated_while_a_server_i
     assert "inference server 0 exited (-9); restarting it" in out
     log = (run / "logs" / "restart0" / "orchestrator.log").read_text()
     assert "inference server http://127.0.0.1:" in log and "is down" in log, log
-    ref, ours = (_jsonl(tmp_path / run / "metrics.jsonl") for run in ("colocated", "disaggregated"))
+    ref, ours = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("colocated", "disaggregated"))
     assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
     assert all(abs(m["loss"]) > 1e-3 for m in ref), ref
     for a, b in zip(ours, ref):
@@ -140,9 +129,9 @@ def test_synchronous_disaggregated_agentic_run_equals_colocated_while_a_server_i
         assert abs(a["behaviour_logprob"] - b["behaviour_logprob"]) < 1e-5, (a["step"], a, b)
         assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(b["loss"])), (a["step"], a["loss"], b["loss"])
         assert a["async_lag_max"] == 0 and a["async_dropped_samples"] == 0
-    trained = [[r["trained"] for r in _jsonl(tmp_path / run / "rollouts.jsonl")] for run in ("colocated", "disaggregated")]
+    trained = [[r["trained"] for r in read_jsonl(tmp_path / run / "rollouts.jsonl")] for run in ("colocated", "disaggregated")]
     assert trained[0] == trained[1]
-    evals = [_jsonl(tmp_path / run / "eval.jsonl") for run in ("colocated", "disaggregated")]
+    evals = [read_jsonl(tmp_path / run / "eval.jsonl") for run in ("colocated", "disaggregated")]
     assert [e["step"] for e in evals[0]] == [e["step"] for e in evals[1]] == [0, 2, 3]
     for ref_eval, ours in zip(*evals):
         ref_eval, ours = ({k: v for k, v in e.items() if k != "eval_time_s"} for e in (ref_eval, ours))

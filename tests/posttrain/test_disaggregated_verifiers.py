@@ -11,16 +11,13 @@ replays them as co-located."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_s2.config.recipe import load_recipe
 from megatron_s2.config.schema import ConfigError
+from tests.posttrain.cli_run import run_cli, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "phases" / "rl_addition_verifiers.yaml")
@@ -39,30 +36,18 @@ SMALL = ["training.seq_length=96", "training.global_batch_size=8", "training.mic
 DISAGGREGATED = ["rl.mode=disaggregated", "rl.disaggregated.max_async_level=0", "rl.disaggregated.num_servers=2"]
 
 
-def _cli(*args: str, cwd: Path) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "megatron_s2.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc.stdout
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_synchronous_disaggregated_verifiers_run_equals_colocated(tmp_path):
     init = tmp_path / "init"  # the servers start from a checkpoint: one co-located step writes one
-    _cli("train", RECIPE, *SMALL, "training.train_steps=1", "checkpoint.save_interval=1", "--run-dir", str(init),
-         cwd=tmp_path)
+    run_cli("train", RECIPE, *SMALL, "training.train_steps=1", "checkpoint.save_interval=1", "--run-dir", str(init),
+            cwd=tmp_path)
     common = [*SMALL, f"training.train_steps={STEPS}", "checkpoint.save_interval=0",
               f"checkpoint.load={init / 'checkpoints'}"]
-    _cli("train", RECIPE, *common, "--run-dir", str(tmp_path / "colocated"), cwd=tmp_path)
-    _cli("launch", RECIPE, *common, *DISAGGREGATED, "--local", "--run-dir", str(tmp_path / "disaggregated"),
-         cwd=tmp_path)
-    ref, ours = (_jsonl(tmp_path / run / "metrics.jsonl") for run in ("colocated", "disaggregated"))
+    run_cli("train", RECIPE, *common, "--run-dir", str(tmp_path / "colocated"), cwd=tmp_path)
+    run_cli("launch", RECIPE, *common, *DISAGGREGATED, "--local", "--run-dir", str(tmp_path / "disaggregated"),
+            cwd=tmp_path)
+    ref, ours = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("colocated", "disaggregated"))
     assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
     assert any(abs(m["loss"]) > 1e-3 for m in ref), ref  # mixed rewards: a real loss
     for a, b in zip(ours, ref):
@@ -72,9 +57,9 @@ def test_synchronous_disaggregated_verifiers_run_equals_colocated(tmp_path):
         assert abs(a["behaviour_logprob"] - b["behaviour_logprob"]) < 1e-5, (a["step"], a, b)
         assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(b["loss"])), (a["step"], a["loss"], b["loss"])
         assert a["async_lag_max"] == 0 and a["async_dropped_samples"] == 0
-    trained = [[r["trained"] for r in _jsonl(tmp_path / run / "rollouts.jsonl")] for run in ("colocated", "disaggregated")]
+    trained = [[r["trained"] for r in read_jsonl(tmp_path / run / "rollouts.jsonl")] for run in ("colocated", "disaggregated")]
     assert trained[0] == trained[1]
-    evals = [_jsonl(tmp_path / run / "eval.jsonl") for run in ("colocated", "disaggregated")]
+    evals = [read_jsonl(tmp_path / run / "eval.jsonl") for run in ("colocated", "disaggregated")]
     assert [e["step"] for e in evals[0]] == [e["step"] for e in evals[1]] == [0, 2, 3]
     for ref_eval, ours in zip(*evals):
         ref_eval, ours = ({k: v for k, v in e.items() if k != "eval_time_s"} for e in (ref_eval, ours))
@@ -111,8 +96,8 @@ def test_a_verifiers_episode_whose_server_is_down_is_played_again_on_another_wit
     from megatron_s2.training.run_checks import check_tokenizer
 
     init = tmp_path / "init"
-    _cli("train", RECIPE, *SMALL, "training.train_steps=1", "checkpoint.save_interval=1", "rl.eval.at_start=false",
-         "rl.eval.interval=0", "--run-dir", str(init), cwd=tmp_path)
+    run_cli("train", RECIPE, *SMALL, "training.train_steps=1", "checkpoint.save_interval=1", "rl.eval.at_start=false",
+            "rl.eval.interval=0", "--run-dir", str(init), cwd=tmp_path)
     recipe = load_recipe(RECIPE, [*SMALL, *DISAGGREGATED, f"checkpoint.load={init / 'checkpoints'}"])
     rollout = recipe.rl.rollout
     tokenizer = check_tokenizer(recipe)

@@ -24,6 +24,8 @@ from megatron_s2.posttrain.opd.warmup import SftWarmup, keep_verified, warmup_mi
 from megatron_s2.posttrain.opd.warmup_data import Trajectory, TrajectoryFile, WarmupPrompts
 from megatron_s2.posttrain.trainer import PosttrainTrainer
 
+from tests.posttrain.cli_run import read_jsonl
+
 # one intra-op thread here and in the runs it starts (tests/conftest.py): tiny models, 2 shared cores
 pytestmark = pytest.mark.usefixtures("one_thread", "one_thread_children")
 
@@ -51,10 +53,6 @@ def _recipe(teacher: Path, *extra: str):
 
 def _trainer(recipe, run_dir: Path, guard=None) -> PosttrainTrainer:
     return PosttrainTrainer(recipe, run_dir, guard=guard, log=lambda *a, **k: None)
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _hand_ce(model, rows: list[Trajectory]) -> float:
@@ -129,7 +127,6 @@ def test_trajectory_file_epochs_and_one_line_errors(tmp_path):
         assert str(err.value).startswith("opd.sft_warmup.data: ") and "\n" not in str(err.value)
 
 
-
 def test_trajectory_file_refuses_binary_pickled_and_hostile_lines_in_one_line(tmp_path):
     """A pickle, random bytes, non-UTF-8 text or absurd JSON nesting is a one-line ConfigError
     (never a UnicodeDecodeError/RecursionError traceback, never unpickled); a BOM is accepted."""
@@ -189,7 +186,7 @@ def test_warmup_loss_is_the_cross_entropy_of_the_teacher_tokens_only(tmp_path, t
     expected = _hand_ce(tr.model, batch)
     with_prompt = _hand_ce(tr.model, [Trajectory(r.tokens, [1] * len(r.tokens), r.uid) for r in batch])
     result = tr.train()
-    record = _jsonl(tmp_path / "run" / "metrics.jsonl")[0]
+    record = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
     assert record["sft_warmup"] == 1.0 and record["tokens"] == 12  # 3 response labels x 4 rows
     assert result.final_loss == pytest.approx(expected, rel=1e-5)
     assert abs(result.final_loss - with_prompt) > 1e-3
@@ -204,10 +201,10 @@ def test_generated_warmup_raises_the_students_likelihood_of_the_teachers_answers
     tr.train()
     after = _hand_ce(tr.model, first)
     assert after < before - 0.5, (before, after)  # the trained rows: -log p of the teacher tokens falls
-    evals = _jsonl(run / "eval.jsonl")  # held out: the student's log-prob of the teacher's greedy answers
+    evals = read_jsonl(run / "eval.jsonl")  # held out: the student's log-prob of the teacher's greedy answers
     assert [e["step"] for e in evals] == [0, 4]
     assert evals[1]["eval_student_logprob_teacher"] > evals[0]["eval_student_logprob_teacher"] + 0.3, evals
-    metrics = _jsonl(run / "metrics.jsonl")
+    metrics = read_jsonl(run / "metrics.jsonl")
     assert [m["sft_warmup"] for m in metrics] == [1.0] * 4
     assert all(m["warmup_response_tokens"] > 0 for m in metrics)
 
@@ -236,20 +233,20 @@ def test_resume_inside_the_warmup_continues_it_and_after_it_never_redoes_it(tmp_
     assert tr.train().preempted and tr.step == 1
     tr = _trainer(_recipe(teacher, *common), cut)  # resumes inside the warm-up, at step 1
     assert tr.train().steps_run == 2
-    got, want = _jsonl(cut / "metrics.jsonl"), _jsonl(ref / "metrics.jsonl")
+    got, want = read_jsonl(cut / "metrics.jsonl"), read_jsonl(ref / "metrics.jsonl")
     assert [m["step"] for m in got] == [1, 2, 3]
     assert [m.get("sft_warmup") for m in got] == [1.0, 1.0, None]
     for g, w in zip(got[:2], want[:2]):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-6)
-    rollouts = _jsonl(cut / "rollouts.jsonl")
+    rollouts = read_jsonl(cut / "rollouts.jsonl")
     warm = [u for r in rollouts for u in r.get("warmup", [])]
-    assert warm == [u for r in _jsonl(ref / "rollouts.jsonl") for u in r.get("warmup", [])]
+    assert warm == [u for r in read_jsonl(ref / "rollouts.jsonl") for u in r.get("warmup", [])]
     assert len(warm) == 8 and len(set(warm)) == 8  # no warm-up prompt repeated or skipped
     assert rollouts[-1]["step"] == 3 and len(rollouts[-1]["trained"]) == 4  # then OPD groups
     # extend the finished run: it resumes at step 3 and runs OPD only
     tr = _trainer(_recipe(teacher, "training.train_steps=4", *common[1:]), cut)
     assert tr.train().steps_run == 1
-    last = _jsonl(cut / "metrics.jsonl")[-1]
+    last = read_jsonl(cut / "metrics.jsonl")[-1]
     assert last["step"] == 4 and "sft_warmup" not in last and "opd_advantage" in last
 
 
@@ -266,7 +263,7 @@ def test_warmup_under_dp2_launch_matches_one_rank(tmp_path, teacher):
                            *args, "parallel.dp=2", "launcher.nproc_per_node=2", "--run-dir", str(tmp_path / "dp2")],
                           capture_output=True, text=True, timeout=1500, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    losses = {name: [(m["step"], m["sft_warmup"], m["loss"]) for m in _jsonl(tmp_path / name / "metrics.jsonl")]
+    losses = {name: [(m["step"], m["sft_warmup"], m["loss"]) for m in read_jsonl(tmp_path / name / "metrics.jsonl")]
               for name in ("one", "dp2")}
     assert [s for s, _, _ in losses["one"]] == [s for s, _, _ in losses["dp2"]] == [1, 2]
     for (s1, w1, l1), (s2, w2, l2) in zip(losses["one"], losses["dp2"]):
@@ -354,7 +351,7 @@ def test_run_killed_inside_the_warmup_resumes_it_without_repeating_or_skipping_a
     warm = [u for r in final for u in r.get("warmup", [])]
     assert len(warm) == 3 * 4 and len(set(warm)) == len(warm)
     assert final[2]["warmup"] == killed_step3  # the re-run step trains the same prompts
-    assert [m.get("sft_warmup") for m in _jsonl(run_dir / "metrics.jsonl")] == [1.0, 1.0, 1.0, None]
+    assert [m.get("sft_warmup") for m in read_jsonl(run_dir / "metrics.jsonl")] == [1.0, 1.0, 1.0, None]
 
 
 class _HarnessPrompts(PromptSet):
