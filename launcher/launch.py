@@ -233,7 +233,8 @@ def launch_slurm(runs: list[PreparedRun], dry_run: bool = False) -> int:
             _say(f"srun line: {srun_line(run.job)}")
             if run.job.roles is not None:
                 _say(f"heterogeneous job: trainer ranks (component 0), {run.job.roles.servers} inference server(s) "
-                     f"on port {run.job.roles.port} (component 1), the orchestrator (component 2)")
+                     f"on ports {run.job.roles.port}..{run.job.roles.port + run.job.roles.servers - 1} (server i on "
+                     f"{run.job.roles.port} + i; component 1), the orchestrator (component 2)")
             _say(f"would run: {shlex.join(sbatch_argv(run.job.dir.script, previous))}")
             previous = f"<job id of phase {run.phase}>"
             continue

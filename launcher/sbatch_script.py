@@ -153,19 +153,18 @@ def _wait_block(job: JobSpec) -> list[str]:
             '    kill -0 "$STEP_PID" 2>/dev/null || break  # wait was interrupted by a trapped signal',
             "done",
         ]
+    # Polling rather than ``wait -n -p`` (bash >= 5.1; RHEL 8's bash 4.4 lacks it): a finished step
+    # is reaped by bash at once, so ``kill -0`` fails for it and ``wait PID`` returns its code; the
+    # one-second ``wait`` on a sleep is what a trapped signal interrupts, never a step.
     return [
         "while :; do",
-        "    ENDED=",
-        '    wait -n -p ENDED "$STEP_PID" $ROLE_STEPS',
-        "    rc=$?",
-        "    ENDED=${ENDED:-}  # unset by wait when a trapped signal interrupted it (set -u)",
-        '    if [ -z "$ENDED" ]; then  # interrupted by a trapped signal',
-        '        kill -0 "$STEP_PID" 2>/dev/null && continue',
-        '        wait "$STEP_PID"; rc=$?; break',
-        "    fi",
-        '    [ "$ENDED" != "$STEP_PID" ] || break',
-        '    role_ended "$ENDED" "$rc"',
-        '    ROLE_STEPS=$(echo " $ROLE_STEPS " | sed "s/ $ENDED / /")',
+        '    if ! kill -0 "$STEP_PID" 2>/dev/null; then wait "$STEP_PID"; rc=$?; break; fi',
+        "    for pid in $ROLE_STEPS; do",
+        '        kill -0 "$pid" 2>/dev/null && continue',
+        '        wait "$pid"; role_ended "$pid" "$?"',
+        '        ROLE_STEPS=$(echo " $ROLE_STEPS " | sed "s/ $pid / /")',
+        "    done",
+        "    sleep 1 & wait $!",
         "done",
         "stop_roles",
     ]

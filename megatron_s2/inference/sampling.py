@@ -36,7 +36,7 @@ import torch
 from megatron_s2.config.engine import LOGPROBS_MODES
 from megatron_s2.config.schema import ConfigError
 
-__all__ = ["SamplingParams", "SampledToken", "constrain_logits", "sample_next", "sampled_token", "position_seed", "LOGPROBS_MODES"]
+__all__ = ["SamplingParams", "SampledToken", "constrain_logits", "sample_next", "sampled_token", "position_seed", "call_seed", "LOGPROBS_MODES"]
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,15 @@ def position_seed(seed: int, position: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (x ^ (x >> 31)) >> 1  # 63 bits: what manual_seed takes on every device
+
+
+def call_seed(seed: int, call: int) -> int:
+    """The request seed of model call ``call`` of an episode seeded with ``seed``: the episode's own
+    seed for its first call (a single-call episode samples as before), a SplitMix64 mix for the
+    later ones. Not ``seed + c * stride``: held-out episodes are seeded ``stride * key``, so call
+    ``c`` of episode ``key`` would draw exactly episode ``key + c``'s random numbers."""
+    # offset far beyond any token position, so a call's seed is never one of its own draws' seeds
+    return int(seed) % (2 ** 63) if call == 0 else position_seed(seed, (1 << 40) + int(call))
 
 
 def reported_values(logits: torch.Tensor, params: SamplingParams, sampling_logp: torch.Tensor) -> torch.Tensor:

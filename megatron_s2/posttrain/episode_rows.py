@@ -29,9 +29,12 @@ its :attr:`~megatron_s2.posttrain.orchestrator.RolloutSample.branches` are furth
   episode_samples`). Per-turn advantages (``credit: turn``) of a multi-branch episode are refused.
 * **Fillers**: the number of rows varies with the branches episodes left; it is padded to a multiple
   of ``micro_batch_size`` x data-parallel size (x pp under interleaved 1F1B, which needs a multiple
-  of pp micro-batches per rank) with filler rows — copies of a real row with nothing
-  trained (loss mask, advantage and sequence id empty) — so every micro-batch and rank is full and
-  R3 records stay aligned; the step's micro-batch count follows the rows.
+  of pp micro-batches per rank) with filler rows — copies of a real row whose loss mask, advantage
+  and sequence id are empty — so every micro-batch and rank is full and R3 records stay aligned;
+  the step's micro-batch count follows the rows. The policy, entropy and KL terms and their
+  statistics see nothing of a filler; the terms that are not loss-masked do: a router
+  load-balancing loss (``router_aux_loss_coef`` > 0) counts the copy's routing again, and a
+  drafter loss is averaged over the micro-batches, fillers included.
 """
 
 from __future__ import annotations

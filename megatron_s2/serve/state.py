@@ -41,8 +41,9 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     session_seeds: dict[str, int] = field(default_factory=dict)
     """Session id -> the seed of its episode, for the sessions of an RL rollout: call ``k`` of such
-    a session samples with seed ``seed + 1_000_003 k`` when the request sends none (harnesses send
-    none), so an episode is reproducible whichever server answers (:mod:`megatron_s2.serve.gateway.turn`)."""
+    a session samples with seed ``call_seed(seed, k)`` (:mod:`megatron_s2.inference.sampling`) when
+    the request sends none (harnesses send none), so an episode is reproducible whichever server
+    answers (:mod:`megatron_s2.serve.gateway.turn`)."""
 
     @property
     def max_model_len(self) -> int:

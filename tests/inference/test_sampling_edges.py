@@ -73,3 +73,18 @@ def test_logprob_token_ids_report_a_fixed_label_set_in_order():
     expected = torch.log_softmax(logits, -1)
     assert [t for t, _ in tok.top_logprobs] == [4, 1]
     assert all(math.isclose(v, float(expected[t]), rel_tol=1e-6) for t, v in tok.top_logprobs)
+
+
+def test_an_episode_call_seed_is_not_another_held_out_episode_s_seed():
+    """Call c of held-out episode ``key`` (seeded ``episode_seed(key)``) must not draw episode
+    ``key + c``'s random numbers, as ``seed + stride * c`` with the evaluation's own stride did;
+    an episode's first call keeps its seed (single-call episodes sample as before)."""
+    from megatron_s2.inference.sampling import call_seed
+    from megatron_s2.posttrain.rollout.evaluation import episode_seed
+
+    keys, calls = range(64), range(1, 10)
+    firsts = {episode_seed(k) for k in keys}
+    assert all(call_seed(episode_seed(k), 0) == episode_seed(k) for k in keys)
+    later = [call_seed(episode_seed(k), c) for k in keys for c in calls]
+    assert not firsts & set(later) and len(set(later)) == len(later)
+    assert all(0 <= s < 2 ** 63 for s in later)

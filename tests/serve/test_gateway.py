@@ -746,7 +746,7 @@ def test_a_split_while_a_call_is_planned_does_not_drop_prompt_tokens(server, tok
 
 def test_a_rollout_session_without_seeds_is_seeded_from_its_episode(server, traces):
     """An RL rollout's session (``ServerState.session_seeds``) whose harness sends no seed: call k
-    samples with the episode's seed + 1_000_003 k — two episodes of one seed play the same tokens,
+    samples with call_seed(the episode's seed, k) — two episodes of one seed play the same tokens,
     another seed other ones, and a seed the request sends wins."""
     from megatron_s2.serve.gateway.turn import session_call_seed
 

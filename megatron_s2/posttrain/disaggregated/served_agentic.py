@@ -14,7 +14,7 @@ sample as co-located (:func:`~megatron_s2.posttrain.rollout.agentic_backend._epi
 trace branch of a harness that re-renders its history, :mod:`megatron_s2.posttrain.episode_rows`).
 
 * **Seeds**: the harnesses send none; each episode's session is seeded from its sample's seed
-  (``ServerState.session_seeds``: call ``k`` samples with ``seed + 1_000_003 k``), in both modes,
+  (``ServerState.session_seeds``: call ``k`` samples with ``call_seed(seed, k)``), in both modes,
   so with ``max_async_level: 0`` a disaggregated run plays the co-located run's episodes.
 * **Routing and failures**: every call goes to the live server with the fewest open calls and,
   when its server dies (refused, timed out, 5xx), is re-sent to another with the same seed

@@ -40,6 +40,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from megatron_s2.inference.sampling import call_seed
 from megatron_s2.posttrain.envs.base import Environment
 from megatron_s2.posttrain.multiturn import SessionBuilder
 from megatron_s2.posttrain.orchestrator import RolloutSample, SampleRequest
@@ -367,7 +368,7 @@ class ServedRolloutBackend:
                                  f"max_model_len {self.max_model_len}); raise training.seq_length")
             # the co-located backend's seeds: one stream per model call of the episode
             params = {"max_tokens": min(req.max_new_tokens, room), "temperature": req.temperature,
-                      "top_p": req.top_p, "seed": (req.seed + 1_000_003 * calls) % (2 ** 63), "logprobs": 1,
+                      "top_p": req.top_p, "seed": call_seed(req.seed, calls), "logprobs": 1,
                       "skip_special_tokens": False}
             start = builder.routed_end if self.record_routing and calls else 0
             if self.record_routing:

@@ -36,7 +36,7 @@ every running episode finish before the engine pauses; no partial episodes are c
 trained, its last segment weighted as a limit stop — rather than failing the step.
 
 **Seeds.** The harnesses send none: each episode's gateway session is seeded from its sample's
-seed (``ServerState.session_seeds``; call ``k`` samples with ``seed + 1_000_003 k``), so an episode
+seed (``ServerState.session_seeds``; call ``k`` samples with ``call_seed(seed, k)``), so an episode
 is reproducible — and a disaggregated run (:mod:`megatron_s2.posttrain.disaggregated.served_agentic`)
 plays the same episodes through the inference servers.
 

@@ -34,6 +34,7 @@ import torch
 
 from megatron_s2.inference import EngineDriver, SamplingParams
 from megatron_s2.inference.request import CompletedRequest
+from megatron_s2.inference.sampling import call_seed
 from megatron_s2.posttrain.envs.base import Environment, Episode
 from megatron_s2.posttrain.multiturn import SessionBuilder
 from megatron_s2.posttrain.orchestrator import RolloutSample, SampleRequest
@@ -237,7 +238,7 @@ class EngineRolloutBackend:
         rid = f"s{req.sample_id}-c{session.calls}-{self._seq}"
         # One stream per model call of the episode; the engine keys each draw by the token's position
         # too, so a call restored with its carried prefix continues exactly as it would have.
-        seed = (req.seed + 1_000_003 * session.calls) % (2 ** 63)
+        seed = call_seed(req.seed, session.calls)
         # the loss needs the behaviour log-prob under the distribution each token was drawn from
         params = SamplingParams(max_tokens=min(budget, room), temperature=req.temperature, top_p=req.top_p,
                                 seed=seed, record_routing=self.record_routing, logprobs_mode="processed_logprobs")

@@ -105,9 +105,11 @@ class EpisodeBackend(abc.ABC):
 
     def _finished(self, run: EpisodeRun) -> None:
         """Done-callback of an episode's future (a worker thread): note the engine's version, wake the poll."""
-        run.end_version = self.engine.policy_version
-        run.noted.set()
-        self._wake.set()
+        try:
+            run.end_version = self.engine.policy_version
+        finally:  # a failure here (futures only log it) must not leave pause() waiting forever
+            run.noted.set()
+            self._wake.set()
 
     def _collect(self) -> int:
         """Ingest finished episodes into ``_done`` in sample order; how many finished."""

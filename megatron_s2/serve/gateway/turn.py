@@ -16,6 +16,7 @@ from http import HTTPStatus
 from starlette.concurrency import run_in_threadpool
 
 from megatron_s2.inference.request import CompletedRequest
+from megatron_s2.inference.sampling import call_seed
 from megatron_s2.serve.backend import Generation
 from megatron_s2.serve.chat import _renders_text
 from megatron_s2.serve.errors import BadRequest, HTTPError
@@ -91,8 +92,8 @@ _NOT_HERE = {"logprobs": False, "top_logprobs": None, "echo": False, "prompt_log
 
 def session_call_seed(seed: int, call: int) -> int:
     """The seed of a rollout session's ``call``-th model call (``ServerState.session_seeds``): one
-    stream per call of the episode, as the task episodes' calls are seeded."""
-    return (seed + 1_000_003 * call) % (2 ** 63)
+    stream per call of the episode, as the task episodes' calls are seeded (:func:`call_seed`)."""
+    return call_seed(seed, call)
 
 
 def check_gateway_tokenizer(tokenizer, field: str) -> None:
@@ -133,9 +134,9 @@ async def start_turn(state: ServerState, request, turn: Turn, session: str | Non
                             max_stops=state.config.max_stops, logprobs_mode=state.config.logprobs_mode,
                             record_routing=plan.session is not None)
     params = apply_tool_choice(params, choice, tokenizer)
-    if plan.session is not None and params.seed is None and plan.session in state.session_seeds:
-        params = replace(params, seed=session_call_seed(state.session_seeds[plan.session],
-                                                        len(capture.store.session_calls(plan.session))))
+    episode_seed = state.session_seeds.get(plan.session) if plan.session is not None else None
+    if params.seed is None and episode_seed is not None:  # .get: the episode may end (pop) meanwhile
+        params = replace(params, seed=session_call_seed(episode_seed, len(capture.store.session_calls(plan.session))))
     gen = Generation(state.backend, new_id("turn"), request, state.config.disconnect_poll_s)
     gen.add(0, plan.ids, params)
     return RunningTurn(state, turn, plan, gen, capture)
