@@ -57,7 +57,8 @@ def one_thread_children(monkeypatch):
 # Fixtures that own a machine-wide resource: the local SLURM clusters (fixed state directories,
 # ports and munge sockets under /tmp/slurm-local). Under pytest-xdist every test that uses one is
 # kept on one worker (``--dist loadgroup``), so two workers never start the same cluster.
-_SERIAL_FIXTURES = {"slurm": "slurm", "slurm2": "slurm", "slurm_one_node": "slurm", "slurm_two_nodes": "slurm"}
+_SERIAL_FIXTURES = {"slurm": "slurm", "slurm2": "slurm", "slurm3": "slurm", "slurm_one_node": "slurm",
+                    "slurm_two_nodes": "slurm", "slurm_three_nodes": "slurm"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marker into the nodeid's @group
