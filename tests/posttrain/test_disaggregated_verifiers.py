@@ -17,7 +17,7 @@ import pytest
 
 from megatron_s2.config.recipe import load_recipe
 from megatron_s2.config.schema import ConfigError
-from tests.posttrain.cli_run import run_cli, read_jsonl
+from tests.posttrain.cli_run import assert_runs_equal, read_jsonl, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "phases" / "rl_addition_verifiers.yaml")
@@ -47,23 +47,9 @@ def test_synchronous_disaggregated_verifiers_run_equals_colocated(tmp_path):
     run_cli("train", RECIPE, *common, "--run-dir", str(tmp_path / "colocated"), cwd=tmp_path)
     run_cli("launch", RECIPE, *common, *DISAGGREGATED, "--local", "--run-dir", str(tmp_path / "disaggregated"),
             cwd=tmp_path)
-    ref, ours = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("colocated", "disaggregated"))
-    assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
+    ref = read_jsonl(tmp_path / "colocated" / "metrics.jsonl")
     assert any(abs(m["loss"]) > 1e-3 for m in ref), ref  # mixed rewards: a real loss
-    for a, b in zip(ours, ref):
-        for key in ("trained_reward_mean", "response_length", "rollout_tokens"):
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
-        # the servers' batch composition moves the log-probs' last bits (measured: 6e-7 on -6.27)
-        assert abs(a["behaviour_logprob"] - b["behaviour_logprob"]) < 1e-5, (a["step"], a, b)
-        assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(b["loss"])), (a["step"], a["loss"], b["loss"])
-        assert a["async_lag_max"] == 0 and a["async_dropped_samples"] == 0
-    trained = [[r["trained"] for r in read_jsonl(tmp_path / run / "rollouts.jsonl")] for run in ("colocated", "disaggregated")]
-    assert trained[0] == trained[1]
-    evals = [read_jsonl(tmp_path / run / "eval.jsonl") for run in ("colocated", "disaggregated")]
-    assert [e["step"] for e in evals[0]] == [e["step"] for e in evals[1]] == [0, 2, 3]
-    for ref_eval, ours in zip(*evals):
-        ref_eval, ours = ({k: v for k, v in e.items() if k != "eval_time_s"} for e in (ref_eval, ours))
-        assert ours == ref_eval and ours["eval_policy_version"] == ours["step"], (ours, ref_eval)
+    assert_runs_equal(tmp_path / "colocated", tmp_path / "disaggregated", STEPS, [0, 2, 3])
 
 
 def test_r3_routing_with_verifiers_has_the_servers_return_routed_experts():
