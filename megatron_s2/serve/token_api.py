@@ -65,7 +65,7 @@ from megatron_s2.serve.sampling import build_sampling, refuse_unsupported_sampli
 from megatron_s2.serve.state import SSE_DONE, ServerState, new_id, sse
 from megatron_s2.serve.text import chat_logprobs
 
-__all__ = ["generate", "encode_routed_experts"]
+__all__ = ["generate", "encode_routed_experts", "decode_routed_experts"]
 
 # vLLM SamplingParams fields this endpoint understands (honoured, or checked to be neutral);
 # any other key is refused by name.
@@ -93,6 +93,13 @@ def encode_routed_experts(rows: np.ndarray, start: int) -> dict:
     data = np.ascontiguousarray(rows.astype(dtype))
     return {"data": base64.b64encode(data.tobytes()).decode("ascii"), "shape": list(data.shape),
             "dtype": dtype.name, "start": int(start)}
+
+
+def decode_routed_experts(routed: dict) -> np.ndarray:
+    """A choice's ``routed_experts`` object back as int32 rows [positions, layers, top-k] (the
+    first row is position ``routed["start"]``): what a client of this endpoint reads."""
+    rows = np.frombuffer(base64.b64decode(routed["data"]), dtype=np.dtype(routed["dtype"]))
+    return rows.reshape(routed["shape"]).astype(np.int32)
 
 
 def _token_logprobs(tokenizer, ids: list[int], values: list[float], tops, num_top: int) -> dict:

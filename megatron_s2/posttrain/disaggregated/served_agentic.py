@@ -33,7 +33,6 @@ trace branch of a harness that re-renders its history, :mod:`megatron_s2.posttra
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures
 import contextlib
 import itertools
@@ -43,7 +42,6 @@ import threading
 from dataclasses import dataclass
 from typing import Mapping
 
-import numpy as np
 import torch
 
 from megatron_s2.inference.request import FinishReason, RequestOutput
@@ -51,6 +49,7 @@ from megatron_s2.inference.sampling import SamplingParams
 from megatron_s2.posttrain.disaggregated.served_backend import ServerUnavailable
 from megatron_s2.posttrain.orchestrator import RolloutSample
 from megatron_s2.serve.errors import BadRequest, EngineUnavailable, RequestFailed
+from megatron_s2.serve.token_api import decode_routed_experts
 
 __all__ = ["ServedAgentic", "ServedEngine"]
 
@@ -94,8 +93,7 @@ def choice_output(request_id: str, choice: dict) -> RequestOutput:
     routed, fed = choice.get("routed_experts"), range(0)
     rows = None
     if routed is not None:
-        rows = np.frombuffer(base64.b64decode(routed["data"]), dtype=np.dtype(routed["dtype"]))
-        rows = torch.from_numpy(rows.reshape(routed["shape"]).astype(np.int32))
+        rows = torch.from_numpy(decode_routed_experts(routed))
         fed = range(int(routed["start"]), int(routed["start"]) + rows.shape[0])
     return RequestOutput(request_id, token_ids=ids, logprobs=[e["logprob"] for e in choice["logprobs"]["content"]],
                          top_logprobs=[[] for _ in ids], versions=[int(v) for v in choice["policy_versions"]],

@@ -30,7 +30,6 @@ backend assembles its engine's calls.
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import threading
 import time
@@ -45,6 +44,7 @@ from megatron_s2.posttrain.envs.base import Environment
 from megatron_s2.posttrain.multiturn import SessionBuilder
 from megatron_s2.posttrain.orchestrator import RolloutSample, SampleRequest
 from megatron_s2.posttrain.routing import RoutingRecord
+from megatron_s2.serve.token_api import decode_routed_experts
 
 __all__ = ["ServedRolloutBackend", "ServerUnavailable", "ServedStats"]
 
@@ -482,8 +482,7 @@ class ServedRolloutBackend:
         """The call's R3 record of the positions it fed from ``start`` (context + ids[:-1]); a fed
         position's version is that of the token its forward produced (the prefill: the first)."""
         routed = choice["routed_experts"]
-        rows = np.frombuffer(base64.b64decode(routed["data"]), dtype=np.dtype(routed["dtype"]))
-        rows = rows.reshape(routed["shape"]).astype(np.int32)
+        rows = decode_routed_experts(routed)
         rows = np.where(rows < 0, np.arange(rows.shape[-1], dtype=np.int32), rows)  # positions never routed
         end = len(context) + len(ids) - 1
         if rows.shape[0] != end - start:
