@@ -13,10 +13,12 @@ orchestrator (``megatron-s2 orchestrate`` on the same resolved recipe, :mod:`meg
 * On SLURM (:func:`slurm_roles`, rendered by :mod:`megatron_s2.launcher.sbatch_script`): one
   heterogeneous job — component 0 the trainer's nodes, component 1 the servers (one node each,
   server ``i`` on port ``8100 + i``), component 2 the orchestrator — whose script starts the servers
-  and the orchestrator as background steps and the trainer as the watched one. A role step that
-  ends before the trainer (a server at all; the orchestrator with an error) writes the
-  ``ORCHESTRATOR_FAILED`` marker (nobody restarts it there), so the trainer stops with its reason and
-  the job fails; the roles still running when the trainer ends get SIGTERM (``scancel --signal``) and exit.
+  and the orchestrator as background steps (one step per server) and the trainer as the watched
+  one. A server step that ends before the trainer is started again on its node, as locally (up to
+  :data:`MAX_FAILED_RESTARTS` in a row that never answer ``/health``); a server given up, or an
+  orchestrator that fails, writes the ``ORCHESTRATOR_FAILED`` marker, so the trainer stops with its
+  reason and the job fails; the roles still running when the trainer ends get SIGTERM
+  (``scancel --signal``) and exit.
 """
 
 from __future__ import annotations

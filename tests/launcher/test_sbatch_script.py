@@ -191,11 +191,15 @@ def test_disaggregated_rl_is_one_heterogeneous_job(capsys, tmp_path):
     assert options[first:second] == ["hetjob", "--nodes=2", "--ntasks-per-node=1"]  # the servers
     assert options[second:] == ["hetjob", "--nodes=1", "--ntasks=1"]  # the orchestrator
     lines = {line.split()[1]: line for line in script.splitlines() if line.startswith("srun ")}
+    # server i is its own step on its own node (restarted alone when it dies): SERVER_INDEX=i srun ...
+    lines["--het-group=1"] = next(line.strip() for line in script.splitlines() if " srun --het-group=1 " in line)
     assert set(lines) == {"--het-group=0", "--het-group=1", "--het-group=2"}
     # server i on port 8100 + i of its node; the orchestrator gets each node's address (its NodeAddr
     # where the name does not resolve) — run for real in test_disaggregated_slurm.py
     assert f"serve {tmp_path / 'run' / 'sft' / 'checkpoints'} --host 0.0.0.0 --served" in lines["--het-group=1"]
-    assert """bash -c 'exec "$@" --port "$((SERVER_PORT + SLURM_NODEID))"' server""" in lines["--het-group=1"]
+    assert lines["--het-group=1"].startswith("SERVER_INDEX=$1 srun --het-group=1 --nodes=1 --ntasks=1 "
+                                             '--nodelist="${SERVER_NODES[$1]}"')
+    assert """bash -c 'exec "$@" --port "$((SERVER_PORT + SERVER_INDEX))"' server""" in lines["--het-group=1"]
     assert "export SERVER_PORT=8100" in script.splitlines()
     assert lines["--het-group=2"].endswith('orchestrate ' + f"{tmp_path / 'run' / 'rl'}/launch/config.yaml --run-dir "
                                            f'{tmp_path / "run" / "rl"} --servers "$SERVERS" &')
@@ -219,7 +223,7 @@ def test_disaggregated_servers_speculate_when_the_rollout_engine_does(speculativ
     out, err = capsys.readouterr()
     assert code == 0, err
     script = out[out.rindex("#!/bin/bash"):]
-    server = next(line for line in script.splitlines() if line.startswith("srun --het-group=1"))
+    server = next(line for line in script.splitlines() if " srun --het-group=1 " in line)
     argv = shlex.split(server.rstrip(" &"))
     argv = argv[argv.index("megatron_s2.cli") + 1:]
     assert argv[0] == "serve" and ("--speculative" in argv) == speculative, server
