@@ -175,7 +175,7 @@ class PosttrainTrainer(Trainer):
             self.backend = backend_class(self.engine, self.environments, tokenizer=self.tokenizer,
                                          topology=self.topology, layer_ids=self.rollout_model.layer_ids,
                                          record_routing=engine_cfg.routing_replay, weight_loader=loader,
-                                         max_concurrent=concurrent or self.rollout_cfg.max_in_flight)
+                                         max_concurrent=concurrent or self.rollout_cfg.max_in_flight, log=self.log)
             # held-out tasks are played through the same server and engine, between steps
             self.eval_engine = None
             self.evaluator = VerifiersEvaluator(self.backend, self.environments, self.topology, self.section.eval,
@@ -390,7 +390,8 @@ class PosttrainTrainer(Trainer):
 
     def _rollout_rates(self, stats, t_rollout: float, tokens: int, t_train: float) -> dict[str, float]:
         local = torch.tensor([stats.generated_tokens if self.topology.leader else 0, stats.engine_time_s
-                              if self.topology.leader else 0.0], dtype=torch.float64)
+                              if self.topology.leader else 0.0, stats.replayed if self.topology.leader else 0],
+                             dtype=torch.float64)
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -400,6 +401,8 @@ class PosttrainTrainer(Trainer):
         generated = float(local[0])
         rates = {"rollout_tokens": generated, "rollout_tokens_per_s": generated / max(t_rollout, 1e-9),
                  "train_tokens_per_s": tokens / max(t_train, 1e-9)}
+        if self.rollout_cfg.served:  # episodes played again after a transport error (episode_backend.MAX_REPLAYS)
+            rates["rollout_replayed"] = float(local[2])
         spec = getattr(self.engine, "speculator", None)
         if spec is not None:  # this step's speculation on this rank (report §2.4.3)
             now = (spec.stats.rounds, spec.stats.drafted, spec.stats.accepted, spec.stats.emitted,

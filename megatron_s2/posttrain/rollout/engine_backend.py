@@ -65,6 +65,9 @@ class RolloutStats:
     generated_tokens: int = 0
     engine_steps: int = 0
     engine_time_s: float = 0.0
+    replayed: int = 0
+    """Client-played episodes played again with the same seed after a transport error
+    (:data:`~megatron_s2.posttrain.rollout.episode_backend.MAX_REPLAYS`); metric ``rollout_replayed``."""
 
 
 @dataclass

@@ -26,10 +26,15 @@ from megatron_s2.posttrain.orchestrator import RolloutSample, SampleRequest
 from megatron_s2.posttrain.rollout.engine_backend import RolloutStats
 from megatron_s2.posttrain.rollout.replicas import ReplicaTopology, gather_objects
 
-__all__ = ["EpisodeBackend", "EpisodeRun", "SERVED_MODEL", "bypass_proxies_for_loopback"]
+__all__ = ["EpisodeBackend", "EpisodeRun", "MAX_REPLAYS", "SERVED_MODEL", "bypass_proxies_for_loopback"]
 
 SERVED_MODEL = "policy"
 """The model id the in-process server serves and the episodes ask for."""
+
+MAX_REPLAYS = 2
+"""Times an episode that failed on a transport error (its connection to the in-process server
+dropped) is played again with the same seed before its error stops the run. Only transport errors:
+a rubric, harness or user-code error is the environment's, and replaying it would hide it."""
 
 
 def bypass_proxies_for_loopback() -> None:
@@ -67,16 +72,17 @@ class EpisodeBackend(abc.ABC):
 
     def __init__(self, engine, environments: Mapping[str, object], *, tokenizer, topology: ReplicaTopology,
                  layer_ids: Sequence[int], record_routing: bool, max_concurrent: int,
-                 weight_loader: Callable[[int], None] | None = None):
+                 weight_loader: Callable[[int], None] | None = None, log: Callable[[str], None] = print):
         """``environments``: dataset name -> the kind's environment; ``max_concurrent``: episodes
-        running at once on this replica."""
+        running at once on this replica; ``log``: one line per replayed episode."""
         if topology.count != topology.world_size:
             raise ConfigError(f"parallel: {self.WHAT} reach the rollout engine over HTTP on one rank, but this "
                               f"layout's rollout replicas span {topology.world_size // topology.count} ranks "
                               "(tp / ep / engram parallel); use tp=1, ep=1 (data parallel only) for this phase")
         self.engine, self.envs, self.tokenizer, self.topology = engine, dict(environments), tokenizer, topology
         self.layer_ids = list(layer_ids) if record_routing else None
-        self.max_concurrent, self.weight_loader = max(1, max_concurrent), weight_loader
+        self.max_concurrent, self.weight_loader, self.log = max(1, max_concurrent), weight_loader, log
+        self._stats_lock = threading.Lock()  # replays are counted on the episodes' loop thread
         self._pending: list[SampleRequest] = []
         self._running: dict[int, EpisodeRun] = {}
         self._done: list[RolloutSample] = []
@@ -195,6 +201,14 @@ class EpisodeBackend(abc.ABC):
             if run is not None:
                 run.future.cancel()
 
+    def note_replay(self, where: str, error: str, replay: int) -> None:
+        """Count and log (one line) an episode played again after a transport error."""
+        with self._stats_lock:
+            self.stats.replayed += 1
+        self.log(f"rollout: {where} failed on a transport error ({error}); playing it again with the same seed "
+                 f"(replay {replay} of {MAX_REPLAYS})")
+
     def take_stats(self) -> RolloutStats:
-        stats, self.stats = self.stats, RolloutStats()
+        with self._stats_lock:
+            stats, self.stats = self.stats, RolloutStats()
         return stats

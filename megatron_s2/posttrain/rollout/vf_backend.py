@@ -44,10 +44,16 @@ from typing import Callable, Sequence
 
 from megatron_s2.config.schema import ConfigError
 from megatron_s2.posttrain.orchestrator import RolloutSample
-from megatron_s2.posttrain.rollout.episode_backend import SERVED_MODEL, EpisodeBackend, EpisodeRun
+from megatron_s2.posttrain.rollout.episode_backend import MAX_REPLAYS, SERVED_MODEL, EpisodeBackend, EpisodeRun
 from megatron_s2.posttrain.rollout.vf_trace import trace_sample
 
-__all__ = ["VerifiersBackend", "episode_loop", "only_trace"]
+__all__ = ["VerifiersBackend", "episode_loop", "only_trace", "transport_error"]
+
+TRANSPORT_MESSAGES = ("Connection error.", "Request timed out.")
+"""What verifiers records (``ProviderError``, status 503 / 504) when the OpenAI SDK's call to our
+server failed below HTTP — ``APIConnectionError`` (refused, reset, closed without or in the middle
+of an answer: httpx's ConnectError / ReadError / RemoteProtocolError) and ``APITimeoutError``. An
+HTTP answer, even an error status, is recorded with its status and body instead."""
 
 _LOOP: asyncio.AbstractEventLoop | None = None
 _LOOP_GUARD = threading.Lock()
@@ -157,7 +163,9 @@ class VerifiersBackend(EpisodeBackend):
                 env, tasks = self.envs[name].env_of("eval")
                 sampling = vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens, seed=seed(key) % (2 ** 63))
                 ctx = vf.ModelContext(model=SERVED_MODEL, client=self.client, sampling=sampling)
-                futures.append(asyncio.run_coroutine_threadsafe(self._episode(env, tasks[index], ctx), self._loop))
+                where = f"eval: verifiers episode of held-out task {index} of {name}"
+                futures.append(asyncio.run_coroutine_threadsafe(self._episode(env, tasks[index], ctx, where),
+                                                                self._loop))
             episodes = [f.result() for f in futures]
         finally:
             if paused:
@@ -178,13 +186,24 @@ class VerifiersBackend(EpisodeBackend):
             sampling = vf.SamplingConfig(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_new_tokens,
                                          seed=req.seed % (2 ** 63))
             ctx = vf.ModelContext(model=SERVED_MODEL, client=self.client, sampling=sampling)
-            future = asyncio.run_coroutine_threadsafe(self._episode(env.env, env.tasks[req.index], ctx), self._loop)
+            where = f"rollout: verifiers episode of sample {req.sample_id} (prompt {req.prompt_uid})"
+            future = asyncio.run_coroutine_threadsafe(self._episode(env.env, env.tasks[req.index], ctx, where),
+                                                      self._loop)
             run = self._running[req.sample_id] = EpisodeRun(req, version, future)
             future.add_done_callback(lambda _, run=run: self._finished(run))
 
-    async def _episode(self, vf_env, task, ctx):
+    async def _episode(self, vf_env, task, ctx, where: str):
+        """One episode; played again with the same seed (``ctx``) when it failed on a transport
+        error, up to :data:`~.episode_backend.MAX_REPLAYS` times (then its error stops the run as
+        any failed episode's). The replay runs inside the same future, so pause() still waits for
+        it: no trace straddles a weight update."""
         async with self._gate:
-            return await vf_env.run_episode(task, ctx)
+            for replay in range(1, MAX_REPLAYS + 2):
+                episode = await vf_env.run_episode(task, ctx)
+                error = transport_error(episode)
+                if error is None or replay > MAX_REPLAYS:
+                    return episode
+                self.note_replay(where, error, replay)
 
     def _sample(self, run: EpisodeRun) -> RolloutSample:
         req = run.request
@@ -200,11 +219,28 @@ class VerifiersBackend(EpisodeBackend):
         return sample
 
 
+def episode_error(episode):
+    """The recorded error of a failed episode (verifiers' ``Error``: type, message, status), or None."""
+    return episode.last_error or next((t.last_error for t in episode.traces if t.last_error), None)
+
+
+def transport_error(episode) -> str | None:
+    """``"ProviderError: Connection error."`` when ``episode`` failed because a call to the model
+    server failed below HTTP (:data:`TRANSPORT_MESSAGES`): worth playing again; None otherwise (it
+    succeeded, or failed on the rubric, the harness, the task's code or an HTTP error answer)."""
+    if episode.ok:
+        return None
+    err = episode_error(episode)
+    if err is None or err.type != "ProviderError" or (err.message or "").strip() not in TRANSPORT_MESSAGES:
+        return None
+    return f"{err.type}: {err.message.strip()}"
+
+
 def only_trace(episode, where: str):
     """The one trace of a finished episode; a failed episode is an error (the run's context length:
     a ConfigError naming training.seq_length)."""
     if not episode.ok:
-        err = episode.last_error or next((t.last_error for t in episode.traces if t.last_error), None)
+        err = episode_error(episode)
         if err and "context length" in (err.message or ""):  # the run's settings, not the environment
             raise ConfigError(f"training.seq_length: {where}: {str(err.message).strip().splitlines()[0].rstrip('.')}; "
                               "raise training.seq_length (the engine holds seq_length + 1 tokens) or shorten the "
