@@ -197,6 +197,37 @@ def test_a_re_rendering_harness_trains_every_call_once(server, traces, loaded, r
 
 
 @pytest.mark.slow
+def test_smolagents_out_of_context_is_a_context_limit_stop_not_a_harness_error(server, traces, loaded,  # noqa: F811
+                                                                              runtime):
+    """The gateway refuses a call that no longer fits the context (400 "maximum context length");
+    smolagents wraps that in its ``AgentGenerationError`` and re-raises it. The episode must end as
+    a context-limit stop — a deterministic annotation (walkthrough Ch. 7: its last segment weighted
+    as a limit stop) — not as ``harness_error``. The first call's prompt (smolagents' own ~5k-token
+    opening) is measured, then ``max_tokens`` is set so that exactly that call fits and the second,
+    one observation longer, does not."""
+    tok = loaded[1]
+    task = load_task("sum_pair")
+    max_model_len = server.state.max_model_len
+    server.policy.queue[:] = _script(tok, [{"name": "submit"}])
+    seen = len(server.log.requests)
+    run_harness_episode(task, make_harness("smolagents"), runtime, server_url=server.url, session="smol-ctx@0",
+                        trace_dir=traces, settings=HarnessSettings(max_turns=2, max_tokens=16))
+    first = list(server.log.requests.values())[seen]
+    opening = len(first.tokens) - len(first.output_ids)  # smolagents' opening chat, in tokens
+    script = _script(tok, task.reference)
+    server.policy.queue[:] = list(script)
+    seen = len(server.log.requests)
+    settings = HarnessSettings(max_turns=4, max_tokens=max_model_len - opening)  # the first call fits, exactly
+    episode = run_harness_episode(task, make_harness("smolagents"), runtime, server_url=server.url,
+                                  session="smol-ctx@1", trace_dir=traces, settings=settings)
+    server.policy.queue.clear()
+    assert [r.output_ids for r in list(server.log.requests.values())[seen:]] == script[:1]  # one call ran
+    assert episode.stop_reason == "context_limit", episode.error
+    assert episode.error == "" and episode.categories == ["limit_stop"]
+    assert episode.transcript[-1].stop == "context_limit"
+
+
+@pytest.mark.slow
 def test_runner_and_harness_give_the_same_labels_and_weights(server, traces, loaded, runtime):  # noqa: F811
     """The in-process runner (a ``messages -> text`` policy reading the one format) and a harness
     through the gateway, on one scripted session with a malformed answer, a failing call and its

@@ -51,7 +51,7 @@ class HarnessEpisode:
     status: str
     """'passed', 'failed', 'grader_error' or 'sandbox_crashed'."""
     stop_reason: str
-    """The harness's: 'submitted', 'answered', 'turn_limit', 'harness_error'; or 'sandbox_crashed'."""
+    """The harness's: 'submitted', 'answered', 'turn_limit', 'context_limit', 'harness_error'; or 'sandbox_crashed'."""
     samples: list[TrainableSample] = field(default_factory=list)
     """The session's trace: one sample per branch, in call order (:func:`session_samples`); empty
     when the harness made no model call."""

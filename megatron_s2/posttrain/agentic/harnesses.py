@@ -25,7 +25,9 @@ each harness's **native function tools**; invoking one runs it in the episode's 
 :class:`EpisodeTools`, which logs every call and its result (what the process annotator weighs).
 No harness code is patched: only its public extension points are used (function tools, model
 classes, step callbacks). Each ``run`` returns why the harness stopped: ``submitted``,
-``answered`` (it ended its loop without submitting), ``turn_limit`` or ``harness_error``.
+``answered`` (it ended its loop without submitting), ``turn_limit``, ``context_limit`` (the
+gateway refused a call for the context length and the harness gave up on that error — smolagents
+wraps it in its own ``AgentGenerationError``: :func:`ran_out_of_context`) or ``harness_error``.
 Nothing here imports torch.
 """
 
@@ -39,7 +41,25 @@ from megatron_s2.posttrain.agentic.sandbox import Sandbox
 from megatron_s2.posttrain.agentic.tools import (ToolCall, ToolResult, execute, malformed_observation, tool_schemas,
                                                  tools_prompt)
 
-__all__ = ["HarnessSettings", "EpisodeTools", "Harness", "HARNESSES", "make_harness", "session_urls"]
+__all__ = ["HarnessSettings", "EpisodeTools", "Harness", "HARNESSES", "make_harness", "ran_out_of_context",
+           "session_urls"]
+
+CONTEXT_LIMIT_MESSAGE = "maximum context length"
+"""What the gateway's 400 says when a call does not fit the engine's context (vLLM's words,
+:func:`megatron_s2.serve.sampling.check_prompt_length`)."""
+
+
+def ran_out_of_context(exc: BaseException) -> bool:
+    """Whether ``exc`` is the gateway's context-length refusal, or wraps one: a harness library may
+    re-raise the client's error as its own (smolagents: ``AgentGenerationError("Error while generating
+    output: ...") from e``), so the chain of causes is read, not only the outermost error."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if CONTEXT_LIMIT_MESSAGE in str(exc):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 @dataclass(frozen=True)
@@ -223,7 +243,10 @@ class SmolagentsHarness:
         try:
             result = agent.run(objective, return_full_result=True)
         except smolagents.AgentError as exc:  # the interrupt after submit, or an error it gave up on
-            return "submitted" if tools.submitted else tools.failed(exc)
+            if tools.submitted:
+                return "submitted"
+            # a refused call is re-raised wrapped (AgentGenerationError): a limit stop, not the harness's error
+            return "context_limit" if ran_out_of_context(exc) else tools.failed(exc)
         if tools.submitted:
             return "submitted"
         return "turn_limit" if result.state == "max_steps_error" else "answered"

@@ -57,6 +57,7 @@ import tempfile
 from typing import Callable, Sequence
 
 from megatron_s2.posttrain.agentic.gateway_episode import HarnessEpisode, run_harness_episode
+from megatron_s2.posttrain.agentic.harnesses import ran_out_of_context
 from megatron_s2.posttrain.orchestrator import RolloutSample
 from megatron_s2.posttrain.rollout.agentic_trace import episode_sample
 from megatron_s2.posttrain.rollout.episode_backend import EpisodeBackend, EpisodeRun
@@ -77,7 +78,7 @@ class _ContextLimited:
         try:
             return self.harness.run(objective, tools, server_url, session, settings)
         except Exception as exc:  # noqa: BLE001 - each client library has its own error class
-            if "maximum context length" in str(exc):
+            if ran_out_of_context(exc):  # the client's error, or a library's own error wrapping it
                 return "context_limit"
             raise
 
