@@ -32,9 +32,15 @@ its :attr:`~megatron_s2.posttrain.orchestrator.RolloutSample.branches` are furth
   of pp micro-batches per rank) with filler rows — copies of a real row whose loss mask, advantage
   and sequence id are empty — so every micro-batch and rank is full and R3 records stay aligned;
   the step's micro-batch count follows the rows. The policy, entropy and KL terms and their
-  statistics see nothing of a filler; the terms that are not loss-masked do: a router
-  load-balancing loss (``router_aux_loss_coef`` > 0) counts the copy's routing again, and a
-  drafter loss is averaged over the micro-batches, fillers included.
+  statistics see nothing of a filler (its loss mask), and neither do the terms that are not
+  loss-masked: a micro-batch with a row that bears no loss (a filler, or a real row with every
+  label masked) carries ``aux_rows`` (:func:`~megatron_s2.posttrain.train_batch.build_micro_batches`),
+  and the routers' balance losses — V4.1's sequence balance loss (a mean over the other rows),
+  Intern-S2's load-balancing loss (over the other rows' tokens), the DSpark drafter MoEs' (over the
+  other rows' draft blocks) — and the routers' expert loads for the aux-loss-free bias (R3's
+  ``counted``) leave it out; the drafter's own loss fits the policy only where it sampled (the loss
+  mask) already. What remains: the step averages auxiliary losses over its micro-batches, so a
+  micro-batch of fillers only adds nothing to their sum but one to the count they are divided by.
 """
 
 from __future__ import annotations

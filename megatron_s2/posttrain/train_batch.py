@@ -73,6 +73,11 @@ def build_micro_batches(samples: Sequence[RolloutSample], advantages: Sequence, 
               "position_ids": batch.position_ids, "behaviour_logprobs": batch.behaviour_logprobs,
               "versions": batch.versions, "advantages": batch.advantages, "weights": weights.float(),
               "routing": batch.routing, "domains": [s.dataset for s in part]}
+        bearing = batch.loss_mask.any(dim=1)
+        if not bool(bearing.all()):  # a filler row (episode_rows), or a row with every label masked
+            mb["aux_rows"] = bearing  # the balance losses (router, drafter MoEs) see only the others
+            if batch.routing is not None and batch.routing.counted is not None:
+                batch.routing.counted[~bearing] = False  # nor do the routers' expert loads (aux-free bias)
         if train_aware_replay:
             mb["swa_from"] = torch.tensor([s.replay_start for s in part], dtype=torch.int64)
         out.append(mb)

@@ -360,7 +360,10 @@ class MoE(nn.Module):
             if ctx.record is not None:
                 ctx.record[self.layer] = ids
         if self.training and self.cfg.router_aux_loss_coef > 0:
-            ctx.add_aux_loss("moe_load_balance", self._balance_loss(probs_all, indices))
+            counted = None
+            if getattr(ctx, "aux_rows", None) is not None:  # filler rows stay out (post-training)
+                counted = ctx.aux_rows.to(flat.device, torch.bool).unsqueeze(1).expand(b, s).reshape(-1)
+            ctx.add_aux_loss("moe_load_balance", self._balance_loss(probs_all, indices, counted))
         dispatched = self.dispatcher.dispatch(flat, weights.to(flat.dtype), indices)
         out = self.experts(dispatched.tokens, dispatched.probs, dispatched.tokens_per_expert)
         routed = self.dispatcher.combine(out, dispatched.state).view(b, s, d)
@@ -372,13 +375,17 @@ class MoE(nn.Module):
             routed = routed + gate * self.shared_expert(hidden).float()
         return routed.to(hidden.dtype)
 
-    def _balance_loss(self, probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """``coef * E * sum_e f_e P_e`` over the micro-batch; sums over the ranks that split its
+    def _balance_loss(self, probs: torch.Tensor, indices: torch.Tensor,
+                      counted: torch.Tensor | None = None) -> torch.Tensor:
+        """``coef * E * sum_e f_e P_e`` over the micro-batch's tokens (``counted`` [N] bool: only
+        those — the tokens of rows that bear loss, not a filler row's); sums over the ranks that split its
         tokens (tp's routed split) have an identity backward (each rank backpropagates its own
         tokens' share; the finaliser sums the router's tp-partial gradient). Over cp each rank
         keeps its share of the loss: it is linear in ``P``, so the shares add up to the whole
         (the step's metric sum over dp x cp) with the same gradient for this rank's tokens."""
         n_exp, cfg = probs.size(-1), self.cfg
+        if counted is not None:
+            probs, indices = probs[counted], indices[counted]
         with torch.no_grad():
             counts = torch.bincount(indices.reshape(-1), minlength=n_exp).float()
             tokens = torch.tensor([float(probs.size(0))], device=probs.device)

@@ -41,6 +41,9 @@ class InternContext:
     """Engine routing record: layer -> [b, s, top_k] selected experts of this step."""
     full_doc_ids: torch.Tensor | None = None
     """[b, S] document ids of the whole sequence when this rank holds context-parallel chunks."""
+    aux_rows: torch.Tensor | None = None
+    """[b] bool: the rows whose routing the load-balancing loss sees (post-training: rows with a
+    loss-bearing label — not a filler row, :mod:`megatron_s2.posttrain.episode_rows`); None: all."""
     aux_losses: dict = field(default_factory=dict)
     aux_metrics: dict = field(default_factory=dict)
 
@@ -112,7 +115,8 @@ class InternS2Model(nn.Module):
         if routing is None:
             routing = micro_batch.get("routing")  # post-training R3: the rollout's own routing
         return InternContext(positions, micro_batch.get("doc_ids") if doc_ids is None else doc_ids,
-                             routing=routing, full_doc_ids=micro_batch.get("full_doc_ids"))
+                             routing=routing, full_doc_ids=micro_batch.get("full_doc_ids"),
+                             aux_rows=micro_batch.get("aux_rows"))
 
     def embed(self, input_ids: torch.Tensor, series=None) -> tuple[torch.Tensor]:
         """Token ids -> the residual stream; ``series``: per sequence, the series placements whose

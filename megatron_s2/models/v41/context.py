@@ -55,6 +55,10 @@ class ForwardContext:
     """[b, s] True for image-span tokens (image routing bias, no Engram contribution)."""
     routing: "RoutingReplay | None" = None
     """Records or replays MoE routing decisions (Rollout Routing Replay)."""
+    aux_rows: torch.Tensor | None = None
+    """[b] bool: the rows the auxiliary losses see — the MoE balance loss, the indexer alignment
+    loss (post-training: rows with a loss-bearing label, not a filler row,
+    :mod:`megatron_s2.posttrain.episode_rows`); None: all."""
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     """Auxiliary losses added to the objective, summed over layers (already weighted)."""
     aux_metrics: dict[str, torch.Tensor] = field(default_factory=dict)

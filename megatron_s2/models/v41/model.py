@@ -237,7 +237,7 @@ class V41Model(nn.Module):
         if self.groups.cp.active:
             return self._dspark_context_parallel(full, mb, ctx)
         tf = self.dspark.teacher_forced(mb["tokens"], self.dspark_targets(ctx), ctx.positions, ctx.doc_ids,
-                                        self.dspark_embed, self.dspark_head)
+                                        self.dspark_embed, self.dspark_head, aux_rows=ctx.aux_rows)
         return tf, full[:, tf.target_rows]
 
     def _dspark_context_parallel(self, full_logits: torch.Tensor, mb: dict[str, torch.Tensor], ctx: ForwardContext):
@@ -250,7 +250,7 @@ class V41Model(nn.Module):
         targets, main_rows = window_keys_with_halo(self.dspark_targets(ctx), mine.unsqueeze(0), self.dspark.window, cp)
         tf = self.dspark.teacher_forced(mb["full_tokens"], targets, mb["full_position_ids"], mb.get("full_doc_ids"),
                                         self.dspark_embed, self.dspark_head, anchors=mine[mine < seq - 1],
-                                        main_rows=main_rows[0])
+                                        main_rows=main_rows[0], aux_rows=ctx.aux_rows)
         rows, held = rows_after_chunks(full_logits, self.dspark.block_size, cp)
         slot_of = torch.zeros(seq, dtype=torch.long, device=held.device)
         inside = held < seq  # the last chunk's "next chunk" lies past the sequence end
@@ -279,6 +279,7 @@ class V41Model(nn.Module):
                                     doc_ids=mb.get("doc_ids"), image_mask=mb.get("image_mask"), routing=routing)
         ctx.engram_rows = step_state
         ctx.swa_from = mb.get("swa_from")
+        ctx.aux_rows = mb.get("aux_rows")  # post-training: filler rows stay out of the balance losses
         if self.dspark is not None and self.capture_dspark:  # the drafter's objective reads them
             ctx.capture = {i: None for i in self.config.dspark_target_layer_ids}
         if "full_tokens" in mb:  # context-parallel chunk of a longer sequence

@@ -359,7 +359,7 @@ class CSA2Attention(nn.Module):
                                                       self.attention_rows())
             else:
                 scores = self.indexer.gathered_scores(q_idx, weights, index_k, topk)
-            kl_sum, n = self.indexer.alignment_loss_from_scores(scores, topk, mass)
+            kl_sum, n = self.indexer.alignment_loss_from_scores(scores, topk, mass, ctx.aux_rows)
             n = mappings.all_reduce_sum(n.float().reshape(1), self.cp)  # mean over the whole sequence
             kl = kl_sum / n.clamp_min(1).squeeze()
             ctx.add_aux_loss("indexer_kl", self.config.indexer_loss_coeff * kl)

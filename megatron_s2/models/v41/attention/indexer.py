@@ -200,13 +200,14 @@ class Indexer(nn.Module):
         ``q`` [b, s, h_local, d] (:meth:`alignment_loss_from_scores`)."""
         return self.alignment_loss_from_scores(self.gathered_scores(q, w, index_k, topk), topk, target_mass)
 
-    def alignment_loss_from_scores(self, local_scores: torch.Tensor, topk: torch.Tensor,
-                                   target_mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def alignment_loss_from_scores(self, local_scores: torch.Tensor, topk: torch.Tensor, target_mass: torch.Tensor,
+                                   rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """KL(p_attn || softmax(I)) over each query's selected entries.
 
         local_scores: [b, s, k] index scores of the selected entries summed over this rank's
         heads (:meth:`gathered_scores` / :meth:`selected_scores`); target_mass: [b, s, k]
-        attention mass (summed over the local heads, detached) on them. Returns (sum of
+        attention mass (summed over the local heads, detached) on them; rows: [b] bool, the rows
+        whose queries count (post-training: not a filler row; None: all). Returns (sum of
         per-query KL, number of queries with a selection).
         """
         valid = topk >= 0
@@ -216,4 +217,6 @@ class Indexer(nn.Module):
         log_q = torch.log_softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
         kl = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-20)) - log_q), torch.zeros_like(p)).sum(-1)
         has = valid.any(-1)
+        if rows is not None:
+            has = has & rows.to(has.device, torch.bool).unsqueeze(-1)
         return kl.masked_fill(~has, 0.0).sum(), has.sum()

@@ -167,13 +167,14 @@ class DSparkDrafter(nn.Module):
         return ids
 
     def forward_blocks(self, block_ids: torch.Tensor, positions: torch.Tensor, main_keys: list[torch.Tensor],
-                       main_valid: torch.Tensor, embed, head) -> DraftForward:
+                       main_valid: torch.Tensor, embed, head, aux_rows: torch.Tensor | None = None) -> DraftForward:
         """Run the blocks over ``N`` draft blocks.
 
         ``block_ids`` / ``positions`` [N, K]; ``main_keys[stage]`` [N, W', hd] the main-KV window
         of each block; ``main_valid`` [N, W'] which window keys exist (same document, not before
         position 0). ``embed`` / ``head``: the backbone's embedding (ids -> [N, K, d]) and head
-        ([N, K, d] -> full-vocabulary float32 logits), both with detached weights."""
+        ([N, K, d] -> full-vocabulary float32 logits), both with detached weights. ``aux_rows`` [N]
+        bool: the blocks the drafter MoEs' balance loss sees (None: all)."""
         n_blocks, k = block_ids.shape
         w = main_valid.size(1)
         dev = block_ids.device
@@ -182,6 +183,7 @@ class DSparkDrafter(nn.Module):
         idx = torch.cat([window_idx, torch.arange(w, w + k, device=dev).expand(n_blocks, k)], dim=1)
         idx = idx.unsqueeze(1).expand(n_blocks, k, w + k)
         ctx = ForwardContext.create(block_ids, self._plan, positions=positions)
+        ctx.aux_rows = aux_rows
         x = expand_embedding(embed(block_ids).to(getattr(torch, self.config.compute_dtype)), self.config.hc_mult)
         for stage, block in enumerate(self.blocks.values()):
             def attention(h, block=block, stage=stage):
@@ -208,7 +210,7 @@ class DSparkDrafter(nn.Module):
     # ---- teacher-forced training forward ---------------------------------------------------------
     def teacher_forced(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
                        doc_ids: torch.Tensor | None, embed, head, *, anchors: torch.Tensor | None = None,
-                       main_rows: torch.Tensor | None = None) -> "TeacherForced":
+                       main_rows: torch.Tensor | None = None, aux_rows: torch.Tensor | None = None) -> "TeacherForced":
         """Every anchor ``t`` of ``tokens`` [B, S] as one draft block (backbone at ``t``, seed
         ``tokens[t+1]``): returns draft logits (base + Markov bias of the true previous tokens),
         confidence logits and which (anchor, position) pairs have a target inside the document.
@@ -219,7 +221,9 @@ class DSparkDrafter(nn.Module):
         order; a row < 0 is padding). ``anchors`` [A]: the anchors to draft from (None: every row
         with a seed, 0 .. S-2). Under context parallelism a rank passes the whole sequence's
         ``tokens`` / ``positions`` / ``doc_ids``, its own anchors and the target rows of its
-        chunks with their window halo (:func:`~megatron_s2.parallel.context_parallel.window_keys_with_halo`)."""
+        chunks with their window halo (:func:`~megatron_s2.parallel.context_parallel.window_keys_with_halo`).
+        ``aux_rows`` [B] bool: the rows whose blocks the drafter MoEs' balance loss sees (a
+        post-training filler row's do not; None: all)."""
         b, s = tokens.shape
         k, w, dev = self.block_size, self.window, tokens.device
         if anchors is None:
@@ -252,7 +256,9 @@ class DSparkDrafter(nn.Module):
         seeds = tokens[:, anchors + 1].reshape(-1)
         block_ids = self.block_inputs(seeds)                                     # [B*A, K]
         block_positions = (positions[:, anchors].unsqueeze(-1) + block_pos_off).flatten(0, 1)
-        out = self.forward_blocks(block_ids, block_positions, main_keys, main_valid.flatten(0, 1), embed, head)
+        block_rows = None if aux_rows is None else aux_rows.to(dev, torch.bool).repeat_interleave(a)  # [B*A]
+        out = self.forward_blocks(block_ids, block_positions, main_keys, main_valid.flatten(0, 1), embed, head,
+                                  aux_rows=block_rows)
         bias, m_embed = self.markov(prev.flatten(0, 1))
         logits = out.base_logits + bias
         confidence = self.confidence_logits(out.hidden, m_embed)

@@ -22,6 +22,10 @@ T tokens, with N_r routed experts and K_r selected per token::
     P_i = 1 / T * sum_t s'_{i,t},   s'_{.,t} = s_{.,t} / sum_j s_{j,t}
     L   = coeff * sum_i f_i P_i,    averaged over the rows of the micro-batch.
 
+Only rows that bear loss count (``rows``; post-training: a filler row of a multi-branch batch, or
+any row whose labels are all masked, is left out of the average — it would otherwise pull the
+router toward balancing a copy it is not trained on, :mod:`megatron_s2.posttrain.episode_rows`).
+
 A row is a packed sequence: document boundaries inside it are not respected (the loss is a
 regulariser; per row is what the report's "single sequences" means for packed training).
 Selections f_i use the biased top-k (what actually ran). When a row is split over ranks
@@ -78,8 +82,10 @@ def update_expert_biases(routers: Iterable, rate: float) -> torch.Tensor | None:
 
 
 def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, coeff: float, *,
-                          row_split: Sequence[Group] = (), partial: Sequence[Group] = ()) -> torch.Tensor:
-    """DeepSeek-V3 sequence-wise balance loss, averaged over rows.
+                          row_split: Sequence[Group] = (), partial: Sequence[Group] = (),
+                          rows: torch.Tensor | None = None) -> torch.Tensor:
+    """DeepSeek-V3 sequence-wise balance loss, averaged over rows (``rows`` [b] bool: only those;
+    None: all).
 
     ``scores``: ``[b, t, N_r]`` unbiased router scores of this rank's tokens (differentiable);
     ``indices``: ``[b, t, K_r]`` selected experts; ``row_split``: the groups over which each
@@ -105,4 +111,7 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, coeff: fl
     for group in row_split:
         prob_sum = mappings.reduce_from_group(prob_sum, group)
     p = prob_sum / tokens.clamp(min=1)
-    return coeff * (f * p).sum() / max(b, 1)
+    if rows is None:
+        return coeff * (f * p).sum() / max(b, 1)
+    rows = rows.to(p.device, torch.bool)
+    return coeff * (f * p)[rows].sum() / rows.sum().clamp(min=1)

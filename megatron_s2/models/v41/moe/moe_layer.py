@@ -112,6 +112,6 @@ class MoELayer(nn.Module):
             loss = sequence_balance_loss(
                 decision.scores.view(b, s, self.config.num_routed_experts),
                 decision.indices.view(b, s, self.config.moe_topk), self.config.moe_seq_aux_loss_coeff,
-                row_split=(self.tp,), partial=(self.groups.cp,))
+                row_split=(self.tp,), partial=(self.groups.cp,), rows=ctx.aux_rows)
             ctx.add_aux_loss("moe_seq_balance", loss)
         return decision
