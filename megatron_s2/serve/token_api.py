@@ -8,6 +8,7 @@ client-side. Request::
      "sampling_params": {"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop",
                          "stop_token_ids", "ignore_eos", "logprobs": N,
                          "routed_experts_prompt_start": int, "return_routed_experts": bool,
+                         "banned_token_ids": [int]?, "required_token_id": int?,
                          "skip_special_tokens", ... (vLLM names; see _SAMPLING_FIELDS)},
      "request_id": str?, "cache_salt": str?, "priority": 0, "stream": false,
      "stream_options": {"include_usage", "continuous_usage_stats"}?}
@@ -45,12 +46,18 @@ step (a choice's new tokens; ``finish_reason`` and the choice's whole ``routed_e
 last event), a final ``{"request_id", "choices": [], "usage"}`` with
 ``stream_options.include_usage``, then ``data: [DONE]``; ``prompt_logprobs`` is not streamed.
 ``sampling_params.truncate_prompt_tokens`` keeps the prompt's last (``truncation_side: "right"``:
-first) k tokens, as vLLM does.
+first) k tokens, as vLLM does. ``banned_token_ids`` / ``required_token_id`` (our extension, the
+engine's masks of :func:`megatron_s2.inference.sampling.constrain_logits`): tokens never sampled,
+and a token before which end-of-sequence and stop tokens are banned — how the agent gateway of a
+disaggregated run sends a call's ``tool_choice`` ``none`` / ``required``
+(:mod:`megatron_s2.serve.gateway.tool_choice`); the log-probs are then those of the masked
+distribution sampled from, as in process.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 
 import numpy as np
 from fastapi.responses import JSONResponse
@@ -72,6 +79,7 @@ __all__ = ["generate", "encode_routed_experts", "decode_routed_experts"]
 _SAMPLING_FIELDS = {
     "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
     "logprob_token_ids", "routed_experts_prompt_start", "return_routed_experts", "prompt_logprobs",
+    "banned_token_ids", "required_token_id",  # our extension (module docstring): tool_choice masks
     "prompt_logprobs_temperature", "truncate_prompt_tokens", "truncation_side",
     # neutral values only (refuse_unsupported_sampling)
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "bad_words",
@@ -124,6 +132,17 @@ def _label_set(sp: Fields, state: ServerState, logprobs: int | None) -> tuple[in
     return tuple(ids)
 
 
+def _token_masks(sp: Fields, vocab_size: int) -> dict:
+    """``banned_token_ids`` / ``required_token_id`` (module docstring) as SamplingParams fields."""
+    masks = {}
+    if sp.raw("banned_token_ids") is not None:
+        masks["banned_token_ids"] = tuple(sp.token_ids("banned_token_ids", vocab_size))
+    required = sp.int("required_token_id", None, minimum=0, maximum=vocab_size - 1)
+    if required is not None:
+        masks["required_token_id"] = required
+    return masks
+
+
 async def generate(state: ServerState, request):
     f = Fields(await read_json_object(request, state.config.max_body_bytes))
     state.check_model(f)
@@ -162,6 +181,9 @@ async def generate(state: ServerState, request):
                               max_stops=state.config.max_stops, logprobs_mode=state.config.logprobs_mode,
                               logprob_token_ids=label_set)
                for sample in range(n)]
+    masks = _token_masks(sp, state.vocab_size)
+    if masks:
+        choices = [dataclasses.replace(params, **masks) for params in choices]
     scored = None if scoring is None else (await prompt_logprobs(state, [prompt], scoring))[0]
     gen = Generation(state.backend, new_id(rid), request, state.config.disconnect_poll_s)
     for sample, params in enumerate(choices):

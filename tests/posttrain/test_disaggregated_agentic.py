@@ -23,6 +23,7 @@ import pytest
 
 from megatron_s2.config.recipe import load_recipe
 from tests.posttrain.cli_run import assert_runs_equal, read_jsonl, run_cli
+from tests.serve.conftest import loaded, run_dir  # noqa: F401 - the served checkpoint (smolagents' test)
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "phases" / "rl_agentic.yaml")
@@ -70,7 +71,6 @@ def test_a_gateway_call_goes_to_the_servers_as_its_engine_request_and_comes_back
     from megatron_s2.inference.request import CompletedRequest, FinishReason
     from megatron_s2.inference.sampling import SamplingParams
     from megatron_s2.posttrain.disaggregated.served_agentic import choice_output, wire_sampling
-    from megatron_s2.serve.errors import BadRequest
     from megatron_s2.serve.token_api import encode_routed_experts
 
     params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=11, stop_token_ids=(3,), record_routing=True)
@@ -79,8 +79,9 @@ def test_a_gateway_call_goes_to_the_servers_as_its_engine_request_and_comes_back
         "ignore_eos": False, "logprobs": 1, "skip_special_tokens": False, "return_routed_experts": True,
         "routed_experts_prompt_start": 0}
     assert "return_routed_experts" not in wire_sampling(params, record_routing=False)
-    with pytest.raises(BadRequest, match="tool_choice"):  # none / required have no field on the token endpoint
-        wire_sampling(SamplingParams(banned_token_ids=(5,)), record_routing=False)
+    # tool_choice none / required: the engine's masks, as the token endpoint's banned / required ids
+    wire = wire_sampling(SamplingParams(banned_token_ids=(5, 6), required_token_id=7), record_routing=False)
+    assert wire["banned_token_ids"] == [5, 6] and wire["required_token_id"] == 7
     rows = np.arange(5 * 2 * 3).reshape(5, 2, 3) % 8  # prompt 4 + 2 sampled: 5 fed positions
     choice = {"token_ids": [9, 10], "finish_reason": "length", "policy_versions": [4, 5],
               "logprobs": {"content": [{"token": "token_id:9", "logprob": -0.5}, {"token": "token_id:10", "logprob": -1.5}]},
@@ -188,3 +189,91 @@ def test_an_agentic_episode_whose_server_dies_goes_on_on_another_with_the_same_s
         assert rerouted.tokens == alone.tokens and rerouted.reward == alone.reward
         assert rerouted.logprobs == alone.logprobs and rerouted.num_generated == alone.num_generated
         assert rerouted.spans == alone.spans and rerouted.routing == alone.routing
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_smolagents_episode_through_the_servers_becomes_one_row_per_call(loaded, tmp_path):  # noqa: F811
+    """Multi-branch episodes in disaggregated mode (:mod:`megatron_s2.posttrain.episode_rows`):
+    smolagents re-renders its history, so the orchestrator's gateway leaves one trace branch per
+    model call, every call a ``POST /inference/v1/generate`` to an inference server. The sample the
+    orchestrator ships (through its state dict, as the exchange does) holds one row per call, each
+    row's policy span exactly that call's server output and log-probs in that call's context (the
+    re-rendered calls: context), an R3 record covering each row; as the trainer's rows every call
+    is trained once. The server's engine is steered to the task's reference solution (the served
+    checkpoint of tests/serve, the run's tokenizer); one episode, ~5.4k-token rows."""
+    import numpy as np
+
+    from megatron_s2.config.engine import EngineConfig
+    from megatron_s2.config.posttrain.engines import engine_max_model_len
+    from megatron_s2.config.posttrain.loss import LossConfig
+    from megatron_s2.posttrain.agentic.tools import format_call
+    from megatron_s2.posttrain.disaggregated.served_agentic import ServedAgentic
+    from megatron_s2.posttrain.disaggregated.served_backend import ServedRolloutBackend
+    from megatron_s2.posttrain.envs import build_environment
+    from megatron_s2.posttrain.orchestrator import RolloutSample
+    from megatron_s2.posttrain.train_batch import build_micro_batches
+    from megatron_s2.serve import ServeConfig, ServerThread, build_state
+    from tests.serve.test_gateway import ScriptedPolicy
+
+    _sandbox_or_skip()
+    model, tok, description = loaded
+    small = [o for o in SMALL
+             if not o.startswith(("training.seq_length", "rl.eval", "rl.rollout.environment.max_turns"))]
+    recipe = load_recipe(RECIPE, [*small, *DISAGGREGATED, "training.seq_length=6144", "rl.eval.interval=0",
+                                  "rl.eval.at_start=false", "rl.rollout.environment.max_turns=4",
+                                  "rl.rollout.environment.agent={harness: smolagents}"])
+    rollout = recipe.rl.rollout
+    envs = {n: build_environment(n, rollout.environment_of(n), tok) for n in rollout.dataset_names()}
+    max_len = engine_max_model_len(recipe, rollout)
+    serve = ServeConfig(disconnect_poll_s=0.05, logprobs_mode="processed_logprobs")
+    state = build_state(model, tok, description, serve, EngineConfig(max_num_seqs=2, max_model_len=max_len, seed=0),
+                        model_name="policy")
+    engine = state.backend.engine
+    calls: list[dict] = []
+    add_request = engine.add_request
+
+    def spy(prompt, params=None, *, request_id=None, on_output=None, **kwargs):
+        rec = {"prompt": list(prompt), "ids": [], "logprobs": []}
+        calls.append(rec)
+
+        def out(o):
+            rec["ids"] += list(o.token_ids)
+            rec["logprobs"] += list(o.logprobs)
+            on_output(o)
+        return add_request(prompt, params, request_id=request_id, on_output=out, **kwargs)
+
+    engine.add_request = spy
+    policy = ScriptedPolicy(engine)
+    task = envs["default"].task(3, "train")
+    policy.queue[:] = [tok.encode(format_call(c["name"], c["arguments"]) + "<｜end▁of▁sentence｜>")
+                       for c in task.reference]
+    live = ServerThread(state, keep_alive_s=60.0).start()
+    logs: list[str] = []
+    agentic = ServedAgentic(envs, tok, vocab_size=recipe.model.vocab_size)
+    backend = ServedRolloutBackend([live.url], envs, weights_path=str, record_routing=True, max_model_len=max_len,
+                                   max_concurrent=1, request_timeout_s=300, server_wait_s=30, ordered=True,
+                                   log=logs.append, agentic=agentic)
+    try:
+        played = backend.play_agentic("default", 3, "train", sample_id=5, temperature=1.0, max_tokens=160, seed=99,
+                                      where="test")
+    finally:
+        backend.close()
+        live.stop()
+    sample = RolloutSample.from_state_dict(played.state_dict())  # as the exchange ships it to the trainer
+    assert sample.reward == 1.0 and len(calls) == len(task.reference) > 1, logs
+    rows = sample.rows
+    assert len(rows) == len(calls)  # one row per model call: the sample and its branches
+    spans = []
+    for row in rows:
+        (start, end), = row.spans
+        match = [c for c in calls if c["prompt"] == row.tokens[:start] and c["ids"] == row.tokens[start:end]]
+        assert match, "a row's span is not a server call's output in its context"
+        assert np.allclose(row.logprobs[start:end], match[0]["logprobs"], atol=1e-6)
+        assert sum(row.policy_mask) == end - start  # the re-rendered earlier calls are context
+        assert row.routing is not None and (row.routing.start, row.routing.end) == (0, len(row.tokens) - 1)
+        spans.append(row.tokens[start:end])
+    assert sorted(spans) == sorted(c["ids"] for c in calls)  # every call trained once
+    mbs = build_micro_batches([sample], [1.0], seq_length=max(len(r.tokens) for r in rows), micro_batch_size=1,
+                              dp_rank=0, dp_size=1, pad_id=tok.pad_id, loss_config=LossConfig(aggregation="token_mean"))
+    assert len(mbs) == len(rows) and sum(int(mb["loss_mask"].sum()) for mb in mbs) == sum(len(c["ids"]) for c in calls)

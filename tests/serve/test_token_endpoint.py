@@ -94,3 +94,32 @@ def test_n_choices_and_the_context_end(server):
 def test_refusals_name_the_field(server, body, words):
     error = post(server, body, status=400)["error"]
     assert error["message"].startswith(words), error
+
+
+def test_banned_and_required_tokens_are_the_engines_masks(server, loaded):
+    """``banned_token_ids`` / ``required_token_id`` (our extension: how a disaggregated run's
+    agent gateway sends ``tool_choice`` none / required): a banned token is never sampled and the
+    log-probs are those of the masked distribution; end-of-sequence and stop tokens wait for the
+    required token."""
+    model, tok, _ = loaded
+    greedy = {"max_tokens": 6, "temperature": 0.0, "logprobs": 1, "ignore_eos": True}
+    free = post(server, {"token_ids": PROMPT, "sampling_params": greedy})["choices"][0]["token_ids"]
+    banned = sorted(set(free))
+    out = post(server, {"token_ids": PROMPT, "sampling_params": {**greedy, "banned_token_ids": banned}})["choices"][0]
+    assert not set(out["token_ids"]) & set(banned) and len(out["token_ids"]) == 6
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT]), ForwardContext.create(torch.tensor([PROMPT]), model.config.plan))[0, -1]
+    masked = logits.double().clone()
+    masked[banned] = float("-inf")
+    first = out["token_ids"][0]
+    assert first == int(masked.argmax()) and np.isclose(out["logprobs"]["content"][0]["logprob"],
+                                                        float(torch.log_softmax(masked, -1)[first]), atol=1e-4)
+    # the first greedy token is the end: with another token required, the answer cannot stop before it
+    eos = free[0]
+    required = next(t for t in range(10, 500) if t not in free)
+    out = post(server, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 6, "temperature": 0.0,
+                                                                 "stop_token_ids": [eos],
+                                                                 "required_token_id": required}})["choices"][0]
+    assert eos not in out["token_ids"][:-1] and (out["finish_reason"] == "length" or required in out["token_ids"])
+    assert post(server, {"token_ids": PROMPT, "sampling_params": {"required_token_id": 10 ** 6}},
+                status=400)["error"]["message"].startswith("sampling_params.required_token_id")

@@ -72,16 +72,18 @@ class _Limits:
 
 
 def wire_sampling(params: SamplingParams, record_routing: bool) -> dict:
-    """A gateway call's engine parameters as ``/inference/v1/generate``'s ``sampling_params``.
-    ``tool_choice`` none / required (banned / required tokens) has no field there: refused."""
-    if params.banned_token_ids or params.required_token_id is not None:
-        raise BadRequest("tool_choice: only 'auto' is served through the inference servers (disaggregated RL); "
-                         "leave tool_choice out", param="tool_choice")
+    """A gateway call's engine parameters as ``/inference/v1/generate``'s ``sampling_params``;
+    ``tool_choice`` none / required go as the token endpoint's ``banned_token_ids`` /
+    ``required_token_id`` (smolagents' ToolCallingAgent always asks for ``required``)."""
     wire = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
             "top_k": params.top_k, "seed": params.seed, "stop_token_ids": list(params.stop_token_ids),
             "ignore_eos": params.ignore_eos, "logprobs": 1, "skip_special_tokens": False}
     if params.stop:
         wire["stop"] = list(params.stop)
+    if params.banned_token_ids:
+        wire["banned_token_ids"] = list(params.banned_token_ids)
+    if params.required_token_id is not None:
+        wire["required_token_id"] = params.required_token_id
     if record_routing:  # every fed position from 0: the capture fills the reused nodes' records too
         wire.update(return_routed_experts=True, routed_experts_prompt_start=0)
     return wire
