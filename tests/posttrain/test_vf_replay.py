@@ -132,3 +132,53 @@ def test_an_episode_whose_connection_drops_is_played_again_with_the_same_seed(mo
 def test_an_episode_that_keeps_failing_stops_the_run_with_its_error_after_the_bound(monkeypatch):
     with pytest.raises(RuntimeError, match=r"verifiers episode of sample \d+ .* failed: ProviderError: Connection error"):
         _rollout(monkeypatch, drop_first_episode_calls=MAX_REPLAYS + 1)
+
+
+def test_disaggregated_a_dropped_connection_on_a_healthy_server_is_played_again(monkeypatch):
+    """The orchestrator of a disaggregated run plays verifiers episodes against the inference
+    servers (:mod:`megatron_s2.posttrain.disaggregated.served_verifiers`): an episode whose
+    connection dropped while its server stayed healthy is played again on it with the same seed
+    (counted ``replayed``, not ``rerouted``: the server is not marked down)."""
+    from megatron_s2.data.tokenizer import load_tokenizer
+    from megatron_s2.inference import EngineConfig, InferenceEngine
+    from megatron_s2.models.v41.model import build_model
+    from megatron_s2.posttrain.disaggregated.served_backend import ServedRolloutBackend
+    from megatron_s2.posttrain.disaggregated.served_verifiers import ServedVerifiers
+    from megatron_s2.posttrain.envs.vf_env import VerifiersEnvironment
+    from megatron_s2.serve import ServeConfig, ServerThread
+    from megatron_s2.serve.backend import AsyncEngine
+    from megatron_s2.serve.state import ServerState
+    from tests.posttrain.tiny import tiny_config
+
+    hooks: list[DropConnections] = []
+    build = serve_app.build_app
+    monkeypatch.setattr(serve_app, "build_app",
+                        lambda state: hooks.append(DropConnections(build(state), 1)) or hooks[-1])
+    tok = load_tokenizer(ROOT / "recipes" / "tokenizers" / "tiny-bpe")
+    model = build_model(dataclasses.replace(tiny_config(), vocab_size=512, engram_pad_id=2), seed=2)
+    model.set_token_map(tok.compressed_token_map(num_ids=512))
+    engine = InferenceEngine(model.eval(), EngineConfig(max_num_seqs=4, max_model_len=96, page_tokens=8),
+                             eos_token_ids=[tok.eos_id])
+    serve = ServeConfig(disconnect_poll_s=0.05, logprobs_mode="processed_logprobs")
+    state = ServerState(AsyncEngine(engine), tok, serve, "policy", "the tiny model")
+    server = ServerThread(state, keep_alive_s=60.0).start()
+    env = VerifiersEnvironment("default", EnvironmentConfig(kind="verifiers", taskset={"id": "megatron_s2_parity"},
+                                                            plugin_path=str(PLUGINS)), tok)
+    lines: list[str] = []
+    verifiers = ServedVerifiers({"default": env}, tok)
+    backend = ServedRolloutBackend([server.url], {"default": env}, weights_path=str, record_routing=False,
+                                   max_model_len=96, max_concurrent=2, request_timeout_s=60, server_wait_s=30,
+                                   ordered=True, log=lines.append, verifiers=verifiers)
+    try:
+        sample = backend.play_verifiers("default", 0, "train", sample_id=3, temperature=1.0, top_p=1.0, max_tokens=3,
+                                        seed=77, where="rollout: verifiers episode of sample 3")
+        stats = backend.take_stats()
+    finally:
+        backend.close()
+        verifiers.close()
+        server.stop()
+    (hook,) = hooks
+    # the same request again, answered the second time
+    assert len(hook.dropped) == 1 and hook.bodies.count(hook.dropped[0]) == 2
+    assert (stats.replayed, stats.rerouted) == (1, 0) and sample.num_generated > 0
+    assert [line for line in lines if "replay 1 of 2" in line and "Connection error." in line], lines

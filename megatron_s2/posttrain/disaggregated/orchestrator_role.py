@@ -178,7 +178,7 @@ def _produce(orch: ServedOrchestrator, step: int, k: int, run_dir: Path, log) ->
         "async_lag_max": float(max(lags, default=0)),
         "async_dropped_samples": float(orch.ledger["discarded_stale"] - dropped_before),
         "rollout_tokens": float(stats.generated_tokens), "rollout_calls": float(stats.calls),
-        "rollout_rerouted": float(stats.rerouted),
+        "rollout_rerouted": float(stats.rerouted), "rollout_replayed": float(stats.replayed),
         **{f"ledger_{name}": float(v) for name, v in orch.ledger.items()},
     })
     log(f"orchestrator: batch {step} ({len(groups)} groups, served version {orch.version}, lag mean "

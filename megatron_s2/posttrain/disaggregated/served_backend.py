@@ -67,6 +67,9 @@ class ServedStats:
     calls: int = 0
     rerouted: int = 0
     """Calls re-sent to another server after theirs failed."""
+    replayed: int = 0
+    """Verifiers episodes played again with the same seed after a transport error while their
+    server stayed healthy (:data:`~megatron_s2.posttrain.rollout.episode_backend.MAX_REPLAYS`)."""
     engine_time_s: float = 0.0
     """Summed wall time of the calls (a measure of server occupancy, not of elapsed time)."""
 
@@ -428,9 +431,11 @@ class ServedRolloutBackend:
         """A verifiers episode (task ``index`` of ``dataset``'s ``split``) on one server, played again
         elsewhere with the same seed when that server died under it (:mod:`.served_verifiers`);
         also the held-out episodes of :mod:`.served_eval`."""
-        from megatron_s2.posttrain.rollout.vf_backend import only_trace
+        from megatron_s2.posttrain.rollout.episode_backend import MAX_REPLAYS
+        from megatron_s2.posttrain.rollout.vf_backend import only_trace, transport_error
         from megatron_s2.posttrain.rollout.vf_trace import trace_sample
 
+        replays = 0
         while True:
             server = self._pick()
             version = server.version  # the oldest any of its tokens can be (module docstring of served_verifiers)
@@ -453,6 +458,14 @@ class ServedRolloutBackend:
                 self._mark_dead(server, "it failed during a verifiers episode")
                 with self._lock:
                     self.stats.rerouted += 1
+                continue
+            error = transport_error(episode)
+            if error is not None and replays < MAX_REPLAYS and not self._closing:  # a dropped connection, as co-located
+                replays += 1
+                with self._lock:
+                    self.stats.replayed += 1
+                self.log(f"orchestrator: {where} failed on a transport error ({error}) while {server.url} stayed "
+                         f"healthy; playing it again with the same seed (replay {replays} of {MAX_REPLAYS})")
                 continue
             trace = only_trace(episode, where)
             sample = trace_sample(trace, sample_id, version=version, layer_ids=self._trace_layers(trace))

@@ -13,7 +13,9 @@ server -> ``TrainClient`` -> ``renderers`` with the run's tokenizer -> ``POST
 * **Routing**: an episode is played on one server, the live one with the fewest open calls; an
   episode that fails while its server is down, or outlives ``request_timeout_s`` (cancelled,
   :class:`EpisodeTimeout`; the server is presumed dead, as for a generation call), is played again
-  on another with the same seed (counted ``rerouted``), so no sample is lost or produced twice.
+  on another with the same seed (counted ``rerouted``), so no sample is lost or produced twice; one
+  that failed on a transport error (a dropped connection) while its server stayed healthy is
+  played again with the same seed up to twice, as co-located (counted ``replayed``).
 * **Versions**: a verifiers trace keeps no per-token version and the servers take new weights
   whenever the orchestrator has them, so an episode may straddle an update. Its tokens are
   labelled with the version its server had when the episode started — the oldest they can be
