@@ -130,7 +130,8 @@ def test_an_episode_whose_connection_drops_is_played_again_with_the_same_seed(mo
 
 
 def test_an_episode_that_keeps_failing_stops_the_run_with_its_error_after_the_bound(monkeypatch):
-    with pytest.raises(RuntimeError, match=r"verifiers episode of sample \d+ .* failed: ProviderError: Connection error"):
+    failed = r"verifiers episode of sample \d+ .* failed: ProviderError: Connection error"
+    with pytest.raises(RuntimeError, match=failed):
         _rollout(monkeypatch, drop_first_episode_calls=MAX_REPLAYS + 1)
 
 
