@@ -10,7 +10,10 @@ plus, per conversation, optional ``tools`` (JSON schemas) and ``reasoning_effort
 and marks which tokens are training targets: the tokens of every message whose role is in
 ``loss_roles`` (default: assistant only), except a message with ``"weight": 0`` (OpenAI's fine-tuning
 format: an assistant turn kept as context only, e.g. the wrong first answer of a retry
-conversation). An assistant message's generation prompt (the
+conversation). Another non-negative ``"weight"`` on an assistant message scales its tokens' share
+of the loss (e.g. 4: the one decision turn of a tool-call conversation counted four times in the
+step's weighted mean, ``sum(w * ce) / sum(w)``, :mod:`megatron_s2.pipeline.losses`); the mask is
+then float32 weights instead of bool flags. An assistant message's generation prompt (the
 ``<｜Assistant｜>`` marker the server appends before sampling) is never a target; its reasoning,
 content, tool calls and closing end-of-sentence token are. The bos token and the header are
 never targets. A target flag at position *t* means "token *t* is trained as the prediction made
@@ -55,9 +58,10 @@ def check_messages(messages: Sequence[dict[str, Any]], reasoning_effort: int | N
             if reasoning is not None and not isinstance(reasoning, str):
                 raise DataError(f"messages[{i}].reasoning_content: expected a string")
         weight = message.get("weight", 1)
-        if weight not in (0, 1) or isinstance(weight, bool) or (weight == 0 and role != "assistant"):
-            raise DataError(f"messages[{i}].weight: expected 0 or 1 on an assistant message (0 = context, never "
-                            f"trained), got {weight!r} on a {role} message")
+        if (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < float("inf")
+                or (weight != 1 and role != "assistant")):
+            raise DataError(f"messages[{i}].weight: expected a number >= 0 on an assistant message (0 = context, "
+                            f"never trained; 4 = counted four times), got {weight!r} on a {role} message")
     if reasoning_effort is not None:
         try:
             reasoning_effort_line(reasoning_effort)
@@ -84,13 +88,15 @@ def header_lines(messages: Sequence[dict[str, Any]], reasoning_effort: int | Non
 def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], *, loss_roles: Sequence[str] = ("assistant",),
                           reasoning_effort: int | None = None, tools: Sequence[dict] | None = None
                           ) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids int64, target mask bool) of a conversation (module docstring)."""
+    """(token ids int64, target mask) of a conversation (module docstring): bool flags, or float32
+    weights when a message's ``weight`` is neither 0 nor 1."""
     if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
         raise DataError(f"tools: expected a list of tool objects (JSON schemas), got {type(tools).__name__}")
     ids, owner, body = tokenizer.chat_segments(messages, reasoning_effort=reasoning_effort, tools=tools)
-    roles = [messages[i]["role"] if i >= 0 and messages[i].get("weight", 1) else None for i in owner]
-    target = np.fromiter((r in loss_roles and b for r, b in zip(roles, body)), dtype=bool, count=len(ids))
-    return np.asarray(ids, dtype=np.int64), target
+    weights = [messages[i].get("weight", 1) if i >= 0 and messages[i]["role"] in loss_roles else 0 for i in owner]
+    target = np.fromiter((w if b else 0 for w, b in zip(weights, body)), dtype=np.float32, count=len(ids))
+    weighted = any(m.get("weight", 1) not in (0, 1) for m in messages if m["role"] in loss_roles)
+    return np.asarray(ids, dtype=np.int64), target if weighted else target > 0
 
 
 def load_chat_documents(paths: Sequence[str], tokenizer, *, loss_roles: Sequence[str] = ("assistant",),

@@ -45,9 +45,16 @@ class DocumentStore(Protocol):
         """Token ids (int64) of document ``index``, optionally only ``length`` from ``start``."""
 
     def targets(self, index: int, start: int = 0, length: int | None = None) -> np.ndarray:
-        """SFT target flags (bool) of the same span: the trained roles' tokens."""
+        """SFT target flags (bool) of the same span: the trained roles' tokens (float32 loss weights
+        when a chat message carries a ``weight`` other than 0 or 1, :mod:`megatron_s2.data.chat`)."""
 
     def __len__(self) -> int: ...
+
+
+def _flags_or_weights(targets) -> np.ndarray:
+    """Target flags as bool, or float32 loss weights when they are weights (chat ``weight``)."""
+    targets = np.asarray(targets)
+    return targets.astype(np.float32) if np.issubdtype(targets.dtype, np.floating) else targets.astype(bool)
 
 
 def prompt_targets(prompt_length: int, start: int, length: int) -> np.ndarray:
@@ -121,7 +128,7 @@ class InMemoryDocuments:
         if flat_targets is not None and len(flat_targets) != len(flat_tokens):
             raise DataError(f"documents: {len(flat_targets)} target flags for {len(flat_tokens)} tokens")
         self._flat = np.asarray(flat_tokens, dtype=np.int64)
-        self._targets = None if flat_targets is None else np.asarray(flat_targets, dtype=bool)
+        self._targets = None if flat_targets is None else _flags_or_weights(flat_targets)
         self._sizes = sizes
         self._prompt_lengths = prompt_lengths
         self._offsets = np.concatenate([[0], np.cumsum(sizes)])
@@ -144,7 +151,7 @@ class InMemoryDocuments:
         token_arrays, target_arrays = [], []
         for ids, target in documents:
             token_arrays.append(np.asarray(ids, dtype=np.int64))
-            target_arrays.append(np.asarray(target, dtype=bool))
+            target_arrays.append(_flags_or_weights(target))
         if not token_arrays:
             raise DataError("documents: no documents given; a dataset needs at least one")
         sizes = np.fromiter((len(a) for a in token_arrays), dtype=np.int64, count=len(token_arrays))

@@ -18,7 +18,8 @@ key             shape   dtype     meaning
 ==============  ======  ========  =============================================================
 tokens          [b, s]  int64     input ids (row[:-1])
 labels          [b, s]  int64     next-token targets (row[1:])
-loss_mask       [b, s]  float32   1 where the label is a target of the same segment (SFT: answer)
+loss_mask       [b, s]  float32   1 where the label is a target of the same segment (SFT: answer;
+                                  a chat message's ``weight`` when it is not 0 or 1)
 doc_ids         [b, s]  int64     segment id per position; attend only within equal ids
 position_ids    [b, s]  int64     0..s-1 within the packed row
 image_mask      [b, s]  bool      image data only: True at image-span positions (the router's
@@ -135,16 +136,16 @@ class DataIterator:
         extra = {}
         if hasattr(self.stores[dataset], "images_of"):  # image-text documents (data.image_text)
             images, mask = self._images(dataset, row)
-            is_target = is_target & ~mask  # nothing predicts an image token
+            is_target = np.where(mask, 0.0, is_target)  # nothing predicts an image token
             extra = {"image_mask": mask[:-1], "images": images}
         elif hasattr(self.stores[dataset], "series_of"):  # series + text documents (data.timeseries_text)
             placements, targets, mask = self._series(dataset, row)
-            is_target = is_target & ~mask  # nothing predicts a series token
+            is_target = np.where(mask, 0.0, is_target)  # nothing predicts a series token
             extra = {"series_mask": mask[:-1], "series": placements, "series_targets": targets}
         return {
             "tokens": packed.tokens[:-1],
             "labels": packed.tokens[1:],
-            "loss_mask": (is_target[1:] & same_segment).astype(np.float32),
+            "loss_mask": (is_target[1:] * same_segment).astype(np.float32),  # chat weights kept (data.chat)
             "doc_ids": packed.segment_ids[:-1],
             "position_ids": np.arange(self.seq_length, dtype=np.int64),
             **extra,

@@ -51,7 +51,7 @@ class PackedRow:
     tokens: np.ndarray
     """Token ids (int64), padded with the pad id."""
     is_target: np.ndarray
-    """Whether each token is a training target when it is predicted from its predecessor."""
+    """Loss weight (float32; 0 = not a target) of each token when it is predicted from its predecessor."""
     segment_ids: np.ndarray
     """Segment (document chunk) id of each token; padding has the id after the last segment."""
 
@@ -84,9 +84,10 @@ class PackedRows:
         """Tokens, target flags and segment ids of row ``row``.
 
         A token is a target when ``answer_only`` is False, or when its document marks it as
-        one (SFT: the answer / the trained roles' tokens, ``DocumentStore.targets``)."""
+        one (SFT: the answer / the trained roles' tokens, ``DocumentStore.targets``); ``is_target``
+        is float32, the documents' loss weights (1.0 for a plain target flag)."""
         tokens = np.full(self.row_length, pad_id, dtype=np.int64)
-        is_target = np.zeros(self.row_length, dtype=bool)
+        is_target = np.zeros(self.row_length, dtype=np.float32)  # loss weights: 0/1 flags or chat weights
         begin, end = self.row_offsets[row], self.row_offsets[row + 1]
         segment_ids = np.full(self.row_length, end - begin, dtype=np.int64)
         cursor = 0

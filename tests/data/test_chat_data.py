@@ -111,7 +111,8 @@ def test_sft_iterator_trains_only_assistant_tokens_across_packed_conversations(b
 
 def test_an_assistant_message_of_weight_0_is_context_only(bpe, tmp_path):
     """OpenAI's fine-tuning field: ``"weight": 0`` keeps an assistant turn (a retry conversation's
-    wrong first answer) in the context and out of the targets; only 0 / 1 on an assistant turn."""
+    wrong first answer) in the context and out of the targets; only a number >= 0, and only on an
+    assistant turn."""
     retry = [{"role": "system", "content": "Reply with the answer only."}, {"role": "user", "content": "1+63"},
              {"role": "assistant", "content": "66", "weight": 0}, {"role": "user", "content": "Wrong. Try again."},
              {"role": "assistant", "content": "64"}]
@@ -121,13 +122,33 @@ def test_an_assistant_message_of_weight_0_is_context_only(bpe, tmp_path):
     assert np.array_equal(ids, plain_ids)  # the same tokens: the template ignores the field
     assert bpe.decode(ids[target].tolist()) == bpe.decode(bpe.encode("64")) + bpe.decode([bpe.eos_id])
     assert plain_target.sum() > target.sum() and not (target & ~plain_target).any()
-    for message, bad in (({"role": "assistant", "content": "4", "weight": 0.5}, "0.5"),
+    for message, bad in (({"role": "assistant", "content": "4", "weight": -0.5}, "-0.5"),
                          ({"role": "user", "content": "4", "weight": 0}, "user"),
+                         ({"role": "user", "content": "4", "weight": 2}, "user"),
+                         ({"role": "assistant", "content": "4", "weight": "2"}, "'2'"),
                          ({"role": "assistant", "content": "4", "weight": True}, "True")):
-        with pytest.raises(DataError, match=r"messages\[1\]\.weight: expected 0 or 1 on an assistant .*" + bad):
+        with pytest.raises(DataError, match=r"messages\[1\]\.weight: expected a number >= 0 on an assistant .*" + bad):
             tokenize_conversation(bpe, [{"role": "user", "content": "2+2"}, message])
     with pytest.raises(DataError, match="no tokens of the trained roles"):  # only context: nothing to train
         load_chat_documents([_write_jsonl(tmp_path / "w.jsonl", [{"messages": retry[:3]}])], bpe)
+
+
+def test_an_assistant_message_of_weight_4_counts_four_times_in_the_loss_mask(bpe, tmp_path):
+    """A weight other than 0 / 1 turns the target flags into float32 loss weights, kept through
+    the document store, packing and the loader's loss_mask (the loss is sum(w * ce) / sum(w))."""
+    chat = [{"role": "user", "content": "1+63"}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "so?"}, {"role": "assistant", "content": "64", "weight": 4}]
+    ids, weights = tokenize_conversation(bpe, chat)
+    _, flags = tokenize_conversation(bpe, [{k: v for k, v in m.items() if k != "weight"} for m in chat])
+    assert weights.dtype == np.float32 and flags.dtype == bool
+    assert np.array_equal(weights > 0, flags) and set(weights[flags].tolist()) == {1.0, 4.0}
+    assert bpe.decode(ids[weights == 4].tolist()) == bpe.decode(bpe.encode("64")) + bpe.decode([bpe.eos_id])
+    [store] = load_chat_documents([_write_jsonl(tmp_path / "w.jsonl", [{"messages": chat}])], bpe)
+    assert np.array_equal(store.targets(0), weights)
+    cfg = DataConfig(kind="chat", tokenizer=str(TINY_BPE), paths=(str(tmp_path / "w.jsonl"),))
+    [batch] = build_data_iterator(cfg, seq_length=len(ids) - 1, global_batch_size=1, micro_batch_size=1, dp_rank=0,
+                                  dp_size=1, seed=0, phase="sft", tokenizer=bpe).next_step()
+    assert np.array_equal(batch["loss_mask"][0].numpy(), weights[1:])
 
 
 def test_retry_conversations_answer_right_after_a_masked_near_miss(bpe):

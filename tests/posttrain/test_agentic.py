@@ -460,12 +460,15 @@ def test_hard_linked_files_are_graded_as_files(bwrap):
 
 def test_scripted_sft_conversations_render_the_one_format(bwrap, tmp_path):
     """The SFT traces of the tiny tasks: canonical chat messages whose assistant targets, rendered by
-    the shipped template, are exactly the tool calls in the one format; a failing script is refused."""
+    the shipped template, are exactly the tool calls in the one format; a failing script is refused;
+    ``answer_weight`` weights the write_file turn only."""
     import json as _json
     from pathlib import Path
 
     from megatron_s2.data.chat import tokenize_conversation
     from megatron_s2.data.tokenizer import load_tokenizer
+    import numpy as np
+
     from megatron_s2.posttrain.agentic.sft_traces import scripted_conversation, write_sft_jsonl
 
     task = load_task("sum_pair")
@@ -480,6 +483,14 @@ def test_scripted_sft_conversations_render_the_one_format(bwrap, tmp_path):
     assert trained == "".join(format_call(c["name"], c["arguments"]) + "<｜end▁of▁sentence｜>" for c in task.reference)
     with pytest.raises(ValueError, match="sum_pair: the scripted calls score 0.0"):
         scripted_conversation(task, bwrap, [{"name": "submit", "arguments": {}}])
+    # --answer-weight: the write_file turn (the answer) weighted, the other turns as they were
+    weighted = scripted_conversation(task, bwrap, answer_weight=4)["messages"]
+    assert [m.get("weight") for m in weighted if m["role"] == "assistant"] == [None, 4, None]
+    assert weighted[4]["tool_calls"][0]["function"]["name"] == "write_file"
+    ids_w, weights = tokenize_conversation(tok, weighted)
+    assert np.array_equal(ids_w, ids) and np.array_equal(weights > 0, targets) and weights.max() == 4
+    with pytest.raises(ValueError, match="answer_weight: expected a number >= 0"):
+        write_sft_jsonl(tmp_path / "bad.jsonl", [task], bwrap, answer_weight=-1)
 
 
 def test_a_runner_killed_9_leaves_no_stage_folder_behind(tmp_path):

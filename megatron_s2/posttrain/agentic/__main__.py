@@ -7,7 +7,7 @@
         [--harness openai_agents|anthropic|smolagents|builtin] [--traces DIR] [--max-turns 6] \\
         [--max-tokens 128] [--temperature 1.0] [--max-model-len 8192] [--json]
     python -m megatron_s2.posttrain.agentic sft-data OUT.jsonl [--tasks sum_pair copy_word] [--copies 1] \\
-        [--variants N [--seed 0] [--max-operand 99]] [--declare-tools]
+        [--variants N [--seed 0] [--max-operand 99]] [--declare-tools] [--answer-weight W]
 
 ``run`` plays the task's scripted reference solution (``--agent reference``, reward 1) or an agent
 that submits at once (``--agent idle``, reward 0) in a fresh sandbox, grades it, and prints the
@@ -26,7 +26,8 @@ conversations for a ``data.kind: chat`` SFT recipe (:mod:`.sft_traces`); with ``
 seeded training-split instances (:func:`~.tasks.task_variants`: never a held-out one) instead of
 the stored ones; ``--declare-tools`` adds the tools' JSON schemas to each record, the prompt the
 ``anthropic`` and ``openai_agents`` harnesses send (the builtin harness names the tools in its
-system message only).
+system message only); ``--answer-weight W`` gives the assistant turns that call ``write_file`` (the
+answer) the chat loss weight W (:mod:`megatron_s2.data.chat`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("--max-operand", type=int, default=99, help="sum_pair's largest operand in --variants")
     sft.add_argument("--declare-tools", action="store_true",
                      help="add the tools' JSON schemas to each record (the anthropic / openai_agents harnesses' prompt)")
+    sft.add_argument("--answer-weight", type=float, default=1.0,
+                     help="loss weight of the assistant turns that call write_file (the answer); default 1")
     sft.add_argument("--backend", choices=("auto", "bwrap", "unshare"), default="auto")
     return parser
 
@@ -143,7 +146,7 @@ def _main(args) -> int:
             tasks = (task_variants(args.tasks, "train", args.variants, args.seed, max_operand=args.max_operand)
                      if args.variants else [load_task(name) for name in args.tasks])
             count = write_sft_jsonl(args.out, tasks, detect_runtime(SandboxConfig(backend=args.backend)), args.copies,
-                                    declare_tools=args.declare_tools)
+                                    declare_tools=args.declare_tools, answer_weight=args.answer_weight)
         except (ValueError, SandboxUnavailable) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return ConfigError.exit_code
