@@ -11,7 +11,7 @@ Generating the default 20,000 documents takes a fraction of a second.
 by a random stream of their own, so the problems are the clean data's) answers a systematic near
 miss, the last digit one higher mod 10 (:func:`near_miss`). A model trained on it puts about that
 much probability on the near miss of every prompt — a sampling mode, not a capacity limit, that RL
-with an exact verifier can remove (recipes/rl_tiny_verifiers.yaml).
+with an exact verifier could remove (recipes/rl_tiny_verifiers_repair.yaml measures how far it does).
 """
 
 from __future__ import annotations
