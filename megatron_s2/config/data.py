@@ -32,10 +32,12 @@ from typing import Literal
 
 from megatron_s2.config.schema import ConfigError
 
-__all__ = ["TASK_NAMES", "IMAGE_TEXT_SOURCES", "PROCEDURAL_KINDS", "TaskDifficulty", "DataConfig"]
+__all__ = ["TASK_NAMES", "INTEGER_ANSWER_TASKS", "IMAGE_TEXT_SOURCES", "PROCEDURAL_KINDS", "TaskDifficulty", "DataConfig"]
 
 TASK_NAMES: tuple[str, ...] = ("addition", "multiplication", "sort", "copy", "reverse", "brackets")
 """Names of the synthetic verifiable tasks; ``megatron_s2.data.tasks.TASK_REGISTRY`` builds each."""
+INTEGER_ANSWER_TASKS: tuple[str, ...] = ("addition", "multiplication")
+"""Tasks whose answer is a decimal integer (``DataConfig.near_miss_fraction`` applies to these)."""
 
 IMAGE_TEXT_SOURCES: tuple[str, ...] = ("procedural", "folder", "parquet", "webdataset")
 """Where kind 'image_text' reads its pairs (``DataConfig.source``)."""
@@ -102,6 +104,10 @@ class DataConfig:
     dataset_seed: int | None = None
     """Seed of synthetic generation; None uses the run seed. Fix it to keep the data while
     varying the run seed (shuffling always follows the run seed)."""
+    near_miss_fraction: float = 0.0
+    """kind 'synthetic', integer-answer tasks (addition, multiplication) only: share of documents
+    whose answer is a systematic near miss — the last digit one higher, mod 10 — as an imperfect
+    teacher would write (the same problems; which documents, a stream of its own). 0 = exact."""
 
     # ---- procedural_text ---------------------------------------------------------------------
     corpus: Literal["general", "domain"] = "general"
@@ -199,6 +205,16 @@ class DataConfig:
         if self.dataset_seed is not None and not 0 <= self.dataset_seed < 2 ** 63:
             raise ConfigError(f"dataset_seed: must be a non-negative integer below 2**63 or null, "
                               f"got {self.dataset_seed}")
+        if not (0.0 <= self.near_miss_fraction < 1.0):
+            raise ConfigError(f"near_miss_fraction: must be in [0, 1), got {self.near_miss_fraction}")
+        if self.near_miss_fraction > 0:
+            if self.kind != "synthetic":
+                raise ConfigError(f"near_miss_fraction: applies to kind 'synthetic' only; kind '{self.kind}' "
+                                  "generates no task answers (leave it at 0)")
+            other = [name for name in self.tasks if name not in INTEGER_ANSWER_TASKS]
+            if other:
+                raise ConfigError(f"near_miss_fraction: needs integer-answer tasks ({', '.join(INTEGER_ANSWER_TASKS)}); "
+                                  f"drop {other} from tasks or set it to 0")
         if not 0 <= self.language_seed < 2 ** 63:
             raise ConfigError(f"language_seed: must be a non-negative integer below 2**63, got {self.language_seed}")
         if self.kind != "image_text":

@@ -23,6 +23,10 @@ def test_defaults_are_valid_synthetic_data():
     ({"kind": "indexed", "paths": ("a", "b"), "weights": (1.0,)}, "weights: 1 weights for 2 paths"),
     ({"kind": "indexed", "paths": ("a", "b"), "weights": (1.0, 0.0)}, "weights: every weight must be a positive"),
     ({"kind": "indexed", "paths": ("a", "a")}, "paths: duplicate prefixes"),
+    ({"tasks": ("addition",), "near_miss_fraction": 1.0}, r"near_miss_fraction: must be in \[0, 1\), got 1.0"),
+    ({"tasks": ("addition",), "near_miss_fraction": -0.1}, r"near_miss_fraction: must be in \[0, 1\)"),
+    ({"tasks": ("addition", "sort"), "near_miss_fraction": 0.3}, r"near_miss_fraction: needs integer-answer tasks .* drop \['sort'\]"),
+    ({"kind": "chat", "paths": ("a.jsonl",), "near_miss_fraction": 0.3}, "near_miss_fraction: applies to kind 'synthetic' only"),
 ])
 def test_invalid_configs_name_the_field(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from megatron_s2.config.data import TASK_NAMES, TaskDifficulty
+from megatron_s2.config.data import TASK_NAMES, DataConfig, TaskDifficulty
 from megatron_s2.data.errors import DataError
-from megatron_s2.data.synthetic import sample_problems
+from megatron_s2.data.synthetic import build_synthetic_documents, near_miss, noisy_answers, sample_problems
 from megatron_s2.data.tasks import TASK_REGISTRY, build_task, build_tasks, is_balanced
 
 
@@ -111,3 +111,36 @@ def test_problem_streams_are_deterministic_in_the_seed():
     assert first == sample_problems(tasks, 300, seed=11)
     assert first != sample_problems(tasks, 300, seed=12)
     assert {p.task for p in first} == set(TASK_NAMES)
+
+
+def test_near_miss_is_the_last_digit_one_higher_and_always_wrong():
+    assert [near_miss(a) for a in ("0", "57", "39", "199", "100")] == ["1", "58", "30", "190", "101"]
+    task = build_task("addition", TaskDifficulty(addition_max_digits=2))
+    rng = random.Random(5)
+    for _ in range(300):
+        sample = task.sample(rng)
+        wrong = near_miss(sample.answer)
+        assert len(wrong) == len(sample.answer) and not task.verify(sample.prompt, wrong)
+    with pytest.raises(ValueError, match="near_miss: needs a decimal integer answer"):
+        near_miss("yes")
+
+
+def test_noisy_teacher_keeps_the_problems_and_corrupts_the_stated_share():
+    problems = sample_problems(build_tasks(("addition", "multiplication")), 4000, seed=3)
+    pairs = noisy_answers(problems, 0.35, seed=3)
+    assert [q for q, _ in pairs] == [p.prompt for p in problems]
+    corrupted = [(a, p.answer) for (_, a), p in zip(pairs, problems) if a != p.answer]
+    assert all(a == near_miss(answer) for a, answer in corrupted)
+    assert abs(len(corrupted) / len(problems) - 0.35) < 0.03
+    assert pairs == noisy_answers(problems, 0.35, seed=3) and pairs != noisy_answers(problems, 0.35, seed=4)
+    assert noisy_answers(problems, 0.0, seed=3) == [(p.prompt, p.answer) for p in problems]
+
+
+def test_near_miss_fraction_reaches_the_synthetic_documents():
+    from megatron_s2.data.tokenizer import CharTokenizer
+
+    tokenizer = CharTokenizer()
+    clean = build_synthetic_documents(DataConfig(tasks=("addition",), num_documents=400), 9, tokenizer)
+    noisy = build_synthetic_documents(DataConfig(tasks=("addition",), num_documents=400, near_miss_fraction=0.5), 9, tokenizer)
+    changed = sum(clean.tokens(i).tolist() != noisy.tokens(i).tolist() for i in range(len(clean)))
+    assert len(clean) == len(noisy) == 400 and 150 < changed < 250

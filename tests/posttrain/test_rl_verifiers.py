@@ -433,3 +433,21 @@ def test_a_verifiers_run_evaluates_its_held_out_tasks_at_the_interval_into_eval_
             assert any(c["prompt"] == s.tokens[:start] and c["ids"] == s.tokens[start:end] for c in calls)
     metrics = {m["step"]: m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
     assert metrics[2]["eval_accuracy"] == rows[1]["eval_accuracy"] and "eval_accuracy" not in metrics[1]
+
+
+def test_the_repair_recipe_trains_sft_on_a_noisy_teacher_and_rl_in_the_same_format(capsys):
+    """recipes/rl_tiny_verifiers_repair.yaml: the SFT phase's data answers a near miss in 35% of the
+    documents, both phases use the digit tokenizer, the taskset asks the bare prompt as the SFT documents."""
+    import yaml
+
+    from megatron_s2.cli import main
+
+    pipeline = yaml.safe_load((ROOT / "recipes/rl_tiny_verifiers_repair.yaml").read_text())
+    sft_phase, rl_phase = pipeline["phases"]
+    sft = load_recipe(ROOT / "recipes" / sft_phase["recipe"], sft_phase["overrides"])
+    rl = load_recipe(ROOT / "recipes" / rl_phase["recipe"])
+    assert sft.data.near_miss_fraction == 0.35 and sft.data.tasks == ("addition",)
+    assert sft.data.tokenizer == rl.data.tokenizer == "recipes/tokenizers/tiny-bpe-digits"
+    assert rl.rl.rollout.environment.taskset["use_system_prompt"] is False
+    assert main(["launch", str(ROOT / "recipes/rl_tiny_verifiers_repair.yaml"), "--local", "--dry-run"]) == 0
+    assert "phase sft" in capsys.readouterr().err
