@@ -214,7 +214,7 @@ def test_a_smolagents_episode_through_the_servers_becomes_one_row_per_call(loade
     from megatron_s2.posttrain.orchestrator import RolloutSample
     from megatron_s2.posttrain.train_batch import build_micro_batches
     from megatron_s2.serve import ServeConfig, ServerThread, build_state
-    from tests.serve.test_gateway import ScriptedPolicy
+    from tests.serve.test_gateway import ScriptedPolicy, record_calls
 
     _sandbox_or_skip()
     model, tok, description = loaded
@@ -230,20 +230,7 @@ def test_a_smolagents_episode_through_the_servers_becomes_one_row_per_call(loade
     state = build_state(model, tok, description, serve, EngineConfig(max_num_seqs=2, max_model_len=max_len, seed=0),
                         model_name="policy")
     engine = state.backend.engine
-    calls: list[dict] = []
-    add_request = engine.add_request
-
-    def spy(prompt, params=None, *, request_id=None, on_output=None, **kwargs):
-        rec = {"prompt": list(prompt), "ids": [], "logprobs": []}
-        calls.append(rec)
-
-        def out(o):
-            rec["ids"] += list(o.token_ids)
-            rec["logprobs"] += list(o.logprobs)
-            on_output(o)
-        return add_request(prompt, params, request_id=request_id, on_output=out, **kwargs)
-
-    engine.add_request = spy
+    calls = record_calls(engine)
     policy = ScriptedPolicy(engine)
     task = envs["default"].task(3, "train")
     policy.queue[:] = [tok.encode(format_call(c["name"], c["arguments"]) + "<｜end▁of▁sentence｜>")

@@ -349,7 +349,7 @@ def test_rl_with_smolagents_trains_each_branch_of_an_episode(tmp_path, monkeypat
     from megatron_s2.posttrain.rollout import agentic_backend
     from megatron_s2.posttrain.train_batch import collate as real_collate
     from megatron_s2.posttrain.trainer import PosttrainTrainer
-    from tests.serve.test_gateway import ScriptedPolicy
+    from tests.serve.test_gateway import ScriptedPolicy, record_calls
 
     try:
         detect_runtime(SandboxConfig())
@@ -363,20 +363,7 @@ def test_rl_with_smolagents_trains_each_branch_of_an_episode(tmp_path, monkeypat
     trainer = PosttrainTrainer(recipe, tmp_path / "run", log=lambda *a: None)
     tok, engine = trainer.tokenizer, trainer.engine
     policy = ScriptedPolicy(engine)
-    calls: list[dict] = []
-    add_request = engine.add_request
-
-    def spy(prompt, params=None, *, request_id=None, on_output=None, **kwargs):
-        rec = {"prompt": list(prompt), "ids": [], "logprobs": []}
-        calls.append(rec)
-
-        def out(o):
-            rec["ids"] += list(o.token_ids)
-            rec["logprobs"] += list(o.logprobs)
-            on_output(o)
-        return add_request(prompt, params, request_id=request_id, on_output=out, **kwargs)
-
-    monkeypatch.setattr(engine, "add_request", spy)
+    calls = record_calls(engine, monkeypatch.setattr)
     episodes = {}
     play = agentic_backend.AgenticBackend._play
 

@@ -57,6 +57,26 @@ class ScriptedPolicy:
         engine.executor.forward = forward
 
 
+def record_calls(engine, setattr=setattr) -> list[dict]:
+    """Record every request the engine serves from now on: its prompt ids and the ids and
+    log-probs it generated (``setattr``: e.g. ``monkeypatch.setattr`` to undo it after the test)."""
+    calls: list[dict] = []
+    add_request = engine.add_request
+
+    def spy(prompt, params=None, *, request_id=None, on_output=None, **kwargs):
+        rec = {"prompt": list(prompt), "ids": [], "logprobs": []}
+        calls.append(rec)
+
+        def out(o):
+            rec["ids"] += list(o.token_ids)
+            rec["logprobs"] += list(o.logprobs)
+            on_output(o)
+        return add_request(prompt, params, request_id=request_id, on_output=out, **kwargs)
+
+    setattr(engine, "add_request", spy)
+    return calls
+
+
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     return tmp_path_factory.mktemp("traces")
