@@ -30,9 +30,20 @@ import numpy as np
 from megatron_s2.data.chat_format import reasoning_effort_line
 from megatron_s2.data.errors import DataError
 
-__all__ = ["ROLES", "check_messages", "header_lines", "tokenize_conversation"]
+__all__ = ["MAX_MESSAGE_WEIGHT", "ROLES", "check_messages", "header_lines", "tokenize_conversation"]
 
 ROLES = ("system", "user", "assistant", "tool")
+
+
+MAX_MESSAGE_WEIGHT = 1e6
+"""The largest loss weight a chat message may carry: far above any useful one, and float32-safe when
+multiplied into a micro-batch's summed loss (a weight of 1e39 would overflow to inf)."""
+
+
+def _shown(value) -> str:
+    """``value`` for an error message, cut short (a 400-digit weight is not echoed whole)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def check_messages(messages: Sequence[dict[str, Any]], reasoning_effort: int | None = None) -> None:
@@ -58,10 +69,11 @@ def check_messages(messages: Sequence[dict[str, Any]], reasoning_effort: int | N
             if reasoning is not None and not isinstance(reasoning, str):
                 raise DataError(f"messages[{i}].reasoning_content: expected a string")
         weight = message.get("weight", 1)
-        if (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < float("inf")
+        if (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight <= MAX_MESSAGE_WEIGHT
                 or (weight != 1 and role != "assistant")):
-            raise DataError(f"messages[{i}].weight: expected a number >= 0 on an assistant message (0 = context, "
-                            f"never trained; 4 = counted four times), got {weight!r} on a {role} message")
+            raise DataError(f"messages[{i}].weight: expected a number from 0 to {MAX_MESSAGE_WEIGHT:g} on an assistant "
+                            f"message (0 = context, never trained; 4 = counted four times), got {_shown(weight)} on "
+                            f"the message of role {role!r}")
     if reasoning_effort is not None:
         try:
             reasoning_effort_line(reasoning_effort)

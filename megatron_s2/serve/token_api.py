@@ -135,10 +135,16 @@ def _label_set(sp: Fields, state: ServerState, logprobs: int | None) -> tuple[in
 def _token_masks(sp: Fields, vocab_size: int) -> dict:
     """``banned_token_ids`` / ``required_token_id`` (module docstring) as SamplingParams fields."""
     masks = {}
+    banned = set()
     if sp.raw("banned_token_ids") is not None:
         masks["banned_token_ids"] = tuple(sp.token_ids("banned_token_ids", vocab_size))
+        banned = set(masks["banned_token_ids"])
+        if len(banned) >= vocab_size:  # nothing left to sample (greedy would pick a banned id)
+            sp.fail("banned_token_ids", f"bans every one of the {vocab_size} token ids; leave at least one")
     required = sp.int("required_token_id", None, minimum=0, maximum=vocab_size - 1)
     if required is not None:
+        if required in banned:  # the request could never end: EOS waits for a token that cannot come
+            sp.fail("required_token_id", f"{required} is also in banned_token_ids")
         masks["required_token_id"] = required
     return masks
 

@@ -126,8 +126,12 @@ def test_an_assistant_message_of_weight_0_is_context_only(bpe, tmp_path):
                          ({"role": "user", "content": "4", "weight": 0}, "user"),
                          ({"role": "user", "content": "4", "weight": 2}, "user"),
                          ({"role": "assistant", "content": "4", "weight": "2"}, "'2'"),
-                         ({"role": "assistant", "content": "4", "weight": True}, "True")):
-        with pytest.raises(DataError, match=r"messages\[1\]\.weight: expected a number >= 0 on an assistant .*" + bad):
+                         ({"role": "assistant", "content": "4", "weight": True}, "True"),
+                         # beyond float32 (a hostile try-out: passed the check, then inf in the loss and a traceback)
+                         ({"role": "assistant", "content": "4", "weight": 1e39}, "1e\\+39"),
+                         ({"role": "assistant", "content": "4", "weight": 10 ** 400}, r"0{30}\.\.\. on")):
+        with pytest.raises(DataError, match=r"messages\[1\]\.weight: expected a number from 0 to 1e\+06 on an "
+                                            r"assistant .*" + bad):
             tokenize_conversation(bpe, [{"role": "user", "content": "2+2"}, message])
     with pytest.raises(DataError, match="no tokens of the trained roles"):  # only context: nothing to train
         load_chat_documents([_write_jsonl(tmp_path / "w.jsonl", [{"messages": retry[:3]}])], bpe)

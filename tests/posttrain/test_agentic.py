@@ -489,8 +489,9 @@ def test_scripted_sft_conversations_render_the_one_format(bwrap, tmp_path):
     assert weighted[4]["tool_calls"][0]["function"]["name"] == "write_file"
     ids_w, weights = tokenize_conversation(tok, weighted)
     assert np.array_equal(ids_w, ids) and np.array_equal(weights > 0, targets) and weights.max() == 4
-    with pytest.raises(ValueError, match="answer_weight: expected a number >= 0"):
-        write_sft_jsonl(tmp_path / "bad.jsonl", [task], bwrap, answer_weight=-1)
+    for bad in (-1, 1e39):  # 1e39: beyond float32, inf in the loss (a hostile try-out)
+        with pytest.raises(ValueError, match="answer_weight: expected a number from 0 to 1e\\+06"):
+            write_sft_jsonl(tmp_path / "bad.jsonl", [task], bwrap, answer_weight=bad)
 
 
 def test_a_runner_killed_9_leaves_no_stage_folder_behind(tmp_path):

@@ -123,3 +123,22 @@ def test_banned_and_required_tokens_are_the_engines_masks(server, loaded):
     assert eos not in out["token_ids"][:-1] and (out["finish_reason"] == "length" or required in out["token_ids"])
     assert post(server, {"token_ids": PROMPT, "sampling_params": {"required_token_id": 10 ** 6}},
                 status=400)["error"]["message"].startswith("sampling_params.required_token_id")
+
+
+def test_masks_that_leave_nothing_to_sample_are_refused(server, loaded):
+    """Found by a hostile try-out: banning every id gave a 500 (sampling) or banned tokens at
+    log-prob -9999 (greedy), and a required token that is also banned never let the request end.
+    Both are a 400 naming the field; the server keeps serving."""
+    model, _, _ = loaded
+    vocab = model.config.vocab_size
+    for temperature in (1.0, 0.0):
+        error = post(server, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "temperature": temperature,
+                                                                       "banned_token_ids": list(range(vocab))}},
+                     status=400)["error"]
+        assert error["param"] == "sampling_params.banned_token_ids" and "every one" in error["message"], error
+    error = post(server, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "required_token_id": 9,
+                                                                   "banned_token_ids": [9]}}, status=400)["error"]
+    assert error["param"] == "sampling_params.required_token_id" and "also in banned_token_ids" in error["message"]
+    ok = post(server, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "temperature": 0.0,
+                                                                "banned_token_ids": list(range(vocab - 1))}})
+    assert ok["choices"][0]["token_ids"] == [vocab - 1, vocab - 1]

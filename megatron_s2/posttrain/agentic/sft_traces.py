@@ -56,8 +56,11 @@ def _calls(message: dict, tool: str) -> bool:
 def write_sft_jsonl(path: str | Path, tasks: Sequence[AgenticTask], runtime: SandboxRuntime, copies: int = 1, *,
                     declare_tools: bool = False, answer_weight: float = 1) -> int:
     """``copies`` scripted conversations of each task, one JSON object a line; returns the count."""
-    if isinstance(answer_weight, bool) or not 0 <= answer_weight < float("inf"):
-        raise ValueError(f"answer_weight: expected a number >= 0 (the answer turns' loss weight), got {answer_weight!r}")
+    from megatron_s2.data.chat import MAX_MESSAGE_WEIGHT
+
+    if isinstance(answer_weight, bool) or not 0 <= answer_weight <= MAX_MESSAGE_WEIGHT:
+        raise ValueError(f"answer_weight: expected a number from 0 to {MAX_MESSAGE_WEIGHT:g} (the answer turns' loss "
+                         f"weight), got {answer_weight!r}")
     lines = [json.dumps(scripted_conversation(task, runtime, declare_tools=declare_tools, answer_weight=answer_weight),
                         ensure_ascii=False) for task in tasks]
     Path(path).write_text("".join(line + "\n" for line in lines * copies), encoding="utf-8")
